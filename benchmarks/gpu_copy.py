@@ -1,0 +1,360 @@
+"""Benchmark: GPU <-> pinned CPU block copies (issue 5), run on the GPU machine.
+
+Measures, for Llama-3-8B-shaped blocks (32 layers, 8 KV heads, head_dim 128,
+bf16, 16 tokens: 2 MiB a block) and a small model (16 layers, 8 KV heads,
+head_dim 64: 512 KiB a block), with blocks and slots chosen at random:
+
+- GB/s GPU->CPU, CPU->GPU and both at once, per mechanism (copy engine, SM
+  kernel), for per-layer ``LBNHC`` (64 KiB / 32 KiB runs) and block-outermost
+  ``BLHNC`` (one run per block), 16..4096 blocks per call, next to a contiguous
+  pinned copy of the same byte count measured in the same run, and the ratio;
+- the same for synthetic layouts whose blocks split into 1..64 KiB chunks (the
+  data behind the mechanism selection rule);
+- the slowdown of a concurrent bf16 matmul loop while both directions copy at
+  full rate, per mechanism.
+
+Prints a table, writes ``gpu_copy.json`` and ``gpu_copy.png`` to ``$OUT`` (or
+``--out``). ``--plot-from FILE.json`` only redraws the plot (no GPU needed).
+Times are wall-clock from the call to the event firing (planning and driver
+submission included), median of several repetitions after a warm-up.
+
+Threading: a script; runs on the main thread only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tiered_kv.copy import BlockCopier, KVLayout, Mechanism, vllm_layer_layout  # noqa: E402
+from tiered_kv.copy.testing import Shape, storages, vllm033_views  # noqa: E402
+
+MIB = 1 << 20
+SHAPES = {
+    "llama3-8b": Shape(layers=32, heads=8, block_size=16, head_dim=128, num_blocks=8192),
+    "small-16L-hd64": Shape(layers=16, heads=8, block_size=16, head_dim=64, num_blocks=8192),
+}
+MECHS = (Mechanism.COPY_ENGINE, Mechanism.SM_KERNEL)
+
+
+def _median_time(fn: Callable[[], list], reps: int) -> tuple[float, float]:
+    """Median wall seconds of ``fn`` until its results have landed, and median seconds until it returned."""
+    fn_results = fn()  # warm-up (Triton compile, driver entry point)
+    for r in fn_results:
+        r.wait()
+    torch.cuda.synchronize()
+    total, submit = [], []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        results = fn()
+        t1 = time.perf_counter()
+        for r in results:
+            r.wait()
+        t2 = time.perf_counter()
+        total.append(t2 - t0)
+        submit.append(t1 - t0)
+    return statistics.median(total), statistics.median(submit)
+
+
+class _Event:
+    """Adapter so a contiguous copy's event looks like a CopyResult."""
+
+    def __init__(self, stream: torch.cuda.Stream) -> None:
+        self.event = torch.cuda.Event()
+        self.event.record(stream)
+
+    def wait(self) -> None:
+        self.event.synchronize()
+
+
+class Bench:
+    """Holds the pinned slab, the contiguous GPU buffer and the collected records."""
+
+    def __init__(self, slab_bytes: int, quick: bool) -> None:
+        t0 = time.perf_counter()
+        self.host = torch.empty(slab_bytes, dtype=torch.uint8, pin_memory=True)
+        self.pin_seconds = time.perf_counter() - t0
+        self.gpu_flat = torch.empty(slab_bytes, dtype=torch.uint8, device="cuda")
+        self.gpu_flat.random_(0, 256)
+        self.s1, self.s2 = torch.cuda.Stream(), torch.cuda.Stream()
+        self.quick = quick
+        self.records: list[dict] = []
+        self.gen = torch.Generator().manual_seed(2026)
+
+    def reps(self, nbytes: int) -> int:
+        return 2 if self.quick else max(3, min(20, int(3e9 / max(nbytes, 1))))
+
+    def slab(self, slot_bytes: int) -> torch.Tensor:
+        return self.host[: (self.host.numel() // slot_bytes) * slot_bytes].view(-1, slot_bytes)
+
+    def contiguous(self, nbytes: int, direction: str) -> float:
+        """GB/s of one contiguous pinned copy of ``nbytes`` each way (``both``: two at once)."""
+        h, g = self.host, self.gpu_flat
+
+        def run() -> list:
+            out = []
+            if direction in ("d2h", "both"):
+                with torch.cuda.stream(self.s1):
+                    h[:nbytes].copy_(g[:nbytes], non_blocking=True)
+                out.append(_Event(self.s1))
+            if direction in ("h2d", "both"):
+                with torch.cuda.stream(self.s2):
+                    g[nbytes : 2 * nbytes].copy_(h[nbytes : 2 * nbytes], non_blocking=True)
+                out.append(_Event(self.s2))
+            return out
+
+        moved = nbytes * (2 if direction == "both" else 1)
+        seconds, _ = _median_time(run, self.reps(moved))
+        return moved / seconds / 1e9
+
+    def copies(self, label: str, layout: KVLayout, n: int, directions: tuple[str, ...], mechs=MECHS, **opts) -> None:
+        """Record GB/s per mechanism and direction for ``n`` random blocks per call (``opts`` go to BlockCopier)."""
+        slab = self.slab(layout.block_nbytes)
+        copier = BlockCopier(layout, slab, **opts)
+        blocks = torch.randperm(layout.num_blocks, generator=self.gen)
+        slots = torch.randperm(slab.shape[0], generator=self.gen)
+        out_b, out_s = blocks[:n], slots[:n]
+        in_b, in_s = blocks[n : 2 * n], slots[n : 2 * n]
+        nbytes = n * layout.block_nbytes
+        for direction in directions:
+            base = self.contiguous(nbytes, direction)
+            for mech in mechs:
+                def run(mech=mech, direction=direction) -> list:
+                    out = []
+                    if direction in ("d2h", "both"):
+                        out.append(copier.gpu_to_cpu(out_b, out_s, mechanism=mech))
+                    if direction in ("h2d", "both"):
+                        out.append(copier.cpu_to_gpu(in_s, in_b, mechanism=mech))
+                    return out
+
+                moved = nbytes * (2 if direction == "both" else 1)
+                seconds, submit = _median_time(run, self.reps(moved))
+                rate = moved / seconds / 1e9
+                runs = copier.plan(out_b, out_s, True).count
+                rec = dict(case=label, opts=opts, blocks=n, block_bytes=layout.block_nbytes, direction=direction,
+                           mechanism=mech.value, gbps=round(rate, 2), contiguous_gbps=round(base, 2),
+                           ratio=round(rate / base, 3), runs_per_call=runs,
+                           mean_run_bytes=nbytes // max(runs, 1), call_ms=round(submit * 1e3, 3),
+                           total_ms=round(seconds * 1e3, 3))
+                self.records.append(rec)
+                tag = ",".join(f"{k}={v}" for k, v in opts.items())
+                print(f"{label + (' ' + tag if tag else ''):<34} {n:>5} {direction:<4} {mech.value:<11} {rate:7.2f} GB/s"
+                      f"  contig {base:6.2f}  ratio {rate / base:5.3f}  runs {runs:>7}"
+                      f"  call {submit * 1e3:7.2f} ms", flush=True)
+        copier.close()
+
+
+def build_model_layout(shape: Shape, order: str) -> KVLayout:
+    """vLLM 0.33 per-layer views in ``order``, storage filled with random bytes on the GPU."""
+    layout = vllm_layer_layout(vllm033_views(order, shape, torch.bfloat16, "cuda"), f"vllm:{order}")
+    for flat in storages(layout):
+        flat.random_(0, 256)
+    return layout
+
+
+def build_chunked_layout(chunk_bytes: int, block_bytes: int, num_blocks: int) -> KVLayout:
+    """One uint8 tensor ``(chunks, blocks, chunk_bytes)``: each block is ``block_bytes/chunk_bytes`` separate chunks."""
+    t = torch.empty((block_bytes // chunk_bytes, num_blocks, chunk_bytes), dtype=torch.uint8, device="cuda")
+    t.random_(0, 256)
+    return KVLayout((t,), block_dim=1, name=f"chunks{chunk_bytes}")
+
+
+def matmul_interference(bench: Bench, layout: KVLayout, n: int, iters: int,
+                        variants: list[tuple[Mechanism, dict]]) -> list[dict]:
+    """Slowdown of a bf16 8192^3 matmul loop while ``n``-block stores and loads run back to back."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    c = torch.empty_like(a)
+    ms = torch.cuda.Stream()
+
+    def mm() -> tuple[torch.cuda.Event, torch.cuda.Event]:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(ms):
+            start.record()
+            for _ in range(iters):
+                torch.matmul(a, b, out=c)
+            end.record()
+        return start, end
+
+    def alone() -> float:
+        s, e = mm()
+        e.synchronize()
+        return s.elapsed_time(e)
+
+    alone()
+    base = [alone(), alone()]
+    slab = bench.slab(layout.block_nbytes)
+    blocks = torch.randperm(layout.num_blocks, generator=bench.gen)
+    slots = torch.randperm(slab.shape[0], generator=bench.gen)
+    out = []
+    for mech, opts in variants:
+        copier = BlockCopier(layout, slab, **opts)
+        pending: deque = deque()
+
+        def round_() -> None:
+            pending.append((copier.gpu_to_cpu(blocks[:n], slots[:n], mechanism=mech),
+                            copier.cpu_to_gpu(slots[n : 2 * n], blocks[n : 2 * n], mechanism=mech)))
+
+        round_()
+        for r in pending.popleft():  # warm-up (Triton compile)
+            r.wait()
+        round_()
+        round_()
+        s, e = mm()
+        t0, rounds = time.perf_counter(), 0
+        while not e.query():
+            while len(pending) >= 3:
+                for r in pending.popleft():
+                    r.wait()
+            round_()
+            rounds += 1
+        t1 = time.perf_counter()
+        while pending:
+            for r in pending.popleft():
+                r.wait()
+        copier.close()
+        busy = s.elapsed_time(e)
+        base.append(alone())
+        ref = statistics.median(base)
+        moved = rounds * 2 * n * layout.block_nbytes
+        tag = ",".join(f"{k}={v}" for k, v in opts.items())
+        rec = dict(mechanism=mech.value, opts=opts, matmul_ms_alone=round(ref, 2), matmul_ms_with_copies=round(busy, 2),
+                   slowdown_pct=round(100 * (busy / ref - 1), 2), copy_gbps_during=round(moved / (t1 - t0) / 1e9, 2),
+                   alone_samples_ms=[round(x, 2) for x in base], blocks_per_call=n, iters=iters)
+        out.append(rec)
+        print(f"matmul x{iters} alone {ref:8.2f} ms  with {mech.value} {tag:<16} copies {busy:8.2f} ms"
+              f"  slowdown {rec['slowdown_pct']:7.2f} %  copies {rec['copy_gbps_during']:6.2f} GB/s both ways", flush=True)
+    return out
+
+
+def plot(data: dict, path: Path) -> None:
+    """GB/s vs blocks per call, one panel per (model, layout), one line per mechanism and direction."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recs = [r for r in data["copies"] if r["direction"] in ("d2h", "h2d") and not r.get("opts")
+            and r["case"] in ("llama3-8b/LBNHC", "llama3-8b/BLHNC")]
+    panels = sorted({r["case"] for r in recs})
+    fig, axes = plt.subplots(1, len(panels) + 1, figsize=(5 * (len(panels) + 1), 4), squeeze=False)
+    for ax, case in zip(axes[0], panels):
+        for mech in ("copy_engine", "sm_kernel"):
+            for direction, style in (("d2h", "-o"), ("h2d", "-s")):
+                pts = sorted((r["blocks"], r["gbps"]) for r in recs if r["case"] == case and r["mechanism"] == mech and r["direction"] == direction)
+                if pts:
+                    ax.plot(*zip(*pts), style, label=f"{mech} {direction}")
+        base = sorted({(r["blocks"], r["contiguous_gbps"]) for r in recs if r["case"] == case and r["direction"] == "d2h"})
+        if base:
+            ax.plot(*zip(*base), "k--", label="contiguous d2h")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("blocks per call (2 MiB each)")
+        ax.set_ylabel("GB/s")
+        ax.set_title(case)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    ax = axes[0][-1]
+    chunk = [r for r in data["copies"] if r["case"].startswith("chunks") and not r.get("opts")]
+    for mech in ("copy_engine", "sm_kernel"):
+        for direction, style in (("d2h", "-o"), ("h2d", "-s")):
+            pts = sorted((r["mean_run_bytes"] / 1024, r["gbps"]) for r in chunk if r["mechanism"] == mech and r["direction"] == direction)
+            if pts:
+                ax.plot(*zip(*pts), style, label=f"{mech} {direction}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("run size (KiB), 512 blocks of 256 KiB per call")
+    ax.set_ylabel("GB/s")
+    ax.set_title("chunked blocks: mechanism choice")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.suptitle(f"GPU <-> pinned CPU, {data['device']} ({data['date']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    """Run every measurement (or only redraw the plot) and write the JSON and PNG."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    ap.add_argument("--quick", action="store_true", help="2 repetitions, fewer sizes: a smoke run")
+    ap.add_argument("--plot-from", help="redraw the PNG from this JSON and exit")
+    ap.add_argument("--matmul-iters", type=int, default=200)
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.plot_from:
+        plot(json.loads(Path(args.plot_from).read_text()), out / "gpu_copy.png")
+        return 0
+    if not torch.cuda.is_available():
+        print("needs CUDA", file=sys.stderr)
+        return 2
+    import triton
+    from cuda import bindings
+
+    big = SHAPES["llama3-8b"]
+    bench = Bench(slab_bytes=2 * 4096 * 2 * MIB, quick=args.quick)
+    data = dict(device=torch.cuda.get_device_name(0), date=datetime.date.today().isoformat(),
+                command=" ".join([sys.executable.split("/")[-1]] + sys.argv), torch=torch.__version__,
+                triton=triton.__version__, cuda_bindings=getattr(bindings, "__version__", "?"),
+                pin_seconds_16GiB=round(bench.pin_seconds, 2), copies=[], matmul=[])
+    print(f"{data['device']}  torch {data['torch']}  triton {data['triton']}  cuda-bindings {data['cuda_bindings']}"
+          f"  pinned {bench.host.numel() / 2**30:.0f} GiB in {bench.pin_seconds:.2f} s", flush=True)
+    sweep = (256, 4096) if args.quick else (16, 64, 256, 1024, 4096)
+    for order in ("LBNHC", "BLHNC"):
+        layout = build_model_layout(big, order)
+        for n in sweep:
+            dirs = ("d2h", "h2d", "both") if n in (256, 4096) else ("d2h", "h2d")
+            bench.copies(f"llama3-8b/{order}", layout, n, dirs)
+        if order == "LBNHC":
+            for n in (256, 4096):
+                bench.copies(f"llama3-8b/{order}", layout, n, ("d2h", "h2d"), (Mechanism.COPY_ENGINE,), prefer_overlap=False)
+            for programs in (16, 32, 66, 264):
+                bench.copies(f"llama3-8b/{order}", layout, 256, ("d2h", "h2d"), (Mechanism.SM_KERNEL,), sm_programs=programs)
+            variants = [(Mechanism.COPY_ENGINE, {}), (Mechanism.COPY_ENGINE, {"prefer_overlap": False})]
+            variants += [(Mechanism.SM_KERNEL, {"sm_programs": p}) for p in (16, 32, 132)]
+            data["matmul"] = matmul_interference(bench, layout, 256, args.matmul_iters, variants)
+        del layout
+        torch.cuda.empty_cache()
+    layout = build_model_layout(big, "LHBNC")  # 8 KiB runs: many tiny descriptors
+    bench.copies("llama3-8b/LHBNC", layout, 256, ("d2h", "h2d", "both"))
+    for programs in (16, 32, 66, 264):
+        bench.copies("llama3-8b/LHBNC", layout, 256, ("d2h", "h2d"), (Mechanism.SM_KERNEL,), sm_programs=programs)
+    del layout
+    torch.cuda.empty_cache()
+    small = SHAPES["small-16L-hd64"]
+    for order in ("LBNHC", "BLHNC"):
+        layout = build_model_layout(small, order)
+        for n in (256, 4096):
+            bench.copies(f"small-16L-hd64/{order}", layout, n, ("d2h", "h2d", "both"))
+        del layout
+        torch.cuda.empty_cache()
+    for chunk_kib in (1, 2, 4, 8, 16, 32, 64):
+        layout = build_chunked_layout(chunk_kib * 1024, 256 * 1024, 2048)
+        bench.copies(f"chunks{chunk_kib}KiB", layout, 512, ("d2h", "h2d"))
+        if chunk_kib in (1, 4, 16):
+            bench.copies(f"chunks{chunk_kib}KiB", layout, 512, ("d2h", "h2d"), (Mechanism.SM_KERNEL,), sm_programs=32)
+        del layout
+        torch.cuda.empty_cache()
+    data["copies"] = bench.records
+    (out / "gpu_copy.json").write_text(json.dumps(data, indent=1))
+    try:
+        plot(data, out / "gpu_copy.png")
+    except ImportError as exc:
+        print(f"no plot: {exc}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,289 @@
+"""``TieredKVConnector``: tiered_kv as a vLLM KV connector (vLLM 0.26 - 0.33), no patch to vLLM.
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector":"TieredKVConnector",
+      "kv_connector_module_path":"tiered_kv.connector.vllm","kv_role":"kv_both",
+      "kv_connector_extra_config":{"cpu_bytes":"64GiB","disk_path":"/nvme/kv","disk_bytes":"1TiB"}}'
+
+The class is a thin adapter. In the scheduler role (vLLM's EngineCore process) it wraps a
+``SchedulerPlanner`` (``vllm_scheduler.py``): lookups, load and store planning, completions.
+In the worker role (one per GPU worker / TP rank) it wraps a ``WorkerRuntime``
+(``vllm_worker.py``): the rank's CPU slab and disk tiers and the movers that copy between
+them and vLLM's KV tensors. The two talk only through ``TieredKVMetadata`` (a ``StepPlan``,
+scheduler -> workers, pickled by vLLM every step) and ``TieredKVWorkerMeta`` (per-job reports,
+workers -> scheduler, merged over ranks by vLLM's ``KVOutputAggregator``).
+
+Version notes: only hooks present in both 0.26 and 0.33 are relied on (``get_finished``, not
+``get_transfer_results``; ``start_load_kv(**kwargs)``; ``bind_gpu_block_pool`` is not used).
+``handle_preemptions`` (fences) is optional: the fences also run in ``start_load_kv``.
+
+Threading contract: vLLM calls scheduler-role methods on the EngineCore scheduler thread and
+worker-role methods on the worker's model-runner thread; each role's state is touched by that
+thread only (the worker's movers synchronize through ``WorkerRuntime``'s lock).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from ..errors import ConfigError
+from ..tiers.disk import DiskTier
+from .vllm_config import (
+    UNSTABLE_HASH_WARNING,
+    ConnectorConfig,
+    capacities,
+    geometry,
+    hash_identity,
+    namespace,
+    rank_disk_dir,
+)
+from .vllm_scheduler import JobReport, SchedulerPlanner, StepPlan
+from .vllm_worker import WorkerRuntime
+
+log = logging.getLogger(__name__)
+
+__all__ = ["TieredKVConnector", "TieredKVMetadata", "TieredKVWorkerMeta", "TieredKVStats"]
+
+
+@dataclass
+class TieredKVMetadata(KVConnectorMetadata):
+    """Scheduler -> workers, once per step: the step's plan."""
+
+    plan: StepPlan
+
+
+@dataclass
+class TieredKVWorkerMeta(KVConnectorWorkerMetadata):
+    """Workers -> scheduler, once per step: outcomes of the jobs this rank finished."""
+
+    reports: dict[int, JobReport] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.reports)
+
+    def aggregate(self, other: "KVConnectorWorkerMetadata") -> "TieredKVWorkerMeta":
+        """Merge another rank's reports (vLLM calls this across TP workers)."""
+        if not isinstance(other, TieredKVWorkerMeta):
+            raise ConfigError(f"cannot aggregate TieredKVWorkerMeta with {type(other).__name__}")
+        for job_id, rep in other.reports.items():
+            mine = self.reports.get(job_id)
+            if mine is None:
+                self.reports[job_id] = JobReport(rep.count, list(rep.ok), list(rep.corrupt), rep.nbytes, rep.seconds)
+            else:
+                mine.merge(rep)
+        return self
+
+
+@dataclass
+class TieredKVStats(KVConnectorStats):
+    """Connector stats: plain numbers (bytes, seconds, counts) summed over workers and intervals."""
+
+    def reset(self) -> None:
+        """Start a new interval."""
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> "TieredKVStats":
+        """Sum another worker's numbers into these."""
+        for k, v in (other.data or {}).items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        """The interval's totals, plus load/store GB/s where time was spent."""
+        out = dict(self.data)
+        for what in ("load", "store"):
+            secs = out.get(f"{what}_seconds", 0.0)
+            if secs:
+                out[f"{what}_gbps"] = round(out.get(f"bytes_{what}ed", 0) / secs / 1e9, 3)
+        return out
+
+    def is_empty(self) -> bool:
+        """True when nothing moved in the interval."""
+        return not any(self.data.values())
+
+
+def worker_rank() -> int:
+    """This worker's tensor-parallel rank (0 when vLLM's TP group is not set up, e.g. in tests)."""
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    try:
+        return int(get_tensor_model_parallel_rank())
+    except AssertionError:  # "tensor model parallel group is not initialized"
+        return 0
+
+
+class TieredKVConnector(KVConnectorBase_V1):
+    """tiered_kv's vLLM connector: GPU blocks <-> pinned CPU <-> disk, keyed by vLLM's block hashes."""
+
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        if kv_cache_config is None:
+            raise ConfigError("TieredKVConnector needs vLLM's kv_cache_config (vLLM >= 0.26)")
+        self.cfg = ConnectorConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
+        self.geo = geometry(vllm_config, kv_cache_config)
+        self.ident = hash_identity(str(vllm_config.cache_config.prefix_caching_hash_algo))
+        if not self.ident.stable:
+            if self.cfg.disk_path is not None:
+                log.warning(UNSTABLE_HASH_WARNING, self.ident.algo)
+            self.ident = type(self.ident)(self.ident.algo, "unstable", False)
+        self.ns = namespace(self.cfg, self.geo, str(vllm_config.model_config.model), self.ident)
+        cpu_blocks, disk_blocks = capacities(self.cfg, self.geo)
+        self._stats_sent: dict[str, float] = {}
+        self._out_reports: dict[int, JobReport] = {}
+        self._out_invalid: set[int] = set()
+        self.planner: SchedulerPlanner | None = None
+        self.worker: WorkerRuntime | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.planner = SchedulerPlanner(self.cfg, self.geo, self.ns, cpu_blocks, disk_blocks,
+                                            self._adoptable_keys(disk_blocks))
+        else:
+            self.worker = WorkerRuntime(self.cfg, self.geo, self.ns, worker_rank(), cpu_blocks, disk_blocks)
+            if not self.ident.stable and self.worker.disk is not None:
+                self.worker.disk.delete(self.worker.disk.stored_keys())  # unnameable after a restart
+
+    def _adoptable_keys(self, disk_blocks: int) -> list[bytes]:
+        """Keys every rank's disk directory holds from a previous engine (read-only open)."""
+        if not disk_blocks or not self.ident.stable:
+            return []
+        common: dict[bytes, None] | None = None
+        for rank in range(self.geo.tp_size):
+            path = rank_disk_dir(self.cfg, self.ns, rank, self.geo.tp_size)
+            if not (path / "index").exists():
+                return []
+            tier = DiskTier(self.geo.rank_layout(rank), path, 0, readonly=True)
+            try:
+                keys = tier.stored_keys()
+            finally:
+                tier.close()
+            common = dict.fromkeys(keys) if common is None else {k: None for k in keys if k in common}
+        return list(common or ())
+
+    # ================================================================== scheduler role
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens the tiers can load beyond the local hit; always asynchronous."""
+        n = self.planner.match(request, num_computed_tokens)
+        return n, n > 0
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        """Plan loads into the blocks vLLM allocated for an external hit."""
+        ids = blocks.get_block_ids()[0] if num_external_tokens > 0 else ()
+        self.planner.allocated(request, ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        """This step's plan for the workers."""
+        return TieredKVMetadata(self.planner.build(scheduler_output))
+
+    def update_connector_output(self, connector_output) -> None:
+        """Apply the workers' job reports (merged over ranks by vLLM)."""
+        wm = connector_output.kv_connector_worker_meta
+        if isinstance(wm, TieredKVWorkerMeta) and wm.reports:
+            self.planner.apply_reports(wm.reports)
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        """Forget the request; never delays vLLM's block frees (fences protect in-flight copies)."""
+        self.planner.finished(request, block_ids)
+        return False, None
+
+    def has_pending_push_work(self) -> bool:
+        """True while planned jobs wait to be handed to the workers (vLLM >= 0.33 keeps stepping)."""
+        return self.planner.has_pending_work_to_ship()
+
+    def take_events(self):
+        """No KV-cache events yet."""
+        return ()
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A cache: a dropped store is a future miss, never an error."""
+        return False
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config) -> str | None:
+        """No layout wish: every per-layer layout is copied correctly (its order is in the key namespace)."""
+        return None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict | None = None) -> KVConnectorStats | None:
+        """Rebuild stats shipped as a dict."""
+        return TieredKVStats(data=dict(data)) if data is not None else TieredKVStats()
+
+    def stats(self) -> dict:
+        """Our own state for tests and logs: planner state (scheduler) or rank counters (worker)."""
+        return self.planner.stats() if self.planner is not None else self.worker.stats()
+
+    # ================================================================== worker role
+    def register_kv_caches(self, kv_caches) -> None:
+        """Bind vLLM's per-layer KV tensors."""
+        self.worker.register(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Take this step's plan."""
+        super().bind_connector_metadata(connector_metadata)
+        if isinstance(connector_metadata, TieredKVMetadata):
+            self.worker.on_plan(connector_metadata.plan)
+
+    def handle_preemptions(self, kv_connector_metadata=None, *args, **kwargs) -> None:
+        """Before the batch is updated: wait for copies touching re-allocated blocks."""
+        if isinstance(kv_connector_metadata, TieredKVMetadata):
+            self.worker.on_plan(kv_connector_metadata.plan)
+            self.worker.fence()
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        """Start this step's loads and tier moves (asynchronous)."""
+        self.worker.before_forward()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads are whole-block and asynchronous: nothing to wait for per layer."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
+        """Stores are whole-block, after the forward (``wait_for_save``)."""
+
+    def wait_for_save(self) -> None:
+        """Start this step's stores; returns at once."""
+        self.worker.after_forward()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose loads all landed on this rank (stores never delay frees)."""
+        res = self.worker.poll()
+        self._out_reports.update(res.reports)
+        self._out_invalid |= res.invalid_block_ids
+        return None, (res.finished_recving or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """GPU blocks this rank's loads could not fill (vLLM recomputes them)."""
+        out, self._out_invalid = self._out_invalid, set()
+        return out
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """This step's job reports for the planner."""
+        if not self._out_reports:
+            return None
+        out, self._out_reports = self._out_reports, {}
+        return TieredKVWorkerMeta(out)
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """Bytes and seconds moved since the last call (worker), or None (scheduler)."""
+        if self.worker is None:
+            return None
+        now = {k: v for k, v in self.worker.stats().items() if k in _FLOW_KEYS}
+        delta = {k: v - self._stats_sent.get(k, 0) for k, v in now.items()}
+        self._stats_sent = now
+        return TieredKVStats(data=delta) if any(delta.values()) else None
+
+    def shutdown(self) -> None:
+        """Finish queued jobs and close the tiers (worker)."""
+        if self.worker is not None:
+            self.worker.close()
+
+
+_FLOW_KEYS = ("bytes_loaded", "bytes_stored", "bytes_to_disk", "bytes_from_disk", "load_seconds",
+              "store_seconds", "failed_items", "corrupt_items")

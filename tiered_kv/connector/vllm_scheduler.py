@@ -1,0 +1,465 @@
+"""Scheduler side of the vLLM connector: the planner in vLLM's EngineCore process.
+
+``SchedulerPlanner`` owns a ``TierChain`` ([cpu, disk]; ``EXT`` = the engine's GPU blocks)
+and turns vLLM's scheduler callbacks into ``TransferJob``s for the workers:
+
+- ``match``: how many tokens beyond the local prefix hit the tiers hold (n-1 rule: at
+  least one prompt token is always left to compute; disk hits only when loading them is
+  estimated faster than recomputing);
+- ``allocated``: after vLLM allocated GPU blocks for an async hit, plan the loads into them;
+- ``build``: once per step, plan eager stores of newly computed prompt blocks, add fences
+  (jobs that must finish on the GPU before a re-allocated block is overwritten) and hand
+  out every job planned since the last step as a ``StepPlan``;
+- ``apply_reports``: apply the workers' completions (a job is done when every TP rank
+  reported it) and plan whatever they unblocked.
+
+GPU source blocks are protected without delaying vLLM's frees: a store job is only handed
+out if none of its blocks was re-allocated since the store was planned, and a block that is
+re-allocated while a job still reads or writes it puts that job in the next plan's fences.
+
+Threading contract: every method runs on vLLM's scheduler thread (EngineCore); not
+thread-safe and needs no lock. No torch, no I/O (DESIGN invariant 7) except opening the
+disk index read-only once at start-up to adopt what a previous engine stored.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from ..chain import TierChain, TierSpec
+from ..errors import ConfigError
+from ..keys import KEY_LEN, PREFIX_LEN, Namespace
+from ..policy import PlacementPolicy
+from ..transfer import EXT, Completion, JobKind, TransferJob
+from .vllm_config import ConnectorConfig, Geometry
+
+log = logging.getLogger(__name__)
+
+CPU, DISK = 0, 1
+
+
+@dataclass
+class StepPlan:
+    """What the workers do for one scheduler step (pickled to every worker inside the metadata).
+
+    ``early`` jobs start at once (loads into GPU blocks, tier-to-tier moves); ``stores`` read
+    GPU blocks and start after this step's forward; ``fences`` are job ids that must have
+    finished touching GPU memory before this step's forward runs; ``loads`` maps a request
+    to its load job ids (reported in ``finished_recving`` when all are done) and
+    ``load_fail`` to GPU blocks its load cannot fill (reported as load errors).
+    """
+
+    step: int
+    early: list[TransferJob] = field(default_factory=list)
+    stores: list[TransferJob] = field(default_factory=list)
+    fences: list[int] = field(default_factory=list)
+    loads: dict[str, list[int]] = field(default_factory=dict)
+    load_fail: dict[str, list[int]] = field(default_factory=dict)
+
+    def empty(self) -> bool:
+        """True when the workers have nothing to do."""
+        return not (self.early or self.stores or self.fences or self.loads)
+
+
+@dataclass
+class JobReport:
+    """One job's outcome as reported by ``count`` TP ranks (merged: ok = all, corrupt = any)."""
+
+    count: int
+    ok: list[bool]
+    corrupt: list[bool]
+    nbytes: int = 0
+    seconds: float = 0.0
+
+    def merge(self, other: "JobReport") -> None:
+        """Fold another rank's report of the same job into this one."""
+        self.count += other.count
+        self.ok = [a and b for a, b in zip(self.ok, other.ok)]
+        self.corrupt = [a or b for a, b in zip(self.corrupt, other.corrupt)]
+        self.nbytes += other.nbytes
+        self.seconds = max(self.seconds, other.seconds)
+
+
+class KeyMaker:
+    """``Namespace.key`` with the namespace prefix computed once (the scheduler hashes every block)."""
+
+    def __init__(self, ns: Namespace) -> None:
+        self.prefix = ns.prefix
+
+    def __call__(self, engine_hash: bytes) -> bytes:
+        """Key of one vLLM block hash; equal to ``Namespace.key(engine_hash)``."""
+        return self.prefix + hashlib.blake2b(bytes(engine_hash), digest_size=KEY_LEN - PREFIX_LEN,
+                                             key=self.prefix).digest()
+
+
+@dataclass
+class _Req:
+    request: object  # vllm.v1.request.Request
+    keys: list[bytes] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    stored: int = 0  # leading blocks already offered to the store
+    lookup: tuple[int, int] = (0, 0)  # (first block, blocks) of the last answered hit
+
+
+@dataclass
+class _Put:
+    gpu_ids: list[int]
+    step: int
+
+
+@dataclass
+class PlannerCounters:
+    """Scheduler-side counters (monotonic)."""
+
+    lookups: int = 0
+    hit_tokens_cpu: int = 0
+    hit_tokens_disk: int = 0
+    disk_hits_declined: int = 0
+    load_jobs: int = 0
+    store_blocks: int = 0
+    stores_dropped_reused: int = 0
+    fences: int = 0
+    failed_load_blocks: int = 0
+    bytes_loaded: int = 0
+    bytes_stored: int = 0
+
+
+class SchedulerPlanner:
+    """The planner behind ``TieredKVConnector``'s scheduler role."""
+
+    def __init__(self, cfg: ConnectorConfig, geo: Geometry, ns: Namespace, cpu_blocks: int, disk_blocks: int,
+                 adopted: Sequence[bytes] = ()) -> None:
+        self.cfg, self.geo = cfg, geo
+        self.bs = geo.block_size
+        specs = [TierSpec("cpu", cpu_blocks)]
+        if disk_blocks:
+            specs.append(TierSpec("disk", disk_blocks, slotted=False))
+        self.chain = TierChain(specs, cfg.eviction, PlacementPolicy(cfg.write_policy, cfg.promote_on_hit))
+        self.key = KeyMaker(ns)
+        self.counters = PlannerCounters()
+        self._step = 0
+        self._reqs: dict[str, _Req] = {}
+        self._puts: dict[int, _Put] = {}
+        self._gets: dict[int, list[int]] = {}  # handle -> gpu ids of its items
+        self._handle_ids = iter(range(1, 1 << 62))
+        self._early: list[TransferJob] = []
+        self._stores: list[TransferJob] = []
+        self._loads: dict[str, list[int]] = {}
+        self._load_fail: dict[str, list[int]] = {}
+        self._finish_puts: list[tuple[list[bytes], list[int], int]] = []
+        self._alloc_step: dict[int, int] = {}  # gpu block -> last step it was (re)allocated
+        self._gpu_busy: dict[int, set[int]] = {}  # gpu block -> in-flight job ids touching it
+        self._job_gpu: dict[int, list[int]] = {}
+        self._reports: dict[int, JobReport] = {}
+        self._job_kind: dict[int, tuple[JobKind, int]] = {}
+        self._disk_gbps = cfg.disk_read_gbps
+        if adopted and disk_blocks:
+            self._route(self.chain.adopt(DISK, list(adopted)))
+            log.info("TieredKVConnector: adopted %d blocks from disk", len(adopted))
+
+    # ------------------------------------------------------------------ keys
+    def _keys(self, st: _Req, upto: int) -> list[bytes]:
+        keys = st.keys
+        if len(keys) < upto:
+            hashes = st.request.block_hashes
+            keys.extend(self.key(h) for h in hashes[len(keys):upto])
+        return keys
+
+    def _state(self, request) -> _Req:
+        st = self._reqs.get(request.request_id)
+        if st is None or st.request is not request:
+            st = self._reqs[request.request_id] = _Req(request)
+        return st
+
+    # ------------------------------------------------------------------ lookups and loads
+    def match(self, request, num_computed_tokens: int) -> int:
+        """Tokens beyond ``num_computed_tokens`` that can be loaded asynchronously (0 if none)."""
+        self.counters.lookups += 1
+        if num_computed_tokens % self.bs:
+            return 0
+        st = self._state(request)
+        start = num_computed_tokens // self.bs
+        # n-1 rule: leave at least one prompt token to compute
+        limit = min(len(request.block_hashes), (request.num_tokens - 1) // self.bs) - start
+        if limit < self.cfg.min_hit_blocks:
+            return 0
+        n = 0
+        index = self.chain.index
+        where: list[int] = []
+        for key in self._lazy_keys(st, start, start + limit):
+            e = index.get(key)
+            best = None if e is None else e.best()
+            if best is None:
+                break
+            where.append(best)
+            n += 1
+        n = self._worth_loading(where)
+        if n < self.cfg.min_hit_blocks:
+            return 0
+        st.lookup = (start, n)
+        return n * self.bs
+
+    def _lazy_keys(self, st: _Req, start: int, stop: int) -> Iterable[bytes]:
+        keys = st.keys
+        hashes = st.request.block_hashes
+        for i in range(start, stop):
+            if i >= len(keys):
+                keys.extend(self.key(h) for h in hashes[len(keys):i + 1])
+            yield keys[i]
+
+    def _worth_loading(self, where: list[int]) -> int:
+        """Leading blocks worth loading: disk blocks only while reading beats recomputing."""
+        n_cpu = next((i for i, t in enumerate(where) if t != CPU), len(where))
+        if n_cpu == len(where) or self.cfg.disk_load_policy == "always":
+            return len(where)
+        if self.cfg.disk_load_policy == "auto":
+            disk_s = self.geo.block_nbytes / (self._disk_gbps * 1e9)
+            recompute_s = self.bs / self.cfg.prefill_tokens_per_s
+            if disk_s < recompute_s:
+                return len(where)
+        self.counters.disk_hits_declined += 1
+        return n_cpu
+
+    def allocated(self, request, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        """vLLM allocated ``block_ids`` (all of the request's blocks) after a hit of ``num_external_tokens``."""
+        st = self._state(request)
+        if num_external_tokens <= 0:
+            return
+        start, n = st.lookup
+        n = min(n, num_external_tokens // self.bs)
+        dst = list(block_ids[start:start + n])
+        keys = self._keys(st, start + n)[start:start + n]
+        hid = next(self._handle_ids)
+        self._gets[hid] = dst
+        got, jobs = self.chain.get(keys, hid)
+        rid = request.request_id
+        if got < len(dst):  # a block vanished since the lookup: report it, vLLM recomputes from there
+            self._load_fail[rid] = dst[got:]
+            self.counters.failed_load_blocks += len(dst) - got
+        load_ids = [j.job_id for j in jobs if j.kind is JobKind.EGRESS]
+        self._loads.setdefault(rid, []).extend(load_ids)
+        self.counters.load_jobs += len(load_ids)
+        where = [CPU if j.src_tier == CPU else DISK for j in jobs if j.kind is JobKind.EGRESS for _ in j.keys]
+        self.counters.hit_tokens_cpu += where.count(CPU) * self.bs
+        self.counters.hit_tokens_disk += where.count(DISK) * self.bs
+        st.stored = max(st.stored, start + got)
+        self._route(jobs)
+        self._drain_finished()
+
+    # ------------------------------------------------------------------ per step
+    def build(self, scheduler_output) -> StepPlan:
+        """Plan this step: track block tables, plan stores, add fences, hand out all pending jobs."""
+        self._step += 1
+        step = self._step
+        fences: set[int] = set()
+        puts_keys: list[bytes] = []
+        puts_gpu: list[int] = []
+        eager = self.cfg.store_policy == "eager"
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            st = self._reqs.get(new.req_id)
+            ids = list(new.block_ids[0])
+            self._allocated_now(ids, step, fences)
+            if st is None:
+                continue
+            st.block_ids = ids
+            if eager:
+                self._plan_store(st, new.num_computed_tokens + scheduled.get(new.req_id, 0), puts_keys, puts_gpu)
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = _resumed_ids(cached)
+        for i, rid in enumerate(cached.req_ids):
+            new_ids = cached.new_block_ids[i]
+            st = self._reqs.get(rid)
+            if new_ids is not None:
+                ids = list(new_ids[0])
+                self._allocated_now(ids, step, fences)
+                if st is not None:
+                    if rid in resumed:
+                        st.block_ids = ids
+                    else:
+                        st.block_ids.extend(ids)
+            if st is not None and eager:
+                self._plan_store(st, cached.num_computed_tokens[i] + scheduled.get(rid, 0), puts_keys, puts_gpu)
+        self._put(puts_keys, puts_gpu, step)
+        if self._finish_puts:  # planned when their requests finished, i.e. in an earlier step
+            first = min(s for _, _, s in self._finish_puts)
+            self._put([k for ks, _, _ in self._finish_puts for k in ks],
+                      [g for _, gs, _ in self._finish_puts for g in gs], first)
+            self._finish_puts = []
+        stores = self._valid_stores()
+        self._drain_finished()
+        self.counters.fences += len(fences)
+        plan = StepPlan(step, self._early, stores, sorted(fences), self._loads, self._load_fail)
+        self._early, self._loads, self._load_fail = [], {}, {}
+        return plan
+
+    def _put(self, keys: list[bytes], gpu_ids: list[int], step: int) -> None:
+        if not keys:
+            return
+        hid = next(self._handle_ids)
+        self._puts[hid] = _Put(gpu_ids, step)
+        self.counters.store_blocks += len(keys)
+        self._route(self.chain.put(keys, hid))
+
+    def _allocated_now(self, ids: list[int], step: int, fences: set[int]) -> None:
+        alloc, busy = self._alloc_step, self._gpu_busy
+        for g in ids:
+            alloc[g] = step
+            jobs = busy.get(g)
+            if jobs:
+                fences.update(jobs)
+
+    def _plan_store(self, st: _Req, computed: int, keys_out: list[bytes], gpu_out: list[int]) -> None:
+        req = st.request
+        if not self.cfg.store_decode_tokens:
+            computed = min(computed, req.num_prompt_tokens)
+        n = min(computed // self.bs, len(req.block_hashes), len(st.block_ids))
+        if n <= st.stored:
+            return
+        keys = self._keys(st, n)
+        keys_out.extend(keys[st.stored:n])
+        gpu_out.extend(st.block_ids[st.stored:n])
+        st.stored = n
+
+    def _valid_stores(self) -> list[TransferJob]:
+        """Stores whose GPU source blocks were not re-allocated since planned; the rest fail now."""
+        out: list[TransferJob] = []
+        alloc = self._alloc_step
+        while self._stores:  # failing a store can grant a waiting one: loop until none is left
+            job = self._stores.pop()
+            put = self._puts.get(job.handle)
+            if put is not None and all(alloc.get(g, 0) <= put.step for g in job.src_slots):
+                self._track(job, job.src_slots)
+                out.append(job)
+                continue
+            self.counters.stores_dropped_reused += len(job)
+            self._job_kind.pop(job.job_id, None)
+            self._route(self.chain.complete(Completion.failed(job, "GPU block re-allocated before the store")))
+        return out
+
+    # ------------------------------------------------------------------ routing
+    def _route(self, jobs: Iterable[TransferJob]) -> None:
+        """Map EXT-side item indices to GPU block ids and queue jobs for the next plan."""
+        for job in jobs:
+            self._job_kind[job.job_id] = (job.kind, job.src_tier)
+            if job.kind is JobKind.INGRESS:
+                put = self._puts[job.handle]
+                job.src_slots = [put.gpu_ids[i] for i in job.src_slots]
+                self._stores.append(job)
+            elif job.kind is JobKind.EGRESS:
+                gpu = self._gets[job.handle]
+                job.dst_slots = [gpu[i] for i in job.dst_slots]
+                self._track(job, job.dst_slots)
+                self._early.append(job)
+            else:
+                self._early.append(job)
+
+    def _track(self, job: TransferJob, gpu_ids: list[int]) -> None:
+        self._job_gpu[job.job_id] = gpu_ids
+        busy = self._gpu_busy
+        for g in gpu_ids:
+            s = busy.get(g)
+            if s is None:
+                busy[g] = {job.job_id}
+            else:
+                s.add(job.job_id)
+
+    def _untrack(self, job_id: int) -> None:
+        busy = self._gpu_busy
+        for g in self._job_gpu.pop(job_id, ()):
+            s = busy.get(g)
+            if s is not None:
+                s.discard(job_id)
+                if not s:
+                    del busy[g]
+
+    def _drain_finished(self) -> None:
+        for hid, _ in self.chain.take_finished():
+            self._puts.pop(hid, None)
+            self._gets.pop(hid, None)
+
+    # ------------------------------------------------------------------ completions
+    def apply_reports(self, reports: dict[int, JobReport]) -> None:
+        """Fold in worker reports; a job completes once all TP ranks reported it."""
+        tp = self.geo.tp_size
+        for job_id, rep in reports.items():
+            acc = self._reports.get(job_id)
+            if acc is None:
+                acc = self._reports[job_id] = JobReport(0, list(rep.ok), list(rep.corrupt))
+            acc.merge(rep)
+            if acc.count < tp:
+                continue
+            del self._reports[job_id]
+            self._complete(job_id, acc)
+        self._drain_finished()
+
+    def _complete(self, job_id: int, rep: JobReport) -> None:
+        kind_src = self._job_kind.pop(job_id, None)
+        if kind_src is None:
+            log.warning("TieredKVConnector: report for unknown job %d ignored", job_id)
+            return
+        kind, src = kind_src
+        self._untrack(job_id)
+        if kind is JobKind.EGRESS:
+            self.counters.bytes_loaded += rep.nbytes
+            if src == DISK and rep.seconds > 0 and rep.nbytes > 0:
+                gbps = rep.nbytes / rep.seconds / 1e9  # ranks read their shares in parallel
+                self._disk_gbps = 0.8 * self._disk_gbps + 0.2 * gbps
+        elif kind is JobKind.INGRESS:
+            self.counters.bytes_stored += rep.nbytes
+        done = Completion(job_id, rep.ok, rep.corrupt, rep.nbytes, rep.seconds)
+        self._route(self.chain.complete(done))
+
+    # ------------------------------------------------------------------ lifecycle
+    def finished(self, request, block_ids: Sequence[int]) -> None:
+        """A request finished (or was aborted): forget it; with ``on_finish`` stores, plan its blocks."""
+        st = self._reqs.pop(request.request_id, None)
+        if st is None or self.cfg.store_policy != "on_finish":
+            return
+        computed = request.num_computed_tokens
+        if not self.cfg.store_decode_tokens:
+            computed = min(computed, request.num_prompt_tokens)
+        n = min(computed // self.bs, len(request.block_hashes), len(block_ids))
+        if n > st.stored:
+            keys = self._keys(st, n)
+            # vLLM frees the blocks now: the store stays valid only while they are not re-allocated
+            # after this step, which _valid_stores checks
+            self._finish_puts.append((keys[st.stored:n], list(block_ids[st.stored:n]), self._step))
+
+    def has_pending_work(self) -> bool:
+        """True while jobs are in flight or waiting to be handed out."""
+        return bool(self.chain.inflight() or self._early or self._stores or self._finish_puts)
+
+    def has_pending_work_to_ship(self) -> bool:
+        """True while planned jobs wait for the next plan (in-flight jobs do not count: no busy stepping)."""
+        return bool(self._early or self._stores or self._finish_puts or self._loads)
+
+    def stats(self) -> dict:
+        """Planner state for tests, logs and vLLM's connector stats (zero in flight when idle)."""
+        c = self.chain
+        out = {f"sched_{k}": v for k, v in vars(self.counters).items()}
+        out.update({
+            "inflight_jobs": c.inflight(), "pinned": c.pinned(), "waiting": c.waiting(),
+            "gpu_blocks_busy": len(self._gpu_busy), "tracked_requests": len(self._reqs),
+            "open_puts": len(self._puts), "open_gets": len(self._gets),
+            "resident_cpu": c.resident(CPU), "resident_disk": c.resident(DISK) if c.num_tiers > 1 else 0,
+            "disk_gbps_estimate": round(self._disk_gbps, 3),
+        })
+        for i, tc in enumerate(c.tier_counters):
+            name = c.specs[i].name
+            out.update({f"{name}_{k}": v for k, v in vars(tc).items()})
+        return out
+
+
+def _resumed_ids(cached) -> set[str]:
+    """Requests whose ``new_block_ids`` replace (not extend) their block table, in both vLLM versions."""
+    resumed = getattr(cached, "resumed_req_ids", None)  # version probe, kept to this one function
+    if resumed is not None:
+        return set(resumed)
+    flags = getattr(cached, "resumed_from_preemption", None)  # older vLLM: one bool per cached request
+    if flags is not None:
+        return {rid for rid, f in zip(cached.req_ids, flags) if f}
+    raise ConfigError("TieredKVConnector: this vLLM's CachedRequestData has neither resumed_req_ids nor "
+                      "resumed_from_preemption; unsupported vLLM version")

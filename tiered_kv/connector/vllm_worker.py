@@ -1,0 +1,320 @@
+"""Worker side of the vLLM connector: this rank's tiers and movers over vLLM's KV tensors.
+
+``WorkerRuntime`` holds one TP rank's CPU slab tier and (optionally) disk tier, and runs the
+jobs of each ``StepPlan`` the scheduler-side planner sends:
+
+- GPU edge (one "front" mover thread; every ``BlockCopier`` call happens on it): stores
+  (``INGRESS``: GPU blocks -> CPU slots) and loads (``EGRESS``: CPU slots or disk records ->
+  GPU blocks, disk reads staged through a small slab);
+- CPU<->disk edge (``disk_workers`` threads): demotions, write-through copies, promotions,
+  deletes.
+
+A completed job is reported once, in the next ``poll``: its per-item outcome goes back to the
+planner (``JobReport``), a request whose loads all finished goes into ``finished_recving``,
+and GPU blocks a load could not fill go into the load-error set (vLLM then recomputes them).
+
+Ordering on CUDA: a store starts after an event recorded on the engine's current stream at
+``after_forward`` (the KV it reads has been written); a load starts after an event recorded
+at ``before_forward``'s submission point (after vLLM's block zeroing). A fence waits on the
+CPU until the fenced job finished, so a re-allocated block is never overwritten under a copy.
+
+Threading contract: ``register``/``on_plan``/``before_forward``/``after_forward``/``poll``/
+``stats``/``close`` run on vLLM's worker thread (the model runner). Mover threads only run
+``_execute`` and ``_on_done``; the completed list and job events are shared under ``_lock``.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..copy import BlockCopier, allocate_slab, vllm_layer_layout
+from ..errors import ConfigError
+from ..keys import Namespace
+from ..tiers.cpu import CpuTier
+from ..tiers.disk import ALIGN, DiskTier
+from ..transfer import Completion, JobKind, Mover, TransferJob
+from .vllm_config import ConnectorConfig, Geometry, rank_disk_dir
+from .vllm_scheduler import CPU, DISK, JobReport, StepPlan
+
+log = logging.getLogger(__name__)
+
+_FRONT_KINDS = (JobKind.INGRESS, JobKind.EGRESS)
+
+
+@dataclass
+class PollResult:
+    """What one ``poll`` hands back to vLLM (through the connector) and to the planner."""
+
+    reports: dict[int, JobReport] = field(default_factory=dict)
+    finished_recving: set[str] = field(default_factory=set)
+    invalid_block_ids: set[int] = field(default_factory=set)
+
+
+@dataclass
+class WorkerCounters:
+    """Bytes and seconds moved by this rank since start (monotonic)."""
+
+    bytes_loaded: int = 0
+    bytes_stored: int = 0
+    bytes_to_disk: int = 0
+    bytes_from_disk: int = 0
+    load_seconds: float = 0.0
+    store_seconds: float = 0.0
+    failed_items: int = 0
+    corrupt_items: int = 0
+    fences_waited: int = 0
+
+
+class WorkerRuntime:
+    """One TP rank's tiers, movers and job bookkeeping."""
+
+    def __init__(self, cfg: ConnectorConfig, geo: Geometry, ns: Namespace, rank: int,
+                 cpu_blocks: int, disk_blocks: int) -> None:
+        self.cfg, self.geo, self.rank = cfg, geo, rank
+        self.layout = geo.rank_layout(rank)
+        self.cpu = CpuTier(self.layout, cpu_blocks * geo.rank_block_nbytes)
+        self.disk: DiskTier | None = None
+        path = rank_disk_dir(cfg, ns, rank, geo.tp_size)
+        if path is not None and disk_blocks:
+            slot = -(-geo.rank_block_nbytes // ALIGN) * ALIGN
+            self.disk = DiskTier(self.layout, path, disk_blocks * slot, cfg.compression, cfg.zstd_level,
+                                 cfg.disk_sync)
+        self.counters = WorkerCounters()
+        self._lock = threading.Lock()
+        self._completed: list[tuple[TransferJob, Completion]] = []
+        self._events: dict[int, threading.Event] = {}
+        self._cuda_events: dict[int, object] = {}  # job id -> torch.cuda.Event the job must wait for
+        self._load_reqs: dict[str, set[int]] = {}  # request -> load job ids not finished yet
+        self._job_req: dict[int, str] = {}
+        self._pending_fail: dict[str, list[int]] = {}
+        self._plan: StepPlan | None = None
+        self._early_done = self._stores_done = True
+        self.copier: BlockCopier | None = None
+        self._staging_copier: BlockCopier | None = None
+        self._cuda = False
+        self._dep_stream = None
+        self.front = Mover(f"vllm-gpu-r{rank}", self._execute, self._on_done, workers=1)
+        self.back = (Mover(f"vllm-disk-r{rank}", self._execute, self._on_done, workers=cfg.disk_workers)
+                     if self.disk is not None else None)
+
+    # ------------------------------------------------------------------ set-up
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Bind vLLM's per-layer KV tensors (``register_kv_caches``); checks the block size agrees."""
+        missing = [n for n in self.geo.layer_names if n not in kv_caches]
+        if missing:
+            raise ConfigError(f"TieredKVConnector: register_kv_caches lacks layers {missing[:4]} of the KV cache "
+                              f"group ({len(missing)} missing)")
+        kv = vllm_layer_layout([kv_caches[n] for n in self.geo.layer_names], name="vllm")
+        if kv.block_nbytes != self.geo.rank_block_nbytes:
+            raise ConfigError(f"TieredKVConnector: a GPU block is {kv.block_nbytes} bytes on rank {self.rank} but "
+                              f"the KV cache spec says {self.geo.rank_block_nbytes}; unsupported KV layout")
+        self.kv = kv
+        self._cuda = kv.device.type == "cuda"
+        self.copier = BlockCopier(kv, self.cpu.slab)
+        staging = allocate_slab(self.cfg.staging_blocks, kv.block_nbytes, pin=self._cuda)
+        self._staging_copier = BlockCopier(kv, staging)
+        log.info("TieredKVConnector rank %d: %d layers, %d B/block, %d CPU slots, disk %s", self.rank,
+                 len(kv.tensors), kv.block_nbytes, self.cpu.capacity,
+                 self.disk.path if self.disk is not None else "off")
+
+    # ------------------------------------------------------------------ per step
+    def on_plan(self, plan: StepPlan) -> None:
+        """Take this step's plan (``bind_connector_metadata``)."""
+        self._plan = plan
+        self._early_done = self._stores_done = False
+
+    def fence(self) -> None:
+        """Wait until every fenced job finished touching GPU memory (``handle_preemptions``)."""
+        plan = self._plan
+        if plan is None or not plan.fences:
+            return
+        for job_id in plan.fences:
+            with self._lock:
+                ev = self._events.get(job_id)
+            if ev is not None and not ev.is_set():
+                self.counters.fences_waited += 1
+                ev.wait()
+        plan.fences = []
+
+    def before_forward(self) -> None:
+        """Submit loads and tier moves (``start_load_kv``); idempotent per step."""
+        if self._early_done or self._plan is None:
+            return
+        self.fence()
+        self._early_done = True
+        plan = self._plan
+        for rid, blocks in plan.load_fail.items():
+            self._pending_fail.setdefault(rid, []).extend(blocks)
+        for rid, ids in plan.loads.items():
+            pending = self._load_reqs.setdefault(rid, set())
+            pending.update(ids)
+            for j in ids:
+                self._job_req[j] = rid
+        self._submit(plan.early)
+
+    def after_forward(self) -> None:
+        """Submit stores of this step's KV (``wait_for_save``, or ``get_finished`` without a forward)."""
+        self.before_forward()
+        if self._stores_done or self._plan is None:
+            return
+        self._stores_done = True
+        self._submit(self._plan.stores)
+
+    def _submit(self, jobs: list[TransferJob]) -> None:
+        if not jobs:
+            return
+        ev = None
+        if self._cuda:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.kv.device))
+        for job in jobs:
+            with self._lock:
+                self._events[job.job_id] = threading.Event()
+                if ev is not None and job.kind in _FRONT_KINDS:
+                    self._cuda_events[job.job_id] = ev
+            if job.kind in _FRONT_KINDS or self.back is None:
+                self.front.submit(job)
+            else:
+                self.back.submit(job)
+
+    def poll(self) -> PollResult:
+        """Drain completed jobs into reports, finished loads and failed GPU blocks (``get_finished``)."""
+        self.after_forward()
+        with self._lock:
+            done, self._completed = self._completed, []
+            for job, _ in done:
+                self._events.pop(job.job_id, None)
+        out = PollResult()
+        for job, c in done:
+            out.reports[job.job_id] = JobReport(1, list(c.ok), list(c.corrupt), c.nbytes, c.seconds)
+            if job.kind is JobKind.EGRESS:
+                out.invalid_block_ids.update(g for g, ok in zip(job.dst_slots, c.ok) if not ok)
+            rid = self._job_req.pop(job.job_id, None)
+            if rid is not None:
+                pending = self._load_reqs.get(rid)
+                if pending is not None:
+                    pending.discard(job.job_id)
+        for rid in [r for r, p in self._load_reqs.items() if not p]:
+            del self._load_reqs[rid]
+            out.finished_recving.add(rid)
+            out.invalid_block_ids.update(self._pending_fail.pop(rid, ()))
+        return out
+
+    def idle(self) -> bool:
+        """True when no job is queued, running or unreported on this rank."""
+        with self._lock:
+            return not self._events and not self._load_reqs
+
+    # ------------------------------------------------------------------ mover side
+    def _on_done(self, job: TransferJob, done: Completion) -> None:
+        with self._lock:
+            self._completed.append((job, done))
+            self._cuda_events.pop(job.job_id, None)
+            ev = self._events.get(job.job_id)
+        if ev is not None:
+            ev.set()
+
+    def _execute(self, job: TransferJob) -> Completion:
+        t0 = time.perf_counter()
+        n = len(job)
+        ok, corrupt = [True] * n, [False] * n
+        kind = job.kind
+        if kind is JobKind.DELETE:
+            self.disk.delete(job.keys)
+            return Completion(job.job_id, ok, corrupt)
+        if kind is JobKind.INGRESS:
+            self._copy(self.copier, job, job.src_slots, job.dst_slots, to_cpu=True)
+        elif kind is JobKind.EGRESS and job.src_tier == CPU:
+            self._copy(self.copier, job, job.src_slots, job.dst_slots, to_cpu=False)
+        elif kind is JobKind.EGRESS:
+            ok, corrupt = self._disk_to_gpu(job)
+        elif job.src_tier == CPU and job.dst_tier == DISK:  # DEMOTE, COPY_DOWN
+            ok = self.disk.write(job.keys, job.dst_slots, self.cpu.slab[job.src_slots])
+        elif job.src_tier == DISK and job.dst_tier == CPU:  # PROMOTE
+            rows = torch.empty((n, self.layout.nbytes), dtype=torch.uint8)
+            ok, corrupt = self.disk.read(job.keys, job.src_slots, rows)
+            good = [i for i in range(n) if ok[i]]
+            if good:
+                self.cpu.slab[[job.dst_slots[i] for i in good]] = rows[good]
+        else:
+            raise ConfigError(f"job {job.job_id}: unexpected {kind.name} from tier {job.src_tier} to {job.dst_tier}")
+        secs = time.perf_counter() - t0
+        nbytes = sum(ok) * self.layout.nbytes
+        self._count(job, nbytes, secs, ok, corrupt)
+        return Completion(job.job_id, ok, corrupt, nbytes, secs)
+
+    def _copy(self, copier: BlockCopier, job: TransferJob, src: list[int], dst: list[int], to_cpu: bool) -> None:
+        stream = self._wait_stream(job)
+        if to_cpu:
+            res = copier.gpu_to_cpu(src, dst, stream=stream)
+        else:
+            res = copier.cpu_to_gpu(src, dst, stream=stream)
+        res.wait()
+
+    def _wait_stream(self, job: TransferJob):
+        if not self._cuda:
+            return None
+        with self._lock:
+            ev = self._cuda_events.get(job.job_id)
+        if self._dep_stream is None:  # only the front mover thread gets here
+            self._dep_stream = torch.cuda.Stream(device=self.kv.device)
+        stream = self._dep_stream
+        if ev is not None:
+            stream.wait_event(ev)
+        return stream
+
+    def _disk_to_gpu(self, job: TransferJob) -> tuple[list[bool], list[bool]]:
+        """Read records into the staging slab in chunks and load each chunk into its GPU blocks."""
+        n = len(job)
+        ok, corrupt = [False] * n, [False] * n
+        staging = self._staging_copier.slab
+        step = staging.shape[0]
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
+            part_ok, part_bad = self.disk.read(job.keys[lo:hi], job.src_slots[lo:hi], staging[:hi - lo])
+            ok[lo:hi], corrupt[lo:hi] = part_ok, part_bad
+            good = [i for i in range(hi - lo) if part_ok[i]]
+            if good:
+                self._copy(self._staging_copier, job, good, [job.dst_slots[lo + i] for i in good], to_cpu=False)
+        return ok, corrupt
+
+    def _count(self, job: TransferJob, nbytes: int, secs: float, ok: list[bool], corrupt: list[bool]) -> None:
+        c = self.counters
+        with self._lock:
+            c.failed_items += len(ok) - sum(ok)
+            c.corrupt_items += sum(corrupt)
+            if job.kind is JobKind.EGRESS:
+                c.bytes_loaded += nbytes
+                c.load_seconds += secs
+            elif job.kind is JobKind.INGRESS:
+                c.bytes_stored += nbytes
+                c.store_seconds += secs
+            if job.dst_tier == DISK:
+                c.bytes_to_disk += nbytes
+            if job.src_tier == DISK:
+                c.bytes_from_disk += nbytes
+
+    # ------------------------------------------------------------------ stats and shutdown
+    def stats(self) -> dict:
+        """Counters plus queue depths (for vLLM's connector stats and tests)."""
+        with self._lock:
+            d = dict(vars(self.counters))
+            d["jobs_unreported"] = len(self._events)
+            d["loads_pending_requests"] = len(self._load_reqs)
+        d["front_queue"] = self.front.depth
+        d["disk_queue"] = self.back.depth if self.back is not None else 0
+        return d
+
+    def close(self) -> None:
+        """Finish queued jobs, stop the movers, flush and close the tiers."""
+        self.front.close()
+        if self.back is not None:
+            self.back.close()
+        if self.disk is not None:
+            self.disk.flush()
+            self.disk.close()
+        self.cpu.close()

@@ -1,0 +1,56 @@
+"""GPU <-> pinned CPU data path: batched block/slot copies for every engine KV layout.
+
+Role: converts between an engine's KV tensors (vLLM per-layer or cross-layer,
+SGLang device or host pools; MHA or MLA; any dtype) and block-major slab slots
+(one engine block, all layers, contiguous). Pieces:
+
+- ``layouts``: ``KVLayout`` (the tensors + block dim) and the slot byte format;
+- ``segments``: per-call byte runs, adjacent runs merged (pure CPU torch);
+- ``engine``: the copy engine (``cuMemcpyBatchAsync`` via cuda-python);
+- ``triton_kernel``: the SM kernel (Triton, UVA) for many tiny runs;
+- ``cpu``: the CPU fallback with identical semantics;
+- ``select``: the measured rule that picks a mechanism per call;
+- ``copier``: ``BlockCopier``, the interface callers use.
+
+Importing this package needs torch only: CUDA, Triton and cuda-python are
+imported on first use. Threading contracts are in each module's docstring.
+"""
+
+from tiered_kv.copy.copier import BlockCopier, CopyResult, allocate_slab
+from tiered_kv.copy.errors import BackendUnavailableError, BlockIndexError, CopyLaunchError, LayoutError
+from tiered_kv.copy.layouts import (
+    KVLayout,
+    TensorBlockMap,
+    block_geometry,
+    sglang_device_layout,
+    sglang_host_layout,
+    vllm_cross_layer_layout,
+    vllm_layer_layout,
+)
+from tiered_kv.copy.segments import ChunkTable, Runs, merge_runs, plan_runs, split_runs
+from tiered_kv.copy.select import Mechanism, SelectionPolicy, choose_mechanism
+
+__all__ = [
+    "BackendUnavailableError",
+    "BlockCopier",
+    "BlockIndexError",
+    "ChunkTable",
+    "CopyLaunchError",
+    "CopyResult",
+    "KVLayout",
+    "LayoutError",
+    "Mechanism",
+    "Runs",
+    "SelectionPolicy",
+    "TensorBlockMap",
+    "allocate_slab",
+    "block_geometry",
+    "choose_mechanism",
+    "merge_runs",
+    "plan_runs",
+    "sglang_device_layout",
+    "sglang_host_layout",
+    "split_runs",
+    "vllm_cross_layer_layout",
+    "vllm_layer_layout",
+]

@@ -1,0 +1,246 @@
+"""``BlockCopier``: batched block <-> slot copies between engine KV tensors and a slab.
+
+Role: the one interface the GPU tier, the vLLM connector and the SGLang backend
+call. A copier binds a ``KVLayout`` (the engine's tensors) to a slab (a
+``(num_slots, >= block_nbytes)`` uint8 CPU tensor, pinned when the layout is on
+CUDA). ``gpu_to_cpu`` / ``cpu_to_gpu`` move many blocks in one batched
+operation and return a ``CopyResult`` whose CUDA event fires when the bytes
+have landed. Mechanism per call: the copy engine (``engine.py``), the SM kernel
+(``triton_kernel.py``) or, for CPU tensors, torch indexing (``cpu.py``), chosen
+by ``select.py`` unless the caller names one.
+
+Ordering contract (CUDA): a copy starts after all work enqueued on ``stream``
+(default: the device's current stream) before the call, and runs on the
+copier's own side stream for its direction, so stores and loads overlap each
+other and the model. Copies in one direction run in call order. The caller
+keeps source blocks and slots unchanged, and does not read destination blocks
+or slots, until the result reports done (``CopyResult.wait``,
+``CopyResult.done``, or ``CopyResult.wait_on(stream)`` to make a stream wait).
+
+Threading: ``gpu_to_cpu`` / ``cpu_to_gpu`` only validate, plan (vectorised,
+well under a millisecond for hundreds of blocks) and enqueue; handing runs to
+the driver happens on one daemon submitter thread per direction (the driver
+call blocks while the copy queue is full, and the two directions must not
+wait on each other). Call a copier from one thread at a time; distinct
+copiers may run in parallel. ``close()`` stops the submitter threads. The CPU
+path is synchronous.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from tiered_kv.copy import cpu
+from tiered_kv.copy.errors import BackendUnavailableError, BlockIndexError, LayoutError
+from tiered_kv.copy.layouts import KVLayout
+from tiered_kv.copy.segments import BlockIds, ChunkTable, Runs, as_index_tensor, check_indices, plan_runs
+from tiered_kv.copy.select import Mechanism, SelectionPolicy, choose_mechanism
+from tiered_kv.copy.submit import CopyResult, Submitter
+
+if TYPE_CHECKING:
+    from tiered_kv.copy.engine import BatchMemcpy
+
+
+def allocate_slab(num_slots: int, block_nbytes: int, pin: bool | None = None) -> torch.Tensor:
+    """A ``(num_slots, block_nbytes)`` uint8 CPU slab; pinned when ``pin`` (default: CUDA is available).
+
+    Pinning costs ~0.1-0.5 s per GB: allocate slabs once, at start-up or in the background.
+    """
+    if num_slots < 1 or block_nbytes < 1:
+        raise LayoutError(f"slab of {num_slots} slots x {block_nbytes} bytes: both must be >= 1")
+    if pin is None:
+        pin = torch.cuda.is_available()
+    return torch.empty((num_slots, block_nbytes), dtype=torch.uint8, pin_memory=pin)
+
+
+class BlockCopier:
+    """Copies blocks of ``layout`` to and from slots of ``slab``.
+
+    ``mechanism``: ``"auto"`` (per call, by ``policy``), or a ``Mechanism`` to
+    force one. ``prefer_overlap`` and ``max_runs_per_call`` tune the copy engine
+    (see ``engine.BatchMemcpy``); ``sm_programs`` caps the SM kernel's CTAs
+    (see ``triton_kernel.launch``). Use as a context manager or call ``close()``.
+    """
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        slab: torch.Tensor,
+        *,
+        mechanism: Mechanism | str = "auto",
+        policy: SelectionPolicy = SelectionPolicy(),
+        prefer_overlap: bool = True,
+        max_runs_per_call: int = 2048,
+        sm_programs: int = 132,
+    ) -> None:
+        """Validate the slab against the layout; CUDA resources are created on first use."""
+        _check_slab(slab, layout)
+        self.layout = layout
+        self.slab = slab
+        self.policy = policy
+        self._fixed = None if mechanism == "auto" else Mechanism(mechanism)
+        self._on_cuda = layout.device.type == "cuda"
+        if not self._on_cuda and self._fixed not in (None, Mechanism.CPU):
+            raise BackendUnavailableError(f"mechanism {self._fixed.value} needs CUDA tensors; layout is on {layout.device}")
+        if self._on_cuda and self._fixed is Mechanism.CPU:
+            raise LayoutError("mechanism 'cpu' needs CPU tensors; this layout is on CUDA")
+        self._table = ChunkTable.from_layout(layout) if self._on_cuda else None
+        self._prefer_overlap = prefer_overlap
+        self._max_runs = max_runs_per_call
+        self._memcpy: BatchMemcpy | None = None
+        self._sm_ok: bool | None = None
+        self._sm_programs = sm_programs
+        self._streams: dict[bool, torch.cuda.Stream] = {}
+        self._submitters: dict[bool, Submitter] = {}
+
+    def __enter__(self) -> BlockCopier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Let queued copies be submitted, then stop the submitter threads (results stay valid)."""
+        for sub in self._submitters.values():
+            sub.close()
+        self._submitters.clear()
+
+    @property
+    def num_slots(self) -> int:
+        """Slots in the slab."""
+        return int(self.slab.shape[0])
+
+    def gpu_to_cpu(
+        self,
+        gpu_block_ids: BlockIds,
+        cpu_slots: BlockIds,
+        *,
+        stream: torch.cuda.Stream | None = None,
+        mechanism: Mechanism | str | None = None,
+    ) -> CopyResult:
+        """Copy engine blocks ``gpu_block_ids[i]`` into slab slots ``cpu_slots[i]``."""
+        return self._copy(gpu_block_ids, cpu_slots, True, stream, mechanism)
+
+    def cpu_to_gpu(
+        self,
+        cpu_slots: BlockIds,
+        gpu_block_ids: BlockIds,
+        *,
+        stream: torch.cuda.Stream | None = None,
+        mechanism: Mechanism | str | None = None,
+    ) -> CopyResult:
+        """Copy slab slots ``cpu_slots[i]`` into engine blocks ``gpu_block_ids[i]``."""
+        return self._copy(gpu_block_ids, cpu_slots, False, stream, mechanism)
+
+    def plan(self, gpu_block_ids: BlockIds, cpu_slots: BlockIds, to_cpu: bool) -> Runs:
+        """The merged byte runs a GPU copy of these blocks would enqueue (for inspection and tests)."""
+        ids, slots = self._indices(gpu_block_ids, cpu_slots, to_cpu)
+        table = self._table if self._table is not None else ChunkTable.from_layout(self.layout)
+        return plan_runs(table, ids, slots, self.slab.data_ptr(), self.slab.stride(0), to_cpu)
+
+    def _indices(self, gpu_block_ids: BlockIds, cpu_slots: BlockIds, to_cpu: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = as_index_tensor(gpu_block_ids, "gpu_block_ids")
+        slots = as_index_tensor(cpu_slots, "cpu_slots")
+        if ids.numel() != slots.numel():
+            raise BlockIndexError(f"{ids.numel()} gpu_block_ids but {slots.numel()} cpu_slots")
+        check_indices(ids, self.layout.num_blocks, "gpu_block_ids", unique=not to_cpu)
+        check_indices(slots, self.num_slots, "cpu_slots", unique=to_cpu)
+        return ids, slots
+
+    def _copy(
+        self,
+        gpu_block_ids: BlockIds,
+        cpu_slots: BlockIds,
+        to_cpu: bool,
+        stream: torch.cuda.Stream | None,
+        mechanism: Mechanism | str | None,
+    ) -> CopyResult:
+        ids, slots = self._indices(gpu_block_ids, cpu_slots, to_cpu)
+        n = int(ids.numel())
+        nbytes = n * self.layout.block_nbytes
+        forced = Mechanism(mechanism) if mechanism is not None else self._fixed
+        if not self._on_cuda:
+            if forced not in (None, Mechanism.CPU):
+                raise BackendUnavailableError(f"mechanism {forced.value} needs CUDA tensors")
+            if n and to_cpu:
+                cpu.blocks_to_slab(self.layout, ids, self.slab, slots)
+            elif n:
+                cpu.slab_to_blocks(self.layout, self.slab, slots, ids)
+            result = CopyResult(Mechanism.CPU, to_cpu, n, nbytes, self.layout.num_chunks * n)
+            result._finish(None)
+            return result
+        assert self._table is not None
+        runs = plan_runs(self._table, ids, slots, self.slab.data_ptr(), self.slab.stride(0), to_cpu)
+        mech = forced or choose_mechanism(runs.count, runs.nbytes, self._sm_available(), self.policy)
+        if mech is Mechanism.CPU:
+            raise LayoutError("mechanism 'cpu' needs CPU tensors; this layout is on CUDA")
+        if mech is Mechanism.COPY_ENGINE:
+            self._engine()  # resolve the driver entry point here, so a missing one raises in the caller
+        elif not self._sm_available():
+            raise BackendUnavailableError("mechanism 'sm_kernel' needs Triton and CUDA")
+        caller = torch.cuda.Event()
+        caller.record(stream if stream is not None else torch.cuda.current_stream(self.layout.device))
+        side = self._side_stream(to_cpu)
+        result = CopyResult(mech, to_cpu, n, nbytes, runs.count)
+        self._submitter(to_cpu).put(lambda: self._submit(runs, mech, caller, side, result))
+        return result
+
+    def _submit(self, runs: Runs, mech: Mechanism, caller: torch.cuda.Event, side: torch.cuda.Stream, result: CopyResult) -> None:
+        """Runs on the submitter thread: wait for the caller's work, enqueue, record the event."""
+        try:
+            side.wait_event(caller)
+            if runs.count and mech is Mechanism.COPY_ENGINE:
+                self._engine().submit(runs, side.cuda_stream)
+            elif runs.count:
+                from tiered_kv.copy import triton_kernel
+
+                triton_kernel.launch(runs, self.layout.device, side, self._sm_programs)
+            done = torch.cuda.Event()
+            done.record(side)
+        except Exception as exc:  # noqa: BLE001 - reported through the result, never lost
+            result._finish(None, exc)
+            return
+        result._finish(done)
+
+    def _side_stream(self, to_cpu: bool) -> torch.cuda.Stream:
+        if to_cpu not in self._streams:
+            self._streams[to_cpu] = torch.cuda.Stream(device=self.layout.device)
+        return self._streams[to_cpu]
+
+    def _submitter(self, to_cpu: bool) -> Submitter:
+        if to_cpu not in self._submitters:
+            name = f"tkv-copy-{'d2h' if to_cpu else 'h2d'}"
+            self._submitters[to_cpu] = Submitter(self.layout.device, name)
+        return self._submitters[to_cpu]
+
+    def _engine(self) -> BatchMemcpy:  # imported lazily: needs cuda-python
+        if self._memcpy is None:
+            from tiered_kv.copy.engine import BatchMemcpy
+
+            self._memcpy = BatchMemcpy(self._prefer_overlap, self._max_runs)
+        return self._memcpy
+
+    def _sm_available(self) -> bool:
+        if self._sm_ok is None:
+            from tiered_kv.copy.triton_kernel import triton_available
+
+            self._sm_ok = triton_available()
+        return self._sm_ok
+
+
+def _check_slab(slab: torch.Tensor, layout: KVLayout) -> None:
+    """Raise ``LayoutError`` unless ``slab`` can hold ``layout``'s blocks."""
+    if not isinstance(slab, torch.Tensor):
+        raise LayoutError(f"slab is a {type(slab).__name__}, not a torch.Tensor")
+    if slab.dtype != torch.uint8 or slab.dim() != 2:
+        raise LayoutError(f"slab must be a 2-D uint8 tensor, got {slab.dtype} of shape {tuple(slab.shape)}")
+    if slab.device.type != "cpu":
+        raise LayoutError(f"slab must live in CPU memory, got {slab.device}")
+    if slab.shape[1] < layout.block_nbytes:
+        raise LayoutError(f"slab rows hold {slab.shape[1]} bytes; a block of {layout.name} needs {layout.block_nbytes}")
+    if slab.stride(1) != 1 or (slab.shape[0] > 1 and slab.stride(0) < slab.shape[1]):
+        raise LayoutError(f"slab rows must be contiguous and disjoint, got strides {slab.stride()}")
+    if layout.device.type == "cuda" and not slab.is_pinned():
+        raise LayoutError("slab must be pinned (allocate_slab or pin_memory=True) for a CUDA layout")

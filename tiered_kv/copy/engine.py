@@ -1,0 +1,131 @@
+"""Copy-engine mechanism: the driver's batched memcpy (``cuMemcpyBatchAsync``).
+
+Role: move a list of byte runs between GPU memory and pinned host memory with
+the GPU's DMA copy engines, which leaves the SMs to the model. The entry point
+is resolved once through cuda-python (``cuda.bindings.driver.cuGetProcAddress``,
+asking for the CUDA 12.8 ABI, the one that still takes ``failIdx``) and called
+through ctypes with the run arrays straight from int64 CPU tensors: building
+Python objects per descriptor would cost more CPU than the copy takes. A long
+list is submitted in slices that grow from ``FIRST_SLICE`` to
+``max_runs_per_call`` runs, so the first copies start within microseconds while
+later descriptors are still being handed to the driver.
+
+Every copy carries ``srcAccessOrder = STREAM`` (the source is read in stream
+order, so KV written by earlier kernels on the stream is what gets copied);
+``prefer_overlap`` sets ``CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE``.
+
+Threading: a ``BatchMemcpy`` holds only immutable ctypes state after
+construction; ``submit`` may be called from several threads (each call passes
+its own arrays and stream). The driver reads the descriptor arrays during the
+call, so they may be freed when ``submit`` returns.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from tiered_kv.copy.errors import BackendUnavailableError, CopyLaunchError
+from tiered_kv.copy.segments import Runs
+
+_SRC_ACCESS_ORDER_STREAM = 1  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+_FLAG_PREFER_OVERLAP_WITH_COMPUTE = 1  # CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE
+_ABI_VERSION = 12080  # the 9-argument form with failIdx
+FIRST_SLICE = 128  # runs in the first driver call; each later call doubles, up to max_runs_per_call
+
+
+class _MemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_uint), ("id", ctypes.c_int)]
+
+
+class _MemcpyAttributes(ctypes.Structure):
+    _fields_ = [
+        ("srcAccessOrder", ctypes.c_uint),
+        ("srcLocHint", _MemLocation),
+        ("dstLocHint", _MemLocation),
+        ("flags", ctypes.c_uint),
+    ]
+
+
+_FN_TYPE = ctypes.CFUNCTYPE(
+    ctypes.c_int,  # CUresult
+    ctypes.c_void_p,  # dsts
+    ctypes.c_void_p,  # srcs
+    ctypes.c_void_p,  # sizes
+    ctypes.c_size_t,  # count
+    ctypes.c_void_p,  # attrs
+    ctypes.c_void_p,  # attrsIdxs
+    ctypes.c_size_t,  # numAttrs
+    ctypes.c_void_p,  # failIdx
+    ctypes.c_void_p,  # hStream
+)
+
+
+def _resolve() -> ctypes._CFuncPtr:
+    """Look up ``cuMemcpyBatchAsync`` through cuda-python; raise ``BackendUnavailableError`` if absent."""
+    try:
+        from cuda.bindings import driver
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            "the copy engine needs cuda-python (pip install 'tiered_kv[cuda]'): " f"{exc}"
+        ) from exc
+    torch.cuda.init()  # the driver call needs an initialised context; torch's is fine
+    result = driver.cuGetProcAddress(b"cuMemcpyBatchAsync", _ABI_VERSION, 0)
+    err, ptr = result[0], int(result[1])
+    if err != driver.CUresult.CUDA_SUCCESS or ptr == 0:
+        raise BackendUnavailableError(
+            f"cuGetProcAddress('cuMemcpyBatchAsync', {_ABI_VERSION}) failed: {err}; needs a CUDA 12.8+ driver"
+        )
+    return _FN_TYPE(ptr)
+
+
+class BatchMemcpy:
+    """``cuMemcpyBatchAsync`` bound once; ``submit`` enqueues a ``Runs`` list on a stream."""
+
+    def __init__(self, prefer_overlap: bool = True, max_runs_per_call: int = 2048) -> None:
+        """Resolve the driver entry point; raise ``BackendUnavailableError`` when it cannot."""
+        if max_runs_per_call < 1:
+            raise ValueError(f"max_runs_per_call={max_runs_per_call} must be >= 1")
+        self._fn = _resolve()
+        flags = _FLAG_PREFER_OVERLAP_WITH_COMPUTE if prefer_overlap else 0
+        self._attrs = _MemcpyAttributes(srcAccessOrder=_SRC_ACCESS_ORDER_STREAM, flags=flags)
+        self._max_runs = max_runs_per_call
+
+    def submit(self, runs: Runs, stream_handle: int) -> int:
+        """Enqueue every run on ``stream_handle`` (not the legacy default stream); return driver calls made."""
+        if stream_handle == 0:
+            raise CopyLaunchError("cuMemcpyBatchAsync refuses the legacy default stream; pass a created stream")
+        src = runs.src.contiguous()
+        dst = runs.dst.contiguous()
+        size = runs.size.contiguous()
+        n = runs.count
+        attrs_idx = ctypes.c_size_t(0)
+        fail_idx = ctypes.c_size_t(0)
+        calls = 0
+        start = 0
+        step = min(FIRST_SLICE, self._max_runs)
+        while start < n:
+            count = min(step, n - start)
+            offset = start * 8  # int64 entries
+            err = self._fn(
+                dst.data_ptr() + offset,
+                src.data_ptr() + offset,
+                size.data_ptr() + offset,
+                count,
+                ctypes.addressof(self._attrs),
+                ctypes.addressof(attrs_idx),
+                1,
+                ctypes.addressof(fail_idx),
+                stream_handle,
+            )
+            calls += 1
+            if err != 0:
+                bad = start + int(fail_idx.value)
+                detail = ""
+                if 0 <= bad < n:
+                    detail = f" (run {bad}: src=0x{int(src[bad]):x} dst=0x{int(dst[bad]):x} size={int(size[bad])})"
+                raise CopyLaunchError(f"cuMemcpyBatchAsync returned CUresult {err}{detail}")
+            start += count
+            step = min(2 * step, self._max_runs)
+        return calls

@@ -1,0 +1,110 @@
+"""Per-direction submitter thread and the result handle of one copy.
+
+Role: ``cuMemcpyBatchAsync`` blocks the calling thread while the stream's copy
+queue is full (measured: a 4096-block, 131k-run store keeps the caller 134 ms
+inside the driver), so submission runs on a daemon thread per direction. The
+caller's thread only plans and enqueues; the two directions never wait on each
+other, which is what lets stores and loads run at the same time.
+
+``CopyResult`` is the handle a caller gets back at once: it turns ready when
+the submitter has enqueued the copy and recorded its CUDA event, and done when
+that event has fired.
+
+Threading: ``Submitter.put`` may be called from any thread; jobs run one at a
+time, in put order, on the submitter's thread. ``CopyResult`` methods are safe
+from any thread.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+
+import torch
+
+from tiered_kv.copy.errors import CopyLaunchError
+from tiered_kv.copy.select import Mechanism
+
+
+class CopyResult:
+    """What one ``gpu_to_cpu`` / ``cpu_to_gpu`` call enqueued, and whether it has landed."""
+
+    __slots__ = ("mechanism", "to_cpu", "num_blocks", "nbytes", "num_runs", "event", "error", "_submitted")
+
+    def __init__(self, mechanism: Mechanism, to_cpu: bool, num_blocks: int, nbytes: int, num_runs: int) -> None:
+        """A pending result; the submitter calls ``_finish`` once the copy is enqueued or has failed."""
+        self.mechanism = mechanism
+        self.to_cpu = to_cpu
+        self.num_blocks = num_blocks
+        self.nbytes = nbytes
+        self.num_runs = num_runs
+        self.event: torch.cuda.Event | None = None
+        self.error: BaseException | None = None
+        self._submitted = threading.Event()
+
+    def _finish(self, event: torch.cuda.Event | None, error: BaseException | None = None) -> None:
+        self.event = event
+        self.error = error
+        self._submitted.set()
+
+    def done(self) -> bool:
+        """True once the copy has landed or has failed (see ``error``); never blocks."""
+        if not self._submitted.is_set():
+            return False
+        return self.error is not None or self.event is None or self.event.query()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the copy has landed; raise ``CopyLaunchError`` if it failed or ``TimeoutError``."""
+        if not self._submitted.wait(timeout):
+            raise TimeoutError(f"copy of {self.num_blocks} blocks not submitted within {timeout} s")
+        if self.error is not None:
+            raise CopyLaunchError(f"copy of {self.num_blocks} blocks failed: {self.error}") from self.error
+        if self.event is not None:
+            self.event.synchronize()
+
+    def wait_on(self, stream: torch.cuda.Stream) -> None:
+        """Make ``stream`` wait for the copy (blocks the host only until it is submitted, not until it lands)."""
+        self._submitted.wait()
+        if self.error is not None:
+            raise CopyLaunchError(f"copy of {self.num_blocks} blocks failed: {self.error}") from self.error
+        if self.event is not None:
+            stream.wait_event(self.event)
+
+
+class Submitter:
+    """A daemon thread that runs submission jobs in order on one CUDA device."""
+
+    def __init__(self, device: torch.device, name: str) -> None:
+        """Create the queue; the thread starts with the first job."""
+        self._device = device
+        self._name = name
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def put(self, job: Callable[[], None]) -> None:
+        """Queue ``job``; it must report its own outcome (it runs on the submitter thread)."""
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+        self._jobs.put(job)
+
+    def close(self) -> None:
+        """Finish queued jobs, then stop the thread."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._jobs.put(None)
+            thread.join()
+
+    def _run(self) -> None:
+        # The driver call needs a current context on this thread: cudaSetDevice makes
+        # the primary context current (CUDA 12+), which is the context torch uses.
+        torch.cuda.set_device(self._device)
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            job()

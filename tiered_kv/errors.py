@@ -1,0 +1,33 @@
+"""Typed errors raised by tiered_kv.
+
+Role: one small hierarchy so callers (and the connectors) can catch what we raise
+without catching everything. Capacity is never an error (a full tier refuses a put
+with a return value); misuse and bad configuration are.
+
+Threading contract: plain exception classes, safe everywhere.
+"""
+from __future__ import annotations
+
+
+class TieredKVError(Exception):
+    """Base class of every error tiered_kv raises on purpose."""
+
+
+class ConfigError(TieredKVError, ValueError):
+    """A configuration value is unknown, malformed or out of range. The message names it."""
+
+
+class InvalidInputError(TieredKVError, ValueError):
+    """An argument to a public call is wrong (dtype, shape, device, lengths). The message names it."""
+
+
+class StoreClosedError(TieredKVError, RuntimeError):
+    """The store (or tier) was closed; open a new one."""
+
+
+class RecordError(TieredKVError):
+    """A stored record failed to parse or verify. Internal: the store turns it into a miss."""
+
+
+class TransferTimeout(TieredKVError, TimeoutError):
+    """A handle's wait() ran past its timeout; the transfer keeps running."""

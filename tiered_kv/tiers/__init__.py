@@ -1,0 +1,4 @@
+"""Tiers: one storage medium each, behind the ``Tier`` interface (see ``base``)."""
+from .base import Tier
+
+__all__ = ["Tier"]
