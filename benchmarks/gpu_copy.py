@@ -157,6 +157,43 @@ class Bench:
         copier.close()
 
 
+def ab_submit(bench: Bench, label: str, layout: KVLayout, n: int) -> None:
+    """Copy-engine stores: driver submission on the submitter thread vs. on the caller's thread.
+
+    Alternated twice; per mode the median of: call returned, submission finished
+    (result ready), copy landed — to tell thread hand-off cost from driver cost.
+    """
+    slab = bench.slab(layout.block_nbytes)
+    blocks = torch.randperm(layout.num_blocks, generator=bench.gen)[:n]
+    slots = torch.randperm(slab.shape[0], generator=bench.gen)[:n]
+    for rep in range(2):
+        for threaded in (True, False):
+            copier = BlockCopier(layout, slab, threaded_submit=threaded)
+            copier.gpu_to_cpu(blocks, slots, mechanism=Mechanism.COPY_ENGINE).wait()
+            call, ready, total = [], [], []
+            for _ in range(10):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                res = copier.gpu_to_cpu(blocks, slots, mechanism=Mechanism.COPY_ENGINE)
+                t1 = time.perf_counter()
+                res._submitted.wait()
+                t2 = time.perf_counter()
+                res.wait()
+                t3 = time.perf_counter()
+                call.append(t1 - t0)
+                ready.append(t2 - t0)
+                total.append(t3 - t0)
+            copier.close()
+            med = {k: statistics.median(v) * 1e3 for k, v in (("call", call), ("ready", ready), ("total", total))}
+            rate = n * layout.block_nbytes / med["total"] / 1e6
+            bench.records.append(dict(case=label, opts={"threaded_submit": threaded}, ab=True, blocks=n,
+                                      block_bytes=layout.block_nbytes, direction="d2h", mechanism="copy_engine",
+                                      gbps=round(rate, 2), call_ms=round(med["call"], 3), ready_ms=round(med["ready"], 3),
+                                      total_ms=round(med["total"], 3), rep=rep))
+            print(f"A/B {label:<24} {n:>5} d2h threaded={threaded!s:<5} {rate:7.2f} GB/s  call {med['call']:7.3f} ms"
+                  f"  submitted {med['ready']:7.3f} ms  landed {med['total']:7.3f} ms", flush=True)
+
+
 def build_model_layout(shape: Shape, order: str) -> KVLayout:
     """vLLM 0.33 per-layer views in ``order``, storage filled with random bytes on the GPU."""
     layout = vllm_layer_layout(vllm033_views(order, shape, torch.bfloat16, "cuda"), f"vllm:{order}")
@@ -291,6 +328,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="2 repetitions, fewer sizes: a smoke run")
     ap.add_argument("--plot-from", help="redraw the PNG from this JSON and exit")
     ap.add_argument("--matmul-iters", type=int, default=200)
+    ap.add_argument("--ab-only", action="store_true", help="only the submission-thread A/B")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -312,15 +350,27 @@ def main() -> int:
     print(f"{data['device']}  torch {data['torch']}  triton {data['triton']}  cuda-bindings {data['cuda_bindings']}"
           f"  pinned {bench.host.numel() / 2**30:.0f} GiB in {bench.pin_seconds:.2f} s", flush=True)
     sweep = (256, 4096) if args.quick else (16, 64, 256, 1024, 4096)
+    if args.ab_only:
+        for shape, order, n in ((big, "LBNHC", 256), (big, "BLHNC", 16), (SHAPES["small-16L-hd64"], "LBNHC", 4096)):
+            layout = build_model_layout(shape, order)
+            ab_submit(bench, f"{'llama3-8b' if shape is big else 'small-16L-hd64'}/{order}", layout, n)
+            if shape is big and order == "LBNHC":
+                bench.copies("llama3-8b/LBNHC", layout, 256, ("both",), (Mechanism.COPY_ENGINE,))
+                bench.copies("llama3-8b/LBNHC", layout, 256, ("both",), (Mechanism.COPY_ENGINE,), threaded_submit=False)
+            del layout
+            torch.cuda.empty_cache()
+        (out / "gpu_copy_ab.json").write_text(json.dumps(bench.records, indent=1))
+        return 0
     for order in ("LBNHC", "BLHNC"):
         layout = build_model_layout(big, order)
         for n in sweep:
             dirs = ("d2h", "h2d", "both") if n in (256, 4096) else ("d2h", "h2d")
             bench.copies(f"llama3-8b/{order}", layout, n, dirs)
+        ab_submit(bench, f"llama3-8b/{order}", layout, 256 if order == "LBNHC" else 16)
         if order == "LBNHC":
             for n in (256, 4096):
                 bench.copies(f"llama3-8b/{order}", layout, n, ("d2h", "h2d"), (Mechanism.COPY_ENGINE,), prefer_overlap=False)
-            for programs in (16, 32, 66, 264):
+            for programs in (16, 66, 132, 264):
                 bench.copies(f"llama3-8b/{order}", layout, 256, ("d2h", "h2d"), (Mechanism.SM_KERNEL,), sm_programs=programs)
             variants = [(Mechanism.COPY_ENGINE, {}), (Mechanism.COPY_ENGINE, {"prefer_overlap": False})]
             variants += [(Mechanism.SM_KERNEL, {"sm_programs": p}) for p in (16, 32, 132)]
@@ -329,7 +379,7 @@ def main() -> int:
         torch.cuda.empty_cache()
     layout = build_model_layout(big, "LHBNC")  # 8 KiB runs: many tiny descriptors
     bench.copies("llama3-8b/LHBNC", layout, 256, ("d2h", "h2d", "both"))
-    for programs in (16, 32, 66, 264):
+    for programs in (16, 66, 132, 264):
         bench.copies("llama3-8b/LHBNC", layout, 256, ("d2h", "h2d"), (Mechanism.SM_KERNEL,), sm_programs=programs)
     del layout
     torch.cuda.empty_cache()
@@ -338,13 +388,17 @@ def main() -> int:
         layout = build_model_layout(small, order)
         for n in (256, 4096):
             bench.copies(f"small-16L-hd64/{order}", layout, n, ("d2h", "h2d", "both"))
+        if order == "LBNHC":
+            ab_submit(bench, f"small-16L-hd64/{order}", layout, 4096)
         del layout
         torch.cuda.empty_cache()
     for chunk_kib in (1, 2, 4, 8, 16, 32, 64):
         layout = build_chunked_layout(chunk_kib * 1024, 256 * 1024, 2048)
         bench.copies(f"chunks{chunk_kib}KiB", layout, 512, ("d2h", "h2d"))
         if chunk_kib in (1, 4, 16):
-            bench.copies(f"chunks{chunk_kib}KiB", layout, 512, ("d2h", "h2d"), (Mechanism.SM_KERNEL,), sm_programs=32)
+            bench.copies(f"chunks{chunk_kib}KiB", layout, 512, ("d2h", "h2d"), (Mechanism.SM_KERNEL,), sm_programs=132)
+        if chunk_kib == 16:
+            ab_submit(bench, f"chunks{chunk_kib}KiB", layout, 512)
         del layout
         torch.cuda.empty_cache()
     data["copies"] = bench.records

@@ -176,8 +176,10 @@ class Engine:
         self.sched.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
 
     # ------------------------------------------------------------------ stepping
-    def step(self) -> None:
-        """One engine step: schedule, run every worker, apply outputs (one step late when async)."""
+    def step(self) -> bool:
+        """One engine step: schedule, run every worker, apply outputs (one step late when async).
+
+        Returns whether any token was scheduled."""
         out = self.sched.schedule()
         if self.async_sched and self._prev is not None:
             self.sched.update_from_output(*self._prev)
@@ -188,6 +190,7 @@ class Engine:
         else:
             self.sched.update_from_output(out, mro)
         self.steps += 1
+        return bool(out.total_num_scheduled_tokens)
 
     def flush(self) -> None:
         """Apply the output still held back by async scheduling."""
@@ -195,8 +198,11 @@ class Engine:
             self.sched.update_from_output(*self._prev)
             self._prev = None
 
-    def run(self, max_steps: int = 500, until=None) -> None:
-        """Step until no request is left (or ``until()`` is true)."""
+    def run(self, max_steps: int = 2000, until=None, timeout: float = 60.0) -> None:
+        """Step until no request is left (or ``until()`` is true); idle steps yield to the movers."""
+        import time
+
+        deadline = time.monotonic() + timeout
         for _ in range(max_steps):
             if until is not None and until():
                 return
@@ -204,8 +210,12 @@ class Engine:
                 self.flush()
                 if not self.sched.has_requests():
                     return
-            self.step()
-        raise AssertionError(f"engine did not converge in {max_steps} steps")
+            if time.monotonic() > deadline:
+                break
+            if not self.step():
+                time.sleep(0.002)  # nothing ran: a real step takes milliseconds too
+        raise AssertionError(f"engine did not converge in {max_steps} steps / {timeout} s: "
+                             f"{ {r: q.status.name for r, q in self.requests.items()} }")
 
     def settle(self, timeout: float = 20.0) -> None:
         """Step (empty steps if need be) until every connector job finished and was applied."""

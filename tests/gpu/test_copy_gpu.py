@@ -138,3 +138,28 @@ def test_both_directions_concurrently_and_auto_choice():
     assert out.mechanism in (Mechanism.COPY_ENGINE, Mechanism.SM_KERNEL)
     assert torch.equal(slab, want)
     _check_storages_equal(gpu, cpu)
+
+
+@pytest.mark.parametrize("mech", MECHS, ids=lambda m: m.value)
+@pytest.mark.parametrize("name", ["vllm033-LBNHC", "vllm033-BLHNC", "sglang-host-layer_first-mha"])
+def test_inline_submission_and_close(name, mech):
+    gen = torch.Generator().manual_seed(zlib.crc32(f"inline/{name}/{mech.value}".encode()))
+    case = next(c for c in all_cases() if c.name == name)
+    gpu, cpu = _twins(case, SHAPE, torch.bfloat16, gen)
+    slab = _random_slab(SLOTS, gpu.block_nbytes, gen)
+    want = slab.clone()
+    blocks = torch.randperm(SHAPE.num_blocks, generator=gen)[:9]
+    slots = torch.randperm(SLOTS, generator=gen)[:9]
+    BlockCopier(cpu, want).gpu_to_cpu(blocks, slots)
+    with BlockCopier(gpu, slab, mechanism=mech, threaded_submit=False) as copier:
+        res = copier.gpu_to_cpu(blocks, slots)
+        res.wait()
+    assert torch.equal(slab, want)
+    with BlockCopier(gpu, slab, mechanism=mech) as copier:  # threaded; close() drains the queue
+        res = copier.cpu_to_gpu(slots, blocks)
+    stream = torch.cuda.Stream()
+    res.wait_on(stream)
+    stream.synchronize()
+    assert res.done() and res.error is None
+    BlockCopier(cpu, want).cpu_to_gpu(slots, blocks)
+    _check_storages_equal(gpu, cpu)

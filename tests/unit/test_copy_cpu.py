@@ -15,6 +15,7 @@ from tiered_kv.copy import (
     BlockIndexError,
     ChunkTable,
     KVLayout,
+    RectTable,
     LayoutError,
     Mechanism,
     Runs,
@@ -23,6 +24,7 @@ from tiered_kv.copy import (
     block_geometry,
     choose_mechanism,
     merge_runs,
+    plan_rects,
     plan_runs,
     split_runs,
     vllm_layer_layout,
@@ -102,6 +104,37 @@ def test_planned_runs_move_the_same_bytes(case):
         slab_flat[off : off + size] = flat[src - base : src - base + size]
     for b, s in zip(blocks, slots):
         assert torch.equal(slab[s], reference_slot(layout, b))
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_planned_rects_move_the_same_bytes(case):
+    """The 2-D copies the copy engine may use, applied row by row, equal the CPU copier (both directions)."""
+    gen = torch.Generator().manual_seed(4)
+    layout = case.build(SHAPE, torch.bfloat16, "cpu")
+    fill_random(layout, gen)
+    table = RectTable.from_chunks(ChunkTable.from_layout(layout))
+    assert int((table.width * table.height).sum()) == layout.block_nbytes
+    slab = allocate_slab(8, layout.block_nbytes, pin=False).fill_(0x3C)
+    blocks, slots = _pick(gen, 5, SHAPE.num_blocks), _pick(gen, 5, 8)
+    rects = plan_rects(table, torch.tensor(blocks), torch.tensor(slots), slab.data_ptr(), slab.stride(0))
+    spans = [(flat.data_ptr(), flat.numel(), flat) for flat in storages(layout)]
+    slab_flat = slab.view(-1)
+    cols = zip(rects.gpu.tolist(), rects.cpu.tolist(), rects.pitch.tolist(), rects.width.tolist(), rects.height.tolist())
+    for gpu, cpu, pitch, width, height in cols:
+        for row in range(height):
+            src = gpu + row * pitch
+            base, _, flat = next(sp for sp in spans if sp[0] <= src and src + width <= sp[0] + sp[1])
+            off = cpu - slab.data_ptr() + row * width
+            slab_flat[off : off + width] = flat[src - base : src - base + width]
+    for b, s in zip(blocks, slots):
+        assert torch.equal(slab[s], reference_slot(layout, b))
+
+
+def test_rects_of_vllm_per_layer_views():
+    table = RectTable.from_chunks(ChunkTable.from_layout(vllm_layer_layout(vllm033_views("LBNHC", SHAPE, torch.bfloat16, "cpu"))))
+    per_layer = SHAPE.heads * SHAPE.block_size * 2 * SHAPE.head_dim * 2
+    assert table.height.tolist() == [SHAPE.layers] and table.width.tolist() == [per_layer]
+    assert table.pitch.tolist() == [SHAPE.num_blocks * per_layer]
 
 
 def test_block_geometry_per_layer_and_interleaved():
@@ -210,6 +243,8 @@ def test_selection_rule():
     assert choose_mechanism(1000, 1000 * 4096, False, policy) is Mechanism.COPY_ENGINE
     assert choose_mechanism(1000, 1000 * 65536, True, policy) is Mechanism.COPY_ENGINE
     assert choose_mechanism(10, 10 * 4096, True, policy) is Mechanism.COPY_ENGINE
+    no_sm = SelectionPolicy(sm_max_mean_run_bytes=16384, sm_min_runs=100, allow_sm_kernel=False)
+    assert choose_mechanism(1000, 1000 * 4096, True, no_sm) is Mechanism.COPY_ENGINE
     with pytest.raises(ValueError):
         SelectionPolicy(sm_min_runs=-1)
 

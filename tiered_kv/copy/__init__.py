@@ -10,13 +10,14 @@ SGLang device or host pools; MHA or MLA; any dtype) and block-major slab slots
 - ``triton_kernel``: the SM kernel (Triton, UVA) for many tiny runs;
 - ``cpu``: the CPU fallback with identical semantics;
 - ``select``: the measured rule that picks a mechanism per call;
+- ``submit``: the per-direction submitter thread and ``CopyResult``;
 - ``copier``: ``BlockCopier``, the interface callers use.
 
 Importing this package needs torch only: CUDA, Triton and cuda-python are
 imported on first use. Threading contracts are in each module's docstring.
 """
 
-from tiered_kv.copy.copier import BlockCopier, CopyResult, allocate_slab
+from tiered_kv.copy.copier import BlockCopier, allocate_slab
 from tiered_kv.copy.errors import BackendUnavailableError, BlockIndexError, CopyLaunchError, LayoutError
 from tiered_kv.copy.layouts import (
     KVLayout,
@@ -27,8 +28,9 @@ from tiered_kv.copy.layouts import (
     vllm_cross_layer_layout,
     vllm_layer_layout,
 )
-from tiered_kv.copy.segments import ChunkTable, Runs, merge_runs, plan_runs, split_runs
+from tiered_kv.copy.segments import ChunkTable, Rects, RectTable, Runs, merge_runs, plan_rects, plan_runs, split_runs
 from tiered_kv.copy.select import Mechanism, SelectionPolicy, choose_mechanism
+from tiered_kv.copy.submit import CopyResult
 
 __all__ = [
     "BackendUnavailableError",
@@ -40,6 +42,8 @@ __all__ = [
     "KVLayout",
     "LayoutError",
     "Mechanism",
+    "RectTable",
+    "Rects",
     "Runs",
     "SelectionPolicy",
     "TensorBlockMap",
@@ -47,6 +51,7 @@ __all__ = [
     "block_geometry",
     "choose_mechanism",
     "merge_runs",
+    "plan_rects",
     "plan_runs",
     "sglang_device_layout",
     "sglang_host_layout",

@@ -35,12 +35,26 @@ import torch
 from tiered_kv.copy import cpu
 from tiered_kv.copy.errors import BackendUnavailableError, BlockIndexError, LayoutError
 from tiered_kv.copy.layouts import KVLayout
-from tiered_kv.copy.segments import BlockIds, ChunkTable, Runs, as_index_tensor, check_indices, plan_runs
+from tiered_kv.copy.segments import (
+    BlockIds,
+    ChunkTable,
+    Rects,
+    RectTable,
+    Runs,
+    as_index_tensor,
+    check_indices,
+    plan_rects,
+    plan_runs,
+)
 from tiered_kv.copy.select import Mechanism, SelectionPolicy, choose_mechanism
 from tiered_kv.copy.submit import CopyResult, Submitter
 
 if TYPE_CHECKING:
-    from tiered_kv.copy.engine import BatchMemcpy
+    from tiered_kv.copy.engine import BatchMemcpy, RectMemcpy
+
+#: One ``cuMemcpy2DAsync`` call costs about this many batched descriptors of CPU
+#: time; 2-D copies are used when they need fewer descriptor-equivalents.
+RECT_CALL_COST = 4
 
 
 def allocate_slab(num_slots: int, block_nbytes: int, pin: bool | None = None) -> torch.Tensor:
@@ -61,7 +75,12 @@ class BlockCopier:
     ``mechanism``: ``"auto"`` (per call, by ``policy``), or a ``Mechanism`` to
     force one. ``prefer_overlap`` and ``max_runs_per_call`` tune the copy engine
     (see ``engine.BatchMemcpy``); ``sm_programs`` caps the SM kernel's CTAs
-    (see ``triton_kernel.launch``). Use as a context manager or call ``close()``.
+    (see ``triton_kernel.launch``). ``threaded_submit=False`` hands runs to the
+    driver on the caller's thread (the call then blocks while the copy queue is
+    full; for callers that already run copies on their own mover thread). Use as
+    a context manager or call ``close()``. ``rect_copies``: copy-engine 2-D
+    copies always (True, where the layout allows), never (False), or when they
+    need fewer descriptor-equivalents than merged runs (None).
     """
 
     def __init__(
@@ -73,7 +92,9 @@ class BlockCopier:
         policy: SelectionPolicy = SelectionPolicy(),
         prefer_overlap: bool = True,
         max_runs_per_call: int = 2048,
-        sm_programs: int = 132,
+        sm_programs: int = 32,
+        threaded_submit: bool = True,
+        rect_copies: bool | None = None,
     ) -> None:
         """Validate the slab against the layout; CUDA resources are created on first use."""
         _check_slab(slab, layout)
@@ -87,11 +108,15 @@ class BlockCopier:
         if self._on_cuda and self._fixed is Mechanism.CPU:
             raise LayoutError("mechanism 'cpu' needs CPU tensors; this layout is on CUDA")
         self._table = ChunkTable.from_layout(layout) if self._on_cuda else None
+        self._rect_table = RectTable.from_chunks(self._table) if self._table is not None else None
+        self._rect_mode = rect_copies
+        self._rect_engine: RectMemcpy | None = None
         self._prefer_overlap = prefer_overlap
         self._max_runs = max_runs_per_call
         self._memcpy: BatchMemcpy | None = None
         self._sm_ok: bool | None = None
         self._sm_programs = sm_programs
+        self._threaded = threaded_submit
         self._streams: dict[bool, torch.cuda.Stream] = {}
         self._submitters: dict[bool, Submitter] = {}
 
@@ -173,7 +198,11 @@ class BlockCopier:
             return result
         assert self._table is not None
         runs = plan_runs(self._table, ids, slots, self.slab.data_ptr(), self.slab.stride(0), to_cpu)
-        mech = forced or choose_mechanism(runs.count, runs.nbytes, self._sm_available(), self.policy)
+        rects = self._plan_rects(ids, slots, runs.count) if forced in (None, Mechanism.COPY_ENGINE) else None
+        ce_cost = rects.count * RECT_CALL_COST if rects is not None else runs.count
+        mech = forced or choose_mechanism(ce_cost, runs.nbytes, self._sm_available(), self.policy)
+        if mech is not Mechanism.COPY_ENGINE:
+            rects = None
         if mech is Mechanism.CPU:
             raise LayoutError("mechanism 'cpu' needs CPU tensors; this layout is on CUDA")
         if mech is Mechanism.COPY_ENGINE:
@@ -183,15 +212,44 @@ class BlockCopier:
         caller = torch.cuda.Event()
         caller.record(stream if stream is not None else torch.cuda.current_stream(self.layout.device))
         side = self._side_stream(to_cpu)
-        result = CopyResult(mech, to_cpu, n, nbytes, runs.count)
-        self._submitter(to_cpu).put(lambda: self._submit(runs, mech, caller, side, result))
+        result = CopyResult(mech, to_cpu, n, nbytes, rects.count if rects is not None else runs.count)
+        if self._threaded:
+            self._submitter(to_cpu).put(lambda: self._submit(runs, rects, mech, caller, side, result))
+        else:
+            self._submit(runs, rects, mech, caller, side, result)
         return result
 
-    def _submit(self, runs: Runs, mech: Mechanism, caller: torch.cuda.Event, side: torch.cuda.Stream, result: CopyResult) -> None:
+    def _plan_rects(self, ids: torch.Tensor, slots: torch.Tensor, num_runs: int) -> Rects | None:
+        """2-D copies for this call, or None when merged 1-D runs are as cheap (or 2-D is off or impossible)."""
+        table = self._rect_table
+        if self._rect_mode is False or table is None or table.count == 0 or ids.numel() == 0:
+            return None
+        if self._rect_mode is None and table.count * ids.numel() * RECT_CALL_COST >= num_runs:
+            return None
+        if self._rect_engine is None:
+            from tiered_kv.copy.engine import RectMemcpy
+
+            self._rect_engine = RectMemcpy(self.layout.device)
+        if int(table.pitch.max()) > self._rect_engine.max_pitch:
+            return None
+        return plan_rects(table, ids, slots, self.slab.data_ptr(), self.slab.stride(0))
+
+    def _submit(
+        self,
+        runs: Runs,
+        rects: Rects | None,
+        mech: Mechanism,
+        caller: torch.cuda.Event,
+        side: torch.cuda.Stream,
+        result: CopyResult,
+    ) -> None:
         """Runs on the submitter thread: wait for the caller's work, enqueue, record the event."""
         try:
             side.wait_event(caller)
-            if runs.count and mech is Mechanism.COPY_ENGINE:
+            if rects is not None:
+                assert self._rect_engine is not None
+                self._rect_engine.submit(rects, result.to_cpu, side.cuda_stream)
+            elif runs.count and mech is Mechanism.COPY_ENGINE:
                 self._engine().submit(runs, side.cuda_stream)
             elif runs.count:
                 from tiered_kv.copy import triton_kernel

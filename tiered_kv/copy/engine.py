@@ -1,4 +1,4 @@
-"""Copy-engine mechanism: the driver's batched memcpy (``cuMemcpyBatchAsync``).
+"""Copy-engine mechanism: the driver's batched memcpy (``cuMemcpyBatchAsync``) and 2-D memcpy.
 
 Role: move a list of byte runs between GPU memory and pinned host memory with
 the GPU's DMA copy engines, which leaves the SMs to the model. The entry point
@@ -10,7 +10,12 @@ list is submitted in slices that grow from ``FIRST_SLICE`` to
 ``max_runs_per_call`` runs, so the first copies start within microseconds while
 later descriptors are still being handed to the driver.
 
-Every copy carries ``srcAccessOrder = STREAM`` (the source is read in stream
+``RectMemcpy`` is the other descriptor form: one ``cuMemcpy2DAsync`` per
+rectangle (``segments.RectTable``), used when a block's chunks sit at a fixed
+pitch (vLLM's per-layer views of one buffer: a row per layer), which cuts the
+driver work per block from one descriptor per layer to one call.
+
+Every batched copy carries ``srcAccessOrder = STREAM`` (the source is read in stream
 order, so KV written by earlier kernels on the stream is what gets copied);
 ``prefer_overlap`` sets ``CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE``.
 
@@ -27,7 +32,7 @@ import ctypes
 import torch
 
 from tiered_kv.copy.errors import BackendUnavailableError, CopyLaunchError
-from tiered_kv.copy.segments import Runs
+from tiered_kv.copy.segments import Rects, Runs
 
 _SRC_ACCESS_ORDER_STREAM = 1  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
 _FLAG_PREFER_OVERLAP_WITH_COMPUTE = 1  # CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE
@@ -128,4 +133,79 @@ class BatchMemcpy:
                 raise CopyLaunchError(f"cuMemcpyBatchAsync returned CUresult {err}{detail}")
             start += count
             step = min(2 * step, self._max_runs)
+        return calls
+
+
+_MEMORYTYPE_HOST = 1  # CU_MEMORYTYPE_HOST
+_MEMORYTYPE_DEVICE = 2  # CU_MEMORYTYPE_DEVICE
+_DEFAULT_MAX_PITCH = (1 << 31) - 1  # what CUDA GPUs report; used if the query fails
+
+
+class _Memcpy2D(ctypes.Structure):
+    _fields_ = [
+        ("srcXInBytes", ctypes.c_size_t),
+        ("srcY", ctypes.c_size_t),
+        ("srcMemoryType", ctypes.c_uint),
+        ("srcHost", ctypes.c_void_p),
+        ("srcDevice", ctypes.c_uint64),
+        ("srcArray", ctypes.c_void_p),
+        ("srcPitch", ctypes.c_size_t),
+        ("dstXInBytes", ctypes.c_size_t),
+        ("dstY", ctypes.c_size_t),
+        ("dstMemoryType", ctypes.c_uint),
+        ("dstHost", ctypes.c_void_p),
+        ("dstDevice", ctypes.c_uint64),
+        ("dstArray", ctypes.c_void_p),
+        ("dstPitch", ctypes.c_size_t),
+        ("WidthInBytes", ctypes.c_size_t),
+        ("Height", ctypes.c_size_t),
+    ]
+
+
+_FN2D_TYPE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+
+
+class RectMemcpy:
+    """``cuMemcpy2DAsync`` bound once: one driver call moves one block's pitched rows (e.g. 32 layers)."""
+
+    def __init__(self, device: torch.device) -> None:
+        """Resolve the entry point and the device's pitch limit; raise ``BackendUnavailableError`` when absent."""
+        try:
+            from cuda.bindings import driver
+        except ImportError as exc:
+            raise BackendUnavailableError(f"the copy engine needs cuda-python: {exc}") from exc
+        torch.cuda.init()
+        result = driver.cuGetProcAddress(b"cuMemcpy2DAsync", _ABI_VERSION, 0)
+        err, ptr = result[0], int(result[1])
+        if err != driver.CUresult.CUDA_SUCCESS or ptr == 0:
+            raise BackendUnavailableError(f"cuGetProcAddress('cuMemcpy2DAsync') failed: {err}")
+        self._fn = _FN2D_TYPE(ptr)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        attr = driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_PITCH
+        err, pitch = driver.cuDeviceGetAttribute(attr, driver.CUdevice(index))
+        self.max_pitch = int(pitch) if err == driver.CUresult.CUDA_SUCCESS else _DEFAULT_MAX_PITCH
+
+    def submit(self, rects: Rects, to_cpu: bool, stream_handle: int) -> int:
+        """Enqueue every rectangle on ``stream_handle``; return driver calls made."""
+        p = _Memcpy2D()
+        if to_cpu:
+            p.srcMemoryType, p.dstMemoryType = _MEMORYTYPE_DEVICE, _MEMORYTYPE_HOST
+        else:
+            p.srcMemoryType, p.dstMemoryType = _MEMORYTYPE_HOST, _MEMORYTYPE_DEVICE
+        ref = ctypes.addressof(p)
+        cols = zip(rects.gpu.tolist(), rects.cpu.tolist(), rects.pitch.tolist(), rects.width.tolist(), rects.height.tolist())
+        calls = 0
+        for gpu, cpu, pitch, width, height in cols:
+            if to_cpu:
+                p.srcDevice, p.srcPitch, p.dstHost, p.dstPitch = gpu, pitch, cpu, width
+            else:
+                p.srcHost, p.srcPitch, p.dstDevice, p.dstPitch = cpu, width, gpu, pitch
+            p.WidthInBytes, p.Height = width, height
+            err = self._fn(ref, stream_handle)
+            calls += 1
+            if err != 0:
+                raise CopyLaunchError(
+                    f"cuMemcpy2DAsync returned CUresult {err} (gpu=0x{gpu:x} cpu=0x{cpu:x} pitch={pitch}"
+                    f" width={width} height={height})"
+                )
         return calls

@@ -159,3 +159,75 @@ def split_runs(runs: Runs, max_bytes: int) -> Runs:
     offset = k * max_bytes
     size = torch.minimum(runs.size[owner] - offset, torch.tensor(max_bytes, dtype=torch.int64))
     return Runs(runs.src[owner] + offset, runs.dst[owner] + offset, size)
+
+
+@dataclass(frozen=True, eq=False)
+class RectTable:
+    """A block's chunks grouped into 2-D rectangles (int64, CPU), one row per rectangle.
+
+    Rectangle ``r`` of block ``b``: ``height[r]`` rows of ``width[r]`` bytes
+    starting at ``gpu_base[r] + b * gpu_stride[r]``, rows ``pitch[r]`` apart on
+    the GPU and back to back in the slot from ``slot_offset[r]``. vLLM's
+    per-layer views of one buffer make one rectangle per block (a row per
+    layer), which the copy engine moves as one 2-D copy instead of 32 runs.
+    """
+
+    gpu_base: torch.Tensor
+    gpu_stride: torch.Tensor
+    pitch: torch.Tensor
+    width: torch.Tensor
+    height: torch.Tensor
+    slot_offset: torch.Tensor
+
+    @property
+    def count(self) -> int:
+        """Rectangles per block."""
+        return int(self.height.numel())
+
+    @staticmethod
+    def from_chunks(table: ChunkTable) -> RectTable:
+        """Group consecutive chunks of equal size and block stride whose GPU addresses step by one pitch."""
+        base, stride, size = table.gpu_base.tolist(), table.gpu_stride.tolist(), table.size.tolist()
+        slot = table.slot_offset.tolist()
+        rects: list[list[int]] = []  # [gpu_base, gpu_stride, pitch, width, height, slot_offset]
+        for i in range(len(base)):
+            if rects:
+                r = rects[-1]
+                same = size[i] == r[3] and stride[i] == r[1] and slot[i] == r[5] + r[3] * r[4]
+                step = base[i] - (r[0] + (r[4] - 1) * r[2])
+                if same and r[4] == 1 and step >= size[i]:
+                    r[2], r[4] = step, 2
+                    continue
+                if same and r[4] > 1 and step == r[2]:
+                    r[4] += 1
+                    continue
+            rects.append([base[i], stride[i], size[i], size[i], 1, slot[i]])
+        cols = list(zip(*rects)) if rects else [()] * 6
+        as64 = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+        return RectTable(*(as64(list(c)) for c in cols))
+
+
+@dataclass(frozen=True, eq=False)
+class Rects:
+    """2-D copies of one call (int64, CPU): GPU address and pitch, slab address, row width, rows."""
+
+    gpu: torch.Tensor
+    cpu: torch.Tensor
+    pitch: torch.Tensor
+    width: torch.Tensor
+    height: torch.Tensor
+
+    @property
+    def count(self) -> int:
+        """Number of 2-D copies."""
+        return int(self.height.numel())
+
+
+def plan_rects(table: RectTable, gpu_ids: torch.Tensor, slots: torch.Tensor, slab_base: int, slot_stride: int) -> Rects:
+    """2-D copies moving blocks ``gpu_ids[i]`` <-> slots ``slots[i]`` (same bytes as ``plan_runs``)."""
+    if gpu_ids.numel() != slots.numel():
+        raise BlockIndexError(f"{gpu_ids.numel()} block ids but {slots.numel()} slots")
+    n = gpu_ids.numel()
+    gpu = (table.gpu_base[None, :] + gpu_ids[:, None] * table.gpu_stride[None, :]).reshape(-1)
+    cpu = (slab_base + slots[:, None] * slot_stride + table.slot_offset[None, :]).reshape(-1)
+    return Rects(gpu, cpu, table.pitch.repeat(n), table.width.repeat(n), table.height.repeat(n))

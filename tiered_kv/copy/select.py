@@ -29,7 +29,8 @@ class SelectionPolicy:
     """Thresholds of the automatic choice (defaults come from the H100/H200 measurements)."""
 
     sm_max_mean_run_bytes: int = 16 * 1024
-    sm_min_runs: int = 4096
+    sm_min_runs: int = 1024
+    allow_sm_kernel: bool = True
 
     def __post_init__(self) -> None:
         if self.sm_max_mean_run_bytes < 0 or self.sm_min_runs < 0:
@@ -40,7 +41,7 @@ def choose_mechanism(
     num_runs: int, nbytes: int, sm_kernel_available: bool, policy: SelectionPolicy = SelectionPolicy()
 ) -> Mechanism:
     """Return the mechanism for a GPU copy of ``num_runs`` runs totalling ``nbytes``."""
-    if num_runs == 0 or not sm_kernel_available:
+    if num_runs == 0 or not sm_kernel_available or not policy.allow_sm_kernel:
         return Mechanism.COPY_ENGINE
     mean = nbytes / num_runs
     if mean < policy.sm_max_mean_run_bytes and num_runs >= policy.sm_min_runs:

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Run every CPU test suite in its environment; fail if any suite fails or collects no tests
+# (pytest exit 5 must never pass silently). Called by `make test` and .ci/run.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONHASHSEED=${PYTHONHASHSEED:-0}
+rc=0
+run() {  # name, python, args...
+  local name=$1 py=$2; shift 2
+  echo "=== $name: $py -m pytest $*"
+  "$py" -m pytest "$@"
+  local r=$?
+  if [ $r -eq 5 ]; then echo "!!! $name collected no tests"; rc=1; elif [ $r -ne 0 ]; then echo "!!! $name failed (exit $r)"; rc=1; fi
+}
+sglang_tests=$(ls tests/connector/test_sglang_*.py 2>/dev/null)
+run "core + vLLM connector + reliability" .venv/bin/python -q -p no:cacheprovider tests \
+  $(for f in $sglang_tests; do echo --ignore="$f"; done)
+if [ -n "$sglang_tests" ]; then
+  PYTHONPATH=scripts/cpu_stubs run "SGLang backend" .venv-sglang/bin/python -q -p no:cacheprovider $sglang_tests
+else
+  echo "!!! no SGLang tests found"; rc=1
+fi
+exit $rc

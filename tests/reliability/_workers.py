@@ -1,0 +1,179 @@
+"""Child-process entry points for tests/reliability (run as ``python _workers.py <command> ...``).
+
+Each command is one role a test needs in another process:
+
+- ``crash_writer DIR ROUND CODEC SEED``: writes blocks to a disk-only store at full speed
+  until SIGKILLed. Prints ``READY`` once open, ``A <ids>`` after each put the store
+  acknowledged (so every printed id was committed before the line was written) and
+  ``D <id>`` *before* it deletes an id.
+- ``share_worker DIR WID SECONDS SEED``: puts/gets/deletes overlapping keys of one shared
+  key space, reopening its store now and then to adopt the others' blocks; verifies every
+  served block bit-exact. Prints heartbeats ``H <ops>`` and a final ``DONE {json}``.
+- ``txn_holder DIR``: opens the store's LMDB index directly, begins a write transaction,
+  prints ``HOLDING`` and sleeps (the test SIGKILLs it while it holds the writer lock).
+- ``fill_slots DIR N``: opens a store on DIR, puts N blocks of key space ``other``, closes.
+- ``damage_trials ROOT FIRST LAST NKEYS``: for each trial directory ROOT/<i>, opens a
+  store, reads back key_of(0..NKEYS-1) and prints one verdict line per trial:
+  ``T <i> OPEN <typed|raw> <type>: <msg>`` or ``T <i> READ <json>``. A trial that kills the
+  process (SIGBUS, abort) shows up to the parent as a missing verdict.
+
+Threading contract: each command runs in its own process, single caller thread.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+
+from tests.reliability._common import (SHAPE, TORCH_DTYPE, blocks_of, disk_config, key_of,  # noqa: E402
+                                       matches)
+from tiered_kv.errors import TieredKVError  # noqa: E402
+from tiered_kv.store import TieredStore  # noqa: E402
+
+
+def say(line: str) -> None:
+    """One whole line to stdout in a single write (a SIGKILL never leaves half a line)."""
+    os.write(1, (line + "\n").encode())
+
+
+def crash_writer(path: str, rnd: str, codec: str, seed: str) -> None:
+    rng = random.Random(int(seed))
+    space = f"crash-{rnd}".encode()
+    store = TieredStore(disk_config(path, compression=codec))
+    say("READY")
+    acked: list[int] = []
+    nxt = 0
+    while True:
+        n = rng.randint(1, 16)
+        ids = list(range(nxt, nxt + n))
+        nxt += n
+        keys = [key_of(i, space) for i in ids]
+        res = store.put(keys, blocks_of(keys)).wait(60)
+        ok = [i for i, r in zip(ids, res) if r]
+        acked += ok
+        say("A " + " ".join(map(str, ok)))
+        if acked and rng.random() < 0.15:
+            victim = acked.pop(rng.randrange(len(acked)))
+            say(f"D {victim}")
+            store.delete([key_of(victim, space)])
+
+
+def share_worker(path: str, wid: str, seconds: str, seed: str) -> None:
+    rng = random.Random(int(seed))
+    space, nkeys = b"shared", 256
+    cfg = disk_config(path, disk_bytes=192 * 4096)
+    stats = {"wid": int(wid), "ops": 0, "puts": 0, "put_ok": 0, "gets": 0, "served": 0, "wrong": 0,
+             "deletes": 0, "reopens": 0, "errors": []}
+    deadline = time.monotonic() + float(seconds)
+    store = TieredStore(cfg)
+    say("READY")
+    next_reopen = time.monotonic() + rng.uniform(0.5, 2.0)
+    last_beat = 0.0
+    while time.monotonic() < deadline:
+        try:
+            op = rng.random()
+            ids = rng.sample(range(nkeys), rng.randint(1, 8))
+            keys = [key_of(i, space) for i in ids]
+            if op < 0.45:
+                res = store.put(keys, blocks_of(keys)).wait(30)
+                stats["puts"] += len(keys)
+                stats["put_ok"] += sum(res)
+            elif op < 0.9:
+                held = [k for k, h in zip(keys, store.contains(keys)) if h]
+                out = torch.empty((len(held), *SHAPE), dtype=TORCH_DTYPE)
+                n = store.get(held, out).wait(30)
+                stats["gets"] += len(held)
+                for k, b in zip(held[:n], out[:n]):
+                    if matches(k, b):
+                        stats["served"] += 1
+                    else:
+                        stats["wrong"] += 1
+                        say(f"WRONG {k.hex()}")
+            else:
+                store.delete(keys[:2])
+                stats["deletes"] += 2
+            if time.monotonic() > next_reopen:
+                store.close()
+                store = TieredStore(cfg)
+                stats["reopens"] += 1
+                next_reopen = time.monotonic() + rng.uniform(0.5, 2.0)
+        except Exception as exc:  # counted and reported: the test asserts there are none
+            stats["errors"].append(f"{type(exc).__name__}: {exc}"[:200])
+            say(f"E {type(exc).__name__}: {exc}"[:300])
+        stats["ops"] += 1
+        now = time.monotonic()
+        if now - last_beat > 0.2:
+            say(f"H {stats['ops']}")
+            last_beat = now
+    store.close()
+    say("DONE " + json.dumps(stats))
+
+
+def txn_holder(path: str) -> None:
+    import lmdb
+
+    env = lmdb.open(str(Path(path) / "index"), map_size=64 << 20, max_dbs=4, subdir=True, lock=True)
+    meta = env.open_db(b"meta")
+    txn = env.begin(write=True)
+    txn.put(b"holder", str(os.getpid()).encode(), db=meta)
+    say("HOLDING")
+    time.sleep(3600)
+
+
+def fill_slots(path: str, n: str, disk_bytes: str) -> None:
+    keys = [key_of(i, b"other") for i in range(int(n))]
+    with TieredStore(disk_config(path, disk_bytes=int(disk_bytes))) as store:
+        res = store.put(keys, blocks_of(keys)).wait(60)
+        store.flush()
+    say(f"FILLED {sum(res)}")
+
+
+def damage_trials(root: str, first: str, last: str, nkeys: str) -> None:
+    keys = [key_of(i, b"damage") for i in range(int(nkeys))]
+    for i in range(int(first), int(last)):
+        path = Path(root) / str(i)
+        try:
+            store = TieredStore(disk_config(path, disk_bytes=4 << 20))
+        except TieredKVError as exc:
+            say(f"T {i} OPEN typed {type(exc).__name__}: {exc}"[:400].replace("\n", " "))
+            continue
+        except Exception as exc:
+            say(f"T {i} OPEN raw {type(exc).__name__}: {exc}"[:400].replace("\n", " "))
+            continue
+        verdict = {"served": 0, "wrong": 0, "missing": 0, "get_errors": 0}
+        for k in keys:
+            out = torch.empty((1, *SHAPE), dtype=TORCH_DTYPE)
+            try:
+                n = store.get([k], out).wait(30)
+            except Exception:
+                verdict["get_errors"] += 1
+                continue
+            if n == 1:
+                verdict["served" if matches(k, out[0]) else "wrong"] += 1
+            else:
+                verdict["missing"] += 1
+        disk = store.stats()["tiers"]["disk"]
+        verdict["corrupt_dropped"] = disk["corrupt_dropped"]
+        verdict["failed_transfers"] = disk["failed_transfers"]
+        try:
+            store.close()
+        except Exception as exc:
+            verdict["close_error"] = f"{type(exc).__name__}: {exc}"
+        say(f"T {i} READ " + json.dumps(verdict))
+
+
+COMMANDS = {"crash_writer": crash_writer, "share_worker": share_worker, "txn_holder": txn_holder,
+            "fill_slots": fill_slots, "damage_trials": damage_trials}
+
+if __name__ == "__main__":
+    import logging
+
+    logging.basicConfig(level=logging.ERROR)
+    COMMANDS[sys.argv[1]](*sys.argv[2:])

@@ -1,0 +1,300 @@
+"""Corruption: damaged bytes on disk are never served, never raise into the caller, and are counted.
+
+What this proves (docs/reliability.md, "Corruption"):
+- payload damage (random byte flips, zeroed 4 KiB pages, a truncated ``payload.bin``), both
+  codecs: every damaged block reads as a miss, is removed from the index, is counted in
+  ``stats()["tiers"]["disk"]["corrupt_dropped"]`` and its slot goes back to the free list;
+  every undamaged block still hits bit-exact, also after another reopen;
+- damage to record headers inside LMDB's ``index/data.mdb`` while the store is open:
+  same promise (miss, removed, counted);
+- the same header damage while the store is closed: the block reads as a miss and is never
+  served; removing and counting it at reopen is the promise the core does not keep yet
+  (``xfail(strict=True)``, see docs/reliability.md "Known gaps");
+- random damage to LMDB's own pages (flips, zeroed pages), one child process per batch of
+  trials: a store that opens serves only bit-exact blocks and ``get()`` never raises. What
+  LMDB does with its damaged B-tree (open refused with a raw ``lmdb`` error, or the process
+  killed by SIGBUS/abort) is printed; the typed-error promise is pinned by two strict
+  xfails below.
+
+Threading contract: single-threaded tests; damage is done while no process has the files
+open unless the test says otherwise.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from tests.reliability._common import (NBYTES, SHAPE, TORCH_DTYPE, blocks_of, child_env, disk_config, key_of,
+                                       matches, pick, slot_accounting, worker_cmd)
+from tiered_kv.errors import TieredKVError
+from tiered_kv.record import RecordHeader
+from tiered_kv.store import TieredStore
+
+N = 120
+PAGE = 4096
+
+
+def _fill(path, n=N, codec="none", space=b"damage") -> list[bytes]:
+    keys = [key_of(i, space) for i in range(n)]
+    with TieredStore(disk_config(path, disk_bytes=4 << 20, compression=codec)) as store:
+        assert all(store.put(keys, blocks_of(keys)).wait(60))
+        store.flush()
+    return keys
+
+
+def _headers(path, keys) -> dict[bytes, bytes]:
+    """Raw header bytes of each key, read with the store open (then closed)."""
+    with TieredStore(disk_config(path, disk_bytes=4 << 20)) as store:
+        disk = store.tiers[-1]
+        with disk.env.begin(db=disk.db_records, buffers=False) as txn:
+            return {k: txn.get(k) for k in keys}
+
+
+def _get_one(store, key):
+    out = torch.empty((1, *SHAPE), dtype=TORCH_DTYPE)
+    n = store.get([key], out).wait(30)
+    return out[0] if n == 1 else None
+
+
+def _check_verdicts(store, keys, damaged):
+    """Every damaged key misses, every other key hits bit-exact. Returns the count of damaged keys."""
+    for k in keys:
+        got = _get_one(store, k)
+        if k in damaged:
+            assert got is None, f"damaged block {k.hex()[:16]} was served"
+        else:
+            assert got is not None, f"undamaged block {k.hex()[:16]} missed"
+            assert matches(k, got), f"undamaged block {k.hex()[:16]} served with wrong bytes"
+
+
+@pytest.mark.parametrize("codec", ["none", "zstd"])
+def test_payload_damage_reads_as_miss_is_removed_and_counted(tmp_path, codec):
+    path = tmp_path / "kv"
+    keys = _fill(path, codec=codec)
+    hdrs = {k: RecordHeader.unpack(k, raw) for k, raw in _headers(path, keys).items()}
+    rng = random.Random(7)
+    slot_bytes = PAGE  # one 4 KiB block per slot
+    order = sorted(keys, key=lambda k: hdrs[k].slot)
+    truncated = set(order[-5:])  # the 5 highest slots are cut off by a truncation
+    pool = [k for k in keys if k not in truncated]
+    rng.shuffle(pool)
+    flipped, zeroed = set(pool[:15]), set(pool[15:25])
+    payload = path / "payload.bin"
+    with open(payload, "r+b") as f:
+        for k in flipped:
+            h = hdrs[k]
+            for _ in range(rng.randint(1, 3)):
+                off = h.slot * slot_bytes + rng.randrange(h.payload_len)
+                f.seek(off)
+                b = f.read(1)[0]
+                f.seek(off)
+                f.write(bytes([b ^ (1 << rng.randrange(8))]))
+        for k in zeroed:
+            f.seek(hdrs[k].slot * slot_bytes)
+            f.write(bytes(PAGE))
+        f.truncate(hdrs[order[-5]].slot * slot_bytes + rng.randrange(1, slot_bytes))
+    damaged = flipped | zeroed | truncated
+
+    with TieredStore(disk_config(path, disk_bytes=4 << 20)) as store:
+        _check_verdicts(store, keys, damaged)
+        st = store.stats()["tiers"]["disk"]
+        assert st["corrupt_dropped"] == len(damaged), st
+        assert store.contains(sorted(damaged)) == [False] * len(damaged)
+        acct = slot_accounting(store.tiers[-1])
+        assert acct["records"] == N - len(damaged) and acct["unaccounted"] == 0, acct
+    print(f"payload damage ({codec}): {len(flipped)} flipped, {len(zeroed)} zeroed, {len(truncated)} truncated "
+          f"-> {len(damaged)} misses counted, {N - len(damaged)} hits bit-exact")
+    with TieredStore(disk_config(path, disk_bytes=4 << 20)) as store:  # removed for good
+        assert store.contains(sorted(damaged)) == [False] * len(damaged)
+        _check_verdicts(store, keys, damaged)
+        assert store.stats()["tiers"]["disk"]["corrupt_dropped"] == 0
+
+
+def _damage_headers_in_file(data_mdb, raws, rng) -> int:
+    """Flip or zero bytes of each raw header wherever it occurs in data.mdb (stale copies too)."""
+    data = bytearray(data_mdb.read_bytes())
+    hits = 0
+    for raw in raws:
+        start = data.find(raw)
+        assert start >= 0, "header bytes not found in data.mdb"
+        while start >= 0:
+            hits += 1
+            if rng.random() < 0.5:
+                off = start + rng.randrange(len(raw))
+                data[off] ^= 1 << rng.randrange(8)
+            else:
+                a = rng.randrange(len(raw) - 8)
+                data[start + a:start + a + 8] = bytes(8)
+            start = data.find(raw, start + 1)
+    with open(data_mdb, "r+b") as f:  # in place: an open store sees it through its mmap
+        f.write(data)
+    return hits
+
+
+def test_header_damage_in_lmdb_while_open_reads_as_miss_is_removed_and_counted(tmp_path):
+    path = tmp_path / "kv"
+    keys = _fill(path)
+    rng = random.Random(11)
+    with TieredStore(disk_config(path, disk_bytes=4 << 20)) as store:
+        disk = store.tiers[-1]
+        with disk.env.begin(db=disk.db_records, buffers=False) as txn:
+            raws = {k: txn.get(k) for k in keys}
+        damaged = set(rng.sample(keys, 20))
+        _damage_headers_in_file(path / "index" / "data.mdb", [raws[k] for k in damaged], rng)
+        _check_verdicts(store, keys, damaged)
+        st = store.stats()["tiers"]["disk"]
+        assert st["corrupt_dropped"] == len(damaged), st
+        with disk.env.begin(db=disk.db_records) as txn:
+            assert all(txn.get(k) is None for k in damaged), "damaged headers left in the index"
+
+
+def test_header_damage_in_lmdb_while_closed_is_never_served(tmp_path):
+    path = tmp_path / "kv"
+    keys = _fill(path)
+    raws = _headers(path, keys)
+    rng = random.Random(12)
+    damaged = set(rng.sample(keys, 20))
+    _damage_headers_in_file(path / "index" / "data.mdb", [raws[k] for k in damaged], rng)
+    with TieredStore(disk_config(path, disk_bytes=4 << 20)) as store:
+        _check_verdicts(store, keys, damaged)
+        out = torch.empty((len(keys), *SHAPE), dtype=TORCH_DTYPE)
+        store.put(keys, out).wait(30)  # re-putting works for every key (a caller recomputes and stores)
+        assert store.stats()["puts_refused"] == 0
+
+
+@pytest.mark.xfail(strict=True, reason="core bug: DiskTier.stored_keys() skips records whose header fails to "
+                   "verify at open without deleting or counting them; they stay in LMDB and their slots leak "
+                   "(see docs/reliability.md, Known gaps)")
+def test_header_damage_in_lmdb_while_closed_is_removed_and_counted_at_reopen(tmp_path):
+    path = tmp_path / "kv"
+    keys = _fill(path)
+    raws = _headers(path, keys)
+    damaged = set(random.Random(13).sample(keys, 10))
+    _damage_headers_in_file(path / "index" / "data.mdb", [raws[k] for k in damaged], random.Random(14))
+    with TieredStore(disk_config(path, disk_bytes=4 << 20)) as store:
+        _check_verdicts(store, keys, damaged)
+        acct = slot_accounting(store.tiers[-1])
+        assert acct["records"] == N - len(damaged), f"damaged records still indexed: {acct}"
+        assert store.stats()["tiers"]["disk"]["corrupt_dropped"] == len(damaged)
+
+
+# ---------------------------------------------------------------------------------------- LMDB's own pages
+def _prepare_trials(tmp_path, n_trials, seed, kinds=("flip", "zero")) -> tuple[os.PathLike, list[str]]:
+    base = tmp_path / "orig"
+    _fill(base)
+    root = tmp_path / "trials"
+    root.mkdir()
+    rng = random.Random(seed)
+    what = []
+    for i in range(n_trials):
+        d = root / str(i)
+        shutil.copytree(base, d)
+        data_mdb = d / "index" / "data.mdb"
+        data = bytearray(data_mdb.read_bytes())
+        kind = rng.choice(kinds)
+        if kind == "flip":
+            n = rng.randint(1, 16)
+            for _ in range(n):
+                data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+            what.append(f"flip x{n}")
+        elif kind == "zero":
+            pg = rng.randrange(len(data) // PAGE)
+            data[pg * PAGE:(pg + 1) * PAGE] = bytes(PAGE)
+            what.append(f"zero page {pg}")
+        else:
+            cut = rng.randrange(2 * PAGE, len(data))
+            data = data[:cut]
+            what.append(f"truncate to {cut}")
+        data_mdb.write_bytes(bytes(data))
+    return root, what
+
+
+def _run_trials(root, n_trials) -> dict[int, str]:
+    """Run damage_trials children until every trial has a verdict; a trial that kills its child gets 'CRASH'."""
+    verdicts: dict[int, str] = {}
+    first = 0
+    while first < n_trials:
+        try:
+            r = subprocess.run(worker_cmd("damage_trials", root, first, n_trials, N), capture_output=True,
+                               env=child_env(), timeout=120)
+            rc, out = r.returncode, r.stdout.decode()
+        except subprocess.TimeoutExpired as exc:
+            rc, out = "HANG", (exc.stdout or b"").decode()
+        for line in out.splitlines():
+            if line.startswith("T "):
+                _, i, rest = line.split(" ", 2)
+                verdicts[int(i)] = rest
+        if rc != 0:
+            done = [i for i in verdicts if i >= first]
+            bad = max(done) + 1 if done else first
+            if bad < n_trials:
+                verdicts[bad] = f"CRASH rc={rc}"
+            first = bad + 1
+        else:
+            first = n_trials
+    return verdicts
+
+
+def test_random_lmdb_page_damage_never_serves_wrong_bytes(tmp_path):
+    n = pick(16, 200)
+    root, what = _prepare_trials(tmp_path, n, seed=2026)
+    verdicts = _run_trials(root, n)
+    outcomes = {"served_ok": 0, "refused_typed": 0, "refused_raw_lmdb": 0, "crashed": 0}
+    totals = {"served": 0, "missing": 0, "wrong": 0, "get_errors": 0, "corrupt_dropped": 0}
+    for i in range(n):
+        v = verdicts.get(i, "CRASH (no verdict)")
+        print(f"trial {i:3d} {what[i]:>16}: {v[:160]}")
+        if v.startswith("READ "):
+            d = json.loads(v[5:])
+            outcomes["served_ok"] += 1
+            for k in totals:
+                totals[k] += d.get(k, 0)
+        elif v.startswith("OPEN typed"):
+            outcomes["refused_typed"] += 1
+        elif v.startswith("OPEN raw"):
+            outcomes["refused_raw_lmdb"] += 1
+        else:
+            outcomes["crashed"] += 1
+    print(f"LMDB page damage over {n} trials: {outcomes}; reads: {totals}")
+    assert totals["wrong"] == 0, "a damaged index made the store serve wrong bytes"
+    assert totals["get_errors"] == 0, "get() raised into the caller on a damaged index"
+    assert outcomes["served_ok"] > 0, "no trial opened: the sweep tested nothing"
+
+
+def test_zeroed_lmdb_meta_pages_raise_typed_error(tmp_path):
+    """Both meta pages zeroed: LMDB cannot open the file. Promise: a TieredKVError naming the path."""
+    path = tmp_path / "kv"
+    _fill(path)
+    data_mdb = path / "index" / "data.mdb"
+    with open(data_mdb, "r+b") as f:
+        f.write(bytes(2 * PAGE))
+    with pytest.raises(Exception) as info:
+        TieredStore(disk_config(path, disk_bytes=4 << 20))
+    _expect_typed(info.value, path)
+
+
+def _expect_typed(exc, path):
+    if not isinstance(exc, TieredKVError):
+        pytest.xfail(f"core bug: opening a damaged LMDB index raises {type(exc).__module__}.{type(exc).__name__}"
+                     f" ({exc}), not a TieredKVError naming {str(path)!r}")
+    assert str(path) in str(exc)
+
+
+@pytest.mark.xfail(strict=True, reason="core bug: a truncated index/data.mdb kills the process with SIGBUS "
+                   "(LMDB maps pages past EOF); DiskTier should check the file size against the meta page's "
+                   "last page number before reading (docs/reliability.md, Known gaps)")
+def test_truncated_lmdb_data_file_does_not_kill_the_process(tmp_path):
+    base = tmp_path / "trials" / "0"
+    _fill(base)
+    data_mdb = base / "index" / "data.mdb"
+    data = data_mdb.read_bytes()
+    data_mdb.write_bytes(data[:3 * PAGE])  # meta pages kept; the B-tree pages they point at are gone
+    verdicts = _run_trials(tmp_path / "trials", 1)
+    print(f"truncated data.mdb ({len(data)} -> {3 * PAGE} bytes): {verdicts}")
+    assert verdicts[0].startswith(("READ", "OPEN typed")), verdicts[0]
