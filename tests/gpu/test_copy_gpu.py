@@ -20,6 +20,13 @@ SHAPE = Shape(layers=3, heads=2, block_size=16, head_dim=64, num_blocks=40)
 ODD = Shape(layers=2, heads=1, block_size=3, head_dim=5, num_blocks=9)
 DTYPES = [torch.bfloat16, torch.float16, torch.float8_e4m3fn]
 MECHS = [Mechanism.COPY_ENGINE, Mechanism.SM_KERNEL]
+# copy engine with batched 1-D runs, copy engine with 2-D copies, SM kernel
+VARIANTS = [
+    (Mechanism.COPY_ENGINE, {"rect_copies": False}),
+    (Mechanism.COPY_ENGINE, {"rect_copies": True}),
+    (Mechanism.SM_KERNEL, {}),
+]
+VARIANT_IDS = ["copy_engine_1d", "copy_engine_2d", "sm_kernel"]
 SLOTS = 48
 
 
@@ -44,11 +51,12 @@ def _check_storages_equal(gpu_layout, cpu_layout):
         assert torch.equal(g.cpu(), c)
 
 
-@pytest.mark.parametrize("mech", MECHS, ids=lambda m: m.value)
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", all_cases(), ids=lambda c: c.name)
-def test_round_trip_bit_exact(case, dtype, mech):
-    gen = torch.Generator().manual_seed(zlib.crc32(f"{case.name}/{dtype}/{mech.value}".encode()))
+def test_round_trip_bit_exact(case, dtype, variant):
+    mech, opts = variant
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{case.name}/{dtype}/{mech.value}/{opts}".encode()))
     gpu, cpu = _twins(case, SHAPE, dtype, gen)
     n = 17
     blocks = torch.randperm(SHAPE.num_blocks, generator=gen)[:n]
@@ -57,9 +65,11 @@ def test_round_trip_bit_exact(case, dtype, mech):
     slab = _random_slab(SLOTS, gpu.block_nbytes, gen)
     want = slab.clone()
     BlockCopier(cpu, want).gpu_to_cpu(blocks, slots)
-    res = BlockCopier(gpu, slab, mechanism=mech).gpu_to_cpu(blocks, slots)
+    res = BlockCopier(gpu, slab, mechanism=mech, **opts).gpu_to_cpu(blocks, slots)
     res.wait()
     assert res.mechanism is mech and res.done()
+    if opts.get("rect_copies"):
+        assert res.num_runs < n * gpu.num_chunks or gpu.num_chunks == 1
     assert torch.equal(slab, want)
     # CPU -> GPU into poisoned KV: fresh random slab, fresh random KV on both twins
     fill_random(cpu, gen)
@@ -68,7 +78,7 @@ def test_round_trip_bit_exact(case, dtype, mech):
     src = _random_slab(SLOTS, gpu.block_nbytes, gen)
     dst_blocks = torch.randperm(SHAPE.num_blocks, generator=gen)[:n]
     BlockCopier(cpu, src.clone()).cpu_to_gpu(slots, dst_blocks)
-    BlockCopier(gpu, src, mechanism=mech).cpu_to_gpu(slots, dst_blocks).wait()
+    BlockCopier(gpu, src, mechanism=mech, **opts).cpu_to_gpu(slots, dst_blocks).wait()
     _check_storages_equal(gpu, cpu)
 
 
@@ -84,8 +94,8 @@ def test_odd_sizes_use_narrow_words(mech):
     assert torch.equal(slab, want)
 
 
-@pytest.mark.parametrize("mech", MECHS, ids=lambda m: m.value)
-def test_long_merged_runs_are_split_and_exact(mech):
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
+def test_long_merged_runs_are_split_and_exact(variant):
     """16 consecutive 512 KiB BLHNC blocks into 16 consecutive slots: one 8 MiB run."""
     gen = torch.Generator().manual_seed(6)
     big = Shape(layers=8, heads=8, block_size=16, head_dim=128, num_blocks=24)
@@ -93,7 +103,8 @@ def test_long_merged_runs_are_split_and_exact(mech):
     gpu, cpu = _twins(case, big, torch.bfloat16, gen)
     slab = _random_slab(20, gpu.block_nbytes, gen)
     want = slab.clone()
-    copier = BlockCopier(gpu, slab, mechanism=mech)
+    mech, opts = variant
+    copier = BlockCopier(gpu, slab, mechanism=mech, **opts)
     assert copier.plan(range(4, 20), range(2, 18), True).count == 1
     BlockCopier(cpu, want).gpu_to_cpu(range(4, 20), range(2, 18))
     copier.gpu_to_cpu(range(4, 20), range(2, 18)).wait()
@@ -106,8 +117,9 @@ def test_long_merged_runs_are_split_and_exact(mech):
     _check_storages_equal(gpu, cpu)
 
 
-@pytest.mark.parametrize("mech", MECHS, ids=lambda m: m.value)
-def test_copy_follows_work_already_on_the_callers_stream(mech):
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
+def test_copy_follows_work_already_on_the_callers_stream(variant):
+    mech, opts = variant
     """A store issued right after a kernel that writes the KV copies the new bytes."""
     views = vllm033_views("LBHNC", SHAPE, torch.bfloat16, "cuda")
     layout = vllm_layer_layout(views)
@@ -118,7 +130,7 @@ def test_copy_follows_work_already_on_the_callers_stream(mech):
         a = a @ a / 64.0
     for v in views:
         v.fill_(3.0)  # enqueued behind the matmuls
-    BlockCopier(layout, slab, mechanism=mech).gpu_to_cpu([5], [2]).wait()
+    BlockCopier(layout, slab, mechanism=mech, **opts).gpu_to_cpu([5], [2]).wait()
     assert bool((slab[2].view(torch.bfloat16) == 3.0).all())
 
 
@@ -140,9 +152,10 @@ def test_both_directions_concurrently_and_auto_choice():
     _check_storages_equal(gpu, cpu)
 
 
-@pytest.mark.parametrize("mech", MECHS, ids=lambda m: m.value)
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
 @pytest.mark.parametrize("name", ["vllm033-LBNHC", "vllm033-BLHNC", "sglang-host-layer_first-mha"])
-def test_inline_submission_and_close(name, mech):
+def test_inline_submission_and_close(name, variant):
+    mech, opts = variant
     gen = torch.Generator().manual_seed(zlib.crc32(f"inline/{name}/{mech.value}".encode()))
     case = next(c for c in all_cases() if c.name == name)
     gpu, cpu = _twins(case, SHAPE, torch.bfloat16, gen)
@@ -151,11 +164,11 @@ def test_inline_submission_and_close(name, mech):
     blocks = torch.randperm(SHAPE.num_blocks, generator=gen)[:9]
     slots = torch.randperm(SLOTS, generator=gen)[:9]
     BlockCopier(cpu, want).gpu_to_cpu(blocks, slots)
-    with BlockCopier(gpu, slab, mechanism=mech, threaded_submit=False) as copier:
+    with BlockCopier(gpu, slab, mechanism=mech, threaded_submit=False, **opts) as copier:
         res = copier.gpu_to_cpu(blocks, slots)
         res.wait()
     assert torch.equal(slab, want)
-    with BlockCopier(gpu, slab, mechanism=mech) as copier:  # threaded; close() drains the queue
+    with BlockCopier(gpu, slab, mechanism=mech, **opts) as copier:  # threaded; close() drains the queue
         res = copier.cpu_to_gpu(slots, blocks)
     stream = torch.cuda.Stream()
     res.wait_on(stream)

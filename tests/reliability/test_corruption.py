@@ -98,7 +98,7 @@ def test_payload_damage_reads_as_miss_is_removed_and_counted(tmp_path, codec):
         for k in zeroed:
             f.seek(hdrs[k].slot * slot_bytes)
             f.write(bytes(PAGE))
-        f.truncate(hdrs[order[-5]].slot * slot_bytes + rng.randrange(1, slot_bytes))
+        f.truncate(hdrs[order[-5]].slot * slot_bytes + rng.randrange(1, hdrs[order[-5]].payload_len))
     damaged = flipped | zeroed | truncated
 
     with TieredStore(disk_config(path, disk_bytes=4 << 20)) as store:
