@@ -77,6 +77,7 @@ class _Event:
         self.event.record(stream)
 
     def wait(self) -> None:
+        """Block until the contiguous copy has landed."""
         self.event.synchronize()
 
 
@@ -95,9 +96,11 @@ class Bench:
         self.gen = torch.Generator().manual_seed(2026)
 
     def reps(self, nbytes: int) -> int:
+        """Timed repetitions for a copy of ``nbytes``: about 3 GB in all, 3 to 20."""
         return 2 if self.quick else max(3, min(20, int(3e9 / max(nbytes, 1))))
 
     def slab(self, slot_bytes: int) -> torch.Tensor:
+        """The pinned buffer viewed as slots of ``slot_bytes``."""
         return self.host[: (self.host.numel() // slot_bytes) * slot_bytes].view(-1, slot_bytes)
 
     def contiguous(self, nbytes: int, direction: str) -> float:
@@ -132,27 +135,30 @@ class Bench:
         for direction in directions:
             base = self.contiguous(nbytes, direction)
             for mech in mechs:
-                def run(mech=mech, direction=direction) -> list:
+                last: list = []
+
+                def run(mech=mech, direction=direction, last=last) -> list:
                     out = []
                     if direction in ("d2h", "both"):
                         out.append(copier.gpu_to_cpu(out_b, out_s, mechanism=mech))
                     if direction in ("h2d", "both"):
                         out.append(copier.cpu_to_gpu(in_s, in_b, mechanism=mech))
+                    last[:] = out
                     return out
 
                 moved = nbytes * (2 if direction == "both" else 1)
                 seconds, submit = _median_time(run, self.reps(moved))
                 rate = moved / seconds / 1e9
-                runs = copier.plan(out_b, out_s, True).count
+                runs = last[0].num_runs  # descriptors of one direction: 1-D runs, 2-D copies or kernel runs
                 rec = dict(case=label, opts=opts, blocks=n, block_bytes=layout.block_nbytes, direction=direction,
-                           mechanism=mech.value, gbps=round(rate, 2), contiguous_gbps=round(base, 2),
+                           mechanism=last[0].mechanism.value, gbps=round(rate, 2), contiguous_gbps=round(base, 2),
                            ratio=round(rate / base, 3), runs_per_call=runs,
                            mean_run_bytes=nbytes // max(runs, 1), call_ms=round(submit * 1e3, 3),
                            total_ms=round(seconds * 1e3, 3))
                 self.records.append(rec)
                 tag = ",".join(f"{k}={v}" for k, v in opts.items())
                 print(f"{label + (' ' + tag if tag else ''):<34} {n:>5} {direction:<4} {mech.value:<11} {rate:7.2f} GB/s"
-                      f"  contig {base:6.2f}  ratio {rate / base:5.3f}  runs {runs:>7}"
+                      f"  contig {base:6.2f}  ratio {rate / base:5.3f}  descr {runs:>7}"
                       f"  call {submit * 1e3:7.2f} ms", flush=True)
         copier.close()
 
@@ -284,17 +290,28 @@ def plot(data: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    recs = [r for r in data["copies"] if r["direction"] in ("d2h", "h2d") and not r.get("opts")
+    def series(r: dict) -> str | None:
+        opts = r.get("opts") or {}
+        if not opts:
+            return r["mechanism"]
+        if opts == {"rect_copies": False}:
+            return "copy_engine 1-D runs"
+        if opts == {"rect_copies": True}:
+            return "copy_engine 2-D"
+        return None
+
+    recs = [r for r in data["copies"] if r["direction"] in ("d2h", "h2d") and series(r)
             and r["case"] in ("llama3-8b/LBNHC", "llama3-8b/BLHNC")]
     panels = sorted({r["case"] for r in recs})
     fig, axes = plt.subplots(1, len(panels) + 1, figsize=(5 * (len(panels) + 1), 4), squeeze=False)
     for ax, case in zip(axes[0], panels):
-        for mech in ("copy_engine", "sm_kernel"):
+        for mech in ("copy_engine", "copy_engine 2-D", "sm_kernel"):
             for direction, style in (("d2h", "-o"), ("h2d", "-s")):
-                pts = sorted((r["blocks"], r["gbps"]) for r in recs if r["case"] == case and r["mechanism"] == mech and r["direction"] == direction)
+                pts = sorted((r["blocks"], r["gbps"]) for r in recs if r["case"] == case and series(r) == mech and r["direction"] == direction)
                 if pts:
                     ax.plot(*zip(*pts), style, label=f"{mech} {direction}")
-        base = sorted({(r["blocks"], r["contiguous_gbps"]) for r in recs if r["case"] == case and r["direction"] == "d2h"})
+        base = sorted({r["blocks"]: r["contiguous_gbps"] for r in recs
+                       if r["case"] == case and r["direction"] == "d2h" and not r.get("opts")}.items())
         if base:
             ax.plot(*zip(*base), "k--", label="contiguous d2h")
         ax.set_xscale("log", base=2)
@@ -304,14 +321,14 @@ def plot(data: dict, path: Path) -> None:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
     ax = axes[0][-1]
-    chunk = [r for r in data["copies"] if r["case"].startswith("chunks") and not r.get("opts")]
-    for mech in ("copy_engine", "sm_kernel"):
+    chunk = [r for r in data["copies"] if r["case"].startswith("chunks") and series(r)]
+    for mech in ("copy_engine", "copy_engine 1-D runs", "sm_kernel"):
         for direction, style in (("d2h", "-o"), ("h2d", "-s")):
-            pts = sorted((r["mean_run_bytes"] / 1024, r["gbps"]) for r in chunk if r["mechanism"] == mech and r["direction"] == direction)
+            pts = sorted((int(r["case"][6:-3]), r["gbps"]) for r in chunk if series(r) == mech and r["direction"] == direction)
             if pts:
                 ax.plot(*zip(*pts), style, label=f"{mech} {direction}")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("run size (KiB), 512 blocks of 256 KiB per call")
+    ax.set_xlabel("chunk size (KiB); 512 blocks of 256 KiB per call")
     ax.set_ylabel("GB/s")
     ax.set_title("chunked blocks: mechanism choice")
     ax.grid(True, alpha=0.3)
@@ -361,26 +378,28 @@ def main() -> int:
             torch.cuda.empty_cache()
         (out / "gpu_copy_ab.json").write_text(json.dumps(bench.records, indent=1))
         return 0
+    ce, sm = (Mechanism.COPY_ENGINE,), (Mechanism.SM_KERNEL,)
     for order in ("LBNHC", "BLHNC"):
         layout = build_model_layout(big, order)
         for n in sweep:
             dirs = ("d2h", "h2d", "both") if n in (256, 4096) else ("d2h", "h2d")
             bench.copies(f"llama3-8b/{order}", layout, n, dirs)
-        ab_submit(bench, f"llama3-8b/{order}", layout, 256 if order == "LBNHC" else 16)
+            if order == "LBNHC":  # the same copies as one 2-D copy per block instead of 32 batched 64 KiB runs
+                bench.copies(f"llama3-8b/{order}", layout, n, dirs, ce, rect_copies=True)
         if order == "LBNHC":
-            for n in (256, 4096):
-                bench.copies(f"llama3-8b/{order}", layout, n, ("d2h", "h2d"), (Mechanism.COPY_ENGINE,), prefer_overlap=False)
-            for programs in (16, 66, 132, 264):
-                bench.copies(f"llama3-8b/{order}", layout, 256, ("d2h", "h2d"), (Mechanism.SM_KERNEL,), sm_programs=programs)
-            variants = [(Mechanism.COPY_ENGINE, {}), (Mechanism.COPY_ENGINE, {"prefer_overlap": False})]
+            for programs in (16, 66, 132):
+                bench.copies(f"llama3-8b/{order}", layout, 256, ("d2h", "h2d"), sm, sm_programs=programs)
+            variants = [(Mechanism.COPY_ENGINE, {}), (Mechanism.COPY_ENGINE, {"rect_copies": True}),
+                        (Mechanism.COPY_ENGINE, {"prefer_overlap": False})]
             variants += [(Mechanism.SM_KERNEL, {"sm_programs": p}) for p in (16, 32, 132)]
             data["matmul"] = matmul_interference(bench, layout, 256, args.matmul_iters, variants)
         del layout
         torch.cuda.empty_cache()
-    layout = build_model_layout(big, "LHBNC")  # 8 KiB runs: many tiny descriptors
+    layout = build_model_layout(big, "LHBNC")  # 8 KiB chunks: 2-D rows of 8 KiB, or 256 tiny runs per block
     bench.copies("llama3-8b/LHBNC", layout, 256, ("d2h", "h2d", "both"))
-    for programs in (16, 66, 132, 264):
-        bench.copies("llama3-8b/LHBNC", layout, 256, ("d2h", "h2d"), (Mechanism.SM_KERNEL,), sm_programs=programs)
+    bench.copies("llama3-8b/LHBNC", layout, 256, ("d2h", "h2d", "both"), ce, rect_copies=False)
+    for programs in (16, 66, 132):
+        bench.copies("llama3-8b/LHBNC", layout, 256, ("d2h", "h2d"), sm, sm_programs=programs)
     del layout
     torch.cuda.empty_cache()
     small = SHAPES["small-16L-hd64"]
@@ -388,17 +407,16 @@ def main() -> int:
         layout = build_model_layout(small, order)
         for n in (256, 4096):
             bench.copies(f"small-16L-hd64/{order}", layout, n, ("d2h", "h2d", "both"))
-        if order == "LBNHC":
-            ab_submit(bench, f"small-16L-hd64/{order}", layout, 4096)
+            if order == "LBNHC":  # default there is 2-D (32 KiB runs); compare with batched 1-D runs
+                bench.copies(f"small-16L-hd64/{order}", layout, n, ("d2h", "h2d", "both"), ce, rect_copies=False)
         del layout
         torch.cuda.empty_cache()
     for chunk_kib in (1, 2, 4, 8, 16, 32, 64):
         layout = build_chunked_layout(chunk_kib * 1024, 256 * 1024, 2048)
         bench.copies(f"chunks{chunk_kib}KiB", layout, 512, ("d2h", "h2d"))
+        bench.copies(f"chunks{chunk_kib}KiB", layout, 512, ("d2h", "h2d"), ce, rect_copies=False)
         if chunk_kib in (1, 4, 16):
-            bench.copies(f"chunks{chunk_kib}KiB", layout, 512, ("d2h", "h2d"), (Mechanism.SM_KERNEL,), sm_programs=132)
-        if chunk_kib == 16:
-            ab_submit(bench, f"chunks{chunk_kib}KiB", layout, 512)
+            bench.copies(f"chunks{chunk_kib}KiB", layout, 512, ("d2h", "h2d"), sm, sm_programs=132)
         del layout
         torch.cuda.empty_cache()
     data["copies"] = bench.records

@@ -13,7 +13,7 @@ of the same size in 8 MiB chunks from one aligned buffer. Ratio = ours / ceiling
 
 Usage (CPU SGLang venv):
   PYTHONPATH=scripts/cpu_stubs .venv-sglang/bin/python benchmarks/sglang_bench.py \
-      [--dir /nvme/tmp] [--pages 256] [--layouts page_first,layer_first] [--json bench_out/sglang.json]
+      [--dir /nvme/tmp] [--pages 128] [--repeats 3] [--layouts page_first,layer_first] [--json bench_out/sglang.json]
 
 Threading contract: a script; single-threaded apart from the store's own movers.
 """
@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from statistics import median
 
 import torch
 
@@ -134,17 +135,71 @@ def run_layout(directory: Path, layout: str, pages: int) -> dict:
             "get_pages_s": pages / t_get, "get_gbps": total / t_get / 1e9}
 
 
-def table(res: dict) -> str:
-    """Markdown table of one run."""
-    raw_w, raw_r = res["raw_write_gbps"], res["raw_read_gbps"]
-    lines = ["| path | layout | pages/s | GB/s | ratio to raw O_DIRECT |", "|---|---|---:|---:|---:|",
-             f"| raw O_DIRECT write + fsync (ceiling) | - | - | {raw_w:.2f} | 1.00 |",
-             f"| raw O_DIRECT read (ceiling) | - | - | {raw_r:.2f} | 1.00 |"]
-    for r in res["runs"]:
-        lines.append(f"| batch_set_v1 + flush | {r['layout']} | {r['set_pages_s']:.0f} | {r['set_gbps']:.2f} | "
-                     f"{r['set_gbps'] / raw_w:.2f} |")
-        lines.append(f"| batch_get_v1 (cold cache) | {r['layout']} | {r['get_pages_s']:.0f} | {r['get_gbps']:.2f} | "
-                     f"{r['get_gbps'] / raw_r:.2f} |")
+def store_only(directory: Path, pages: int) -> dict:
+    """The same pages through ``TieredStore.put``/``get`` alone (no SGLang, no host pool): the adapter's floor."""
+    from tiered_kv.store import TieredStore
+
+    shape = (2, PAGE, LAYERS, HEADS, HEAD_DIM)
+    batch = min(BATCH, pages)
+    blocks = torch.randint(-(2 ** 15), 2 ** 15 - 1, (batch, *shape), dtype=torch.int16).view(torch.bfloat16)
+    out = torch.zeros_like(blocks)
+    keys = [i.to_bytes(8, "little") * 4 for i in range(1, pages + 1)]
+    cfg = {"block_shape": list(shape), "dtype": "bfloat16", "page_size": PAGE, "cpu_bytes": 0,
+           "disk_path": str(directory / "store_only"), "disk_bytes": (pages + 8) * blocks[0].numel() * 2}
+    with TieredStore(cfg) as store:
+        t0 = time.perf_counter()
+        for a in range(0, pages, batch):
+            n = min(batch, pages - a)
+            if not all(store.put(keys[a:a + n], blocks[:n]).wait()):
+                raise RuntimeError("store refused pages")
+        store.flush()
+        t_put = time.perf_counter() - t0
+        drop_cache(directory / "store_only")
+        t0 = time.perf_counter()
+        for a in range(0, pages, batch):
+            n = min(batch, pages - a)
+            if store.get(keys[a:a + n], out[:n]).wait() != n:
+                raise RuntimeError("store missed pages")
+        t_get = time.perf_counter() - t0
+    total = pages * blocks[0].numel() * 2
+    return {"layout": "(store only)", "pages": pages, "set_pages_s": pages / t_put, "set_gbps": total / t_put / 1e9,
+            "get_pages_s": pages / t_get, "get_gbps": total / t_get / 1e9}
+
+
+ROWS = [  # (label, run layout, metric, raw metric)
+    ("TieredStore.put + flush, no SGLang", "(store only)", "set", "write"),
+    ("TieredStore.get (cold cache), no SGLang", "(store only)", "get", "read"),
+    ("batch_set_v1 + flush", None, "set", "write"),
+    ("batch_get_v1 (cold cache)", None, "get", "read"),
+]
+
+
+def summarize(repeats: list[dict], layouts: list[str]) -> list[dict]:
+    """Median (and min, max) over repeats of GB/s, pages/s and the same-repeat ratio to the raw ceiling."""
+    rows = []
+    for kind in ("write", "read"):
+        gb = [r[f"raw_{kind}_gbps"] for r in repeats]
+        rows.append({"path": f"raw O_DIRECT {kind}" + (" + fsync" if kind == "write" else "") + " (ceiling)",
+                     "layout": "-", "gbps": median(gb), "gbps_min": min(gb), "gbps_max": max(gb),
+                     "pages_s": None, "ratio": 1.0})
+    for label, fixed, metric, raw in ROWS:
+        for lay in ([fixed] if fixed else layouts):
+            runs = [next(x for x in r["runs"] if x["layout"] == lay) | {"raw": r[f"raw_{raw}_gbps"]} for r in repeats]
+            gb = [x[f"{metric}_gbps"] for x in runs]
+            rows.append({"path": label, "layout": lay if not fixed else "-", "gbps": median(gb), "gbps_min": min(gb),
+                         "gbps_max": max(gb), "pages_s": median([x[f"{metric}_pages_s"] for x in runs]),
+                         "ratio": median([x[f"{metric}_gbps"] / x["raw"] for x in runs])})
+    return rows
+
+
+def table(rows: list[dict], repeats: int) -> str:
+    """Markdown table of the summary."""
+    lines = [f"| path | layout | pages/s | GB/s (median of {repeats}) | min-max | ratio to raw (same repeat) |",
+             "|---|---|---:|---:|---:|---:|"]
+    for r in rows:
+        pages = "-" if r["pages_s"] is None else f"{r['pages_s']:.0f}"
+        lines.append(f"| {r['path']} | {r['layout']} | {pages} | {r['gbps']:.2f} | "
+                     f"{r['gbps_min']:.2f}-{r['gbps_max']:.2f} | {r['ratio']:.2f} |")
     return "\n".join(lines)
 
 
@@ -152,22 +207,29 @@ def main(argv: list[str] | None = None) -> int:
     """Run the benchmark, print a table, write JSON."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dir", default=None, help="directory on the disk to test (default: a temp dir in /tmp)")
-    ap.add_argument("--pages", type=int, default=256, help="pages per layout (8 MiB each)")
+    ap.add_argument("--pages", type=int, default=128, help="pages per layout and repeat (8 MiB each)")
+    ap.add_argument("--repeats", type=int, default=3, help="repeats (the box may be shared: medians are reported)")
     ap.add_argument("--layouts", default="page_first,layer_first")
     ap.add_argument("--json", default="bench_out/sglang_bench.json")
     a = ap.parse_args(argv)
-    base = Path(tempfile.mkdtemp(prefix="tkv-sglang-bench-", dir=a.dir))
-    try:
-        page_nbytes = 2 * LAYERS * PAGE * HEADS * HEAD_DIM * 2
-        raw_w, raw_r = raw_ceiling(base, a.pages * page_nbytes, page_nbytes)
-        runs = [run_layout(base, lay, a.pages) for lay in a.layouts.split(",")]
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
+    layouts = a.layouts.split(",")
+    page_nbytes = 2 * LAYERS * PAGE * HEADS * HEAD_DIM * 2
+    repeats = []
+    for _ in range(a.repeats):
+        base = Path(tempfile.mkdtemp(prefix="tkv-sglang-bench-", dir=a.dir))
+        try:
+            raw_w, raw_r = raw_ceiling(base, a.pages * page_nbytes, page_nbytes)
+            runs = [store_only(base, a.pages)] + [run_layout(base, lay, a.pages) for lay in layouts]
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+        repeats.append({"raw_write_gbps": raw_w, "raw_read_gbps": raw_r, "runs": runs})
+    rows = summarize(repeats, layouts)
     res = {"bench": "sglang_hicache_backend", "model_shape": {"layers": LAYERS, "kv_heads": HEADS,
-           "head_dim": HEAD_DIM, "dtype": "bfloat16", "page_tokens": PAGE}, "batch_pages": BATCH,
-           "dir": str(base.parent), "host": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__,
-           "raw_write_gbps": raw_w, "raw_read_gbps": raw_r, "runs": runs}
-    print(table(res))
+           "head_dim": HEAD_DIM, "dtype": "bfloat16", "page_tokens": PAGE, "page_bytes": page_nbytes},
+           "batch_pages": BATCH, "pages": a.pages, "dir": str(base.parent), "host": platform.node(),
+           "cpus": os.cpu_count(), "loadavg_end": os.getloadavg(), "torch": torch.__version__,
+           "summary": rows, "repeats": repeats}
+    print(table(rows, a.repeats))
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps(res, indent=2))

@@ -17,6 +17,7 @@ import json
 import mmap
 import os
 import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -131,28 +132,34 @@ def tiered_disk(dirpath: Path, rows: torch.Tensor, compression: str, batch: int 
     return {"write_GBps": gb / w, "read_GBps": gb / r, "stored_bytes": stored, "raw_bytes": n * nb}
 
 
-def run(directory: str | None = None, block_mib: float = 2.0, total_mib: int = 512, repeats: int = 2) -> dict:
-    """Run every measurement ``repeats`` times (best of), return a JSON-able dict."""
+def run(directory: str | None = None, block_mib: float = 2.0, total_mib: int = 512, repeats: int = 3) -> dict:
+    """Run every measurement ``repeats`` times, alternating paths; return medians as a JSON-able dict."""
     nb = int(block_mib * (1 << 20))
     n = max(8, int(total_mib * (1 << 20)) // nb)
     rows = _kv_like(n, nb)
     base = Path(directory) if directory else Path(tempfile.mkdtemp(prefix="tkv-bench-", dir="."))
     base.mkdir(parents=True, exist_ok=True)
-    res: dict = {"date": time.strftime("%Y-%m-%d"), "block_bytes": nb, "blocks": n, "dir": str(base)}
+    res: dict = {"date": time.strftime("%Y-%m-%d"), "block_bytes": nb, "blocks": n, "dir": str(base),
+                 "repeats": repeats, "method": "rounds alternate raw/lmdb/tiered/tiered+zstd; medians reported"}
+    rounds: dict[str, list[dict]] = {k: [] for k in ("raw_odirect", "lmdb_values", "tiered_disk_none",
+                                                      "tiered_disk_zstd")}
     try:
-        best = lambda f: max((f() for _ in range(repeats)), key=lambda x: x[0] + x[1])  # noqa: E731
-        res["raw_odirect"] = dict(zip(("write_GBps", "read_GBps"), best(lambda: raw_direct(base, rows))))
-        res["lmdb_values"] = dict(zip(("write_GBps", "read_GBps"), best(lambda: lmdb_values(base, rows))))
-        for comp in ("none", "zstd"):
-            runs = [tiered_disk(base, rows, comp) for _ in range(repeats)]
-            res[f"tiered_disk_{comp}"] = max(runs, key=lambda d: d["write_GBps"] + d["read_GBps"])
+        for _ in range(repeats):  # alternate, so a noisy neighbour hits every path alike
+            rounds["raw_odirect"].append(dict(zip(("write_GBps", "read_GBps"), raw_direct(base, rows))))
+            rounds["lmdb_values"].append(dict(zip(("write_GBps", "read_GBps"), lmdb_values(base, rows))))
+            for comp in ("none", "zstd"):
+                rounds[f"tiered_disk_{comp}"].append(tiered_disk(base, rows, comp))
     finally:
         if not directory:
             shutil.rmtree(base, ignore_errors=True)
+    for k, rs in rounds.items():
+        res[k] = {f: statistics.median(r[f] for r in rs) for f in rs[0]}
+        res[k]["rounds"] = rs
     raw = res["raw_odirect"]
     for k in ("lmdb_values", "tiered_disk_none", "tiered_disk_zstd"):
-        res[k]["write_ratio"] = res[k]["write_GBps"] / raw["write_GBps"]
-        res[k]["read_ratio"] = res[k]["read_GBps"] / raw["read_GBps"]
+        for f in ("write", "read"):  # ratio within each round (same moment, same disk), then the median
+            res[k][f"{f}_ratio"] = statistics.median(
+                r[f"{f}_GBps"] / b[f"{f}_GBps"] for r, b in zip(res[k]["rounds"], raw["rounds"]))
     z = res["tiered_disk_zstd"]
     z["bytes_saved_ratio"] = 1 - z["stored_bytes"] / z["raw_bytes"]
     return res
@@ -179,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir here)")
     ap.add_argument("--total-mib", type=int, default=512)
     ap.add_argument("--block-mib", type=float, default=2.0)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "disk_bench.json"))
     a = ap.parse_args(argv)
     res = run(a.dir, a.block_mib, a.total_mib, a.repeats)

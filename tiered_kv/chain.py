@@ -485,7 +485,9 @@ class TierChain:
 
     def _demote_done(self, key: bytes, src: int, ok: bool) -> Jobs:
         e = self.index.get(key)
-        c = e.copies[src]
+        c = None if e is None else e.copies.get(src)
+        if c is None:  # deleted while moving: the source was freed when its last reader let go
+            return self._kick(src)
         if ok:
             return self._drop(key, src)
         c.leaving = False  # keep the source; try another victim for whoever waits

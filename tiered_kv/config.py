@@ -96,7 +96,7 @@ class StoreConfig:
         if not isinstance(data, dict):
             raise ConfigError(f"config must be a mapping, got {type(data).__name__}")
         valid = set(cls.valid_keys())
-        unknown = sorted(k for k in data if k not in valid and k not in allow)
+        unknown = sorted((k for k in data if k not in valid and k not in allow), key=repr)
         if unknown:
             raise ConfigError(f"unknown config key(s) {unknown}; valid keys: {sorted(valid)}")
         known = {k: v for k, v in data.items() if k in valid}
@@ -130,5 +130,5 @@ def _check_int(value: object, name: str, lo: int, hi: int | None = None) -> None
 
 
 def _check_choice(value: object, name: str, choices) -> None:
-    if value not in choices:
+    if not isinstance(value, str) or value not in choices:
         raise ConfigError(f"{name}: unknown value {value!r}; valid: {sorted(choices)}")

@@ -57,8 +57,10 @@ class RecordHeader:
     @classmethod
     def unpack(cls, key: bytes, data: bytes) -> "RecordHeader":
         """Parse and verify; raises RecordError for anything but a well-formed header of this key."""
-        if not isinstance(data, (bytes, bytearray, memoryview)) or len(data) != HEADER_LEN:
-            raise RecordError(f"record header must be {HEADER_LEN} bytes, got {len(data) if data is not None else None}")
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise RecordError(f"record header must be bytes, got {type(data).__name__}")
+        if len(data) != HEADER_LEN:
+            raise RecordError(f"record header must be {HEADER_LEN} bytes, got {len(data)}")
         data = bytes(data)
         (magic, version, codec, _flags, layout_fp, slot, raw_len, payload_len, payload_xxh, created,
          hxh) = _FMT.unpack(data)

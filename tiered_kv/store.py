@@ -181,6 +181,8 @@ class TieredStore:
         if buf.device.type != "cpu" and buf.device != self._gpu_dev:
             raise InvalidInputError(f"{name} is on {buf.device}; use a CPU tensor"
                                     + (f" or one on {self._gpu_dev}" if self._gpu_dev else ""))
+        if n == 0:
+            return torch.empty((0, self.layout.nbytes), dtype=torch.uint8)
         if not buf.is_contiguous():
             raise InvalidInputError(f"{name} is not contiguous; pass {name}.contiguous()")
         return buf.view(torch.uint8).reshape(n, self.layout.nbytes)

@@ -36,7 +36,10 @@ def parse_size(value: int | float | str, name: str = "size") -> int:
             raise ConfigError(
                 f"{name}: cannot parse size {value!r}; use a number with an optional unit "
                 f"(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '64GiB'")
-        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        f = float(m.group(1)) * _UNITS[m.group(2).lower()]
+        if f != f or f == float("inf"):
+            raise ConfigError(f"{name}: size {value[:40]!r}... is too large")
+        n = int(f)
     else:
         raise ConfigError(f"{name}: expected a size such as 4096 or '64GiB', got {type(value).__name__} {value!r}")
     if n < 0:

@@ -10,8 +10,10 @@ import multiprocessing
 
 import pytest
 
-from sglang_harness import (ALL_POOLS, PAGE_SIZE, controller_stub, create_backend, extra_config, attached_backend,
-                            fill_random, live_op, make_pool, mla_writer_process, mha_pool, mla_pool, page_helpers, pages_bytes)
+from tests.connector.sglang_harness import (
+    ALL_POOLS, PAGE_SIZE, controller_stub, create_backend, extra_config, attached_backend, fill_random,
+    live_op, make_pool, mla_writer_process, mha_pool, mla_pool, page_helpers, pages_bytes,
+)
 
 torch = pytest.importorskip("torch")
 
@@ -269,4 +271,97 @@ def test_get_stats_clear_and_close(tmp_path):
     assert backend.batch_exists(keys) == 0
     assert all(backend.batch_set_v1(keys, idx)) and backend.batch_exists(keys) == N
     backend.close()
+    backend.close()
+
+
+@pytest.mark.parametrize("kind,layout", [("mha", "page_first"), ("mla", "page_first"), ("mla", "layer_first")])
+def test_batches_larger_than_a_chunk_pipeline_and_stop_at_a_hole(tmp_path, kind, layout):
+    pool = make_pool(kind, layout)
+    backend = attached_backend(extra_config(tmp_path, chunk_pages=2), pool)
+    fill_random(pool, 21)
+    src = pool.alloc(7 * PAGE_SIZE)
+    expected = pages_bytes(pool, src, 7)
+    keys = [f"chunk{i}" for i in range(7)]
+    assert backend.batch_set_v1(keys, src) == [True] * 7
+    dst = pool.alloc(7 * PAGE_SIZE)
+    assert backend.batch_get_v1(keys, dst) == [True] * 7
+    assert all(torch.equal(a, b) for a, b in zip(pages_bytes(pool, dst, 7), expected))
+    counters = backend.stats()["backend"]
+    # MLA page_first pages are contiguous in the pool: the store reads and writes them in place
+    in_place = kind == "mla" and layout == "page_first"
+    assert (counters["get_zero_copy_calls"] > 0) == in_place
+    assert (counters["set_zero_copy_calls"] > 0) == in_place
+    backend.store.delete(backend._keys([keys[4]]))
+    backend.store.drain()
+    pool.kv_buffer.zero_()
+    assert backend.batch_get_v1(keys, dst) == [True] * 4 + [False] * 3
+    assert all(torch.equal(a, b) for a, b in zip(pages_bytes(pool, dst, 4), expected[:4]))
+    backend.close()
+
+
+def test_a_hit_query_warms_the_cpu_tier(tmp_path):
+    extra = extra_config(tmp_path, cpu_bytes="1MiB")
+    pool = mha_pool("page_first")
+    first = attached_backend(extra, pool)
+    fill_random(pool, 4)
+    keys = [f"warm{i}" for i in range(N)]
+    assert all(first.batch_set_v1(keys, pool.alloc(N * PAGE_SIZE)))
+    first.close()
+    second = attached_backend(extra, mha_pool("page_first"))  # after a restart the pages are on disk only
+    ks = second._keys(keys)
+    assert second.store.locate(ks) == ["disk"] * N
+    assert second.batch_exists(keys) == N
+    second.store.drain()
+    assert second.store.locate(ks) == ["cpu"] * N
+    second.close()
+
+
+def test_an_mla_reader_forgets_but_never_deletes_the_writers_pages(tmp_path):
+    pool = mla_pool("page_first")
+    writer = attached_backend(extra_config(tmp_path), pool, tp_rank=0, tp_size=2)
+    fill_random(pool, 8)
+    keys = [f"keep{i}" for i in range(N)]
+    assert all(writer.batch_set_v1(keys, pool.alloc(N * PAGE_SIZE)))
+    writer.close()  # one process cannot hold one LMDB directory twice: reader opens after
+    reader = attached_backend(extra_config(tmp_path), mla_pool("page_first"), tp_rank=1, tp_size=2)
+    assert reader.store.lookup(reader._keys(keys)) == N
+    reader.store.delete(reader._keys(keys))  # what a reader-side eviction does
+    reader.store.drain()
+    assert reader.store.lookup(reader._keys(keys)) == 0
+    assert reader.batch_exists(keys) == N  # the records are still there: adopted again on the miss
+    reader.close()
+    again = attached_backend(extra_config(tmp_path), mla_pool("page_first"), tp_rank=0, tp_size=2)
+    assert again.batch_exists(keys) == N
+    again.close()
+
+
+def test_the_radix_index_refills_from_reads_after_a_restart(tmp_path):
+    pool = mha_pool("page_first")
+    first = attached_backend(extra_config(tmp_path), pool)
+    fill_random(pool, 6)
+    idx = pool.alloc(3 * PAGE_SIZE)
+    chain = [f"{i:064x}" for i in range(11, 14)]
+    assert all(first.batch_set_v1(chain, idx, HiCacheStorageExtraInfo(prefix_keys=[])))
+    first.close()
+    second = attached_backend(extra_config(tmp_path), mha_pool("page_first"))
+    assert len(second._radix) == 0
+    info = HiCacheStorageExtraInfo(prefix_keys=[])
+    assert second.batch_get_v1(chain, second.mem_pool_host.alloc(3 * PAGE_SIZE), info) == [True] * 3
+    assert len(second._radix) == 3
+    assert second.batch_exists(chain[1:], HiCacheStorageExtraInfo(prefix_keys=chain[:1])) == 2
+    assert second.stats()["backend"]["radix_pages"] >= 2
+    second.close()
+
+
+@pytest.mark.parametrize("kind,layout", [("mha", "layer_first"), ("mha", "page_head"), ("mla", "page_first")])
+def test_per_page_fallback_when_pages_are_not_uniformly_strided(tmp_path, monkeypatch, kind, layout):
+    from tiered_kv.connector.sglang_pages import HostPages
+
+    monkeypatch.setattr(HostPages, "_strided_view", lambda self, first: None)
+    pool = make_pool(kind, layout)
+    backend = attached_backend(extra_config(tmp_path, chunk_pages=2), pool)
+    assert not backend.pages.strided
+    keys, dst, expected, loaded = _write_then_read(backend, pool, "zero_copy", "zero_copy", n=5, seed=13)
+    assert loaded == 5
+    assert all(torch.equal(a, b) for a, b in zip(pages_bytes(pool, dst, 5), expected))
     backend.close()

@@ -12,8 +12,9 @@ import threading
 
 import pytest
 
-from sglang_harness import (PAGE_SIZE, extra_config, fill_random, make_pool, mha_pool, pages_bytes,
-                            running_controller)
+from tests.connector.sglang_harness import (
+    PAGE_SIZE, extra_config, make_pool, mha_pool, pages_bytes, running_controller,
+)
 
 torch = pytest.importorskip("torch")
 
@@ -164,3 +165,24 @@ def test_concurrent_backup_and_prefetch_threads(tmp_path, interface_v1):
             assert all(torch.equal(a, b) for a, b in zip(pages_bytes(pool, dst, len(s) // PAGE_SIZE), second[i][2]))
         counters = _no_errors(ctrl)
         assert counters["set_pages"] == sum(len(s) for s in seqs) // PAGE_SIZE
+
+
+def test_sglang_failure_injector_around_our_backend(tmp_path, monkeypatch):
+    """SGLang's own test hook wraps any backend in HiCacheStorageFailureInjector (random failed calls)."""
+    monkeypatch.setenv("SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE", "0.3")
+    pool = mha_pool("page_first", dev_tokens=512)
+    seqs = [_tokens(20_000 * (i + 1), 4) for i in range(10)]
+    with running_controller(pool, extra_config(tmp_path)) as ctrl:
+        assert type(ctrl.storage_backend).__name__ == "HiCacheStorageFailureInjector"
+        ours = ctrl.storage_backend._backend
+        backed = []
+        for i, s in enumerate(seqs):
+            op_id, _, expected = _backup(ctrl, pool, s, seed=i)
+            backed.append((_wait_backup(ctrl, op_id), expected))
+        for i, (s, (stored, expected)) in enumerate(zip(seqs, backed)):
+            hit, loaded, dst = _prefetch(ctrl, pool, f"inj{i}", s)
+            assert loaded <= hit and (hit == 0 or hit <= len(s))
+            for a, b in zip(pages_bytes(pool, dst, loaded // PAGE_SIZE) if loaded else [], expected):
+                assert torch.equal(a, b)  # whatever lands is the right page
+        assert any(stored for stored, _ in backed)
+        assert ours.stats()["backend"].get("errors", 0) == 0  # injected failures never became our errors

@@ -10,15 +10,21 @@ under test is ours, built through SGLang's ``dynamic`` factory; the SGLang objec
 (host pools, controller page helpers, ``storage_model_name``) are SGLang's own.
 
 ``test_hicache_seaweedfs_storage.py`` (the reference's "exact harness"):
-  applies  test_controller_round_trip_is_bit_exact_for_every_layout   -> test_seaweedfs_round_trip_every_layout
-  applies  test_generic_and_zero_copy_read_each_others_pages         -> test_seaweedfs_generic_and_zero_copy_interoperate
-  applies  test_prefetch_stops_at_the_first_missing_page             -> test_seaweedfs_prefetch_stops_at_first_missing_page
+  applies  test_controller_round_trip_is_bit_exact_for_every_layout
+           -> test_seaweedfs_round_trip_every_layout
+  applies  test_generic_and_zero_copy_read_each_others_pages
+           -> test_seaweedfs_generic_and_zero_copy_interoperate
+  applies  test_prefetch_stops_at_the_first_missing_page
+           -> test_seaweedfs_prefetch_stops_at_first_missing_page
            (the page is dropped with our store's delete instead of an S3 delete)
-  adapted  test_zero_copy_rejects_an_object_of_the_wrong_size        -> test_seaweedfs_foreign_page_is_not_copied_into_the_pool
+  adapted  test_zero_copy_rejects_an_object_of_the_wrong_size
+           -> test_seaweedfs_foreign_page_is_not_copied_into_the_pool
            (our API cannot store a raw 8 KiB blob under a key; the foreign object is a page
            of another geometry, written into the same disk_path under the same key)
-  applies  test_object_of_the_wrong_size_is_a_miss_not_an_overrun     -> test_seaweedfs_wrong_size_target_is_a_miss
-  adapted  test_mha_and_context_parallel_ranks_do_not_share_objects  -> test_seaweedfs_mha_and_cp_ranks_do_not_share
+  applies  test_object_of_the_wrong_size_is_a_miss_not_an_overrun
+           -> test_seaweedfs_wrong_size_target_is_a_miss
+  adapted  test_mha_and_context_parallel_ranks_do_not_share_objects
+           -> test_seaweedfs_mha_and_cp_ranks_do_not_share
            (values are full pages: our blocks are page-sized, a 64-byte value is refused)
   adapted  test_mla_ranks_share_objects -> test_seaweedfs_mla_ranks_share_objects (the writer
            closes before the reader opens: one process cannot open one LMDB directory twice;
@@ -60,8 +66,10 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_harness import (PAGE_SIZE, attached_backend, controller_stub, create_backend, extra_config,
-                            fill_random, live_op, mha_pool, mla_pool, page_helpers, pages_bytes)
+from tests.connector.sglang_harness import (
+    PAGE_SIZE, attached_backend, controller_stub, create_backend, extra_config, fill_random, live_op,
+    mha_pool, mla_pool, page_helpers, pages_bytes,
+)
 
 torch = pytest.importorskip("torch")
 

@@ -40,6 +40,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 import tiered_kv.connector.vllm as tkv_vllm
 from tiered_kv.connector.vllm import TieredKVConnector
+from tiered_kv.connector.vllm_scheduler import _resumed_ids
 
 BS = 16
 LAYERS = 2
@@ -127,6 +128,7 @@ class Engine:
     steps: int = 0
     _prev: tuple | None = None
     _tables: dict[str, list[int]] = field(default_factory=dict)
+    _aggregator: KVOutputAggregator | None = None
 
     @classmethod
     def create(cls, model_dir: str, extra: dict, *, num_blocks: int = 64, async_sched: bool = False,
@@ -238,7 +240,9 @@ class Engine:
         outputs = [self._run_worker(w, out, rows) for w in self.workers]
         if len(outputs) == 1:
             return outputs[0]
-        return KVOutputAggregator(len(outputs)).aggregate(outputs)
+        if self._aggregator is None:  # one per engine: it counts ranks across steps
+            self._aggregator = KVOutputAggregator(len(outputs))
+        return self._aggregator.aggregate(outputs)
 
     def _run_worker(self, w: Worker, out, rows) -> ModelRunnerOutput:
         conn = w.connector
@@ -270,7 +274,7 @@ class Engine:
             tables[new.req_id] = list(new.block_ids[0])
             rows.append((new.req_id, new.num_computed_tokens, out.num_scheduled_tokens[new.req_id]))
         c = out.scheduled_cached_reqs
-        resumed = set(c.resumed_req_ids)
+        resumed = _resumed_ids(c) if c.req_ids else set()
         for i, rid in enumerate(c.req_ids):
             if c.new_block_ids[i] is not None:
                 if rid in resumed:
@@ -324,17 +328,31 @@ class Engine:
 
 
 class Gate:
-    """Holds every job a worker's movers start until opened (or until ``auto_open_s`` passed)."""
+    """Holds every job a worker's movers start until opened.
 
-    def __init__(self, runtime, auto_open_s: float | None = None) -> None:
+    With ``open_on_fence`` the gate opens by itself when the worker starts waiting on a fence
+    (a re-allocated block whose copy is held), so a test can hold copies in flight across
+    steps without dead-locking the step that needs them; ``fenced`` says whether that happened.
+    """
+
+    def __init__(self, runtime, open_on_fence: bool = False) -> None:
         self.event = threading.Event()
         self.started = 0
+        self.fenced = False
         self._movers = [m for m in (runtime.front, runtime.back) if m is not None]
         for m in self._movers:
             m._execute = self._wrap(m._execute)  # the mover thread looks it up at each job
-        self._timer = threading.Timer(auto_open_s, self.event.set) if auto_open_s is not None else None
-        if self._timer is not None:
-            self._timer.start()
+        if open_on_fence:
+            original = runtime.fence
+
+            def fence():
+                plan = runtime._plan
+                if plan is not None and plan.fences:
+                    self.fenced = True
+                    self.event.set()
+                original()
+
+            runtime.fence = fence
 
     def _wrap(self, fn):
         def gated(job):

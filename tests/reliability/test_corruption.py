@@ -7,14 +7,13 @@ What this proves (docs/reliability.md, "Corruption"):
   every undamaged block still hits bit-exact, also after another reopen;
 - damage to record headers inside LMDB's ``index/data.mdb`` while the store is open:
   same promise (miss, removed, counted);
-- the same header damage while the store is closed: the block reads as a miss and is never
-  served; removing and counting it at reopen is the promise the core does not keep yet
-  (``xfail(strict=True)``, see docs/reliability.md "Known gaps");
+- the same header damage while the store is closed: the block reads as a miss, is never
+  served, is removed from the index at reopen and counted (``dropped_at_open``);
 - random damage to LMDB's own pages (flips, zeroed pages), one child process per batch of
   trials: a store that opens serves only bit-exact blocks and ``get()`` never raises. What
   LMDB does with its damaged B-tree (open refused with a raw ``lmdb`` error, or the process
-  killed by SIGBUS/abort) is printed; the typed-error promise is pinned by two strict
-  xfails below.
+  killed by an LMDB abort) is printed; a damaged index that LMDB refuses, zeroed meta pages and
+  a truncated ``data.mdb`` give a ``ConfigError`` naming the path (no raw ``lmdb`` error, no SIGBUS).
 
 Threading contract: single-threaded tests; damage is done while no process has the files
 open unless the test says otherwise.
@@ -168,9 +167,6 @@ def test_header_damage_in_lmdb_while_closed_is_never_served(tmp_path):
         assert store.stats()["puts_refused"] == 0
 
 
-@pytest.mark.xfail(strict=True, reason="core bug: DiskTier.stored_keys() skips records whose header fails to "
-                   "verify at open without deleting or counting them; they stay in LMDB and their slots leak "
-                   "(see docs/reliability.md, Known gaps)")
 def test_header_damage_in_lmdb_while_closed_is_removed_and_counted_at_reopen(tmp_path):
     path = tmp_path / "kv"
     keys = _fill(path)
@@ -280,15 +276,10 @@ def test_zeroed_lmdb_meta_pages_raise_typed_error(tmp_path):
 
 
 def _expect_typed(exc, path):
-    if not isinstance(exc, TieredKVError):
-        pytest.xfail(f"core bug: opening a damaged LMDB index raises {type(exc).__module__}.{type(exc).__name__}"
-                     f" ({exc}), not a TieredKVError naming {str(path)!r}")
+    assert isinstance(exc, TieredKVError), f"raw {type(exc).__module__}.{type(exc).__name__}: {exc}"
     assert str(path) in str(exc)
 
 
-@pytest.mark.xfail(strict=True, reason="core bug: a truncated index/data.mdb kills the process with SIGBUS "
-                   "(LMDB maps pages past EOF); DiskTier should check the file size against the meta page's "
-                   "last page number before reading (docs/reliability.md, Known gaps)")
 def test_truncated_lmdb_data_file_does_not_kill_the_process(tmp_path):
     base = tmp_path / "trials" / "0"
     _fill(base)

@@ -258,3 +258,12 @@ def test_forcing_a_gpu_mechanism_on_cpu_tensors_is_refused():
         BlockCopier(layout, slab, mechanism="copy_engine")
     with pytest.raises(BackendUnavailableError):
         BlockCopier(layout, slab).gpu_to_cpu([0], [0], mechanism="sm_kernel")
+
+
+def test_index_tensors_are_copied_at_the_call():
+    from tiered_kv.copy.segments import as_index_tensor
+
+    ids = torch.tensor([3, 1, 2])
+    private = as_index_tensor(ids, "ids")
+    ids[0] = 0
+    assert private.tolist() == [3, 1, 2]

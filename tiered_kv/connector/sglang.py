@@ -44,7 +44,9 @@ from ..keys import Namespace
 from ..radix import RadixIndex
 from ..store import TieredStore
 from .sglang_config import SGLangBackendConfig, Scope, scope_from
+from .sglang_io import read_pages, write_pages
 from .sglang_pages import HostPages
+from .sglang_shared import adopt_committed, open_as_reader
 from .sglang_stats import BackendCounters
 
 log = logging.getLogger(__name__)
@@ -54,7 +56,10 @@ class TieredHiCacheStorage(HiCacheStorage):
     """SGLang ``HiCacheStorage`` over a ``TieredStore`` (legacy + zero-copy v1 API)."""
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None) -> None:
-        """Validate our extra-config keys (ConfigError names a bad one). The store opens when SGLang registers its host pool."""
+        """Validate our extra-config keys (ConfigError names a bad one).
+
+        The store opens in ``register_mem_pool_host``, once the page layout is known.
+        """
         self.storage_config = storage_config
         self.options = SGLangBackendConfig.from_extra_config(storage_config.extra_config)
         self.scope: Scope = scope_from(storage_config, self.options.model)
@@ -75,6 +80,7 @@ class TieredHiCacheStorage(HiCacheStorage):
         if not isinstance(mem_pool_host, HostKVCache):
             raise ConfigError(f"tiered_kv needs an SGLang HostKVCache host pool, got {type(mem_pool_host).__name__}")
         super().register_mem_pool_host(mem_pool_host)
+        self.close()  # a re-registration (SGLang re-attach, our clear) reopens the store
         pages = HostPages(mem_pool_host, self.scope.is_mla)
         o = self.options
         probe = Namespace(self.scope.model, pages.layout.fingerprint, o.tenant_salt).with_extra(**self.scope.extras())
@@ -91,7 +97,12 @@ class TieredHiCacheStorage(HiCacheStorage):
         })
         store = TieredStore(cfg)
         self.namespace = store.namespace.with_extra(**self.scope.extras())
-        assert self.namespace.prefix == probe.prefix, "store namespace drifted from the directory name"
+        if self.namespace.prefix != probe.prefix:  # the directory name must name exactly these keys
+            store.close()
+            raise ConfigError(f"store namespace {self.namespace} differs from the one the disk directory "
+                              f"{disk_dir} was named for ({probe}); this is a tiered_kv bug, please report it")
+        if self.scope.is_mla and not self.scope.is_writer:
+            open_as_reader(store)  # one writer per directory: a reader rank never writes or deletes there
         self.pages, self.store, self.disk_dir = pages, store, disk_dir
         log.info("tiered_kv SGLang backend: %s, %d B/page, %s, tiers %s, %d pages held",
                  pages.layout.tag, pages.page_nbytes, "writer" if self.scope.is_writer else "reader",
@@ -115,10 +126,10 @@ class TieredHiCacheStorage(HiCacheStorage):
             store, _ = self._ready()
             ks = self._chain_keys(keys, extra_info)
             hits = store.lookup(ks)
-            if hits < len(ks) and self._refresh_if_reader():
+            if hits < len(ks) and self._adopt_if_reader(ks[hits:]):
                 hits = store.lookup(ks)
             self.counters.add(exists_calls=1, exists_pages=len(ks), exists_hits=hits)
-            if hits and store.tiers[0].name == "cpu" and len(store.tiers) > 1:
+            if hits and self.options.cpu_bytes and self.options.disk_path is not None:
                 store.prefetch(ks[:hits], to=0)  # warm the CPU tier while SGLang allocates host slots
             return hits
         except Exception as exc:  # never raise into SGLang's prefetch thread
@@ -132,7 +143,7 @@ class TieredHiCacheStorage(HiCacheStorage):
     def _chain_keys(self, hashes: list[str], extra_info: HiCacheStorageExtraInfo | None) -> list[bytes]:
         """Store keys for ``hashes``; with SGLang's prefix keys, the radix index serves the chain it already knows."""
         prefix = extra_info.prefix_keys if extra_info is not None else None
-        if not prefix or self.options.radix_pages == 0:
+        if prefix is None or self.options.radix_pages == 0:
             return self._keys(hashes)
         with self._radix_lock:
             known = self._radix.match(list(prefix) + list(hashes))[len(prefix):]
@@ -141,6 +152,7 @@ class TieredHiCacheStorage(HiCacheStorage):
 
     def _remember_chain(self, hashes: list[str], ks: list[bytes], ok: list[bool],
                         extra_info: HiCacheStorageExtraInfo | None) -> None:
+        """Record the leading stored/landed run of ``prefix_keys + hashes`` in the radix index (after a restart too)."""
         prefix = extra_info.prefix_keys if extra_info is not None else None
         if prefix is None or self.options.radix_pages == 0:
             return
@@ -162,19 +174,15 @@ class TieredHiCacheStorage(HiCacheStorage):
             store, pages = self._ready()
             t0 = time.perf_counter()
             ks = self._chain_keys(keys, extra_info)
-            plan = pages.scatter_plan(pages.page_ids(host_indices, n))
-            got = store.get(ks, plan.blocks).wait()
-            if got < n and self._refresh_if_reader() and store.lookup(ks[got:]) > 0:
-                rest = pages.scatter_plan(pages.page_ids(host_indices[got * pages.page_size:], n - got))
-                more = store.get(ks[got:], rest.blocks).wait()
-                plan.commit(got)
-                rest.commit(more)
+            page_ids = pages.page_ids(host_indices, n)
+            got, zero_copy = read_pages(store, pages, ks, page_ids, self.options.chunk_pages)
+            if got < n and self._adopt_if_reader(ks[got:]):
+                more, _ = read_pages(store, pages, ks[got:], page_ids[got:], self.options.chunk_pages)
                 got += more
-            else:
-                plan.commit(got)
-            self.counters.transfer("get", got, n - got, got * pages.page_nbytes, time.perf_counter() - t0,
-                                   plan.zero_copy)
-            return [True] * got + [False] * (n - got)
+            self.counters.transfer("get", got, n - got, got * pages.page_nbytes, time.perf_counter() - t0, zero_copy)
+            result = [True] * got + [False] * (n - got)
+            self._remember_chain(keys, ks, result, extra_info)
+            return result
         except Exception as exc:  # never raise into SGLang's prefetch IO thread
             self.counters.fail("batch_get_v1", exc)
             return [False] * n
@@ -196,12 +204,13 @@ class TieredHiCacheStorage(HiCacheStorage):
             ok = list(held)
             zero_copy = False
             if todo:
-                blocks, zero_copy = pages.gather([page_ids[i] for i in todo])
-                for i, good in zip(todo, store.put([ks[i] for i in todo], blocks).wait()):
+                res, zero_copy = write_pages(store, pages, [ks[i] for i in todo], [page_ids[i] for i in todo],
+                                             self.options.chunk_pages)
+                for i, good in zip(todo, res):
                     ok[i] = good
-            self.counters.transfer("set", len(todo) - ok.count(False), ok.count(False),
-                                   (len(todo) - ok.count(False)) * pages.page_nbytes, time.perf_counter() - t0,
-                                   zero_copy, deduplicated=n - len(todo))
+            stored = len(todo) - ok.count(False)
+            self.counters.transfer("set", stored, ok.count(False), stored * pages.page_nbytes,
+                                   time.perf_counter() - t0, zero_copy, deduplicated=n - len(todo))
             self._remember_chain(keys, ks, ok, extra_info)
             return ok
         except Exception as exc:  # never raise into SGLang's backup thread
@@ -219,7 +228,7 @@ class TieredHiCacheStorage(HiCacheStorage):
             t0 = time.perf_counter()
             staging = torch.empty((n, *pages.page_shape), dtype=pages.torch_dtype)
             got = store.get(self._keys(keys), staging).wait()
-            if got == 0 and n and self._refresh_if_reader():
+            if got == 0 and n and self._adopt_if_reader(self._keys(keys)):
                 got = store.get(self._keys(keys), staging).wait()
             for i in range(got):
                 if target_locations is None or target_locations[i] is None:
@@ -283,27 +292,24 @@ class TieredHiCacheStorage(HiCacheStorage):
         return self.batch_set([key], None if value is None else [value])
 
     # ------------------------------------------------------------------ reader ranks
-    def _refresh_if_reader(self) -> bool:
-        """MLA reader ranks: adopt records the writer rank stored since we looked (throttled). True if it ran."""
-        if self.scope.is_writer or not self.scope.is_mla or self.store is None:
+    def _adopt_if_reader(self, keys: list[bytes]) -> bool:
+        """MLA reader ranks: adopt those of ``keys`` the writer rank has committed since we looked. True if any."""
+        if self.scope.is_writer or not self.scope.is_mla or self.store is None or not keys:
             return False
         now = time.monotonic()
         with self._refresh_lock:
             if now - self._last_refresh < self.options.reader_refresh_s:
                 return False
             self._last_refresh = now
-            store = self.store
-            from .sglang_shared import adopt_new_records  # workaround until TieredStore.refresh() exists
-
-            added = adopt_new_records(store)
-        self.counters.add(reader_refreshes=1, reader_adopted=added)
+        added = adopt_committed(self.store, keys)
+        self.counters.add(reader_probes=1, reader_adopted=added)
         return added > 0
 
     # ------------------------------------------------------------------ admin
     def clear(self) -> bool:
         """Drop every page of this backend's namespace (SGLang's ``/hicache/storage-backend/clear``)."""
         try:
-            store, _ = self._ready()
+            self._ready()
             if not self.scope.is_writer:
                 return True  # the writer rank clears the shared directory
             pool = self.mem_pool_host

@@ -41,8 +41,9 @@ class SGLangBackendConfig:
     disk_workers: int = 2
     tenant_salt: str = ""
     model: str = ""
-    reader_refresh_s: float = 1.0
+    reader_refresh_s: float = 0.0
     radix_pages: int = 1 << 20
+    chunk_pages: int = 16
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
@@ -55,13 +56,13 @@ class SGLangBackendConfig:
         if self.disk_path is None and self.cpu_bytes == 0:
             raise ConfigError("tiered_kv needs somewhere to keep pages: set disk_path (and disk_bytes), "
                               "or cpu_bytes for a memory-only store")
-        if self.compression not in CODECS:
+        if not isinstance(self.compression, str) or self.compression not in CODECS:
             raise ConfigError(f"compression: unknown value {self.compression!r}; valid: {sorted(CODECS)}")
-        if self.eviction not in POLICIES:
+        if not isinstance(self.eviction, str) or self.eviction not in POLICIES:
             raise ConfigError(f"eviction: unknown value {self.eviction!r}; valid: {sorted(POLICIES)}")
         if not isinstance(self.disk_sync, bool):
             raise ConfigError(f"disk_sync: expected true or false, got {self.disk_sync!r}")
-        for key, lo, hi in (("disk_workers", 1, 64), ("radix_pages", 0, 1 << 30)):
+        for key, lo, hi in (("disk_workers", 1, 64), ("radix_pages", 0, 1 << 30), ("chunk_pages", 1, 1024)):
             v = getattr(self, key)
             if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
                 raise ConfigError(f"{key}: expected an int in [{lo}, {hi}], got {v!r}")
@@ -82,7 +83,7 @@ class SGLangBackendConfig:
         """Pick our keys out of SGLang's extra config; unknown keys raise ConfigError naming them."""
         extra = dict(extra or {})
         ours = set(cls.valid_keys())
-        unknown = sorted(k for k in extra if k not in ours and k not in SGLANG_KEYS)
+        unknown = sorted((k for k in extra if k not in ours and k not in SGLANG_KEYS), key=repr)
         if unknown:
             raise ConfigError(f"tiered_kv SGLang backend: unknown extra-config key(s) {unknown}; "
                               f"tiered_kv keys: {sorted(ours)}; SGLang keys (ignored): {sorted(SGLANG_KEYS)}")

@@ -14,33 +14,21 @@ pages is then one indexing copy (gather into a staging tensor, or scatter out of
 and no copy at all when the pages are consecutive and contiguous in the pool (MLA
 ``page_first`` layouts), where the store reads and writes the pool's memory directly.
 
-Threading contract: a ``HostPages`` is immutable after construction. ``gather`` and
-``scatter`` touch only the pages they are given, so SGLang's backup and prefetch
-threads may call them at once for different host slots (SGLang never hands the same
-slots to both: backup slots are host-locked until their ack).
+Threading contract: a ``HostPages`` is immutable after construction except for its
+staging buffers, which are per thread. ``gather`` and ``scatter`` touch only the pages
+they are given, so SGLang's backup and prefetch threads may call them at once for
+different host slots (SGLang never hands the same slots to both: backup slots are
+host-locked until their ack).
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import mmap
+import threading
 
 import torch
 
 from ..errors import InvalidInputError
 from ..layout import BlockLayout, normalize_dtype
-
-
-@dataclass(frozen=True)
-class PagePlan:
-    """Where ``n`` pages go (or come from): a block tensor and what to do after the store filled it.
-
-    ``blocks`` has shape ``(n, *page_shape)``. ``commit(k)`` copies the first ``k`` blocks
-    into the pool (a no-op when ``blocks`` is a view of the pool itself).
-    """
-
-    blocks: torch.Tensor
-    commit: Callable[[int], None]
-    zero_copy: bool
 
 
 class HostPages:
@@ -61,6 +49,7 @@ class HostPages:
         # page_head when heads == layers); shape and dtype are in the fingerprint anyway.
         self.layout = BlockLayout(self.page_shape, dtype, tag=f"sglang:{kind}:{self.layout_name}:ps{self.page_size}")
         self.view = self._strided_view(first)
+        self._local = threading.local()
 
     # ------------------------------------------------------------------ setup
     def _strided_view(self, first: torch.Tensor) -> torch.Tensor | None:
@@ -122,33 +111,55 @@ class HostPages:
         return run if run.is_contiguous() else None
 
     # ------------------------------------------------------------------ moves
-    def gather(self, pages: list[int]) -> tuple[torch.Tensor, bool]:
-        """Blocks ``(n, *page_shape)`` holding ``pages``; (tensor, True) when it is the pool's own memory."""
+    def staging(self, slot: int, n: int) -> torch.Tensor:
+        """This thread's reusable staging buffer ``slot`` (0 or 1), at least ``n`` pages, first ``n`` returned.
+
+        Reused across calls so a batch does not page-fault fresh memory every time (that
+        costs as much as the copy itself); one pair per SGLang thread (backup, prefetch IO).
+        """
+        bufs = getattr(self._local, "bufs", None)
+        if bufs is None:
+            bufs = self._local.bufs = [None, None]
+        buf = bufs[slot]
+        if buf is None or buf.shape[0] < n:
+            buf = bufs[slot] = _aligned_empty((n, *self.page_shape), self.torch_dtype)
+        return buf[:n]
+
+    def gather(self, pages: list[int], into: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
+        """Blocks ``(n, *page_shape)`` holding ``pages``; (tensor, True) when it is the pool's own memory.
+
+        ``into`` (contiguous, n pages) receives the copy when one is needed; else a new tensor.
+        """
         run = self._run_view(pages)
         if run is not None:
             return run, True
+        out = into if into is not None else torch.empty((len(pages), *self.page_shape), dtype=self.torch_dtype)
         if self.view is not None:
-            return self.view[torch.tensor(pages, dtype=torch.long)], False
-        return torch.stack([self.pool.get_data_page(p * self.page_size, flat=False).reshape(self.page_shape)
-                            for p in pages]), False
+            torch.index_select(self.view, 0, torch.tensor(pages, dtype=torch.long), out=out)
+        else:
+            for i, p in enumerate(pages):
+                out[i].copy_(self.pool.get_data_page(p * self.page_size, flat=False).reshape(self.page_shape))
+        return out, False
 
-    def scatter_plan(self, pages: list[int]) -> PagePlan:
-        """A block tensor for the store to fill, and the commit that lands its first k blocks in ``pages``."""
+    def scatter(self, pages: list[int], blocks: torch.Tensor, k: int) -> None:
+        """Copy the first ``k`` blocks into ``pages[:k]`` (a no-op when ``blocks`` is the pool's own memory)."""
+        if k <= 0 or self._is_pool_memory(blocks):
+            return
+        if self.view is not None:
+            self.view.index_copy_(0, torch.tensor(pages[:k], dtype=torch.long), blocks[:k])
+            return
+        for i in range(k):
+            self.pool.set_from_flat_data_page(pages[i] * self.page_size, blocks[i].flatten())
+
+    def read_target(self, pages: list[int], slot: int) -> tuple[torch.Tensor, bool]:
+        """Where the store should read ``pages`` to: the pool itself when possible, else staging ``slot``."""
         run = self._run_view(pages)
         if run is not None:
-            return PagePlan(run, lambda k: None, True)
-        staging = torch.empty((len(pages), *self.page_shape), dtype=self.torch_dtype)
+            return run, True
+        return self.staging(slot, len(pages)), False
 
-        def commit(k: int) -> None:
-            if k <= 0:
-                return
-            if self.view is not None:
-                self.view[torch.tensor(pages[:k], dtype=torch.long)] = staging[:k]
-                return
-            for i in range(k):
-                self.pool.set_from_flat_data_page(pages[i] * self.page_size, staging[i].flatten())
-
-        return PagePlan(staging, commit, False)
+    def _is_pool_memory(self, t: torch.Tensor) -> bool:
+        return self.view is not None and t.untyped_storage().data_ptr() == self.view.untyped_storage().data_ptr()
 
     def as_block(self, flat: torch.Tensor) -> torch.Tensor | None:
         """A legacy flat page (any dtype of the right byte size) viewed as one block, or None if the size is wrong."""
@@ -159,3 +170,10 @@ class HostPages:
             t = t.contiguous().view(torch.uint8).view(self.torch_dtype)
         return t.reshape(self.page_shape)
 
+
+def _aligned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor on page-aligned, pre-faulted anonymous memory (what an O_DIRECT write can use as is)."""
+    nbytes = max(1, torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size())
+    raw = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)  # the tensor keeps the mapping alive
+    raw.zero_()  # touch every page now, not inside the first timed copy
+    return raw.view(dtype).reshape(shape)

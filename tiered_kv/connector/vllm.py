@@ -129,30 +129,30 @@ class TieredKVConnector(KVConnectorBase_V1):
         if kv_cache_config is None:
             raise ConfigError("TieredKVConnector needs vLLM's kv_cache_config (vLLM >= 0.26)")
         self.cfg = ConnectorConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
-        self.geo = geometry(vllm_config, kv_cache_config)
+        self.geo = geometry(vllm_config, kv_cache_config, self.cfg.chunk_blocks)
         self.ident = hash_identity(str(vllm_config.cache_config.prefix_caching_hash_algo))
         if not self.ident.stable:
             if self.cfg.disk_path is not None:
                 log.warning(UNSTABLE_HASH_WARNING, self.ident.algo)
             self.ident = type(self.ident)(self.ident.algo, "unstable", False)
         self.ns = namespace(self.cfg, self.geo, str(vllm_config.model_config.model), self.ident)
-        cpu_blocks, disk_blocks = capacities(self.cfg, self.geo)
+        cpu_chunks, disk_chunks = capacities(self.cfg, self.geo)
         self._stats_sent: dict[str, float] = {}
         self._out_reports: dict[int, JobReport] = {}
         self._out_invalid: set[int] = set()
         self.planner: SchedulerPlanner | None = None
         self.worker: WorkerRuntime | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.planner = SchedulerPlanner(self.cfg, self.geo, self.ns, cpu_blocks, disk_blocks,
-                                            self._adoptable_keys(disk_blocks))
+            self.planner = SchedulerPlanner(self.cfg, self.geo, self.ns, cpu_chunks, disk_chunks,
+                                            self._adoptable_keys(disk_chunks))
         else:
-            self.worker = WorkerRuntime(self.cfg, self.geo, self.ns, worker_rank(), cpu_blocks, disk_blocks)
+            self.worker = WorkerRuntime(self.cfg, self.geo, self.ns, worker_rank(), cpu_chunks, disk_chunks)
             if not self.ident.stable and self.worker.disk is not None:
                 self.worker.disk.delete(self.worker.disk.stored_keys())  # unnameable after a restart
 
-    def _adoptable_keys(self, disk_blocks: int) -> list[bytes]:
+    def _adoptable_keys(self, disk_chunks: int) -> list[bytes]:
         """Keys every rank's disk directory holds from a previous engine (read-only open)."""
-        if not disk_blocks or not self.ident.stable:
+        if not disk_chunks or not self.ident.stable:
             return []
         common: dict[bytes, None] | None = None
         for rank in range(self.geo.tp_size):

@@ -55,7 +55,8 @@ class ConnectorConfig:
     zstd_level: int = 1
     disk_sync: bool = False
     disk_workers: int = 2
-    staging_blocks: int = 64
+    chunk_blocks: int = 16
+    staging_chunks: int = 8
     model_id: str = ""
     tenant_salt: str = ""
 
@@ -74,7 +75,8 @@ class ConnectorConfig:
         _int(self.min_hit_blocks, "min_hit_blocks", 1)
         _int(self.zstd_level, "zstd_level", -7, 22)
         _int(self.disk_workers, "disk_workers", 1, 64)
-        _int(self.staging_blocks, "staging_blocks", 1, 1 << 16)
+        _int(self.chunk_blocks, "chunk_blocks", 1, 4096)
+        _int(self.staging_chunks, "staging_chunks", 1, 4096)
         for key in ("disk_read_gbps", "prefill_tokens_per_s"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
@@ -160,25 +162,40 @@ UNSTABLE_HASH_WARNING = (
 # ---------------------------------------------------------------------------------- geometry
 @dataclass(frozen=True)
 class Geometry:
-    """What both sides agree on: block size, per-rank block bytes, TP, layer names, tags."""
+    """What both sides agree on: block and chunk size, per-rank bytes, TP, layer names, tags.
+
+    The tiers hold *chunks* of ``chunk_blocks`` consecutive GPU blocks (one key, one CPU slot,
+    one disk record each): per-chunk planner work is what keeps the scheduler cheap.
+    """
 
     block_size: int
+    chunk_blocks: int
     layer_names: tuple[str, ...]
     rank_block_nbytes: int
     tp_size: int
     tag: str
 
     @property
-    def block_nbytes(self) -> int:
-        """Bytes of one block summed over TP ranks (what the byte budgets are divided by)."""
-        return self.rank_block_nbytes * self.tp_size
+    def chunk_tokens(self) -> int:
+        """Tokens per chunk."""
+        return self.block_size * self.chunk_blocks
+
+    @property
+    def rank_chunk_nbytes(self) -> int:
+        """Bytes of one chunk on one rank (a CPU slot, a disk record)."""
+        return self.rank_block_nbytes * self.chunk_blocks
+
+    @property
+    def chunk_nbytes(self) -> int:
+        """Bytes of one chunk summed over TP ranks (what the byte budgets are divided by)."""
+        return self.rank_chunk_nbytes * self.tp_size
 
     def rank_layout(self, rank: int) -> BlockLayout:
-        """The ``BlockLayout`` of one rank's slab rows and disk records."""
-        return BlockLayout((self.rank_block_nbytes,), "uint8", f"{self.tag}|rank{rank}/{self.tp_size}")
+        """The ``BlockLayout`` of one rank's slab rows and disk records (one chunk each)."""
+        return BlockLayout((self.rank_chunk_nbytes,), "uint8", f"{self.tag}|rank{rank}/{self.tp_size}")
 
 
-def geometry(vllm_config, kv_cache_config) -> Geometry:
+def geometry(vllm_config, kv_cache_config, chunk_blocks: int = 1) -> Geometry:
     """Block geometry from vLLM's configs; ConfigError for models this connector cannot serve."""
     groups = list(kv_cache_config.kv_cache_groups)
     if len(groups) != 1:
@@ -191,8 +208,8 @@ def geometry(vllm_config, kv_cache_config) -> Geometry:
     layout_name = (vars(vllm_config.cache_config).get("kv_cache_layout")
                    or os.environ.get("VLLM_KV_CACHE_LAYOUT") or "default")
     desc = ",".join(f"{k}={v}" for k, v in sorted(_spec_fields(spec).items()))
-    tag = f"vllm|{type(spec).__name__}|{desc}|layers={len(layers)}|layout={layout_name}"
-    return Geometry(block_size, layers, int(spec.page_size_bytes) * len(layers), tp, tag)
+    tag = f"vllm|{type(spec).__name__}|{desc}|layers={len(layers)}|layout={layout_name}|chunk={chunk_blocks}"
+    return Geometry(block_size, chunk_blocks, layers, int(spec.page_size_bytes) * len(layers), tp, tag)
 
 
 def _spec_fields(spec) -> dict:
@@ -206,7 +223,7 @@ def _spec_fields(spec) -> dict:
 
 def namespace(cfg: ConnectorConfig, geo: Geometry, model: str, ident: HashIdentity) -> Namespace:
     """The key namespace: equal on every rank (the planner is shared); rank goes into the disk path."""
-    layout = BlockLayout((geo.rank_block_nbytes,), "uint8", geo.tag)
+    layout = BlockLayout((geo.rank_chunk_nbytes,), "uint8", geo.tag)
     return Namespace(cfg.model_id or model, layout.fingerprint, cfg.tenant_salt,
                      (("engine", "vllm"), ("hash", ident.algo), ("seed", ident.seed), ("tp", str(geo.tp_size))))
 
@@ -219,15 +236,20 @@ def rank_disk_dir(cfg: ConnectorConfig, ns: Namespace, rank: int, tp_size: int) 
 
 
 def capacities(cfg: ConnectorConfig, geo: Geometry) -> tuple[int, int]:
-    """(cpu blocks, disk blocks) for the whole engine; each rank holds its share of every block."""
-    cpu = cfg.cpu_bytes // geo.block_nbytes
+    """(cpu chunks, disk chunks) for the whole engine; each rank holds its share of every chunk."""
+    cpu = cfg.cpu_bytes // geo.chunk_nbytes
     if cpu == 0:
-        raise ConfigError(f"cpu_bytes={cfg.cpu_bytes} is smaller than one block ({geo.block_nbytes} bytes over "
-                          f"{geo.tp_size} rank(s)); raise cpu_bytes")
+        raise ConfigError(f"cpu_bytes={cfg.cpu_bytes} is smaller than one chunk ({geo.chunk_nbytes} bytes = "
+                          f"{geo.chunk_blocks} blocks over {geo.tp_size} rank(s)); raise cpu_bytes or lower chunk_blocks")
     disk = 0
     if cfg.disk_path is not None:
-        slot = -(-geo.rank_block_nbytes // ALIGN) * ALIGN  # the disk tier's record slot
-        disk = (cfg.disk_bytes // geo.tp_size) // slot
+        disk = (cfg.disk_bytes // geo.tp_size) // disk_slot_nbytes(geo)
         if disk == 0:
-            raise ConfigError(f"disk_bytes={cfg.disk_bytes} is smaller than one block per rank ({slot} bytes)")
+            raise ConfigError(f"disk_bytes={cfg.disk_bytes} is smaller than one chunk per rank "
+                              f"({disk_slot_nbytes(geo)} bytes)")
     return cpu, disk
+
+
+def disk_slot_nbytes(geo: Geometry) -> int:
+    """Bytes one chunk takes in a rank's disk payload file (records are 4 KiB aligned)."""
+    return -(-geo.rank_chunk_nbytes // ALIGN) * ALIGN

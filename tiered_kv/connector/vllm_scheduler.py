@@ -45,15 +45,18 @@ class StepPlan:
     """What the workers do for one scheduler step (pickled to every worker inside the metadata).
 
     ``early`` jobs start at once (loads into GPU blocks, tier-to-tier moves); ``stores`` read
-    GPU blocks and start after this step's forward; ``fences`` are job ids that must have
-    finished touching GPU memory before this step's forward runs; ``loads`` maps a request
-    to its load job ids (reported in ``finished_recving`` when all are done) and
-    ``load_fail`` to GPU blocks its load cannot fill (reported as load errors).
+    GPU blocks and start after this step's forward; ``ext`` gives, for every job with a GPU
+    side, its items' GPU block ids, ``chunk_blocks`` per item, flat (-1 = leave that block alone);
+    ``fences`` are job ids that must have finished touching GPU memory before this step's
+    forward runs; ``loads`` maps a request to its load job ids (reported in
+    ``finished_recving`` when all are done) and ``load_fail`` to GPU blocks its load cannot
+    fill (reported as load errors, so vLLM recomputes them).
     """
 
     step: int
     early: list[TransferJob] = field(default_factory=list)
     stores: list[TransferJob] = field(default_factory=list)
+    ext: dict[int, list[int]] = field(default_factory=dict)
     fences: list[int] = field(default_factory=list)
     loads: dict[str, list[int]] = field(default_factory=dict)
     load_fail: dict[str, list[int]] = field(default_factory=dict)
@@ -97,16 +100,16 @@ class KeyMaker:
 @dataclass
 class _Req:
     request: object  # vllm.v1.request.Request
-    keys: list[bytes] = field(default_factory=list)
+    keys: list[bytes] = field(default_factory=list)  # chunk keys, computed lazily
     block_ids: list[int] = field(default_factory=list)
-    stored: int = 0  # leading blocks already offered to the store
-    lookup: tuple[int, int] = (0, 0)  # (first block, blocks) of the last answered hit
+    stored: int = 0  # leading chunks already offered to the store
+    lookup: tuple[int, int, int] = (0, 0, 0)  # (first chunk, chunks, blocks of the first chunk held locally)
 
 
 @dataclass
 class _Put:
-    gpu_ids: list[int]
-    step: int
+    gpu: list[int]  # chunk_blocks GPU block ids per item, flat
+    step: int  # the step the source blocks were last known to hold this KV
 
 
 @dataclass
@@ -118,7 +121,7 @@ class PlannerCounters:
     hit_tokens_disk: int = 0
     disk_hits_declined: int = 0
     load_jobs: int = 0
-    store_blocks: int = 0
+    store_chunks: int = 0
     stores_dropped_reused: int = 0
     fences: int = 0
     failed_load_blocks: int = 0
@@ -127,96 +130,101 @@ class PlannerCounters:
 
 
 class SchedulerPlanner:
-    """The planner behind ``TieredKVConnector``'s scheduler role."""
+    """The planner behind ``TieredKVConnector``'s scheduler role; works in chunks of blocks."""
 
-    def __init__(self, cfg: ConnectorConfig, geo: Geometry, ns: Namespace, cpu_blocks: int, disk_blocks: int,
+    def __init__(self, cfg: ConnectorConfig, geo: Geometry, ns: Namespace, cpu_chunks: int, disk_chunks: int,
                  adopted: Sequence[bytes] = ()) -> None:
         self.cfg, self.geo = cfg, geo
         self.bs = geo.block_size
-        specs = [TierSpec("cpu", cpu_blocks)]
-        if disk_blocks:
-            specs.append(TierSpec("disk", disk_blocks, slotted=False))
+        self.k = geo.chunk_blocks
+        specs = [TierSpec("cpu", cpu_chunks)]
+        if disk_chunks:
+            specs.append(TierSpec("disk", disk_chunks, slotted=False))
         self.chain = TierChain(specs, cfg.eviction, PlacementPolicy(cfg.write_policy, cfg.promote_on_hit))
         self.key = KeyMaker(ns)
         self.counters = PlannerCounters()
         self._step = 0
         self._reqs: dict[str, _Req] = {}
         self._puts: dict[int, _Put] = {}
-        self._gets: dict[int, list[int]] = {}  # handle -> gpu ids of its items
+        self._gets: dict[int, list[int]] = {}  # handle -> its items' GPU ids, flat
         self._handle_ids = iter(range(1, 1 << 62))
         self._early: list[TransferJob] = []
         self._stores: list[TransferJob] = []
+        self._ext: dict[int, list[int]] = {}  # job id -> its items' GPU ids (flat), until handed out
         self._loads: dict[str, list[int]] = {}
         self._load_fail: dict[str, list[int]] = {}
         self._finish_puts: list[tuple[list[bytes], list[int], int]] = []
-        self._alloc_step: dict[int, int] = {}  # gpu block -> last step it was (re)allocated
-        self._gpu_busy: dict[int, set[int]] = {}  # gpu block -> in-flight job ids touching it
+        self._alloc_step: dict[int, int] = {}  # GPU block -> last step it was (re)allocated
+        self._gpu_busy: dict[int, int | set[int]] = {}  # GPU block -> in-flight job id(s) touching it
         self._job_gpu: dict[int, list[int]] = {}
-        self._reports: dict[int, JobReport] = {}
         self._job_kind: dict[int, tuple[JobKind, int]] = {}
+        self._reports: dict[int, JobReport] = {}
         self._disk_gbps = cfg.disk_read_gbps
-        if adopted and disk_blocks:
+        if adopted and disk_chunks:
             self._route(self.chain.adopt(DISK, list(adopted)))
-            log.info("TieredKVConnector: adopted %d blocks from disk", len(adopted))
+            log.info("TieredKVConnector: adopted %d chunks from disk", len(adopted))
 
     # ------------------------------------------------------------------ keys
-    def _keys(self, st: _Req, upto: int) -> list[bytes]:
-        keys = st.keys
-        if len(keys) < upto:
-            hashes = st.request.block_hashes
-            keys.extend(self.key(h) for h in hashes[len(keys):upto])
-        return keys
-
     def _state(self, request) -> _Req:
         st = self._reqs.get(request.request_id)
         if st is None or st.request is not request:
             st = self._reqs[request.request_id] = _Req(request)
         return st
 
+    def _chunk_keys(self, st: _Req, upto: int) -> list[bytes]:
+        """Keys of chunks ``[0, upto)``: chunk c is named by the hash of its last block (which chains the prefix)."""
+        keys = st.keys
+        if len(keys) < upto:
+            hashes = st.request.block_hashes
+            k = self.k
+            keys.extend(self.key(hashes[(c + 1) * k - 1]) for c in range(len(keys), upto))
+        return keys
+
+    def _gpu_ids(self, block_ids: Sequence[int], c0: int, n: int, skip: int = 0) -> list[int]:
+        """GPU block ids of chunks ``[c0, c0+n)``, flat; the first ``skip`` are -1 (held locally already)."""
+        k = self.k
+        out = list(block_ids[c0 * k:(c0 + n) * k])
+        if skip and out:
+            out[:skip] = [-1] * skip
+        return out
+
     # ------------------------------------------------------------------ lookups and loads
     def match(self, request, num_computed_tokens: int) -> int:
         """Tokens beyond ``num_computed_tokens`` that can be loaded asynchronously (0 if none)."""
         self.counters.lookups += 1
-        if num_computed_tokens % self.bs:
+        bs, k = self.bs, self.k
+        if num_computed_tokens % bs:
+            return 0
+        c0, skip = divmod(num_computed_tokens // bs, k)
+        # n-1 rule: leave at least one prompt token to compute
+        usable = min(len(request.block_hashes), (request.num_tokens - 1) // bs) // k - c0
+        if usable <= 0:
             return 0
         st = self._state(request)
-        start = num_computed_tokens // self.bs
-        # n-1 rule: leave at least one prompt token to compute
-        limit = min(len(request.block_hashes), (request.num_tokens - 1) // self.bs) - start
-        if limit < self.cfg.min_hit_blocks:
-            return 0
-        n = 0
+        keys = self._chunk_keys(st, c0 + usable)
         index = self.chain.index
         where: list[int] = []
-        for key in self._lazy_keys(st, start, start + limit):
-            e = index.get(key)
+        for c in range(c0, c0 + usable):
+            e = index.get(keys[c])
             best = None if e is None else e.best()
             if best is None:
                 break
             where.append(best)
-            n += 1
         n = self._worth_loading(where)
-        if n < self.cfg.min_hit_blocks:
+        blocks = n * k - skip
+        if n == 0 or blocks < self.cfg.min_hit_blocks:
             return 0
-        st.lookup = (start, n)
-        return n * self.bs
-
-    def _lazy_keys(self, st: _Req, start: int, stop: int) -> Iterable[bytes]:
-        keys = st.keys
-        hashes = st.request.block_hashes
-        for i in range(start, stop):
-            if i >= len(keys):
-                keys.extend(self.key(h) for h in hashes[len(keys):i + 1])
-            yield keys[i]
+        st.lookup = (c0, n, skip)
+        return blocks * bs
 
     def _worth_loading(self, where: list[int]) -> int:
-        """Leading blocks worth loading: disk blocks only while reading beats recomputing."""
+        """Leading chunks worth loading: disk chunks only while reading beats recomputing."""
         n_cpu = next((i for i, t in enumerate(where) if t != CPU), len(where))
         if n_cpu == len(where) or self.cfg.disk_load_policy == "always":
             return len(where)
         if self.cfg.disk_load_policy == "auto":
-            disk_s = self.geo.block_nbytes / (self._disk_gbps * 1e9)
-            recompute_s = self.bs / self.cfg.prefill_tokens_per_s
+            disk_s = self.geo.chunk_nbytes / (self._disk_gbps * 1e9)
+            recompute_s = self.geo.chunk_tokens / self.cfg.prefill_tokens_per_s
             if disk_s < recompute_s:
                 return len(where)
         self.counters.disk_hits_declined += 1
@@ -227,24 +235,29 @@ class SchedulerPlanner:
         st = self._state(request)
         if num_external_tokens <= 0:
             return
-        start, n = st.lookup
-        n = min(n, num_external_tokens // self.bs)
-        dst = list(block_ids[start:start + n])
-        keys = self._keys(st, start + n)[start:start + n]
+        c0, n, skip = st.lookup
+        n = min(n, (num_external_tokens // self.bs + skip) // self.k)
+        gpu = self._gpu_ids(block_ids, c0, n, skip)
+        keys = self._chunk_keys(st, c0 + n)[c0:c0 + n]
         hid = next(self._handle_ids)
-        self._gets[hid] = dst
+        self._gets[hid] = gpu
         got, jobs = self.chain.get(keys, hid)
         rid = request.request_id
-        if got < len(dst):  # a block vanished since the lookup: report it, vLLM recomputes from there
-            self._load_fail[rid] = dst[got:]
-            self.counters.failed_load_blocks += len(dst) - got
-        load_ids = [j.job_id for j in jobs if j.kind is JobKind.EGRESS]
-        self._loads.setdefault(rid, []).extend(load_ids)
-        self.counters.load_jobs += len(load_ids)
-        where = [CPU if j.src_tier == CPU else DISK for j in jobs if j.kind is JobKind.EGRESS for _ in j.keys]
-        self.counters.hit_tokens_cpu += where.count(CPU) * self.bs
-        self.counters.hit_tokens_disk += where.count(DISK) * self.bs
-        st.stored = max(st.stored, start + got)
+        if got < n:  # a chunk vanished since the lookup: report its blocks, vLLM recomputes from there
+            lost = [g for g in gpu[got * self.k:] if g >= 0]
+            self._load_fail[rid] = lost
+            self.counters.failed_load_blocks += len(lost)
+        loads = [j for j in jobs if j.kind is JobKind.EGRESS]
+        self._loads.setdefault(rid, []).extend(j.job_id for j in loads)
+        self.counters.load_jobs += len(loads)
+        k = self.k
+        for j in loads:
+            tokens = sum(1 for i in j.dst_slots for g in gpu[i * k:(i + 1) * k] if g >= 0) * self.bs
+            if j.src_tier == CPU:
+                self.counters.hit_tokens_cpu += tokens
+            else:
+                self.counters.hit_tokens_disk += tokens
+        st.stored = max(st.stored, c0 + got)
         self._route(jobs)
         self._drain_finished()
 
@@ -254,21 +267,21 @@ class SchedulerPlanner:
         self._step += 1
         step = self._step
         fences: set[int] = set()
-        puts_keys: list[bytes] = []
-        puts_gpu: list[int] = []
+        keys_out: list[bytes] = []
+        gpu_out: list[int] = []
         eager = self.cfg.store_policy == "eager"
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
-            st = self._reqs.get(new.req_id)
             ids = list(new.block_ids[0])
             self._allocated_now(ids, step, fences)
+            st = self._reqs.get(new.req_id)
             if st is None:
                 continue
             st.block_ids = ids
             if eager:
-                self._plan_store(st, new.num_computed_tokens + scheduled.get(new.req_id, 0), puts_keys, puts_gpu)
+                self._plan_store(st, new.num_computed_tokens + scheduled.get(new.req_id, 0), keys_out, gpu_out)
         cached = scheduler_output.scheduled_cached_reqs
-        resumed = _resumed_ids(cached)
+        resumed = _resumed_ids(cached) if cached.req_ids else set()
         for i, rid in enumerate(cached.req_ids):
             new_ids = cached.new_block_ids[i]
             st = self._reqs.get(rid)
@@ -281,8 +294,8 @@ class SchedulerPlanner:
                     else:
                         st.block_ids.extend(ids)
             if st is not None and eager:
-                self._plan_store(st, cached.num_computed_tokens[i] + scheduled.get(rid, 0), puts_keys, puts_gpu)
-        self._put(puts_keys, puts_gpu, step)
+                self._plan_store(st, cached.num_computed_tokens[i] + scheduled.get(rid, 0), keys_out, gpu_out)
+        self._put(keys_out, gpu_out, step)
         if self._finish_puts:  # planned when their requests finished, i.e. in an earlier step
             first = min(s for _, _, s in self._finish_puts)
             self._put([k for ks, _, _ in self._finish_puts for k in ks],
@@ -291,36 +304,43 @@ class SchedulerPlanner:
         stores = self._valid_stores()
         self._drain_finished()
         self.counters.fences += len(fences)
-        plan = StepPlan(step, self._early, stores, sorted(fences), self._loads, self._load_fail)
+        ext = {j.job_id: self._ext.pop(j.job_id) for j in stores}
+        ext.update((j.job_id, self._ext.pop(j.job_id)) for j in self._early if j.job_id in self._ext)
+        plan = StepPlan(step, self._early, stores, ext, sorted(fences), self._loads, self._load_fail)
         self._early, self._loads, self._load_fail = [], {}, {}
         return plan
 
-    def _put(self, keys: list[bytes], gpu_ids: list[int], step: int) -> None:
+    def _put(self, keys: list[bytes], gpu: list[int], step: int) -> None:
         if not keys:
             return
         hid = next(self._handle_ids)
-        self._puts[hid] = _Put(gpu_ids, step)
-        self.counters.store_blocks += len(keys)
+        self._puts[hid] = _Put(gpu, step)
+        self.counters.store_chunks += len(keys)
         self._route(self.chain.put(keys, hid))
 
     def _allocated_now(self, ids: list[int], step: int, fences: set[int]) -> None:
-        alloc, busy = self._alloc_step, self._gpu_busy
+        self._alloc_step.update(dict.fromkeys(ids, step))
+        busy = self._gpu_busy
+        if busy.keys().isdisjoint(ids):  # the common case, checked at C speed
+            return
         for g in ids:
-            alloc[g] = step
-            jobs = busy.get(g)
-            if jobs:
-                fences.update(jobs)
+            cur = busy.get(g)
+            if cur is not None:
+                if type(cur) is int:
+                    fences.add(cur)
+                else:
+                    fences.update(cur)
 
     def _plan_store(self, st: _Req, computed: int, keys_out: list[bytes], gpu_out: list[int]) -> None:
         req = st.request
         if not self.cfg.store_decode_tokens:
             computed = min(computed, req.num_prompt_tokens)
-        n = min(computed // self.bs, len(req.block_hashes), len(st.block_ids))
+        n = min(computed // self.bs, len(req.block_hashes), len(st.block_ids)) // self.k
         if n <= st.stored:
             return
-        keys = self._keys(st, n)
+        keys = self._chunk_keys(st, n)
         keys_out.extend(keys[st.stored:n])
-        gpu_out.extend(st.block_ids[st.stored:n])
+        gpu_out.extend(st.block_ids[st.stored * self.k:n * self.k])
         st.stored = n
 
     def _valid_stores(self) -> list[TransferJob]:
@@ -330,50 +350,69 @@ class SchedulerPlanner:
         while self._stores:  # failing a store can grant a waiting one: loop until none is left
             job = self._stores.pop()
             put = self._puts.get(job.handle)
-            if put is not None and all(alloc.get(g, 0) <= put.step for g in job.src_slots):
-                self._track(job, job.src_slots)
+            ids = self._ext[job.job_id]
+            # a store planned in this step reads blocks computed in this step: valid by construction
+            if put is not None and (put.step == self._step or all(alloc.get(g, 0) <= put.step for g in ids)):
+                self._track(job.job_id, ids)
                 out.append(job)
                 continue
             self.counters.stores_dropped_reused += len(job)
             self._job_kind.pop(job.job_id, None)
+            self._ext.pop(job.job_id, None)
             self._route(self.chain.complete(Completion.failed(job, "GPU block re-allocated before the store")))
         return out
 
     # ------------------------------------------------------------------ routing
     def _route(self, jobs: Iterable[TransferJob]) -> None:
-        """Map EXT-side item indices to GPU block ids and queue jobs for the next plan."""
+        """Record each job's GPU side (per item, from its handle) and queue it for the next plan."""
         for job in jobs:
             self._job_kind[job.job_id] = (job.kind, job.src_tier)
             if job.kind is JobKind.INGRESS:
-                put = self._puts[job.handle]
-                job.src_slots = [put.gpu_ids[i] for i in job.src_slots]
+                self._ext[job.job_id] = self._items(self._puts[job.handle].gpu, job.src_slots)
                 self._stores.append(job)
             elif job.kind is JobKind.EGRESS:
-                gpu = self._gets[job.handle]
-                job.dst_slots = [gpu[i] for i in job.dst_slots]
-                self._track(job, job.dst_slots)
+                ext = self._ext[job.job_id] = self._items(self._gets[job.handle], job.dst_slots)
+                self._track(job.job_id, [g for g in ext if g >= 0])
                 self._early.append(job)
             else:
                 self._early.append(job)
 
-    def _track(self, job: TransferJob, gpu_ids: list[int]) -> None:
-        self._job_gpu[job.job_id] = gpu_ids
+    def _items(self, gpu: list[int], items: list[int]) -> list[int]:
+        """The flat GPU ids of ``items`` (indices into a handle's keys), in item order."""
+        k = self.k
+        if items and len(items) * k == len(gpu) and items[0] == 0 and items[-1] == len(items) - 1:
+            return gpu  # the whole handle in order: the common case, no copy
+        out: list[int] = []
+        for i in items:
+            out.extend(gpu[i * k:(i + 1) * k])
+        return out
+
+    def _track(self, job_id: int, gpu_ids: list[int]) -> None:
+        self._job_gpu[job_id] = gpu_ids
         busy = self._gpu_busy
+        if busy.keys().isdisjoint(gpu_ids):  # the common case, at C speed
+            busy.update(dict.fromkeys(gpu_ids, job_id))
+            busy.pop(-1, None)
+            return
         for g in gpu_ids:
-            s = busy.get(g)
-            if s is None:
-                busy[g] = {job.job_id}
+            cur = busy.get(g)
+            if cur is None:
+                busy[g] = job_id  # the common case: one job per block, no set allocated
+            elif type(cur) is int:
+                busy[g] = {cur, job_id}
             else:
-                s.add(job.job_id)
+                cur.add(job_id)
 
     def _untrack(self, job_id: int) -> None:
         busy = self._gpu_busy
         for g in self._job_gpu.pop(job_id, ()):
-            s = busy.get(g)
-            if s is not None:
-                s.discard(job_id)
-                if not s:
-                    del busy[g]
+            cur = busy.get(g)
+            if cur == job_id:
+                del busy[g]
+            elif type(cur) is set:
+                cur.discard(job_id)
+                if len(cur) == 1:
+                    busy[g] = next(iter(cur))
 
     def _drain_finished(self) -> None:
         for hid, _ in self.chain.take_finished():
@@ -409,28 +448,24 @@ class SchedulerPlanner:
                 self._disk_gbps = 0.8 * self._disk_gbps + 0.2 * gbps
         elif kind is JobKind.INGRESS:
             self.counters.bytes_stored += rep.nbytes
-        done = Completion(job_id, rep.ok, rep.corrupt, rep.nbytes, rep.seconds)
-        self._route(self.chain.complete(done))
+        self._route(self.chain.complete(Completion(job_id, rep.ok, rep.corrupt, rep.nbytes, rep.seconds)))
 
     # ------------------------------------------------------------------ lifecycle
     def finished(self, request, block_ids: Sequence[int]) -> None:
-        """A request finished (or was aborted): forget it; with ``on_finish`` stores, plan its blocks."""
+        """A request finished (or was aborted): forget it; with ``on_finish`` stores, plan its chunks."""
         st = self._reqs.pop(request.request_id, None)
         if st is None or self.cfg.store_policy != "on_finish":
             return
         computed = request.num_computed_tokens
         if not self.cfg.store_decode_tokens:
             computed = min(computed, request.num_prompt_tokens)
-        n = min(computed // self.bs, len(request.block_hashes), len(block_ids))
+        n = min(computed // self.bs, len(request.block_hashes), len(block_ids)) // self.k
         if n > st.stored:
-            keys = self._keys(st, n)
+            keys = self._chunk_keys(st, n)
             # vLLM frees the blocks now: the store stays valid only while they are not re-allocated
             # after this step, which _valid_stores checks
-            self._finish_puts.append((keys[st.stored:n], list(block_ids[st.stored:n]), self._step))
-
-    def has_pending_work(self) -> bool:
-        """True while jobs are in flight or waiting to be handed out."""
-        return bool(self.chain.inflight() or self._early or self._stores or self._finish_puts)
+            self._finish_puts.append((keys[st.stored:n], list(block_ids[st.stored * self.k:n * self.k]),
+                                      self._step))
 
     def has_pending_work_to_ship(self) -> bool:
         """True while planned jobs wait for the next plan (in-flight jobs do not count: no busy stepping)."""
@@ -443,7 +478,7 @@ class SchedulerPlanner:
         out.update({
             "inflight_jobs": c.inflight(), "pinned": c.pinned(), "waiting": c.waiting(),
             "gpu_blocks_busy": len(self._gpu_busy), "tracked_requests": len(self._reqs),
-            "open_puts": len(self._puts), "open_gets": len(self._gets),
+            "open_puts": len(self._puts), "open_gets": len(self._gets), "unshipped_ext": len(self._ext),
             "resident_cpu": c.resident(CPU), "resident_disk": c.resident(DISK) if c.num_tiers > 1 else 0,
             "disk_gbps_estimate": round(self._disk_gbps, 3),
         })

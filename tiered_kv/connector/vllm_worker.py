@@ -35,9 +35,9 @@ from ..copy import BlockCopier, allocate_slab, vllm_layer_layout
 from ..errors import ConfigError
 from ..keys import Namespace
 from ..tiers.cpu import CpuTier
-from ..tiers.disk import ALIGN, DiskTier
+from ..tiers.disk import DiskTier
 from ..transfer import Completion, JobKind, Mover, TransferJob
-from .vllm_config import ConnectorConfig, Geometry, rank_disk_dir
+from .vllm_config import ConnectorConfig, Geometry, disk_slot_nbytes, rank_disk_dir
 from .vllm_scheduler import CPU, DISK, JobReport, StepPlan
 
 log = logging.getLogger(__name__)
@@ -73,21 +73,22 @@ class WorkerRuntime:
     """One TP rank's tiers, movers and job bookkeeping."""
 
     def __init__(self, cfg: ConnectorConfig, geo: Geometry, ns: Namespace, rank: int,
-                 cpu_blocks: int, disk_blocks: int) -> None:
+                 cpu_chunks: int, disk_chunks: int) -> None:
         self.cfg, self.geo, self.rank = cfg, geo, rank
-        self.layout = geo.rank_layout(rank)
-        self.cpu = CpuTier(self.layout, cpu_blocks * geo.rank_block_nbytes)
+        self.k = geo.chunk_blocks
+        self.layout = geo.rank_layout(rank)  # one row = one chunk of this rank's share
+        self.cpu = CpuTier(self.layout, cpu_chunks * geo.rank_chunk_nbytes)
         self.disk: DiskTier | None = None
         path = rank_disk_dir(cfg, ns, rank, geo.tp_size)
-        if path is not None and disk_blocks:
-            slot = -(-geo.rank_block_nbytes // ALIGN) * ALIGN
-            self.disk = DiskTier(self.layout, path, disk_blocks * slot, cfg.compression, cfg.zstd_level,
-                                 cfg.disk_sync)
+        if path is not None and disk_chunks:
+            self.disk = DiskTier(self.layout, path, disk_chunks * disk_slot_nbytes(geo), cfg.compression,
+                                 cfg.zstd_level, cfg.disk_sync)
         self.counters = WorkerCounters()
         self._lock = threading.Lock()
         self._completed: list[tuple[TransferJob, Completion]] = []
         self._events: dict[int, threading.Event] = {}
         self._cuda_events: dict[int, object] = {}  # job id -> torch.cuda.Event the job must wait for
+        self._ext: dict[int, list[int]] = {}  # job id -> its items' GPU block ids, k per item (-1 = skip)
         self._load_reqs: dict[str, set[int]] = {}  # request -> load job ids not finished yet
         self._job_req: dict[int, str] = {}
         self._pending_fail: dict[str, list[int]] = {}
@@ -114,16 +115,24 @@ class WorkerRuntime:
                               f"the KV cache spec says {self.geo.rank_block_nbytes}; unsupported KV layout")
         self.kv = kv
         self._cuda = kv.device.type == "cuda"
-        self.copier = BlockCopier(kv, self.cpu.slab)
-        staging = allocate_slab(self.cfg.staging_blocks, kv.block_nbytes, pin=self._cuda)
+        if self._cuda:
+            self.cpu.wait_pinned()  # the copy path needs page-locked rows
+        # The copier addresses blocks: view each chunk row as k block rows.
+        self.copier = BlockCopier(kv, self.cpu.slab.view(-1, kv.block_nbytes))
+        staging = allocate_slab(self.cfg.staging_chunks * self.k, kv.block_nbytes, pin=self._cuda)
         self._staging_copier = BlockCopier(kv, staging)
-        log.info("TieredKVConnector rank %d: %d layers, %d B/block, %d CPU slots, disk %s", self.rank,
-                 len(kv.tensors), kv.block_nbytes, self.cpu.capacity,
+        self._staging_rows = staging.view(self.cfg.staging_chunks, self.layout.nbytes)
+        log.info("TieredKVConnector rank %d: %d layers, %d B/block, %d-block chunks, %d CPU chunk slots, disk %s",
+                 self.rank, len(kv.tensors), kv.block_nbytes, self.k, self.cpu.capacity,
                  self.disk.path if self.disk is not None else "off")
 
     # ------------------------------------------------------------------ per step
     def on_plan(self, plan: StepPlan) -> None:
-        """Take this step's plan (``bind_connector_metadata``)."""
+        """Take this step's plan (``bind_connector_metadata``); idempotent for the same plan."""
+        if plan is self._plan:
+            return
+        with self._lock:
+            self._ext.update(plan.ext)
         self._plan = plan
         self._early_done = self._stores_done = False
 
@@ -191,8 +200,11 @@ class WorkerRuntime:
         out = PollResult()
         for job, c in done:
             out.reports[job.job_id] = JobReport(1, list(c.ok), list(c.corrupt), c.nbytes, c.seconds)
-            if job.kind is JobKind.EGRESS:
-                out.invalid_block_ids.update(g for g, ok in zip(job.dst_slots, c.ok) if not ok)
+            ext = self._ext.pop(job.job_id, None)
+            if job.kind is JobKind.EGRESS and ext is not None:
+                k = self.k
+                out.invalid_block_ids.update(g for i, ok in enumerate(c.ok) if not ok
+                                             for g in ext[i * k:(i + 1) * k] if g >= 0)
             rid = self._job_req.pop(job.job_id, None)
             if rid is not None:
                 pending = self._load_reqs.get(rid)
@@ -227,9 +239,11 @@ class WorkerRuntime:
             self.disk.delete(job.keys)
             return Completion(job.job_id, ok, corrupt)
         if kind is JobKind.INGRESS:
-            self._copy(self.copier, job, job.src_slots, job.dst_slots, to_cpu=True)
+            gpu, slots = self._flat(job, job.dst_slots)
+            self._copy(self.copier, job, gpu, slots, to_cpu=True)
         elif kind is JobKind.EGRESS and job.src_tier == CPU:
-            self._copy(self.copier, job, job.src_slots, job.dst_slots, to_cpu=False)
+            gpu, slots = self._flat(job, job.src_slots)
+            self._copy(self.copier, job, slots, gpu, to_cpu=False)
         elif kind is JobKind.EGRESS:
             ok, corrupt = self._disk_to_gpu(job)
         elif job.src_tier == CPU and job.dst_tier == DISK:  # DEMOTE, COPY_DOWN
@@ -247,7 +261,24 @@ class WorkerRuntime:
         self._count(job, nbytes, secs, ok, corrupt)
         return Completion(job.job_id, ok, corrupt, nbytes, secs)
 
+    def _flat(self, job: TransferJob, chunk_slots: list[int], items=None) -> tuple[list[int], list[int]]:
+        """GPU block ids and block-row slots of ``job``'s items (all, or ``items``), skipping -1 blocks."""
+        with self._lock:
+            ext = self._ext[job.job_id]
+        k = self.k
+        gpu: list[int] = []
+        rows: list[int] = []
+        for i in (range(len(job)) if items is None else items):
+            base = chunk_slots[i] * k
+            for j, g in enumerate(ext[i * k:(i + 1) * k]):
+                if g >= 0:
+                    gpu.append(g)
+                    rows.append(base + j)
+        return gpu, rows
+
     def _copy(self, copier: BlockCopier, job: TransferJob, src: list[int], dst: list[int], to_cpu: bool) -> None:
+        if not src:
+            return
         stream = self._wait_stream(job)
         if to_cpu:
             res = copier.gpu_to_cpu(src, dst, stream=stream)
@@ -268,18 +299,20 @@ class WorkerRuntime:
         return stream
 
     def _disk_to_gpu(self, job: TransferJob) -> tuple[list[bool], list[bool]]:
-        """Read records into the staging slab in chunks and load each chunk into its GPU blocks."""
+        """Read records into the staging slab a few chunks at a time and load each batch into its GPU blocks."""
         n = len(job)
         ok, corrupt = [False] * n, [False] * n
-        staging = self._staging_copier.slab
-        step = staging.shape[0]
+        rows = self._staging_rows
+        step = rows.shape[0]
         for lo in range(0, n, step):
             hi = min(n, lo + step)
-            part_ok, part_bad = self.disk.read(job.keys[lo:hi], job.src_slots[lo:hi], staging[:hi - lo])
+            part_ok, part_bad = self.disk.read(job.keys[lo:hi], job.src_slots[lo:hi], rows[:hi - lo])
             ok[lo:hi], corrupt[lo:hi] = part_ok, part_bad
-            good = [i for i in range(hi - lo) if part_ok[i]]
+            good = [lo + i for i in range(hi - lo) if part_ok[i]]
             if good:
-                self._copy(self._staging_copier, job, good, [job.dst_slots[lo + i] for i in good], to_cpu=False)
+                local = list(range(-lo, n - lo))  # staging row of item i is i - lo
+                gpu, slots = self._flat(job, local, good)
+                self._copy(self._staging_copier, job, slots, gpu, to_cpu=False)
         return ok, corrupt
 
     def _count(self, job: TransferJob, nbytes: int, secs: float, ok: list[bool], corrupt: list[bool]) -> None:

@@ -5,11 +5,13 @@ SGLang device or host pools; MHA or MLA; any dtype) and block-major slab slots
 (one engine block, all layers, contiguous). Pieces:
 
 - ``layouts``: ``KVLayout`` (the tensors + block dim) and the slot byte format;
-- ``segments``: per-call byte runs, adjacent runs merged (pure CPU torch);
-- ``engine``: the copy engine (``cuMemcpyBatchAsync`` via cuda-python);
+- ``segments``: per-call byte runs (adjacent ones merged) and 2-D rectangles (pure CPU torch);
+- ``testing``: engine-shaped tensors and an independent reference (tests, benchmarks);
+- ``engine``: the copy engine (``cuMemcpyBatchAsync`` and ``cuMemcpy2DAsync`` via cuda-python);
 - ``triton_kernel``: the SM kernel (Triton, UVA) for many tiny runs;
 - ``cpu``: the CPU fallback with identical semantics;
 - ``select``: the measured rule that picks a mechanism per call;
+- ``dispatch``: per-copier CUDA state: descriptor form, slice-by-slice planning and submission;
 - ``submit``: the per-direction submitter thread and ``CopyResult``;
 - ``copier``: ``BlockCopier``, the interface callers use.
 

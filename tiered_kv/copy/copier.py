@@ -5,9 +5,10 @@ call. A copier binds a ``KVLayout`` (the engine's tensors) to a slab (a
 ``(num_slots, >= block_nbytes)`` uint8 CPU tensor, pinned when the layout is on
 CUDA). ``gpu_to_cpu`` / ``cpu_to_gpu`` move many blocks in one batched
 operation and return a ``CopyResult`` whose CUDA event fires when the bytes
-have landed. Mechanism per call: the copy engine (``engine.py``), the SM kernel
-(``triton_kernel.py``) or, for CPU tensors, torch indexing (``cpu.py``), chosen
-by ``select.py`` unless the caller names one.
+have landed. Mechanism per call: the copy engine (``engine.py``, batched 1-D
+runs or 2-D copies), the SM kernel (``triton_kernel.py``) or, for CPU tensors,
+torch indexing (``cpu.py``), chosen by ``dispatch.py`` / ``select.py`` unless
+the caller names one.
 
 Ordering contract (CUDA): a copy starts after all work enqueued on ``stream``
 (default: the device's current stream) before the call, and runs on the
@@ -17,44 +18,27 @@ keeps source blocks and slots unchanged, and does not read destination blocks
 or slots, until the result reports done (``CopyResult.wait``,
 ``CopyResult.done``, or ``CopyResult.wait_on(stream)`` to make a stream wait).
 
-Threading: ``gpu_to_cpu`` / ``cpu_to_gpu`` only validate, plan (vectorised,
-well under a millisecond for hundreds of blocks) and enqueue; handing runs to
-the driver happens on one daemon submitter thread per direction (the driver
-call blocks while the copy queue is full, and the two directions must not
-wait on each other). Call a copier from one thread at a time; distinct
+Threading: ``gpu_to_cpu`` / ``cpu_to_gpu`` only validate the ids, decide the
+mechanism (arithmetic on per-layout constants) and enqueue; planning the runs
+and handing them to the driver happen on one daemon submitter thread per
+direction (the driver call blocks while the copy queue is full, and the two
+directions must not wait on each other). The ids are copied at the call, so
+the caller may reuse its buffers at once. Call a copier from one thread at a time; distinct
 copiers may run in parallel. ``close()`` stops the submitter threads. The CPU
 path is synchronous.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from tiered_kv.copy import cpu
+from tiered_kv.copy.dispatch import GpuDispatcher, Plan
 from tiered_kv.copy.errors import BackendUnavailableError, BlockIndexError, LayoutError
 from tiered_kv.copy.layouts import KVLayout
-from tiered_kv.copy.segments import (
-    BlockIds,
-    ChunkTable,
-    Rects,
-    RectTable,
-    Runs,
-    as_index_tensor,
-    check_indices,
-    plan_rects,
-    plan_runs,
-)
-from tiered_kv.copy.select import Mechanism, SelectionPolicy, choose_mechanism
+from tiered_kv.copy.segments import BlockIds, ChunkTable, Runs, as_index_tensor, check_indices, plan_runs
+from tiered_kv.copy.select import Mechanism, SelectionPolicy
 from tiered_kv.copy.submit import CopyResult, Submitter
-
-if TYPE_CHECKING:
-    from tiered_kv.copy.engine import BatchMemcpy, RectMemcpy
-
-#: One ``cuMemcpy2DAsync`` call costs about this many batched descriptors of CPU
-#: time; 2-D copies are used when they need fewer descriptor-equivalents.
-RECT_CALL_COST = 4
 
 
 def allocate_slab(num_slots: int, block_nbytes: int, pin: bool | None = None) -> torch.Tensor:
@@ -75,12 +59,15 @@ class BlockCopier:
     ``mechanism``: ``"auto"`` (per call, by ``policy``), or a ``Mechanism`` to
     force one. ``prefer_overlap`` and ``max_runs_per_call`` tune the copy engine
     (see ``engine.BatchMemcpy``); ``sm_programs`` caps the SM kernel's CTAs
-    (see ``triton_kernel.launch``). ``threaded_submit=False`` hands runs to the
-    driver on the caller's thread (the call then blocks while the copy queue is
-    full; for callers that already run copies on their own mover thread). Use as
-    a context manager or call ``close()``. ``rect_copies``: copy-engine 2-D
-    copies always (True, where the layout allows), never (False), or when they
-    need fewer descriptor-equivalents than merged runs (None).
+    (see ``triton_kernel.launch``). ``rect_copies``: copy-engine 2-D copies
+    always (True, where the layout allows), never (False), or when they need
+    fewer descriptor-equivalents than merged runs and those runs average 32 KiB
+    or less (None; the measured rule, docs/gpu_copy.md, ``dispatch.py``).
+    ``threaded_submit=False`` plans and hands runs to the driver on the
+    caller's thread (the call then blocks while the copy queue is full; for
+    callers that already run copies on their own mover thread).
+
+    Use as a context manager or call ``close()`` to stop the submitter threads.
     """
 
     def __init__(
@@ -107,15 +94,11 @@ class BlockCopier:
             raise BackendUnavailableError(f"mechanism {self._fixed.value} needs CUDA tensors; layout is on {layout.device}")
         if self._on_cuda and self._fixed is Mechanism.CPU:
             raise LayoutError("mechanism 'cpu' needs CPU tensors; this layout is on CUDA")
-        self._table = ChunkTable.from_layout(layout) if self._on_cuda else None
-        self._rect_table = RectTable.from_chunks(self._table) if self._table is not None else None
-        self._rect_mode = rect_copies
-        self._rect_engine: RectMemcpy | None = None
-        self._prefer_overlap = prefer_overlap
-        self._max_runs = max_runs_per_call
-        self._memcpy: BatchMemcpy | None = None
-        self._sm_ok: bool | None = None
-        self._sm_programs = sm_programs
+        self._gpu = (
+            GpuDispatcher(layout, slab, policy, prefer_overlap, max_runs_per_call, sm_programs, rect_copies)
+            if self._on_cuda
+            else None
+        )
         self._threaded = threaded_submit
         self._streams: dict[bool, torch.cuda.Stream] = {}
         self._submitters: dict[bool, Submitter] = {}
@@ -162,7 +145,7 @@ class BlockCopier:
     def plan(self, gpu_block_ids: BlockIds, cpu_slots: BlockIds, to_cpu: bool) -> Runs:
         """The merged byte runs a GPU copy of these blocks would enqueue (for inspection and tests)."""
         ids, slots = self._indices(gpu_block_ids, cpu_slots, to_cpu)
-        table = self._table if self._table is not None else ChunkTable.from_layout(self.layout)
+        table = self._gpu.table if self._gpu is not None else ChunkTable.from_layout(self.layout)
         return plan_runs(table, ids, slots, self.slab.data_ptr(), self.slab.stride(0), to_cpu)
 
     def _indices(self, gpu_block_ids: BlockIds, cpu_slots: BlockIds, to_cpu: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -196,71 +179,38 @@ class BlockCopier:
             result = CopyResult(Mechanism.CPU, to_cpu, n, nbytes, self.layout.num_chunks * n)
             result._finish(None)
             return result
-        assert self._table is not None
-        runs = plan_runs(self._table, ids, slots, self.slab.data_ptr(), self.slab.stride(0), to_cpu)
-        rects = self._plan_rects(ids, slots, runs.count) if forced in (None, Mechanism.COPY_ENGINE) else None
-        ce_cost = rects.count * RECT_CALL_COST if rects is not None else runs.count
-        mech = forced or choose_mechanism(ce_cost, runs.nbytes, self._sm_available(), self.policy)
-        if mech is not Mechanism.COPY_ENGINE:
-            rects = None
-        if mech is Mechanism.CPU:
-            raise LayoutError("mechanism 'cpu' needs CPU tensors; this layout is on CUDA")
-        if mech is Mechanism.COPY_ENGINE:
-            self._engine()  # resolve the driver entry point here, so a missing one raises in the caller
-        elif not self._sm_available():
-            raise BackendUnavailableError("mechanism 'sm_kernel' needs Triton and CUDA")
+        assert self._gpu is not None
+        plan = self._gpu.decide(n, forced)
         caller = torch.cuda.Event()
         caller.record(stream if stream is not None else torch.cuda.current_stream(self.layout.device))
         side = self._side_stream(to_cpu)
-        result = CopyResult(mech, to_cpu, n, nbytes, rects.count if rects is not None else runs.count)
+        result = CopyResult(plan.mechanism, to_cpu, n, nbytes, plan.descriptors)
         if self._threaded:
-            self._submitter(to_cpu).put(lambda: self._submit(runs, rects, mech, caller, side, result))
+            self._submitter(to_cpu).put(lambda: self._submit(plan, ids, slots, caller, side, result))
         else:
-            self._submit(runs, rects, mech, caller, side, result)
+            self._submit(plan, ids, slots, caller, side, result)
         return result
-
-    def _plan_rects(self, ids: torch.Tensor, slots: torch.Tensor, num_runs: int) -> Rects | None:
-        """2-D copies for this call, or None when merged 1-D runs are as cheap (or 2-D is off or impossible)."""
-        table = self._rect_table
-        if self._rect_mode is False or table is None or table.count == 0 or ids.numel() == 0:
-            return None
-        if self._rect_mode is None and table.count * ids.numel() * RECT_CALL_COST >= num_runs:
-            return None
-        if self._rect_engine is None:
-            from tiered_kv.copy.engine import RectMemcpy
-
-            self._rect_engine = RectMemcpy(self.layout.device)
-        if int(table.pitch.max()) > self._rect_engine.max_pitch:
-            return None
-        return plan_rects(table, ids, slots, self.slab.data_ptr(), self.slab.stride(0))
 
     def _submit(
         self,
-        runs: Runs,
-        rects: Rects | None,
-        mech: Mechanism,
+        plan: Plan,
+        ids: torch.Tensor,
+        slots: torch.Tensor,
         caller: torch.cuda.Event,
         side: torch.cuda.Stream,
         result: CopyResult,
     ) -> None:
         """Runs on the submitter thread: wait for the caller's work, enqueue, record the event."""
+        assert self._gpu is not None
         try:
             side.wait_event(caller)
-            if rects is not None:
-                assert self._rect_engine is not None
-                self._rect_engine.submit(rects, result.to_cpu, side.cuda_stream)
-            elif runs.count and mech is Mechanism.COPY_ENGINE:
-                self._engine().submit(runs, side.cuda_stream)
-            elif runs.count:
-                from tiered_kv.copy import triton_kernel
-
-                triton_kernel.launch(runs, self.layout.device, side, self._sm_programs)
+            descriptors = self._gpu.submit(plan, ids, slots, result.to_cpu, side)
             done = torch.cuda.Event()
             done.record(side)
         except Exception as exc:  # noqa: BLE001 - reported through the result, never lost
             result._finish(None, exc)
             return
-        result._finish(done)
+        result._finish(done, descriptors=descriptors)
 
     def _side_stream(self, to_cpu: bool) -> torch.cuda.Stream:
         if to_cpu not in self._streams:
@@ -272,20 +222,6 @@ class BlockCopier:
             name = f"tkv-copy-{'d2h' if to_cpu else 'h2d'}"
             self._submitters[to_cpu] = Submitter(self.layout.device, name)
         return self._submitters[to_cpu]
-
-    def _engine(self) -> BatchMemcpy:  # imported lazily: needs cuda-python
-        if self._memcpy is None:
-            from tiered_kv.copy.engine import BatchMemcpy
-
-            self._memcpy = BatchMemcpy(self._prefer_overlap, self._max_runs)
-        return self._memcpy
-
-    def _sm_available(self) -> bool:
-        if self._sm_ok is None:
-            from tiered_kv.copy.triton_kernel import triton_available
-
-            self._sm_ok = triton_available()
-        return self._sm_ok
 
 
 def _check_slab(slab: torch.Tensor, layout: KVLayout) -> None:

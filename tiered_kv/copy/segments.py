@@ -32,13 +32,16 @@ class ChunkTable:
 
     ``gpu_base[c]``: address of chunk ``c`` of block 0; ``gpu_stride[c]``: bytes
     between blocks for that chunk's tensor; ``slot_offset[c]``: where the chunk
-    sits in a slot; ``size[c]``: its length.
+    sits in a slot; ``size[c]``: its length; ``storage[c]``: an id of the
+    allocation holding it (chunks of different allocations never share a 2-D
+    copy: the driver refuses a pitched range that crosses allocations).
     """
 
     gpu_base: torch.Tensor
     gpu_stride: torch.Tensor
     slot_offset: torch.Tensor
     size: torch.Tensor
+    storage: torch.Tensor | None = None
 
     @staticmethod
     def from_layout(layout: KVLayout) -> ChunkTable:
@@ -47,16 +50,19 @@ class ChunkTable:
         stride: list[int] = []
         slot: list[int] = []
         size: list[int] = []
-        for m in layout.maps:
+        storage: list[int] = []
+        for t, m in zip(layout.tensors, layout.maps):
             pos = m.slot_offset
+            owner = t.untyped_storage().data_ptr()
             for off, n in zip(m.chunk_offsets, m.chunk_sizes):
                 base.append(m.base_ptr + off)
                 stride.append(m.block_stride)
                 slot.append(pos)
                 size.append(n)
+                storage.append(owner)
                 pos += n
         as64 = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
-        return ChunkTable(as64(base), as64(stride), as64(slot), as64(size))
+        return ChunkTable(as64(base), as64(stride), as64(slot), as64(size), as64(storage))
 
 
 @dataclass(frozen=True, eq=False)
@@ -79,11 +85,11 @@ class Runs:
 
 
 def as_index_tensor(ids: BlockIds, what: str) -> torch.Tensor:
-    """Return ``ids`` as a 1-D int64 CPU tensor; raise ``BlockIndexError`` if it is not integral."""
+    """Return a private 1-D int64 CPU copy of ``ids``; raise ``BlockIndexError`` if it is not integral."""
     if isinstance(ids, torch.Tensor):
         if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
             raise BlockIndexError(f"{what} has dtype {ids.dtype}; pass integers")
-        t = ids.detach().to(device="cpu", dtype=torch.int64).reshape(-1)
+        t = ids.detach().to(device="cpu", dtype=torch.int64, copy=True).reshape(-1)
     else:
         try:
             t = torch.as_tensor(list(ids), dtype=torch.int64).reshape(-1)
@@ -186,12 +192,13 @@ class RectTable:
 
     @staticmethod
     def from_chunks(table: ChunkTable) -> RectTable:
-        """Group consecutive chunks of equal size and block stride whose GPU addresses step by one pitch."""
+        """Group consecutive chunks of one allocation, equal size and block stride, stepping by one pitch."""
         base, stride, size = table.gpu_base.tolist(), table.gpu_stride.tolist(), table.size.tolist()
         slot = table.slot_offset.tolist()
+        owner = table.storage.tolist() if table.storage is not None else list(range(len(base)))
         rects: list[list[int]] = []  # [gpu_base, gpu_stride, pitch, width, height, slot_offset]
         for i in range(len(base)):
-            if rects:
+            if rects and owner[i] == owner[i - 1]:
                 r = rects[-1]
                 same = size[i] == r[3] and stride[i] == r[1] and slot[i] == r[5] + r[3] * r[4]
                 step = base[i] - (r[0] + (r[4] - 1) * r[2])

@@ -28,7 +28,11 @@ from tiered_kv.copy.select import Mechanism
 
 
 class CopyResult:
-    """What one ``gpu_to_cpu`` / ``cpu_to_gpu`` call enqueued, and whether it has landed."""
+    """What one ``gpu_to_cpu`` / ``cpu_to_gpu`` call enqueued, and whether it has landed.
+
+    ``num_runs`` is the number of descriptors (1-D runs, 2-D copies or kernel
+    runs): an upper bound at return, exact once the copy is submitted.
+    """
 
     __slots__ = ("mechanism", "to_cpu", "num_blocks", "nbytes", "num_runs", "event", "error", "_submitted")
 
@@ -43,9 +47,12 @@ class CopyResult:
         self.error: BaseException | None = None
         self._submitted = threading.Event()
 
-    def _finish(self, event: torch.cuda.Event | None, error: BaseException | None = None) -> None:
+    def _finish(self, event: torch.cuda.Event | None, error: BaseException | None = None,
+                descriptors: int | None = None) -> None:
         self.event = event
         self.error = error
+        if descriptors is not None:
+            self.num_runs = descriptors
         self._submitted.set()
 
     def done(self) -> bool:

@@ -53,6 +53,7 @@ def _kernel() -> Callable[..., object]:
 
     @triton.jit
     def copy_pieces(desc, num_pieces, ELEM: tl.constexpr, BLOCK: tl.constexpr):
+        """Grid-stride over pieces; ``desc`` rows: src addresses, dst addresses, lengths in ELEM words."""
         first = tl.program_id(0)
         step = tl.num_programs(0)
         for p in range(first, num_pieces, step):

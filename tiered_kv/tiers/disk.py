@@ -117,20 +117,40 @@ class DiskTier(Tier):
         elif not (self.path / "index").exists():
             raise ConfigError(f"{str(self.path)!r} holds no tiered_kv disk tier (no index/ inside)")
         idx = self.path / "index"
+        for inner in (idx, idx / "data.mdb", idx / "lock.mdb", self.path / "payload.bin"):
+            if inner.is_symlink():  # never let a planted link send our writes outside the store
+                raise ConfigError(f"{str(inner)!r} is a symlink; a store directory must hold plain files only")
         if not readonly:
             idx.mkdir(mode=0o700, exist_ok=True)
         map_size = max(64 << 20, self.capacity * 512 + (32 << 20))
-        self.env = lmdb.open(str(idx), map_size=map_size, max_dbs=4, subdir=True, readonly=readonly,
-                             sync=sync, metasync=sync, lock=True, mode=0o600, max_readers=256,
-                             readahead=False, meminit=False)
-        self.db_records = self.env.open_db(b"records", create=not readonly)
-        self.db_free = self.env.open_db(b"free", create=not readonly)
-        self.db_claims = self.env.open_db(b"claims", create=not readonly)
-        self.db_meta = self.env.open_db(b"meta", create=not readonly)
-        self._check_format()
+        try:
+            self.env = lmdb.open(str(idx), map_size=map_size, max_dbs=4, subdir=True, readonly=readonly,
+                                 sync=sync, metasync=sync, lock=True, mode=0o600, max_readers=256,
+                                 readahead=False, meminit=False)
+        except lmdb.Error as exc:
+            raise ConfigError(f"{str(idx)!r}: cannot open the LMDB index ({type(exc).__name__}: {exc}); "
+                              f"move the directory aside to start empty") from None
+        try:
+            self._check_index_size(idx)
+            self.db_records = self.env.open_db(b"records", create=not readonly)
+            self.db_free = self.env.open_db(b"free", create=not readonly)
+            self.db_claims = self.env.open_db(b"claims", create=not readonly)
+            self.db_meta = self.env.open_db(b"meta", create=not readonly)
+            self._check_format()
+        except lmdb.Error as exc:
+            self.env.close()
+            raise ConfigError(f"{str(idx)!r}: the LMDB index is damaged ({type(exc).__name__}: {exc}); "
+                              f"move the directory aside to start empty") from None
+        except ConfigError:
+            self.env.close()
+            raise
         payload = self.path / "payload.bin"
         flags = os.O_RDONLY if readonly else os.O_RDWR | os.O_CREAT
-        self.fd = os.open(payload, flags | getattr(os, "O_CLOEXEC", 0), 0o600)
+        try:
+            self.fd = os.open(payload, flags | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        except OSError as exc:
+            self.env.close()
+            raise ConfigError(f"cannot open {str(payload)!r}: {exc}") from None
         self.direct = False
         if direct_io and hasattr(os, "O_DIRECT"):
             try:  # bypass the page cache: one copy less, and reads measure the disk, not RAM
@@ -146,6 +166,15 @@ class DiskTier(Tier):
             self._recover_claims()
 
     # ------------------------------------------------------------------ format
+    def _check_index_size(self, idx: Path) -> None:
+        """Refuse an index file shorter than its own meta page says (reading past EOF would SIGBUS)."""
+        data = idx / "data.mdb"
+        need = (self.env.info()["last_pgno"] + 1) * self.env.stat()["psize"]
+        have = data.stat().st_size
+        if have < need:
+            raise ConfigError(f"{str(data)!r} is truncated ({have} bytes, its meta page needs {need}); "
+                              f"move the directory aside to start empty")
+
     def _check_format(self) -> None:
         with self.env.begin(db=self.db_meta, write=not self.readonly) as txn:
             raw = txn.get(b"format")
@@ -291,15 +320,31 @@ class DiskTier(Tier):
             written.append((i, slot, hdr.pack(keys[i])))
         if self.sync and written:
             os.fdatasync(self.fd)
-        with self.env.begin(write=True) as txn:
-            for i, slot, hdr in written:
-                if not txn.put(keys[i], hdr, db=self.db_records, overwrite=False):
-                    failed_slots.append(slot)  # another process stored it first: keep theirs
-                txn.delete(_SLOT.pack(slot), db=self.db_claims)
-            for slot in failed_slots:
-                txn.delete(_SLOT.pack(slot), db=self.db_claims)
-                txn.put(_SLOT.pack(slot), b"", db=self.db_free)
+        try:
+            with self.env.begin(write=True) as txn:
+                for i, slot, hdr in written:
+                    if not txn.put(keys[i], hdr, db=self.db_records, overwrite=False):
+                        failed_slots.append(slot)  # another process stored it first: keep theirs
+                    txn.delete(_SLOT.pack(slot), db=self.db_claims)
+                for slot in failed_slots:
+                    txn.delete(_SLOT.pack(slot), db=self.db_claims)
+                    txn.put(_SLOT.pack(slot), b"", db=self.db_free)
+        except lmdb.Error as exc:  # e.g. the file system is full and the index cannot grow
+            log.warning("disk tier %s: index commit of %d blocks failed: %s", self.path, len(written), exc)
+            for i, _, _ in written:
+                ok[i] = False
+            self._unclaim([slot for _, slot, _ in written] + failed_slots)
         return ok
+
+    def _unclaim(self, slots: list[int]) -> None:
+        """Give claimed slots back to the free list (best effort: a dead claim is recovered at the next open)."""
+        try:
+            with self.env.begin(write=True) as txn:
+                for slot in slots:
+                    txn.delete(_SLOT.pack(slot), db=self.db_claims)
+                    txn.put(_SLOT.pack(slot), b"", db=self.db_free)
+        except lmdb.Error as exc:
+            log.warning("disk tier %s: could not return %d claimed slots: %s", self.path, len(slots), exc)
 
     def read(self, keys: Sequence[bytes], slots: Sequence[int], out: torch.Tensor) -> tuple[list[bool], list[bool]]:
         """Read and verify each block into ``out[i]``; damaged records are deleted and reported corrupt."""

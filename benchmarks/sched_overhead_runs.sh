@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Scheduler-side cost of TieredKVConnector vs no connector vs vLLM's OffloadingConnector.
+#
+# Runs ../shared/tools/sched_overhead.py (vLLM's real Scheduler, 64 requests x 8,192-token
+# prompts, 32 output tokens, CPU only) for each mode, alternating modes, REPS times, and
+# prints one RESULT line per run plus a median table. Run it alone on the machine: the
+# numbers are per-step CPU times and other processes move them.
+#
+# Usage: benchmarks/sched_overhead_runs.sh [REPS] [PYTHON]   (from the repo root)
+set -euo pipefail
+REPS="${1:-3}"
+PY="${2:-.venv/bin/python}"
+TOOL="${SCHED_OVERHEAD_TOOL:-../shared/tools/sched_overhead.py}"
+[ -f "$TOOL" ] || TOOL=/work/shared/tools/sched_overhead.py
+OUT="${OUT:-bench_out}/sched_overhead_$(date -u +%Y%m%dT%H%M%SZ).jsonl"
+mkdir -p "$(dirname "$OUT")"
+MODES=(none offloading tiered_kv.connector.vllm:TieredKVConnector)
+echo "# $(date -u +%FT%TZ) host=$(hostname) cpus=$(nproc) python=$PY reps=$REPS" | tee "$OUT.log"
+for rep in $(seq 1 "$REPS"); do
+  for mode in "${MODES[@]}"; do
+    line=$("$PY" "$TOOL" "$mode" 2>/dev/null | grep '^RESULT ' | sed 's/^RESULT //')
+    echo "$line" | tee -a "$OUT"
+  done
+done
+"$PY" - "$OUT" <<'EOF'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+by = {}
+for r in rows:
+    by.setdefault(r["mode"], []).append(r["us_per_step"])
+base = statistics.median(by["none"])
+print(f"| mode | runs (us/step) | median us/step | vs none |")
+print(f"|---|---|---|---|")
+for mode, xs in by.items():
+    med = statistics.median(xs)
+    print(f"| `{mode}` | {', '.join(f'{x:.0f}' for x in xs)} | {med:.0f} | {100 * (med / base - 1):+.0f}% |")
+EOF
