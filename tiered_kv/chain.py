@@ -60,6 +60,7 @@ class TierCounters:
     evictions: int = 0
     failed_transfers: int = 0
     corrupt_dropped: int = 0
+    vanished: int = 0
     refused: int = 0
 
 
@@ -303,14 +304,14 @@ class TierChain:
         """Apply a job's completion; returns the jobs it unblocked."""
         job, ctx = self._jobs.pop(done.job_id)
         jobs: Jobs = []
-        corrupt = done.corrupt or [False] * len(job)
         for i, key in enumerate(job.keys):
             ok = bool(done.ok[i]) if i < len(done.ok) else False
-            bad = bool(corrupt[i]) if i < len(corrupt) else False
-            jobs += self._complete_item(job, key, ok, bad, ctx[i])
+            bad = bool(done.corrupt[i]) if i < len(done.corrupt) else False
+            gone = bool(done.missing[i]) if i < len(done.missing) else False
+            jobs += self._complete_item(job, key, ok, bad, ctx[i], gone and not ok)
         return jobs
 
-    def _complete_item(self, job: TransferJob, key: bytes, ok: bool, corrupt: bool, ctx) -> Jobs:
+    def _complete_item(self, job: TransferJob, key: bytes, ok: bool, corrupt: bool, ctx, missing: bool = False) -> Jobs:
         kind, src, dst = job.kind, job.src_tier, job.dst_tier
         jobs: Jobs = []
         if kind is JobKind.DELETE:
@@ -318,11 +319,11 @@ class TierChain:
             c.deleting = False
             return self._free(key, src)
         if src != EXT:
-            jobs += self._source_done(key, src, corrupt)
+            jobs += self._source_done(key, src, corrupt, missing and not self.specs[src].slotted)
             if corrupt:
                 ok = False
         if not ok:
-            self.tier_counters[dst if dst != EXT else src].failed_transfers += 0 if corrupt else 1
+            self.tier_counters[dst if dst != EXT else src].failed_transfers += 0 if (corrupt or missing) else 1
         if kind is JobKind.EGRESS:
             hid, item = ctx
             self._item_done(hid, item, ok)
@@ -548,12 +549,15 @@ class TierChain:
             jobs += refuse()
         return jobs
 
-    def _source_done(self, key: bytes, t: int, corrupt: bool) -> Jobs:
+    def _source_done(self, key: bytes, t: int, corrupt: bool, missing: bool = False) -> Jobs:
         """A job finished reading ``key``'s copy in ``t``."""
         e = self.index.get(key)
         c = e.copies[t]
-        if corrupt:  # the tier already removed the bad record: forget it without a DELETE job
-            self.tier_counters[t].corrupt_dropped += 1
+        if corrupt or missing:  # the record is gone from the medium: forget it without a DELETE job
+            if corrupt:
+                self.tier_counters[t].corrupt_dropped += 1
+            else:
+                self.tier_counters[t].vanished += 1
             c.deleting = True  # nothing left on the medium to delete
             c.doomed = True
             if not c.leaving:

@@ -342,25 +342,29 @@ class TieredStore:
             self.tiers[job.src_tier].delete(job.keys)
             return Completion(job.job_id, [True] * n, [False] * n)
         src_rows, dst_rows = self._rows(job.src_tier, job), self._rows(job.dst_tier, job)
-        ok, corrupt = [True] * n, [False] * n
+        ok, corrupt, missing = [True] * n, [False] * n, []
         stream = self._stream(self._gpu_dev) if self._gpu_dev is not None else None
         ctx = torch.cuda.stream(stream) if stream is not None else _nullcontext()
         with ctx:
-            if src_rows is None:  # keyed source: read into staging, then place
-                staging = torch.empty((n, self.layout.nbytes), dtype=torch.uint8)
-                ok, corrupt = self.tiers[job.src_tier].read(job.keys, job.src_slots, staging)
-                good = [i for i in range(n) if ok[i]]
-                copy_rows(staging, good, dst_rows, [job.dst_slots[i] for i in good], non_blocking=False)
-            elif dst_rows is None:  # keyed destination
-                rows = torch.empty((n, self.layout.nbytes), dtype=torch.uint8)
-                copy_rows(src_rows, job.src_slots, rows, range(n))
+            if src_rows is None:  # keyed source: read straight into the destination rows
+                if dst_rows.device.type == "cpu":
+                    ok, corrupt, missing = self.tiers[job.src_tier].read_ex(
+                        job.keys, job.src_slots, [dst_rows[d] for d in job.dst_slots])
+                else:
+                    staging = torch.empty((n, self.layout.nbytes), dtype=torch.uint8)
+                    ok, corrupt, missing = self.tiers[job.src_tier].read_ex(job.keys, job.src_slots, staging)
+                    good = [i for i in range(n) if ok[i]]
+                    copy_rows(staging, good, dst_rows, [job.dst_slots[i] for i in good])
+            elif dst_rows is None:  # keyed destination: hand over row views, no gather copy
+                rows = [src_rows[s] for s in job.src_slots] if src_rows.device.type == "cpu" else \
+                    src_rows[torch.as_tensor(job.src_slots, device=src_rows.device)].cpu()
                 ok = self.tiers[job.dst_tier].write(job.keys, job.dst_slots, rows)
             else:
                 copy_rows(src_rows, job.src_slots, dst_rows, job.dst_slots, non_blocking=stream is not None)
             if stream is not None:
                 stream.synchronize()
         nbytes = sum(ok) * self.layout.nbytes
-        return Completion(job.job_id, ok, corrupt, nbytes=nbytes)
+        return Completion(job.job_id, ok, corrupt, nbytes=nbytes, missing=missing)
 
     def _on_done(self, job: TransferJob, done: Completion) -> None:
         with self._lock:
@@ -413,7 +417,7 @@ class TieredStore:
                     "hits": tc.hits, "blocks_in": tc.blocks_in, "blocks_out": tc.blocks_out,
                     "bytes_in": self._bytes[t.name][0], "bytes_out": self._bytes[t.name][1],
                     "evictions": tc.evictions, "failed_transfers": tc.failed_transfers,
-                    "corrupt_dropped": tc.corrupt_dropped, "refused": tc.refused,
+                    "corrupt_dropped": tc.corrupt_dropped, "vanished": tc.vanished, "refused": tc.refused,
                     "queue_depth": self.movers[i].depth,
                 }
             return {

@@ -93,7 +93,9 @@ class TransferJob:
 class Completion:
     """Outcome of one job: per-item success, and which source records failed verification.
 
-    ``corrupt[i]`` means the source tier found item i's record damaged and already removed it.
+    ``corrupt[i]`` means the source tier found item i's record damaged and already removed it;
+    ``missing[i]`` that the source tier no longer has the record at all (removed by another
+    process sharing the medium). Either way the planner forgets that copy.
     """
 
     job_id: int
@@ -102,6 +104,7 @@ class Completion:
     nbytes: int = 0
     seconds: float = 0.0
     error: str = ""
+    missing: list[bool] = field(default_factory=list)
 
     @classmethod
     def failed(cls, job: TransferJob, error: str) -> "Completion":
@@ -111,13 +114,14 @@ class Completion:
     def to_dict(self) -> dict:
         """Plain, JSON-able form."""
         return {"job_id": self.job_id, "ok": list(self.ok), "corrupt": list(self.corrupt),
-                "nbytes": self.nbytes, "seconds": self.seconds, "error": self.error}
+                "nbytes": self.nbytes, "seconds": self.seconds, "error": self.error, "missing": list(self.missing)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Completion":
         """Inverse of ``to_dict``."""
         return cls(int(d["job_id"]), [bool(x) for x in d["ok"]], [bool(x) for x in d.get("corrupt", [])],
-                   int(d.get("nbytes", 0)), float(d.get("seconds", 0.0)), str(d.get("error", "")))
+                   int(d.get("nbytes", 0)), float(d.get("seconds", 0.0)), str(d.get("error", "")),
+                   [bool(x) for x in d.get("missing", [])])
 
 
 class Mover:

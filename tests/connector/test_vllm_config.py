@@ -43,7 +43,7 @@ def test_sizes_parse_and_capacities_are_per_engine():
     cfg = ConnectorConfig.from_extra_config({"cpu_bytes": "64GiB", "disk_path": "/nvme/kv", "disk_bytes": "1TiB"})
     assert cfg.cpu_bytes == 64 << 30 and cfg.disk_bytes == 1 << 40
     one, two = capacities(cfg, geo(1)), capacities(cfg, geo(2))
-    assert one == (64 << 30) // (32 << 20), one  # 2 MiB blocks, 16 per chunk
+    assert one == ((64 << 30) // (32 << 20), (1 << 40) // (32 << 20)), one  # 2 MiB blocks, 16 per chunk
     assert two[0] == one[0] // 2 and two[1] == one[1] // 2  # each rank holds its share of every chunk
 
 

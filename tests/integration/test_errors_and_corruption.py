@@ -3,6 +3,8 @@ never served: it reads as a miss, is deleted, and is counted."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -94,3 +96,35 @@ def test_flipped_payload_and_header_are_misses_deleted_and_counted(small_cfg, tm
     with TieredStore(cfg) as s:  # deleted for good: not adopted again
         assert s.contains([keys[3], keys[7]]) == [False, False]
         assert s.lookup(keys[:3]) == 3
+
+
+def test_record_removed_by_another_process_vanishes_from_the_index(small_cfg):
+    """Two stores share a disk directory; one deletes a block: the other's read is a plain miss (not
+    corrupt), and it stops answering a stale hit."""
+    cfg = _disk_only(small_cfg)
+    keys = [key_of(i) for i in range(4)]
+    data = blocks_of(keys, SHAPE)
+    with TieredStore(cfg) as a:
+        assert all(a.put(keys, data).wait(30))
+        a.flush()
+        # another process (py-lmdb allows one open of a directory per process) deletes block 1
+        script = (f"from tiered_kv import TieredStore\n"
+                  f"with TieredStore({cfg!r}) as b:\n"
+                  f"    assert b.lookup({keys!r}) == 4\n"
+                  f"    b.delete([{keys[1]!r}])\n"
+                  f"    assert b.drain(10)\n")
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert a.contains([keys[1]]) == [True]  # a does not know yet
+        out = torch.empty((4, *SHAPE))
+        assert a.get(keys, out).wait(10) == 1 and torch.equal(out[0], data[0])
+        assert a.drain(10)
+        assert a.contains(keys) == [True, False, True, True]
+        disk = a.stats()["tiers"]["disk"]
+        assert disk["vanished"] == 1 and disk["corrupt_dropped"] == 0 and disk["failed_transfers"] == 0
+
+
+def test_cpu_slab_rows_are_page_aligned(small_cfg):
+    with TieredStore(small_cfg(cpu_bytes=16 * 4096, block_shape=[1024], dtype="float32")) as s:
+        slab = s.tiers[1].slab
+        assert slab.data_ptr() % 4096 == 0 and slab.stride(0) % 4096 == 0

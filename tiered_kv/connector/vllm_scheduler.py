@@ -201,11 +201,10 @@ class SchedulerPlanner:
         if usable <= 0:
             return 0
         st = self._state(request)
-        keys = self._chunk_keys(st, c0 + usable)
         index = self.chain.index
         where: list[int] = []
         for c in range(c0, c0 + usable):
-            e = index.get(keys[c])
+            e = index.get(self._chunk_keys(st, c + 1)[c])  # keys made lazily: a miss stops the walk
             best = None if e is None else e.best()
             if best is None:
                 break

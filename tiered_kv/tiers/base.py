@@ -53,6 +53,11 @@ class Tier(ABC):
         ``corrupt[i]`` means the stored record failed verification and the tier removed it.
         """
 
+    def read_ex(self, keys: Sequence[bytes], slots: Sequence[int], out) -> tuple[list[bool], list[bool], list[bool]]:
+        """``read`` plus ``missing[i]`` (the tier holds no record of ``keys[i]``); slab tiers never miss."""
+        ok, corrupt = self.read(keys, slots, out)
+        return ok, corrupt, [False] * len(keys)
+
     def delete(self, keys: Sequence[bytes]) -> None:
         """Forget ``keys`` (keyed tiers). Slab tiers need nothing: the planner frees slots."""
 

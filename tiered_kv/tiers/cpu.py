@@ -22,6 +22,17 @@ from .base import SlabTier
 log = logging.getLogger(__name__)
 
 
+def aligned_empty(rows: int, row_bytes: int, align: int = 4096) -> torch.Tensor:
+    """A ``(rows, row_bytes)`` uint8 CPU tensor starting at an ``align``-byte boundary.
+
+    With ``row_bytes`` a multiple of 4 KiB every row is page-aligned, so the disk tier can
+    move it with O_DIRECT and no bounce copy.
+    """
+    raw = torch.empty(rows * row_bytes + align, dtype=torch.uint8)
+    skip = (-raw.data_ptr()) % align
+    return raw[skip:skip + rows * row_bytes].view(rows, row_bytes)
+
+
 class CpuTier(SlabTier):
     """Host-memory slab tier; pinned in the background when CUDA is present."""
 
@@ -33,7 +44,7 @@ class CpuTier(SlabTier):
         if capacity_bytes and capacity == 0:
             raise ConfigError(f"cpu_bytes={capacity_bytes} is smaller than one block ({layout.nbytes} bytes); "
                               f"raise cpu_bytes or set it to 0 to drop the CPU tier")
-        super().__init__(layout, torch.empty((capacity, layout.nbytes), dtype=torch.uint8))
+        super().__init__(layout, aligned_empty(capacity, layout.nbytes))
         self._pin = torch.cuda.is_available() if pin is None else bool(pin and torch.cuda.is_available())
         self._pinned_bytes = 0
         self._registered: list[tuple[int, int]] = []

@@ -77,6 +77,12 @@ def check_store_path(path: str | os.PathLike) -> Path:
     return p
 
 
+def _aligned(arr, nbytes: int) -> bool:
+    """True for a numpy array at a 4 KiB-aligned address with a 4 KiB-multiple length (O_DIRECT's rule)."""
+    iface = getattr(arr, "__array_interface__", None)
+    return iface is not None and iface["data"][0] % ALIGN == 0 and nbytes % ALIGN == 0
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -253,6 +259,11 @@ class DiskTier(Tier):
 
     def _pwrite(self, payload, off: int) -> None:
         data = memoryview(payload).cast("B")
+        if self.direct and _aligned(payload, len(data)):  # O_DIRECT straight from the caller's memory
+            got = os.pwrite(self.fd, data, off)
+            if got != len(data):
+                raise OSError(f"short write {got} of {len(data)}")
+            return
         if self.direct:
             buf = self._bounce()
             buf[:len(data)] = data
@@ -287,12 +298,15 @@ class DiskTier(Tier):
         return d
 
     # ------------------------------------------------------------------ Tier API
-    def write(self, keys: Sequence[bytes], slots: Sequence[int], rows: torch.Tensor) -> list[bool]:
-        """Write ``rows[i]`` under ``keys[i]``; a key already stored is kept as is (blocks are immutable)."""
+    def write(self, keys: Sequence[bytes], slots: Sequence[int], rows) -> list[bool]:
+        """Write ``rows[i]`` under ``keys[i]``; a key already stored is kept as is (blocks are immutable).
+
+        ``rows`` is a ``(n, block_nbytes)`` uint8 tensor or a list of ``n`` 1-D uint8 rows (views are
+        fine: a page-aligned CPU row is written to disk with no copy).
+        """
         self._check_open()
         if self.readonly:
             return [False] * len(keys)
-        rows = rows.to("cpu") if rows.device.type != "cpu" else rows
         with self.env.begin(write=True) as txn:
             fresh = [i for i, k in enumerate(keys) if txn.get(k, db=self.db_records) is None]
             claimed = self._claim(txn, len(fresh))
@@ -302,7 +316,8 @@ class DiskTier(Tier):
         written: list[tuple[int, int, bytes]] = []  # (item, slot, header)
         failed_slots: list[int] = []
         for i, slot in zip(fresh, claimed):
-            raw = rows[i].numpy()
+            row = rows[i]
+            raw = (row if row.device.type == "cpu" else row.cpu()).numpy()
             payload, codec = raw, CODEC_NONE
             if self.codec == CODEC_ZSTD:
                 packed = self._compressor().compress(raw.data)
@@ -346,35 +361,44 @@ class DiskTier(Tier):
         except lmdb.Error as exc:
             log.warning("disk tier %s: could not return %d claimed slots: %s", self.path, len(slots), exc)
 
-    def read(self, keys: Sequence[bytes], slots: Sequence[int], out: torch.Tensor) -> tuple[list[bool], list[bool]]:
+    def read(self, keys: Sequence[bytes], slots: Sequence[int], out) -> tuple[list[bool], list[bool]]:
         """Read and verify each block into ``out[i]``; damaged records are deleted and reported corrupt."""
+        ok, corrupt, _ = self.read_ex(keys, slots, out)
+        return ok, corrupt
+
+    def read_ex(self, keys: Sequence[bytes], slots: Sequence[int], out) -> tuple[list[bool], list[bool], list[bool]]:
+        """``read`` plus ``missing[i]``: no record of ``keys[i]`` at all (deleted by another process, say).
+
+        ``out`` is a ``(n, block_nbytes)`` uint8 tensor or a list of 1-D rows, on any device. Only
+        verified bytes are reported ok; a row whose read failed holds undefined bytes.
+        """
         self._check_open()
         n = len(keys)
-        ok, corrupt = [False] * n, [False] * n
-        staging = out if out.device.type == "cpu" else torch.empty_like(out, device="cpu")
+        ok, corrupt, missing = [False] * n, [False] * n, [False] * n
         with self.env.begin(db=self.db_records, buffers=False) as txn:
             raws = [txn.get(k) for k in keys]
         for i, (key, raw) in enumerate(zip(keys, raws)):
             if raw is None:
+                missing[i] = True
                 continue
+            dst = out[i]
+            staging = dst if dst.device.type == "cpu" else torch.empty(dst.shape, dtype=torch.uint8)
             try:
                 hdr = RecordHeader.unpack(key, raw)
                 if hdr.layout_fp != self.layout.fingerprint:
                     continue  # written for another layout: not ours to serve, not damage either
                 if hdr.raw_len != self.block_nbytes or hdr.slot >= self.physical_slots_cached():
                     raise RecordError(f"record of {hdr.raw_len} bytes at slot {hdr.slot} does not fit this tier")
-                self._read_payload(hdr, staging[i])
+                self._read_payload(hdr, staging)
+                if staging is not dst:
+                    dst.copy_(staging)
                 ok[i] = True
             except (RecordError, OSError, zstandard.ZstdError) as exc:
                 if self._still_same(key, raw):
                     log.warning("disk tier %s: dropping damaged record %s: %s", self.path, key.hex()[:16], exc)
                     self._delete_damaged(key)
                     corrupt[i] = True
-        if staging is not out:
-            sel = [i for i in range(n) if ok[i]]
-            for i in sel:
-                out[i].copy_(staging[i])
-        return ok, corrupt
+        return ok, corrupt, missing
 
     def physical_slots_cached(self) -> int:
         """Slots in the payload file, from the file size (cheap; no txn)."""
@@ -384,7 +408,7 @@ class DiskTier(Tier):
         off = hdr.slot * self.slot_bytes
         if hdr.payload_len > self.slot_bytes:
             raise RecordError(f"payload of {hdr.payload_len} bytes does not fit a {self.slot_bytes}-byte slot")
-        if hdr.codec == CODEC_NONE and not self.direct:
+        if hdr.codec == CODEC_NONE and (not self.direct or _aligned(dst.numpy(), self.block_nbytes)):
             view = memoryview(dst.numpy()).cast("B")
             got = os.preadv(self.fd, [view], off)
             if got != hdr.payload_len or payload_checksum(view) != hdr.payload_xxh:
