@@ -22,6 +22,7 @@ from .record import CODECS
 from .units import parse_size
 
 _SIZE_KEYS = ("gpu_bytes", "cpu_bytes", "disk_bytes")
+DISK_ROLES = ("writer", "reader")
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,8 @@ class StoreConfig:
     zstd_level: int = 1
     disk_sync: bool = False
     disk_workers: int = 2
+    disk_role: str = "writer"
+    namespace_extra: dict = field(default_factory=dict)
     eviction: str = "lru"
     write_policy: str = "write_back"
     promote_on_hit: bool = True
@@ -74,6 +77,12 @@ class StoreConfig:
         if self.pin_memory is not None and not isinstance(self.pin_memory, bool):
             raise ConfigError(f"pin_memory: expected true, false or null (auto), got {self.pin_memory!r}")
         _check_choice(self.compression, "compression", CODECS)
+        _check_choice(self.disk_role, "disk_role", DISK_ROLES)
+        extra = self.namespace_extra
+        if not isinstance(extra, dict) or not all(isinstance(k, str) and isinstance(v, (str, int))
+                                                  and not isinstance(v, bool) for k, v in extra.items()):
+            raise ConfigError(f"namespace_extra: expected a mapping of names to strings or ints, got {extra!r}")
+        set_("namespace_extra", {k: str(v) for k, v in extra.items()})
         _check_choice(self.eviction, "eviction", POLICIES)
         _check_choice(self.write_policy, "write_policy", WRITE_POLICIES)
         if self.metrics_port is not None:
@@ -119,7 +128,7 @@ class StoreConfig:
 
     def to_dict(self) -> dict:
         """Plain dict of every key (sizes as byte counts)."""
-        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in
+        return {k: (list(v) if isinstance(v, tuple) else dict(v) if isinstance(v, dict) else v) for k, v in
                 ((f.name, getattr(self, f.name)) for f in fields(self)) if k != "extra"}
 
 

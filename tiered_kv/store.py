@@ -105,7 +105,8 @@ class TieredStore:
             config = StoreConfig.from_dict(config)
         self.config = config
         self.layout = BlockLayout(config.block_shape, config.dtype, config.layout_tag)
-        self.namespace = Namespace(config.model, self.layout.fingerprint, config.tenant_salt)
+        self.namespace = Namespace(config.model, self.layout.fingerprint, config.tenant_salt,
+                                   tuple(sorted(config.namespace_extra.items())))
         self._torch_dtype = self.layout.torch_dtype()
         self._closed = False
         self.tiers: list[Tier] = []
@@ -149,7 +150,7 @@ class TieredStore:
             self.tiers.append(CpuTier(self.layout, c.cpu_bytes, c.pin_memory))
         if c.disk_path is not None:
             self.tiers.append(DiskTier(self.layout, c.disk_path, c.disk_bytes, c.compression, c.zstd_level,
-                                       c.disk_sync))
+                                       c.disk_sync, writer=c.disk_role == "writer"))
 
     # ------------------------------------------------------------------ context manager
     def __enter__(self) -> "TieredStore":
@@ -277,6 +278,38 @@ class TieredStore:
         with self._lock:
             jobs = self.chain.delete(keys)
         self._submit(jobs)
+
+    def refresh(self, keys: Sequence[bytes]) -> int:
+        """Adopt those of ``keys`` that another process committed to the disk directory since we opened it.
+
+        For stores sharing a directory (e.g. SGLang MLA: one writer rank, every rank reads). One
+        read transaction on the disk index, no payload I/O. Returns how many keys were adopted.
+        """
+        self._check_open()
+        keys = self._check_keys(keys)
+        disk = self.tiers[-1]
+        if not isinstance(disk, DiskTier) or not keys:
+            return 0
+        with self._lock:
+            unknown = [k for k in keys if k not in self.chain.index]
+        present = [k for k, held in zip(unknown, disk.has(unknown)) if held]
+        if not present:
+            return 0
+        with self._lock:
+            fresh = [k for k in present if k not in self.chain.index]
+            jobs = self.chain.adopt(len(self.tiers) - 1, fresh)
+        self._submit(jobs)
+        return len(fresh)
+
+    def clear(self, timeout: float = 60.0) -> None:
+        """Drop every block this store holds, in every tier, and wait until it is done."""
+        self._check_open()
+        with self._lock:
+            jobs = self.chain.delete([k for k, _ in self.chain.index.items()])
+            self.radix = RadixIndex(self.config.page_size)
+        self._submit(jobs)
+        if not self.drain(timeout):
+            raise TransferTimeout(f"clear: deletes still in flight after {timeout} s")
 
     # ------------------------------------------------------------------ tokens
     def keys_for_tokens(self, token_ids: Sequence[int]) -> list[bytes]:

@@ -121,7 +121,8 @@ def test_working_set_larger_than_cpu_comes_back_from_disk(model_dir, tmp_path, a
         eng.close()
 
 
-def test_restart_hits_blocks_written_by_previous_engine(model_dir, tmp_path):
+def test_restart_hits_blocks_written_by_previous_engine(model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONHASHSEED", "0")  # what makes vLLM 0.26's block hashes stable across starts
     extra = {"write_policy": "write_through"}
     first = _disk_engine(model_dir, tmp_path, extra=extra)
     try:
@@ -142,6 +143,26 @@ def test_restart_hits_blocks_written_by_previous_engine(model_dir, tmp_path):
         assert st["sched_hit_tokens_disk"] == 12 * BS, st
         assert second.verified_blocks >= 12
         assert_no_leaks(second)
+    finally:
+        second.close()
+
+
+def test_unstable_block_hashes_warn_and_never_adopt(model_dir, tmp_path, monkeypatch, caplog):
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)  # xxhash without a seed: random per process
+    extra = {"write_policy": "write_through"}
+    first = _disk_engine(model_dir, tmp_path, extra=extra, hash_algo="xxhash")
+    try:
+        first.add("old", prompt(13, 8 * BS + 1), max_tokens=1)
+        first.run()
+        first.settle()
+        assert first.connector.stats()["resident_disk"] == 2
+    finally:
+        first.close()
+    assert "PYTHONHASHSEED" in caplog.text  # the loud start-up warning
+    second = _disk_engine(model_dir, tmp_path, extra=extra, hash_algo="xxhash")
+    try:
+        assert second.connector.stats()["resident_disk"] == 0  # nothing it could name is adopted
+        assert second.workers[0].connector.worker.disk.stored_keys() == []  # and the old records are gone
     finally:
         second.close()
 

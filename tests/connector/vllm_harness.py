@@ -68,12 +68,13 @@ def write_model_dir(path: str) -> str:
 
 
 def make_vllm_config(model_dir: str, extra: dict, async_sched: bool = False, max_model_len: int = 2048,
-                     max_batched: int = 256, tp: int = 1) -> VllmConfig:
+                     max_batched: int = 256, tp: int = 1, hash_algo: str = "sha256") -> VllmConfig:
     """VllmConfig with our connector loaded by module path, like ``--kv-transfer-config`` does."""
     mc = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="float16", seed=0, max_model_len=max_model_len)
     sc = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_batched, max_model_len=max_model_len,
                          enable_chunked_prefill=True, is_encoder_decoder=False, disable_hybrid_kv_cache_manager=True)
-    cc = CacheConfig(block_size=BS, gpu_memory_utilization=0.9, enable_prefix_caching=True)
+    cc = CacheConfig(block_size=BS, gpu_memory_utilization=0.9, enable_prefix_caching=True,
+                     prefix_caching_hash_algo=hash_algo)
     ktc = KVTransferConfig(kv_connector="TieredKVConnector", kv_connector_module_path="tiered_kv.connector.vllm",
                            kv_role="kv_both", kv_connector_extra_config=dict(extra),
                            kv_load_failure_policy="recompute")
@@ -132,13 +133,14 @@ class Engine:
 
     @classmethod
     def create(cls, model_dir: str, extra: dict, *, num_blocks: int = 64, async_sched: bool = False,
-               tp: int = 1, max_batched: int = 256) -> "Engine":
+               tp: int = 1, max_batched: int = 256, hash_algo: str = "sha256") -> "Engine":
         """Build a scheduler (which builds the scheduler-role connector) and ``tp`` worker-role connectors."""
         global _NONE_HASH_READY
         if not _NONE_HASH_READY:
             init_none_hash(sha256)  # EngineCore does this once per process
             _NONE_HASH_READY = True
-        cfg = make_vllm_config(model_dir, extra, async_sched=async_sched, max_batched=max_batched, tp=tp)
+        cfg = make_vllm_config(model_dir, extra, async_sched=async_sched, max_batched=max_batched, tp=tp,
+                               hash_algo=hash_algo)
         kvc = kv_cache_config(num_blocks)
         cfg.cache_config.num_gpu_blocks = num_blocks
         cls_ = AsyncScheduler if async_sched else Scheduler

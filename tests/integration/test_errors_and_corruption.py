@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -128,3 +129,26 @@ def test_cpu_slab_rows_are_page_aligned(small_cfg):
     with TieredStore(small_cfg(cpu_bytes=16 * 4096, block_shape=[1024], dtype="float32")) as s:
         slab = s.tiers[1].slab
         assert slab.data_ptr() % 4096 == 0 and slab.stride(0) % 4096 == 0
+
+
+def test_refresh_adopts_what_another_process_wrote_and_reader_role_never_writes(small_cfg):
+    cfg = _disk_only(small_cfg)
+    keys = [key_of(i) for i in range(3)]
+    data = blocks_of(keys, SHAPE)
+    with TieredStore(dict(cfg, disk_role="reader")) as reader:
+        reader.put(keys[:1], data[:1]).wait(10)  # the planner tries...
+        assert reader.drain(10) and reader.lookup(keys[:1]) == 0  # ...but a reader's disk never stores it
+        script = (f"import torch, sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+                  f"from _blocks import blocks_of\nfrom tiered_kv import TieredStore\n"
+                  f"with TieredStore({cfg!r}) as w:\n"
+                  f"    assert all(w.put({keys!r}, blocks_of({keys!r}, {SHAPE!r})).wait(30))\n")
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert reader.lookup(keys) == 0
+        assert reader.refresh(keys) == 3 and reader.refresh(keys) == 0
+        out = torch.empty((3, *SHAPE))
+        assert reader.get(keys, out).wait(10) == 3 and torch.equal(out, data)
+        reader.clear()
+        assert reader.lookup(keys) == 0
+    with TieredStore(cfg) as writer:  # the reader's clear forgot the blocks but deleted none of them
+        assert writer.lookup(keys) == 3

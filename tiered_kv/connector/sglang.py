@@ -46,7 +46,6 @@ from ..store import TieredStore
 from .sglang_config import SGLangBackendConfig, Scope, scope_from
 from .sglang_io import read_pages, write_pages
 from .sglang_pages import HostPages
-from .sglang_shared import adopt_committed, open_as_reader
 from .sglang_stats import BackendCounters
 
 log = logging.getLogger(__name__)
@@ -83,7 +82,8 @@ class TieredHiCacheStorage(HiCacheStorage):
         self.close()  # a re-registration (SGLang re-attach, our clear) reopens the store
         pages = HostPages(mem_pool_host, self.scope.is_mla)
         o = self.options
-        probe = Namespace(self.scope.model, pages.layout.fingerprint, o.tenant_salt).with_extra(**self.scope.extras())
+        extras = {k: str(v) for k, v in self.scope.extras().items()}
+        probe = Namespace(self.scope.model, pages.layout.fingerprint, o.tenant_salt, tuple(sorted(extras.items())))
         disk_dir = None
         if o.disk_path is not None:
             disk_dir = Path(o.disk_path) / self.scope.dir_name(pages.layout.tag, probe.prefix.hex())
@@ -94,15 +94,16 @@ class TieredHiCacheStorage(HiCacheStorage):
             "disk_path": None if disk_dir is None else str(disk_dir), "disk_bytes": o.disk_bytes,
             "compression": o.compression, "disk_sync": o.disk_sync, "disk_workers": o.disk_workers,
             "eviction": o.eviction, "write_policy": "write_through", "promote_on_hit": True,
+            "namespace_extra": extras,
+            # one writer per directory: a reader rank never writes or deletes there (damaged records aside)
+            "disk_role": "reader" if self.scope.is_mla and not self.scope.is_writer else "writer",
         })
         store = TieredStore(cfg)
-        self.namespace = store.namespace.with_extra(**self.scope.extras())
+        self.namespace = store.namespace
         if self.namespace.prefix != probe.prefix:  # the directory name must name exactly these keys
             store.close()
             raise ConfigError(f"store namespace {self.namespace} differs from the one the disk directory "
                               f"{disk_dir} was named for ({probe}); this is a tiered_kv bug, please report it")
-        if self.scope.is_mla and not self.scope.is_writer:
-            open_as_reader(store)  # one writer per directory: a reader rank never writes or deletes there
         self.pages, self.store, self.disk_dir = pages, store, disk_dir
         log.info("tiered_kv SGLang backend: %s, %d B/page, %s, tiers %s, %d pages held",
                  pages.layout.tag, pages.page_nbytes, "writer" if self.scope.is_writer else "reader",
@@ -301,7 +302,7 @@ class TieredHiCacheStorage(HiCacheStorage):
             if now - self._last_refresh < self.options.reader_refresh_s:
                 return False
             self._last_refresh = now
-        added = adopt_committed(self.store, keys)
+        added = self.store.refresh(keys)
         self.counters.add(reader_probes=1, reader_adopted=added)
         return added > 0
 

@@ -101,7 +101,7 @@ class DiskTier(Tier):
 
     def __init__(self, layout: BlockLayout, path: str | os.PathLike, capacity_bytes: int,
                  compression: str = "none", zstd_level: int = 1, sync: bool = False, readonly: bool = False,
-                 key_prefix: bytes = b"", direct_io: bool = True) -> None:
+                 key_prefix: bytes = b"", direct_io: bool = True, writer: bool = True) -> None:
         if compression not in CODECS:
             raise ConfigError(f"compression: unknown codec {compression!r}; valid: {sorted(CODECS)}")
         self.slot_bytes = -(-layout.nbytes // ALIGN) * ALIGN
@@ -113,6 +113,7 @@ class DiskTier(Tier):
         self.zstd_level = zstd_level
         self.sync = sync
         self.readonly = readonly
+        self.writer = writer and not readonly  # a reader never writes or deletes records (damaged ones aside)
         self.key_prefix = key_prefix
         self._local = threading.local()
         self._closed = False
@@ -305,7 +306,7 @@ class DiskTier(Tier):
         fine: a page-aligned CPU row is written to disk with no copy).
         """
         self._check_open()
-        if self.readonly:
+        if not self.writer:
             return [False] * len(keys)
         with self.env.begin(write=True) as txn:
             fresh = [i for i, k in enumerate(keys) if txn.get(k, db=self.db_records) is None]
@@ -451,7 +452,7 @@ class DiskTier(Tier):
     def delete(self, keys: Sequence[bytes]) -> None:
         """Delete records and return their slots to the free list (one txn)."""
         self._check_open()
-        if self.readonly:
+        if not self.writer:
             return
         with self.env.begin(write=True) as txn:
             for key in keys:
@@ -463,6 +464,12 @@ class DiskTier(Tier):
                 except RecordError:
                     continue
                 txn.put(_SLOT.pack(slot), b"", db=self.db_free)
+
+    def has(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether the directory holds a record of each key now (one read txn; no payload I/O)."""
+        self._check_open()
+        with self.env.begin(db=self.db_records, buffers=True) as txn:
+            return [txn.get(k) is not None for k in keys]
 
     def stored_keys(self) -> list[bytes]:
         """Keys of this layout (and key prefix, if set) stored in the directory, oldest first."""
