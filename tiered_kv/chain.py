@@ -118,6 +118,7 @@ class TierChain:
         self._handles: dict[int, _Handle] = {}
         self._finished: list[tuple[int, object]] = []
         self.tier_counters = [TierCounters() for _ in specs]
+        self._pins = 0  # sum of every copy's pins, kept in step with them
         self.counters = ChainCounters()
 
     # ------------------------------------------------------------------ queries
@@ -155,13 +156,18 @@ class TierChain:
             out.append(None if e is None else e.best())
         return out
 
+    def job(self, job_id: int) -> TransferJob | None:
+        """The in-flight job with this id, or None once it completed."""
+        entry = self._jobs.get(job_id)
+        return None if entry is None else entry[0]
+
     def inflight(self) -> int:
         """Jobs issued and not yet completed."""
         return len(self._jobs)
 
     def pinned(self) -> int:
         """Copies pinned by running readers."""
-        return sum(c.pins for _, e in self.index.items() for c in e.copies.values())
+        return self._pins
 
     def waiting(self) -> int:
         """Reservations waiting for room."""
@@ -200,6 +206,12 @@ class TierChain:
                 self._refuse_put(handle, i, t)
                 continue
             self.counters.blocks_in += 1
+            if self.used[t] < self.specs[t].capacity:  # room now: the common case, no closures
+                self.used[t] += 1
+                slot = self._free_slots[t].pop() if self.specs[t].slotted else NO_SLOT
+                self.index.add_copy(key, t, Copy(CopyState.WRITING, slot))
+                batch.append((i, key, slot))
+                continue
             self.index.add_copy(key, t, Copy(CopyState.QUEUED, NO_SLOT))
 
             def grant(slot: int, key=key, i=i) -> Jobs:
@@ -240,6 +252,7 @@ class TierChain:
             t = e.best()
             c = e.copies[t]
             c.pins += 1
+            self._pins += 1
             self.policies[t].access(key)
             self.tier_counters[t].hits += 1
             by_tier.setdefault(t, []).append((i, key, c.slot))
@@ -465,6 +478,7 @@ class TierChain:
         if lower >= self.num_tiers or lower in e.copies or any(u < t and d.readable for u, d in e.copies.items()):
             return self._drop(key, t)
         c.pins += 1  # the demotion reads it
+        self._pins += 1
         self.index.add_copy(key, lower, Copy(CopyState.QUEUED, NO_SLOT))
 
         def grant(slot: int) -> Jobs:
@@ -475,6 +489,7 @@ class TierChain:
         def refuse() -> Jobs:  # no room below: the block leaves this tier without a copy below
             out = self._remove(key, lower)
             c.pins -= 1
+            self._pins -= 1
             return out + self._drop(key, t)
 
         status, slot, jobs = self._reserve(lower, grant, refuse)
@@ -534,6 +549,7 @@ class TierChain:
                     self._item_done(ctx[0], ctx[1], False)
                 return self._remove(key, dst)
             c.pins += 1
+            self._pins += 1
             return [self._job(kind, src, dst, [key], [c.slot], [slot], 0, [ctx])]
 
         def refuse() -> Jobs:
@@ -567,6 +583,7 @@ class TierChain:
     def _unpin(self, key: bytes, t: int) -> Jobs:
         c = self.index.get(key).copies[t]
         c.pins -= 1
+        self._pins -= 1
         if c.pins == 0 and c.doomed:
             if c.deleting and not self.specs[t].slotted and c.state is CopyState.READY:
                 return self._free(key, t)  # corrupt record: the tier already removed it

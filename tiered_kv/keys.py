@@ -21,6 +21,7 @@ import hashlib
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from .errors import InvalidInputError
 
@@ -37,9 +38,9 @@ class Namespace:
     salt: str = ""
     extra: tuple[tuple[str, str], ...] = field(default=())
 
-    @property
+    @cached_property
     def prefix(self) -> bytes:
-        """8-byte prefix shared by every key of this namespace."""
+        """8-byte prefix shared by every key of this namespace (computed once)."""
         h = hashlib.blake2b(digest_size=PREFIX_LEN, person=b"tkv-ns-v1")
         h.update(self.model.encode())
         h.update(b"\0" + struct.pack("<Q", self.layout_fingerprint))

@@ -97,12 +97,14 @@ def test_reader_pin_blocks_slot_reuse():
     c = TierChain([TierSpec("cpu", 1)])
     run_all(c, c.put([K(0)], 1))
     n, get_jobs = c.get([K(0)], 2)  # pinned until its job completes
+    assert c.pinned() == 1 == sum(cp.pins for _, e in c.index.items() for cp in e.copies.values())
     put_jobs = c.put([K(1)], 3)
     assert not put_jobs and c.waiting() == 1  # K(1) waits: the only slot is being read
     more = c.complete(Completion(get_jobs[0].job_id, [True]))
     assert [j.kind for j in more] == [JobKind.INGRESS] and more[0].dst_slots == get_jobs[0].src_slots
     run_all(c, more)
     assert c.lookup([K(1)]) == 1 and c.lookup([K(0)]) == 0
+    assert c.pinned() == 0 and c.job(get_jobs[0].job_id) is None
 
 
 def test_write_through_copies_down():

@@ -32,7 +32,7 @@ from ..chain import TierChain, TierSpec
 from ..errors import ConfigError
 from ..keys import KEY_LEN, PREFIX_LEN, Namespace
 from ..policy import PlacementPolicy
-from ..transfer import EXT, Completion, JobKind, TransferJob
+from ..transfer import Completion, JobKind, TransferJob
 from .vllm_config import ConnectorConfig, Geometry
 
 log = logging.getLogger(__name__)
@@ -90,11 +90,14 @@ class KeyMaker:
 
     def __init__(self, ns: Namespace) -> None:
         self.prefix = ns.prefix
+        # a keyed hasher set up once and copied per key: half the cost of a keyed blake2b per call
+        self._base = hashlib.blake2b(digest_size=KEY_LEN - PREFIX_LEN, key=self.prefix)
 
     def __call__(self, engine_hash: bytes) -> bytes:
         """Key of one vLLM block hash; equal to ``Namespace.key(engine_hash)``."""
-        return self.prefix + hashlib.blake2b(bytes(engine_hash), digest_size=KEY_LEN - PREFIX_LEN,
-                                             key=self.prefix).digest()
+        h = self._base.copy()
+        h.update(engine_hash)
+        return self.prefix + h.digest()
 
 
 @dataclass
@@ -145,6 +148,7 @@ class SchedulerPlanner:
         self.counters = PlannerCounters()
         self._step = 0
         self._reqs: dict[str, _Req] = {}
+        self._storing: dict[str, _Req] = {}  # requests with prompt chunks still to store (eager)
         self._puts: dict[int, _Put] = {}
         self._gets: dict[int, list[int]] = {}  # handle -> its items' GPU ids, flat
         self._handle_ids = iter(range(1, 1 << 62))
@@ -154,8 +158,9 @@ class SchedulerPlanner:
         self._loads: dict[str, list[int]] = {}
         self._load_fail: dict[str, list[int]] = {}
         self._finish_puts: list[tuple[list[bytes], list[int], int]] = []
-        self._alloc_step: dict[int, int] = {}  # GPU block -> last step it was (re)allocated
-        self._gpu_busy: dict[int, int | set[int]] = {}  # GPU block -> in-flight job id(s) touching it
+        self._alloc_step: dict[int, int] = {}  # GPU block -> last step it was (re)allocated (while watching)
+        self._watching = False
+        self._gpu_busy: dict[int, int] = {}  # GPU block -> newest in-flight job touching it
         self._job_gpu: dict[int, list[int]] = {}
         self._job_kind: dict[int, tuple[JobKind, int]] = {}
         self._reports: dict[int, JobReport] = {}
@@ -270,30 +275,36 @@ class SchedulerPlanner:
         gpu_out: list[int] = []
         eager = self.cfg.store_policy == "eager"
         scheduled = scheduler_output.num_scheduled_tokens
+        # Stores planned in an earlier step (waiting for room, granted since, or planned at a
+        # request's finish) are checked against re-allocations: record those only while any exist.
+        self._watching = bool(self._stores or self._finish_puts or self.chain.waiting())
+        storing = self._storing if eager else {}
         for new in scheduler_output.scheduled_new_reqs:
-            ids = list(new.block_ids[0])
+            ids = new.block_ids[0]
             self._allocated_now(ids, step, fences)
             st = self._reqs.get(new.req_id)
-            if st is None:
+            if st is None or not eager:
                 continue
-            st.block_ids = ids
-            if eager:
-                self._plan_store(st, new.num_computed_tokens + scheduled.get(new.req_id, 0), keys_out, gpu_out)
+            st.block_ids = list(ids)
+            storing[new.req_id] = st
+            self._plan_store(st, new.num_computed_tokens + scheduled.get(new.req_id, 0), keys_out, gpu_out)
         cached = scheduler_output.scheduled_cached_reqs
         resumed = _resumed_ids(cached) if cached.req_ids else set()
+        # Decode steps list every running request: keep the per-request work to a lookup unless the
+        # request still has chunks to store (prompt-only stores finish with the prefill).
         for i, rid in enumerate(cached.req_ids):
             new_ids = cached.new_block_ids[i]
-            st = self._reqs.get(rid)
+            if new_ids is not None and new_ids[0]:
+                self._allocated_now(new_ids[0], step, fences)
+            st = storing.get(rid)
+            if st is None:
+                continue
             if new_ids is not None:
-                ids = list(new_ids[0])
-                self._allocated_now(ids, step, fences)
-                if st is not None:
-                    if rid in resumed:
-                        st.block_ids = ids
-                    else:
-                        st.block_ids.extend(ids)
-            if st is not None and eager:
-                self._plan_store(st, cached.num_computed_tokens[i] + scheduled.get(rid, 0), keys_out, gpu_out)
+                if rid in resumed:
+                    st.block_ids = list(new_ids[0])
+                else:
+                    st.block_ids.extend(new_ids[0])
+            self._plan_store(st, cached.num_computed_tokens[i] + scheduled.get(rid, 0), keys_out, gpu_out)
         self._put(keys_out, gpu_out, step)
         if self._finish_puts:  # planned when their requests finished, i.e. in an earlier step
             first = min(s for _, _, s in self._finish_puts)
@@ -318,29 +329,24 @@ class SchedulerPlanner:
         self._route(self.chain.put(keys, hid))
 
     def _allocated_now(self, ids: list[int], step: int, fences: set[int]) -> None:
-        self._alloc_step.update(dict.fromkeys(ids, step))
+        if self._watching:  # only stores planned in an earlier step need re-allocation dates
+            self._alloc_step.update(dict.fromkeys(ids, step))
         busy = self._gpu_busy
-        if busy.keys().isdisjoint(ids):  # the common case, checked at C speed
-            return
-        for g in ids:
-            cur = busy.get(g)
-            if cur is not None:
-                if type(cur) is int:
-                    fences.add(cur)
-                else:
-                    fences.update(cur)
+        if busy and not busy.keys().isdisjoint(ids):  # rare: checked at C speed first
+            fences.update(busy[g] for g in ids if g in busy)
 
     def _plan_store(self, st: _Req, computed: int, keys_out: list[bytes], gpu_out: list[int]) -> None:
         req = st.request
         if not self.cfg.store_decode_tokens:
             computed = min(computed, req.num_prompt_tokens)
         n = min(computed // self.bs, len(req.block_hashes), len(st.block_ids)) // self.k
-        if n <= st.stored:
-            return
-        keys = self._chunk_keys(st, n)
-        keys_out.extend(keys[st.stored:n])
-        gpu_out.extend(st.block_ids[st.stored * self.k:n * self.k])
-        st.stored = n
+        if n > st.stored:
+            keys = self._chunk_keys(st, n)
+            keys_out.extend(keys[st.stored:n])
+            gpu_out.extend(st.block_ids[st.stored * self.k:n * self.k])
+            st.stored = n
+        if not self.cfg.store_decode_tokens and st.stored >= req.num_prompt_tokens // self.bs // self.k:
+            self._storing.pop(req.request_id, None)  # every prompt chunk offered: stop tracking its table
 
     def _valid_stores(self) -> list[TransferJob]:
         """Stores whose GPU source blocks were not re-allocated since planned; the rest fail now."""
@@ -387,31 +393,16 @@ class SchedulerPlanner:
         return out
 
     def _track(self, job_id: int, gpu_ids: list[int]) -> None:
+        """Mark ``gpu_ids`` as touched by ``job_id`` (the newest job wins: an older job on a block was
+        fenced when vLLM re-allocated that block, which is the only way a block gets a new job)."""
         self._job_gpu[job_id] = gpu_ids
-        busy = self._gpu_busy
-        if busy.keys().isdisjoint(gpu_ids):  # the common case, at C speed
-            busy.update(dict.fromkeys(gpu_ids, job_id))
-            busy.pop(-1, None)
-            return
-        for g in gpu_ids:
-            cur = busy.get(g)
-            if cur is None:
-                busy[g] = job_id  # the common case: one job per block, no set allocated
-            elif type(cur) is int:
-                busy[g] = {cur, job_id}
-            else:
-                cur.add(job_id)
+        self._gpu_busy.update(dict.fromkeys(gpu_ids, job_id))
 
     def _untrack(self, job_id: int) -> None:
         busy = self._gpu_busy
         for g in self._job_gpu.pop(job_id, ()):
-            cur = busy.get(g)
-            if cur == job_id:
+            if busy.get(g) == job_id:
                 del busy[g]
-            elif type(cur) is set:
-                cur.discard(job_id)
-                if len(cur) == 1:
-                    busy[g] = next(iter(cur))
 
     def _drain_finished(self) -> None:
         for hid, _ in self.chain.take_finished():
@@ -453,6 +444,7 @@ class SchedulerPlanner:
     def finished(self, request, block_ids: Sequence[int]) -> None:
         """A request finished (or was aborted): forget it; with ``on_finish`` stores, plan its chunks."""
         st = self._reqs.pop(request.request_id, None)
+        self._storing.pop(request.request_id, None)
         if st is None or self.cfg.store_policy != "on_finish":
             return
         computed = request.num_computed_tokens
@@ -476,7 +468,7 @@ class SchedulerPlanner:
         out = {f"sched_{k}": v for k, v in vars(self.counters).items()}
         out.update({
             "inflight_jobs": c.inflight(), "pinned": c.pinned(), "waiting": c.waiting(),
-            "gpu_blocks_busy": len(self._gpu_busy), "tracked_requests": len(self._reqs),
+            "gpu_blocks_busy": len(self._gpu_busy), "tracked_requests": len(self._reqs) + len(self._storing),
             "open_puts": len(self._puts), "open_gets": len(self._gets), "unshipped_ext": len(self._ext),
             "resident_cpu": c.resident(CPU), "resident_disk": c.resident(DISK) if c.num_tiers > 1 else 0,
             "disk_gbps_estimate": round(self._disk_gbps, 3),

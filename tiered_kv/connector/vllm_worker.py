@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..copy import BlockCopier, allocate_slab, vllm_layer_layout
+from ..copy import BackendUnavailableError, BlockCopier, Mechanism, allocate_slab, vllm_layer_layout
 from ..errors import ConfigError
 from ..keys import Namespace
 from ..tiers.cpu import CpuTier
@@ -93,11 +93,12 @@ class WorkerRuntime:
         self._job_req: dict[int, str] = {}
         self._pending_fail: dict[str, list[int]] = {}
         self._plan: StepPlan | None = None
-        self._early_done = self._stores_done = True
+        self._early_done = self._stores_done = self._fenced = True
         self.copier: BlockCopier | None = None
         self._staging_copier: BlockCopier | None = None
         self._cuda = False
         self._dep_stream = None
+        self._mechanism: Mechanism | None = None  # None: the copier chooses per call
         self.front = Mover(f"vllm-gpu-r{rank}", self._execute, self._on_done, workers=1)
         self.back = (Mover(f"vllm-disk-r{rank}", self._execute, self._on_done, workers=cfg.disk_workers)
                      if self.disk is not None else None)
@@ -134,20 +135,20 @@ class WorkerRuntime:
         with self._lock:
             self._ext.update(plan.ext)
         self._plan = plan
-        self._early_done = self._stores_done = False
+        self._early_done = self._stores_done = self._fenced = False
 
     def fence(self) -> None:
         """Wait until every fenced job finished touching GPU memory (``handle_preemptions``)."""
         plan = self._plan
-        if plan is None or not plan.fences:
+        if plan is None or self._fenced or not plan.fences:
             return
+        self._fenced = True  # the plan is shared data (one object per rank in-process): never edit it
         for job_id in plan.fences:
             with self._lock:
                 ev = self._events.get(job_id)
             if ev is not None and not ev.is_set():
                 self.counters.fences_waited += 1
                 ev.wait()
-        plan.fences = []
 
     def before_forward(self) -> None:
         """Submit loads and tier moves (``start_load_kv``); idempotent per step."""
@@ -280,10 +281,16 @@ class WorkerRuntime:
         if not src:
             return
         stream = self._wait_stream(job)
-        if to_cpu:
-            res = copier.gpu_to_cpu(src, dst, stream=stream)
-        else:
-            res = copier.cpu_to_gpu(src, dst, stream=stream)
+        copy = copier.gpu_to_cpu if to_cpu else copier.cpu_to_gpu
+        try:
+            res = copy(src, dst, stream=stream, mechanism=self._mechanism)
+        except BackendUnavailableError as exc:
+            if self._mechanism is not None:
+                raise
+            # e.g. no cuda-python for the copy engine: the SM kernel (Triton, shipped with vLLM) still works
+            log.warning("TieredKVConnector rank %d: %s; using the SM-kernel copy from now on", self.rank, exc)
+            self._mechanism = Mechanism.SM_KERNEL
+            res = copy(src, dst, stream=stream, mechanism=self._mechanism)
         res.wait()
 
     def _wait_stream(self, job: TransferJob):

@@ -450,7 +450,11 @@ class DiskTier(Tier):
             log.warning("disk tier %s: could not delete damaged record: %s", self.path, exc)
 
     def delete(self, keys: Sequence[bytes]) -> None:
-        """Delete records and return their slots to the free list (one txn)."""
+        """Delete records and return their slots to the free list (one txn).
+
+        Idempotent: a key with no record is skipped, so a caller may send a DELETE for a key a
+        read already dropped as corrupt (e.g. on the other TP ranks of a connector).
+        """
         self._check_open()
         if not self.writer:
             return
