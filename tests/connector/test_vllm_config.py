@@ -92,10 +92,13 @@ def _request(n_tokens: int, rid: str = "r"):
     return SimpleNamespace(request_id=rid, block_hashes=hashes, num_tokens=n_tokens, num_prompt_tokens=n_tokens)
 
 
-@pytest.mark.parametrize("policy,gbps,expect_chunks", [("never", 100.0, 1), ("always", 0.001, 3),
-                                                        ("auto", 100.0, 3), ("auto", 0.001, 1)])
-def test_disk_hits_are_taken_only_when_worth_it(policy, gbps, expect_chunks):
-    cfg = ConnectorConfig(disk_path="/x", disk_load_policy=policy, disk_read_gbps=gbps, chunk_blocks=4)
+@pytest.mark.parametrize("policy,gbps,probe,expect_chunks", [
+    ("never", 100.0, 32, 1), ("always", 0.001, 32, 3), ("auto", 100.0, 32, 3), ("auto", 0.001, 32, 1),
+    ("auto", 0.001, 1, 3),  # every declined hit is a probe: the slow disk is read (and measured) anyway
+])
+def test_disk_hits_are_taken_only_when_worth_it(policy, gbps, probe, expect_chunks):
+    cfg = ConnectorConfig(disk_path="/x", disk_load_policy=policy, disk_read_gbps=gbps, chunk_blocks=4,
+                          disk_probe_every=probe)
     g = geo(k=4, block_bytes=128 << 10)
     planner = SchedulerPlanner(cfg, g, Namespace("m"), cpu_chunks=8, disk_chunks=8)
     req = _request(16 * 16 + 5)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import threading
 from dataclasses import dataclass, field
 
@@ -248,7 +249,9 @@ class Engine:
 
     def _run_worker(self, w: Worker, out, rows) -> ModelRunnerOutput:
         conn = w.connector
-        meta = out.kv_connector_metadata
+        # vLLM pickles the scheduler output to every worker process: do the same, so each rank
+        # gets its own copy and anything unpicklable fails here.
+        meta = pickle.loads(pickle.dumps(out.kv_connector_metadata))
         conn.handle_preemptions(meta)
         conn.bind_connector_metadata(meta)
         self._forward(w, rows)
@@ -259,7 +262,7 @@ class Engine:
             finished_sending=sending, finished_recving=recving,
             invalid_block_ids=conn.get_block_ids_with_load_errors(),
             kv_connector_stats=conn.get_kv_connector_stats(),
-            kv_connector_worker_meta=conn.build_connector_worker_meta())
+            kv_connector_worker_meta=pickle.loads(pickle.dumps(conn.build_connector_worker_meta())))
         conn.clear_connector_metadata()
         ids = [rid for rid, _, _, _ in rows]
         sampled = [[self._sample(rid)] if done + n >= self.requests[rid].num_prompt_tokens else []

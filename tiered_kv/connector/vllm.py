@@ -25,6 +25,7 @@ thread only (the worker's movers synchronize through ``WorkerRuntime``'s lock).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -36,7 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from ..errors import ConfigError
-from ..tiers.disk import DiskTier
+from ..metrics import make_registry, serve
 from .vllm_config import (
     UNSTABLE_HASH_WARNING,
     ConnectorConfig,
@@ -142,9 +143,15 @@ class TieredKVConnector(KVConnectorBase_V1):
         self._out_invalid: set[int] = set()
         self.planner: SchedulerPlanner | None = None
         self.worker: WorkerRuntime | None = None
+        self._prom_snapshot: dict = {}
+        self._prom_at = 0.0
         if role == KVConnectorRole.SCHEDULER:
             self.planner = SchedulerPlanner(self.cfg, self.geo, self.ns, cpu_chunks, disk_chunks,
                                             self._adoptable_keys(disk_chunks))
+            if self.cfg.metrics_port is not None:
+                self._prom_snapshot = self.planner.store_stats()
+                # the HTTP thread reads a snapshot the scheduler thread replaces: the planner is not thread-safe
+                serve(make_registry(lambda: self._prom_snapshot, "vllm"), self.cfg.metrics_port)
         else:
             self.worker = WorkerRuntime(self.cfg, self.geo, self.ns, worker_rank(), cpu_chunks, disk_chunks)
             if not self.ident.stable and self.worker.disk is not None:
@@ -154,6 +161,8 @@ class TieredKVConnector(KVConnectorBase_V1):
         """Keys every rank's disk directory holds from a previous engine (read-only open)."""
         if not disk_chunks or not self.ident.stable:
             return []
+        from ..tiers.disk import DiskTier  # lazily: needs lmdb and zstandard
+
         common: dict[bytes, None] | None = None
         for rank in range(self.geo.tp_size):
             path = rank_disk_dir(self.cfg, self.ns, rank, self.geo.tp_size)
@@ -180,7 +189,11 @@ class TieredKVConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         """This step's plan for the workers."""
-        return TieredKVMetadata(self.planner.build(scheduler_output))
+        plan = self.planner.build(scheduler_output)
+        if self.cfg.metrics_port is not None and time.monotonic() - self._prom_at > 1.0:
+            self._prom_at = time.monotonic()
+            self._prom_snapshot = self.planner.store_stats()
+        return TieredKVMetadata(plan)
 
     def update_connector_output(self, connector_output) -> None:
         """Apply the workers' job reports (merged over ranks by vLLM)."""

@@ -26,7 +26,6 @@ from ..keys import Namespace
 from ..layout import BlockLayout
 from ..policy import POLICIES, WRITE_POLICIES
 from ..record import CODECS
-from ..tiers.disk import ALIGN
 from ..units import parse_size
 
 log = logging.getLogger(__name__)
@@ -50,6 +49,7 @@ class ConnectorConfig:
     min_hit_blocks: int = 1
     disk_load_policy: str = "auto"
     disk_read_gbps: float = 3.0
+    disk_probe_every: int = 32
     prefill_tokens_per_s: float = 30000.0
     compression: str = "none"
     zstd_level: int = 1
@@ -59,6 +59,7 @@ class ConnectorConfig:
     staging_chunks: int = 8
     model_id: str = ""
     tenant_salt: str = ""
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
@@ -73,6 +74,7 @@ class ConnectorConfig:
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"{key}: expected true or false, got {getattr(self, key)!r}")
         _int(self.min_hit_blocks, "min_hit_blocks", 1)
+        _int(self.disk_probe_every, "disk_probe_every", 0)
         _int(self.zstd_level, "zstd_level", -7, 22)
         _int(self.disk_workers, "disk_workers", 1, 64)
         _int(self.chunk_blocks, "chunk_blocks", 1, 4096)
@@ -82,6 +84,8 @@ class ConnectorConfig:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise ConfigError(f"{key}: expected a number > 0, got {v!r}")
             set_(key, float(v))
+        if self.metrics_port is not None:
+            _int(self.metrics_port, "metrics_port", 1, 65535)
         for key in ("model_id", "tenant_salt"):
             if not isinstance(getattr(self, key), str):
                 raise ConfigError(f"{key}: expected a string, got {getattr(self, key)!r}")
@@ -252,4 +256,6 @@ def capacities(cfg: ConnectorConfig, geo: Geometry) -> tuple[int, int]:
 
 def disk_slot_nbytes(geo: Geometry) -> int:
     """Bytes one chunk takes in a rank's disk payload file (records are 4 KiB aligned)."""
+    from ..tiers.disk import ALIGN  # lazily: the disk tier needs lmdb and zstandard, the CPU-only setup does not
+
     return -(-geo.rank_chunk_nbytes // ALIGN) * ALIGN

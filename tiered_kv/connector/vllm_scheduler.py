@@ -123,6 +123,7 @@ class PlannerCounters:
     hit_tokens_cpu: int = 0
     hit_tokens_disk: int = 0
     disk_hits_declined: int = 0
+    disk_probes: int = 0
     load_jobs: int = 0
     store_chunks: int = 0
     stores_dropped_reused: int = 0
@@ -165,6 +166,7 @@ class SchedulerPlanner:
         self._job_kind: dict[int, tuple[JobKind, int]] = {}
         self._reports: dict[int, JobReport] = {}
         self._disk_gbps = cfg.disk_read_gbps
+        self._declined = 0
         if adopted and disk_chunks:
             self._route(self.chain.adopt(DISK, list(adopted)))
             log.info("TieredKVConnector: adopted %d chunks from disk", len(adopted))
@@ -230,6 +232,13 @@ class SchedulerPlanner:
             disk_s = self.geo.chunk_nbytes / (self._disk_gbps * 1e9)
             recompute_s = self.geo.chunk_tokens / self.cfg.prefill_tokens_per_s
             if disk_s < recompute_s:
+                return len(where)
+            # A declined disk is never measured again: now and then take the hit anyway, so the
+            # bandwidth estimate follows the disk (a faster disk, a warmer page cache).
+            self._declined += 1
+            probe = self.cfg.disk_probe_every
+            if probe and self._declined % probe == 0:
+                self.counters.disk_probes += 1
                 return len(where)
         self.counters.disk_hits_declined += 1
         return n_cpu
@@ -461,6 +470,27 @@ class SchedulerPlanner:
     def has_pending_work_to_ship(self) -> bool:
         """True while planned jobs wait for the next plan (in-flight jobs do not count: no busy stepping)."""
         return bool(self._early or self._stores or self._finish_puts or self._loads)
+
+    def store_stats(self) -> dict:
+        """The planner's numbers in ``TieredStore.stats()``'s shape, for ``tiered_kv.metrics`` (Prometheus).
+
+        Block counts are chunks; bytes are whole-engine (all TP ranks).
+        """
+        c, cc, nb = self.chain, self.chain.counters, self.geo.chunk_nbytes
+        tiers = {}
+        for i, spec in enumerate(c.specs):
+            tc = c.tier_counters[i]
+            tiers[spec.name] = {
+                "hits": tc.hits, "blocks_in": tc.blocks_in, "blocks_out": tc.blocks_out,
+                "bytes_in": tc.blocks_in * nb, "bytes_out": tc.blocks_out * nb, "evictions": tc.evictions,
+                "failed_transfers": tc.failed_transfers, "corrupt_dropped": tc.corrupt_dropped,
+                "refused": tc.refused, "resident_blocks": c.resident(i), "capacity_blocks": spec.capacity,
+                "queue_depth": c.inflight(),
+            }
+        return {"lookups": cc.lookups, "hits": cc.hits, "misses": cc.misses, "puts_refused": cc.puts_refused,
+                "bytes_in": self.counters.bytes_stored, "bytes_out": self.counters.bytes_loaded,
+                "resident_bytes": sum(c.resident(i) for i in range(c.num_tiers)) * nb,
+                "inflight_jobs": c.inflight(), "tiers": tiers}
 
     def stats(self) -> dict:
         """Planner state for tests, logs and vLLM's connector stats (zero in flight when idle)."""

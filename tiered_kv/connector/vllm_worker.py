@@ -28,6 +28,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,10 +36,12 @@ from ..copy import BackendUnavailableError, BlockCopier, Mechanism, allocate_sla
 from ..errors import ConfigError
 from ..keys import Namespace
 from ..tiers.cpu import CpuTier
-from ..tiers.disk import DiskTier
 from ..transfer import Completion, JobKind, Mover, TransferJob
 from .vllm_config import ConnectorConfig, Geometry, disk_slot_nbytes, rank_disk_dir
 from .vllm_scheduler import CPU, DISK, JobReport, StepPlan
+
+if TYPE_CHECKING:
+    from ..tiers.disk import DiskTier
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +84,8 @@ class WorkerRuntime:
         self.disk: DiskTier | None = None
         path = rank_disk_dir(cfg, ns, rank, geo.tp_size)
         if path is not None and disk_chunks:
+            from ..tiers.disk import DiskTier  # lazily: needs lmdb and zstandard, a CPU-only setup does not
+
             self.disk = DiskTier(self.layout, path, disk_chunks * disk_slot_nbytes(geo), cfg.compression,
                                  cfg.zstd_level, cfg.disk_sync)
         self.counters = WorkerCounters()
