@@ -135,6 +135,8 @@ def run_all(modes: list[str]) -> list[dict]:
         proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", mode], env=env,
                               capture_output=True, text=True)
         line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
+        with open(os.path.join(os.environ.get("OUT", "."), f"vllm_ttft_{mode}.log"), "w") as f:
+            f.write(proc.stdout + "\n--- stderr ---\n" + proc.stderr)  # the engine's own log, per mode
         if proc.returncode or line is None:
             tail = (proc.stdout + proc.stderr)[-3000:]
             results.append({"mode": mode, "error": f"rc={proc.returncode}", "log_tail": tail})

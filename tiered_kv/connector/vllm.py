@@ -25,6 +25,7 @@ thread only (the worker's movers synchronize through ``WorkerRuntime``'s lock).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -112,6 +113,18 @@ class TieredKVStats(KVConnectorStats):
         return not any(self.data.values())
 
 
+def _log_from_env() -> None:
+    """``TIERED_KV_LOG=debug|info|warning`` sends tiered_kv's own log to stderr at that level (once)."""
+    level = os.environ.get("TIERED_KV_LOG", "").upper()
+    root = logging.getLogger("tiered_kv")
+    if level in ("DEBUG", "INFO", "WARNING", "ERROR") and not any(getattr(h, "_tkv", False) for h in root.handlers):
+        handler = logging.StreamHandler()
+        handler._tkv = True
+        handler.setFormatter(logging.Formatter("%(asctime)s tiered_kv %(levelname)s %(message)s"))
+        root.addHandler(handler)
+        root.setLevel(level)
+
+
 def worker_rank() -> int:
     """This worker's tensor-parallel rank (0 when vLLM's TP group is not set up, e.g. in tests)."""
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -127,6 +140,7 @@ class TieredKVConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        _log_from_env()
         if kv_cache_config is None:
             raise ConfigError("TieredKVConnector needs vLLM's kv_cache_config (vLLM >= 0.26)")
         self.cfg = ConnectorConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)

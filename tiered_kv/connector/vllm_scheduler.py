@@ -218,6 +218,8 @@ class SchedulerPlanner:
             where.append(best)
         n = self._worth_loading(where)
         blocks = n * k - skip
+        log.debug("match %s: computed %d, %d of %d chunks held %s, %d worth loading", request.request_id,
+                  num_computed_tokens, len(where), usable, where[:4], n)
         if n == 0 or blocks < self.cfg.min_hit_blocks:
             return 0
         st.lookup = (c0, n, skip)
@@ -326,6 +328,10 @@ class SchedulerPlanner:
         ext = {j.job_id: self._ext.pop(j.job_id) for j in stores}
         ext.update((j.job_id, self._ext.pop(j.job_id)) for j in self._early if j.job_id in self._ext)
         plan = StepPlan(step, self._early, stores, ext, sorted(fences), self._loads, self._load_fail)
+        if plan.early or plan.stores or plan.fences:
+            log.debug("step %d: %d early jobs, %d store jobs (%d keys), %d fences, %d in flight", step,
+                      len(plan.early), len(stores), sum(len(j) for j in stores), len(plan.fences),
+                      self.chain.inflight())
         self._early, self._loads, self._load_fail = [], {}, {}
         return plan
 
@@ -447,6 +453,11 @@ class SchedulerPlanner:
                 self._disk_gbps = 0.8 * self._disk_gbps + 0.2 * gbps
         elif kind is JobKind.INGRESS:
             self.counters.bytes_stored += rep.nbytes
+        if not all(rep.ok):
+            log.warning("TieredKVConnector: %s job %d: %d of %d items failed", kind.name, job_id,
+                        len(rep.ok) - sum(rep.ok), len(rep.ok))
+        else:
+            log.debug("job %d (%s) done: %d items, %d bytes", job_id, kind.name, len(rep.ok), rep.nbytes)
         self._route(self.chain.complete(Completion(job_id, rep.ok, rep.corrupt, rep.nbytes, rep.seconds)))
 
     # ------------------------------------------------------------------ lifecycle

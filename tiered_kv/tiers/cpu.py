@@ -1,8 +1,11 @@
 """Pinned-CPU tier: a slab of host memory with a hard byte budget.
 
 The slab is allocated at once as ordinary memory and, where CUDA is available, page-locked
-(pinned) in the background in chunks (``cudaHostRegister``), so opening a store with a
-large CPU tier does not block for seconds; copies work before pinning ends, only slower.
+(pinned) in the background (``cudaHostRegister``), so opening a store with a large CPU tier
+does not block for seconds; copies work before pinning ends, only slower. The slab is
+registered as one range by default: the driver refuses a batched copy whose host range
+spans two registrations (seen on an H200 with 1 GiB chunks). ``pin_chunk_bytes`` splits the
+registration for very large slabs, for callers whose copies never cross a chunk.
 Without CUDA the slab stays plain memory and everything else is the same.
 
 Threading contract: as ``Tier``. The pinning thread only registers memory; it never
@@ -39,7 +42,7 @@ class CpuTier(SlabTier):
     name = "cpu"
 
     def __init__(self, layout: BlockLayout, capacity_bytes: int, pin: bool | None = None,
-                 pin_chunk_bytes: int = 1 << 30) -> None:
+                 pin_chunk_bytes: int | None = None) -> None:
         capacity = capacity_bytes // layout.nbytes
         if capacity_bytes and capacity == 0:
             raise ConfigError(f"cpu_bytes={capacity_bytes} is smaller than one block ({layout.nbytes} bytes); "
@@ -51,14 +54,17 @@ class CpuTier(SlabTier):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if self._pin and capacity:
-            self._thread = threading.Thread(target=self._pin_in_chunks, args=(max(pin_chunk_bytes, 1 << 20),),
+            # One registration by default: the driver rejects a copy whose host range spans two
+            # registrations, and batched copies merge neighbouring slots into one range.
+            chunk = self.slab.untyped_storage().nbytes() if pin_chunk_bytes is None else max(pin_chunk_bytes, 1 << 20)
+            self._thread = threading.Thread(target=self._pin_in_chunks, args=(chunk,),
                                             name="tkv-cpu-pin", daemon=True)
             self._thread.start()
 
     @property
     def pinned_fraction(self) -> float:
         """Share of the slab already page-locked (1.0 when no pinning is wanted or possible)."""
-        total = self.slab.numel()
+        total = self.slab.untyped_storage().nbytes()
         if not self._pin or total == 0:
             return 1.0
         return self._pinned_bytes / total
@@ -72,7 +78,10 @@ class CpuTier(SlabTier):
 
     def _pin_in_chunks(self, chunk: int) -> None:
         cudart = torch.cuda.cudart()
-        base, total = self.slab.data_ptr(), self.slab.numel()
+        # Register the whole allocation, not just the aligned view: torch's is_pinned() asks about
+        # the storage's first byte, which sits before the view when the slab was aligned.
+        storage = self.slab.untyped_storage()
+        base, total = storage.data_ptr(), storage.nbytes()
         off = 0
         while off < total and not self._stop.is_set():
             n = min(chunk, total - off)

@@ -83,6 +83,39 @@ def _aligned(arr, nbytes: int) -> bool:
     return iface is not None and iface["data"][0] % ALIGN == 0 and nbytes % ALIGN == 0
 
 
+# py-lmdb allows one open of an environment per process; tiers of one directory in one process
+# (vLLM's scheduler and worker under a single-process executor, two stores in a test) share it.
+_ENVS: dict[str, list] = {}  # real path -> [env, users, read_only]
+_ENVS_LOCK = threading.Lock()
+
+
+def _open_env(idx: Path, read_only: bool, **kw) -> lmdb.Environment:
+    key = os.path.realpath(idx)
+    with _ENVS_LOCK:
+        ent = _ENVS.get(key)
+        if ent is not None:
+            if ent[2] and not read_only:
+                raise ConfigError(f"{str(idx)!r} is open read-only elsewhere in this process; close that "
+                                  f"store (or tier) before opening it for writing")
+            ent[1] += 1
+            return ent[0]
+        env = lmdb.open(str(idx), **kw)
+        _ENVS[key] = [env, 1, read_only]
+        return env
+
+
+def _close_env(env: lmdb.Environment) -> None:
+    with _ENVS_LOCK:
+        for key, ent in list(_ENVS.items()):
+            if ent[0] is env:
+                ent[1] -= 1
+                if ent[1] == 0:
+                    del _ENVS[key]
+                    env.close()
+                return
+    env.close()
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -131,7 +164,7 @@ class DiskTier(Tier):
             idx.mkdir(mode=0o700, exist_ok=True)
         map_size = max(64 << 20, self.capacity * 512 + (32 << 20))
         try:
-            self.env = lmdb.open(str(idx), map_size=map_size, max_dbs=4, subdir=True, readonly=readonly,
+            self.env = _open_env(idx, readonly, map_size=map_size, max_dbs=4, subdir=True, readonly=readonly,
                                  sync=sync, metasync=sync, lock=True, mode=0o600, max_readers=256,
                                  readahead=False, meminit=False)
         except lmdb.Error as exc:
@@ -145,18 +178,18 @@ class DiskTier(Tier):
             self.db_meta = self.env.open_db(b"meta", create=not readonly)
             self._check_format()
         except lmdb.Error as exc:
-            self.env.close()
+            _close_env(self.env)
             raise ConfigError(f"{str(idx)!r}: the LMDB index is damaged ({type(exc).__name__}: {exc}); "
                               f"move the directory aside to start empty") from None
         except ConfigError:
-            self.env.close()
+            _close_env(self.env)
             raise
         payload = self.path / "payload.bin"
         flags = os.O_RDONLY if readonly else os.O_RDWR | os.O_CREAT
         try:
             self.fd = os.open(payload, flags | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0), 0o600)
         except OSError as exc:
-            self.env.close()
+            _close_env(self.env)
             raise ConfigError(f"cannot open {str(payload)!r}: {exc}") from None
         self.direct = False
         if direct_io and hasattr(os, "O_DIRECT"):
@@ -544,7 +577,7 @@ class DiskTier(Tier):
                 os.fsync(self.fd)
         finally:
             os.close(self.fd)
-            self.env.close()
+            _close_env(self.env)
 
 
 def file_mode(path: str | os.PathLike) -> int:
