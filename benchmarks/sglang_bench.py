@@ -33,6 +33,8 @@ from statistics import median
 
 import torch
 
+from tiered_kv.benchmark import drop_cache
+
 LAYERS, HEADS, HEAD_DIM, PAGE, BATCH = 32, 8, 128, 64, 128
 
 
@@ -52,17 +54,6 @@ def host_pool(layout: str, pages: int):
     return MHATokenToKVPoolHost(info, 1.0, 0, PAGE, layout, pin_memory=False, device="cpu",
                                 device_capacity_tokens=pages * PAGE, host_token_capacity=pages * PAGE,
                                 start_layer=0, end_layer=LAYERS)
-
-
-def drop_cache(path: Path) -> None:
-    """fsync and evict one file (or every file under a directory) from the page cache."""
-    for p in ([path] if path.is_file() else [q for q in path.rglob("*") if q.is_file()]):
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def raw_ceiling(directory: Path, total: int, chunk: int) -> tuple[float, float]:

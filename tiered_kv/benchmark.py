@@ -29,15 +29,15 @@ from .layout import BlockLayout
 from .tiers.disk import DiskTier
 
 
-def _drop_cache(path: Path) -> None:
-    for p in ([path] if path.is_file() else list(path.rglob("*"))):
-        if p.is_file():
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+def drop_cache(path: Path) -> None:
+    """fsync and evict one file (or every file under a directory) from the page cache."""
+    for p in ([path] if path.is_file() else [q for q in path.rglob("*") if q.is_file()]):
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def _kv_like(n: int, nbytes: int, seed: int = 0) -> torch.Tensor:
@@ -86,7 +86,7 @@ def lmdb_values(dirpath: Path, rows: torch.Tensor, per_txn: int = 32) -> tuple[f
                     txn.put(i.to_bytes(8, "big"), rows[i].numpy().tobytes())
         env.sync(True)
         w = time.perf_counter() - t0
-        _drop_cache(path)
+        drop_cache(path)
         out = torch.empty_like(rows)
         t0 = time.perf_counter()
         with env.begin(buffers=True) as txn:
@@ -116,7 +116,7 @@ def tiered_disk(dirpath: Path, rows: torch.Tensor, compression: str, batch: int 
         tier.flush()
         w = time.perf_counter() - t0
         stored = tier.scan()["payload_bytes"]
-        _drop_cache(path)
+        drop_cache(path)
         out = torch.empty_like(rows)
         t0 = time.perf_counter()
         for s in range(0, n, batch):
