@@ -16,7 +16,8 @@ sglang_tests=$(ls tests/connector/test_sglang_*.py 2>/dev/null)
 run "core + vLLM connector + reliability" .venv/bin/python -q -p no:cacheprovider tests \
   $(for f in $sglang_tests; do echo --ignore="$f"; done)
 if [ -n "$sglang_tests" ]; then
-  PYTHONPATH=scripts/cpu_stubs run "SGLang backend" .venv-sglang/bin/python -q -p no:cacheprovider $sglang_tests
+  PYTHONPATH=scripts/cpu_stubs run "SGLang backend" .venv-sglang/bin/python -q -p no:cacheprovider $sglang_tests \
+    tests/connector/test_readme_commands.py
 else
   echo "!!! no SGLang tests found"; rc=1
 fi
