@@ -10,12 +10,14 @@ PY=${PYTHON:-python3}
 VLLM_VERSION=${VLLM_VERSION:-0.32.0}
 SGLANG_VERSION=${SGLANG_VERSION:-0.5.23}
 log() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
+# pip here warns once per package about index locations that do not exist; keep the log readable.
+pipq() { "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }; return "${PIPESTATUS[0]}"; }
 
 make_core() {  # $1 = venv dir
   local V=$1
   if [ ! -x "$V/bin/python" ]; then log "creating $V"; "$PY" -m venv "$V"; fi
-  "$V/bin/pip" install -q --upgrade pip
-  "$V/bin/pip" install -q "torch==2.13.0"
+  pipq "$V/bin/pip" install -q --upgrade pip
+  pipq "$V/bin/pip" install -q "torch==2.13.0"
 }
 
 if [ "$WHAT" = core ] || [ "$WHAT" = vllm ] || [ "$WHAT" = all ]; then
@@ -25,12 +27,12 @@ if [ "$WHAT" = core ] || [ "$WHAT" = vllm ] || [ "$WHAT" = all ]; then
     make_core "$V"
     if [ "$WHAT" != core ]; then
       log "installing vllm==$VLLM_VERSION into $V (about 3 minutes)"
-      "$V/bin/pip" install -q "vllm==$VLLM_VERSION" "torch==2.13.0"
+      pipq "$V/bin/pip" install -q "vllm==$VLLM_VERSION" "torch==2.13.0"
       # PyPI's torchvision/torchaudio/torchcodec binaries do not load beside the CPU torch; vLLM's
       # scheduler path does not need them.
       "$V/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
     fi
-    "$V/bin/pip" install -q -e ".[dev]"
+    pipq "$V/bin/pip" install -q -e ".[dev]"
     [ "$WHAT" != core ] && touch "$V/.tkv-ready"
     log "$V done in $((SECONDS - t0)) s"
   fi
@@ -42,12 +44,12 @@ if [ "$WHAT" = sglang ] || [ "$WHAT" = all ]; then
     t0=$SECONDS
     make_core "$V"
     log "installing sglang==$SGLANG_VERSION (CPU, --no-deps recipe) into $V (about 2 minutes)"
-    "$V/bin/pip" install -q -c scripts/sglang-cpu-constraints.txt \
+    pipq "$V/bin/pip" install -q -c scripts/sglang-cpu-constraints.txt \
       torch numpy orjson psutil pybase64 requests triton packaging pillow starlette msgspec \
       pydantic pyzmq tqdm ipython aiohttp transformers dill apache-tvm-ffi sentencepiece \
       compressed-tensors gguf ninja
-    "$V/bin/pip" install -q --no-deps "sglang==$SGLANG_VERSION"
-    "$V/bin/pip" install -q -e ".[dev]"
+    pipq "$V/bin/pip" install -q --no-deps "sglang==$SGLANG_VERSION"
+    pipq "$V/bin/pip" install -q -e ".[dev]"
     touch "$V/.tkv-ready"
     log "$V done in $((SECONDS - t0)) s"
   fi

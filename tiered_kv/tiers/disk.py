@@ -36,6 +36,7 @@ import stat
 import struct
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import lmdb
@@ -134,7 +135,7 @@ class DiskTier(Tier):
 
     def __init__(self, layout: BlockLayout, path: str | os.PathLike, capacity_bytes: int,
                  compression: str = "none", zstd_level: int = 1, sync: bool = False, readonly: bool = False,
-                 key_prefix: bytes = b"", direct_io: bool = True, writer: bool = True) -> None:
+                 key_prefix: bytes = b"", direct_io: bool = True, writer: bool = True, read_threads: int = 4) -> None:
         if compression not in CODECS:
             raise ConfigError(f"compression: unknown codec {compression!r}; valid: {sorted(CODECS)}")
         self.slot_bytes = -(-layout.nbytes // ALIGN) * ALIGN
@@ -151,6 +152,9 @@ class DiskTier(Tier):
         self._local = threading.local()
         self._closed = False
         self.dropped_at_open = 0
+        self.read_threads = read_threads
+        self._executor: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
         if not readonly:
             self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
             os.chmod(self.path, 0o700)
@@ -411,16 +415,18 @@ class DiskTier(Tier):
         ok, corrupt, missing = [False] * n, [False] * n, [False] * n
         with self.env.begin(db=self.db_records, buffers=False) as txn:
             raws = [txn.get(k) for k in keys]
-        for i, (key, raw) in enumerate(zip(keys, raws)):
+
+        def one(i: int) -> None:
+            key, raw = keys[i], raws[i]
             if raw is None:
                 missing[i] = True
-                continue
+                return
             dst = out[i]
             staging = dst if dst.device.type == "cpu" else torch.empty(dst.shape, dtype=torch.uint8)
             try:
                 hdr = RecordHeader.unpack(key, raw)
                 if hdr.layout_fp != self.layout.fingerprint:
-                    continue  # written for another layout: not ours to serve, not damage either
+                    return  # written for another layout: not ours to serve, not damage either
                 if hdr.raw_len != self.block_nbytes or hdr.slot >= self.physical_slots_cached():
                     raise RecordError(f"record of {hdr.raw_len} bytes at slot {hdr.slot} does not fit this tier")
                 self._read_payload(hdr, staging)
@@ -432,7 +438,19 @@ class DiskTier(Tier):
                     log.warning("disk tier %s: dropping damaged record %s: %s", self.path, key.hex()[:16], exc)
                     self._delete_damaged(key)
                     corrupt[i] = True
+
+        if n > 1 and self.read_threads > 1:  # several reads in flight: the disk works on a queue, not one at a time
+            list(self._pool().map(one, range(n)))
+        else:
+            for i in range(n):
+                one(i)
         return ok, corrupt, missing
+
+    def _pool(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(self.read_threads, thread_name_prefix="tkv-disk-read")
+            return self._executor
 
     def physical_slots_cached(self) -> int:
         """Slots in the payload file, from the file size (cheap; no txn)."""
@@ -572,6 +590,8 @@ class DiskTier(Tier):
         if self._closed:
             return
         self._closed = True
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
         try:
             if self.sync and not self.readonly:
                 os.fsync(self.fd)
