@@ -209,7 +209,7 @@ class TierChain:
             if self.used[t] < self.specs[t].capacity:  # room now: the common case, no closures
                 self.used[t] += 1
                 slot = self._free_slots[t].pop() if self.specs[t].slotted else NO_SLOT
-                self.index.add_copy(key, t, Copy(CopyState.WRITING, slot))
+                self.index.add_new(key, t, Copy(CopyState.WRITING, slot))
                 batch.append((i, key, slot))
                 continue
             self.index.add_copy(key, t, Copy(CopyState.QUEUED, NO_SLOT))

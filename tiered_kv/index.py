@@ -78,6 +78,11 @@ class BlockIndex:
             e = self._entries[key] = Entry()
         return e
 
+    def add_new(self, key: bytes, tier: int, copy: Copy) -> None:
+        """Record the first copy of a key the index does not hold (the put fast path: one dict store)."""
+        self._entries[key] = Entry({tier: copy})
+        self.copies_per_tier[tier] += 1
+
     def add_copy(self, key: bytes, tier: int, copy: Copy) -> None:
         """Record ``copy`` of ``key`` in ``tier`` (there must be none yet)."""
         e = self.entry(key)
