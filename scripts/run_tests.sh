@@ -5,6 +5,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONHASHSEED=${PYTHONHASHSEED:-0}
 rc=0
+# The connector suites must never skip for want of their engine: check the imports first.
+.venv/bin/python -c "import vllm, sys; print('vllm', vllm.__version__)" || { echo "!!! vLLM does not import in .venv"; exit 1; }
+PYTHONPATH=scripts/cpu_stubs .venv-sglang/bin/python -c "import sglang.srt.mem_cache.hicache_storage, importlib.metadata as m; print('sglang', m.version('sglang'))" \
+  || { echo "!!! SGLang does not import in .venv-sglang"; exit 1; }
 run() {  # name, python, args...
   local name=$1 py=$2; shift 2
   echo "=== $name: $py -m pytest $*"
@@ -13,7 +17,7 @@ run() {  # name, python, args...
   if [ $r -eq 5 ]; then echo "!!! $name collected no tests"; rc=1; elif [ $r -ne 0 ]; then echo "!!! $name failed (exit $r)"; rc=1; fi
 }
 sglang_tests=$(ls tests/connector/test_sglang_*.py 2>/dev/null)
-run "core + vLLM connector + reliability" .venv/bin/python -q -p no:cacheprovider tests \
+run "core + vLLM connector + reliability" .venv/bin/python -q -rs -p no:cacheprovider tests \
   $(for f in $sglang_tests; do echo --ignore="$f"; done)
 if [ -n "$sglang_tests" ]; then
   PYTHONPATH=scripts/cpu_stubs run "SGLang backend" .venv-sglang/bin/python -q -p no:cacheprovider $sglang_tests \
