@@ -119,6 +119,7 @@ class TierChain:
         self._finished: list[tuple[int, object]] = []
         self.tier_counters = [TierCounters() for _ in specs]
         self._pins = 0  # sum of every copy's pins, kept in step with them
+        self._followers: dict[tuple[bytes, int], list] = {}  # prefetches waiting on a copy in flight
         self.counters = ChainCounters()
 
     # ------------------------------------------------------------------ queries
@@ -354,6 +355,9 @@ class TierChain:
             jobs += self._kick(dst)
         else:
             jobs += self._remove(key, dst)
+        if ok:
+            for follower in self._followers.pop((key, dst), ()):
+                jobs += self._prefetch_step(key, follower, dst)
         if kind is JobKind.INGRESS:
             hid, item = ctx
             self._item_done(hid, item, ok)
@@ -411,8 +415,17 @@ class TierChain:
             self._item_done(handle, item, True)
             return []
         c = None if (e is None or src is None) else e.copies.get(src)
-        if c is None or not c.readable or (src - 1) in e.copies:  # gone, or a copy above is on its way
+        if c is None or not c.readable:  # gone meanwhile
             self._item_done(handle, item, False)
+            return []
+        above = e.copies.get(src - 1)
+        if above is not None:
+            if above.readable:
+                return self._prefetch_step(key, ctx, src - 1)
+            if above.state is not CopyState.READY:  # a copy up is on its way: follow it
+                self._followers.setdefault((key, src - 1), []).append(ctx)
+                return []
+            self._item_done(handle, item, False)  # the copy above is leaving: give up
             return []
         return self._promote(key, src, src - 1, ctx)
 
@@ -607,6 +620,8 @@ class TierChain:
         """Remove a copy that never became READY (or failed), releasing its room if it held any."""
         c = self.index.get(key).copies[t]
         held = c.state is not CopyState.QUEUED
+        for follower in self._followers.pop((key, t), ()):  # prefetches that waited for this copy
+            self._item_done(follower[0], follower[1], False)
         self.policies[t].remove(key)
         if c.leaving:
             self.leaving[t] -= 1

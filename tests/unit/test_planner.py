@@ -251,3 +251,20 @@ def test_record_header_roundtrip_and_tamper():
     flipped[20] ^= 1
     with pytest.raises(RecordError):
         RecordHeader.unpack(K(1), bytes(flipped))
+
+
+def test_prefetch_follows_a_promotion_already_in_flight():
+    c = three_tier(1, 2, 4)
+    for i in range(5):
+        run_all(c, c.put([K(i)], i + 1))
+    assert c.locate([K(0)]) == [2]
+    n, get_jobs = c.get([K(0)], 10)  # the hit also starts a disk -> cpu promotion (waiting for room)
+    assert 1 in c.index.get(K(0)).copies
+    n, pf_jobs = c.prefetch([K(0)], 0, 11)  # follows that promotion instead of failing or starting another
+    assert n == 1 and pf_jobs == []
+    ran = run_all(c, get_jobs)
+    assert [(j.src_tier, j.dst_tier) for j in ran if j.kind is JobKind.PROMOTE] == [(2, 1), (1, 0)]
+    res = dict(c.take_finished())
+    assert res[10] == 1 and res[11] == 1
+    assert c.locate([K(0)]) == [0]
+    assert c.inflight() == 0 and c.pinned() == 0 and c.waiting() == 0
