@@ -3,6 +3,8 @@
 Public API: ``TieredStore``, ``StoreConfig``, ``Handle``, ``Namespace``, ``chain_keys``,
 ``BlockLayout`` and the errors in ``tiered_kv.errors``. Connectors live in
 ``tiered_kv.connector`` and import their engines lazily.
+
+Threading contract: see each module; ``TieredStore`` methods may be called from any thread.
 """
 from .config import StoreConfig
 from .errors import ConfigError, InvalidInputError, StoreClosedError, TieredKVError, TransferTimeout

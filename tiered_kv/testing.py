@@ -48,6 +48,7 @@ class TierContract:
         return list(range(n)) if tier.slotted else [-1] * n
 
     def test_capacity_and_name(self, tmp_path):
+        """The tier reports its capacity, block size and a describe() dict."""
         tier = self.make_tier(tmp_path, 8)
         try:
             assert tier.capacity >= 8
@@ -57,6 +58,7 @@ class TierContract:
             tier.close()
 
     def test_roundtrip_bit_exact(self, tmp_path):
+        """Blocks written come back bit-exact."""
         tier = self.make_tier(tmp_path, 8)
         try:
             keys, rows = make_keys(8), random_rows(8)
@@ -70,6 +72,7 @@ class TierContract:
             tier.close()
 
     def test_read_subset_out_of_order(self, tmp_path):
+        """Any subset, in any order, reads back the right blocks."""
         tier = self.make_tier(tmp_path, 8)
         try:
             keys, rows = make_keys(8), random_rows(8, seed=1)
@@ -84,6 +87,7 @@ class TierContract:
             tier.close()
 
     def test_concurrent_disjoint_writes_and_reads(self, tmp_path):
+        """Four threads writing and reading disjoint blocks at once see their own bytes."""
         tier = self.make_tier(tmp_path, 32)
         try:
             keys, rows = make_keys(32), random_rows(32, seed=2)
@@ -110,11 +114,13 @@ class TierContract:
             tier.close()
 
     def test_close_is_idempotent(self, tmp_path):
+        """close() twice is fine."""
         tier = self.make_tier(tmp_path, 2)
         tier.close()
         tier.close()
 
     def test_persistence_if_supported(self, tmp_path):
+        """Persistent tiers find their blocks again after a reopen; deleted ones are gone."""
         tier = self.make_tier(tmp_path, 8)
         keys, rows = make_keys(8), random_rows(8, seed=3)
         slots = self._slots(tier, 8)

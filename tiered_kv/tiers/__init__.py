@@ -1,4 +1,7 @@
-"""Tiers: one storage medium each, behind the ``Tier`` interface (see ``base``)."""
+"""Tiers: one storage medium each, behind the ``Tier`` interface (see ``base``).
+
+Threading contract: as stated in ``base`` and in each tier's module.
+"""
 from .base import Tier
 
 __all__ = ["Tier"]
