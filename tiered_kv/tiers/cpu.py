@@ -85,7 +85,7 @@ class CpuTier(SlabTier):
         off = 0
         while off < total and not self._stop.is_set():
             n = min(chunk, total - off)
-            err = cudart.cudaHostRegister(base + off, n, 0)
+            err = cudart.cudaHostRegister(base + off, n, 1)  # 1 = portable: pinned for every device's context
             if int(err) != 0:
                 log.warning("cpu tier: pinning %d bytes at offset %d failed (cuda error %s); "
                             "the rest stays pageable", n, off, err)
