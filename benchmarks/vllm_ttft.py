@@ -112,7 +112,10 @@ def run_one(mode: str) -> dict:
     time.sleep(float(os.environ.get("SETTLE_S", "6" if mode.startswith("tiered-disk") else "2")))
     turn2, cached, tokens = [], [], []
     for i, (c, f) in enumerate(zip(convs, follows)):
+        t_start = time.time()
         dt, toks, hit = generate(c + f, four if i < 2 else one)
+        if os.environ.get("TIERED_KV_LOG"):  # wall-clock marks to line up with the connector's debug log
+            print(f"{t_start:.3f} turn2 {i} start; {t_start + dt:.3f} end ({dt * 1e3:.1f} ms, {hit} cached)", flush=True)
         turn2.append(dt)
         cached.append(hit)
         if i < 2:

@@ -120,7 +120,7 @@ def _log_from_env() -> None:
     if level in ("DEBUG", "INFO", "WARNING", "ERROR") and not any(getattr(h, "_tkv", False) for h in root.handlers):
         handler = logging.StreamHandler()
         handler._tkv = True
-        handler.setFormatter(logging.Formatter("%(asctime)s tiered_kv %(levelname)s %(message)s"))
+        handler.setFormatter(logging.Formatter("%(created).3f tiered_kv %(levelname)s %(message)s"))
         root.addHandler(handler)
         root.setLevel(level)
 

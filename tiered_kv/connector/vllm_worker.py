@@ -219,6 +219,7 @@ class WorkerRuntime:
         for rid in [r for r, p in self._load_reqs.items() if not p]:
             del self._load_reqs[rid]
             out.finished_recving.add(rid)
+            log.debug("rank %d: load of %s done, reported to vLLM", self.rank, rid)
             out.invalid_block_ids.update(self._pending_fail.pop(rid, ()))
         return out
 
@@ -264,6 +265,8 @@ class WorkerRuntime:
             raise ConfigError(f"job {job.job_id}: unexpected {kind.name} from tier {job.src_tier} to {job.dst_tier}")
         secs = time.perf_counter() - t0
         nbytes = sum(ok) * self.layout.nbytes
+        log.debug("rank %d job %d %s %d->%d: %d items in %.1f ms (%.1f GB/s)", self.rank, job.job_id, kind.name,
+                  job.src_tier, job.dst_tier, n, secs * 1e3, nbytes / secs / 1e9 if secs else 0.0)
         self._count(job, nbytes, secs, ok, corrupt)
         return Completion(job.job_id, ok, corrupt, nbytes, secs)
 
