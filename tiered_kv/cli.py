@@ -29,7 +29,7 @@ def _demo(args: argparse.Namespace) -> int:
     cfg = {"block_shape": list(shape), "dtype": "bfloat16", "gpu_bytes": "2MiB", "cpu_bytes": "4MiB",
            "disk_path": os.path.join(path, "kv"), "disk_bytes": "64MiB", "model": "demo", "eviction": "s3fifo"}
     con.rule("[bold]tiered_kv demo")
-    con.print(f"tiers: gpu 2 MiB ({'CUDA' if torch.cuda.is_available() else 'CPU stand-in'}) -> pinned cpu 4 MiB "
+    con.print(f"tiers: gpu 2 MiB ({'CUDA' if torch.cuda.is_available() else 'CPU stand-in'}) -> cpu 4 MiB ({'pinned' if torch.cuda.is_available() else 'unpinned: no CUDA'}) "
               f"-> disk 64 MiB at {cfg['disk_path']}")
     tokens = torch.randint(0, 32000, (n * 16,)).tolist()
     blocks = torch.randn((n, *shape)).to(torch.bfloat16)
