@@ -207,9 +207,8 @@ class TierChain:
                 self._refuse_put(handle, i, t)
                 continue
             self.counters.blocks_in += 1
-            if self.used[t] < self.specs[t].capacity:  # room now: the common case, no closures
-                self.used[t] += 1
-                slot = self._free_slots[t].pop() if self.specs[t].slotted else NO_SLOT
+            slot = self._take_room(t)
+            if slot is not None:  # room now: the common case, no closures
                 self.index.add_new(key, t, Copy(CopyState.WRITING, slot))
                 batch.append((i, key, slot))
                 continue
@@ -225,13 +224,9 @@ class TierChain:
                 self._refuse_put(handle, i, t)
                 return out
 
-            status, slot, more = self._reserve(t, grant, refuse)
+            status, _, more = self._reserve(t, grant, refuse)  # no room now: wait, or refused
             jobs += more
-            if status == "now":
-                c = self.index.get(key).copies[t]
-                c.state, c.slot = CopyState.WRITING, slot
-                batch.append((i, key, slot))
-            elif status == "refused":
+            if status == "refused":
                 jobs += refuse()
         if batch:
             jobs.append(self._job(JobKind.INGRESS, EXT, t, [k for _, k, _ in batch], [i for i, _, _ in batch],
@@ -443,14 +438,20 @@ class TierChain:
         completes, waiting promotions and copies hold no pins, and demotions only wait on
         lower tiers, the lowest of which evicts by dropping.
         """
-        spec = self.specs[t]
-        if self.used[t] < spec.capacity:
-            self.used[t] += 1
-            return "now", (self._free_slots[t].pop() if spec.slotted else NO_SLOT), []
-        if spec.capacity == 0:
+        slot = self._take_room(t)
+        if slot is not None:
+            return "now", slot, []
+        if self.specs[t].capacity == 0:
             return "refused", NO_SLOT, []
         self._waiters[t].append(_Waiter(grant, refuse))
         return "wait", NO_SLOT, self._make_room(t)
+
+    def _take_room(self, t: int) -> int | None:
+        """One unit of room in ``t`` if there is some: its slot (``NO_SLOT`` for keyed tiers), else None."""
+        if self.used[t] >= self.specs[t].capacity:
+            return None
+        self.used[t] += 1
+        return self._free_slots[t].pop() if self.specs[t].slotted else NO_SLOT
 
     def _kick(self, t: int) -> Jobs:
         """Something in ``t`` may have become evictable: start evictions for waiters that have none yet."""
