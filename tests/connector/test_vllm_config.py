@@ -1,6 +1,7 @@
 """The connector's config, key and capacity rules, without a scheduler (fast)."""
 from __future__ import annotations
 
+import hashlib
 from types import SimpleNamespace
 
 import pytest
@@ -13,9 +14,9 @@ from tiered_kv.connector.vllm_config import (
     namespace,
     rank_disk_dir,
 )
-from tiered_kv.connector.vllm_scheduler import CPU, DISK, KeyMaker, SchedulerPlanner
+from tiered_kv.connector.vllm_scheduler import CPU, DISK, SchedulerPlanner
 from tiered_kv.errors import ConfigError
-from tiered_kv.keys import Namespace
+from tiered_kv.keys import KEY_LEN, PREFIX_LEN, Namespace
 from tiered_kv.transfer import Completion
 
 
@@ -52,11 +53,11 @@ def test_capacity_smaller_than_a_chunk_is_refused():
         capacities(ConnectorConfig(cpu_bytes="16MiB"), geo())
 
 
-def test_keymaker_equals_namespace_key():
+def test_namespace_key_equals_its_definition():
+    """The scheduler keys blocks with Namespace.key (cached keyed hasher): it must equal the plain form."""
     ns = Namespace("m", 7, "salt", (("hash", "sha256"),))
-    km = KeyMaker(ns)
     for h in (b"\x00" * 32, bytes(range(32)), b"short"):
-        assert km(h) == ns.key(h)
+        assert ns.key(h) == ns.prefix + hashlib.blake2b(h, digest_size=KEY_LEN - PREFIX_LEN, key=ns.prefix).digest()
 
 
 def test_namespace_separates_models_seeds_chunking_and_ranks_get_own_dirs():

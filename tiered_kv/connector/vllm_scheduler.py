@@ -23,14 +23,13 @@ disk index read-only once at start-up to adopt what a previous engine stored.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from ..chain import TierChain, TierSpec
 from ..errors import ConfigError
-from ..keys import KEY_LEN, PREFIX_LEN, Namespace
+from ..keys import Namespace
 from ..policy import PlacementPolicy
 from ..transfer import Completion, JobKind, TransferJob
 from .vllm_config import ConnectorConfig, Geometry
@@ -85,21 +84,6 @@ class JobReport:
         self.seconds = max(self.seconds, other.seconds)
 
 
-class KeyMaker:
-    """``Namespace.key`` with the namespace prefix computed once (the scheduler hashes every block)."""
-
-    def __init__(self, ns: Namespace) -> None:
-        self.prefix = ns.prefix
-        # a keyed hasher set up once and copied per key: half the cost of a keyed blake2b per call
-        self._base = hashlib.blake2b(digest_size=KEY_LEN - PREFIX_LEN, key=self.prefix)
-
-    def __call__(self, engine_hash: bytes) -> bytes:
-        """Key of one vLLM block hash; equal to ``Namespace.key(engine_hash)``."""
-        h = self._base.copy()
-        h.update(engine_hash)
-        return self.prefix + h.digest()
-
-
 @dataclass
 class _Req:
     request: object  # vllm.v1.request.Request
@@ -145,7 +129,7 @@ class SchedulerPlanner:
         if disk_chunks:
             specs.append(TierSpec("disk", disk_chunks, slotted=False))
         self.chain = TierChain(specs, cfg.eviction, PlacementPolicy(cfg.write_policy, cfg.promote_on_hit))
-        self.key = KeyMaker(ns)
+        self.key = ns.key  # prefix and keyed hasher cached on the namespace
         self.counters = PlannerCounters()
         self._step = 0
         self._reqs: dict[str, _Req] = {}
