@@ -54,9 +54,11 @@ def turn2(eng: Engine, first) -> list[int]:
     return list(first.prompt_token_ids) + list(first.output_token_ids) + prompt(99, 40)
 
 
+@pytest.mark.parametrize("load_mode", ["layerwise", "sync", "async"])
 @pytest.mark.parametrize("async_sched", [False, True], ids=["sync", "async"])
-def test_multiturn_turn2_loads_turn1_prefix_bit_exact(model_dir, async_sched):
-    eng = Engine.create(model_dir, cfg(), async_sched=async_sched)
+def test_multiturn_turn2_loads_turn1_prefix_bit_exact(model_dir, async_sched, load_mode):
+    """Turn 2 hits turn 1's prefix in the CPU tier; in-step modes load it in the step vLLM schedules it."""
+    eng = Engine.create(model_dir, cfg(load_mode=load_mode), async_sched=async_sched)
     try:
         a = eng.add("conv0-turn1", prompt(1, 8 * BS + 4), max_tokens=3)
         eng.run()
@@ -65,13 +67,97 @@ def test_multiturn_turn2_loads_turn1_prefix_bit_exact(model_dir, async_sched):
         assert eng.sched.reset_prefix_cache()  # the GPU forgets turn 1
         verified = eng.verified_blocks
         b = eng.add("conv0-turn2", turn2(eng, a), max_tokens=2)
+        sync_steps = eng.sync_steps
+        eng.step()
+        in_step = load_mode != "async"
+        # in-step: scheduled with its 8 loaded blocks counted as computed; async: parked until loaded
+        assert (b.status.name == "WAITING_FOR_REMOTE_KVS") is not in_step, b.status
+        assert (b.status.name == "RUNNING") is in_step, b.status
         eng.run()
         eng.settle()
         st = eng.connector.stats()
         assert st["sched_hit_tokens_cpu"] == 8 * BS, st
+        assert st["sched_sync_loads"] == (1 if in_step else 0), st
+        assert (eng.sync_steps > sync_steps) is in_step  # vLLM itself flagged the step (has_sync_kv_loads)
         assert eng.verified_blocks - verified >= 8  # the loaded blocks were checked byte for byte
-        assert eng.workers[0].connector.stats()["bytes_loaded"] == 8 * BLOCK_BYTES
+        ws = eng.workers[0].connector.stats()
+        assert ws["bytes_loaded"] == 8 * BLOCK_BYTES
+        assert ws["sync_loads"] == (1 if in_step else 0), ws
         assert b.is_finished()
+        assert_no_leaks(eng)
+    finally:
+        eng.close()
+
+
+def _break_in_step_copies(runtime, fail_calls: int):
+    """Make the worker's in-step copier raise what a failed driver submission raises, for its first
+    ``fail_calls`` calls (either entry point). Fault injection into our own ``BlockCopier``; no
+    vLLM class is faked."""
+    from tiered_kv.copy import CopyLaunchError
+
+    copier = runtime._sync_copier
+    calls = []
+
+    def wrap(real):
+        def call(*args, **kw):
+            calls.append(real.__name__)
+            if len(calls) <= fail_calls:
+                raise CopyLaunchError("injected: cuMemcpyBatchAsync returned CUDA_ERROR_INVALID_VALUE")
+            return real(*args, **kw)
+        return call
+
+    copier.cpu_to_gpu_grouped = wrap(copier.cpu_to_gpu_grouped)
+    copier.cpu_to_gpu = wrap(copier.cpu_to_gpu)
+    return calls
+
+
+@pytest.mark.parametrize("async_sched", [False, True], ids=["sync", "async"])
+def test_in_step_load_that_cannot_start_layerwise_retries_as_one_copy(model_dir, async_sched):
+    eng = Engine.create(model_dir, cfg(), async_sched=async_sched)
+    try:
+        a = eng.add("t1", prompt(22, 8 * BS + 4), max_tokens=2)
+        eng.run()
+        eng.settle()
+        eng.sched.reset_prefix_cache()
+        runtime = eng.workers[0].connector.worker
+        calls = _break_in_step_copies(runtime, fail_calls=1)
+        verified = eng.verified_blocks
+        b = eng.add("t2", turn2(eng, a), max_tokens=2)
+        eng.run()
+        eng.settle()
+        assert calls == ["cpu_to_gpu_grouped", "cpu_to_gpu"], calls
+        assert eng.discarded_reads == 0 and eng.verified_blocks - verified >= 8
+        assert b.is_finished()
+        ws = runtime.stats()
+        assert ws["failed_items"] == 0 and ws["sync_loads"] == 1 and ws["bytes_loaded"] == 8 * BLOCK_BYTES, ws
+        assert_no_leaks(eng)
+    finally:
+        eng.close()
+
+
+def test_failed_in_step_load_is_reported_in_its_step_and_recomputed(model_dir):
+    """An in-step load that cannot start even as one copy: its blocks are load errors of that very
+    step, vLLM discards the step's output for the request and recomputes; nothing leaks.
+
+    Synchronous scheduling only: under async scheduling vLLM has already scheduled the request's
+    next step when the error arrives; what it does with that in-flight step is vLLM's recovery.
+    """
+    eng = Engine.create(model_dir, cfg())
+    try:
+        a = eng.add("t1", prompt(21, 8 * BS + 4), max_tokens=2)
+        eng.run()
+        eng.settle()
+        eng.sched.reset_prefix_cache()
+        runtime = eng.workers[0].connector.worker
+        calls = _break_in_step_copies(runtime, fail_calls=2)
+        b = eng.add("t2", turn2(eng, a), max_tokens=2)
+        eng.run()
+        eng.settle()
+        assert calls[:2] == ["cpu_to_gpu_grouped", "cpu_to_gpu"], calls
+        assert eng.discarded_reads >= 8  # the step that read the unfilled blocks reported them
+        assert b.is_finished() and b.output_token_ids
+        ws = runtime.stats()
+        assert ws["failed_items"] >= 1 and ws["sync_loads"] == 0, ws
         assert_no_leaks(eng)
     finally:
         eng.close()
@@ -283,7 +369,7 @@ def test_on_finish_store_of_reallocated_blocks_is_dropped_not_copied(model_dir):
 
 @pytest.mark.parametrize("async_sched", [False, True], ids=["sync", "async"])
 def test_abort_mid_load_frees_everything(model_dir, async_sched):
-    eng = Engine.create(model_dir, cfg(), async_sched=async_sched)
+    eng = Engine.create(model_dir, cfg(load_mode="async"), async_sched=async_sched)  # a load between steps
     try:
         a = eng.add("a", prompt(9, 8 * BS + 3), max_tokens=2)
         eng.run()

@@ -127,6 +127,8 @@ class Engine:
     async_sched: bool
     requests: dict[str, Request] = field(default_factory=dict)
     verified_blocks: int = 0
+    sync_steps: int = 0  # steps vLLM flagged has_sync_kv_loads (in-step loads)
+    discarded_reads: int = 0  # wrong blocks a forward read in a step that reported them as failed loads
     steps: int = 0
     _prev: tuple | None = None
     _tables: dict[str, list[int]] = field(default_factory=dict)
@@ -239,7 +241,6 @@ class Engine:
 
     def _run_workers(self, out) -> ModelRunnerOutput:
         rows = self._scheduled(out)
-        self._verify_inputs(rows)
         outputs = [self._run_worker(w, out, rows) for w in self.workers]
         if len(outputs) == 1:
             return outputs[0]
@@ -254,13 +255,30 @@ class Engine:
         meta = pickle.loads(pickle.dumps(out.kv_connector_metadata))
         conn.handle_preemptions(meta)
         conn.bind_connector_metadata(meta)
+        # vLLM 0.33 starts loads before the forward only in steps with in-step ("sync") loads,
+        # otherwise after the forward launch; 0.26 always before (no has_sync_kv_loads there)
+        before = getattr(out, "has_sync_kv_loads", True)
+        if before:
+            conn.start_load_kv(None)
+        for name in LAYER_NAMES:  # what every attention layer does on entry
+            conn.wait_for_layer_load(name)
+        wrong = self._verify_inputs(rows, [w])
+        self.sync_steps += bool(getattr(out, "has_sync_kv_loads", False))
         self._forward(w, rows)
-        conn.start_load_kv(None)  # vLLM >= 0.33 starts async loads after the forward launch
+        if not before:
+            conn.start_load_kv(None)
         conn.wait_for_save()
         sending, recving = conn.get_finished(out.finished_req_ids)
+        invalid = conn.get_block_ids_with_load_errors()
+        # wrong KV read by this step's forward is only allowed in blocks the connector reports as
+        # failed loads in this same step: vLLM then discards the step's output and recomputes them
+        unreported = [(msg, g) for msg, g in wrong if g not in invalid]
+        if unreported:
+            raise AssertionError(unreported[0][0])
+        self.discarded_reads += len(wrong)
         kv_out = KVConnectorOutput(
             finished_sending=sending, finished_recving=recving,
-            invalid_block_ids=conn.get_block_ids_with_load_errors(),
+            invalid_block_ids=invalid,
             kv_connector_stats=conn.get_kv_connector_stats(),
             kv_connector_worker_meta=pickle.loads(pickle.dumps(conn.build_connector_worker_meta())))
         conn.clear_connector_metadata()
@@ -289,24 +307,31 @@ class Engine:
             rows.append((rid, c.num_computed_tokens[i], out.num_scheduled_tokens[rid]))
         return [(rid, done, n, list(tables[rid])) for rid, done, n in rows]
 
-    def _verify_inputs(self, rows) -> None:
-        """Every block below a request's computed tokens must hold that prefix's KV, on every rank."""
+    def _verify_inputs(self, rows, workers) -> list[tuple[str, int]]:
+        """Every block below a request's computed tokens must hold that prefix's KV, on these ranks.
+
+        Returns ``(message, GPU block id)`` for every wrong block (the caller decides whether vLLM
+        would have used it).
+        """
+        wrong: list[tuple[str, int]] = []
         for rid, done, _, table in rows:
             nblk = done // BS
             if nblk == 0:
                 continue
             req = self.requests[rid]
             ids = torch.tensor(table[:nblk])
-            for w in self.workers:
+            for w in workers:
                 ref = kv_values(req.all_token_ids, nblk * BS, w.rank)  # (T, L, H, 2D)
                 for li, name in enumerate(LAYER_NAMES):
                     got = w.kv[name][ids]  # (nblk, H, BS, 2D)
                     want = ref[:, li].reshape(nblk, BS, HEADS, 2 * HEAD).transpose(1, 2)
                     if not torch.equal(got, want):
                         bad = [i for i in range(nblk) if not torch.equal(got[i], want[i])]
-                        raise AssertionError(f"request {rid}: blocks {bad[:8]} (GPU ids {[table[i] for i in bad[:8]]})"
-                                             f" of layer {li} on rank {w.rank} hold wrong KV before the forward")
+                        msg = (f"request {rid}: blocks {bad[:8]} (GPU ids {[table[i] for i in bad[:8]]})"
+                               f" of layer {li} on rank {w.rank} hold wrong KV before the forward")
+                        wrong.extend((msg, table[i]) for i in bad)
             self.verified_blocks += nblk
+        return wrong
 
     def _forward(self, w: Worker, rows) -> None:
         """Write the KV of every scheduled token whose id is known (prompt and applied outputs)."""

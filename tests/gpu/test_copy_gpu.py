@@ -175,3 +175,31 @@ def test_inline_submission_and_close(name, variant):
     assert res.done() and res.error is None
     BlockCopier(cpu, want).cpu_to_gpu(slots, blocks)
     _check_storages_equal(gpu, cpu)
+
+
+@pytest.mark.parametrize("mech", [Mechanism.COPY_ENGINE, Mechanism.SM_KERNEL], ids=lambda m: m.value)
+@pytest.mark.parametrize("name", ["vllm033-LBNHC", "vllm033-BLHNC", "vllm033-mla-LBNHC", "vllm026-HND"])
+def test_grouped_load_layer_by_layer_bit_exact(name, mech):
+    """cpu_to_gpu_grouped per layer into poisoned KV; a stream that waits on group g reads layer g's new bytes."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"grouped/{name}/{mech.value}".encode()))
+    case = next(c for c in all_cases() if c.name == name)
+    big = Shape(layers=4, heads=2, block_size=16, head_dim=64, num_blocks=64)
+    gpu, cpu = _twins(case, big, torch.bfloat16, gen)
+    src = _random_slab(SLOTS, gpu.block_nbytes, gen)
+    slots = torch.randperm(SLOTS, generator=gen)[:40]
+    blocks = torch.randperm(big.num_blocks, generator=gen)[:40]
+    groups = [(i, i + 1) for i in range(len(gpu.tensors))]
+    BlockCopier(cpu, src.clone()).cpu_to_gpu(slots, blocks)
+    consumer = torch.cuda.Stream()
+    results = BlockCopier(gpu, src, mechanism=mech).cpu_to_gpu_grouped(slots, blocks, groups)
+    assert len(results) == len(groups)
+    seen = []
+    for g, res in enumerate(results):
+        res.wait_on(consumer)
+        with torch.cuda.stream(consumer):
+            seen.append(gpu.tensors[g].contiguous().view(torch.uint8).clone())
+    consumer.synchronize()
+    for g in range(len(groups)):
+        assert torch.equal(seen[g].cpu(), cpu.tensors[g].contiguous().view(torch.uint8)), f"group {g}"
+    assert all(r.done() for r in results)
+    _check_storages_equal(gpu, cpu)

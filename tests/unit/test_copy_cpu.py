@@ -267,3 +267,47 @@ def test_index_tensors_are_copied_at_the_call():
     private = as_index_tensor(ids, "ids")
     ids[0] = 0
     assert private.tolist() == [3, 1, 2]
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.name.startswith("vllm")], ids=lambda c: c.name)
+def test_grouped_load_touches_only_each_groups_tensors(case):
+    """cpu_to_gpu_grouped: one result per group; after the first group only its tensors changed; all = cpu_to_gpu."""
+    gen = torch.Generator().manual_seed(8)
+    layout = case.build(SHAPE, torch.bfloat16, "cpu")
+    fill_random(layout, gen)
+    slab = allocate_slab(9, layout.block_nbytes, pin=False)
+    slab.copy_(torch.randint(0, 256, slab.shape, dtype=torch.uint8, generator=gen))
+    blocks, slots = _pick(gen, 4, SHAPE.num_blocks), _pick(gen, 4, 9)
+    as_bytes = lambda t: t.contiguous().view(torch.uint8)  # noqa: E731 - random bytes hold NaNs: compare bits
+    before = [as_bytes(t).clone() for t in layout.tensors]
+    copier = BlockCopier(layout, slab)
+    t = len(layout.tensors)
+    first = copier.cpu_to_gpu_grouped(slots, blocks, [(0, 1)])
+    assert len(first) == 1 and first[0].done() and first[0].nbytes == 4 * layout.maps[0].nbytes
+    for i in range(1, t):
+        assert torch.equal(as_bytes(layout.tensors[i]), before[i]), f"tensor {i} changed by group (0, 1)"
+    results = copier.cpu_to_gpu_grouped(slots, blocks, [(i, i + 1) for i in range(t)])
+    assert len(results) == t and all(r.done() for r in results)
+    expected = {flat.untyped_storage().data_ptr(): flat.clone() for flat in storages(layout)}
+    for b, s in zip(blocks, slots):
+        reference_write(layout, b, slab[s], expected)
+    for flat in storages(layout):
+        assert torch.equal(flat, expected[flat.untyped_storage().data_ptr()])
+
+
+@pytest.mark.parametrize("groups", [[], [(1, 1)], [(0, 2), (1, 3)], [(0, 4)], [(2, 3), (0, 1)]], ids=str)
+def test_grouped_load_refuses_bad_groups(groups):
+    layout = vllm_layer_layout(vllm033_views("LBNHC", SHAPE, torch.float16, "cpu"))
+    copier = BlockCopier(layout, allocate_slab(4, layout.block_nbytes, pin=False))
+    with pytest.raises(LayoutError, match="group"):
+        copier.cpu_to_gpu_grouped([0], [1], groups)
+
+
+def test_chunk_table_rows_keep_slot_offsets():
+    layout = vllm_layer_layout(vllm033_views("LBHNC", SHAPE, torch.float16, "cpu"))
+    table = ChunkTable.from_layout(layout)
+    per = len(layout.maps[0].chunk_offsets)
+    part = table.rows(per, 2 * per)
+    assert part.size.numel() == per
+    assert int(part.slot_offset[0]) == layout.maps[1].slot_offset
+    assert torch.equal(part.gpu_base, table.gpu_base[per:2 * per])

@@ -192,9 +192,14 @@ class TieredKVConnector(KVConnectorBase_V1):
 
     # ================================================================== scheduler role
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """Tokens the tiers can load beyond the local hit; always asynchronous."""
+        """Tokens the tiers can load beyond the local hit, and whether the load is asynchronous.
+
+        CPU-tier hits load inside the step by default (``load_mode`` "layerwise": vLLM schedules
+        the request at once and the forward waits for each layer's bytes); disk hits always load
+        asynchronously, between steps.
+        """
         n = self.planner.match(request, num_computed_tokens)
-        return n, n > 0
+        return n, n > 0 and self.planner.load_async(request)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         """Plan loads into the blocks vLLM allocated for an external hit."""
@@ -265,11 +270,12 @@ class TieredKVConnector(KVConnectorBase_V1):
             self.worker.fence()
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
-        """Start this step's loads and tier moves (asynchronous)."""
-        self.worker.before_forward()
+        """Start this step's loads and tier moves; in-step loads start before the forward reads them."""
+        self.worker.before_forward(layerwise_ok=_runs_attention_eagerly(forward_context))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads are whole-block and asynchronous: nothing to wait for per layer."""
+        """Make the forward's stream wait until this layer's in-step loads have landed (no host wait)."""
+        self.worker.wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
         """Stores are whole-block, after the forward (``wait_for_save``)."""
@@ -310,6 +316,13 @@ class TieredKVConnector(KVConnectorBase_V1):
         """Finish queued jobs and close the tiers (worker)."""
         if self.worker is not None:
             self.worker.close()
+
+
+def _runs_attention_eagerly(forward_context) -> bool:
+    """True when this step's attention layers run outside a captured CUDA graph, so vLLM calls
+    ``wait_for_layer_load`` for each (no forward context, or a full-graph replay: False)."""
+    mode = getattr(forward_context, "cudagraph_runtime_mode", None)
+    return getattr(mode, "name", None) in ("NONE", "PIECEWISE")
 
 
 _FLOW_KEYS = ("bytes_loaded", "bytes_stored", "bytes_to_disk", "bytes_from_disk", "load_seconds",

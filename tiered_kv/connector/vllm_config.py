@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 STORE_POLICIES = ("eager", "on_finish", "none")
 DISK_LOAD_POLICIES = ("auto", "always", "never")
+LOAD_MODES = ("layerwise", "sync", "async")
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,8 @@ class ConnectorConfig:
     store_policy: str = "eager"
     store_decode_tokens: bool = False
     min_hit_blocks: int = 1
+    load_mode: str = "layerwise"
+    sync_max_tokens: int = 65536
     disk_load_policy: str = "auto"
     disk_read_gbps: float = 3.0
     disk_probe_every: int = 32
@@ -69,11 +72,13 @@ class ConnectorConfig:
         _choice(self.write_policy, "write_policy", WRITE_POLICIES)
         _choice(self.store_policy, "store_policy", STORE_POLICIES)
         _choice(self.disk_load_policy, "disk_load_policy", DISK_LOAD_POLICIES)
+        _choice(self.load_mode, "load_mode", LOAD_MODES)
         _choice(self.compression, "compression", CODECS)
         for key in ("promote_on_hit", "store_decode_tokens", "disk_sync"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"{key}: expected true or false, got {getattr(self, key)!r}")
         _int(self.min_hit_blocks, "min_hit_blocks", 1)
+        _int(self.sync_max_tokens, "sync_max_tokens", 0)
         _int(self.disk_probe_every, "disk_probe_every", 0)
         _int(self.zstd_level, "zstd_level", -7, 22)
         _int(self.disk_workers, "disk_workers", 1, 64)

@@ -5,7 +5,10 @@ and turns vLLM's scheduler callbacks into ``TransferJob``s for the workers:
 
 - ``match``: how many tokens beyond the local prefix hit the tiers hold (n-1 rule: at
   least one prompt token is always left to compute; disk hits only when loading them is
-  estimated faster than recomputing);
+  estimated faster than recomputing), and whether the load runs inside the step
+  (``load_mode`` "layerwise"/"sync": every chunk in the CPU tier and at most
+  ``sync_max_tokens``; vLLM then schedules the request at once and the workers load before
+  or alongside the forward) or between steps (asynchronous: disk hits, big hits, "async");
 - ``allocated``: after vLLM allocated GPU blocks for an async hit, plan the loads into them;
 - ``build``: once per step, plan eager stores of newly computed prompt blocks, add fences
   (jobs that must finish on the GPU before a re-allocated block is overwritten) and hand
@@ -59,10 +62,12 @@ class StepPlan:
     fences: list[int] = field(default_factory=list)
     loads: dict[str, list[int]] = field(default_factory=dict)
     load_fail: dict[str, list[int]] = field(default_factory=dict)
+    sync: list[int] = field(default_factory=list)
+    sync_fail: list[int] = field(default_factory=list)
 
     def empty(self) -> bool:
         """True when the workers have nothing to do."""
-        return not (self.early or self.stores or self.fences or self.loads)
+        return not (self.early or self.stores or self.fences or self.loads or self.sync_fail)
 
 
 @dataclass
@@ -91,6 +96,7 @@ class _Req:
     block_ids: list[int] = field(default_factory=list)
     stored: int = 0  # leading chunks already offered to the store
     lookup: tuple[int, int, int] = (0, 0, 0)  # (first chunk, chunks, blocks of the first chunk held locally)
+    sync: bool = False  # the last match is loaded inside the step (all chunks in the CPU tier)
 
 
 @dataclass
@@ -106,6 +112,7 @@ class PlannerCounters:
     lookups: int = 0
     hit_tokens_cpu: int = 0
     hit_tokens_disk: int = 0
+    sync_loads: int = 0
     disk_hits_declined: int = 0
     disk_probes: int = 0
     load_jobs: int = 0
@@ -142,6 +149,8 @@ class SchedulerPlanner:
         self._ext: dict[int, list[int]] = {}  # job id -> its items' GPU ids (flat), until handed out
         self._loads: dict[str, list[int]] = {}
         self._load_fail: dict[str, list[int]] = {}
+        self._sync: list[int] = []
+        self._sync_fail: list[int] = []
         self._finish_puts: list[tuple[list[bytes], list[int], int]] = []
         self._alloc_step: dict[int, int] = {}  # GPU block -> last step it was (re)allocated (while watching)
         self._watching = False
@@ -192,6 +201,7 @@ class SchedulerPlanner:
         if usable <= 0:
             return 0
         st = self._state(request)
+        st.sync = False
         index = self.chain.index
         where: list[int] = []
         for c in range(c0, c0 + usable):
@@ -207,7 +217,14 @@ class SchedulerPlanner:
         if n == 0 or blocks < self.cfg.min_hit_blocks:
             return 0
         st.lookup = (c0, n, skip)
+        st.sync = (self.cfg.load_mode != "async" and blocks * bs <= self.cfg.sync_max_tokens
+                   and all(t == CPU for t in where[:n]))
         return blocks * bs
+
+    def load_async(self, request) -> bool:
+        """Whether the hit the last ``match`` of ``request`` found loads between steps (else inside the step)."""
+        st = self._reqs.get(request.request_id)
+        return st is None or not st.sync
 
     def _worth_loading(self, where: list[int]) -> int:
         """Leading chunks worth loading: disk chunks only while reading beats recomputing."""
@@ -244,10 +261,20 @@ class SchedulerPlanner:
         rid = request.request_id
         if got < n:  # a chunk vanished since the lookup: report its blocks, vLLM recomputes from there
             lost = [g for g in gpu[got * self.k:] if g >= 0]
-            self._load_fail[rid] = lost
+            if st.sync:
+                self._sync_fail.extend(lost)
+            else:
+                self._load_fail[rid] = lost
             self.counters.failed_load_blocks += len(lost)
         loads = [j for j in jobs if j.kind is JobKind.EGRESS]
-        self._loads.setdefault(rid, []).extend(j.job_id for j in loads)
+        if st.sync:
+            # matched in this same schedule() call, so every chunk is still a READY CPU copy: one
+            # EGRESS job from the CPU tier, which the workers run before/alongside this step's forward
+            self._sync.extend(j.job_id for j in loads)
+            self.counters.sync_loads += len(loads)
+            st.sync = False
+        else:
+            self._loads.setdefault(rid, []).extend(j.job_id for j in loads)
         self.counters.load_jobs += len(loads)
         k = self.k
         for j in loads:
@@ -311,12 +338,13 @@ class SchedulerPlanner:
         self.counters.fences += len(fences)
         ext = {j.job_id: self._ext.pop(j.job_id) for j in stores}
         ext.update((j.job_id, self._ext.pop(j.job_id)) for j in self._early if j.job_id in self._ext)
-        plan = StepPlan(step, self._early, stores, ext, sorted(fences), self._loads, self._load_fail)
+        plan = StepPlan(step, self._early, stores, ext, sorted(fences), self._loads, self._load_fail, self._sync,
+                        self._sync_fail)
         if plan.early or plan.stores or plan.fences:
             log.debug("step %d: %d early jobs, %d store jobs (%d keys), %d fences, %d in flight", step,
                       len(plan.early), len(stores), sum(len(j) for j in stores), len(plan.fences),
                       self.chain.inflight())
-        self._early, self._loads, self._load_fail = [], {}, {}
+        self._early, self._loads, self._load_fail, self._sync, self._sync_fail = [], {}, {}, [], []
         return plan
 
     def _put(self, keys: list[bytes], gpu: list[int], step: int) -> None:

@@ -13,13 +13,22 @@ A completed job is reported once, in the next ``poll``: its per-item outcome goe
 planner (``JobReport``), a request whose loads all finished goes into ``finished_recving``,
 and GPU blocks a load could not fill go into the load-error set (vLLM then recomputes them).
 
+In-step loads (``StepPlan.sync``: CPU-tier hits vLLM scheduled in this very step) do not go
+through the front mover: ``before_forward`` hands them to a second copier on vLLM's thread,
+layer group by layer group, each group with its own CUDA event; ``wait_layer`` (vLLM's
+``wait_for_layer_load``) makes the forward's stream wait for that layer's event, so layer 0
+computes while later layers are still crossing PCIe. Where vLLM may replay a full CUDA graph
+(no per-layer calls), the forward's stream waits for the whole load before it starts. ``poll``
+of the same step waits for the bytes and reports the job, so vLLM learns of a failed in-step
+load in the step that read it.
+
 Ordering on CUDA: a store starts after an event recorded on the engine's current stream at
 ``after_forward`` (the KV it reads has been written); a load starts after an event recorded
 at ``before_forward``'s submission point (after vLLM's block zeroing). A fence waits on the
 CPU until the fenced job finished, so a re-allocated block is never overwritten under a copy.
 
-Threading contract: ``register``/``on_plan``/``before_forward``/``after_forward``/``poll``/
-``stats``/``close`` run on vLLM's worker thread (the model runner). Mover threads only run
+Threading contract: ``register``/``on_plan``/``before_forward``/``wait_layer``/``after_forward``/
+``poll``/``stats``/``close`` run on vLLM's worker thread (the model runner). Mover threads only run
 ``_execute`` and ``_on_done``; the completed list and job events are shared under ``_lock``.
 """
 from __future__ import annotations
@@ -32,7 +41,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..copy import BackendUnavailableError, BlockCopier, Mechanism, allocate_slab, vllm_layer_layout
+from ..copy import BackendUnavailableError, BlockCopier, CopyLaunchError, CopyResult, Mechanism, allocate_slab, \
+    vllm_layer_layout
 from ..errors import ConfigError
 from ..keys import Namespace
 from ..tiers.cpu import CpuTier
@@ -46,6 +56,20 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _FRONT_KINDS = (JobKind.INGRESS, JobKind.EGRESS)
+#: An in-step load is cut into layer groups of at least this many bytes: each group costs a
+#: driver call and an event (~50-100 us of submitter time), so a small load goes in one piece.
+MIN_GROUP_BYTES = 32 << 20
+
+
+@dataclass
+class _SyncLoad:
+    """An in-step load: its job, the per-group copy results and when it started."""
+
+    job: TransferJob
+    results: list[CopyResult]
+    nbytes: int
+    started: float
+    error: BaseException | None = None
 
 
 @dataclass
@@ -70,6 +94,8 @@ class WorkerCounters:
     failed_items: int = 0
     corrupt_items: int = 0
     fences_waited: int = 0
+    sync_loads: int = 0
+    sync_load_groups: int = 0
 
 
 class WorkerRuntime:
@@ -101,6 +127,10 @@ class WorkerRuntime:
         self._early_done = self._stores_done = self._fenced = True
         self.copier: BlockCopier | None = None
         self._staging_copier: BlockCopier | None = None
+        self._sync_copier: BlockCopier | None = None  # in-step loads, on vLLM's thread
+        self._sync_loads: list[_SyncLoad] = []
+        self._layer_waits: dict[int, list[CopyResult]] = {}  # layer index -> results its forward waits for
+        self._layer_index: dict[str, int] = {}
         self._cuda = False
         self._dep_stream = None
         self._mechanism: Mechanism | None = None  # None: the copier chooses per call
@@ -125,6 +155,9 @@ class WorkerRuntime:
             self.cpu.wait_pinned()  # the copy path needs page-locked rows
         # The copier addresses blocks: view each chunk row as k block rows.
         self.copier = BlockCopier(kv, self.cpu.slab.view(-1, kv.block_nbytes))
+        self._sync_copier = BlockCopier(kv, self.cpu.slab.view(-1, kv.block_nbytes))
+        one_tensor = len(kv.tensors) == 1  # a cross-layer tensor: one group, every layer waits for it
+        self._layer_index = {n: 0 if one_tensor else i for i, n in enumerate(self.geo.layer_names)}
         staging = allocate_slab(self.cfg.staging_chunks * self.k, kv.block_nbytes, pin=self._cuda)
         self._staging_copier = BlockCopier(kv, staging)
         self._staging_rows = staging.view(self.cfg.staging_chunks, self.layout.nbytes)
@@ -155,8 +188,13 @@ class WorkerRuntime:
                 self.counters.fences_waited += 1
                 ev.wait()
 
-    def before_forward(self) -> None:
-        """Submit loads and tier moves (``start_load_kv``); idempotent per step."""
+    def before_forward(self, layerwise_ok: bool = False) -> None:
+        """Submit loads and tier moves (``start_load_kv``); idempotent per step.
+
+        In-step loads start here, ordered after the work already on vLLM's stream (block
+        zeroing). ``layerwise_ok``: vLLM will call ``wait_layer`` for every attention layer of
+        this step's forward; otherwise the forward's stream waits for the whole load now.
+        """
         if self._early_done or self._plan is None:
             return
         self.fence()
@@ -169,7 +207,76 @@ class WorkerRuntime:
             pending.update(ids)
             for j in ids:
                 self._job_req[j] = rid
-        self._submit(plan.early)
+        if plan.sync:
+            sync = set(plan.sync)
+            for job in plan.early:
+                if job.job_id in sync:
+                    self._start_sync(job, layerwise_ok)
+            self._submit([j for j in plan.early if j.job_id not in sync])
+        else:
+            self._submit(plan.early)
+
+    def _start_sync(self, job: TransferJob, layerwise: bool) -> None:
+        """Start one in-step load on vLLM's thread: layer groups in order, one event each."""
+        with self._lock:
+            self._events[job.job_id] = threading.Event()
+        gpu, slots = self._flat(job, job.src_slots)
+        load = _SyncLoad(job, [], len(gpu) * self.kv.block_nbytes, time.perf_counter())
+        self._sync_loads.append(load)
+        if not gpu:
+            return
+        stream = torch.cuda.current_stream(self.kv.device) if self._cuda else None
+        groups = _layer_groups(self.kv, load.nbytes)
+        copier = self._sync_copier
+        try:
+            load.results = copier.cpu_to_gpu_grouped(slots, gpu, groups, stream=stream, mechanism=self._mechanism)
+        except (BackendUnavailableError, CopyLaunchError, ValueError) as exc:
+            # once more as one whole copy (the forward then waits for all of it): a load that cannot
+            # start at all is reported failed in this step's poll and vLLM recomputes its blocks
+            log.warning("TieredKVConnector rank %d: layer-by-layer load of job %d failed to start (%s); "
+                        "retrying as one copy", self.rank, job.job_id, exc)
+            try:
+                load.results = [copier.cpu_to_gpu(slots, gpu, stream=stream, mechanism=self._mechanism)]
+            except (BackendUnavailableError, CopyLaunchError, ValueError) as exc2:
+                load.error = exc2
+                log.warning("TieredKVConnector rank %d: in-step load of job %d failed: %s", self.rank,
+                            job.job_id, exc2)
+                return
+            groups = [(0, len(self.kv.tensors))]
+        self.counters.sync_loads += 1
+        self.counters.sync_load_groups += len(groups)
+        if not self._cuda:
+            return  # the CPU copy is done already
+        if layerwise and len(groups) > 1:
+            bounds = [b for _, b in groups]
+            g = 0
+            for layer in range(len(self.kv.tensors)):
+                while layer >= bounds[g]:
+                    g += 1
+                self._layer_waits.setdefault(layer, []).append(load.results[g])
+        else:
+            self._wait_all(load, stream)
+
+    def _wait_all(self, load: _SyncLoad, stream) -> None:
+        """Make ``stream`` wait for every group of ``load`` (groups land in order: the last one suffices)."""
+        try:
+            load.results[-1].wait_on(stream)
+        except CopyLaunchError as exc:
+            load.error = exc
+
+    def wait_layer(self, layer_name: str) -> None:
+        """``wait_for_layer_load``: vLLM's stream waits (on the GPU) for this layer's in-step loads."""
+        if not self._layer_waits:
+            return
+        waits = self._layer_waits.pop(self._layer_index.get(layer_name, -1), None)
+        if not waits:
+            return
+        stream = torch.cuda.current_stream(self.kv.device)
+        for res in waits:
+            try:
+                res.wait_on(stream)
+            except CopyLaunchError:
+                pass  # the same error is on the load's last result: poll reports the load as failed
 
     def after_forward(self) -> None:
         """Submit stores of this step's KV (``wait_for_save``, or ``get_finished`` without a forward)."""
@@ -199,6 +306,8 @@ class WorkerRuntime:
     def poll(self) -> PollResult:
         """Drain completed jobs into reports, finished loads and failed GPU blocks (``get_finished``)."""
         self.after_forward()
+        if self._sync_loads:
+            self._finish_sync()
         with self._lock:
             done, self._completed = self._completed, []
             for job, _ in done:
@@ -222,6 +331,41 @@ class WorkerRuntime:
             log.debug("rank %d: load of %s done, reported to vLLM", self.rank, rid)
             out.invalid_block_ids.update(self._pending_fail.pop(rid, ()))
         return out
+
+    def _finish_sync(self) -> None:
+        """Wait for this step's in-step loads to land and queue their completions (vLLM's thread).
+
+        The forward already waits for these bytes on the GPU, so waiting here costs the host at
+        most the rest of the forward; it lets a failure reach vLLM in the step that read the blocks.
+        """
+        loads, self._sync_loads = self._sync_loads, []
+        if self._layer_waits:  # a layer vLLM never waited for (not one of ours): order later work anyway
+            stream = torch.cuda.current_stream(self.kv.device)
+            for waits in self._layer_waits.values():
+                for res in waits:
+                    try:
+                        res.wait_on(stream)
+                    except CopyLaunchError:
+                        pass
+            self._layer_waits.clear()
+        for load in loads:
+            if load.error is None and load.results:
+                try:
+                    load.results[-1].wait()
+                except CopyLaunchError as exc:
+                    load.error = exc
+            job, n = load.job, len(load.job)
+            secs = time.perf_counter() - load.started
+            if load.error is not None:
+                log.warning("TieredKVConnector rank %d: in-step load of job %d failed: %s", self.rank, job.job_id,
+                            load.error)
+                done = Completion(job.job_id, [False] * n, [False] * n, 0, secs)
+            else:
+                done = Completion(job.job_id, [True] * n, [False] * n, load.nbytes, secs)
+                log.debug("rank %d job %d in-step load: %d blocks in %d groups, %.1f ms to land", self.rank,
+                          job.job_id, load.nbytes // self.kv.block_nbytes, len(load.results), secs * 1e3)
+            self._count(job, done.nbytes, secs, done.ok, done.corrupt)
+            self._on_done(job, done)
 
     def idle(self) -> bool:
         """True when no job is queued, running or unreported on this rank."""
@@ -359,6 +503,8 @@ class WorkerRuntime:
 
     def close(self) -> None:
         """Finish queued jobs, stop the movers, flush and close the tiers."""
+        if self._sync_loads:
+            self._finish_sync()
         self.front.close()
         if self.back is not None:
             self.back.close()
@@ -366,3 +512,11 @@ class WorkerRuntime:
             self.disk.flush()
             self.disk.close()
         self.cpu.close()
+
+
+def _layer_groups(kv, nbytes: int) -> list[tuple[int, int]]:
+    """Consecutive tensor groups for an in-step load of ``nbytes``: as many as ``MIN_GROUP_BYTES`` allows."""
+    layers = len(kv.tensors)
+    count = max(1, min(layers, nbytes // MIN_GROUP_BYTES))
+    per = -(-layers // count)
+    return [(a, min(layers, a + per)) for a in range(0, layers, per)]

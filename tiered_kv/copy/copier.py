@@ -30,6 +30,8 @@ path is synchronous.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from tiered_kv.copy import cpu
@@ -142,6 +144,71 @@ class BlockCopier:
         """Copy slab slots ``cpu_slots[i]`` into engine blocks ``gpu_block_ids[i]``."""
         return self._copy(gpu_block_ids, cpu_slots, False, stream, mechanism)
 
+    def cpu_to_gpu_grouped(
+        self,
+        cpu_slots: BlockIds,
+        gpu_block_ids: BlockIds,
+        groups: Sequence[tuple[int, int]],
+        *,
+        stream: torch.cuda.Stream | None = None,
+        mechanism: Mechanism | str | None = None,
+    ) -> list[CopyResult]:
+        """Copy slots into blocks one group of tensors at a time, in order; one result per group.
+
+        ``groups[g] = (a, b)`` names tensors ``a..b-1`` of the layout (for vLLM's per-layer views,
+        ``[(l, l + 1) for l in range(L)]`` loads layer by layer). Result ``g`` turns done when
+        that group's bytes have landed; groups land in the order given, so a consumer can make
+        its stream wait for group ``g`` (``CopyResult.wait_on``) and start on the first layers
+        while later ones are still moving. One validation and one hand-off for the whole call.
+        Copy-engine 1-D runs or the SM kernel (never 2-D copies: those span all tensors).
+        """
+        ids, slots = self._indices(gpu_block_ids, cpu_slots, False)
+        spans = _check_groups(groups, len(self.layout.tensors))
+        n = int(ids.numel())
+        sizes = [sum(m.nbytes for m in self.layout.maps[a:b]) for a, b in spans]
+        forced = Mechanism(mechanism) if mechanism is not None else self._fixed
+        if not self._on_cuda:
+            if forced not in (None, Mechanism.CPU):
+                raise BackendUnavailableError(f"mechanism {forced.value} needs CUDA tensors")
+            out = []
+            for (a, b), size in zip(spans, sizes):
+                if n:
+                    cpu.slab_to_blocks(self.layout, self.slab, slots, ids, range(a, b))
+                res = CopyResult(Mechanism.CPU, False, n, n * size, n * (b - a))
+                res._finish(None)
+                out.append(res)
+            return out
+        assert self._gpu is not None
+        mech = self._gpu.decide(n, forced).mechanism  # raises if the mechanism cannot run here
+        results = [CopyResult(mech, False, n, n * size, n * (b - a)) for (a, b), size in zip(spans, sizes)]
+        caller = torch.cuda.Event()
+        caller.record(stream if stream is not None else torch.cuda.current_stream(self.layout.device))
+        side = self._side_stream(False)
+        job = lambda: self._submit_groups(mech, ids, slots, spans, caller, side, results)  # noqa: E731
+        if self._threaded:
+            self._submitter(False).put(job)
+        else:
+            job()
+        return results
+
+    def _submit_groups(self, mech: Mechanism, ids: torch.Tensor, slots: torch.Tensor, spans: list[tuple[int, int]],
+                       caller: torch.cuda.Event, side: torch.cuda.Stream, results: list[CopyResult]) -> None:
+        """Runs on the submitter thread: each group's runs, then that group's event."""
+        assert self._gpu is not None
+
+        def landed(g: int, descriptors: int) -> None:
+            done = torch.cuda.Event()
+            done.record(side)
+            results[g]._finish(done, descriptors=descriptors)
+
+        try:
+            side.wait_event(caller)
+            self._gpu.submit_groups(mech, ids, slots, False, spans, side, landed)
+        except Exception as exc:  # noqa: BLE001 - reported through every unfinished result
+            for res in results:
+                if not res._submitted.is_set():
+                    res._finish(None, exc)
+
     def plan(self, gpu_block_ids: BlockIds, cpu_slots: BlockIds, to_cpu: bool) -> Runs:
         """The merged byte runs a GPU copy of these blocks would enqueue (for inspection and tests)."""
         ids, slots = self._indices(gpu_block_ids, cpu_slots, to_cpu)
@@ -222,6 +289,20 @@ class BlockCopier:
             name = f"tkv-copy-{'d2h' if to_cpu else 'h2d'}"
             self._submitters[to_cpu] = Submitter(self.layout.device, name)
         return self._submitters[to_cpu]
+
+
+def _check_groups(groups: Sequence[tuple[int, int]], num_tensors: int) -> list[tuple[int, int]]:
+    """Validate tensor groups: each ``(a, b)`` with ``0 <= a < b <= num_tensors``, in order, disjoint."""
+    spans = [(int(a), int(b)) for a, b in groups]
+    if not spans:
+        raise LayoutError("groups is empty; pass at least one (first, end) range of tensors")
+    prev = 0
+    for a, b in spans:
+        if not (prev <= a < b <= num_tensors):
+            raise LayoutError(f"tensor group ({a}, {b}) is out of order, empty, overlapping or beyond the layout's "
+                              f"{num_tensors} tensors; pass ascending disjoint ranges such as [(0, 1), (1, 2)]")
+        prev = b
+    return spans
 
 
 def _check_slab(slab: torch.Tensor, layout: KVLayout) -> None:

@@ -64,6 +64,11 @@ class GpuDispatcher:
         self.slab = slab
         self.policy = policy
         self.table = ChunkTable.from_layout(layout)
+        rows = [0]
+        for m in layout.maps:
+            rows.append(rows[-1] + len(m.chunk_offsets))
+        self._tensor_rows = rows  # chunk-table rows of tensor t: [rows[t], rows[t+1])
+        self._group_tables: dict[tuple[int, int], ChunkTable] = {}
         self.rect_table = RectTable.from_chunks(self.table)
         zero = torch.zeros(1, dtype=torch.int64)
         self.runs_per_block = plan_runs(self.table, zero, zero, slab.data_ptr(), slab.stride(0), True).count
@@ -114,6 +119,35 @@ class GpuDispatcher:
             start += step
             step = min(2 * step, MAX_SLICE_BLOCKS)
         return total
+
+    def submit_groups(self, mechanism: Mechanism, ids: torch.Tensor, slots: torch.Tensor, to_cpu: bool,
+                      groups: list[tuple[int, int]], stream: torch.cuda.Stream, on_group) -> None:
+        """Enqueue the copy one group of tensors at a time; ``on_group(g, descriptors)`` after each is on ``stream``.
+
+        A group ``(a, b)`` is tensors ``a..b-1`` of the layout (e.g. one layer of vLLM's per-layer
+        views). Groups are enqueued in the order given on one stream, so group ``g`` lands before
+        group ``g+1``: the caller records one event per group to let a consumer start on the first
+        layers while later ones are still moving. 1-D runs (or the SM kernel) only: 2-D copies span
+        every tensor of a block.
+        """
+        base, pitch = self.slab.data_ptr(), self.slab.stride(0)
+        for g, (a, b) in enumerate(groups):
+            runs = plan_runs(self.group_table(a, b), ids, slots, base, pitch, to_cpu)
+            if mechanism is Mechanism.SM_KERNEL:
+                from tiered_kv.copy import triton_kernel
+
+                triton_kernel.launch(runs, self.layout.device, stream, self._sm_programs)
+            else:
+                self._batch_engine().submit(runs, stream.cuda_stream)
+            on_group(g, runs.count)
+
+    def group_table(self, a: int, b: int) -> ChunkTable:
+        """The rows of the chunk table that belong to tensors ``a..b-1`` (cached)."""
+        key = (a, b)
+        table = self._group_tables.get(key)
+        if table is None:
+            table = self._group_tables[key] = self.table.rows(self._tensor_rows[a], self._tensor_rows[b])
+        return table
 
     def sm_available(self) -> bool:
         """True when the SM kernel can run (Triton imports, CUDA present)."""

@@ -1,0 +1,23 @@
+"""The vLLM worker's in-step loads on CUDA: per-layer events, the engine stream waits per layer.
+
+Runs ``tests/unit/test_vllm_worker_in_step.run_in_step_load`` on CUDA tensors and a pinned slab,
+with the engine's stream kept busy before the load starts: a layer read without waiting for its
+event would see zeros, not the slab's bytes. Sizes make the load cut into several layer groups.
+"""
+from __future__ import annotations
+
+import pytest
+
+from tests.unit.test_vllm_worker_in_step import run_in_step_load
+from tiered_kv.connector.vllm_worker import MIN_GROUP_BYTES
+
+
+@pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "whole"])
+def test_in_step_load_layer_by_layer_on_cuda(layerwise):
+    # 8 layers x 8 heads x 128 dims: 512 KiB a block; 96 chunks of 4 blocks (one held locally) = 191.5 MiB
+    stats = run_in_step_load("cuda", layers=8, heads=8, head_dim=128, chunks=96, layerwise=layerwise,
+                             slow_stream=True)
+    assert stats["sync_loads"] == 1 and stats["failed_items"] == 0
+    nbytes = (96 * 4 - 1) * 8 * 8 * 16 * 256 * 2
+    assert stats["bytes_loaded"] == nbytes
+    assert nbytes // MIN_GROUP_BYTES >= 4 and stats["sync_load_groups"] == 4  # pairs of layers
