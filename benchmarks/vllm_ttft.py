@@ -14,6 +14,9 @@ Modes:
                 DISK_PATH, so turn-2 hits come from disk (disk_load_policy DISK_POLICY: "auto"
                 lets the connector decline a disk slower than recompute; "always" forces reads)
   tiered-disk-always  (only with --modes) tiered-disk with disk_load_policy "always": raw disk speed
+  tiered-cpu-async, tiered-cpu-sync  (only with --modes) tiered-cpu with load_mode "async" (CPU hits
+                load between steps, the pre-2026-11-22 behaviour) or "sync" (in-step, whole load
+                before the forward); tiered-cpu uses the default "layerwise"
 
 Usage (GPU machine, vLLM importable, tiered_kv on PYTHONPATH):
   python benchmarks/vllm_ttft.py                      # every mode, one subprocess each, table + JSON
@@ -37,7 +40,7 @@ import tempfile
 import time
 
 MODES = ("none", "offloading", "tiered-cpu", "tiered-disk")
-EXTRA_MODES = ("tiered-disk-always",)  # run on request: disk hits even where recompute is faster
+EXTRA_MODES = ("tiered-disk-always", "tiered-cpu-async", "tiered-cpu-sync")  # run on request: disk hits even where recompute is faster
 N_CONV = int(os.environ.get("N_CONV", "12"))
 PREFIX = int(os.environ.get("PREFIX", "8192"))
 FOLLOW = 64
@@ -72,6 +75,8 @@ def engine_kwargs(mode: str, model_dir: str) -> dict:
         from vllm.config import KVTransferConfig
 
         extra = {"cpu_bytes": f"{CPU_GIB}GiB", "chunk_blocks": CHUNK_BLOCKS}
+        if mode in ("tiered-cpu-async", "tiered-cpu-sync"):
+            extra["load_mode"] = mode.rsplit("-", 1)[1]
         if mode.startswith("tiered-disk"):
             path = os.path.join(DISK_PATH, "run")
             shutil.rmtree(path, ignore_errors=True)  # a cold disk tier: hits come from this run
@@ -146,7 +151,11 @@ def run_all(modes: list[str]) -> list[dict]:
             print(f"[{mode}] FAILED rc={proc.returncode} after {time.perf_counter() - t0:.0f}s\n{tail}", flush=True)
             continue
         results.append(json.loads(line[len("RESULT "):]))
-        print(f"[{mode}] done in {time.perf_counter() - t0:.0f}s", flush=True)
+        r = results[-1]
+        print(f"[{mode}] done in {time.perf_counter() - t0:.0f}s: turn-2 median {r['turn2_median_s']:.4f} s, "
+              f"hit rate {100 * r['turn2_hit_rate']:.1f}%, turn-1 median {r['turn1_median_s']:.4f} s", flush=True)
+        with open(os.path.join(os.environ.get("OUT", "."), "vllm_ttft_partial.json"), "w") as f:
+            json.dump(results, f, indent=1)  # what a run cut short still leaves behind
     return results
 
 
