@@ -103,28 +103,35 @@ class Bench:
         """The pinned buffer viewed as slots of ``slot_bytes``."""
         return self.host[: (self.host.numel() // slot_bytes) * slot_bytes].view(-1, slot_bytes)
 
-    def contiguous(self, nbytes: int, direction: str) -> float:
-        """GB/s of one contiguous pinned copy of ``nbytes`` each way (``both``: two at once)."""
+    def contiguous(self, nbytes: int, direction: str, calls: int = 1) -> float:
+        """GB/s of contiguous pinned copies of ``nbytes`` each way (``both``: two at once), ``calls`` back to back."""
         h, g = self.host, self.gpu_flat
 
         def run() -> list:
             out = []
-            if direction in ("d2h", "both"):
-                with torch.cuda.stream(self.s1):
-                    h[:nbytes].copy_(g[:nbytes], non_blocking=True)
-                out.append(_Event(self.s1))
-            if direction in ("h2d", "both"):
-                with torch.cuda.stream(self.s2):
-                    g[nbytes : 2 * nbytes].copy_(h[nbytes : 2 * nbytes], non_blocking=True)
-                out.append(_Event(self.s2))
+            for _ in range(calls):
+                if direction in ("d2h", "both"):
+                    with torch.cuda.stream(self.s1):
+                        h[:nbytes].copy_(g[:nbytes], non_blocking=True)
+                    out.append(_Event(self.s1))
+                if direction in ("h2d", "both"):
+                    with torch.cuda.stream(self.s2):
+                        g[nbytes : 2 * nbytes].copy_(h[nbytes : 2 * nbytes], non_blocking=True)
+                    out.append(_Event(self.s2))
             return out
 
-        moved = nbytes * (2 if direction == "both" else 1)
+        moved = nbytes * (2 if direction == "both" else 1) * calls
         seconds, _ = _median_time(run, self.reps(moved))
         return moved / seconds / 1e9
 
-    def copies(self, label: str, layout: KVLayout, n: int, directions: tuple[str, ...], mechs=MECHS, **opts) -> None:
-        """Record GB/s per mechanism and direction for ``n`` random blocks per call (``opts`` go to BlockCopier)."""
+    def copies(self, label: str, layout: KVLayout, n: int, directions: tuple[str, ...], mechs=MECHS,
+               calls: int = 1, **opts) -> None:
+        """Record GB/s per mechanism and direction for ``n`` random blocks per call (``opts`` go to BlockCopier).
+
+        ``calls`` > 1: that many calls per direction back to back per sample (a mover with a queue of
+        copies: each call's fixed host cost overlaps the previous call's transfer), against as many
+        back-to-back contiguous copies.
+        """
         slab = self.slab(layout.block_nbytes)
         copier = BlockCopier(layout, slab, **opts)
         blocks = torch.randperm(layout.num_blocks, generator=self.gen)
@@ -133,30 +140,32 @@ class Bench:
         in_b, in_s = blocks[n : 2 * n], slots[n : 2 * n]
         nbytes = n * layout.block_nbytes
         for direction in directions:
-            base = self.contiguous(nbytes, direction)
+            base = self.contiguous(nbytes, direction, calls)
             for mech in mechs:
                 last: list = []
 
                 def run(mech=mech, direction=direction, last=last) -> list:
                     out = []
-                    if direction in ("d2h", "both"):
-                        out.append(copier.gpu_to_cpu(out_b, out_s, mechanism=mech))
-                    if direction in ("h2d", "both"):
-                        out.append(copier.cpu_to_gpu(in_s, in_b, mechanism=mech))
+                    for _ in range(calls):
+                        if direction in ("d2h", "both"):
+                            out.append(copier.gpu_to_cpu(out_b, out_s, mechanism=mech))
+                        if direction in ("h2d", "both"):
+                            out.append(copier.cpu_to_gpu(in_s, in_b, mechanism=mech))
                     last[:] = out
                     return out
 
-                moved = nbytes * (2 if direction == "both" else 1)
+                moved = nbytes * (2 if direction == "both" else 1) * calls
                 seconds, submit = _median_time(run, self.reps(moved))
                 rate = moved / seconds / 1e9
                 runs = last[0].num_runs  # descriptors of one direction: 1-D runs, 2-D copies or kernel runs
-                rec = dict(case=label, opts=opts, blocks=n, block_bytes=layout.block_nbytes, direction=direction,
+                rec = dict(case=label, opts=opts, blocks=n, calls=calls, block_bytes=layout.block_nbytes, direction=direction,
                            mechanism=last[0].mechanism.value, gbps=round(rate, 2), contiguous_gbps=round(base, 2),
                            ratio=round(rate / base, 3), runs_per_call=runs,
                            mean_run_bytes=nbytes // max(runs, 1), call_ms=round(submit * 1e3, 3),
                            total_ms=round(seconds * 1e3, 3))
                 self.records.append(rec)
                 tag = ",".join(f"{k}={v}" for k, v in opts.items())
+                tag += f" x{calls} back to back" if calls > 1 else ""
                 print(f"{label + (' ' + tag if tag else ''):<34} {n:>5} {direction:<4} {mech.value:<11} {rate:7.2f} GB/s"
                       f"  contig {base:6.2f}  ratio {rate / base:5.3f}  descr {runs:>7}"
                       f"  call {submit * 1e3:7.2f} ms", flush=True)
@@ -346,6 +355,8 @@ def main() -> int:
     ap.add_argument("--plot-from", help="redraw the PNG from this JSON and exit")
     ap.add_argument("--matmul-iters", type=int, default=200)
     ap.add_argument("--ab-only", action="store_true", help="only the submission-thread A/B")
+    ap.add_argument("--streamed-only", action="store_true",
+                    help="only 256-block calls, 8 back to back per sample, vs 8 back-to-back contiguous copies")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -379,6 +390,17 @@ def main() -> int:
         (out / "gpu_copy_ab.json").write_text(json.dumps(bench.records, indent=1))
         return 0
     ce, sm = (Mechanism.COPY_ENGINE,), (Mechanism.SM_KERNEL,)
+    if args.streamed_only:
+        for shape_name, order in (("llama3-8b", "LBNHC"), ("llama3-8b", "BLHNC"), ("small-16L-hd64", "LBNHC"),
+                                  ("small-16L-hd64", "BLHNC")):
+            layout = build_model_layout(SHAPES[shape_name], order)
+            for calls in (1, 8):
+                bench.copies(f"{shape_name}/{order}", layout, 256, ("d2h", "h2d", "both"), calls=calls)
+            del layout
+            torch.cuda.empty_cache()
+        data["copies"] = bench.records
+        (out / "gpu_copy_streamed.json").write_text(json.dumps(data, indent=1))
+        return 0
     for order in ("LBNHC", "BLHNC"):
         layout = build_model_layout(big, order)
         for n in sweep:

@@ -155,7 +155,11 @@ class WorkerRuntime:
             self.cpu.wait_pinned()  # the copy path needs page-locked rows
         # The copier addresses blocks: view each chunk row as k block rows.
         self.copier = BlockCopier(kv, self.cpu.slab.view(-1, kv.block_nbytes))
-        self._sync_copier = BlockCopier(kv, self.cpu.slab.view(-1, kv.block_nbytes))
+        # In-step loads plan and submit on vLLM's own thread, before the forward is launched: a
+        # submitter thread would fight the forward's (eager, Python-bound) launches for the GIL,
+        # and the measured H200 load then took 31-64 ms instead of ~21 (each side waits out the
+        # interpreter's 5 ms switch interval).
+        self._sync_copier = BlockCopier(kv, self.cpu.slab.view(-1, kv.block_nbytes), threaded_submit=False)
         one_tensor = len(kv.tensors) == 1  # a cross-layer tensor: one group, every layer waits for it
         self._layer_index = {n: 0 if one_tensor else i for i, n in enumerate(self.geo.layer_names)}
         staging = allocate_slab(self.cfg.staging_chunks * self.k, kv.block_nbytes, pin=self._cuda)
@@ -245,6 +249,10 @@ class WorkerRuntime:
             groups = [(0, len(self.kv.tensors))]
         self.counters.sync_loads += 1
         self.counters.sync_load_groups += len(groups)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("rank %d job %d in-step load started: %d blocks in %d groups, layerwise=%s, call %.2f ms",
+                      self.rank, job.job_id, len(gpu), len(groups), layerwise,
+                      (time.perf_counter() - load.started) * 1e3)
         if not self._cuda:
             return  # the CPU copy is done already
         if layerwise and len(groups) > 1:
@@ -268,15 +276,20 @@ class WorkerRuntime:
         """``wait_for_layer_load``: vLLM's stream waits (on the GPU) for this layer's in-step loads."""
         if not self._layer_waits:
             return
-        waits = self._layer_waits.pop(self._layer_index.get(layer_name, -1), None)
+        layer = self._layer_index.get(layer_name, -1)
+        waits = self._layer_waits.pop(layer, None)
         if not waits:
             return
         stream = torch.cuda.current_stream(self.kv.device)
+        t0 = time.perf_counter()
         for res in waits:
             try:
                 res.wait_on(stream)
             except CopyLaunchError:
                 pass  # the same error is on the load's last result: poll reports the load as failed
+        if log.isEnabledFor(logging.DEBUG) and (layer == 0 or not self._layer_waits):
+            log.debug("rank %d layer %d: forward waits for its in-step load (host waited %.2f ms for submission)",
+                      self.rank, layer, (time.perf_counter() - t0) * 1e3)
 
     def after_forward(self) -> None:
         """Submit stores of this step's KV (``wait_for_save``, or ``get_finished`` without a forward)."""
@@ -350,6 +363,9 @@ class WorkerRuntime:
             self._layer_waits.clear()
         for load in loads:
             if load.error is None and load.results:
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("rank %d job %d: poll %.2f ms after the in-step load started", self.rank,
+                              load.job.job_id, (time.perf_counter() - load.started) * 1e3)
                 try:
                     load.results[-1].wait()
                 except CopyLaunchError as exc:

@@ -28,7 +28,7 @@ import torch
 
 from tiered_kv.copy.errors import BackendUnavailableError
 from tiered_kv.copy.layouts import KVLayout
-from tiered_kv.copy.segments import ChunkTable, RectTable, plan_rects, plan_runs
+from tiered_kv.copy.segments import ChunkTable, RectTable, Runs, merge_runs, plan_rects, plan_runs
 from tiered_kv.copy.select import Mechanism, SelectionPolicy, choose_mechanism
 
 if TYPE_CHECKING:
@@ -68,7 +68,6 @@ class GpuDispatcher:
         for m in layout.maps:
             rows.append(rows[-1] + len(m.chunk_offsets))
         self._tensor_rows = rows  # chunk-table rows of tensor t: [rows[t], rows[t+1])
-        self._group_tables: dict[tuple[int, int], ChunkTable] = {}
         self.rect_table = RectTable.from_chunks(self.table)
         zero = torch.zeros(1, dtype=torch.int64)
         self.runs_per_block = plan_runs(self.table, zero, zero, slab.data_ptr(), slab.stride(0), True).count
@@ -131,8 +130,16 @@ class GpuDispatcher:
         every tensor of a block.
         """
         base, pitch = self.slab.data_ptr(), self.slab.stride(0)
+        t = self.table
+        # every chunk of every block at once, (blocks, chunks); a group is a column range, taken
+        # column-major (layer by layer) so its runs are contiguous in address order per layer
+        gpu = t.gpu_base[None, :] + ids[:, None] * t.gpu_stride[None, :]
+        cpu = base + slots[:, None] * pitch + t.slot_offset[None, :]
+        src_all, dst_all = (gpu, cpu) if to_cpu else (cpu, gpu)
         for g, (a, b) in enumerate(groups):
-            runs = plan_runs(self.group_table(a, b), ids, slots, base, pitch, to_cpu)
+            cols = slice(self._tensor_rows[a], self._tensor_rows[b])
+            runs = merge_runs(Runs(src_all[:, cols].t().reshape(-1), dst_all[:, cols].t().reshape(-1),
+                                   t.size[cols].repeat_interleave(ids.numel())))
             if mechanism is Mechanism.SM_KERNEL:
                 from tiered_kv.copy import triton_kernel
 
@@ -140,14 +147,6 @@ class GpuDispatcher:
             else:
                 self._batch_engine().submit(runs, stream.cuda_stream)
             on_group(g, runs.count)
-
-    def group_table(self, a: int, b: int) -> ChunkTable:
-        """The rows of the chunk table that belong to tensors ``a..b-1`` (cached)."""
-        key = (a, b)
-        table = self._group_tables.get(key)
-        if table is None:
-            table = self._group_tables[key] = self.table.rows(self._tensor_rows[a], self._tensor_rows[b])
-        return table
 
     def sm_available(self) -> bool:
         """True when the SM kernel can run (Triton imports, CUDA present)."""
