@@ -155,11 +155,13 @@ class WorkerRuntime:
             self.cpu.wait_pinned()  # the copy path needs page-locked rows
         # The copier addresses blocks: view each chunk row as k block rows.
         self.copier = BlockCopier(kv, self.cpu.slab.view(-1, kv.block_nbytes))
-        # In-step loads plan and submit on vLLM's own thread, before the forward is launched: a
-        # submitter thread would fight the forward's (eager, Python-bound) launches for the GIL,
-        # and the measured H200 load then took 31-64 ms instead of ~21 (each side waits out the
-        # interpreter's 5 ms switch interval).
-        self._sync_copier = BlockCopier(kv, self.cpu.slab.view(-1, kv.block_nbytes), threaded_submit=False)
+        # In-step loads: "sync" submits on vLLM's own thread before the forward is launched (the
+        # driver call returns once the copy queue has room, ~ when the load landed); "layerwise"
+        # plans on vLLM's thread and leaves only the driver calls to the copier's submitter thread,
+        # so the forward's launches overlap the copy (with planning there too, both threads fought
+        # for the GIL and the H200 load took 31-64 ms instead of ~21).
+        self._sync_copier = BlockCopier(kv, self.cpu.slab.view(-1, kv.block_nbytes),
+                                        threaded_submit=self.cfg.load_mode == "layerwise")
         one_tensor = len(kv.tensors) == 1  # a cross-layer tensor: one group, every layer waits for it
         self._layer_index = {n: 0 if one_tensor else i for i, n in enumerate(self.geo.layer_names)}
         staging = allocate_slab(self.cfg.staging_chunks * self.k, kv.block_nbytes, pin=self._cuda)

@@ -159,7 +159,8 @@ class BlockCopier:
         ``[(l, l + 1) for l in range(L)]`` loads layer by layer). Result ``g`` turns done when
         that group's bytes have landed; groups land in the order given, so a consumer can make
         its stream wait for group ``g`` (``CopyResult.wait_on``) and start on the first layers
-        while later ones are still moving. One validation and one hand-off for the whole call.
+        while later ones are still moving. Validation and planning happen on the caller's thread
+        (a few vectorised ops), so a submitter thread only makes driver calls and records events.
         Copy-engine 1-D runs or the SM kernel (never 2-D copies: those span all tensors).
         """
         ids, slots = self._indices(gpu_block_ids, cpu_slots, False)
@@ -181,18 +182,19 @@ class BlockCopier:
         assert self._gpu is not None
         mech = self._gpu.decide(n, forced).mechanism  # raises if the mechanism cannot run here
         results = [CopyResult(mech, False, n, n * size, n * (b - a)) for (a, b), size in zip(spans, sizes)]
+        planned = self._gpu.plan_groups(ids, slots, False, spans)  # here: the submitter only calls the driver
         caller = torch.cuda.Event()
         caller.record(stream if stream is not None else torch.cuda.current_stream(self.layout.device))
         side = self._side_stream(False)
-        job = lambda: self._submit_groups(mech, ids, slots, spans, caller, side, results)  # noqa: E731
+        job = lambda: self._submit_groups(mech, planned, caller, side, results)  # noqa: E731
         if self._threaded:
             self._submitter(False).put(job)
         else:
             job()
         return results
 
-    def _submit_groups(self, mech: Mechanism, ids: torch.Tensor, slots: torch.Tensor, spans: list[tuple[int, int]],
-                       caller: torch.cuda.Event, side: torch.cuda.Stream, results: list[CopyResult]) -> None:
+    def _submit_groups(self, mech: Mechanism, planned: list, caller: torch.cuda.Event, side: torch.cuda.Stream,
+                       results: list[CopyResult]) -> None:
         """Runs on the submitter thread: each group's runs, then that group's event."""
         assert self._gpu is not None
 
@@ -203,7 +205,7 @@ class BlockCopier:
 
         try:
             side.wait_event(caller)
-            self._gpu.submit_groups(mech, ids, slots, False, spans, side, landed)
+            self._gpu.submit_groups(mech, planned, side, landed)
         except Exception as exc:  # noqa: BLE001 - reported through every unfinished result
             for res in results:
                 if not res._submitted.is_set():

@@ -119,27 +119,35 @@ class GpuDispatcher:
             step = min(2 * step, MAX_SLICE_BLOCKS)
         return total
 
-    def submit_groups(self, mechanism: Mechanism, ids: torch.Tensor, slots: torch.Tensor, to_cpu: bool,
-                      groups: list[tuple[int, int]], stream: torch.cuda.Stream, on_group) -> None:
-        """Enqueue the copy one group of tensors at a time; ``on_group(g, descriptors)`` after each is on ``stream``.
+    def plan_groups(self, ids: torch.Tensor, slots: torch.Tensor, to_cpu: bool,
+                    groups: list[tuple[int, int]]) -> list[Runs]:
+        """The runs of each group of tensors, planned in one pass (a few vectorised ops, any thread).
 
         A group ``(a, b)`` is tensors ``a..b-1`` of the layout (e.g. one layer of vLLM's per-layer
-        views). Groups are enqueued in the order given on one stream, so group ``g`` lands before
-        group ``g+1``: the caller records one event per group to let a consumer start on the first
-        layers while later ones are still moving. 1-D runs (or the SM kernel) only: 2-D copies span
-        every tensor of a block.
+        views); its runs go layer by layer, adjacent ones merged.
         """
         base, pitch = self.slab.data_ptr(), self.slab.stride(0)
         t = self.table
         # every chunk of every block at once, (blocks, chunks); a group is a column range, taken
-        # column-major (layer by layer) so its runs are contiguous in address order per layer
+        # column-major (layer by layer) so its runs follow each other in address order per layer
         gpu = t.gpu_base[None, :] + ids[:, None] * t.gpu_stride[None, :]
         cpu = base + slots[:, None] * pitch + t.slot_offset[None, :]
         src_all, dst_all = (gpu, cpu) if to_cpu else (cpu, gpu)
-        for g, (a, b) in enumerate(groups):
+        out = []
+        for a, b in groups:
             cols = slice(self._tensor_rows[a], self._tensor_rows[b])
-            runs = merge_runs(Runs(src_all[:, cols].t().reshape(-1), dst_all[:, cols].t().reshape(-1),
-                                   t.size[cols].repeat_interleave(ids.numel())))
+            out.append(merge_runs(Runs(src_all[:, cols].t().reshape(-1), dst_all[:, cols].t().reshape(-1),
+                                       t.size[cols].repeat_interleave(ids.numel()))))
+        return out
+
+    def submit_groups(self, mechanism: Mechanism, planned: list[Runs], stream: torch.cuda.Stream, on_group) -> None:
+        """Enqueue planned groups in order on ``stream``; ``on_group(g, descriptors)`` after each.
+
+        Groups land in order, so the caller records one event per group to let a consumer start
+        on the first layers while later ones are still moving. 1-D runs (or the SM kernel) only:
+        2-D copies span every tensor of a block.
+        """
+        for g, runs in enumerate(planned):
             if mechanism is Mechanism.SM_KERNEL:
                 from tiered_kv.copy import triton_kernel
 
