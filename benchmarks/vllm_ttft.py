@@ -14,9 +14,10 @@ Modes:
                 DISK_PATH, so turn-2 hits come from disk (disk_load_policy DISK_POLICY: "auto"
                 lets the connector decline a disk slower than recompute; "always" forces reads)
   tiered-disk-always  (only with --modes) tiered-disk with disk_load_policy "always": raw disk speed
-  tiered-cpu-async, tiered-cpu-sync  (only with --modes) tiered-cpu with load_mode "async" (CPU hits
-                load between steps, the pre-2026-11-22 behaviour) or "sync" (in-step, whole load
-                before the forward); tiered-cpu uses the default "layerwise"
+  tiered-cpu-async, tiered-cpu-layerwise  (only with --modes) tiered-cpu with load_mode "async"
+                (CPU hits load between steps, the first session's behaviour) or "layerwise" (in-step,
+                the forward waits per layer); tiered-cpu uses the default "sync" (in-step, the
+                forward waits for the whole load)
 
 Usage (GPU machine, vLLM importable, tiered_kv on PYTHONPATH):
   python benchmarks/vllm_ttft.py                      # every mode, one subprocess each, table + JSON
@@ -40,7 +41,7 @@ import tempfile
 import time
 
 MODES = ("none", "offloading", "tiered-cpu", "tiered-disk")
-EXTRA_MODES = ("tiered-disk-always", "tiered-cpu-async", "tiered-cpu-sync")  # run on request: disk hits even where recompute is faster
+EXTRA_MODES = ("tiered-disk-always", "tiered-cpu-async", "tiered-cpu-layerwise", "tiered-cpu-sync")  # run on request: disk hits even where recompute is faster
 N_CONV = int(os.environ.get("N_CONV", "12"))
 PREFIX = int(os.environ.get("PREFIX", "8192"))
 FOLLOW = 64
@@ -75,7 +76,7 @@ def engine_kwargs(mode: str, model_dir: str) -> dict:
         from vllm.config import KVTransferConfig
 
         extra = {"cpu_bytes": f"{CPU_GIB}GiB", "chunk_blocks": CHUNK_BLOCKS}
-        if mode in ("tiered-cpu-async", "tiered-cpu-sync"):
+        if mode in ("tiered-cpu-async", "tiered-cpu-sync", "tiered-cpu-layerwise"):
             extra["load_mode"] = mode.rsplit("-", 1)[1]
         if mode.startswith("tiered-disk"):
             path = os.path.join(DISK_PATH, "run")

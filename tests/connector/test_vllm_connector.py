@@ -89,6 +89,28 @@ def test_multiturn_turn2_loads_turn1_prefix_bit_exact(model_dir, async_sched, lo
         eng.close()
 
 
+@pytest.mark.parametrize("load_mode", ["sync", "async"])
+def test_cross_layer_registration_hits_bit_exact_and_merges_layers(model_dir, load_mode):
+    """vLLM 0.26's cross-layer KV tensor: a block is one copy run (layers merged), loads are bit-exact."""
+    eng = Engine.create(model_dir, cfg(load_mode=load_mode), cross_layer=True)
+    try:
+        runtime = eng.workers[0].connector.worker
+        assert runtime.copier.plan([3, 4], [0, 5], to_cpu=True).count == 2  # 2 blocks, 2 runs (not 2 x LAYERS)
+        a = eng.add("x1", prompt(23, 8 * BS + 4), max_tokens=3)
+        eng.run()
+        eng.settle()
+        eng.sched.reset_prefix_cache()
+        verified = eng.verified_blocks
+        b = eng.add("x2", turn2(eng, a), max_tokens=2)
+        eng.run()
+        eng.settle()
+        assert eng.connector.stats()["sched_hit_tokens_cpu"] == 8 * BS
+        assert eng.verified_blocks - verified >= 8 and b.is_finished()
+        assert_no_leaks(eng)
+    finally:
+        eng.close()
+
+
 def _break_in_step_copies(runtime, fail_calls: int):
     """Make the worker's in-step copier raise what a failed driver submission raises, for its first
     ``fail_calls`` calls (either entry point). Fault injection into our own ``BlockCopier``; no

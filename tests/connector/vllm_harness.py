@@ -93,6 +93,36 @@ def kv_cache_config(num_blocks: int) -> KVCacheConfig:
                          kv_cache_groups=[KVCacheGroupSpec(list(LAYER_NAMES), spec)])
 
 
+class Nhd026Backend:
+    """The two static methods of vLLM 0.26's FlashAttention backend that cross-layer registration
+    reads, with the NHD answers (0.26 source: ``v1/attention/backends/flash_attn.py``). A stand-in
+    because CI runs vLLM 0.32, whose backends no longer take ``include_num_layers_dimension``."""
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str="auto"):
+        return (num_blocks, num_kv_heads, block_size, 2 * head_size)
+
+    @staticmethod
+    def get_kv_cache_stride_order(include_num_layers_dimension: bool = False):
+        return (1, 0, 3, 2, 4) if include_num_layers_dimension else (0, 2, 1, 3)
+
+
+def register_cross_layer(conn, num_blocks: int) -> dict[str, torch.Tensor]:
+    """Allocate a cross-layer tensor as vLLM 0.26 does (physical ``(B, L, N, H, 2D)``), register it, and
+    return the per-layer logical views the harness writes and checks."""
+    from vllm.v1.kv_cache_interface import KVCacheTensor
+
+    order = Nhd026Backend.get_kv_cache_stride_order(include_num_layers_dimension=True)
+    logical_shape = (LAYERS,) + Nhd026Backend.get_kv_cache_shape(num_blocks, BS, HEADS, HEAD)
+    cross = torch.zeros(tuple(logical_shape[i] for i in order), dtype=torch.float16)
+    page = BS * HEADS * 2 * HEAD * 2
+    conn._kv_cache_config.kv_cache_tensors = [KVCacheTensor(size=page * num_blocks, layers=[n], layer_stride=page,
+                                                           block_stride=page) for n in LAYER_NAMES]
+    conn.register_cross_layers_kv_cache(cross, Nhd026Backend)
+    logical = cross.permute(*[order.index(i) for i in range(len(order))])
+    return {name: logical[i] for i, name in enumerate(LAYER_NAMES)}
+
+
 def kv_values(token_ids: list[int], upto: int, rank: int = 0) -> torch.Tensor:
     """Reference KV for positions ``[0, upto)``: ``(upto, LAYERS, HEADS, 2*HEAD)`` float16, a function of the prefix."""
     h = 0
@@ -136,8 +166,12 @@ class Engine:
 
     @classmethod
     def create(cls, model_dir: str, extra: dict, *, num_blocks: int = 64, async_sched: bool = False,
-               tp: int = 1, max_batched: int = 256, hash_algo: str = "sha256") -> "Engine":
-        """Build a scheduler (which builds the scheduler-role connector) and ``tp`` worker-role connectors."""
+               tp: int = 1, max_batched: int = 256, hash_algo: str = "sha256", cross_layer: bool = False) -> "Engine":
+        """Build a scheduler (which builds the scheduler-role connector) and ``tp`` worker-role connectors.
+
+        ``cross_layer``: register each worker the way vLLM 0.26 does when the connector prefers
+        cross-layer blocks (one block-outermost tensor, ``register_cross_layers_kv_cache``).
+        """
         global _NONE_HASH_READY
         if not _NONE_HASH_READY:
             init_none_hash(sha256)  # EngineCore does this once per process
@@ -157,8 +191,11 @@ class Engine:
                 conn = TieredKVConnector(cfg, KVConnectorRole.WORKER, kvc)
             finally:
                 tkv_vllm.worker_rank = original
-            kv = {name: torch.zeros((num_blocks, HEADS, BS, 2 * HEAD), dtype=torch.float16) for name in LAYER_NAMES}
-            conn.register_kv_caches(kv)
+            if cross_layer:
+                kv = register_cross_layer(conn, num_blocks)
+            else:
+                kv = {name: torch.zeros((num_blocks, HEADS, BS, 2 * HEAD), dtype=torch.float16) for name in LAYER_NAMES}
+                conn.register_kv_caches(kv)
             workers.append(Worker(conn, kv, rank))
         return cls(cfg, sched, workers, num_blocks, async_sched)
 

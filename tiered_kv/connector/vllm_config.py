@@ -48,8 +48,9 @@ class ConnectorConfig:
     store_policy: str = "eager"
     store_decode_tokens: bool = False
     min_hit_blocks: int = 1
-    load_mode: str = "layerwise"
+    load_mode: str = "sync"
     sync_max_tokens: int = 65536
+    cross_layer_blocks: bool = True
     disk_load_policy: str = "auto"
     disk_read_gbps: float = 3.0
     disk_probe_every: int = 32
@@ -74,7 +75,7 @@ class ConnectorConfig:
         _choice(self.disk_load_policy, "disk_load_policy", DISK_LOAD_POLICIES)
         _choice(self.load_mode, "load_mode", LOAD_MODES)
         _choice(self.compression, "compression", CODECS)
-        for key in ("promote_on_hit", "store_decode_tokens", "disk_sync"):
+        for key in ("promote_on_hit", "store_decode_tokens", "disk_sync", "cross_layer_blocks"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"{key}: expected true or false, got {getattr(self, key)!r}")
         _int(self.min_hit_blocks, "min_hit_blocks", 1)

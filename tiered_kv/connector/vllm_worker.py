@@ -155,8 +155,9 @@ class WorkerRuntime:
             self.cpu.wait_pinned()  # the copy path needs page-locked rows
         # The copier addresses blocks: view each chunk row as k block rows.
         self.copier = BlockCopier(kv, self.cpu.slab.view(-1, kv.block_nbytes))
-        # In-step loads: "sync" submits on vLLM's own thread before the forward is launched (the
-        # driver call returns once the copy queue has room, ~ when the load landed); "layerwise"
+        # In-step loads: "sync" submits on vLLM's own thread before the forward is launched (with
+        # one 64 KiB run per layer and block the driver call returned only once the copy queue had
+        # room, ~ when the 1 GiB load landed; with cross-layer blocks it is 32x fewer runs); "layerwise"
         # plans on vLLM's thread and leaves only the driver calls to the copier's submitter thread,
         # so the forward's launches overlap the copy (with planning there too, both threads fought
         # for the GIL and the H200 load took 31-64 ms instead of ~21).
@@ -232,7 +233,8 @@ class WorkerRuntime:
         if not gpu:
             return
         stream = torch.cuda.current_stream(self.kv.device) if self._cuda else None
-        groups = _layer_groups(self.kv, load.nbytes)
+        # one group when the forward waits for the whole load: block-major runs, merged across layers
+        groups = _layer_groups(self.kv, load.nbytes) if layerwise and self._cuda else [(0, len(self.kv.tensors))]
         copier = self._sync_copier
         try:
             load.results = copier.cpu_to_gpu_grouped(slots, gpu, groups, stream=stream, mechanism=self._mechanism)

@@ -124,20 +124,21 @@ class GpuDispatcher:
         """The runs of each group of tensors, planned in one pass (a few vectorised ops, any thread).
 
         A group ``(a, b)`` is tensors ``a..b-1`` of the layout (e.g. one layer of vLLM's per-layer
-        views); its runs go layer by layer, adjacent ones merged.
+        views); its runs go block by block, adjacent ones merged.
         """
         base, pitch = self.slab.data_ptr(), self.slab.stride(0)
         t = self.table
-        # every chunk of every block at once, (blocks, chunks); a group is a column range, taken
-        # column-major (layer by layer) so its runs follow each other in address order per layer
+        # every chunk of every block at once, (blocks, chunks); a group is a column range, block by
+        # block, so a block's chunks of adjacent tensors merge (one run per block and group when
+        # vLLM's layers of a block are contiguous, as in its cross-layer tensor)
         gpu = t.gpu_base[None, :] + ids[:, None] * t.gpu_stride[None, :]
         cpu = base + slots[:, None] * pitch + t.slot_offset[None, :]
         src_all, dst_all = (gpu, cpu) if to_cpu else (cpu, gpu)
         out = []
         for a, b in groups:
             cols = slice(self._tensor_rows[a], self._tensor_rows[b])
-            out.append(merge_runs(Runs(src_all[:, cols].t().reshape(-1), dst_all[:, cols].t().reshape(-1),
-                                       t.size[cols].repeat_interleave(ids.numel()))))
+            out.append(merge_runs(Runs(src_all[:, cols].reshape(-1), dst_all[:, cols].reshape(-1),
+                                       t.size[cols].repeat(ids.numel()))))
         return out
 
     def submit_groups(self, mechanism: Mechanism, planned: list[Runs], stream: torch.cuda.Stream, on_group) -> None:
