@@ -21,12 +21,13 @@ from tiered_kv.transfer import EXT, JobKind, TransferJob
 BS, K = 16, 4
 
 
-def make_runtime(device: str, layers: int, heads: int, head_dim: int, num_blocks: int, cpu_chunks: int):
+def make_runtime(device: str, layers: int, heads: int, head_dim: int, num_blocks: int, cpu_chunks: int,
+                 load_mode: str = "sync"):
     """A rank-0 ``WorkerRuntime`` registered on fresh ``(num_blocks, H, BS, 2D)`` bf16 layer tensors."""
     names = tuple(f"model.layers.{i}.self_attn.attn" for i in range(layers))
     block_nbytes = layers * heads * BS * 2 * head_dim * 2
     geo = Geometry(BS, K, names, block_nbytes, 1, "test")
-    cfg = ConnectorConfig(chunk_blocks=K, cpu_bytes=cpu_chunks * K * block_nbytes)
+    cfg = ConnectorConfig(chunk_blocks=K, cpu_bytes=cpu_chunks * K * block_nbytes, load_mode=load_mode)
     rt = WorkerRuntime(cfg, geo, Namespace("test"), 0, cpu_chunks, 0)
     kv = {n: torch.zeros((num_blocks, heads, BS, 2 * head_dim), dtype=torch.bfloat16, device=device) for n in names}
     rt.register(kv)
@@ -41,7 +42,8 @@ def run_in_step_load(device: str, layers: int = 4, heads: int = 2, head_dim: int
     before the load starts, so a read that did not wait would see the old (zero) bytes.
     """
     num_blocks = chunks * K * 2 + 3
-    rt, kv, names = make_runtime(device, layers, heads, head_dim, num_blocks, cpu_chunks=chunks + 2)
+    rt, kv, names = make_runtime(device, layers, heads, head_dim, num_blocks, cpu_chunks=chunks + 2,
+                                 load_mode="layerwise" if layerwise else "sync")
     try:
         gen = torch.Generator().manual_seed(5)
         slab = rt.cpu.slab

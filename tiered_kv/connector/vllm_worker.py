@@ -161,8 +161,7 @@ class WorkerRuntime:
         # plans on vLLM's thread and leaves only the driver calls to the copier's submitter thread,
         # so the forward's launches overlap the copy (with planning there too, both threads fought
         # for the GIL and the H200 load took 31-64 ms instead of ~21).
-        self._sync_copier = BlockCopier(kv, self.cpu.slab.view(-1, kv.block_nbytes),
-                                        threaded_submit=self.cfg.load_mode == "layerwise")
+        self._sync_copier = BlockCopier(kv, self.cpu.slab.view(-1, kv.block_nbytes), threaded_submit=False)
         one_tensor = len(kv.tensors) == 1  # a cross-layer tensor: one group, every layer waits for it
         self._layer_index = {n: 0 if one_tensor else i for i, n in enumerate(self.geo.layer_names)}
         staging = allocate_slab(self.cfg.staging_chunks * self.k, kv.block_nbytes, pin=self._cuda)
@@ -216,9 +215,10 @@ class WorkerRuntime:
                 self._job_req[j] = rid
         if plan.sync:
             sync = set(plan.sync)
+            layerwise = layerwise_ok and self.cfg.load_mode == "layerwise"
             for job in plan.early:
                 if job.job_id in sync:
-                    self._start_sync(job, layerwise_ok)
+                    self._start_sync(job, layerwise)
             self._submit([j for j in plan.early if j.job_id not in sync])
         else:
             self._submit(plan.early)

@@ -13,7 +13,9 @@ reads or writes block bytes. ``close()`` waits for it and unregisters what it pi
 """
 from __future__ import annotations
 
+import ctypes
 import logging
+import sys
 import threading
 
 import torch
@@ -32,8 +34,32 @@ def aligned_empty(rows: int, row_bytes: int, align: int = 4096) -> torch.Tensor:
     move it with O_DIRECT and no bounce copy.
     """
     raw = torch.empty(rows * row_bytes + align, dtype=torch.uint8)
+    _advise_huge_pages(raw.data_ptr(), raw.numel())
     skip = (-raw.data_ptr()) % align
     return raw[skip:skip + rows * row_bytes].view(rows, row_bytes)
+
+
+_HUGE = 2 << 20
+_MADV_HUGEPAGE = 14
+
+
+def _advise_huge_pages(addr: int, nbytes: int) -> bool:
+    """Ask Linux for transparent huge pages on the 2 MiB-aligned interior of a fresh allocation.
+
+    Done before the first touch (pinning faults the pages in). DMA from 2 MiB pages needs 512x
+    fewer IOMMU translations than from 4 KiB pages; on the H200 machine a 1 GiB load from the
+    4 KiB-page slab ran at 30-52 GB/s from run to run. Returns False where the kernel has no
+    THP or refuses (harmless: the slab keeps 4 KiB pages).
+    """
+    lo = -(-addr // _HUGE) * _HUGE
+    hi = (addr + nbytes) // _HUGE * _HUGE
+    if hi - lo < 32 * _HUGE or not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_HUGEPAGE) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 class CpuTier(SlabTier):
