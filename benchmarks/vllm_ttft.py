@@ -14,10 +14,10 @@ Modes:
                 DISK_PATH, so turn-2 hits come from disk (disk_load_policy DISK_POLICY: "auto"
                 lets the connector decline a disk slower than recompute; "always" forces reads)
   tiered-disk-always  (only with --modes) tiered-disk with disk_load_policy "always": raw disk speed
-  tiered-cpu-async, tiered-cpu-layerwise  (only with --modes) tiered-cpu with load_mode "async"
-                (CPU hits load between steps, the first session's behaviour) or "layerwise" (in-step,
-                the forward waits per layer); tiered-cpu uses the default "sync" (in-step, the
-                forward waits for the whole load)
+  tiered-cpu-async, tiered-cpu-sync, tiered-cpu-layerwise  (only with --modes) tiered-cpu with
+                load_mode "async" (CPU hits load between steps, the first session's behaviour),
+                "sync" (in-step, the forward waits for the whole load) or "layerwise" (the
+                default, spelled out)
 
 Usage (GPU machine, vLLM importable, tiered_kv on PYTHONPATH):
   python benchmarks/vllm_ttft.py                      # every mode, one subprocess each, table + JSON

@@ -48,7 +48,7 @@ class ConnectorConfig:
     store_policy: str = "eager"
     store_decode_tokens: bool = False
     min_hit_blocks: int = 1
-    load_mode: str = "sync"
+    load_mode: str = "layerwise"
     sync_max_tokens: int = 65536
     cross_layer_blocks: bool = True
     disk_load_policy: str = "auto"

@@ -46,10 +46,12 @@ _MADV_HUGEPAGE = 14
 def _advise_huge_pages(addr: int, nbytes: int) -> bool:
     """Ask Linux for transparent huge pages on the 2 MiB-aligned interior of a fresh allocation.
 
-    Done before the first touch (pinning faults the pages in). DMA from 2 MiB pages needs 512x
-    fewer IOMMU translations than from 4 KiB pages; on the H200 machine a 1 GiB load from the
-    4 KiB-page slab ran at 30-52 GB/s from run to run. Returns False where the kernel has no
-    THP or refuses (harmless: the slab keeps 4 KiB pages).
+    Done before the first touch (pinning faults the pages in): DMA from 2 MiB pages needs 512x
+    fewer IOMMU translations than from 4 KiB pages. Motive, not a measured gain: on the H200
+    machine a 1 GiB load from this slab ran at 30-52 GB/s from run to run, against 55 GB/s from
+    torch's pinned memory in benchmarks/gpu_copy.py; whether huge pages close that gap is not
+    measured yet. Returns False where the kernel has no THP or refuses (the slab keeps 4 KiB
+    pages).
     """
     lo = -(-addr // _HUGE) * _HUGE
     hi = (addr + nbytes) // _HUGE * _HUGE
