@@ -44,41 +44,39 @@ def _sleep_then(stream: torch.cuda.Stream) -> None:
         torch.cuda._sleep(40_000_000)
 
 
-def engine_only(copier: BlockCopier, ids: torch.Tensor, slots: torch.Tensor, to_cpu: bool) -> float:
-    """Median ms the copy engine needs for the runs of one call, with submission finished beforehand."""
-    table = copier._gpu.table
-    runs = plan_runs(table, ids, slots, copier.slab.data_ptr(), copier.slab.stride(0), to_cpu)
-    eng = BatchMemcpy()
+def _gpu_ms(enqueue) -> float:
+    """Median GPU ms of what ``enqueue(stream)`` puts on a stream kept busy by a sleep kernel meanwhile."""
     s = torch.cuda.Stream()
     out = []
     for _ in range(REPS):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         _sleep_then(s)
         start.record(s)
-        eng.submit(runs, s.cuda_stream)
+        enqueue(s)
         end.record(s)
         end.synchronize()
         out.append(start.elapsed_time(end))
     return statistics.median(out)
 
 
+def engine_only(copier: BlockCopier, ids: torch.Tensor, slots: torch.Tensor, to_cpu: bool) -> float:
+    """Median ms the copy engine needs for the runs of one call, with submission finished beforehand."""
+    runs = plan_runs(copier._gpu.table, ids, slots, copier.slab.data_ptr(), copier.slab.stride(0), to_cpu)
+    eng = BatchMemcpy()
+    return _gpu_ms(lambda s: eng.submit(runs, s.cuda_stream))
+
+
 def contig_only(host: torch.Tensor, dev: torch.Tensor, nbytes: int, to_cpu: bool) -> float:
     """Median ms of one contiguous pinned copy of ``nbytes``, queued behind a sleep like ``engine_only``."""
-    s = torch.cuda.Stream()
-    out = []
-    for _ in range(REPS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        _sleep_then(s)
-        start.record(s)
+
+    def enqueue(s: torch.cuda.Stream) -> None:
         with torch.cuda.stream(s):
             if to_cpu:
                 host[:nbytes].copy_(dev[:nbytes], non_blocking=True)
             else:
                 dev[:nbytes].copy_(host[:nbytes], non_blocking=True)
-        end.record(s)
-        end.synchronize()
-        out.append(start.elapsed_time(end))
-    return statistics.median(out)
+
+    return _gpu_ms(enqueue)
 
 
 def call_time(copier: BlockCopier, ids, slots, to_cpu: bool, calls: int = 1) -> float:

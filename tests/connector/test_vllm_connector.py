@@ -111,6 +111,15 @@ def test_cross_layer_registration_hits_bit_exact_and_merges_layers(model_dir, lo
         eng.close()
 
 
+def _turn1_then_forget_on_gpu(eng: Engine, seed: int):
+    """Serve a turn 1 (its prompt chunks go to the CPU tier), then empty vLLM's GPU prefix cache."""
+    a = eng.add("t1", prompt(seed, 8 * BS + 4), max_tokens=2)
+    eng.run()
+    eng.settle()
+    assert eng.sched.reset_prefix_cache()
+    return a
+
+
 def _break_in_step_copies(runtime, fail_calls: int):
     """Make the worker's in-step copier raise what a failed driver submission raises, for its first
     ``fail_calls`` calls (either entry point). Fault injection into our own ``BlockCopier``; no
@@ -137,10 +146,7 @@ def _break_in_step_copies(runtime, fail_calls: int):
 def test_in_step_load_that_cannot_start_layerwise_retries_as_one_copy(model_dir, async_sched):
     eng = Engine.create(model_dir, cfg(), async_sched=async_sched)
     try:
-        a = eng.add("t1", prompt(22, 8 * BS + 4), max_tokens=2)
-        eng.run()
-        eng.settle()
-        eng.sched.reset_prefix_cache()
+        a = _turn1_then_forget_on_gpu(eng, 22)
         runtime = eng.workers[0].connector.worker
         calls = _break_in_step_copies(runtime, fail_calls=1)
         verified = eng.verified_blocks
@@ -166,10 +172,7 @@ def test_failed_in_step_load_is_reported_in_its_step_and_recomputed(model_dir):
     """
     eng = Engine.create(model_dir, cfg())
     try:
-        a = eng.add("t1", prompt(21, 8 * BS + 4), max_tokens=2)
-        eng.run()
-        eng.settle()
-        eng.sched.reset_prefix_cache()
+        a = _turn1_then_forget_on_gpu(eng, 21)
         runtime = eng.workers[0].connector.worker
         calls = _break_in_step_copies(runtime, fail_calls=2)
         b = eng.add("t2", turn2(eng, a), max_tokens=2)
