@@ -301,13 +301,3 @@ def test_grouped_load_refuses_bad_groups(groups):
     copier = BlockCopier(layout, allocate_slab(4, layout.block_nbytes, pin=False))
     with pytest.raises(LayoutError, match="group"):
         copier.cpu_to_gpu_grouped([0], [1], groups)
-
-
-def test_chunk_table_rows_keep_slot_offsets():
-    layout = vllm_layer_layout(vllm033_views("LBHNC", SHAPE, torch.float16, "cpu"))
-    table = ChunkTable.from_layout(layout)
-    per = len(layout.maps[0].chunk_offsets)
-    part = table.rows(per, 2 * per)
-    assert part.size.numel() == per
-    assert int(part.slot_offset[0]) == layout.maps[1].slot_offset
-    assert torch.equal(part.gpu_base, table.gpu_base[per:2 * per])

@@ -64,12 +64,6 @@ class ChunkTable:
         as64 = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
         return ChunkTable(as64(base), as64(stride), as64(slot), as64(size), as64(storage))
 
-    def rows(self, start: int, stop: int) -> ChunkTable:
-        """The table of chunks ``[start, stop)`` only (slot offsets unchanged: a partial copy of each slot)."""
-        part = slice(start, stop)
-        storage = self.storage[part] if self.storage is not None else None
-        return ChunkTable(self.gpu_base[part], self.gpu_stride[part], self.slot_offset[part], self.size[part], storage)
-
 
 @dataclass(frozen=True, eq=False)
 class Runs:
