@@ -456,6 +456,25 @@ def test_tensor_parallel_ranks_each_hold_their_share(model_dir, tmp_path):
         eng.close()
 
 
+@pytest.mark.parametrize("async_sched", [False, True], ids=["sync", "async"])
+def test_tensor_parallel_in_step_load_runs_on_every_rank(model_dir, async_sched):
+    eng = Engine.create(model_dir, cfg(), tp=2, async_sched=async_sched)
+    try:
+        a = _turn1_then_forget_on_gpu(eng, 24)
+        verified = eng.verified_blocks
+        eng.add("tp-in-step", turn2(eng, a), max_tokens=2)
+        eng.run()
+        eng.settle()
+        assert eng.connector.stats()["sched_sync_loads"] == 1
+        assert eng.verified_blocks - verified >= 2 * 8  # both ranks' loaded blocks checked byte for byte
+        for w in eng.workers:
+            ws = w.connector.stats()
+            assert ws["sync_loads"] == 1 and ws["bytes_loaded"] == 8 * BLOCK_BYTES, ws
+        assert_no_leaks(eng)
+    finally:
+        eng.close()
+
+
 def test_prometheus_metrics_show_hits_per_tier(model_dir):
     import socket
     import urllib.request
