@@ -191,7 +191,23 @@ class TierChain:
     def put(self, keys: Sequence[bytes], handle: int) -> Jobs:
         """Plan storing ``keys`` from the caller's buffer (item i = buffer index i) into the put tier."""
         t = self.placement.put_tier
-        h = self._open(handle, "put", len(keys))
+        n = len(keys)
+        h = self._open(handle, "put", n)
+        if n and self.used[t] + n <= self.specs[t].capacity and self.index.holds_none_of(keys) \
+                and len(set(keys)) == n:
+            # the common case (new prompt blocks, room for all): one job, no per-key calls
+            self.counters.blocks_in += n
+            self.used[t] += n
+            if self.specs[t].slotted:
+                free = self._free_slots[t]
+                slots = free[:-n - 1:-1]  # what n pop()s would take, in that order
+                del free[-n:]
+            else:
+                slots = [NO_SLOT] * n
+            self.index.add_new_many(keys, t, slots, CopyState.WRITING)
+            items = list(range(n))
+            return [self._job(JobKind.INGRESS, EXT, t, list(keys), items, slots, handle,
+                              [(handle, i) for i in items])]
         jobs: Jobs = []
         batch: list[tuple[int, bytes, int]] = []  # (item, key, slot) ready to write now
         for i, key in enumerate(keys):

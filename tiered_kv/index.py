@@ -11,7 +11,7 @@ Threading contract: not thread-safe; the owning ``TierChain`` serializes access.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 
@@ -82,6 +82,15 @@ class BlockIndex:
         """Record the first copy of a key the index does not hold (the put fast path: one dict store)."""
         self._entries[key] = Entry({tier: copy})
         self.copies_per_tier[tier] += 1
+
+    def add_new_many(self, keys: Sequence[bytes], tier: int, slots: Sequence[int], state: CopyState) -> None:
+        """``add_new`` for many distinct keys the index does not hold, one copy each in ``tier``."""
+        self._entries.update(zip(keys, [Entry({tier: Copy(state, s)}) for s in slots]))
+        self.copies_per_tier[tier] += len(keys)
+
+    def holds_none_of(self, keys: Sequence[bytes]) -> bool:
+        """True when no key of ``keys`` has an entry (C speed)."""
+        return self._entries.keys().isdisjoint(keys)
 
     def add_copy(self, key: bytes, tier: int, copy: Copy) -> None:
         """Record ``copy`` of ``key`` in ``tier`` (there must be none yet)."""
