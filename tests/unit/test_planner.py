@@ -69,6 +69,26 @@ def test_overflow_drops_from_bottom_and_get_is_prefix():
     assert c.counters.hits == 2 and c.counters.misses == 2 and c.counters.lookups == 4
 
 
+def test_bulk_put_matches_the_per_key_path():
+    """New keys with room for all take the bulk path; a repeated key or a full tier the per-key one.
+    Both give the same slots, copies and outcome."""
+    bulk, per_key = three_tier(gpu=8), three_tier(gpu=8)
+    jobs_b = bulk.put([K(1), K(2), K(3)], 1)
+    # a key repeated inside one call: per-key path (the second one deduplicates against the first)
+    jobs_p = per_key.put([K(1), K(2), K(3), K(1)], 1)
+    assert [j.dst_slots for j in jobs_b] == [[0, 1, 2]] and [j.dst_slots for j in jobs_p] == [[0, 1, 2]]
+    assert per_key.counters.puts_deduplicated == 1 and bulk.counters.puts_deduplicated == 0
+    run_all(bulk, jobs_b)
+    run_all(per_key, jobs_p)
+    assert bulk.take_finished() == [(1, [True, True, True])]
+    assert per_key.take_finished() == [(1, [True, True, True, True])]
+    assert bulk.resident(0) == per_key.resident(0) == 3 and bulk.used == per_key.used
+    # more keys than room: per-key path with waits and evictions, every key still stored
+    jobs = bulk.put([K(i) for i in range(10, 17)], 2)
+    run_all(bulk, jobs)
+    assert bulk.take_finished() == [(2, [True] * 7)] and bulk.resident(0) == 8
+
+
 def test_failed_demotion_keeps_source_and_counts():
     c = three_tier(1, 1, 2)
     run_all(c, c.put([K(0)], 1))
