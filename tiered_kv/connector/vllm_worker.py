@@ -155,15 +155,12 @@ class WorkerRuntime:
             self.cpu.wait_pinned()  # the copy path needs page-locked rows
         # The copier addresses blocks: view each chunk row as k block rows.
         self.copier = BlockCopier(kv, self.cpu.slab.view(-1, kv.block_nbytes))
-        # In-step loads: "sync" submits on vLLM's own thread before the forward is launched (with
-        # one 64 KiB run per layer and block the driver call returned only once the copy queue had
-        # room, ~ when the 1 GiB load landed; with cross-layer blocks it is 32x fewer runs); "layerwise"
-        # plans on vLLM's thread and leaves only the driver calls to the copier's submitter thread,
-        # so the forward's launches overlap the copy (with planning there too, both threads fought
-        # for the GIL and the H200 load took 31-64 ms instead of ~21).
-        self._sync_copier = BlockCopier(kv, self.cpu.slab.view(-1, kv.block_nbytes), threaded_submit=False)
-        one_tensor = len(kv.tensors) == 1  # a cross-layer tensor: one group, every layer waits for it
-        self._layer_index = {n: 0 if one_tensor else i for i, n in enumerate(self.geo.layer_names)}
+        if self.cfg.load_mode != "async":
+            # In-step loads plan and submit on vLLM's own thread, before the forward is launched: from
+            # a submitter thread they fought vLLM's eager forward for the GIL and the H200 load took
+            # 31-64 ms instead of ~21 (turn-2 TTFT 0.043-0.048 s against 0.034-0.039 s).
+            self._sync_copier = BlockCopier(kv, self.cpu.slab.view(-1, kv.block_nbytes), threaded_submit=False)
+        self._layer_index = {n: i for i, n in enumerate(self.geo.layer_names)}  # tensor i = layer i
         staging = allocate_slab(self.cfg.staging_chunks * self.k, kv.block_nbytes, pin=self._cuda)
         self._staging_copier = BlockCopier(kv, staging)
         self._staging_rows = staging.view(self.cfg.staging_chunks, self.layout.nbytes)
@@ -284,13 +281,8 @@ class WorkerRuntime:
         waits = self._layer_waits.pop(layer, None)
         if not waits:
             return
-        stream = torch.cuda.current_stream(self.kv.device)
         t0 = time.perf_counter()
-        for res in waits:
-            try:
-                res.wait_on(stream)
-            except CopyLaunchError:
-                pass  # the same error is on the load's last result: poll reports the load as failed
+        _stream_waits(waits, torch.cuda.current_stream(self.kv.device))
         if log.isEnabledFor(logging.DEBUG) and (layer == 0 or not self._layer_waits):
             log.debug("rank %d layer %d: forward waits for its in-step load (host waited %.2f ms for submission)",
                       self.rank, layer, (time.perf_counter() - t0) * 1e3)
@@ -359,17 +351,10 @@ class WorkerRuntime:
         if self._layer_waits:  # a layer vLLM never waited for (not one of ours): order later work anyway
             stream = torch.cuda.current_stream(self.kv.device)
             for waits in self._layer_waits.values():
-                for res in waits:
-                    try:
-                        res.wait_on(stream)
-                    except CopyLaunchError:
-                        pass
+                _stream_waits(waits, stream)
             self._layer_waits.clear()
         for load in loads:
             if load.error is None and load.results:
-                if log.isEnabledFor(logging.DEBUG):
-                    log.debug("rank %d job %d: poll %.2f ms after the in-step load started", self.rank,
-                              load.job.job_id, (time.perf_counter() - load.started) * 1e3)
                 try:
                     load.results[-1].wait()
                 except CopyLaunchError as exc:
@@ -532,6 +517,16 @@ class WorkerRuntime:
             self.disk.flush()
             self.disk.close()
         self.cpu.close()
+
+
+def _stream_waits(results: list[CopyResult], stream) -> None:
+    """Make ``stream`` wait for each copy; a copy that failed to start is skipped here (the load
+    carries the same error on its last result, and ``poll`` reports the load as failed)."""
+    for res in results:
+        try:
+            res.wait_on(stream)
+        except CopyLaunchError:
+            pass
 
 
 def _layer_groups(kv, nbytes: int) -> list[tuple[int, int]]:

@@ -31,20 +31,11 @@ def _chunk_views(t: torch.Tensor, m: TensorBlockMap, num_blocks: int) -> list[tu
     return views
 
 
-def _pairs(layout: KVLayout, tensors: range | None) -> list[tuple[torch.Tensor, TensorBlockMap]]:
-    pairs = list(zip(layout.tensors, layout.maps))
-    return pairs if tensors is None else [pairs[i] for i in tensors]
-
-
-def blocks_to_slab(layout: KVLayout, gpu_ids: torch.Tensor, slab: torch.Tensor, slots: torch.Tensor,
-                   tensors: range | None = None) -> None:
-    """Copy blocks ``gpu_ids[i]`` of ``layout`` into ``slab[slots[i]]`` (ids already validated).
-
-    ``tensors``: only those tensors of the layout (their part of each slot); default all.
-    """
+def blocks_to_slab(layout: KVLayout, gpu_ids: torch.Tensor, slab: torch.Tensor, slots: torch.Tensor) -> None:
+    """Copy blocks ``gpu_ids[i]`` of ``layout`` into ``slab[slots[i]]`` (ids already validated)."""
     ids = gpu_ids.to(layout.device)
     dst_slots = slots.to(slab.device)
-    for t, m in _pairs(layout, tensors):
+    for t, m in zip(layout.tensors, layout.maps):
         for view, pos in _chunk_views(t, m, layout.num_blocks):
             slab[dst_slots, pos : pos + view.shape[1]] = view[ids].to(slab.device)
 
@@ -57,6 +48,7 @@ def slab_to_blocks(layout: KVLayout, slab: torch.Tensor, slots: torch.Tensor, gp
     """
     ids = gpu_ids.to(layout.device)
     src_slots = slots.to(slab.device)
-    for t, m in _pairs(layout, tensors):
+    pairs = list(zip(layout.tensors, layout.maps))
+    for t, m in (pairs if tensors is None else [pairs[i] for i in tensors]):
         for view, pos in _chunk_views(t, m, layout.num_blocks):
             view[ids] = slab[src_slots, pos : pos + view.shape[1]].to(layout.device)
