@@ -18,6 +18,10 @@ Modes:
                 load_mode "async" (CPU hits load between steps, the first session's behaviour),
                 "sync" (in-step, the forward waits for the whole load) or "layerwise" (the
                 default, spelled out)
+  tiered-cpu-gN  (only with --modes; N = 1, 2, 8, 32) tiered-cpu with load_groups N (layer groups
+                of an in-step load; 32 = one per layer)
+  tiered-cpu-perlayer  (only with --modes) tiered-cpu with cross_layer_blocks false (vLLM's
+                separate per-layer KV tensors)
 
 Usage (GPU machine, vLLM importable, tiered_kv on PYTHONPATH):
   python benchmarks/vllm_ttft.py                      # every mode, one subprocess each, table + JSON
@@ -41,7 +45,18 @@ import tempfile
 import time
 
 MODES = ("none", "offloading", "tiered-cpu", "tiered-disk")
-EXTRA_MODES = ("tiered-disk-always", "tiered-cpu-async", "tiered-cpu-layerwise", "tiered-cpu-sync")  # run on request: disk hits even where recompute is faster
+#: tiered-cpu variants run on request: one extra ``kv_connector_extra_config`` setting each
+CPU_VARIANTS = {
+    "tiered-cpu-async": {"load_mode": "async"},
+    "tiered-cpu-sync": {"load_mode": "sync"},
+    "tiered-cpu-layerwise": {"load_mode": "layerwise"},
+    "tiered-cpu-g1": {"load_groups": 1},
+    "tiered-cpu-g2": {"load_groups": 2},
+    "tiered-cpu-g8": {"load_groups": 8},
+    "tiered-cpu-g32": {"load_groups": 32},
+    "tiered-cpu-perlayer": {"cross_layer_blocks": False},
+}
+EXTRA_MODES = ("tiered-disk-always", *CPU_VARIANTS)  # run on request (disk-always: disk hits even where recompute is faster)
 N_CONV = int(os.environ.get("N_CONV", "12"))
 PREFIX = int(os.environ.get("PREFIX", "8192"))
 FOLLOW = 64
@@ -76,8 +91,7 @@ def engine_kwargs(mode: str, model_dir: str) -> dict:
         from vllm.config import KVTransferConfig
 
         extra = {"cpu_bytes": f"{CPU_GIB}GiB", "chunk_blocks": CHUNK_BLOCKS}
-        if mode in ("tiered-cpu-async", "tiered-cpu-sync", "tiered-cpu-layerwise"):
-            extra["load_mode"] = mode.rsplit("-", 1)[1]
+        extra.update(CPU_VARIANTS.get(mode, {}))
         if mode.startswith("tiered-disk"):
             path = os.path.join(DISK_PATH, "run")
             shutil.rmtree(path, ignore_errors=True)  # a cold disk tier: hits come from this run

@@ -13,7 +13,8 @@ import torch
 
 from tiered_kv.connector.vllm_config import ConnectorConfig, Geometry
 from tiered_kv.connector.vllm_scheduler import CPU, StepPlan
-from tiered_kv.connector.vllm_worker import MIN_GROUP_BYTES, WorkerRuntime, _layer_groups
+from tiered_kv.connector.vllm_worker import MAX_MERGED_GROUPS, MIN_GROUP_BYTES, WorkerRuntime, _layer_groups, \
+    _layers_adjacent
 from tiered_kv.copy import vllm_layer_layout
 from tiered_kv.keys import Namespace
 from tiered_kv.transfer import EXT, JobKind, TransferJob
@@ -22,20 +23,29 @@ BS, K = 16, 4
 
 
 def make_runtime(device: str, layers: int, heads: int, head_dim: int, num_blocks: int, cpu_chunks: int,
-                 load_mode: str = "sync"):
-    """A rank-0 ``WorkerRuntime`` registered on fresh ``(num_blocks, H, BS, 2D)`` bf16 layer tensors."""
+                 load_mode: str = "sync", cross_layer: bool = False):
+    """A rank-0 ``WorkerRuntime`` registered on fresh ``(num_blocks, H, BS, 2D)`` bf16 layer tensors.
+
+    ``cross_layer``: the layer tensors are views of one ``(num_blocks, layers, H, BS, 2D)`` tensor
+    (vLLM 0.26's cross-layer KV cache, as ``register_cross_layers_kv_cache`` binds it).
+    """
     names = tuple(f"model.layers.{i}.self_attn.attn" for i in range(layers))
     block_nbytes = layers * heads * BS * 2 * head_dim * 2
     geo = Geometry(BS, K, names, block_nbytes, 1, "test")
     cfg = ConnectorConfig(chunk_blocks=K, cpu_bytes=cpu_chunks * K * block_nbytes, load_mode=load_mode)
     rt = WorkerRuntime(cfg, geo, Namespace("test"), 0, cpu_chunks, 0)
-    kv = {n: torch.zeros((num_blocks, heads, BS, 2 * head_dim), dtype=torch.bfloat16, device=device) for n in names}
+    if cross_layer:
+        whole = torch.zeros((num_blocks, layers, heads, BS, 2 * head_dim), dtype=torch.bfloat16, device=device)
+        kv = {n: whole[:, i] for i, n in enumerate(names)}
+    else:
+        kv = {n: torch.zeros((num_blocks, heads, BS, 2 * head_dim), dtype=torch.bfloat16, device=device)
+              for n in names}
     rt.register(kv)
     return rt, kv, names
 
 
 def run_in_step_load(device: str, layers: int = 4, heads: int = 2, head_dim: int = 64, chunks: int = 3,
-                     layerwise: bool = True, slow_stream: bool = False) -> dict:
+                     layerwise: bool = True, slow_stream: bool = False, cross_layer: bool = False) -> dict:
     """Load ``chunks`` chunks from CPU slots into scattered GPU blocks in-step; check every layer as read.
 
     Returns the worker's stats. With ``slow_stream`` (CUDA only) the engine's stream is kept busy
@@ -43,7 +53,7 @@ def run_in_step_load(device: str, layers: int = 4, heads: int = 2, head_dim: int
     """
     num_blocks = chunks * K * 2 + 3
     rt, kv, names = make_runtime(device, layers, heads, head_dim, num_blocks, cpu_chunks=chunks + 2,
-                                 load_mode="layerwise" if layerwise else "sync")
+                                 load_mode="layerwise" if layerwise else "sync", cross_layer=cross_layer)
     try:
         gen = torch.Generator().manual_seed(5)
         slab = rt.cpu.slab
@@ -83,8 +93,9 @@ def run_in_step_load(device: str, layers: int = 4, heads: int = 2, head_dim: int
         rt.close()
 
 
-def test_in_step_load_on_cpu_is_bit_exact_and_reported():
-    stats = run_in_step_load("cpu", layerwise=False)
+@pytest.mark.parametrize("cross_layer", [False, True], ids=["per-layer", "cross-layer"])
+def test_in_step_load_on_cpu_is_bit_exact_and_reported(cross_layer):
+    stats = run_in_step_load("cpu", layerwise=False, cross_layer=cross_layer)
     assert stats["sync_loads"] == 1 and stats["bytes_loaded"] == (3 * K - 1) * 4 * 2 * BS * 128 * 2
 
 
@@ -96,6 +107,33 @@ def test_layer_groups_follow_the_load_size():
         assert _layer_groups(rt.kv, 1000 * MIN_GROUP_BYTES) == [(i, i + 1) for i in range(32)]
     finally:
         rt.close()
+
+
+def test_layer_groups_are_fewer_when_a_blocks_layers_are_adjacent():
+    # per-layer views of one (blocks, layers, heads, tokens, 2*dim) tensor: vLLM 0.26's cross-layer KV
+    cross = torch.zeros((4, 32, 1, BS, 16), dtype=torch.bfloat16)
+    kv = vllm_layer_layout([cross[:, i] for i in range(32)])
+    assert _layers_adjacent(kv)
+    per = 32 // MAX_MERGED_GROUPS
+    assert _layer_groups(kv, 1000 * MIN_GROUP_BYTES, merged=True) == [(per * i, per * i + per)
+                                                                      for i in range(MAX_MERGED_GROUPS)]
+    assert _layer_groups(kv, 1000 * MIN_GROUP_BYTES) == [(i, i + 1) for i in range(32)]  # not merged: per layer
+    assert _layer_groups(kv, 2 * MIN_GROUP_BYTES, merged=True) == [(0, 16), (16, 32)]  # the size rule still caps it
+    assert _layer_groups(kv, 1000 * MIN_GROUP_BYTES, wanted=32, merged=True) == [(i, i + 1) for i in range(32)]
+    assert _layer_groups(kv, 1, wanted=3) == [(0, 11), (11, 22), (22, 32)]  # the key wins over the size rule
+    assert _layer_groups(kv, 1, wanted=99) == [(i, i + 1) for i in range(32)]  # at most one per layer
+    # separate per-layer tensors, or a layer-outermost buffer: a block's layers are far apart
+    assert not _layers_adjacent(vllm_layer_layout([torch.zeros((4, 1, BS, 16)) for _ in range(32)]))
+    outer = torch.zeros((32, 4, 1, BS, 16))
+    assert not _layers_adjacent(vllm_layer_layout([outer[i] for i in range(32)]))
+    assert not _layers_adjacent(vllm_layer_layout([cross[:, i] for i in (0, 2, 1)]))  # out of order
+
+
+def test_load_groups_key_is_validated():
+    assert ConnectorConfig(load_groups=4).load_groups == 4
+    for bad in (-1, 1.5, True, 5000):
+        with pytest.raises(Exception, match="load_groups"):
+            ConnectorConfig(load_groups=bad)
 
 
 @pytest.mark.parametrize("mode", ["layerwise", "sync", "async", "eager"])

@@ -50,6 +50,7 @@ class ConnectorConfig:
     min_hit_blocks: int = 1
     load_mode: str = "layerwise"
     sync_max_tokens: int = 65536
+    load_groups: int = 0
     cross_layer_blocks: bool = True
     disk_load_policy: str = "auto"
     disk_read_gbps: float = 3.0
@@ -80,6 +81,7 @@ class ConnectorConfig:
                 raise ConfigError(f"{key}: expected true or false, got {getattr(self, key)!r}")
         _int(self.min_hit_blocks, "min_hit_blocks", 1)
         _int(self.sync_max_tokens, "sync_max_tokens", 0)
+        _int(self.load_groups, "load_groups", 0, 4096)
         _int(self.disk_probe_every, "disk_probe_every", 0)
         _int(self.zstd_level, "zstd_level", -7, 22)
         _int(self.disk_workers, "disk_workers", 1, 64)

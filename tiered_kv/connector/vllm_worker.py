@@ -59,6 +59,12 @@ _FRONT_KINDS = (JobKind.INGRESS, JobKind.EGRESS)
 #: An in-step load is cut into layer groups of at least this many bytes: each group costs a
 #: driver call and an event (~50-100 us of submitter time), so a small load goes in one piece.
 MIN_GROUP_BYTES = 32 << 20
+#: Where the KV tensor keeps a block's layers side by side (vLLM 0.26's cross-layer tensor), a group
+#: of g layers is one run of g layer slices per block, so fewer groups also mean fewer descriptors
+#: for the driver to take on vLLM's thread, which launches the forward only after the call. H200,
+#: 1 GiB of 512 random blocks (benchmarks/in_step_probe.py): the call held the thread 1.9 / 3.8 /
+#: 6.9 / 11.6 ms for 1 / 4 / 8 / 32 groups, and the last byte landed at 21.0 / 21.3 / 22.3 / 23.2 ms.
+MAX_MERGED_GROUPS = 4
 
 
 @dataclass
@@ -70,6 +76,7 @@ class _SyncLoad:
     nbytes: int
     started: float
     error: BaseException | None = None
+    marks: tuple | None = None  # debug log only: CUDA timing events (submission point, landed)
 
 
 @dataclass
@@ -161,6 +168,8 @@ class WorkerRuntime:
             # 31-64 ms instead of ~21 (turn-2 TTFT 0.043-0.048 s against 0.034-0.039 s).
             self._sync_copier = BlockCopier(kv, self.cpu.slab.view(-1, kv.block_nbytes), threaded_submit=False)
         self._layer_index = {n: i for i, n in enumerate(self.geo.layer_names)}  # tensor i = layer i
+        self._merged_layers = _layers_adjacent(kv)
+        self._timing_stream = torch.cuda.Stream(kv.device) if self._cuda and log.isEnabledFor(logging.DEBUG) else None
         staging = allocate_slab(self.cfg.staging_chunks * self.k, kv.block_nbytes, pin=self._cuda)
         self._staging_copier = BlockCopier(kv, staging)
         self._staging_rows = staging.view(self.cfg.staging_chunks, self.layout.nbytes)
@@ -231,7 +240,11 @@ class WorkerRuntime:
             return
         stream = torch.cuda.current_stream(self.kv.device) if self._cuda else None
         # one group when the forward waits for the whole load: block-major runs, merged across layers
-        groups = _layer_groups(self.kv, load.nbytes) if layerwise and self._cuda else [(0, len(self.kv.tensors))]
+        groups = (_layer_groups(self.kv, load.nbytes, self.cfg.load_groups, self._merged_layers)
+                  if layerwise and self._cuda else [(0, len(self.kv.tensors))])
+        if self._timing_stream is not None:
+            load.marks = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            load.marks[0].record(stream)
         copier = self._sync_copier
         try:
             load.results = copier.cpu_to_gpu_grouped(slots, gpu, groups, stream=stream, mechanism=self._mechanism)
@@ -256,6 +269,9 @@ class WorkerRuntime:
                       (time.perf_counter() - load.started) * 1e3)
         if not self._cuda:
             return  # the CPU copy is done already
+        if load.marks is not None:
+            _stream_waits(load.results[-1:], self._timing_stream)
+            load.marks[1].record(self._timing_stream)
         if layerwise and len(groups) > 1:
             bounds = [b for _, b in groups]
             g = 0
@@ -348,6 +364,10 @@ class WorkerRuntime:
         most the rest of the forward; it lets a failure reach vLLM in the step that read the blocks.
         """
         loads, self._sync_loads = self._sync_loads, []
+        forward_done = None
+        if any(load.marks is not None for load in loads):
+            forward_done = torch.cuda.Event(enable_timing=True)
+            forward_done.record(torch.cuda.current_stream(self.kv.device))
         if self._layer_waits:  # a layer vLLM never waited for (not one of ours): order later work anyway
             stream = torch.cuda.current_stream(self.kv.device)
             for waits in self._layer_waits.values():
@@ -367,8 +387,15 @@ class WorkerRuntime:
                 done = Completion(job.job_id, [False] * n, [False] * n, 0, secs)
             else:
                 done = Completion(job.job_id, [True] * n, [False] * n, load.nbytes, secs)
-                log.debug("rank %d job %d in-step load: %d blocks in %d groups, %.1f ms to land", self.rank,
-                          job.job_id, load.nbytes // self.kv.block_nbytes, len(load.results), secs * 1e3)
+                log.debug("rank %d job %d in-step load: %d blocks in %d groups, host saw it done %.1f ms after "
+                          "the call", self.rank, job.job_id, load.nbytes // self.kv.block_nbytes,
+                          len(load.results), secs * 1e3)
+                if load.marks is not None and forward_done is not None:
+                    forward_done.synchronize()
+                    landed = load.marks[0].elapsed_time(load.marks[1])
+                    log.debug("rank %d job %d on the GPU: landed %.2f ms after the submission point (%.1f GB/s), "
+                              "step's forward done at %.2f ms", self.rank, job.job_id, landed,
+                              load.nbytes / landed / 1e6, load.marks[0].elapsed_time(forward_done))
             self._count(job, done.nbytes, secs, done.ok, done.corrupt)
             self._on_done(job, done)
 
@@ -529,9 +556,28 @@ def _stream_waits(results: list[CopyResult], stream) -> None:
             pass
 
 
-def _layer_groups(kv, nbytes: int) -> list[tuple[int, int]]:
-    """Consecutive tensor groups for an in-step load of ``nbytes``: as many as ``MIN_GROUP_BYTES`` allows."""
+def _layers_adjacent(kv) -> bool:
+    """True when each block's bytes of layer ``i + 1`` follow its bytes of layer ``i`` in GPU memory."""
+    maps = kv.maps
+    if len(maps) < 2 or any(len(m.chunk_offsets) != 1 or m.block_stride != maps[0].block_stride for m in maps):
+        return False
+    return all(b.base_ptr + b.chunk_offsets[0] == a.base_ptr + a.chunk_offsets[0] + a.chunk_sizes[0]
+               for a, b in zip(maps, maps[1:]))
+
+
+def _layer_groups(kv, nbytes: int, wanted: int = 0, merged: bool = False) -> list[tuple[int, int]]:
+    """Consecutive tensor groups for an in-step load of ``nbytes``.
+
+    ``wanted`` (the ``load_groups`` key) > 0 fixes the count (at most one group per tensor);
+    0 takes as many as ``MIN_GROUP_BYTES`` allows, at most ``MAX_MERGED_GROUPS`` when ``merged``
+    (a block's layers are adjacent, see ``_layers_adjacent``).
+    """
     layers = len(kv.tensors)
-    count = max(1, min(layers, nbytes // MIN_GROUP_BYTES))
+    if wanted > 0:
+        count = min(layers, wanted)
+    else:
+        count = max(1, min(layers, nbytes // MIN_GROUP_BYTES))
+        if merged:
+            count = min(count, MAX_MERGED_GROUPS)
     per = -(-layers // count)
     return [(a, min(layers, a + per)) for a in range(0, layers, per)]

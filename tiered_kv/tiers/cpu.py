@@ -13,9 +13,7 @@ reads or writes block bytes. ``close()`` waits for it and unregisters what it pi
 """
 from __future__ import annotations
 
-import ctypes
 import logging
-import sys
 import threading
 
 import torch
@@ -34,34 +32,11 @@ def aligned_empty(rows: int, row_bytes: int, align: int = 4096) -> torch.Tensor:
     move it with O_DIRECT and no bounce copy.
     """
     raw = torch.empty(rows * row_bytes + align, dtype=torch.uint8)
-    _advise_huge_pages(raw.data_ptr(), raw.numel())
+    # No transparent-huge-page advice: on the H200 machine it left DMA rates unchanged (55 GB/s
+    # either way, 1 GiB of 2 MiB or 64 KiB runs) and made pinning 42% slower (8 GiB: 6.1 s
+    # against 4.3 s); benchmarks/host_memory_probe.py, docs/benchmarks.md.
     skip = (-raw.data_ptr()) % align
     return raw[skip:skip + rows * row_bytes].view(rows, row_bytes)
-
-
-_HUGE = 2 << 20
-_MADV_HUGEPAGE = 14
-
-
-def _advise_huge_pages(addr: int, nbytes: int) -> bool:
-    """Ask Linux for transparent huge pages on the 2 MiB-aligned interior of a fresh allocation.
-
-    Done before the first touch (pinning faults the pages in): DMA from 2 MiB pages needs 512x
-    fewer IOMMU translations than from 4 KiB pages. Motive, not a measured gain: on the H200
-    machine a 1 GiB load from this slab ran at 30-52 GB/s from run to run, against 55 GB/s from
-    torch's pinned memory in benchmarks/gpu_copy.py; whether huge pages close that gap is not
-    measured yet. Returns False where the kernel has no THP or refuses (the slab keeps 4 KiB
-    pages).
-    """
-    lo = -(-addr // _HUGE) * _HUGE
-    hi = (addr + nbytes) // _HUGE * _HUGE
-    if hi - lo < 32 * _HUGE or not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_HUGEPAGE) == 0
-    except (OSError, AttributeError):
-        return False
 
 
 class CpuTier(SlabTier):

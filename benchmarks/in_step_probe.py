@@ -1,0 +1,117 @@
+"""How long an in-step load holds vLLM's thread, against when its bytes land (issue 3), on the GPU machine.
+
+The vLLM connector submits an in-step load on vLLM's own thread before the forward is launched
+(``BlockCopier.cpu_to_gpu_grouped`` with inline submission), so every millisecond the call holds
+the thread delays the forward's launch. For the turn-2 load of ``benchmarks/vllm_ttft.py`` (512
+random Llama-3-8B-shaped blocks, 1 GiB) into vLLM 0.26's cross-layer KV tensor and into separate
+per-layer tensors, for several layer-group counts and both mechanisms, it measures:
+
+- ``call_ms``: host time of the call (what the forward's launch waits for);
+- ``first_ms`` / ``landed_ms``: GPU time from the submission point to the first / last group landed;
+- ``gbps``: bytes / ``landed_ms``.
+
+Prints a table and writes ``in_step_probe.json`` to ``$OUT`` (default: current directory).
+Usage: ``python3 benchmarks/in_step_probe.py``. Threading: a script; main thread only.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tiered_kv.copy import BlockCopier, Mechanism, vllm_layer_layout  # noqa: E402
+from tiered_kv.copy.testing import Shape, storages  # noqa: E402
+
+SHAPE = Shape(layers=32, heads=8, block_size=16, head_dim=128, num_blocks=2048)
+N = 512
+REPS = 7
+
+
+def kv_views(cross_layer: bool) -> list[torch.Tensor]:
+    """Per-layer ``(B, H, N, 2D)`` bf16 views: of one ``(B, L, N, H, 2D)`` tensor, or separate NHD tensors."""
+    s = SHAPE
+    if cross_layer:
+        whole = torch.empty((s.num_blocks, s.layers, s.block_size, s.heads, 2 * s.head_dim), dtype=torch.bfloat16,
+                            device="cuda")
+        return [whole[:, i].permute(0, 2, 1, 3) for i in range(s.layers)]
+    return [torch.empty((s.num_blocks, s.block_size, s.heads, 2 * s.head_dim), dtype=torch.bfloat16,
+                        device="cuda").permute(0, 2, 1, 3) for _ in range(s.layers)]
+
+
+def measure(copier: BlockCopier, slots, ids, groups, mech: Mechanism) -> dict:
+    """Median host call ms and GPU first/last landed ms of one grouped in-step load."""
+    stream = torch.cuda.current_stream()
+    calls, firsts, lasts = [], [], []
+    for rep in range(REPS + 1):
+        torch.cuda.synchronize()
+        start = torch.cuda.Event(enable_timing=True)
+        first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        aux = torch.cuda.Stream()
+        start.record(stream)
+        t0 = time.perf_counter()
+        res = copier.cpu_to_gpu_grouped(slots, ids, groups, stream=stream, mechanism=mech)
+        call = (time.perf_counter() - t0) * 1e3
+        res[0].wait_on(aux)
+        first.record(aux)
+        res[-1].wait_on(aux)
+        last.record(aux)
+        last.synchronize()
+        if rep:  # the first call warms up
+            calls.append(call)
+            firsts.append(start.elapsed_time(first))
+            lasts.append(start.elapsed_time(last))
+    med = statistics.median
+    return {"call_ms": round(med(calls), 3), "first_ms": round(med(firsts), 3), "landed_ms": round(med(lasts), 3),
+            "gbps": round(N * copier.layout.block_nbytes / med(lasts) / 1e6, 1)}
+
+
+def main() -> None:
+    """Run every case, print the table, write the JSON."""
+    gen = torch.Generator().manual_seed(3)
+    block = 2 << 20
+    slab = torch.empty((2 * N, block), dtype=torch.uint8, pin_memory=True)
+    slab.random_(0, 256)
+    rows = []
+    for cross in (True, False):
+        layout = vllm_layer_layout(kv_views(cross), "vllm")
+        for flat in storages(layout):
+            flat.zero_()
+        ids = torch.randperm(SHAPE.num_blocks, generator=gen)[:N]
+        slots = torch.randperm(slab.shape[0], generator=gen)[:N]
+        copier = BlockCopier(layout, slab, threaded_submit=False)
+        for count in (1, 4, 8, 16, 32):
+            per = SHAPE.layers // count
+            groups = [(a, a + per) for a in range(0, SHAPE.layers, per)]
+            for mech in (Mechanism.COPY_ENGINE, Mechanism.SM_KERNEL):
+                rec = {"kv": "cross-layer" if cross else "per-layer", "groups": count, "mechanism": mech.value,
+                       "runs": copier.plan(ids, slots, False).count if count == 1 else None}
+                try:
+                    rec.update(measure(copier, slots, ids, groups, mech))
+                except Exception as exc:  # noqa: BLE001 - a mechanism that cannot take this case: say so
+                    rec["error"] = repr(exc)[:200]
+                rows.append(rec)
+                print(json.dumps(rec), flush=True)
+        copier.close()
+        del layout
+        torch.cuda.empty_cache()
+    cols = ["kv", "groups", "mechanism", "call_ms", "first_ms", "landed_ms", "gbps"]
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for r in rows:
+        print("| " + " | ".join(str(r.get(k, r.get("error", ""))) for k in cols) + " |")
+    out = Path(os.environ.get("OUT", "."))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "in_step_probe.json").write_text(json.dumps({
+        "device": torch.cuda.get_device_name(0), "date": time.strftime("%Y-%m-%d"),
+        "command": "python3 benchmarks/in_step_probe.py", "torch": torch.__version__, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
