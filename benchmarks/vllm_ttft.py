@@ -22,6 +22,10 @@ Modes:
                 of an in-step load; 32 = one per layer)
   tiered-cpu-perlayer  (only with --modes) tiered-cpu with cross_layer_blocks false (vLLM's
                 separate per-layer KV tensors)
+  tiered-cpu-sm  (only with --modes) tiered-cpu with in_step_copy sm_kernel
+  none-v1runner, offloading-v1runner, tiered-cpu-v1runner  (only with --modes) the same on vLLM's
+                V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0; 0.26 runs Llama on the V2 runner,
+                which never hands a connector the cross-layer KV tensor)
 
 Usage (GPU machine, vLLM importable, tiered_kv on PYTHONPATH):
   python benchmarks/vllm_ttft.py                      # every mode, one subprocess each, table + JSON
@@ -55,8 +59,12 @@ CPU_VARIANTS = {
     "tiered-cpu-g8": {"load_groups": 8},
     "tiered-cpu-g32": {"load_groups": 32},
     "tiered-cpu-perlayer": {"cross_layer_blocks": False},
+    "tiered-cpu-sm": {"in_step_copy": "sm_kernel"},
 }
-EXTRA_MODES = ("tiered-disk-always", *CPU_VARIANTS)  # run on request (disk-always: disk hits even where recompute is faster)
+#: any mode with this suffix runs on vLLM's V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0)
+V1_RUNNER = "-v1runner"
+EXTRA_MODES = ("tiered-disk-always", *CPU_VARIANTS,  # run on request (disk-always: disk hits even where recompute is faster)
+               *(m + V1_RUNNER for m in ("none", "offloading", "tiered-cpu")))
 N_CONV = int(os.environ.get("N_CONV", "12"))
 PREFIX = int(os.environ.get("PREFIX", "8192"))
 FOLLOW = 64
@@ -81,6 +89,7 @@ LLAMA3_8B = {
 
 def engine_kwargs(mode: str, model_dir: str) -> dict:
     """``LLM(...)`` arguments of one mode (everything but the connector is the same in every mode)."""
+    mode = mode.removesuffix(V1_RUNNER)
     kw = dict(model=model_dir, load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
               gpu_memory_utilization=0.6, max_model_len=PREFIX + 512, seed=0,
               num_gpu_blocks_override=GPU_BLOCKS, enable_prefix_caching=True,
@@ -155,7 +164,8 @@ def run_all(modes: list[str]) -> list[dict]:
     env = dict(os.environ, PYTHONHASHSEED=os.environ.get("PYTHONHASHSEED", "0"))
     for mode in modes:
         t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", mode], env=env,
+        mode_env = dict(env, VLLM_USE_V2_MODEL_RUNNER="0") if mode.endswith(V1_RUNNER) else env
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", mode], env=mode_env,
                               capture_output=True, text=True)
         line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
         with open(os.path.join(os.environ.get("OUT", "."), f"vllm_ttft_{mode}.log"), "w") as f:

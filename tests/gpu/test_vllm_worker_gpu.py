@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.unit.test_vllm_worker_in_step import run_in_step_load
-from tiered_kv.connector.vllm_worker import MAX_MERGED_GROUPS, MIN_GROUP_BYTES
+from tiered_kv.connector.vllm_worker import MAX_AUTO_GROUPS, MIN_GROUP_BYTES
 
 
 @pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "whole"])
@@ -20,16 +20,17 @@ def test_in_step_load_layer_by_layer_on_cuda(layerwise):
     assert stats["sync_loads"] == 1 and stats["failed_items"] == 0
     nbytes = (96 * 4 - 1) * 8 * 8 * 16 * 256 * 2
     assert stats["bytes_loaded"] == nbytes
-    # layer by layer: pairs of layers (>= 4 x MIN_GROUP_BYTES); whole: one group, merged runs
-    assert nbytes // MIN_GROUP_BYTES >= 4 and stats["sync_load_groups"] == (4 if layerwise else 1)
+    # layer by layer: MAX_AUTO_GROUPS groups (the load is >= 4 x MIN_GROUP_BYTES); whole: one group, merged runs
+    assert nbytes // MIN_GROUP_BYTES >= 4 and stats["sync_load_groups"] == (MAX_AUTO_GROUPS if layerwise else 1)
 
 
 @pytest.mark.parametrize("cross_layer", [False, True], ids=["per-layer", "cross-layer"])
-def test_in_step_load_groups_on_cuda(cross_layer):
-    # 32 layers x 2 heads x 128 dims: 512 KiB a block; 192 chunks of 4 blocks (one held locally) = 383.5 MiB,
-    # 11 groups of 3 layers by size; a cross-layer tensor merges a block's layers, so MAX_MERGED_GROUPS groups
+@pytest.mark.parametrize("groups", [0, 11], ids=["auto", "11-groups"])
+@pytest.mark.parametrize("copy", ["copy_engine", "sm_kernel"])
+def test_in_step_load_groups_on_cuda(cross_layer, groups, copy):
+    # 32 layers x 2 heads x 128 dims: 512 KiB a block; 192 chunks of 4 blocks (one held locally) = 383.5 MiB
     stats = run_in_step_load("cuda", layers=32, heads=2, head_dim=128, chunks=192, layerwise=True,
-                             slow_stream=True, cross_layer=cross_layer)
+                             slow_stream=True, cross_layer=cross_layer, load_groups=groups, in_step_copy=copy)
     nbytes = (192 * 4 - 1) * 32 * 2 * 16 * 256 * 2
     assert stats["bytes_loaded"] == nbytes and nbytes // MIN_GROUP_BYTES == 11
-    assert stats["sync_load_groups"] == (MAX_MERGED_GROUPS if cross_layer else 11)
+    assert stats["sync_load_groups"] == (groups or MAX_AUTO_GROUPS)

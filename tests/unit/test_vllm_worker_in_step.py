@@ -13,8 +13,7 @@ import torch
 
 from tiered_kv.connector.vllm_config import ConnectorConfig, Geometry
 from tiered_kv.connector.vllm_scheduler import CPU, StepPlan
-from tiered_kv.connector.vllm_worker import MAX_MERGED_GROUPS, MIN_GROUP_BYTES, WorkerRuntime, _layer_groups, \
-    _layers_adjacent
+from tiered_kv.connector.vllm_worker import MAX_AUTO_GROUPS, MIN_GROUP_BYTES, WorkerRuntime, _layer_groups
 from tiered_kv.copy import vllm_layer_layout
 from tiered_kv.keys import Namespace
 from tiered_kv.transfer import EXT, JobKind, TransferJob
@@ -23,16 +22,17 @@ BS, K = 16, 4
 
 
 def make_runtime(device: str, layers: int, heads: int, head_dim: int, num_blocks: int, cpu_chunks: int,
-                 load_mode: str = "sync", cross_layer: bool = False):
+                 load_mode: str = "sync", cross_layer: bool = False, **extra):
     """A rank-0 ``WorkerRuntime`` registered on fresh ``(num_blocks, H, BS, 2D)`` bf16 layer tensors.
 
     ``cross_layer``: the layer tensors are views of one ``(num_blocks, layers, H, BS, 2D)`` tensor
-    (vLLM 0.26's cross-layer KV cache, as ``register_cross_layers_kv_cache`` binds it).
+    (vLLM 0.26's cross-layer KV cache, as ``register_cross_layers_kv_cache`` binds it). ``extra``:
+    more ``ConnectorConfig`` keys.
     """
     names = tuple(f"model.layers.{i}.self_attn.attn" for i in range(layers))
     block_nbytes = layers * heads * BS * 2 * head_dim * 2
     geo = Geometry(BS, K, names, block_nbytes, 1, "test")
-    cfg = ConnectorConfig(chunk_blocks=K, cpu_bytes=cpu_chunks * K * block_nbytes, load_mode=load_mode)
+    cfg = ConnectorConfig(chunk_blocks=K, cpu_bytes=cpu_chunks * K * block_nbytes, load_mode=load_mode, **extra)
     rt = WorkerRuntime(cfg, geo, Namespace("test"), 0, cpu_chunks, 0)
     if cross_layer:
         whole = torch.zeros((num_blocks, layers, heads, BS, 2 * head_dim), dtype=torch.bfloat16, device=device)
@@ -45,7 +45,7 @@ def make_runtime(device: str, layers: int, heads: int, head_dim: int, num_blocks
 
 
 def run_in_step_load(device: str, layers: int = 4, heads: int = 2, head_dim: int = 64, chunks: int = 3,
-                     layerwise: bool = True, slow_stream: bool = False, cross_layer: bool = False) -> dict:
+                     layerwise: bool = True, slow_stream: bool = False, cross_layer: bool = False, **extra) -> dict:
     """Load ``chunks`` chunks from CPU slots into scattered GPU blocks in-step; check every layer as read.
 
     Returns the worker's stats. With ``slow_stream`` (CUDA only) the engine's stream is kept busy
@@ -53,7 +53,7 @@ def run_in_step_load(device: str, layers: int = 4, heads: int = 2, head_dim: int
     """
     num_blocks = chunks * K * 2 + 3
     rt, kv, names = make_runtime(device, layers, heads, head_dim, num_blocks, cpu_chunks=chunks + 2,
-                                 load_mode="layerwise" if layerwise else "sync", cross_layer=cross_layer)
+                                 load_mode="layerwise" if layerwise else "sync", cross_layer=cross_layer, **extra)
     try:
         gen = torch.Generator().manual_seed(5)
         slab = rt.cpu.slab
@@ -99,41 +99,28 @@ def test_in_step_load_on_cpu_is_bit_exact_and_reported(cross_layer):
     assert stats["sync_loads"] == 1 and stats["bytes_loaded"] == (3 * K - 1) * 4 * 2 * BS * 128 * 2
 
 
-def test_layer_groups_follow_the_load_size():
+def test_layer_groups_follow_the_load_size_and_the_key():
     rt, _, _ = make_runtime("cpu", layers=32, heads=1, head_dim=8, num_blocks=4, cpu_chunks=1)
     try:
+        assert MAX_AUTO_GROUPS == 2
         assert _layer_groups(rt.kv, 1) == [(0, 32)]  # small: one piece
-        assert _layer_groups(rt.kv, 4 * MIN_GROUP_BYTES) == [(0, 8), (8, 16), (16, 24), (24, 32)]
-        assert _layer_groups(rt.kv, 1000 * MIN_GROUP_BYTES) == [(i, i + 1) for i in range(32)]
+        assert _layer_groups(rt.kv, MIN_GROUP_BYTES) == [(0, 32)]
+        assert _layer_groups(rt.kv, 1000 * MIN_GROUP_BYTES) == [(0, 16), (16, 32)]  # at most MAX_AUTO_GROUPS
+        assert _layer_groups(rt.kv, 1, wanted=3) == [(0, 11), (11, 22), (22, 32)]  # the key wins over the size
+        assert _layer_groups(rt.kv, 1, wanted=32) == [(i, i + 1) for i in range(32)]
+        assert _layer_groups(rt.kv, 1, wanted=99) == [(i, i + 1) for i in range(32)]  # at most one per layer
     finally:
         rt.close()
 
 
-def test_layer_groups_are_fewer_when_a_blocks_layers_are_adjacent():
-    # per-layer views of one (blocks, layers, heads, tokens, 2*dim) tensor: vLLM 0.26's cross-layer KV
-    cross = torch.zeros((4, 32, 1, BS, 16), dtype=torch.bfloat16)
-    kv = vllm_layer_layout([cross[:, i] for i in range(32)])
-    assert _layers_adjacent(kv)
-    per = 32 // MAX_MERGED_GROUPS
-    assert _layer_groups(kv, 1000 * MIN_GROUP_BYTES, merged=True) == [(per * i, per * i + per)
-                                                                      for i in range(MAX_MERGED_GROUPS)]
-    assert _layer_groups(kv, 1000 * MIN_GROUP_BYTES) == [(i, i + 1) for i in range(32)]  # not merged: per layer
-    assert _layer_groups(kv, 2 * MIN_GROUP_BYTES, merged=True) == [(0, 16), (16, 32)]  # the size rule still caps it
-    assert _layer_groups(kv, 1000 * MIN_GROUP_BYTES, wanted=32, merged=True) == [(i, i + 1) for i in range(32)]
-    assert _layer_groups(kv, 1, wanted=3) == [(0, 11), (11, 22), (22, 32)]  # the key wins over the size rule
-    assert _layer_groups(kv, 1, wanted=99) == [(i, i + 1) for i in range(32)]  # at most one per layer
-    # separate per-layer tensors, or a layer-outermost buffer: a block's layers are far apart
-    assert not _layers_adjacent(vllm_layer_layout([torch.zeros((4, 1, BS, 16)) for _ in range(32)]))
-    outer = torch.zeros((32, 4, 1, BS, 16))
-    assert not _layers_adjacent(vllm_layer_layout([outer[i] for i in range(32)]))
-    assert not _layers_adjacent(vllm_layer_layout([cross[:, i] for i in (0, 2, 1)]))  # out of order
-
-
-def test_load_groups_key_is_validated():
+def test_load_groups_and_in_step_copy_keys_are_validated():
     assert ConnectorConfig(load_groups=4).load_groups == 4
     for bad in (-1, 1.5, True, 5000):
         with pytest.raises(Exception, match="load_groups"):
             ConnectorConfig(load_groups=bad)
+    assert ConnectorConfig(in_step_copy="sm_kernel").in_step_copy == "sm_kernel"
+    with pytest.raises(Exception, match="in_step_copy"):
+        ConnectorConfig(in_step_copy="dma")
 
 
 @pytest.mark.parametrize("mode", ["layerwise", "sync", "async", "eager"])

@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 STORE_POLICIES = ("eager", "on_finish", "none")
 DISK_LOAD_POLICIES = ("auto", "always", "never")
 LOAD_MODES = ("layerwise", "sync", "async")
+IN_STEP_COPIES = ("copy_engine", "sm_kernel")
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class ConnectorConfig:
     load_mode: str = "layerwise"
     sync_max_tokens: int = 65536
     load_groups: int = 0
+    in_step_copy: str = "copy_engine"
     cross_layer_blocks: bool = True
     disk_load_policy: str = "auto"
     disk_read_gbps: float = 3.0
@@ -75,6 +77,7 @@ class ConnectorConfig:
         _choice(self.store_policy, "store_policy", STORE_POLICIES)
         _choice(self.disk_load_policy, "disk_load_policy", DISK_LOAD_POLICIES)
         _choice(self.load_mode, "load_mode", LOAD_MODES)
+        _choice(self.in_step_copy, "in_step_copy", IN_STEP_COPIES)
         _choice(self.compression, "compression", CODECS)
         for key in ("promote_on_hit", "store_decode_tokens", "disk_sync", "cross_layer_blocks"):
             if not isinstance(getattr(self, key), bool):

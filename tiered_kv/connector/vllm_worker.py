@@ -59,12 +59,13 @@ _FRONT_KINDS = (JobKind.INGRESS, JobKind.EGRESS)
 #: An in-step load is cut into layer groups of at least this many bytes: each group costs a
 #: driver call and an event (~50-100 us of submitter time), so a small load goes in one piece.
 MIN_GROUP_BYTES = 32 << 20
-#: Where the KV tensor keeps a block's layers side by side (vLLM 0.26's cross-layer tensor), a group
-#: of g layers is one run of g layer slices per block, so fewer groups also mean fewer descriptors
-#: for the driver to take on vLLM's thread, which launches the forward only after the call. H200,
-#: 1 GiB of 512 random blocks (benchmarks/in_step_probe.py): the call held the thread 1.9 / 3.8 /
-#: 6.9 / 11.6 ms for 1 / 4 / 8 / 32 groups, and the last byte landed at 21.0 / 21.3 / 22.3 / 23.2 ms.
-MAX_MERGED_GROUPS = 4
+#: At most this many layer groups by default (``load_groups`` = 0). The load is submitted on vLLM's
+#: thread before the forward is launched, so every group's driver calls and event delay the launch;
+#: with few new tokens the forward's GPU work after the last group is small anyway. H200, vLLM 0.26
+#: (per-layer KV tensors, 16,384 64 KiB runs per 1 GiB load), turn-2 TTFT of benchmarks/vllm_ttft.py:
+#: 0.0343 / 0.0335 / 0.0649 / 0.0387 s with 1 / 2 / 8 / 32 groups (the call held vLLM's thread
+#: ~10 ms with 2 groups, ~13 ms with 32). More groups pay off when a step computes many new tokens.
+MAX_AUTO_GROUPS = 2
 
 
 @dataclass
@@ -168,7 +169,6 @@ class WorkerRuntime:
             # 31-64 ms instead of ~21 (turn-2 TTFT 0.043-0.048 s against 0.034-0.039 s).
             self._sync_copier = BlockCopier(kv, self.cpu.slab.view(-1, kv.block_nbytes), threaded_submit=False)
         self._layer_index = {n: i for i, n in enumerate(self.geo.layer_names)}  # tensor i = layer i
-        self._merged_layers = _layers_adjacent(kv)
         self._timing_stream = torch.cuda.Stream(kv.device) if self._cuda and log.isEnabledFor(logging.DEBUG) else None
         staging = allocate_slab(self.cfg.staging_chunks * self.k, kv.block_nbytes, pin=self._cuda)
         self._staging_copier = BlockCopier(kv, staging)
@@ -240,21 +240,21 @@ class WorkerRuntime:
             return
         stream = torch.cuda.current_stream(self.kv.device) if self._cuda else None
         # one group when the forward waits for the whole load: block-major runs, merged across layers
-        groups = (_layer_groups(self.kv, load.nbytes, self.cfg.load_groups, self._merged_layers)
+        groups = (_layer_groups(self.kv, load.nbytes, self.cfg.load_groups)
                   if layerwise and self._cuda else [(0, len(self.kv.tensors))])
         if self._timing_stream is not None:
             load.marks = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             load.marks[0].record(stream)
         copier = self._sync_copier
         try:
-            load.results = copier.cpu_to_gpu_grouped(slots, gpu, groups, stream=stream, mechanism=self._mechanism)
+            load.results = copier.cpu_to_gpu_grouped(slots, gpu, groups, stream=stream, mechanism=self._in_step_mechanism)
         except (BackendUnavailableError, CopyLaunchError, ValueError) as exc:
             # once more as one whole copy (the forward then waits for all of it): a load that cannot
             # start at all is reported failed in this step's poll and vLLM recomputes its blocks
             log.warning("TieredKVConnector rank %d: layer-by-layer load of job %d failed to start (%s); "
                         "retrying as one copy", self.rank, job.job_id, exc)
             try:
-                load.results = [copier.cpu_to_gpu(slots, gpu, stream=stream, mechanism=self._mechanism)]
+                load.results = [copier.cpu_to_gpu(slots, gpu, stream=stream, mechanism=self._in_step_mechanism)]
             except (BackendUnavailableError, CopyLaunchError, ValueError) as exc2:
                 load.error = exc2
                 log.warning("TieredKVConnector rank %d: in-step load of job %d failed: %s", self.rank,
@@ -281,6 +281,13 @@ class WorkerRuntime:
                 self._layer_waits.setdefault(layer, []).append(load.results[g])
         else:
             self._wait_all(load, stream)
+
+    @property
+    def _in_step_mechanism(self) -> Mechanism | None:
+        """``in_step_copy``: the SM kernel where asked for and on CUDA, else what the movers use."""
+        if self._cuda and self.cfg.in_step_copy == "sm_kernel":
+            return Mechanism.SM_KERNEL
+        return self._mechanism
 
     def _wait_all(self, load: _SyncLoad, stream) -> None:
         """Make ``stream`` wait for every group of ``load`` (groups land in order: the last one suffices)."""
@@ -556,28 +563,16 @@ def _stream_waits(results: list[CopyResult], stream) -> None:
             pass
 
 
-def _layers_adjacent(kv) -> bool:
-    """True when each block's bytes of layer ``i + 1`` follow its bytes of layer ``i`` in GPU memory."""
-    maps = kv.maps
-    if len(maps) < 2 or any(len(m.chunk_offsets) != 1 or m.block_stride != maps[0].block_stride for m in maps):
-        return False
-    return all(b.base_ptr + b.chunk_offsets[0] == a.base_ptr + a.chunk_offsets[0] + a.chunk_sizes[0]
-               for a, b in zip(maps, maps[1:]))
-
-
-def _layer_groups(kv, nbytes: int, wanted: int = 0, merged: bool = False) -> list[tuple[int, int]]:
+def _layer_groups(kv, nbytes: int, wanted: int = 0) -> list[tuple[int, int]]:
     """Consecutive tensor groups for an in-step load of ``nbytes``.
 
     ``wanted`` (the ``load_groups`` key) > 0 fixes the count (at most one group per tensor);
-    0 takes as many as ``MIN_GROUP_BYTES`` allows, at most ``MAX_MERGED_GROUPS`` when ``merged``
-    (a block's layers are adjacent, see ``_layers_adjacent``).
+    0 takes as many as ``MIN_GROUP_BYTES`` allows, at most ``MAX_AUTO_GROUPS``.
     """
     layers = len(kv.tensors)
     if wanted > 0:
         count = min(layers, wanted)
     else:
-        count = max(1, min(layers, nbytes // MIN_GROUP_BYTES))
-        if merged:
-            count = min(count, MAX_MERGED_GROUPS)
+        count = max(1, min(layers, nbytes // MIN_GROUP_BYTES, MAX_AUTO_GROUPS))
     per = -(-layers // count)
     return [(a, min(layers, a + per)) for a in range(0, layers, per)]
