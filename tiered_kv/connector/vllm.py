@@ -24,6 +24,7 @@ thread only (the worker's movers synchronize through ``WorkerRuntime``'s lock).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -133,6 +134,25 @@ def worker_rank() -> int:
         return int(get_tensor_model_parallel_rank())
     except AssertionError:  # "tensor model parallel group is not initialized"
         return 0
+
+
+def _timed_hook(fn):
+    """Debug log only: say when one of vLLM's worker-side hooks held vLLM's thread over 1 ms."""
+    name = fn.__name__
+
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        if not log.isEnabledFor(logging.DEBUG):
+            return fn(self, *args, **kwargs)
+        t0 = time.perf_counter()
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            ms = (time.perf_counter() - t0) * 1e3
+            if ms > 1.0:
+                log.debug("%s held vLLM's thread %.1f ms", name, ms)
+
+    return wrapper
 
 
 class TieredKVConnector(KVConnectorBase_V1):
@@ -299,12 +319,14 @@ class TieredKVConnector(KVConnectorBase_V1):
         if isinstance(connector_metadata, TieredKVMetadata):
             self.worker.on_plan(connector_metadata.plan)
 
+    @_timed_hook
     def handle_preemptions(self, kv_connector_metadata=None, *args, **kwargs) -> None:
         """Before the batch is updated: wait for copies touching re-allocated blocks."""
         if isinstance(kv_connector_metadata, TieredKVMetadata):
             self.worker.on_plan(kv_connector_metadata.plan)
             self.worker.fence()
 
+    @_timed_hook
     def start_load_kv(self, forward_context, **kwargs) -> None:
         """Start this step's loads and tier moves; in-step loads start before the forward reads them."""
         self.worker.before_forward(layerwise_ok=_runs_attention_eagerly(forward_context))
@@ -316,10 +338,12 @@ class TieredKVConnector(KVConnectorBase_V1):
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
         """Stores are whole-block, after the forward (``wait_for_save``)."""
 
+    @_timed_hook
     def wait_for_save(self) -> None:
         """Start this step's stores; returns at once."""
         self.worker.after_forward()
 
+    @_timed_hook
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Requests whose loads all landed on this rank (stores never delay frees)."""
         res = self.worker.poll()

@@ -198,7 +198,10 @@ class WorkerRuntime:
                 ev = self._events.get(job_id)
             if ev is not None and not ev.is_set():
                 self.counters.fences_waited += 1
+                t0 = time.perf_counter()
                 ev.wait()
+                log.debug("rank %d: fence waited %.1f ms for job %d", self.rank, (time.perf_counter() - t0) * 1e3,
+                          job_id)
 
     def before_forward(self, layerwise_ok: bool = False) -> None:
         """Submit loads and tier moves (``start_load_kv``); idempotent per step.
