@@ -130,3 +130,48 @@ def test_load_mode_is_validated(mode):
             ConnectorConfig(load_mode=mode)
     else:
         assert ConnectorConfig(load_mode=mode).load_mode == mode
+
+
+def test_fence_cancels_a_queued_store_and_waits_for_a_started_one():
+    """A fence waits for a store whose copy began and cancels one still queued behind it."""
+    import threading
+
+    from tiered_kv.transfer import EXT as _EXT
+
+    rt, kv, names = make_runtime("cpu", layers=2, heads=1, head_dim=8, num_blocks=16, cpu_chunks=4)
+    release, entered = threading.Event(), threading.Event()
+    copy = rt._copy
+
+    def held_copy(copier, job, src, dst, to_cpu):  # the first store's copy waits until released
+        if job.job_id == 1:
+            entered.set()
+            assert release.wait(10)
+        return copy(copier, job, src, dst, to_cpu)
+
+    rt._copy = held_copy
+    try:
+        for name in names:
+            kv[name].copy_(torch.randint(-100, 100, kv[name].shape).to(kv[name].dtype))
+        rt.cpu.slab.zero_()
+        a = TransferJob(1, JobKind.INGRESS, _EXT, CPU, [b"a"], [0], [0])
+        b = TransferJob(2, JobKind.INGRESS, _EXT, CPU, [b"b"], [0], [1])
+        rt.on_plan(StepPlan(1, stores=[a, b], ext={1: list(range(K)), 2: list(range(K, 2 * K))}))
+        rt.after_forward()
+        assert entered.wait(10)  # store 1 is copying; store 2 is queued behind it on the front mover
+        rt.on_plan(StepPlan(2, fences=[1, 2]))
+        threading.Timer(0.2, release.set).start()
+        rt.fence()  # returns once store 1 finished; store 2 is cancelled, not waited for
+        assert release.is_set()
+        stats = rt.stats()
+        assert stats["fences_waited"] == 1 and stats["stores_cancelled"] == 1
+        deadline = __import__("time").monotonic() + 10
+        reports = {}
+        while len(reports) < 2 and __import__("time").monotonic() < deadline:
+            reports.update(rt.poll().reports)
+        assert reports[1].ok == [True] and reports[2].ok == [False]
+        assert torch.count_nonzero(rt.cpu.slab[1]) == 0  # the cancelled store wrote nothing
+        assert torch.count_nonzero(rt.cpu.slab[0]) > 0
+        assert rt.idle()
+    finally:
+        release.set()
+        rt.close()

@@ -157,6 +157,7 @@ class SchedulerPlanner:
         self._gpu_busy: dict[int, int] = {}  # GPU block -> newest in-flight job touching it
         self._job_gpu: dict[int, list[int]] = {}
         self._job_kind: dict[int, tuple[JobKind, int]] = {}
+        self._fenced_jobs: set[int] = set()  # jobs named in a fence: a store among them may come back cancelled
         self._reports: dict[int, JobReport] = {}
         self._disk_gbps = cfg.disk_read_gbps
         self._declined = 0
@@ -360,7 +361,9 @@ class SchedulerPlanner:
             self._alloc_step.update(dict.fromkeys(ids, step))
         busy = self._gpu_busy
         if busy and not busy.keys().isdisjoint(ids):  # rare: checked at C speed first
-            fences.update(busy[g] for g in ids if g in busy)
+            hit = {busy[g] for g in ids if g in busy}
+            fences.update(hit)
+            self._fenced_jobs.update(hit)
 
     def _plan_store(self, st: _Req, computed: int, keys_out: list[bytes], gpu_out: list[int]) -> None:
         req = st.request
@@ -457,6 +460,8 @@ class SchedulerPlanner:
             log.warning("TieredKVConnector: report for unknown job %d ignored", job_id)
             return
         kind, src = kind_src
+        fenced = job_id in self._fenced_jobs
+        self._fenced_jobs.discard(job_id)
         self._untrack(job_id)
         if kind is JobKind.EGRESS:
             self.counters.bytes_loaded += rep.nbytes
@@ -465,7 +470,10 @@ class SchedulerPlanner:
                 self._disk_gbps = 0.8 * self._disk_gbps + 0.2 * gbps
         elif kind is JobKind.INGRESS:
             self.counters.bytes_stored += rep.nbytes
-        if not all(rep.ok):
+        if not all(rep.ok) and kind is JobKind.INGRESS and fenced:
+            log.debug("store job %d dropped %d of %d chunks: vLLM re-allocated its blocks before the copy began",
+                      job_id, len(rep.ok) - sum(rep.ok), len(rep.ok))
+        elif not all(rep.ok):
             log.warning("TieredKVConnector: %s job %d: %d of %d items failed", kind.name, job_id,
                         len(rep.ok) - sum(rep.ok), len(rep.ok))
         else:

@@ -102,6 +102,7 @@ class WorkerCounters:
     failed_items: int = 0
     corrupt_items: int = 0
     fences_waited: int = 0
+    stores_cancelled: int = 0
     sync_loads: int = 0
     sync_load_groups: int = 0
 
@@ -127,6 +128,8 @@ class WorkerRuntime:
         self._completed: list[tuple[TransferJob, Completion]] = []
         self._events: dict[int, threading.Event] = {}
         self._cuda_events: dict[int, object] = {}  # job id -> torch.cuda.Event the job must wait for
+        self._queued_stores: dict[int, int] = {}  # store job -> items, submitted, GPU read not started
+        self._cancelled: set[int] = set()  # queued store jobs a fence cancelled
         self._ext: dict[int, list[int]] = {}  # job id -> its items' GPU block ids, k per item (-1 = skip)
         self._load_reqs: dict[str, set[int]] = {}  # request -> load job ids not finished yet
         self._job_req: dict[int, str] = {}
@@ -188,15 +191,29 @@ class WorkerRuntime:
         self._early_done = self._stores_done = self._fenced = False
 
     def fence(self) -> None:
-        """Wait until every fenced job finished touching GPU memory (``handle_preemptions``)."""
+        """Make every fenced job done with GPU memory (``handle_preemptions``).
+
+        A store still queued behind other jobs is cancelled (its items fail, nothing is written and
+        the planner frees their CPU slots): a cache may drop a store, and waiting would hold vLLM's
+        thread for the whole queue (H200, disk tier on: 15-68 ms per step). A load, or a store whose
+        copy already started, is waited for.
+        """
         plan = self._plan
         if plan is None or self._fenced or not plan.fences:
             return
         self._fenced = True  # the plan is shared data (one object per rank in-process): never edit it
-        for job_id in plan.fences:
-            with self._lock:
-                ev = self._events.get(job_id)
-            if ev is not None and not ev.is_set():
+        waits = []
+        with self._lock:  # cancel every queued store first, then wait for the rest
+            for job_id in plan.fences:
+                items = self._queued_stores.pop(job_id, None)
+                if items is not None:
+                    self._cancelled.add(job_id)
+                    self.counters.stores_cancelled += items
+                    log.debug("rank %d: fence cancelled queued store job %d", self.rank, job_id)
+                elif (ev := self._events.get(job_id)) is not None:
+                    waits.append((job_id, ev))
+        for job_id, ev in waits:
+            if not ev.is_set():
                 self.counters.fences_waited += 1
                 t0 = time.perf_counter()
                 ev.wait()
@@ -333,6 +350,8 @@ class WorkerRuntime:
                 self._events[job.job_id] = threading.Event()
                 if ev is not None and job.kind in _FRONT_KINDS:
                     self._cuda_events[job.job_id] = ev
+                if job.kind is JobKind.INGRESS:
+                    self._queued_stores[job.job_id] = len(job)
             if job.kind in _FRONT_KINDS or self.back is None:
                 self.front.submit(job)
             else:
@@ -432,6 +451,12 @@ class WorkerRuntime:
             self.disk.delete(job.keys)
             return Completion(job.job_id, ok, corrupt)
         if kind is JobKind.INGRESS:
+            with self._lock:
+                cancelled = job.job_id in self._cancelled
+                self._cancelled.discard(job.job_id)
+                self._queued_stores.pop(job.job_id, None)  # from here on a fence waits for it
+            if cancelled:
+                return Completion(job.job_id, [False] * n, [False] * n, 0, time.perf_counter() - t0)
             gpu, slots = self._flat(job, job.dst_slots)
             self._copy(self.copier, job, gpu, slots, to_cpu=True)
         elif kind is JobKind.EGRESS and job.src_tier == CPU:
