@@ -18,7 +18,6 @@ Usage: ``python3 benchmarks/copy_probe.py``. Threading: a script; main thread on
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
 import time
@@ -32,6 +31,9 @@ from tiered_kv.copy import BlockCopier, Mechanism, plan_runs, vllm_layer_layout 
 from tiered_kv.copy import dispatch, engine  # noqa: E402
 from tiered_kv.copy.engine import BatchMemcpy  # noqa: E402
 from tiered_kv.copy.testing import Shape, storages, vllm033_views  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from probe_report import emit  # noqa: E402
 
 SHAPE = Shape(layers=32, heads=8, block_size=16, head_dim=128, num_blocks=2048)
 N = 256
@@ -164,17 +166,7 @@ def main() -> None:
             rec["contig_stream_gbps"] = round(8 * nbytes / rec["contig_stream8_ms"] / 1e6, 2)
             rows.append(rec)
             print(json.dumps(rec), flush=True)
-    keys = [k for k in rows[0] if k not in ("blocks", "nbytes")]
-    print("| " + " | ".join(keys) + " |")
-    print("|" + "---|" * len(keys))
-    for r in rows:
-        print("| " + " | ".join(str(r[k]) for k in keys) + " |")
-    out = Path(os.environ.get("OUT", "."))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "copy_probe.json").write_text(json.dumps({
-        "device": torch.cuda.get_device_name(0), "date": time.strftime("%Y-%m-%d"),
-        "command": "python3 benchmarks/copy_probe.py", "torch": torch.__version__, "rows": rows}, indent=1))
-
+    emit("copy_probe", rows, [k for k in rows[0] if k not in ("blocks", "nbytes")])
 
 if __name__ == "__main__":
     main()

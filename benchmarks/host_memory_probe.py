@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import copy_probe  # noqa: E402
+from probe_report import emit  # noqa: E402
 from tiered_kv.copy import BlockCopier, vllm_layer_layout  # noqa: E402
 from tiered_kv.copy.testing import Shape, storages, vllm033_views  # noqa: E402
 from tiered_kv.layout import BlockLayout  # noqa: E402
@@ -138,16 +139,7 @@ def main() -> None:
     cols = ["kind", "pin_s", "anon_huge_gib", "contig_h2d_gbps", "BLHNC_h2d_gbps", "BLHNC_h2d_call_gbps",
             "LBNHC_h2d_gbps", "contig_d2h_gbps", "BLHNC_d2h_gbps", "BLHNC_d2h_call_gbps", "LBNHC_d2h_gbps"]
     print(f"THP: {thp_mode()}")
-    print("| " + " | ".join(cols) + " |")
-    print("|" + "---|" * len(cols))
-    for r in rows:
-        print("| " + " | ".join(str(r[k]) for k in cols) + " |")
-    out = Path(os.environ.get("OUT", "."))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "host_memory_probe.json").write_text(json.dumps({
-        "device": torch.cuda.get_device_name(0), "date": time.strftime("%Y-%m-%d"), "thp": thp_mode(),
-        "command": "python3 benchmarks/host_memory_probe.py", "torch": torch.__version__, "rows": rows}, indent=1))
-
+    emit("host_memory_probe", rows, cols, thp=thp_mode())
 
 if __name__ == "__main__":
     main()

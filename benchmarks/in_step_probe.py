@@ -16,7 +16,6 @@ Usage: ``python3 benchmarks/in_step_probe.py``. Threading: a script; main thread
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
 import time
@@ -28,6 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tiered_kv.copy import BlockCopier, Mechanism, vllm_layer_layout  # noqa: E402
 from tiered_kv.copy.testing import Shape, storages  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from probe_report import emit  # noqa: E402
 
 SHAPE = Shape(layers=32, heads=8, block_size=16, head_dim=128, num_blocks=2048)
 N = 512
@@ -102,16 +104,7 @@ def main() -> None:
         del layout
         torch.cuda.empty_cache()
     cols = ["kv", "groups", "mechanism", "call_ms", "first_ms", "landed_ms", "gbps"]
-    print("| " + " | ".join(cols) + " |")
-    print("|" + "---|" * len(cols))
-    for r in rows:
-        print("| " + " | ".join(str(r.get(k, r.get("error", ""))) for k in cols) + " |")
-    out = Path(os.environ.get("OUT", "."))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "in_step_probe.json").write_text(json.dumps({
-        "device": torch.cuda.get_device_name(0), "date": time.strftime("%Y-%m-%d"),
-        "command": "python3 benchmarks/in_step_probe.py", "torch": torch.__version__, "rows": rows}, indent=1))
-
+    emit("in_step_probe", rows, cols)
 
 if __name__ == "__main__":
     main()
