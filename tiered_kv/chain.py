@@ -92,6 +92,22 @@ class _Waiter:
     refuse: Callable[[], Jobs]
 
 
+class _HandleItems:
+    """The ``ctx`` of a job whose item ``i`` is item ``i`` of one handle: ``(handle, i)`` on demand.
+
+    The bulk put path's jobs use it instead of a list of n tuples: fewer objects for Python's
+    garbage collector to count on vLLM's scheduler thread.
+    """
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: int) -> None:
+        self.handle = handle
+
+    def __getitem__(self, i: int) -> tuple[int, int]:
+        return (self.handle, i)
+
+
 class TierChain:
     """The planner over an ordered list of tiers."""
 
@@ -206,8 +222,7 @@ class TierChain:
                 slots = [NO_SLOT] * n
             self.index.add_new_many(keys, t, slots, CopyState.WRITING)
             items = list(range(n))
-            return [self._job(JobKind.INGRESS, EXT, t, list(keys), items, slots, handle,
-                              [(handle, i) for i in items])]
+            return [self._job(JobKind.INGRESS, EXT, t, list(keys), items, slots, handle, _HandleItems(handle))]
         jobs: Jobs = []
         batch: list[tuple[int, bytes, int]] = []  # (item, key, slot) ready to write now
         for i, key in enumerate(keys):
