@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 class CopyState(enum.IntEnum):
@@ -41,12 +41,27 @@ class Copy:
         return self.state is CopyState.READY and not self.doomed
 
 
-@dataclass(slots=True)
-class Entry:
-    """Every copy of one key, by tier index."""
+class Entry(dict):
+    """Every copy of one key, by tier index: a ``dict`` of tier -> ``Copy`` (``copies`` is itself).
 
-    copies: dict[int, Copy] = field(default_factory=dict)
-    deleted: bool = False
+    One object per key instead of an entry plus its dict: the planner runs on vLLM's scheduler
+    thread, where every long-lived object the garbage collector tracks makes its collections
+    more frequent (docs/benchmarks.md, scheduler overhead).
+    """
+
+    __slots__ = ("deleted",)
+
+    def __init__(self, copies: dict[int, Copy] | None = None, deleted: bool = False) -> None:
+        super().__init__(copies or ())
+        self.deleted = deleted
+
+    @property
+    def copies(self) -> "Entry":
+        """The copies by tier (the entry itself)."""
+        return self
+
+    def __repr__(self) -> str:
+        return f"Entry(copies={dict.__repr__(self)}, deleted={self.deleted})"
 
     def best(self) -> int | None:
         """Fastest tier with a readable copy, or None."""

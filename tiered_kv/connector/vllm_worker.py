@@ -66,6 +66,8 @@ MIN_GROUP_BYTES = 32 << 20
 #: 0.0343 / 0.0335 / 0.0649 / 0.0387 s with 1 / 2 / 8 / 32 groups (the call held vLLM's thread
 #: ~10 ms with 2 groups, ~13 ms with 32). More groups pay off when a step computes many new tokens.
 MAX_AUTO_GROUPS = 2
+#: How long a fence lets a queued store start before cancelling it (most are next in line).
+FENCE_PATIENCE_S = 0.002
 
 
 @dataclass
@@ -193,32 +195,41 @@ class WorkerRuntime:
     def fence(self) -> None:
         """Make every fenced job done with GPU memory (``handle_preemptions``).
 
-        A store still queued behind other jobs is cancelled (its items fail, nothing is written and
-        the planner frees their CPU slots): a cache may drop a store, and waiting would hold vLLM's
-        thread for the whole queue (H200, disk tier on: 15-68 ms per step). A load, or a store whose
-        copy already started, is waited for.
+        A store still queued behind other jobs gets ``FENCE_PATIENCE_S`` to start; one that has
+        not started by then is cancelled (its items fail, nothing is written and the planner frees
+        their CPU slots): a cache may drop a store, and waiting for a long queue held vLLM's thread
+        15-68 ms per step on the H200 with the disk tier on. A load, or a store whose copy began,
+        is waited for.
         """
         plan = self._plan
         if plan is None or self._fenced or not plan.fences:
             return
         self._fenced = True  # the plan is shared data (one object per rank in-process): never edit it
+        with self._lock:
+            fenced = [(job_id, ev) for job_id in plan.fences if (ev := self._events.get(job_id)) is not None]
+            queued = [(job_id, ev) for job_id, ev in fenced if job_id in self._queued_stores]
+        pending = {job_id for job_id, ev in fenced if not ev.is_set()}
+        t0 = time.perf_counter()
+        deadline = time.perf_counter() + FENCE_PATIENCE_S
+        for _, ev in queued:  # most queued stores are about to run: give them a moment
+            ev.wait(max(0.0, deadline - time.perf_counter()))
         waits = []
-        with self._lock:  # cancel every queued store first, then wait for the rest
-            for job_id in plan.fences:
+        with self._lock:
+            for job_id, ev in fenced:
                 items = self._queued_stores.pop(job_id, None)
                 if items is not None:
                     self._cancelled.add(job_id)
+                    pending.discard(job_id)
                     self.counters.stores_cancelled += items
                     log.debug("rank %d: fence cancelled queued store job %d", self.rank, job_id)
-                elif (ev := self._events.get(job_id)) is not None:
-                    waits.append((job_id, ev))
-        for job_id, ev in waits:
-            if not ev.is_set():
-                self.counters.fences_waited += 1
-                t0 = time.perf_counter()
-                ev.wait()
-                log.debug("rank %d: fence waited %.1f ms for job %d", self.rank, (time.perf_counter() - t0) * 1e3,
-                          job_id)
+                else:
+                    waits.append(ev)
+        self.counters.fences_waited += len(pending)  # fenced jobs not done when the fence began
+        for ev in waits:
+            ev.wait()
+        if pending:
+            log.debug("rank %d: fence waited %.1f ms for %d job(s)", self.rank, (time.perf_counter() - t0) * 1e3,
+                      len(pending))
 
     def before_forward(self, layerwise_ok: bool = False) -> None:
         """Submit loads and tier moves (``start_load_kv``); idempotent per step.
