@@ -30,12 +30,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiered_kv.copy import BlockCopier, Mechanism, plan_runs, vllm_layer_layout  # noqa: E402
 from tiered_kv.copy import dispatch, engine  # noqa: E402
 from tiered_kv.copy.engine import BatchMemcpy  # noqa: E402
-from tiered_kv.copy.testing import Shape, storages, vllm033_views  # noqa: E402
+from tiered_kv.copy.testing import storages, vllm033_views  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from probe_report import emit  # noqa: E402
+from probe_report import LLAMA3_8B, emit  # noqa: E402
 
-SHAPE = Shape(layers=32, heads=8, block_size=16, head_dim=128, num_blocks=2048)
+SHAPE = LLAMA3_8B
 N = 256
 REPS = 9
 

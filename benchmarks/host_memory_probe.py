@@ -40,13 +40,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import copy_probe  # noqa: E402
-from probe_report import emit  # noqa: E402
+from probe_report import LLAMA3_8B, emit  # noqa: E402
 from tiered_kv.copy import BlockCopier, vllm_layer_layout  # noqa: E402
-from tiered_kv.copy.testing import Shape, storages, vllm033_views  # noqa: E402
+from tiered_kv.copy.testing import storages, vllm033_views  # noqa: E402
 from tiered_kv.layout import BlockLayout  # noqa: E402
 from tiered_kv.tiers import cpu as cpu_tier  # noqa: E402
 
-SHAPE = Shape(layers=32, heads=8, block_size=16, head_dim=128, num_blocks=2048)
+SHAPE = LLAMA3_8B
 BLOCK = 2 << 20
 N = 512
 SLAB_GIB = int(os.environ.get("SLAB_GIB", "8"))

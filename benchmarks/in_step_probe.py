@@ -26,12 +26,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tiered_kv.copy import BlockCopier, Mechanism, vllm_layer_layout  # noqa: E402
-from tiered_kv.copy.testing import Shape, storages  # noqa: E402
+from tiered_kv.copy.testing import storages  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from probe_report import emit  # noqa: E402
+from probe_report import LLAMA3_8B, emit  # noqa: E402
 
-SHAPE = Shape(layers=32, heads=8, block_size=16, head_dim=128, num_blocks=2048)
+SHAPE = LLAMA3_8B
 N = 512
 REPS = 7
 

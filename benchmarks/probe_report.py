@@ -1,6 +1,6 @@
-"""Shared output of the GPU probes (``copy_probe``, ``host_memory_probe``, ``in_step_probe``).
+"""What the GPU probes (``copy_probe``, ``host_memory_probe``, ``in_step_probe``) share.
 
-``emit`` prints rows as a markdown table and writes them, with the device, date, torch version and
+``LLAMA3_8B``: their block geometry (2 MiB a block, 2,048-block GPU pools). ``emit`` prints rows as a markdown table and writes them, with the device, date, torch version and
 command, as ``<name>.json`` to ``$OUT`` (default: current directory). Threading: plain functions.
 """
 from __future__ import annotations
@@ -11,6 +11,11 @@ import time
 from pathlib import Path
 
 import torch
+
+from tiered_kv.copy.testing import Shape
+
+#: Llama-3-8B-shaped blocks: 32 layers, 8 KV heads, head_dim 128, 16 tokens (bf16: 2 MiB a block)
+LLAMA3_8B = Shape(layers=32, heads=8, block_size=16, head_dim=128, num_blocks=2048)
 
 
 def emit(name: str, rows: list[dict], cols: list[str], **extra) -> Path:
