@@ -14,7 +14,6 @@ import torch
 from tiered_kv.connector.vllm_config import ConnectorConfig, Geometry
 from tiered_kv.connector.vllm_scheduler import CPU, StepPlan
 from tiered_kv.connector.vllm_worker import MAX_AUTO_GROUPS, MIN_GROUP_BYTES, WorkerRuntime, _layer_groups
-from tiered_kv.copy import vllm_layer_layout
 from tiered_kv.keys import Namespace
 from tiered_kv.transfer import EXT, JobKind, TransferJob
 
@@ -135,6 +134,7 @@ def test_load_mode_is_validated(mode):
 def test_fence_cancels_a_queued_store_and_waits_for_a_started_one():
     """A fence waits for a store whose copy began and cancels one still queued behind it."""
     import threading
+    import time
 
     from tiered_kv.transfer import EXT as _EXT
 
@@ -164,9 +164,9 @@ def test_fence_cancels_a_queued_store_and_waits_for_a_started_one():
         assert release.is_set()
         stats = rt.stats()
         assert stats["fences_waited"] == 1 and stats["stores_cancelled"] == 1
-        deadline = __import__("time").monotonic() + 10
+        deadline = time.monotonic() + 10
         reports = {}
-        while len(reports) < 2 and __import__("time").monotonic() < deadline:
+        while len(reports) < 2 and time.monotonic() < deadline:
             reports.update(rt.poll().reports)
         assert reports[1].ok == [True] and reports[2].ok == [False]
         assert torch.count_nonzero(rt.cpu.slab[1]) == 0  # the cancelled store wrote nothing

@@ -68,6 +68,8 @@ MIN_GROUP_BYTES = 32 << 20
 MAX_AUTO_GROUPS = 2
 #: How long a fence lets a queued store start before cancelling it (most are next in line).
 FENCE_PATIENCE_S = 0.002
+#: What a copier call raises when an in-step load cannot start (the load is then retried or failed)
+_START_ERRORS = (BackendUnavailableError, CopyLaunchError, ValueError)
 
 
 @dataclass
@@ -144,6 +146,7 @@ class WorkerRuntime:
         self._sync_loads: list[_SyncLoad] = []
         self._layer_waits: dict[int, list[CopyResult]] = {}  # layer index -> results its forward waits for
         self._layer_index: dict[str, int] = {}
+        self._timing_stream = None  # debug log only: the stream that marks when an in-step load landed
         self._cuda = False
         self._dep_stream = None
         self._mechanism: Mechanism | None = None  # None: the copier chooses per call
@@ -210,7 +213,7 @@ class WorkerRuntime:
             queued = [(job_id, ev) for job_id, ev in fenced if job_id in self._queued_stores]
         pending = {job_id for job_id, ev in fenced if not ev.is_set()}
         t0 = time.perf_counter()
-        deadline = time.perf_counter() + FENCE_PATIENCE_S
+        deadline = t0 + FENCE_PATIENCE_S
         for _, ev in queued:  # most queued stores are about to run: give them a moment
             ev.wait(max(0.0, deadline - time.perf_counter()))
         waits = []
@@ -279,14 +282,14 @@ class WorkerRuntime:
         copier = self._sync_copier
         try:
             load.results = copier.cpu_to_gpu_grouped(slots, gpu, groups, stream=stream, mechanism=self._in_step_mechanism)
-        except (BackendUnavailableError, CopyLaunchError, ValueError) as exc:
+        except _START_ERRORS as exc:
             # once more as one whole copy (the forward then waits for all of it): a load that cannot
             # start at all is reported failed in this step's poll and vLLM recomputes its blocks
             log.warning("TieredKVConnector rank %d: layer-by-layer load of job %d failed to start (%s); "
                         "retrying as one copy", self.rank, job.job_id, exc)
             try:
                 load.results = [copier.cpu_to_gpu(slots, gpu, stream=stream, mechanism=self._in_step_mechanism)]
-            except (BackendUnavailableError, CopyLaunchError, ValueError) as exc2:
+            except _START_ERRORS as exc2:
                 load.error = exc2
                 log.warning("TieredKVConnector rank %d: in-step load of job %d failed: %s", self.rank,
                             job.job_id, exc2)
