@@ -18,7 +18,7 @@ test: setup
 
 test-core:
 	scripts/setup_venvs.sh core
-	.venv/bin/python -m pytest -q tests/unit tests/tiers tests/integration
+	.venv/bin/python -m pytest -q tests/values tests/planner tests/copy tests/tiers tests/store
 
 bench:
 	scripts/setup_venvs.sh core

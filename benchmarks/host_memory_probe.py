@@ -43,7 +43,7 @@ import copy_probe  # noqa: E402
 from probe_report import LLAMA3_8B, emit  # noqa: E402
 from tiered_kv.copy import BlockCopier, vllm_layer_layout  # noqa: E402
 from tiered_kv.copy.testing import storages, vllm033_views  # noqa: E402
-from tiered_kv.layout import BlockLayout  # noqa: E402
+from tiered_kv.values.layout import BlockLayout  # noqa: E402
 from tiered_kv.tiers import cpu as cpu_tier  # noqa: E402
 
 SHAPE = LLAMA3_8B

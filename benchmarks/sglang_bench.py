@@ -33,7 +33,7 @@ from statistics import median
 
 import torch
 
-from tiered_kv.benchmark import drop_cache
+from tiered_kv.cli.bench import drop_cache
 
 LAYERS, HEADS, HEAD_DIM, PAGE, BATCH = 32, 8, 128, 64, 128
 
@@ -128,7 +128,7 @@ def run_layout(directory: Path, layout: str, pages: int) -> dict:
 
 def store_only(directory: Path, pages: int) -> dict:
     """The same pages through ``TieredStore.put``/``get`` alone (no SGLang, no host pool): the adapter's floor."""
-    from tiered_kv.store import TieredStore
+    from tiered_kv.store.tiered_store import TieredStore
 
     shape = (2, PAGE, LAYERS, HEADS, HEAD_DIM)
     batch = min(BATCH, pages)

@@ -16,7 +16,7 @@ run() {  # name, python, args...
   local r=$?
   if [ $r -eq 5 ]; then echo "!!! $name collected no tests"; rc=1; elif [ $r -ne 0 ]; then echo "!!! $name failed (exit $r)"; rc=1; fi
 }
-sglang_tests=$(ls tests/connector/test_sglang_*.py 2>/dev/null)
+sglang_tests=$(ls tests/connector/sglang/test_*.py 2>/dev/null)
 run "core + vLLM connector + reliability" .venv/bin/python -q -rs -p no:cacheprovider tests \
   $(for f in $sglang_tests; do echo --ignore="$f"; done)
 if [ -n "$sglang_tests" ]; then

@@ -6,11 +6,11 @@ Public API: ``TieredStore``, ``StoreConfig``, ``Handle``, ``Namespace``, ``chain
 
 Threading contract: see each module; ``TieredStore`` methods may be called from any thread.
 """
-from .config import StoreConfig
-from .errors import ConfigError, InvalidInputError, StoreClosedError, TieredKVError, TransferTimeout
-from .keys import Namespace, chain_keys
-from .layout import BlockLayout
-from .store import Handle, TieredStore
+from tiered_kv.store.config import StoreConfig
+from tiered_kv.errors import ConfigError, InvalidInputError, StoreClosedError, TieredKVError, TransferTimeout
+from tiered_kv.values.keys import Namespace, chain_keys
+from tiered_kv.values.layout import BlockLayout
+from tiered_kv.store.tiered_store import Handle, TieredStore
 
 __version__ = "0.1.0"
 __all__ = ["TieredStore", "StoreConfig", "Handle", "Namespace", "chain_keys", "BlockLayout", "TieredKVError",

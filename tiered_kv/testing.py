@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from .layout import BlockLayout
-from .tiers.base import Tier
+from tiered_kv.values.layout import BlockLayout
+from tiered_kv.tiers.base import Tier
 
 LAYOUT = BlockLayout((2, 4, 32), "float16")
 

@@ -26,7 +26,7 @@ def _shell_blocks(text: str, needle: str) -> list[str]:
 def test_readme_vllm_serve_command_is_valid():
     from vllm.config import KVTransferConfig
 
-    from tiered_kv.connector.vllm_config import ConnectorConfig
+    from tiered_kv.connector.vllm.config import ConnectorConfig
 
     (block,) = _shell_blocks(README, "vllm serve")
     argv = shlex.split(block.strip())
@@ -61,7 +61,7 @@ def test_sglang_launch_commands_parse(source, tmp_path):
 
     from sglang.srt.server_args import ServerArgs
 
-    from tiered_kv.connector.sglang_config import SGLangBackendConfig
+    from tiered_kv.connector.sglang.config import SGLangBackendConfig
 
     argvs = _launch_argv(source, tmp_path)
     assert argvs, f"no launch command in {source}"

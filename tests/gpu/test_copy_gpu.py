@@ -1,7 +1,7 @@
 """GPU tests of tiered_kv.copy: both mechanisms, every layout and dtype, bit-exact.
 
 The oracle is the CPU fallback run on a CPU twin of the same layout holding the
-same bytes (tests/unit checks the fallback against an address-sorting
+same bytes (tests/copy checks the fallback against an address-sorting
 reference). Destinations are poisoned with fresh random bytes before each run
 and compared whole, so a byte written out of place fails too.
 """

@@ -1,6 +1,6 @@
 """The vLLM worker's in-step loads on CUDA: per-layer events, the engine stream waits per layer.
 
-Runs ``tests/unit/test_vllm_worker_in_step.run_in_step_load`` on CUDA tensors and a pinned slab,
+Runs ``tests/connector/vllm/test_worker_in_step.run_in_step_load`` on CUDA tensors and a pinned slab,
 with the engine's stream kept busy before the load starts: a layer read without waiting for its
 event would see zeros, not the slab's bytes. Sizes make the load cut into several layer groups.
 """
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.unit.test_vllm_worker_in_step import run_in_step_load
-from tiered_kv.connector.vllm_worker import MAX_AUTO_GROUPS, MIN_GROUP_BYTES
+from tests.connector.vllm.test_worker_in_step import run_in_step_load
+from tiered_kv.connector.vllm.worker import MAX_AUTO_GROUPS, MIN_GROUP_BYTES
 
 
 @pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "whole"])

@@ -35,7 +35,7 @@ import torch  # noqa: E402
 from tests.reliability._common import (SHAPE, TORCH_DTYPE, blocks_of, disk_config, key_of,  # noqa: E402
                                        matches)
 from tiered_kv.errors import TieredKVError  # noqa: E402
-from tiered_kv.store import TieredStore  # noqa: E402
+from tiered_kv.store.tiered_store import TieredStore  # noqa: E402
 
 
 def say(line: str) -> None:

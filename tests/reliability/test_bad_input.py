@@ -25,10 +25,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.reliability._common import SHAPE, TORCH_DTYPE, pick
-from tiered_kv.config import StoreConfig
+from tiered_kv.store.config import StoreConfig
 from tiered_kv.errors import RecordError, TieredKVError
-from tiered_kv.record import HEADER_LEN, RecordHeader
-from tiered_kv.store import Handle, TieredStore
+from tiered_kv.values.record import HEADER_LEN, RecordHeader
+from tiered_kv.store.tiered_store import Handle, TieredStore
 
 FUZZ = settings(max_examples=pick(200, 2000), deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])

@@ -32,8 +32,8 @@ import torch
 from tests.reliability._common import (NBYTES, SHAPE, TORCH_DTYPE, blocks_of, child_env, disk_config, key_of,
                                        matches, pick, slot_accounting, worker_cmd)
 from tiered_kv.errors import TieredKVError
-from tiered_kv.record import RecordHeader
-from tiered_kv.store import TieredStore
+from tiered_kv.values.record import RecordHeader
+from tiered_kv.store.tiered_store import TieredStore
 
 N = 120
 PAGE = 4096

@@ -25,7 +25,7 @@ import time
 
 from tests.reliability._common import (LONG, child_env, disk_config, key_of, pick, read_all,
                                        slot_accounting, worker_cmd)
-from tiered_kv.store import TieredStore
+from tiered_kv.store.tiered_store import TieredStore
 from tiered_kv.tiers.disk import DiskTier
 
 ROUNDS = pick(10, 50)

@@ -25,7 +25,7 @@ import pytest
 
 from tests.reliability._common import (blocks_of, child_env, disk_config, key_of, read_all, slot_accounting,
                                        worker_cmd)
-from tiered_kv.store import TieredStore
+from tiered_kv.store.tiered_store import TieredStore
 
 SLOT = 4096
 

@@ -24,15 +24,15 @@ import psutil
 import pytest
 import torch
 
-from tiered_kv.chain import TierChain, TierSpec
-from tiered_kv.transfer import Completion, JobKind
+from tiered_kv.planner.chain import TierChain, TierSpec
+from tiered_kv.values.jobs import Completion, JobKind
 from tests.reliability._common import SHAPE, TORCH_DTYPE, blocks_of, key_of, matches, pick, slope
 
 SECONDS = pick(60, 600)
 
 
 def test_soak_keeps_rss_and_counters_flat(tmp_path):
-    from tiered_kv.store import TieredStore
+    from tiered_kv.store.tiered_store import TieredStore
 
     rng = random.Random(66)
     keys = [key_of(i, b"soak") for i in range(400)]

@@ -30,7 +30,7 @@ import torch
 
 from tests.reliability._common import REPO, SHAPE, TORCH_DTYPE, blocks_of, disk_config, key_of
 from tiered_kv.errors import ConfigError
-from tiered_kv.store import TieredStore
+from tiered_kv.store.tiered_store import TieredStore
 
 BANNED_MODULES = {"pickle", "cPickle", "_pickle", "dill", "marshal", "shelve", "joblib", "cloudpickle"}
 BANNED_CALLS = {"eval", "exec", "compile", "__import__"}

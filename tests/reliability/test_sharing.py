@@ -25,7 +25,7 @@ import time
 
 from tests.reliability._common import (child_env, disk_config, key_of, pick, read_all, slot_accounting,
                                        worker_cmd)
-from tiered_kv.store import TieredStore
+from tiered_kv.store.tiered_store import TieredStore
 
 SECONDS = pick(10, 30)
 WORKERS = 4

@@ -3,7 +3,7 @@
 Role: builds the tensors vLLM and SGLang hand to a connector (same shapes and
 strides as the engines create, without importing either engine), and computes
 what a slot must contain by sorting element addresses: a reference that shares
-no code with ``layouts.py`` / ``segments.py``. Used by tests/unit,
+no code with ``layouts.py`` / ``segments.py``. Used by tests/copy,
 tests/gpu and benchmarks/gpu_copy.py.
 
 Threading: plain functions, no shared state.

@@ -2,6 +2,6 @@
 
 Threading contract: as stated in ``base`` and in each tier's module.
 """
-from .base import Tier
+from tiered_kv.tiers.base import Tier
 
 __all__ = ["Tier"]

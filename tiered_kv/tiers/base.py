@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..layout import BlockLayout
+from tiered_kv.values.layout import BlockLayout
 
 
 class Tier(ABC):

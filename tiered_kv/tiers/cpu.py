@@ -18,9 +18,9 @@ import threading
 
 import torch
 
-from ..errors import ConfigError
-from ..layout import BlockLayout
-from .base import SlabTier
+from tiered_kv.errors import ConfigError
+from tiered_kv.values.layout import BlockLayout
+from tiered_kv.tiers.base import SlabTier
 
 log = logging.getLogger(__name__)
 

@@ -44,10 +44,10 @@ import numpy as np
 import torch
 import zstandard
 
-from ..errors import ConfigError, RecordError, StoreClosedError
-from ..layout import BlockLayout
-from ..record import CODEC_NONE, CODEC_ZSTD, CODECS, RecordHeader, payload_checksum
-from .base import Tier
+from tiered_kv.errors import ConfigError, RecordError, StoreClosedError
+from tiered_kv.values.layout import BlockLayout
+from tiered_kv.values.record import CODEC_NONE, CODEC_ZSTD, CODECS, RecordHeader, payload_checksum
+from tiered_kv.tiers.base import Tier
 
 log = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import ConfigError, InvalidInputError
-from ..layout import BlockLayout
-from .base import SlabTier
+from tiered_kv.errors import ConfigError, InvalidInputError
+from tiered_kv.values.layout import BlockLayout
+from tiered_kv.tiers.base import SlabTier
 
 
 def resolve_device(device: str) -> torch.device:

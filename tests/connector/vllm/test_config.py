@@ -1,0 +1,121 @@
+"""The connector's config, key and capacity rules, without a scheduler (fast)."""
+from __future__ import annotations
+
+import hashlib
+from types import SimpleNamespace
+
+import pytest
+
+from tiered_kv.connector.vllm.config import (
+    ConnectorConfig,
+    Geometry,
+    capacities,
+    hash_identity,
+    namespace,
+    rank_disk_dir,
+)
+from tiered_kv.connector.vllm.scheduler import CPU, DISK, SchedulerPlanner
+from tiered_kv.errors import ConfigError
+from tiered_kv.values.keys import KEY_LEN, PREFIX_LEN, Namespace
+from tiered_kv.values.jobs import Completion
+
+
+def geo(tp: int = 1, k: int = 16, block_bytes: int = 2 << 20) -> Geometry:
+    return Geometry(16, k, ("l0", "l1"), block_bytes, tp, "vllm|test")
+
+
+def test_unknown_key_is_named_with_the_valid_ones():
+    with pytest.raises(ConfigError, match=r"cpu_byte.*valid keys.*cpu_bytes"):
+        ConnectorConfig.from_extra_config({"cpu_byte": "1GiB"})
+
+
+@pytest.mark.parametrize("key,value,needle", [
+    ("cpu_bytes", "lots", "cpu_bytes"), ("eviction", "mru", "eviction"), ("store_policy", "lazy", "store_policy"),
+    ("disk_load_policy", "sometimes", "disk_load_policy"), ("chunk_blocks", 0, "chunk_blocks"),
+    ("disk_read_gbps", -1, "disk_read_gbps"), ("promote_on_hit", "yes", "promote_on_hit"),
+    ("cpu_bytes", 0, "cpu_bytes"),
+])
+def test_bad_values_fail_naming_the_key(key, value, needle):
+    with pytest.raises(ConfigError, match=needle):
+        ConnectorConfig.from_extra_config({key: value})
+
+
+def test_sizes_parse_and_capacities_are_per_engine():
+    cfg = ConnectorConfig.from_extra_config({"cpu_bytes": "64GiB", "disk_path": "/nvme/kv", "disk_bytes": "1TiB"})
+    assert cfg.cpu_bytes == 64 << 30 and cfg.disk_bytes == 1 << 40
+    one, two = capacities(cfg, geo(1)), capacities(cfg, geo(2))
+    assert one == ((64 << 30) // (32 << 20), (1 << 40) // (32 << 20)), one  # 2 MiB blocks, 16 per chunk
+    assert two[0] == one[0] // 2 and two[1] == one[1] // 2  # each rank holds its share of every chunk
+
+
+def test_capacity_smaller_than_a_chunk_is_refused():
+    with pytest.raises(ConfigError, match="smaller than one chunk"):
+        capacities(ConnectorConfig(cpu_bytes="16MiB"), geo())
+
+
+def test_namespace_key_equals_its_definition():
+    """The scheduler keys blocks with Namespace.key (cached keyed hasher): it must equal the plain form."""
+    ns = Namespace("m", 7, "salt", (("hash", "sha256"),))
+    for h in (b"\x00" * 32, bytes(range(32)), b"short"):
+        assert ns.key(h) == ns.prefix + hashlib.blake2b(h, digest_size=KEY_LEN - PREFIX_LEN, key=ns.prefix).digest()
+
+
+def test_namespace_separates_models_seeds_chunking_and_ranks_get_own_dirs():
+    cfg = ConnectorConfig(disk_path="/nvme/kv")
+    stable = SimpleNamespace(algo="sha256", seed="env:0", stable=True)
+    a = namespace(cfg, geo(), "m1", stable)
+    assert a.prefix != namespace(cfg, geo(), "m2", stable).prefix
+    assert a.prefix != namespace(cfg, geo(k=8), "m1", stable).prefix
+    assert a.prefix != namespace(cfg, geo(), "m1", SimpleNamespace(algo="sha256", seed="env:1", stable=True)).prefix
+    assert rank_disk_dir(cfg, a, 0, 2) != rank_disk_dir(cfg, a, 1, 2)
+    assert rank_disk_dir(ConnectorConfig(), a, 0, 1) is None
+
+
+def test_pythonhashseed_makes_hashes_stable():
+    ident = hash_identity("xxhash", env={"PYTHONHASHSEED": "0"})
+    assert ident.stable and ident.seed == "env:0"
+
+
+def test_unseeded_xxhash_is_unstable():
+    pytest.importorskip("vllm")
+    assert not hash_identity("xxhash", env={}).stable
+
+
+def _store(planner: SchedulerPlanner, keys: list[bytes]) -> None:
+    """Put ``keys`` in the CPU tier through the chain's own put/complete path."""
+    for job in planner.chain.put(keys, handle=10**9):
+        planner.chain.complete(Completion(job.job_id, [True] * len(job)))
+    planner.chain.take_finished()
+
+
+def _request(n_tokens: int, rid: str = "r"):
+    hashes = [bytes([i % 256]) * 32 for i in range(n_tokens // 16)]
+    return SimpleNamespace(request_id=rid, block_hashes=hashes, num_tokens=n_tokens, num_prompt_tokens=n_tokens)
+
+
+@pytest.mark.parametrize("policy,gbps,probe,expect_chunks", [
+    ("never", 100.0, 32, 1), ("always", 0.001, 32, 3), ("auto", 100.0, 32, 3), ("auto", 0.001, 32, 1),
+    ("auto", 0.001, 1, 3),  # every declined hit is a probe: the slow disk is read (and measured) anyway
+])
+def test_disk_hits_are_taken_only_when_worth_it(policy, gbps, probe, expect_chunks):
+    cfg = ConnectorConfig(disk_path="/x", disk_load_policy=policy, disk_read_gbps=gbps, chunk_blocks=4,
+                          disk_probe_every=probe)
+    g = geo(k=4, block_bytes=128 << 10)
+    planner = SchedulerPlanner(cfg, g, Namespace("m"), cpu_chunks=8, disk_chunks=8)
+    req = _request(16 * 16 + 5)
+    keys = planner._chunk_keys(planner._state(req), 3)
+    planner.chain.adopt(DISK, keys[1:])  # chunks 1 and 2 sit on disk (a reopened tier)
+    _store(planner, keys[:1])  # chunk 0 in the CPU tier
+    assert planner.chain.locate(keys) == [CPU, DISK, DISK]
+    assert planner.match(req, 0) == expect_chunks * 4 * 16
+
+
+def test_n_minus_one_rule_never_reports_the_whole_prompt():
+    cfg = ConnectorConfig(chunk_blocks=1)
+    planner = SchedulerPlanner(cfg, geo(k=1), Namespace("m"), cpu_chunks=64, disk_chunks=0)
+    req = _request(4 * 16)
+    keys = planner._chunk_keys(planner._state(req), 4)
+    _store(planner, keys)
+    assert planner.match(req, 0) == 3 * 16  # 4 blocks held, the last one is recomputed
+    assert planner.match(req, 16) == 2 * 16
+    assert planner.match(req, 8) == 0  # a local hit inside a block: no external hit

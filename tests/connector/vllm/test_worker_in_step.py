@@ -1,0 +1,177 @@
+"""The vLLM worker's in-step loads, driven directly (no vLLM needed): ``WorkerRuntime`` over
+per-layer KV tensors, a ``StepPlan`` with one in-step load, and a "forward" that reads each layer
+on the engine's stream right after ``wait_layer`` -- the order vLLM's attention layers use.
+
+``run_in_step_load`` is shared with ``tests/gpu/test_vllm_worker_gpu.py``, which runs it on CUDA
+tensors and a pinned slab (there the waits are GPU-side events and the test fails if a layer is
+read before its bytes landed); here it runs on CPU tensors, where the copy is synchronous.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tiered_kv.connector.vllm.config import ConnectorConfig, Geometry
+from tiered_kv.connector.vllm.scheduler import CPU, StepPlan
+from tiered_kv.connector.vllm.worker import MAX_AUTO_GROUPS, MIN_GROUP_BYTES, WorkerRuntime, _layer_groups
+from tiered_kv.values.keys import Namespace
+from tiered_kv.values.jobs import EXT, JobKind, TransferJob
+
+BS, K = 16, 4
+
+
+def make_runtime(device: str, layers: int, heads: int, head_dim: int, num_blocks: int, cpu_chunks: int,
+                 load_mode: str = "sync", cross_layer: bool = False, **extra):
+    """A rank-0 ``WorkerRuntime`` registered on fresh ``(num_blocks, H, BS, 2D)`` bf16 layer tensors.
+
+    ``cross_layer``: the layer tensors are views of one ``(num_blocks, layers, H, BS, 2D)`` tensor
+    (vLLM 0.26's cross-layer KV cache, as ``register_cross_layers_kv_cache`` binds it). ``extra``:
+    more ``ConnectorConfig`` keys.
+    """
+    names = tuple(f"model.layers.{i}.self_attn.attn" for i in range(layers))
+    block_nbytes = layers * heads * BS * 2 * head_dim * 2
+    geo = Geometry(BS, K, names, block_nbytes, 1, "test")
+    cfg = ConnectorConfig(chunk_blocks=K, cpu_bytes=cpu_chunks * K * block_nbytes, load_mode=load_mode, **extra)
+    rt = WorkerRuntime(cfg, geo, Namespace("test"), 0, cpu_chunks, 0)
+    if cross_layer:
+        whole = torch.zeros((num_blocks, layers, heads, BS, 2 * head_dim), dtype=torch.bfloat16, device=device)
+        kv = {n: whole[:, i] for i, n in enumerate(names)}
+    else:
+        kv = {n: torch.zeros((num_blocks, heads, BS, 2 * head_dim), dtype=torch.bfloat16, device=device)
+              for n in names}
+    rt.register(kv)
+    return rt, kv, names
+
+
+def run_in_step_load(device: str, layers: int = 4, heads: int = 2, head_dim: int = 64, chunks: int = 3,
+                     layerwise: bool = True, slow_stream: bool = False, cross_layer: bool = False, **extra) -> dict:
+    """Load ``chunks`` chunks from CPU slots into scattered GPU blocks in-step; check every layer as read.
+
+    Returns the worker's stats. With ``slow_stream`` (CUDA only) the engine's stream is kept busy
+    before the load starts, so a read that did not wait would see the old (zero) bytes.
+    """
+    num_blocks = chunks * K * 2 + 3
+    rt, kv, names = make_runtime(device, layers, heads, head_dim, num_blocks, cpu_chunks=chunks + 2,
+                                 load_mode="layerwise" if layerwise else "sync", cross_layer=cross_layer, **extra)
+    try:
+        gen = torch.Generator().manual_seed(5)
+        slab = rt.cpu.slab
+        slots = [chunks + 1 - c for c in range(chunks)]  # not in order
+        slab[slots] = torch.randint(0, 256, (chunks, slab.shape[1]), dtype=torch.uint8, generator=gen)
+        gpu = torch.randperm(num_blocks, generator=gen)[:chunks * K].tolist()
+        gpu[1] = -1  # a block held locally already: must stay untouched
+        job = TransferJob(7, JobKind.EGRESS, CPU, EXT, [b"k%d" % c for c in range(chunks)], slots,
+                          list(range(chunks)))
+        plan = StepPlan(1, early=[job], ext={7: gpu}, sync=[7])
+        rt.on_plan(plan)
+        if slow_stream:
+            a = torch.randn(4096, 4096, device=device)
+            for _ in range(12):
+                a = a @ a / 64.0  # the engine stream is busy: the load must queue behind this
+        rt.before_forward(layerwise_ok=layerwise)
+        seen = []
+        for name in names:  # what vLLM's attention layers do, layer by layer, on the engine stream
+            rt.wait_layer(name)
+            seen.append(kv[name].clone())
+        result = rt.poll()
+        assert result.reports[7].ok == [True] * chunks and not result.invalid_block_ids
+        assert not result.finished_recving  # vLLM never waits for an in-step load
+        want_layer = rt.kv.maps[0].nbytes
+        for li, name in enumerate(names):
+            got = seen[li].cpu()
+            for i, g in enumerate(gpu):
+                block = got[g].contiguous().view(torch.uint8).reshape(-1) if g >= 0 else None
+                if g < 0:
+                    continue
+                row = slab[slots[i // K]].view(K, -1)[i % K]
+                want = row[li * want_layer:(li + 1) * want_layer]
+                assert torch.equal(block, want), f"layer {li} block {g} (item {i}) read before it landed or wrong"
+        assert rt.idle()
+        return rt.stats()
+    finally:
+        rt.close()
+
+
+@pytest.mark.parametrize("cross_layer", [False, True], ids=["per-layer", "cross-layer"])
+def test_in_step_load_on_cpu_is_bit_exact_and_reported(cross_layer):
+    stats = run_in_step_load("cpu", layerwise=False, cross_layer=cross_layer)
+    assert stats["sync_loads"] == 1 and stats["bytes_loaded"] == (3 * K - 1) * 4 * 2 * BS * 128 * 2
+
+
+def test_layer_groups_follow_the_load_size_and_the_key():
+    rt, _, _ = make_runtime("cpu", layers=32, heads=1, head_dim=8, num_blocks=4, cpu_chunks=1)
+    try:
+        assert MAX_AUTO_GROUPS == 2
+        assert _layer_groups(rt.kv, 1) == [(0, 32)]  # small: one piece
+        assert _layer_groups(rt.kv, MIN_GROUP_BYTES) == [(0, 32)]
+        assert _layer_groups(rt.kv, 1000 * MIN_GROUP_BYTES) == [(0, 16), (16, 32)]  # at most MAX_AUTO_GROUPS
+        assert _layer_groups(rt.kv, 1, wanted=3) == [(0, 11), (11, 22), (22, 32)]  # the key wins over the size
+        assert _layer_groups(rt.kv, 1, wanted=32) == [(i, i + 1) for i in range(32)]
+        assert _layer_groups(rt.kv, 1, wanted=99) == [(i, i + 1) for i in range(32)]  # at most one per layer
+    finally:
+        rt.close()
+
+
+def test_load_groups_and_in_step_copy_keys_are_validated():
+    assert ConnectorConfig(load_groups=4).load_groups == 4
+    for bad in (-1, 1.5, True, 5000):
+        with pytest.raises(Exception, match="load_groups"):
+            ConnectorConfig(load_groups=bad)
+    assert ConnectorConfig(in_step_copy="sm_kernel").in_step_copy == "sm_kernel"
+    with pytest.raises(Exception, match="in_step_copy"):
+        ConnectorConfig(in_step_copy="dma")
+
+
+@pytest.mark.parametrize("mode", ["layerwise", "sync", "async", "eager"])
+def test_load_mode_is_validated(mode):
+    if mode == "eager":
+        with pytest.raises(Exception, match="load_mode"):
+            ConnectorConfig(load_mode=mode)
+    else:
+        assert ConnectorConfig(load_mode=mode).load_mode == mode
+
+
+def test_fence_cancels_a_queued_store_and_waits_for_a_started_one():
+    """A fence waits for a store whose copy began and cancels one still queued behind it."""
+    import threading
+    import time
+
+    from tiered_kv.values.jobs import EXT as _EXT
+
+    rt, kv, names = make_runtime("cpu", layers=2, heads=1, head_dim=8, num_blocks=16, cpu_chunks=4)
+    release, entered = threading.Event(), threading.Event()
+    copy = rt._copy
+
+    def held_copy(copier, job, src, dst, to_cpu):  # the first store's copy waits until released
+        if job.job_id == 1:
+            entered.set()
+            assert release.wait(10)
+        return copy(copier, job, src, dst, to_cpu)
+
+    rt._copy = held_copy
+    try:
+        for name in names:
+            kv[name].copy_(torch.randint(-100, 100, kv[name].shape).to(kv[name].dtype))
+        rt.cpu.slab.zero_()
+        a = TransferJob(1, JobKind.INGRESS, _EXT, CPU, [b"a"], [0], [0])
+        b = TransferJob(2, JobKind.INGRESS, _EXT, CPU, [b"b"], [0], [1])
+        rt.on_plan(StepPlan(1, stores=[a, b], ext={1: list(range(K)), 2: list(range(K, 2 * K))}))
+        rt.after_forward()
+        assert entered.wait(10)  # store 1 is copying; store 2 is queued behind it on the front mover
+        rt.on_plan(StepPlan(2, fences=[1, 2]))
+        threading.Timer(0.2, release.set).start()
+        rt.fence()  # returns once store 1 finished; store 2 is cancelled, not waited for
+        assert release.is_set()
+        stats = rt.stats()
+        assert stats["fences_waited"] == 1 and stats["stores_cancelled"] == 1
+        deadline = time.monotonic() + 10
+        reports = {}
+        while len(reports) < 2 and time.monotonic() < deadline:
+            reports.update(rt.poll().reports)
+        assert reports[1].ok == [True] and reports[2].ok == [False]
+        assert torch.count_nonzero(rt.cpu.slab[1]) == 0  # the cancelled store wrote nothing
+        assert torch.count_nonzero(rt.cpu.slab[0]) > 0
+        assert rt.idle()
+    finally:
+        release.set()
+        rt.close()

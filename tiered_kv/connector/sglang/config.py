@@ -1,0 +1,132 @@
+"""Translate SGLang's HiCache storage config into tiered_kv's, in one place.
+
+SGLang hands the backend ``HiCacheStorageConfig`` (ranks, model name, MLA flag) plus
+``extra_config``: the parsed ``--hicache-storage-backend-extra-config`` JSON. That dict
+mixes SGLang's own keys (which SGLang reads, and which we accept and ignore) with ours.
+Ours are validated here, once, when SGLang builds the backend: an unknown key fails the
+server at start with a message that names it and lists the valid ones.
+
+Threading contract: pure functions and frozen values; safe from any thread.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, fields
+
+from tiered_kv.errors import ConfigError
+from tiered_kv.planner.policy import POLICIES
+from tiered_kv.values.record import CODECS
+from tiered_kv.values.units import parse_size
+
+#: Keys SGLang itself reads from the extra config (or that its dynamic loader needs).
+#: They reach the backend and are ignored here.
+SGLANG_KEYS = frozenset({
+    "backend_name", "module_path", "class_name", "interface_v1",
+    "prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
+    "hicache_storage_pass_prefix_keys", "tp_lcm_size", "file_storage_path",
+})
+
+
+@dataclass(frozen=True)
+class SGLangBackendConfig:
+    """Our keys in ``--hicache-storage-backend-extra-config`` (see docs/sglang.md for the table)."""
+
+    disk_path: str | None = None
+    disk_bytes: int = 64 << 30
+    cpu_bytes: int = 0
+    compression: str = "none"
+    eviction: str = "lru"
+    disk_sync: bool = False
+    disk_workers: int = 2
+    tenant_salt: str = ""
+    model: str = ""
+    reader_refresh_s: float = 0.0
+    radix_pages: int = 1 << 20
+    chunk_pages: int = 16
+
+    def __post_init__(self) -> None:
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
+        set_("disk_bytes", parse_size(self.disk_bytes, "disk_bytes"))
+        set_("cpu_bytes", parse_size(self.cpu_bytes, "cpu_bytes"))
+        if self.disk_path is not None:
+            if not isinstance(self.disk_path, str) or not self.disk_path:
+                raise ConfigError(f"disk_path: expected a directory path, got {self.disk_path!r}")
+            set_("disk_path", os.path.expanduser(self.disk_path))
+        if self.disk_path is None and self.cpu_bytes == 0:
+            raise ConfigError("tiered_kv needs somewhere to keep pages: set disk_path (and disk_bytes), "
+                              "or cpu_bytes for a memory-only store")
+        if not isinstance(self.compression, str) or self.compression not in CODECS:
+            raise ConfigError(f"compression: unknown value {self.compression!r}; valid: {sorted(CODECS)}")
+        if not isinstance(self.eviction, str) or self.eviction not in POLICIES:
+            raise ConfigError(f"eviction: unknown value {self.eviction!r}; valid: {sorted(POLICIES)}")
+        if not isinstance(self.disk_sync, bool):
+            raise ConfigError(f"disk_sync: expected true or false, got {self.disk_sync!r}")
+        for key, lo, hi in (("disk_workers", 1, 64), ("radix_pages", 0, 1 << 30), ("chunk_pages", 1, 1024)):
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+                raise ConfigError(f"{key}: expected an int in [{lo}, {hi}], got {v!r}")
+        for key in ("tenant_salt", "model"):
+            if not isinstance(getattr(self, key), str):
+                raise ConfigError(f"{key}: expected a string, got {getattr(self, key)!r}")
+        r = self.reader_refresh_s
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r <= 3600:
+            raise ConfigError(f"reader_refresh_s: expected seconds in [0, 3600], got {r!r}")
+
+    @classmethod
+    def valid_keys(cls) -> list[str]:
+        """Our key names."""
+        return [f.name for f in fields(cls)]
+
+    @classmethod
+    def from_extra_config(cls, extra: dict | None) -> "SGLangBackendConfig":
+        """Pick our keys out of SGLang's extra config; unknown keys raise ConfigError naming them."""
+        extra = dict(extra or {})
+        ours = set(cls.valid_keys())
+        unknown = sorted((k for k in extra if k not in ours and k not in SGLANG_KEYS), key=repr)
+        if unknown:
+            raise ConfigError(f"tiered_kv SGLang backend: unknown extra-config key(s) {unknown}; "
+                              f"tiered_kv keys: {sorted(ours)}; SGLang keys (ignored): {sorted(SGLANG_KEYS)}")
+        return cls(**{k: v for k, v in extra.items() if k in ours})
+
+
+@dataclass(frozen=True)
+class Scope:
+    """Who this backend instance is: the parts of SGLang's config that name its pages."""
+
+    model: str
+    is_mla: bool
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    cp_rank: int
+    cp_size: int
+    is_writer: bool
+
+    def extras(self) -> dict[str, str]:
+        """Namespace extras: TP rank only for MHA (MLA pages are the same on every rank); PP and CP when used."""
+        out: dict[str, str] = {"engine": "sglang"}
+        if not self.is_mla:
+            out["tp"] = f"{self.tp_rank}of{self.tp_size}"
+        if self.pp_size > 1:
+            out["pp"] = f"{self.pp_rank}of{self.pp_size}"
+        if self.cp_size > 1:
+            out["cp"] = f"{self.cp_rank}of{self.cp_size}"
+        return out
+
+    def dir_name(self, layout_tag: str, ns_hex: str) -> str:
+        """Disk sub-directory for this scope: readable parts plus the namespace prefix (unique and stable)."""
+        parts = [self.model or "model", layout_tag.replace("sglang:", "")]
+        parts += [f"{k}{v}" for k, v in sorted(self.extras().items()) if k != "engine"]
+        safe = re.sub(r"[^A-Za-z0-9._-]+", "_", "-".join(parts))[:120]
+        return f"{safe}-{ns_hex[:12]}"
+
+
+def scope_from(storage_config: object, model_override: str) -> Scope:
+    """A ``Scope`` from SGLang's ``HiCacheStorageConfig``."""
+    c = storage_config
+    model = model_override or (c.model_name or "")
+    return Scope(model=model, is_mla=bool(c.is_mla_model), tp_rank=int(c.tp_rank), tp_size=int(c.tp_size),
+                 pp_rank=int(c.pp_rank), pp_size=int(c.pp_size), cp_rank=int(c.attn_cp_rank),
+                 cp_size=int(c.attn_cp_size), is_writer=bool(c.is_storage_writer))

@@ -1,0 +1,389 @@
+"""``TieredKVConnector``: tiered_kv as a vLLM KV connector (vLLM 0.26 - 0.33), no patch to vLLM.
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector":"TieredKVConnector",
+      "kv_connector_module_path":"tiered_kv.connector.vllm","kv_role":"kv_both",
+      "kv_connector_extra_config":{"cpu_bytes":"64GiB","disk_path":"/nvme/kv","disk_bytes":"1TiB"}}'
+
+The class is a thin adapter. In the scheduler role (vLLM's EngineCore process) it wraps a
+``SchedulerPlanner`` (``vllm_scheduler.py``): lookups, load and store planning, completions.
+In the worker role (one per GPU worker / TP rank) it wraps a ``WorkerRuntime``
+(``vllm_worker.py``): the rank's CPU slab and disk tiers and the movers that copy between
+them and vLLM's KV tensors. The two talk only through ``TieredKVMetadata`` (a ``StepPlan``,
+scheduler -> workers, pickled by vLLM every step) and ``TieredKVWorkerMeta`` (per-job reports,
+workers -> scheduler, merged over ranks by vLLM's ``KVOutputAggregator``).
+
+Version notes: only hooks present in both 0.26 and 0.33 are relied on (``get_finished``, not
+``get_transfer_results``; ``start_load_kv(**kwargs)``; ``bind_gpu_block_pool`` is not used).
+``handle_preemptions`` (fences) is optional: the fences also run in ``start_load_kv``.
+
+Threading contract: vLLM calls scheduler-role methods on the EngineCore scheduler thread and
+worker-role methods on the worker's model-runner thread; each role's state is touched by that
+thread only (the worker's movers synchronize through ``WorkerRuntime``'s lock).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from tiered_kv.errors import ConfigError
+from tiered_kv.metrics import make_registry, serve
+from tiered_kv.connector.vllm.config import (
+    UNSTABLE_HASH_WARNING,
+    ConnectorConfig,
+    capacities,
+    geometry,
+    hash_identity,
+    namespace,
+    rank_disk_dir,
+)
+from tiered_kv.connector.vllm.scheduler import JobReport, SchedulerPlanner, StepPlan
+from tiered_kv.connector.vllm.worker import WorkerRuntime
+
+log = logging.getLogger(__name__)
+
+__all__ = ["TieredKVConnector", "TieredKVMetadata", "TieredKVWorkerMeta", "TieredKVStats"]
+
+
+@dataclass
+class TieredKVMetadata(KVConnectorMetadata):
+    """Scheduler -> workers, once per step: the step's plan."""
+
+    plan: StepPlan
+
+
+@dataclass
+class TieredKVWorkerMeta(KVConnectorWorkerMetadata):
+    """Workers -> scheduler, once per step: outcomes of the jobs this rank finished."""
+
+    reports: dict[int, JobReport] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.reports)
+
+    def aggregate(self, other: "KVConnectorWorkerMetadata") -> "TieredKVWorkerMeta":
+        """Merge another rank's reports (vLLM calls this across TP workers)."""
+        if not isinstance(other, TieredKVWorkerMeta):
+            raise ConfigError(f"cannot aggregate TieredKVWorkerMeta with {type(other).__name__}")
+        for job_id, rep in other.reports.items():
+            mine = self.reports.get(job_id)
+            if mine is None:
+                self.reports[job_id] = JobReport(rep.count, list(rep.ok), list(rep.corrupt), rep.nbytes, rep.seconds)
+            else:
+                mine.merge(rep)
+        return self
+
+
+@dataclass
+class TieredKVStats(KVConnectorStats):
+    """Connector stats: plain numbers (bytes, seconds, counts) summed over workers and intervals."""
+
+    def reset(self) -> None:
+        """Start a new interval."""
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> "TieredKVStats":
+        """Sum another worker's numbers into these."""
+        for k, v in (other.data or {}).items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        """The interval's totals, plus load/store GB/s where time was spent."""
+        out = dict(self.data)
+        for what in ("load", "store"):
+            secs = out.get(f"{what}_seconds", 0.0)
+            if secs:
+                out[f"{what}_gbps"] = round(out.get(f"bytes_{what}ed", 0) / secs / 1e9, 3)
+        return out
+
+    def is_empty(self) -> bool:
+        """True when nothing moved in the interval."""
+        return not any(self.data.values())
+
+
+def _log_from_env() -> None:
+    """``TIERED_KV_LOG=debug|info|warning`` sends tiered_kv's own log to stderr at that level (once)."""
+    level = os.environ.get("TIERED_KV_LOG", "").upper()
+    root = logging.getLogger("tiered_kv")
+    if level in ("DEBUG", "INFO", "WARNING", "ERROR") and not any(getattr(h, "_tkv", False) for h in root.handlers):
+        handler = logging.StreamHandler()
+        handler._tkv = True
+        handler.setFormatter(logging.Formatter("%(created).3f tiered_kv %(levelname)s %(message)s"))
+        root.addHandler(handler)
+        root.setLevel(level)
+
+
+def worker_rank() -> int:
+    """This worker's tensor-parallel rank (0 when vLLM's TP group is not set up, e.g. in tests)."""
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    try:
+        return int(get_tensor_model_parallel_rank())
+    except AssertionError:  # "tensor model parallel group is not initialized"
+        return 0
+
+
+def _timed_hook(fn):
+    """Debug log only: say when one of vLLM's worker-side hooks held vLLM's thread over 1 ms."""
+    name = fn.__name__
+
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        if not log.isEnabledFor(logging.DEBUG):
+            return fn(self, *args, **kwargs)
+        t0 = time.perf_counter()
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            ms = (time.perf_counter() - t0) * 1e3
+            if ms > 1.0:
+                log.debug("%s held vLLM's thread %.1f ms", name, ms)
+
+    return wrapper
+
+
+class TieredKVConnector(KVConnectorBase_V1):
+    """tiered_kv's vLLM connector: GPU blocks <-> pinned CPU <-> disk, keyed by vLLM's block hashes."""
+
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        _log_from_env()
+        if kv_cache_config is None:
+            raise ConfigError("TieredKVConnector needs vLLM's kv_cache_config (vLLM >= 0.26)")
+        self.cfg = ConnectorConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
+        self.geo = geometry(vllm_config, kv_cache_config, self.cfg.chunk_blocks)
+        self.ident = hash_identity(str(vllm_config.cache_config.prefix_caching_hash_algo))
+        if not self.ident.stable:
+            if self.cfg.disk_path is not None:
+                log.warning(UNSTABLE_HASH_WARNING, self.ident.algo)
+            self.ident = type(self.ident)(self.ident.algo, "unstable", False)
+        self.ns = namespace(self.cfg, self.geo, str(vllm_config.model_config.model), self.ident)
+        cpu_chunks, disk_chunks = capacities(self.cfg, self.geo)
+        self._stats_sent: dict[str, float] = {}
+        self._out_reports: dict[int, JobReport] = {}
+        self._out_invalid: set[int] = set()
+        self.planner: SchedulerPlanner | None = None
+        self.worker: WorkerRuntime | None = None
+        self._prom_snapshot: dict = {}
+        self._prom_at = 0.0
+        if role == KVConnectorRole.SCHEDULER:
+            self.planner = SchedulerPlanner(self.cfg, self.geo, self.ns, cpu_chunks, disk_chunks,
+                                            self._adoptable_keys(disk_chunks))
+            if self.cfg.metrics_port is not None:
+                self._prom_snapshot = self.planner.store_stats()
+                # the HTTP thread reads a snapshot the scheduler thread replaces: the planner is not thread-safe
+                serve(make_registry(lambda: self._prom_snapshot, "vllm"), self.cfg.metrics_port)
+        else:
+            self.worker = WorkerRuntime(self.cfg, self.geo, self.ns, worker_rank(), cpu_chunks, disk_chunks)
+            if not self.ident.stable and self.worker.disk is not None:
+                self.worker.disk.delete(self.worker.disk.stored_keys())  # unnameable after a restart
+
+    def _adoptable_keys(self, disk_chunks: int) -> list[bytes]:
+        """Keys every rank's disk directory holds from a previous engine (read-only open)."""
+        if not disk_chunks or not self.ident.stable:
+            return []
+        from tiered_kv.tiers.disk import DiskTier  # lazily: needs lmdb and zstandard
+
+        common: dict[bytes, None] | None = None
+        for rank in range(self.geo.tp_size):
+            path = rank_disk_dir(self.cfg, self.ns, rank, self.geo.tp_size)
+            if not (path / "index").exists():
+                return []
+            tier = DiskTier(self.geo.rank_layout(rank), path, 0, readonly=True)
+            try:
+                keys = tier.stored_keys()
+            finally:
+                tier.close()
+            common = dict.fromkeys(keys) if common is None else {k: None for k in keys if k in common}
+        return list(common or ())
+
+    # ================================================================== scheduler role
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens the tiers can load beyond the local hit, and whether the load is asynchronous.
+
+        CPU-tier hits load inside the step by default (``load_mode`` "layerwise": vLLM schedules
+        the request at once and the forward waits for each layer's bytes); disk hits always load
+        asynchronously, between steps.
+        """
+        n = self.planner.match(request, num_computed_tokens)
+        return n, n > 0 and self.planner.load_async(request)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        """Plan loads into the blocks vLLM allocated for an external hit."""
+        ids = blocks.get_block_ids()[0] if num_external_tokens > 0 else ()
+        self.planner.allocated(request, ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        """This step's plan for the workers."""
+        plan = self.planner.build(scheduler_output)
+        if self.cfg.metrics_port is not None and time.monotonic() - self._prom_at > 1.0:
+            self._prom_at = time.monotonic()
+            self._prom_snapshot = self.planner.store_stats()
+        return TieredKVMetadata(plan)
+
+    def update_connector_output(self, connector_output) -> None:
+        """Apply the workers' job reports (merged over ranks by vLLM)."""
+        wm = connector_output.kv_connector_worker_meta
+        if isinstance(wm, TieredKVWorkerMeta) and wm.reports:
+            self.planner.apply_reports(wm.reports)
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        """Forget the request; never delays vLLM's block frees (fences protect in-flight copies)."""
+        self.planner.finished(request, block_ids)
+        return False, None
+
+    def has_pending_push_work(self) -> bool:
+        """True while planned jobs wait to be handed to the workers (vLLM >= 0.33 keeps stepping)."""
+        return self.planner.has_pending_work_to_ship()
+
+    def take_events(self):
+        """No KV-cache events yet."""
+        return ()
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A cache: a dropped store is a future miss, never an error."""
+        return False
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config) -> str | None:
+        """No layout wish: every per-layer layout is copied correctly (its order is in the key namespace)."""
+        return None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict | None = None) -> KVConnectorStats | None:
+        """Rebuild stats shipped as a dict."""
+        return TieredKVStats(data=dict(data)) if data is not None else TieredKVStats()
+
+    def stats(self) -> dict:
+        """Our own state for tests and logs: planner state (scheduler) or rank counters (worker)."""
+        return self.planner.stats() if self.planner is not None else self.worker.stats()
+
+    # ================================================================== worker role
+    @property
+    def prefer_cross_layer_blocks(self) -> bool:
+        """vLLM 0.26: ask for one KV tensor with each block contiguous across layers (NHD layout only).
+
+        A block is then one 2 MiB copy run (Llama-3-8B) instead of one 64 KiB run per layer: 32x
+        fewer driver descriptors per load or store. The slot bytes are the same as with per-layer
+        NHD tensors (layer-major, each layer in N,H,C order), so CPU and disk records are
+        interchangeable. With HND the cross-layer tensor puts heads outside layers, which would
+        cut a block into 8 KiB pieces: keep per-layer tensors then. vLLM 0.33 never asks.
+        """
+        cfg = getattr(self, "cfg", None)
+        if cfg is None or not cfg.cross_layer_blocks:
+            return False
+        try:
+            from vllm.v1.attention.backends.utils import get_kv_cache_layout
+
+            return get_kv_cache_layout() == "NHD"
+        except Exception:  # noqa: BLE001 - no layout helper in this vLLM: keep per-layer tensors
+            return False
+
+    def register_cross_layers_kv_cache(self, kv_cache, attn_backend) -> None:
+        """vLLM 0.26: bind the cross-layer KV tensor through per-layer views of it (vLLM's own mapping)."""
+        order = tuple(attn_backend.get_kv_cache_stride_order(include_num_layers_dimension=True))
+        if len(order) != kv_cache.dim():
+            raise ConfigError(f"TieredKVConnector: cross-layer KV tensor of shape {tuple(kv_cache.shape)} does not "
+                              f"match the stride order {order} of {getattr(attn_backend, '__name__', attn_backend)}; "
+                              f"set kv_connector_extra_config cross_layer_blocks=false")
+        logical = kv_cache.permute(*[order.index(i) for i in range(len(order))])  # (layers, per-layer shape)
+        views = {}
+        for i, t in enumerate(self._kv_cache_config.kv_cache_tensors):
+            for name in (getattr(t, "shared_by", None) or getattr(t, "layers", None) or ()):
+                views[name] = logical[i]
+        log.info("TieredKVConnector: cross-layer KV tensor %s bound as %d per-layer views",
+                 tuple(kv_cache.shape), len(views))
+        self.worker.register(views)
+
+    def register_kv_caches(self, kv_caches) -> None:
+        """Bind vLLM's per-layer KV tensors."""
+        self.worker.register(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Take this step's plan."""
+        super().bind_connector_metadata(connector_metadata)
+        if isinstance(connector_metadata, TieredKVMetadata):
+            self.worker.on_plan(connector_metadata.plan)
+
+    @_timed_hook
+    def handle_preemptions(self, kv_connector_metadata=None, *args, **kwargs) -> None:
+        """Before the batch is updated: wait for copies touching re-allocated blocks."""
+        if isinstance(kv_connector_metadata, TieredKVMetadata):
+            self.worker.on_plan(kv_connector_metadata.plan)
+            self.worker.fence()
+
+    @_timed_hook
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        """Start this step's loads and tier moves; in-step loads start before the forward reads them."""
+        self.worker.before_forward(layerwise_ok=_runs_attention_eagerly(forward_context))
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Make the forward's stream wait until this layer's in-step loads have landed (no host wait)."""
+        self.worker.wait_layer(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
+        """Stores are whole-block, after the forward (``wait_for_save``)."""
+
+    @_timed_hook
+    def wait_for_save(self) -> None:
+        """Start this step's stores; returns at once."""
+        self.worker.after_forward()
+
+    @_timed_hook
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose loads all landed on this rank (stores never delay frees)."""
+        res = self.worker.poll()
+        self._out_reports.update(res.reports)
+        self._out_invalid |= res.invalid_block_ids
+        return None, (res.finished_recving or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """GPU blocks this rank's loads could not fill (vLLM recomputes them)."""
+        out, self._out_invalid = self._out_invalid, set()
+        return out
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """This step's job reports for the planner."""
+        if not self._out_reports:
+            return None
+        out, self._out_reports = self._out_reports, {}
+        return TieredKVWorkerMeta(out)
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """Bytes and seconds moved since the last call (worker), or None (scheduler)."""
+        if self.worker is None:
+            return None
+        now = {k: v for k, v in self.worker.stats().items() if k in _FLOW_KEYS}
+        delta = {k: v - self._stats_sent.get(k, 0) for k, v in now.items()}
+        self._stats_sent = now
+        return TieredKVStats(data=delta) if any(delta.values()) else None
+
+    def shutdown(self) -> None:
+        """Finish queued jobs and close the tiers (worker)."""
+        if self.worker is not None:
+            self.worker.close()
+
+
+def _runs_attention_eagerly(forward_context) -> bool:
+    """True when this step's attention layers run outside a captured CUDA graph, so vLLM calls
+    ``wait_for_layer_load`` for each (no forward context, or a full-graph replay: False)."""
+    mode = getattr(forward_context, "cudagraph_runtime_mode", None)
+    return getattr(mode, "name", None) in ("NONE", "PIECEWISE")
+
+
+_FLOW_KEYS = ("bytes_loaded", "bytes_stored", "bytes_to_disk", "bytes_from_disk", "load_seconds",
+              "store_seconds", "failed_items", "corrupt_items")

@@ -1,0 +1,621 @@
+"""Worker side of the vLLM connector: this rank's tiers and movers over vLLM's KV tensors.
+
+``WorkerRuntime`` holds one TP rank's CPU slab tier and (optionally) disk tier, and runs the
+jobs of each ``StepPlan`` the scheduler-side planner sends:
+
+- GPU edge (one "front" mover thread; every ``BlockCopier`` call happens on it): stores
+  (``INGRESS``: GPU blocks -> CPU slots) and loads (``EGRESS``: CPU slots or disk records ->
+  GPU blocks, disk reads staged through a small slab);
+- CPU<->disk edge (``disk_workers`` threads): demotions, write-through copies, promotions,
+  deletes.
+
+A completed job is reported once, in the next ``poll``: its per-item outcome goes back to the
+planner (``JobReport``), a request whose loads all finished goes into ``finished_recving``,
+and GPU blocks a load could not fill go into the load-error set (vLLM then recomputes them).
+
+In-step loads (``StepPlan.sync``: CPU-tier hits vLLM scheduled in this very step) do not go
+through the front mover: ``before_forward`` hands them to a second copier on vLLM's thread,
+layer group by layer group, each group with its own CUDA event; ``wait_layer`` (vLLM's
+``wait_for_layer_load``) makes the forward's stream wait for that layer's event, so layer 0
+computes while later layers are still crossing PCIe. Where vLLM may replay a full CUDA graph
+(no per-layer calls), the forward's stream waits for the whole load before it starts. ``poll``
+of the same step waits for the bytes and reports the job, so vLLM learns of a failed in-step
+load in the step that read it.
+
+Ordering on CUDA: a store starts after an event recorded on the engine's current stream at
+``after_forward`` (the KV it reads has been written); a load starts after an event recorded
+at ``before_forward``'s submission point (after vLLM's block zeroing). A fence waits on the
+CPU until the fenced job finished, so a re-allocated block is never overwritten under a copy.
+
+Threading contract: ``register``/``on_plan``/``before_forward``/``wait_layer``/``after_forward``/
+``poll``/``stats``/``close`` run on vLLM's worker thread (the model runner). Mover threads only run
+``_execute`` and ``_on_done``; the completed list and job events are shared under ``_lock``.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from tiered_kv.copy import BackendUnavailableError, BlockCopier, CopyLaunchError, CopyResult, Mechanism, allocate_slab, \
+    vllm_layer_layout
+from tiered_kv.errors import ConfigError
+from tiered_kv.values.keys import Namespace
+from tiered_kv.tiers.cpu import CpuTier
+from tiered_kv.values.jobs import Completion, JobKind, TransferJob
+from tiered_kv.movers.mover import Mover
+from tiered_kv.connector.vllm.config import ConnectorConfig, Geometry, disk_slot_nbytes, rank_disk_dir
+from tiered_kv.connector.vllm.scheduler import CPU, DISK, JobReport, StepPlan
+
+if TYPE_CHECKING:
+    from tiered_kv.tiers.disk import DiskTier
+
+log = logging.getLogger(__name__)
+
+_FRONT_KINDS = (JobKind.INGRESS, JobKind.EGRESS)
+#: An in-step load is cut into layer groups of at least this many bytes: each group costs a
+#: driver call and an event (~50-100 us of submitter time), so a small load goes in one piece.
+MIN_GROUP_BYTES = 32 << 20
+#: At most this many layer groups by default (``load_groups`` = 0). The load is submitted on vLLM's
+#: thread before the forward is launched, so every group's driver calls and event delay the launch;
+#: with few new tokens the forward's GPU work after the last group is small anyway. H200, vLLM 0.26
+#: (per-layer KV tensors, 16,384 64 KiB runs per 1 GiB load), turn-2 TTFT of benchmarks/vllm_ttft.py:
+#: 0.0343 / 0.0335 / 0.0649 / 0.0387 s with 1 / 2 / 8 / 32 groups (the call held vLLM's thread
+#: ~10 ms with 2 groups, ~13 ms with 32). More groups pay off when a step computes many new tokens.
+MAX_AUTO_GROUPS = 2
+#: How long a fence lets a queued store start before cancelling it (most are next in line).
+FENCE_PATIENCE_S = 0.002
+#: What a copier call raises when an in-step load cannot start (the load is then retried or failed)
+_START_ERRORS = (BackendUnavailableError, CopyLaunchError, ValueError)
+
+
+@dataclass
+class _SyncLoad:
+    """An in-step load: its job, the per-group copy results and when it started."""
+
+    job: TransferJob
+    results: list[CopyResult]
+    nbytes: int
+    started: float
+    error: BaseException | None = None
+    marks: tuple | None = None  # debug log only: CUDA timing events (submission point, landed)
+
+
+@dataclass
+class PollResult:
+    """What one ``poll`` hands back to vLLM (through the connector) and to the planner."""
+
+    reports: dict[int, JobReport] = field(default_factory=dict)
+    finished_recving: set[str] = field(default_factory=set)
+    invalid_block_ids: set[int] = field(default_factory=set)
+
+
+@dataclass
+class WorkerCounters:
+    """Bytes and seconds moved by this rank since start (monotonic)."""
+
+    bytes_loaded: int = 0
+    bytes_stored: int = 0
+    bytes_to_disk: int = 0
+    bytes_from_disk: int = 0
+    load_seconds: float = 0.0
+    store_seconds: float = 0.0
+    failed_items: int = 0
+    corrupt_items: int = 0
+    fences_waited: int = 0
+    stores_cancelled: int = 0
+    sync_loads: int = 0
+    sync_load_groups: int = 0
+
+
+class WorkerRuntime:
+    """One TP rank's tiers, movers and job bookkeeping."""
+
+    def __init__(self, cfg: ConnectorConfig, geo: Geometry, ns: Namespace, rank: int,
+                 cpu_chunks: int, disk_chunks: int) -> None:
+        self.cfg, self.geo, self.rank = cfg, geo, rank
+        self.k = geo.chunk_blocks
+        self.layout = geo.rank_layout(rank)  # one row = one chunk of this rank's share
+        self.cpu = CpuTier(self.layout, cpu_chunks * geo.rank_chunk_nbytes)
+        self.disk: DiskTier | None = None
+        path = rank_disk_dir(cfg, ns, rank, geo.tp_size)
+        if path is not None and disk_chunks:
+            from tiered_kv.tiers.disk import DiskTier  # lazily: needs lmdb and zstandard, a CPU-only setup does not
+
+            self.disk = DiskTier(self.layout, path, disk_chunks * disk_slot_nbytes(geo), cfg.compression,
+                                 cfg.zstd_level, cfg.disk_sync)
+        self.counters = WorkerCounters()
+        self._lock = threading.Lock()
+        self._completed: list[tuple[TransferJob, Completion]] = []
+        self._events: dict[int, threading.Event] = {}
+        self._cuda_events: dict[int, object] = {}  # job id -> torch.cuda.Event the job must wait for
+        self._queued_stores: dict[int, int] = {}  # store job -> items, submitted, GPU read not started
+        self._cancelled: set[int] = set()  # queued store jobs a fence cancelled
+        self._ext: dict[int, list[int]] = {}  # job id -> its items' GPU block ids, k per item (-1 = skip)
+        self._load_reqs: dict[str, set[int]] = {}  # request -> load job ids not finished yet
+        self._job_req: dict[int, str] = {}
+        self._pending_fail: dict[str, list[int]] = {}
+        self._plan: StepPlan | None = None
+        self._early_done = self._stores_done = self._fenced = True
+        self.copier: BlockCopier | None = None
+        self._staging_copier: BlockCopier | None = None
+        self._sync_copier: BlockCopier | None = None  # in-step loads, on vLLM's thread
+        self._sync_loads: list[_SyncLoad] = []
+        self._layer_waits: dict[int, list[CopyResult]] = {}  # layer index -> results its forward waits for
+        self._layer_index: dict[str, int] = {}
+        self._timing_stream = None  # debug log only: the stream that marks when an in-step load landed
+        self._cuda = False
+        self._dep_stream = None
+        self._mechanism: Mechanism | None = None  # None: the copier chooses per call
+        self.front = Mover(f"vllm-gpu-r{rank}", self._execute, self._on_done, workers=1)
+        self.back = (Mover(f"vllm-disk-r{rank}", self._execute, self._on_done, workers=cfg.disk_workers)
+                     if self.disk is not None else None)
+
+    # ------------------------------------------------------------------ set-up
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Bind vLLM's per-layer KV tensors (``register_kv_caches``); checks the block size agrees."""
+        missing = [n for n in self.geo.layer_names if n not in kv_caches]
+        if missing:
+            raise ConfigError(f"TieredKVConnector: register_kv_caches lacks layers {missing[:4]} of the KV cache "
+                              f"group ({len(missing)} missing)")
+        kv = vllm_layer_layout([kv_caches[n] for n in self.geo.layer_names], name="vllm")
+        if kv.block_nbytes != self.geo.rank_block_nbytes:
+            raise ConfigError(f"TieredKVConnector: a GPU block is {kv.block_nbytes} bytes on rank {self.rank} but "
+                              f"the KV cache spec says {self.geo.rank_block_nbytes}; unsupported KV layout")
+        self.kv = kv
+        self._cuda = kv.device.type == "cuda"
+        if self._cuda:
+            self.cpu.wait_pinned()  # the copy path needs page-locked rows
+        # The copier addresses blocks: view each chunk row as k block rows.
+        self.copier = BlockCopier(kv, self.cpu.slab.view(-1, kv.block_nbytes))
+        if self.cfg.load_mode != "async":
+            # In-step loads plan and submit on vLLM's own thread, before the forward is launched: from
+            # a submitter thread they fought vLLM's eager forward for the GIL and the H200 load took
+            # 31-64 ms instead of ~21 (turn-2 TTFT 0.043-0.048 s against 0.034-0.039 s).
+            self._sync_copier = BlockCopier(kv, self.cpu.slab.view(-1, kv.block_nbytes), threaded_submit=False)
+        self._layer_index = {n: i for i, n in enumerate(self.geo.layer_names)}  # tensor i = layer i
+        self._timing_stream = torch.cuda.Stream(kv.device) if self._cuda and log.isEnabledFor(logging.DEBUG) else None
+        staging = allocate_slab(self.cfg.staging_chunks * self.k, kv.block_nbytes, pin=self._cuda)
+        self._staging_copier = BlockCopier(kv, staging)
+        self._staging_rows = staging.view(self.cfg.staging_chunks, self.layout.nbytes)
+        log.info("TieredKVConnector rank %d: %d layers, %d B/block, %d-block chunks, %d CPU chunk slots, disk %s",
+                 self.rank, len(kv.tensors), kv.block_nbytes, self.k, self.cpu.capacity,
+                 self.disk.path if self.disk is not None else "off")
+
+    # ------------------------------------------------------------------ per step
+    def on_plan(self, plan: StepPlan) -> None:
+        """Take this step's plan (``bind_connector_metadata``); idempotent for the same plan."""
+        if plan is self._plan:
+            return
+        with self._lock:
+            self._ext.update(plan.ext)
+        self._plan = plan
+        self._early_done = self._stores_done = self._fenced = False
+
+    def fence(self) -> None:
+        """Make every fenced job done with GPU memory (``handle_preemptions``).
+
+        A store still queued behind other jobs gets ``FENCE_PATIENCE_S`` to start; one that has
+        not started by then is cancelled (its items fail, nothing is written and the planner frees
+        their CPU slots): a cache may drop a store, and waiting for a long queue held vLLM's thread
+        15-68 ms per step on the H200 with the disk tier on. A load, or a store whose copy began,
+        is waited for.
+        """
+        plan = self._plan
+        if plan is None or self._fenced or not plan.fences:
+            return
+        self._fenced = True  # the plan is shared data (one object per rank in-process): never edit it
+        with self._lock:
+            fenced = [(job_id, ev) for job_id in plan.fences if (ev := self._events.get(job_id)) is not None]
+            queued = [(job_id, ev) for job_id, ev in fenced if job_id in self._queued_stores]
+        pending = {job_id for job_id, ev in fenced if not ev.is_set()}
+        t0 = time.perf_counter()
+        deadline = t0 + FENCE_PATIENCE_S
+        for _, ev in queued:  # most queued stores are about to run: give them a moment
+            ev.wait(max(0.0, deadline - time.perf_counter()))
+        waits = []
+        with self._lock:
+            for job_id, ev in fenced:
+                items = self._queued_stores.pop(job_id, None)
+                if items is not None:
+                    self._cancelled.add(job_id)
+                    pending.discard(job_id)
+                    self.counters.stores_cancelled += items
+                    log.debug("rank %d: fence cancelled queued store job %d", self.rank, job_id)
+                else:
+                    waits.append(ev)
+        self.counters.fences_waited += len(pending)  # fenced jobs not done when the fence began
+        for ev in waits:
+            ev.wait()
+        if pending:
+            log.debug("rank %d: fence waited %.1f ms for %d job(s)", self.rank, (time.perf_counter() - t0) * 1e3,
+                      len(pending))
+
+    def before_forward(self, layerwise_ok: bool = False) -> None:
+        """Submit loads and tier moves (``start_load_kv``); idempotent per step.
+
+        In-step loads start here, ordered after the work already on vLLM's stream (block
+        zeroing). ``layerwise_ok``: vLLM will call ``wait_layer`` for every attention layer of
+        this step's forward; otherwise the forward's stream waits for the whole load now.
+        """
+        if self._early_done or self._plan is None:
+            return
+        self.fence()
+        self._early_done = True
+        plan = self._plan
+        for rid, blocks in plan.load_fail.items():
+            self._pending_fail.setdefault(rid, []).extend(blocks)
+        for rid, ids in plan.loads.items():
+            pending = self._load_reqs.setdefault(rid, set())
+            pending.update(ids)
+            for j in ids:
+                self._job_req[j] = rid
+        if plan.sync:
+            sync = set(plan.sync)
+            layerwise = layerwise_ok and self.cfg.load_mode == "layerwise"
+            for job in plan.early:
+                if job.job_id in sync:
+                    self._start_sync(job, layerwise)
+            self._submit([j for j in plan.early if j.job_id not in sync])
+        else:
+            self._submit(plan.early)
+
+    def _start_sync(self, job: TransferJob, layerwise: bool) -> None:
+        """Start one in-step load on vLLM's thread: layer groups in order, one event each."""
+        with self._lock:
+            self._events[job.job_id] = threading.Event()
+        gpu, slots = self._flat(job, job.src_slots)
+        load = _SyncLoad(job, [], len(gpu) * self.kv.block_nbytes, time.perf_counter())
+        self._sync_loads.append(load)
+        if not gpu:
+            return
+        stream = torch.cuda.current_stream(self.kv.device) if self._cuda else None
+        # one group when the forward waits for the whole load: block-major runs, merged across layers
+        groups = (_layer_groups(self.kv, load.nbytes, self.cfg.load_groups)
+                  if layerwise and self._cuda else [(0, len(self.kv.tensors))])
+        if self._timing_stream is not None:
+            load.marks = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            load.marks[0].record(stream)
+        copier = self._sync_copier
+        try:
+            load.results = copier.cpu_to_gpu_grouped(slots, gpu, groups, stream=stream, mechanism=self._in_step_mechanism)
+        except _START_ERRORS as exc:
+            # once more as one whole copy (the forward then waits for all of it): a load that cannot
+            # start at all is reported failed in this step's poll and vLLM recomputes its blocks
+            log.warning("TieredKVConnector rank %d: layer-by-layer load of job %d failed to start (%s); "
+                        "retrying as one copy", self.rank, job.job_id, exc)
+            try:
+                load.results = [copier.cpu_to_gpu(slots, gpu, stream=stream, mechanism=self._in_step_mechanism)]
+            except _START_ERRORS as exc2:
+                load.error = exc2
+                log.warning("TieredKVConnector rank %d: in-step load of job %d failed: %s", self.rank,
+                            job.job_id, exc2)
+                return
+            groups = [(0, len(self.kv.tensors))]
+        self.counters.sync_loads += 1
+        self.counters.sync_load_groups += len(groups)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("rank %d job %d in-step load started: %d blocks in %d groups, layerwise=%s, call %.2f ms",
+                      self.rank, job.job_id, len(gpu), len(groups), layerwise,
+                      (time.perf_counter() - load.started) * 1e3)
+        if not self._cuda:
+            return  # the CPU copy is done already
+        if load.marks is not None:
+            _stream_waits(load.results[-1:], self._timing_stream)
+            load.marks[1].record(self._timing_stream)
+        if layerwise and len(groups) > 1:
+            bounds = [b for _, b in groups]
+            g = 0
+            for layer in range(len(self.kv.tensors)):
+                while layer >= bounds[g]:
+                    g += 1
+                self._layer_waits.setdefault(layer, []).append(load.results[g])
+        else:
+            self._wait_all(load, stream)
+
+    @property
+    def _in_step_mechanism(self) -> Mechanism | None:
+        """``in_step_copy``: the SM kernel where asked for and on CUDA, else what the movers use."""
+        if self._cuda and self.cfg.in_step_copy == "sm_kernel":
+            return Mechanism.SM_KERNEL
+        return self._mechanism
+
+    def _wait_all(self, load: _SyncLoad, stream) -> None:
+        """Make ``stream`` wait for every group of ``load`` (groups land in order: the last one suffices)."""
+        try:
+            load.results[-1].wait_on(stream)
+        except CopyLaunchError as exc:
+            load.error = exc
+
+    def wait_layer(self, layer_name: str) -> None:
+        """``wait_for_layer_load``: vLLM's stream waits (on the GPU) for this layer's in-step loads."""
+        if not self._layer_waits:
+            return
+        layer = self._layer_index.get(layer_name, -1)
+        waits = self._layer_waits.pop(layer, None)
+        if not waits:
+            return
+        t0 = time.perf_counter()
+        _stream_waits(waits, torch.cuda.current_stream(self.kv.device))
+        if log.isEnabledFor(logging.DEBUG) and (layer == 0 or not self._layer_waits):
+            log.debug("rank %d layer %d: forward waits for its in-step load (host waited %.2f ms for submission)",
+                      self.rank, layer, (time.perf_counter() - t0) * 1e3)
+
+    def after_forward(self) -> None:
+        """Submit stores of this step's KV (``wait_for_save``, or ``get_finished`` without a forward)."""
+        self.before_forward()
+        if self._stores_done or self._plan is None:
+            return
+        self._stores_done = True
+        self._submit(self._plan.stores)
+
+    def _submit(self, jobs: list[TransferJob]) -> None:
+        if not jobs:
+            return
+        ev = None
+        if self._cuda:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.kv.device))
+        for job in jobs:
+            with self._lock:
+                self._events[job.job_id] = threading.Event()
+                if ev is not None and job.kind in _FRONT_KINDS:
+                    self._cuda_events[job.job_id] = ev
+                if job.kind is JobKind.INGRESS:
+                    self._queued_stores[job.job_id] = len(job)
+            if job.kind in _FRONT_KINDS or self.back is None:
+                self.front.submit(job)
+            else:
+                self.back.submit(job)
+
+    def poll(self) -> PollResult:
+        """Drain completed jobs into reports, finished loads and failed GPU blocks (``get_finished``)."""
+        self.after_forward()
+        if self._sync_loads:
+            self._finish_sync()
+        with self._lock:
+            done, self._completed = self._completed, []
+            for job, _ in done:
+                self._events.pop(job.job_id, None)
+        out = PollResult()
+        for job, c in done:
+            out.reports[job.job_id] = JobReport(1, list(c.ok), list(c.corrupt), c.nbytes, c.seconds)
+            ext = self._ext.pop(job.job_id, None)
+            if job.kind is JobKind.EGRESS and ext is not None:
+                k = self.k
+                out.invalid_block_ids.update(g for i, ok in enumerate(c.ok) if not ok
+                                             for g in ext[i * k:(i + 1) * k] if g >= 0)
+            rid = self._job_req.pop(job.job_id, None)
+            if rid is not None:
+                pending = self._load_reqs.get(rid)
+                if pending is not None:
+                    pending.discard(job.job_id)
+        for rid in [r for r, p in self._load_reqs.items() if not p]:
+            del self._load_reqs[rid]
+            out.finished_recving.add(rid)
+            log.debug("rank %d: load of %s done, reported to vLLM", self.rank, rid)
+            out.invalid_block_ids.update(self._pending_fail.pop(rid, ()))
+        return out
+
+    def _finish_sync(self) -> None:
+        """Wait for this step's in-step loads to land and queue their completions (vLLM's thread).
+
+        The forward already waits for these bytes on the GPU, so waiting here costs the host at
+        most the rest of the forward; it lets a failure reach vLLM in the step that read the blocks.
+        """
+        loads, self._sync_loads = self._sync_loads, []
+        forward_done = None
+        if any(load.marks is not None for load in loads):
+            forward_done = torch.cuda.Event(enable_timing=True)
+            forward_done.record(torch.cuda.current_stream(self.kv.device))
+        if self._layer_waits:  # a layer vLLM never waited for (not one of ours): order later work anyway
+            stream = torch.cuda.current_stream(self.kv.device)
+            for waits in self._layer_waits.values():
+                _stream_waits(waits, stream)
+            self._layer_waits.clear()
+        for load in loads:
+            if load.error is None and load.results:
+                try:
+                    load.results[-1].wait()
+                except CopyLaunchError as exc:
+                    load.error = exc
+            job, n = load.job, len(load.job)
+            secs = time.perf_counter() - load.started
+            if load.error is not None:
+                log.warning("TieredKVConnector rank %d: in-step load of job %d failed: %s", self.rank, job.job_id,
+                            load.error)
+                done = Completion(job.job_id, [False] * n, [False] * n, 0, secs)
+            else:
+                done = Completion(job.job_id, [True] * n, [False] * n, load.nbytes, secs)
+                log.debug("rank %d job %d in-step load: %d blocks in %d groups, host saw it done %.1f ms after "
+                          "the call", self.rank, job.job_id, load.nbytes // self.kv.block_nbytes,
+                          len(load.results), secs * 1e3)
+                if load.marks is not None and forward_done is not None:
+                    forward_done.synchronize()
+                    landed = load.marks[0].elapsed_time(load.marks[1])
+                    log.debug("rank %d job %d on the GPU: landed %.2f ms after the submission point (%.1f GB/s), "
+                              "step's forward done at %.2f ms", self.rank, job.job_id, landed,
+                              load.nbytes / landed / 1e6, load.marks[0].elapsed_time(forward_done))
+            self._count(job, done.nbytes, secs, done.ok, done.corrupt)
+            self._on_done(job, done)
+
+    def idle(self) -> bool:
+        """True when no job is queued, running or unreported on this rank."""
+        with self._lock:
+            return not self._events and not self._load_reqs
+
+    # ------------------------------------------------------------------ mover side
+    def _on_done(self, job: TransferJob, done: Completion) -> None:
+        with self._lock:
+            self._completed.append((job, done))
+            self._cuda_events.pop(job.job_id, None)
+            ev = self._events.get(job.job_id)
+        if ev is not None:
+            ev.set()
+
+    def _execute(self, job: TransferJob) -> Completion:
+        t0 = time.perf_counter()
+        n = len(job)
+        ok, corrupt = [True] * n, [False] * n
+        kind = job.kind
+        if kind is JobKind.DELETE:
+            self.disk.delete(job.keys)
+            return Completion(job.job_id, ok, corrupt)
+        if kind is JobKind.INGRESS:
+            with self._lock:
+                cancelled = job.job_id in self._cancelled
+                self._cancelled.discard(job.job_id)
+                self._queued_stores.pop(job.job_id, None)  # from here on a fence waits for it
+            if cancelled:
+                return Completion(job.job_id, [False] * n, [False] * n, 0, time.perf_counter() - t0)
+            gpu, slots = self._flat(job, job.dst_slots)
+            self._copy(self.copier, job, gpu, slots, to_cpu=True)
+        elif kind is JobKind.EGRESS and job.src_tier == CPU:
+            gpu, slots = self._flat(job, job.src_slots)
+            self._copy(self.copier, job, slots, gpu, to_cpu=False)
+        elif kind is JobKind.EGRESS:
+            ok, corrupt = self._disk_to_gpu(job)
+        elif job.src_tier == CPU and job.dst_tier == DISK:  # DEMOTE, COPY_DOWN
+            ok = self.disk.write(job.keys, job.dst_slots, self.cpu.slab[job.src_slots])
+        elif job.src_tier == DISK and job.dst_tier == CPU:  # PROMOTE
+            rows = torch.empty((n, self.layout.nbytes), dtype=torch.uint8)
+            ok, corrupt = self.disk.read(job.keys, job.src_slots, rows)
+            good = [i for i in range(n) if ok[i]]
+            if good:
+                self.cpu.slab[[job.dst_slots[i] for i in good]] = rows[good]
+        else:
+            raise ConfigError(f"job {job.job_id}: unexpected {kind.name} from tier {job.src_tier} to {job.dst_tier}")
+        secs = time.perf_counter() - t0
+        nbytes = sum(ok) * self.layout.nbytes
+        log.debug("rank %d job %d %s %d->%d: %d items in %.1f ms (%.1f GB/s)", self.rank, job.job_id, kind.name,
+                  job.src_tier, job.dst_tier, n, secs * 1e3, nbytes / secs / 1e9 if secs else 0.0)
+        self._count(job, nbytes, secs, ok, corrupt)
+        return Completion(job.job_id, ok, corrupt, nbytes, secs)
+
+    def _flat(self, job: TransferJob, chunk_slots: list[int], items=None) -> tuple[list[int], list[int]]:
+        """GPU block ids and block-row slots of ``job``'s items (all, or ``items``), skipping -1 blocks."""
+        with self._lock:
+            ext = self._ext[job.job_id]
+        k = self.k
+        gpu: list[int] = []
+        rows: list[int] = []
+        for i in (range(len(job)) if items is None else items):
+            base = chunk_slots[i] * k
+            for j, g in enumerate(ext[i * k:(i + 1) * k]):
+                if g >= 0:
+                    gpu.append(g)
+                    rows.append(base + j)
+        return gpu, rows
+
+    def _copy(self, copier: BlockCopier, job: TransferJob, src: list[int], dst: list[int], to_cpu: bool) -> None:
+        if not src:
+            return
+        stream = self._wait_stream(job)
+        copy = copier.gpu_to_cpu if to_cpu else copier.cpu_to_gpu
+        try:
+            res = copy(src, dst, stream=stream, mechanism=self._mechanism)
+        except BackendUnavailableError as exc:
+            if self._mechanism is not None:
+                raise
+            # e.g. no cuda-python for the copy engine: the SM kernel (Triton, shipped with vLLM) still works
+            log.warning("TieredKVConnector rank %d: %s; using the SM-kernel copy from now on", self.rank, exc)
+            self._mechanism = Mechanism.SM_KERNEL
+            res = copy(src, dst, stream=stream, mechanism=self._mechanism)
+        res.wait()
+
+    def _wait_stream(self, job: TransferJob):
+        if not self._cuda:
+            return None
+        with self._lock:
+            ev = self._cuda_events.get(job.job_id)
+        if self._dep_stream is None:  # only the front mover thread gets here
+            self._dep_stream = torch.cuda.Stream(device=self.kv.device)
+        stream = self._dep_stream
+        if ev is not None:
+            stream.wait_event(ev)
+        return stream
+
+    def _disk_to_gpu(self, job: TransferJob) -> tuple[list[bool], list[bool]]:
+        """Read records into the staging slab a few chunks at a time and load each batch into its GPU blocks."""
+        n = len(job)
+        ok, corrupt = [False] * n, [False] * n
+        rows = self._staging_rows
+        step = rows.shape[0]
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
+            part_ok, part_bad = self.disk.read(job.keys[lo:hi], job.src_slots[lo:hi], rows[:hi - lo])
+            ok[lo:hi], corrupt[lo:hi] = part_ok, part_bad
+            good = [lo + i for i in range(hi - lo) if part_ok[i]]
+            if good:
+                local = list(range(-lo, n - lo))  # staging row of item i is i - lo
+                gpu, slots = self._flat(job, local, good)
+                self._copy(self._staging_copier, job, slots, gpu, to_cpu=False)
+        return ok, corrupt
+
+    def _count(self, job: TransferJob, nbytes: int, secs: float, ok: list[bool], corrupt: list[bool]) -> None:
+        c = self.counters
+        with self._lock:
+            c.failed_items += len(ok) - sum(ok)
+            c.corrupt_items += sum(corrupt)
+            if job.kind is JobKind.EGRESS:
+                c.bytes_loaded += nbytes
+                c.load_seconds += secs
+            elif job.kind is JobKind.INGRESS:
+                c.bytes_stored += nbytes
+                c.store_seconds += secs
+            if job.dst_tier == DISK:
+                c.bytes_to_disk += nbytes
+            if job.src_tier == DISK:
+                c.bytes_from_disk += nbytes
+
+    # ------------------------------------------------------------------ stats and shutdown
+    def stats(self) -> dict:
+        """Counters plus queue depths (for vLLM's connector stats and tests)."""
+        with self._lock:
+            d = dict(vars(self.counters))
+            d["jobs_unreported"] = len(self._events)
+            d["loads_pending_requests"] = len(self._load_reqs)
+        d["front_queue"] = self.front.depth
+        d["disk_queue"] = self.back.depth if self.back is not None else 0
+        return d
+
+    def close(self) -> None:
+        """Finish queued jobs, stop the movers, flush and close the tiers."""
+        if self._sync_loads:
+            self._finish_sync()
+        self.front.close()
+        if self.back is not None:
+            self.back.close()
+        if self.disk is not None:
+            self.disk.flush()
+            self.disk.close()
+        self.cpu.close()
+
+
+def _stream_waits(results: list[CopyResult], stream) -> None:
+    """Make ``stream`` wait for each copy; a copy that failed to start is skipped here (the load
+    carries the same error on its last result, and ``poll`` reports the load as failed)."""
+    for res in results:
+        try:
+            res.wait_on(stream)
+        except CopyLaunchError:
+            pass
+
+
+def _layer_groups(kv, nbytes: int, wanted: int = 0) -> list[tuple[int, int]]:
+    """Consecutive tensor groups for an in-step load of ``nbytes``.
+
+    ``wanted`` (the ``load_groups`` key) > 0 fixes the count (at most one group per tensor);
+    0 takes as many as ``MIN_GROUP_BYTES`` allows, at most ``MAX_AUTO_GROUPS``.
+    """
+    layers = len(kv.tensors)
+    if wanted > 0:
+        count = min(layers, wanted)
+    else:
+        count = max(1, min(layers, nbytes // MIN_GROUP_BYTES, MAX_AUTO_GROUPS))
+    per = -(-layers // count)
+    return [(a, min(layers, a + per)) for a in range(0, layers, per)]

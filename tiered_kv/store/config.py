@@ -1,0 +1,143 @@
+"""Configuration: one frozen dataclass, built from a dict, JSON or YAML with strict validation.
+
+Unknown keys are an error that names the key and lists the valid ones; sizes accept
+``"64GiB"``-style strings; every value is checked at construction, so a bad config fails
+when the store (or the engine using it) starts, not on the first transfer.
+
+Threading contract: immutable values; safe from any thread.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import yaml
+
+from tiered_kv.errors import ConfigError
+from tiered_kv.values.layout import normalize_dtype
+from tiered_kv.planner.policy import POLICIES, WRITE_POLICIES
+from tiered_kv.values.record import CODECS
+from tiered_kv.values.units import parse_size
+
+_SIZE_KEYS = ("gpu_bytes", "cpu_bytes", "disk_bytes")
+DISK_ROLES = ("writer", "reader")
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Everything a ``TieredStore`` needs. See the README's configuration table for each key."""
+
+    block_shape: tuple[int, ...] = (2, 16, 8, 64)
+    dtype: str = "bfloat16"
+    page_size: int = 16
+    layout_tag: str = ""
+    model: str = ""
+    tenant_salt: str = ""
+    gpu_bytes: int = 0
+    device: str = "auto"
+    cpu_bytes: int = 1 << 30
+    pin_memory: bool | None = None
+    disk_path: str | None = None
+    disk_bytes: int = 10 << 30
+    compression: str = "none"
+    zstd_level: int = 1
+    disk_sync: bool = False
+    disk_workers: int = 2
+    disk_role: str = "writer"
+    namespace_extra: dict = field(default_factory=dict)
+    eviction: str = "lru"
+    write_policy: str = "write_back"
+    promote_on_hit: bool = True
+    metrics_port: int | None = None
+    extra: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
+        shape = self.block_shape
+        if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
+            raise ConfigError(f"block_shape: expected a list of positive ints, got {shape!r}")
+        shape = tuple(shape)
+        if not shape or any(not isinstance(d, int) or isinstance(d, bool) or d <= 0 for d in shape):
+            raise ConfigError(f"block_shape: expected a non-empty list of positive ints, got {list(shape)!r}")
+        set_("block_shape", shape)
+        set_("dtype", normalize_dtype(self.dtype))
+        for key in _SIZE_KEYS:
+            set_(key, parse_size(getattr(self, key), key))
+        _check_int(self.page_size, "page_size", 1)
+        _check_int(self.zstd_level, "zstd_level", -7, 22)
+        _check_int(self.disk_workers, "disk_workers", 1, 64)
+        for key in ("layout_tag", "model", "tenant_salt", "device"):
+            if not isinstance(getattr(self, key), str):
+                raise ConfigError(f"{key}: expected a string, got {getattr(self, key)!r}")
+        for key in ("disk_sync", "promote_on_hit"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"{key}: expected true or false, got {getattr(self, key)!r}")
+        if self.pin_memory is not None and not isinstance(self.pin_memory, bool):
+            raise ConfigError(f"pin_memory: expected true, false or null (auto), got {self.pin_memory!r}")
+        _check_choice(self.compression, "compression", CODECS)
+        _check_choice(self.disk_role, "disk_role", DISK_ROLES)
+        extra = self.namespace_extra
+        if not isinstance(extra, dict) or not all(isinstance(k, str) and isinstance(v, (str, int))
+                                                  and not isinstance(v, bool) for k, v in extra.items()):
+            raise ConfigError(f"namespace_extra: expected a mapping of names to strings or ints, got {extra!r}")
+        set_("namespace_extra", {k: str(v) for k, v in extra.items()})
+        _check_choice(self.eviction, "eviction", POLICIES)
+        _check_choice(self.write_policy, "write_policy", WRITE_POLICIES)
+        if self.metrics_port is not None:
+            _check_int(self.metrics_port, "metrics_port", 1, 65535)
+        if self.disk_path is not None:
+            if not isinstance(self.disk_path, (str, os.PathLike)) or not str(self.disk_path):
+                raise ConfigError(f"disk_path: expected a directory path or null, got {self.disk_path!r}")
+            set_("disk_path", str(self.disk_path))
+        if self.gpu_bytes == 0 and self.cpu_bytes == 0 and self.disk_path is None:
+            raise ConfigError("no tier configured: set at least one of gpu_bytes, cpu_bytes or disk_path")
+
+    @classmethod
+    def valid_keys(cls) -> list[str]:
+        """Names accepted by ``from_dict``."""
+        return [f.name for f in fields(cls) if f.name != "extra"]
+
+    @classmethod
+    def from_dict(cls, data: dict, *, allow: tuple[str, ...] = ()) -> "StoreConfig":
+        """Build from a mapping. Unknown keys raise ConfigError, except those in ``allow`` (kept in ``extra``)."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"config must be a mapping, got {type(data).__name__}")
+        valid = set(cls.valid_keys())
+        unknown = sorted((k for k in data if k not in valid and k not in allow), key=repr)
+        if unknown:
+            raise ConfigError(f"unknown config key(s) {unknown}; valid keys: {sorted(valid)}")
+        known = {k: v for k, v in data.items() if k in valid}
+        extra = {k: v for k, v in data.items() if k in allow}
+        return cls(**known, extra=extra)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> "StoreConfig":
+        """Build from a ``.json``, ``.yaml`` or ``.yml`` file (YAML is read with ``safe_load``)."""
+        p = Path(path)
+        try:
+            text = p.read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {str(p)!r}: {exc}") from None
+        try:
+            data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+        except (ValueError, yaml.YAMLError) as exc:
+            raise ConfigError(f"cannot parse config file {str(p)!r}: {exc}") from None
+        return cls.from_dict(data or {})
+
+    def to_dict(self) -> dict:
+        """Plain dict of every key (sizes as byte counts)."""
+        return {k: (list(v) if isinstance(v, tuple) else dict(v) if isinstance(v, dict) else v) for k, v in
+                ((f.name, getattr(self, f.name)) for f in fields(self)) if k != "extra"}
+
+
+def _check_int(value: object, name: str, lo: int, hi: int | None = None) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < lo or (hi is not None and value > hi):
+        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ConfigError(f"{name}: expected an int {rng}, got {value!r}")
+
+
+def _check_choice(value: object, name: str, choices) -> None:
+    if not isinstance(value, str) or value not in choices:
+        raise ConfigError(f"{name}: unknown value {value!r}; valid: {sorted(choices)}")

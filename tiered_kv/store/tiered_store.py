@@ -1,0 +1,486 @@
+"""TieredStore: the Python API over one tier chain, with planner, tiers and movers in one process.
+
+``put / get / prefetch`` return a ``Handle`` at once; ``handle.wait()`` (or ``await handle``)
+gives the result. The planner (``TierChain``) runs under one lock and only does dictionary
+work; bytes move on the movers' threads, one mover per tier edge (plus the front edge
+between the caller and the fastest tier).
+
+Buffers: ``put`` reads the caller's ``blocks`` and ``get`` writes the caller's ``out`` on a
+mover thread; keep them alive and unchanged until the handle is done (as with any
+non-blocking copy).
+
+Threading contract: every public method may be called from any thread, concurrently.
+Handles may be waited on from any thread or awaited from any event loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Sequence
+
+import torch
+
+from tiered_kv.planner.chain import TierChain, TierSpec
+from tiered_kv.store.config import StoreConfig
+from tiered_kv.errors import InvalidInputError, StoreClosedError, TransferTimeout
+from tiered_kv.values.keys import Namespace, chain_keys, check_key
+from tiered_kv.values.layout import BlockLayout
+from tiered_kv.metrics import make_registry, serve
+from tiered_kv.planner.policy import PlacementPolicy
+from tiered_kv.planner.radix import RadixIndex
+from tiered_kv.tiers.base import SlabTier, Tier, copy_rows
+from tiered_kv.tiers.cpu import CpuTier
+from tiered_kv.tiers.disk import DiskTier
+from tiered_kv.tiers.gpu import GpuTier
+from tiered_kv.values.jobs import EXT, Completion, JobKind, TransferJob
+from tiered_kv.movers.mover import Mover
+
+log = logging.getLogger(__name__)
+
+
+class Handle:
+    """The pending result of a put, get or prefetch."""
+
+    def __init__(self, kind: str, n: int) -> None:
+        self.kind = kind
+        self.n = n
+        self._event = threading.Event()
+        self._result: object = None
+        self._callbacks: list = []
+        self._lock = threading.Lock()
+        self.t_start = time.perf_counter()
+        self.t_done = 0.0
+
+    def _set(self, result: object) -> None:
+        with self._lock:
+            self._result = result
+            self.t_done = time.perf_counter()
+            self._event.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for cb in callbacks:
+            cb(result)
+
+    def done(self) -> bool:
+        """True once the result is known."""
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None):
+        """Block until done; returns the result (put: list[bool]; get/prefetch: int leading count)."""
+        if not self._event.wait(timeout):
+            raise TransferTimeout(f"{self.kind} of {self.n} blocks not done after {timeout} s; "
+                                  f"it keeps running — wait again or raise the timeout")
+        return self._result
+
+    @property
+    def result(self):
+        """The result if done, else None."""
+        return self._result if self.done() else None
+
+    def add_done_callback(self, fn) -> None:
+        """Call ``fn(result)`` when done (at once if already done), on the completing thread."""
+        with self._lock:
+            if not self._event.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self._result)
+
+    def __await__(self):
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def _resolve(result, fut=fut):
+            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result))
+
+        self.add_done_callback(_resolve)
+        return fut.__await__()
+
+
+class TieredStore:
+    """A tiered block store: GPU -> pinned CPU -> disk. Use as a context manager."""
+
+    def __init__(self, config: StoreConfig | dict) -> None:
+        if isinstance(config, dict):
+            config = StoreConfig.from_dict(config)
+        self.config = config
+        self.layout = BlockLayout(config.block_shape, config.dtype, config.layout_tag)
+        self.namespace = Namespace(config.model, self.layout.fingerprint, config.tenant_salt,
+                                   tuple(sorted(config.namespace_extra.items())))
+        self._torch_dtype = self.layout.torch_dtype()
+        self._closed = False
+        self.tiers: list[Tier] = []
+        try:
+            self._open_tiers(config)
+        except BaseException:
+            for t in self.tiers:
+                t.close()
+            raise
+        self.chain = TierChain([TierSpec(t.name, t.capacity, t.slotted) for t in self.tiers], config.eviction,
+                               PlacementPolicy(config.write_policy, config.promote_on_hit))
+        self.radix = RadixIndex(config.page_size)
+        self._lock = threading.RLock()
+        self._handles: dict[int, Handle] = {}
+        self._buffers: dict[int, torch.Tensor] = {}
+        self._ids = itertools.count(1)
+        self._bytes = {t.name: [0, 0] for t in self.tiers}  # bytes in, bytes out per tier
+        self._gpu_dev = next((t.device for t in self.tiers if t.device.type == "cuda"), None)
+        self.movers: list[Mover] = [Mover("front", self._execute, self._on_done, workers=1)]
+        for a, b in zip(self.tiers, self.tiers[1:]):
+            workers = config.disk_workers if isinstance(b, DiskTier) else 1
+            self.movers.append(Mover(f"{a.name}-{b.name}", self._execute, self._on_done, workers=workers))
+        self._streams = {}
+        self._metrics_server = None
+        if config.metrics_port:
+            self._metrics_server = serve(make_registry(self.stats), config.metrics_port)
+        disk = self.tiers[-1] if isinstance(self.tiers[-1], DiskTier) else None
+        if disk is not None:
+            keys = disk.stored_keys()
+            with self._lock:
+                jobs = self.chain.adopt(len(self.tiers) - 1, keys)
+                self.chain.tier_counters[-1].corrupt_dropped += disk.dropped_at_open
+            self._submit(jobs)
+            if keys:
+                log.info("tiered_kv: reopened %s with %d blocks", disk.path, len(keys))
+
+    def _open_tiers(self, c: StoreConfig) -> None:
+        if c.gpu_bytes:
+            self.tiers.append(GpuTier(self.layout, c.gpu_bytes, c.device))
+        if c.cpu_bytes:
+            self.tiers.append(CpuTier(self.layout, c.cpu_bytes, c.pin_memory))
+        if c.disk_path is not None:
+            self.tiers.append(DiskTier(self.layout, c.disk_path, c.disk_bytes, c.compression, c.zstd_level,
+                                       c.disk_sync, writer=c.disk_role == "writer"))
+
+    # ------------------------------------------------------------------ context manager
+    def __enter__(self) -> "TieredStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ validation
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError("this TieredStore is closed; open a new one")
+
+    def _check_keys(self, keys: Sequence[bytes]) -> list[bytes]:
+        if isinstance(keys, (bytes, bytearray, str)) or not isinstance(keys, Sequence):
+            raise InvalidInputError(f"keys must be a sequence of bytes keys, got {type(keys).__name__}")
+        return [check_key(k, f"keys[{i}]") for i, k in enumerate(keys)]
+
+    def _check_buffer(self, name: str, buf: torch.Tensor, n: int) -> torch.Tensor:
+        if not isinstance(buf, torch.Tensor):
+            raise InvalidInputError(f"{name} must be a torch.Tensor, got {type(buf).__name__}")
+        if buf.dtype != self._torch_dtype:
+            raise InvalidInputError(f"{name} has dtype {buf.dtype}, the store holds {self._torch_dtype}; "
+                                    f"convert with .to({self._torch_dtype})")
+        want = (n, *self.layout.shape)
+        if tuple(buf.shape) != want:
+            raise InvalidInputError(f"{name} has shape {tuple(buf.shape)}; expected {want} "
+                                    f"(one block of {list(self.layout.shape)} per key)")
+        if buf.device.type != "cpu" and buf.device != self._gpu_dev:
+            raise InvalidInputError(f"{name} is on {buf.device}; use a CPU tensor"
+                                    + (f" or one on {self._gpu_dev}" if self._gpu_dev else ""))
+        if n == 0:
+            return torch.empty((0, self.layout.nbytes), dtype=torch.uint8)
+        if not buf.is_contiguous():
+            raise InvalidInputError(f"{name} is not contiguous; pass {name}.contiguous()")
+        return buf.view(torch.uint8).reshape(n, self.layout.nbytes)
+
+    # ------------------------------------------------------------------ public API
+    def put(self, keys: Sequence[bytes], blocks: torch.Tensor) -> Handle:
+        """Store ``blocks[i]`` under ``keys[i]``. ``wait()`` -> list[bool]: accepted per key.
+
+        A key already held is accepted without copying (blocks are immutable). A full
+        store evicts by policy; a key that finds no room is refused (False), never an error.
+        """
+        self._check_open()
+        keys = self._check_keys(keys)
+        rows = self._check_buffer("blocks", blocks, len(keys))
+        user = Handle("put", len(keys))
+        results: list[bool] = []
+        # Stream large puts in chunks no larger than the put tier, so a put bigger than the
+        # fastest tier cascades down instead of being refused for lack of room.
+        chunk = max(1, self.tiers[self.chain.placement.put_tier].capacity)
+
+        def run(start: int) -> None:
+            end = min(start + chunk, len(keys))
+            part = keys[start:end]
+
+            def on_chunk(res: list[bool]) -> None:
+                results.extend(res)
+                if end < len(keys) and not self._closed:
+                    run(end)
+                else:
+                    results.extend([False] * (len(keys) - len(results)))
+                    user._set(results)
+
+            h = self._start("put", part, rows[start:end], lambda hid: (self.chain.put(part, hid), None))
+            h.add_done_callback(on_chunk)
+
+        if not keys:
+            user._set([])
+        else:
+            run(0)
+        return user
+
+    def get(self, keys: Sequence[bytes], out: torch.Tensor) -> Handle:
+        """Fill ``out[:n]`` with the longest leading run of ``keys`` held. ``wait()`` -> n."""
+        self._check_open()
+        keys = self._check_keys(keys)
+        rows = self._check_buffer("out", out, len(keys))
+        return self._start("get", keys, rows, lambda hid: self.chain.get(keys, hid)[::-1])
+
+    def prefetch(self, keys: Sequence[bytes], to: str | int = 0) -> Handle:
+        """Move the leading run of held ``keys`` up to tier ``to`` (name or index). ``wait()`` -> count there."""
+        self._check_open()
+        keys = self._check_keys(keys)
+        target = self.chain.tier_index(to)
+        return self._start("prefetch", keys, None, lambda hid: self.chain.prefetch(keys, target, hid)[::-1])
+
+    def _start(self, kind: str, keys: list[bytes], rows: torch.Tensor | None, plan) -> Handle:
+        h = Handle(kind, len(keys))
+        with self._lock:
+            self._check_open()
+            hid = next(self._ids)
+            self._handles[hid] = h
+            if rows is not None:
+                self._buffers[hid] = rows
+            jobs = plan(hid)[0]
+            finished = self.chain.take_finished()
+        self._submit(jobs)
+        self._resolve(finished)
+        return h
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key is held (readable) in some tier."""
+        keys = self._check_keys(keys)
+        with self._lock:
+            return [t is not None for t in self.chain.locate(keys)]
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """Leading number of ``keys`` held."""
+        keys = self._check_keys(keys)
+        with self._lock:
+            return self.chain.lookup(keys)
+
+    def locate(self, keys: Sequence[bytes]) -> list[str | None]:
+        """Name of the fastest tier holding each key (None if not held)."""
+        keys = self._check_keys(keys)
+        with self._lock:
+            return [None if t is None else self.tiers[t].name for t in self.chain.locate(keys)]
+
+    def delete(self, keys: Sequence[bytes]) -> None:
+        """Drop ``keys`` from every tier (copies being read go when their reader is done)."""
+        self._check_open()
+        keys = self._check_keys(keys)
+        with self._lock:
+            jobs = self.chain.delete(keys)
+        self._submit(jobs)
+
+    def refresh(self, keys: Sequence[bytes]) -> int:
+        """Adopt those of ``keys`` that another process committed to the disk directory since we opened it.
+
+        For stores sharing a directory (e.g. SGLang MLA: one writer rank, every rank reads). One
+        read transaction on the disk index, no payload I/O. Returns how many keys were adopted.
+        """
+        self._check_open()
+        keys = self._check_keys(keys)
+        disk = self.tiers[-1]
+        if not isinstance(disk, DiskTier) or not keys:
+            return 0
+        with self._lock:
+            unknown = [k for k in keys if k not in self.chain.index]
+        present = [k for k, held in zip(unknown, disk.has(unknown)) if held]
+        if not present:
+            return 0
+        with self._lock:
+            fresh = [k for k in present if k not in self.chain.index]
+            jobs = self.chain.adopt(len(self.tiers) - 1, fresh)
+        self._submit(jobs)
+        return len(fresh)
+
+    def clear(self, timeout: float = 60.0) -> None:
+        """Drop every block this store holds, in every tier, and wait until it is done."""
+        self._check_open()
+        with self._lock:
+            jobs = self.chain.delete([k for k, _ in self.chain.index.items()])
+            self.radix = RadixIndex(self.config.page_size)
+        self._submit(jobs)
+        if not self.drain(timeout):
+            raise TransferTimeout(f"clear: deletes still in flight after {timeout} s")
+
+    # ------------------------------------------------------------------ tokens
+    def keys_for_tokens(self, token_ids: Sequence[int]) -> list[bytes]:
+        """Chained, namespaced keys for each full page of ``token_ids``."""
+        return chain_keys(self.namespace, token_ids, self.config.page_size)
+
+    def put_tokens(self, token_ids: Sequence[int], blocks: torch.Tensor) -> Handle:
+        """``put`` the blocks of each full page of ``token_ids`` and index them for ``match_prefix``."""
+        keys = self.keys_for_tokens(token_ids)
+        if blocks.shape[0] != len(keys):
+            raise InvalidInputError(f"{len(token_ids)} tokens make {len(keys)} full pages of "
+                                    f"{self.config.page_size}, but blocks has {blocks.shape[0]} blocks")
+        with self._lock:
+            self.radix.insert(token_ids, keys)
+        return self.put(keys, blocks)
+
+    def match_prefix(self, token_ids: Sequence[int]) -> dict:
+        """How long a prefix of ``token_ids`` is held, and where.
+
+        Returns ``{"num_tokens", "keys", "tiers"}`` for the longest leading run of pages held
+        in some tier. Uses the radix index; pages it does not know (e.g. after a restart) are
+        found by hashing the tokens and asking the tiers.
+        """
+        with self._lock:
+            keys = self.radix.match(token_ids)
+        if len(keys) < len(token_ids) // self.config.page_size:
+            keys = self.keys_for_tokens(token_ids)
+        with self._lock:
+            where = self.chain.locate(keys)
+        n = next((i for i, t in enumerate(where) if t is None), len(where))
+        return {"num_tokens": n * self.config.page_size, "keys": keys[:n],
+                "tiers": [self.tiers[t].name for t in where[:n]]}
+
+    # ------------------------------------------------------------------ movers
+    def _mover_for(self, job: TransferJob) -> Mover:
+        if job.kind in (JobKind.INGRESS, JobKind.EGRESS, JobKind.DELETE):
+            t = job.dst_tier if job.kind is JobKind.INGRESS else job.src_tier
+            return self.movers[t]  # front for tier 0, else the edge above tier t
+        return self.movers[max(job.src_tier, job.dst_tier)]
+
+    def _submit(self, jobs: list[TransferJob]) -> None:
+        for job in jobs:
+            self._mover_for(job).submit(job)
+
+    def _rows(self, tier: int, job: TransferJob) -> torch.Tensor | None:
+        if tier == EXT:
+            return self._buffers.get(job.handle)
+        t = self.tiers[tier]
+        return t.slab if isinstance(t, SlabTier) else None
+
+    def _stream(self, device: torch.device):
+        if device is None or device.type != "cuda":
+            return None
+        key = threading.get_ident()
+        s = self._streams.get(key)
+        if s is None:
+            s = self._streams[key] = torch.cuda.Stream(device=device)
+        return s
+
+    def _execute(self, job: TransferJob) -> Completion:
+        n = len(job)
+        if job.kind is JobKind.DELETE:
+            self.tiers[job.src_tier].delete(job.keys)
+            return Completion(job.job_id, [True] * n, [False] * n)
+        src_rows, dst_rows = self._rows(job.src_tier, job), self._rows(job.dst_tier, job)
+        ok, corrupt, missing = [True] * n, [False] * n, []
+        stream = self._stream(self._gpu_dev) if self._gpu_dev is not None else None
+        ctx = torch.cuda.stream(stream) if stream is not None else _nullcontext()
+        with ctx:
+            if src_rows is None:  # keyed source: read straight into the destination rows
+                if dst_rows.device.type == "cpu":
+                    ok, corrupt, missing = self.tiers[job.src_tier].read_ex(
+                        job.keys, job.src_slots, [dst_rows[d] for d in job.dst_slots])
+                else:
+                    staging = torch.empty((n, self.layout.nbytes), dtype=torch.uint8)
+                    ok, corrupt, missing = self.tiers[job.src_tier].read_ex(job.keys, job.src_slots, staging)
+                    good = [i for i in range(n) if ok[i]]
+                    copy_rows(staging, good, dst_rows, [job.dst_slots[i] for i in good])
+            elif dst_rows is None:  # keyed destination: hand over row views, no gather copy
+                rows = [src_rows[s] for s in job.src_slots] if src_rows.device.type == "cpu" else \
+                    src_rows[torch.as_tensor(job.src_slots, device=src_rows.device)].cpu()
+                ok = self.tiers[job.dst_tier].write(job.keys, job.dst_slots, rows)
+            else:
+                copy_rows(src_rows, job.src_slots, dst_rows, job.dst_slots, non_blocking=stream is not None)
+            if stream is not None:
+                stream.synchronize()
+        nbytes = sum(ok) * self.layout.nbytes
+        return Completion(job.job_id, ok, corrupt, nbytes=nbytes, missing=missing)
+
+    def _on_done(self, job: TransferJob, done: Completion) -> None:
+        with self._lock:
+            if job.src_tier != EXT and job.kind is not JobKind.DELETE:
+                self._bytes[self.tiers[job.src_tier].name][1] += done.nbytes
+            if job.dst_tier != EXT and job.kind is not JobKind.DELETE:
+                self._bytes[self.tiers[job.dst_tier].name][0] += done.nbytes
+            jobs = self.chain.complete(done)
+            finished = self.chain.take_finished()
+        self._submit(jobs)
+        self._resolve(finished)
+
+    def _resolve(self, finished: list[tuple[int, object]]) -> None:
+        for hid, result in finished:
+            with self._lock:
+                h = self._handles.pop(hid, None)
+                self._buffers.pop(hid, None)
+            if h is not None:
+                h._set(result)
+
+    # ------------------------------------------------------------------ housekeeping
+    def drain(self, timeout: float = 60.0) -> bool:
+        """Wait until no job is in flight (demotions, write-through copies...). True if drained."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if self.chain.inflight() == 0:
+                    return True
+            time.sleep(0.002)
+        return False
+
+    def flush(self, timeout: float = 60.0) -> None:
+        """Wait for in-flight jobs, then make the disk tier durable (fsync). See docs/reliability.md."""
+        self._check_open()
+        if not self.drain(timeout):
+            raise TransferTimeout(f"flush: jobs still in flight after {timeout} s")
+        for t in self.tiers:
+            t.flush()
+
+    def stats(self) -> dict:
+        """Counters and occupancy. Invariants: lookups = hits + misses; bytes_in = bytes_out + resident_bytes."""
+        with self._lock:
+            c = self.chain.counters
+            nb = self.layout.nbytes
+            tiers = {}
+            for i, t in enumerate(self.tiers):
+                tc = self.chain.tier_counters[i]
+                tiers[t.name] = {
+                    "capacity_blocks": t.capacity, "resident_blocks": self.chain.resident(i),
+                    "hits": tc.hits, "blocks_in": tc.blocks_in, "blocks_out": tc.blocks_out,
+                    "bytes_in": self._bytes[t.name][0], "bytes_out": self._bytes[t.name][1],
+                    "evictions": tc.evictions, "failed_transfers": tc.failed_transfers,
+                    "corrupt_dropped": tc.corrupt_dropped, "vanished": tc.vanished, "refused": tc.refused,
+                    "queue_depth": self.movers[i].depth,
+                }
+            return {
+                "lookups": c.lookups, "hits": c.hits, "misses": c.misses,
+                "bytes_in": c.blocks_in * nb, "bytes_out": c.blocks_out * nb,
+                "resident_bytes": len(self.chain.index) * nb, "resident_blocks": len(self.chain.index),
+                "puts_refused": c.puts_refused, "puts_deduplicated": c.puts_deduplicated,
+                "inflight_jobs": self.chain.inflight(), "pinned": self.chain.pinned(),
+                "waiting": self.chain.waiting(), "block_nbytes": nb, "tiers": tiers,
+            }
+
+    def close(self) -> None:
+        """Finish queued work, stop movers, close tiers. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self.drain(timeout=60.0)
+        for m in self.movers:
+            m.close()
+        for t in self.tiers:
+            t.close()
+        if self._metrics_server is not None:
+            self._metrics_server[0].shutdown()
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
