@@ -8,7 +8,7 @@ import torch
 from prometheus_client import generate_latest
 
 from tiered_kv import TieredStore
-from tiered_kv.metrics import make_registry
+from tiered_kv.store.metrics import make_registry
 
 from tests.store._blocks import blocks_of, key_of
 

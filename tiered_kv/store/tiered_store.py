@@ -28,7 +28,7 @@ from tiered_kv.store.config import StoreConfig
 from tiered_kv.errors import InvalidInputError, StoreClosedError, TransferTimeout
 from tiered_kv.values.keys import Namespace, chain_keys, check_key
 from tiered_kv.values.layout import BlockLayout
-from tiered_kv.metrics import make_registry, serve
+from tiered_kv.store.metrics import make_registry, serve
 from tiered_kv.planner.policy import PlacementPolicy
 from tiered_kv.planner.radix import RadixIndex
 from tiered_kv.tiers.base import SlabTier, Tier, copy_rows

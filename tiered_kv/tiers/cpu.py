@@ -34,7 +34,7 @@ def aligned_empty(rows: int, row_bytes: int, align: int = 4096) -> torch.Tensor:
     raw = torch.empty(rows * row_bytes + align, dtype=torch.uint8)
     # No transparent-huge-page advice: on the H200 machine it left DMA rates unchanged (55 GB/s
     # either way, 1 GiB of 2 MiB or 64 KiB runs) and made pinning 42% slower (8 GiB: 6.1 s
-    # against 4.3 s); benchmarks/host_memory_probe.py, docs/benchmarks.md.
+    # against 4.3 s); benchmarks/probes/host_memory_probe.py, docs/benchmarks.md.
     skip = (-raw.data_ptr()) % align
     return raw[skip:skip + rows * row_bytes].view(rows, row_bytes)
 

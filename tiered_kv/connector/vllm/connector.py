@@ -39,7 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from tiered_kv.errors import ConfigError
-from tiered_kv.metrics import make_registry, serve
+from tiered_kv.store.metrics import make_registry, serve
 from tiered_kv.connector.vllm.config import (
     UNSTABLE_HASH_WARNING,
     ConnectorConfig,

@@ -503,7 +503,7 @@ class SchedulerPlanner:
         return bool(self._early or self._stores or self._finish_puts or self._loads)
 
     def store_stats(self) -> dict:
-        """The planner's numbers in ``TieredStore.stats()``'s shape, for ``tiered_kv.metrics`` (Prometheus).
+        """The planner's numbers in ``TieredStore.stats()``'s shape, for ``tiered_kv.store.metrics`` (Prometheus).
 
         Block counts are chunks; bytes are whole-engine (all TP ranks).
         """

@@ -13,7 +13,7 @@ For 256 random Llama-3-8B-shaped blocks (2 MiB each; ``LBNHC``: 8,192 runs of 64
   8 back-to-back contiguous copies: the rate a mover that keeps a queue of copies sees.
 
 Prints a table and writes ``copy_probe.json`` to ``$OUT`` (default: current directory).
-Usage: ``python3 benchmarks/copy_probe.py``. Threading: a script; main thread only.
+Usage: ``python3 benchmarks/probes/copy_probe.py``. Threading: a script; main thread only.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tiered_kv.copy import BlockCopier, Mechanism, plan_runs, vllm_layer_layout  # noqa: E402
 from tiered_kv.copy import dispatch, engine  # noqa: E402

@@ -22,7 +22,7 @@ of 512 random Llama-3-8B-shaped blocks (1 GiB: the vLLM benchmark's turn-2 load)
 plus the call-to-event time of the ``BLHNC`` call through ``BlockCopier``.
 
 Prints a table and writes ``host_memory_probe.json`` to ``$OUT`` (default: current directory).
-Usage: ``python3 benchmarks/host_memory_probe.py`` (``SLAB_GIB``, default 8). Threading: a
+Usage: ``python3 benchmarks/probes/host_memory_probe.py`` (``SLAB_GIB``, default 8). Threading: a
 script; main thread only (the tier's pinning thread is joined before measuring).
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import copy_probe  # noqa: E402

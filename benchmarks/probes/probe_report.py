@@ -29,6 +29,6 @@ def emit(name: str, rows: list[dict], cols: list[str], **extra) -> Path:
     path = out / f"{name}.json"
     path.write_text(json.dumps({
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-        "date": time.strftime("%Y-%m-%d"), "command": f"python3 benchmarks/{name}.py",
+        "date": time.strftime("%Y-%m-%d"), "command": f"python3 benchmarks/probes/{name}.py",
         "torch": torch.__version__, **extra, "rows": rows}, indent=1))
     return path

@@ -11,7 +11,7 @@ per-layer tensors, for several layer-group counts and both mechanisms, it measur
 - ``gbps``: bytes / ``landed_ms``.
 
 Prints a table and writes ``in_step_probe.json`` to ``$OUT`` (default: current directory).
-Usage: ``python3 benchmarks/in_step_probe.py``. Threading: a script; main thread only.
+Usage: ``python3 benchmarks/probes/in_step_probe.py``. Threading: a script; main thread only.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tiered_kv.copy import BlockCopier, Mechanism, vllm_layer_layout  # noqa: E402
 from tiered_kv.copy.testing import storages  # noqa: E402
