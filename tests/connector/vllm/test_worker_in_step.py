@@ -13,7 +13,8 @@ import torch
 
 from tiered_kv.connector.vllm.config import ConnectorConfig, Geometry
 from tiered_kv.connector.vllm.scheduler import CPU, StepPlan
-from tiered_kv.connector.vllm.worker import MAX_AUTO_GROUPS, MIN_GROUP_BYTES, WorkerRuntime, _layer_groups
+from tiered_kv.connector.vllm.in_step import MAX_AUTO_GROUPS, MIN_GROUP_BYTES, layer_groups
+from tiered_kv.connector.vllm.worker import WorkerRuntime
 from tiered_kv.values.keys import Namespace
 from tiered_kv.values.jobs import EXT, JobKind, TransferJob
 
@@ -102,12 +103,12 @@ def test_layer_groups_follow_the_load_size_and_the_key():
     rt, _, _ = make_runtime("cpu", layers=32, heads=1, head_dim=8, num_blocks=4, cpu_chunks=1)
     try:
         assert MAX_AUTO_GROUPS == 2
-        assert _layer_groups(rt.kv, 1) == [(0, 32)]  # small: one piece
-        assert _layer_groups(rt.kv, MIN_GROUP_BYTES) == [(0, 32)]
-        assert _layer_groups(rt.kv, 1000 * MIN_GROUP_BYTES) == [(0, 16), (16, 32)]  # at most MAX_AUTO_GROUPS
-        assert _layer_groups(rt.kv, 1, wanted=3) == [(0, 11), (11, 22), (22, 32)]  # the key wins over the size
-        assert _layer_groups(rt.kv, 1, wanted=32) == [(i, i + 1) for i in range(32)]
-        assert _layer_groups(rt.kv, 1, wanted=99) == [(i, i + 1) for i in range(32)]  # at most one per layer
+        assert layer_groups(rt.kv, 1) == [(0, 32)]  # small: one piece
+        assert layer_groups(rt.kv, MIN_GROUP_BYTES) == [(0, 32)]
+        assert layer_groups(rt.kv, 1000 * MIN_GROUP_BYTES) == [(0, 16), (16, 32)]  # at most MAX_AUTO_GROUPS
+        assert layer_groups(rt.kv, 1, wanted=3) == [(0, 11), (11, 22), (22, 32)]  # the key wins over the size
+        assert layer_groups(rt.kv, 1, wanted=32) == [(i, i + 1) for i in range(32)]
+        assert layer_groups(rt.kv, 1, wanted=99) == [(i, i + 1) for i in range(32)]  # at most one per layer
     finally:
         rt.close()
 
