@@ -99,6 +99,23 @@ def test_in_step_load_on_cpu_is_bit_exact_and_reported(cross_layer):
     assert stats["sync_loads"] == 1 and stats["bytes_loaded"] == (3 * K - 1) * 4 * 2 * BS * 128 * 2
 
 
+def test_async_load_mode_has_no_in_step_loader():
+    """``load_mode`` "async": the planner plans no in-step loads, so the runtime builds no loader
+    and vLLM's per-layer and per-step hooks stay no-ops."""
+    rt, _, names = make_runtime("cpu", layers=2, heads=1, head_dim=8, num_blocks=4, cpu_chunks=1, load_mode="async")
+    try:
+        assert rt.in_step is None
+        rt.on_plan(StepPlan(1))
+        rt.before_forward(layerwise_ok=True)
+        for name in names:
+            rt.wait_layer(name)
+        result = rt.poll()
+        assert not result.reports and rt.idle()
+        assert rt.stats()["sync_loads"] == 0
+    finally:
+        rt.close()
+
+
 def test_layer_groups_follow_the_load_size_and_the_key():
     rt, _, _ = make_runtime("cpu", layers=32, heads=1, head_dim=8, num_blocks=4, cpu_chunks=1)
     try:
