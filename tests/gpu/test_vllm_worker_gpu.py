@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.connector.vllm.test_worker_in_step import run_in_step_load
-from tiered_kv.connector.vllm.worker import MAX_AUTO_GROUPS, MIN_GROUP_BYTES
+from tiered_kv.connector.vllm.in_step import MAX_AUTO_GROUPS, MIN_GROUP_BYTES
 
 
 @pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "whole"])

@@ -126,7 +126,7 @@ def _break_in_step_copies(runtime, fail_calls: int):
     vLLM class is faked."""
     from tiered_kv.copy import CopyLaunchError
 
-    copier = runtime._sync_copier
+    copier = runtime.in_step.copier
     calls = []
 
     def wrap(real):

@@ -13,7 +13,8 @@ import torch
 
 from tiered_kv.connector.vllm.config import ConnectorConfig, Geometry
 from tiered_kv.connector.vllm.scheduler import CPU, StepPlan
-from tiered_kv.connector.vllm.worker import MAX_AUTO_GROUPS, MIN_GROUP_BYTES, WorkerRuntime, _layer_groups
+from tiered_kv.connector.vllm.in_step import MAX_AUTO_GROUPS, MIN_GROUP_BYTES, layer_groups
+from tiered_kv.connector.vllm.worker import WorkerRuntime
 from tiered_kv.values.keys import Namespace
 from tiered_kv.values.jobs import EXT, JobKind, TransferJob
 
@@ -98,16 +99,33 @@ def test_in_step_load_on_cpu_is_bit_exact_and_reported(cross_layer):
     assert stats["sync_loads"] == 1 and stats["bytes_loaded"] == (3 * K - 1) * 4 * 2 * BS * 128 * 2
 
 
+def test_async_load_mode_has_no_in_step_loader():
+    """``load_mode`` "async": the planner plans no in-step loads, so the runtime builds no loader
+    and vLLM's per-layer and per-step hooks stay no-ops."""
+    rt, _, names = make_runtime("cpu", layers=2, heads=1, head_dim=8, num_blocks=4, cpu_chunks=1, load_mode="async")
+    try:
+        assert rt.in_step is None
+        rt.on_plan(StepPlan(1))
+        rt.before_forward(layerwise_ok=True)
+        for name in names:
+            rt.wait_layer(name)
+        result = rt.poll()
+        assert not result.reports and rt.idle()
+        assert rt.stats()["sync_loads"] == 0
+    finally:
+        rt.close()
+
+
 def test_layer_groups_follow_the_load_size_and_the_key():
     rt, _, _ = make_runtime("cpu", layers=32, heads=1, head_dim=8, num_blocks=4, cpu_chunks=1)
     try:
         assert MAX_AUTO_GROUPS == 2
-        assert _layer_groups(rt.kv, 1) == [(0, 32)]  # small: one piece
-        assert _layer_groups(rt.kv, MIN_GROUP_BYTES) == [(0, 32)]
-        assert _layer_groups(rt.kv, 1000 * MIN_GROUP_BYTES) == [(0, 16), (16, 32)]  # at most MAX_AUTO_GROUPS
-        assert _layer_groups(rt.kv, 1, wanted=3) == [(0, 11), (11, 22), (22, 32)]  # the key wins over the size
-        assert _layer_groups(rt.kv, 1, wanted=32) == [(i, i + 1) for i in range(32)]
-        assert _layer_groups(rt.kv, 1, wanted=99) == [(i, i + 1) for i in range(32)]  # at most one per layer
+        assert layer_groups(rt.kv, 1) == [(0, 32)]  # small: one piece
+        assert layer_groups(rt.kv, MIN_GROUP_BYTES) == [(0, 32)]
+        assert layer_groups(rt.kv, 1000 * MIN_GROUP_BYTES) == [(0, 16), (16, 32)]  # at most MAX_AUTO_GROUPS
+        assert layer_groups(rt.kv, 1, wanted=3) == [(0, 11), (11, 22), (22, 32)]  # the key wins over the size
+        assert layer_groups(rt.kv, 1, wanted=32) == [(i, i + 1) for i in range(32)]
+        assert layer_groups(rt.kv, 1, wanted=99) == [(i, i + 1) for i in range(32)]  # at most one per layer
     finally:
         rt.close()
 

@@ -14,13 +14,10 @@ planner (``JobReport``), a request whose loads all finished goes into ``finished
 and GPU blocks a load could not fill go into the load-error set (vLLM then recomputes them).
 
 In-step loads (``StepPlan.sync``: CPU-tier hits vLLM scheduled in this very step) do not go
-through the front mover: ``before_forward`` hands them to a second copier on vLLM's thread,
-layer group by layer group, each group with its own CUDA event; ``wait_layer`` (vLLM's
-``wait_for_layer_load``) makes the forward's stream wait for that layer's event, so layer 0
-computes while later layers are still crossing PCIe. Where vLLM may replay a full CUDA graph
-(no per-layer calls), the forward's stream waits for the whole load before it starts. ``poll``
-of the same step waits for the bytes and reports the job, so vLLM learns of a failed in-step
-load in the step that read it.
+through the front mover: ``before_forward`` registers each as a job and hands its copy to the
+rank's ``InStepLoader`` (``in_step.py``: layer groups submitted on vLLM's thread, per-layer GPU
+waits in ``wait_layer``); ``poll`` of the same step takes their completions from it and reports
+them like any other job, so vLLM learns of a failed in-step load in the step that read it.
 
 Ordering on CUDA: a store starts after an event recorded on the engine's current stream at
 ``after_forward`` (the KV it reads has been written); a load starts after an event recorded
@@ -28,8 +25,9 @@ at ``before_forward``'s submission point (after vLLM's block zeroing). A fence w
 CPU until the fenced job finished, so a re-allocated block is never overwritten under a copy.
 
 Threading contract: ``register``/``on_plan``/``before_forward``/``wait_layer``/``after_forward``/
-``poll``/``stats``/``close`` run on vLLM's worker thread (the model runner). Mover threads only run
-``_execute`` and ``_on_done``; the completed list and job events are shared under ``_lock``.
+``poll``/``stats``/``close`` run on vLLM's worker thread (the model runner), and so does all of
+``InStepLoader``. Mover threads only run ``_execute`` and ``_on_done``; the completed list and job
+events are shared under ``_lock``.
 """
 from __future__ import annotations
 
@@ -41,14 +39,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tiered_kv.copy import BackendUnavailableError, BlockCopier, CopyLaunchError, CopyResult, Mechanism, allocate_slab, \
-    vllm_layer_layout
+from tiered_kv.copy import BackendUnavailableError, BlockCopier, Mechanism, allocate_slab, vllm_layer_layout
 from tiered_kv.errors import ConfigError
 from tiered_kv.values.keys import Namespace
 from tiered_kv.tiers.cpu import CpuTier
 from tiered_kv.values.jobs import Completion, JobKind, TransferJob
 from tiered_kv.movers.mover import Mover
 from tiered_kv.connector.vllm.config import ConnectorConfig, Geometry, disk_slot_nbytes, rank_disk_dir
+from tiered_kv.connector.vllm.in_step import InStepLoader
 from tiered_kv.connector.vllm.scheduler import CPU, DISK, JobReport, StepPlan
 
 if TYPE_CHECKING:
@@ -57,32 +55,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _FRONT_KINDS = (JobKind.INGRESS, JobKind.EGRESS)
-#: An in-step load is cut into layer groups of at least this many bytes: each group costs a
-#: driver call and an event (~50-100 us of submitter time), so a small load goes in one piece.
-MIN_GROUP_BYTES = 32 << 20
-#: At most this many layer groups by default (``load_groups`` = 0). The load is submitted on vLLM's
-#: thread before the forward is launched, so every group's driver calls and event delay the launch;
-#: with few new tokens the forward's GPU work after the last group is small anyway. H200, vLLM 0.26
-#: (per-layer KV tensors, 16,384 64 KiB runs per 1 GiB load), turn-2 TTFT of benchmarks/vllm_ttft.py:
-#: 0.0343 / 0.0335 / 0.0649 / 0.0387 s with 1 / 2 / 8 / 32 groups (the call held vLLM's thread
-#: ~10 ms with 2 groups, ~13 ms with 32). More groups pay off when a step computes many new tokens.
-MAX_AUTO_GROUPS = 2
 #: How long a fence lets a queued store start before cancelling it (most are next in line).
 FENCE_PATIENCE_S = 0.002
-#: What a copier call raises when an in-step load cannot start (the load is then retried or failed)
-_START_ERRORS = (BackendUnavailableError, CopyLaunchError, ValueError)
-
-
-@dataclass
-class _SyncLoad:
-    """An in-step load: its job, the per-group copy results and when it started."""
-
-    job: TransferJob
-    results: list[CopyResult]
-    nbytes: int
-    started: float
-    error: BaseException | None = None
-    marks: tuple | None = None  # debug log only: CUDA timing events (submission point, landed)
 
 
 @dataclass
@@ -113,7 +87,7 @@ class WorkerCounters:
 
 
 class WorkerRuntime:
-    """One TP rank's tiers, movers and job bookkeeping."""
+    """One TP rank's tiers, movers and job bookkeeping; in-step copies go through its ``InStepLoader``."""
 
     def __init__(self, cfg: ConnectorConfig, geo: Geometry, ns: Namespace, rank: int,
                  cpu_chunks: int, disk_chunks: int) -> None:
@@ -143,11 +117,9 @@ class WorkerRuntime:
         self._early_done = self._stores_done = self._fenced = True
         self.copier: BlockCopier | None = None
         self._staging_copier: BlockCopier | None = None
-        self._sync_copier: BlockCopier | None = None  # in-step loads, on vLLM's thread
-        self._sync_loads: list[_SyncLoad] = []
-        self._layer_waits: dict[int, list[CopyResult]] = {}  # layer index -> results its forward waits for
-        self._layer_index: dict[str, int] = {}
-        self._timing_stream = None  # debug log only: the stream that marks when an in-step load landed
+        # in-step loads, on vLLM's thread; None before ``register`` and with load_mode "async"
+        # (the planner then plans none)
+        self.in_step: InStepLoader | None = None
         self._cuda = False
         self._dep_stream = None
         self._mechanism: Mechanism | None = None  # None: the copier chooses per call
@@ -172,13 +144,9 @@ class WorkerRuntime:
             self.cpu.wait_pinned()  # the copy path needs page-locked rows
         # The copier addresses blocks: view each chunk row as k block rows.
         self.copier = BlockCopier(kv, self.cpu.slab.view(-1, kv.block_nbytes))
-        if self.cfg.load_mode != "async":
-            # In-step loads plan and submit on vLLM's own thread, before the forward is launched: from
-            # a submitter thread they fought vLLM's eager forward for the GIL and the H200 load took
-            # 31-64 ms instead of ~21 (turn-2 TTFT 0.043-0.048 s against 0.034-0.039 s).
-            self._sync_copier = BlockCopier(kv, self.cpu.slab.view(-1, kv.block_nbytes), threaded_submit=False)
-        self._layer_index = {n: i for i, n in enumerate(self.geo.layer_names)}  # tensor i = layer i
-        self._timing_stream = torch.cuda.Stream(kv.device) if self._cuda and log.isEnabledFor(logging.DEBUG) else None
+        if self.cfg.load_mode != "async":  # kv's tensor i is layer_names[i]
+            self.in_step = InStepLoader(kv, self.cpu.slab.view(-1, kv.block_nbytes), self.geo.layer_names, self.cfg,
+                                        self.rank)
         staging = allocate_slab(self.cfg.staging_chunks * self.k, kv.block_nbytes, pin=self._cuda)
         self._staging_copier = BlockCopier(kv, staging)
         self._staging_rows = staging.view(self.cfg.staging_chunks, self.layout.nbytes)
@@ -256,94 +224,25 @@ class WorkerRuntime:
                 self._job_req[j] = rid
         if plan.sync:
             sync = set(plan.sync)
-            layerwise = layerwise_ok and self.cfg.load_mode == "layerwise"
+            in_step, c = self.in_step, self.counters
             for job in plan.early:
-                if job.job_id in sync:
-                    self._start_sync(job, layerwise)
+                if job.job_id in sync:  # a job like any other; only its copy is the loader's
+                    with self._lock:
+                        self._events[job.job_id] = threading.Event()
+                    gpu, slots = self._flat(job, job.src_slots)
+                    groups = in_step.start(job, gpu, slots, layerwise_ok, self._mechanism)
+                    if groups:
+                        c.sync_loads += 1
+                        c.sync_load_groups += groups
             self._submit([j for j in plan.early if j.job_id not in sync])
         else:
             self._submit(plan.early)
 
-    def _start_sync(self, job: TransferJob, layerwise: bool) -> None:
-        """Start one in-step load on vLLM's thread: layer groups in order, one event each."""
-        with self._lock:
-            self._events[job.job_id] = threading.Event()
-        gpu, slots = self._flat(job, job.src_slots)
-        load = _SyncLoad(job, [], len(gpu) * self.kv.block_nbytes, time.perf_counter())
-        self._sync_loads.append(load)
-        if not gpu:
-            return
-        stream = torch.cuda.current_stream(self.kv.device) if self._cuda else None
-        # one group when the forward waits for the whole load: block-major runs, merged across layers
-        groups = (_layer_groups(self.kv, load.nbytes, self.cfg.load_groups)
-                  if layerwise and self._cuda else [(0, len(self.kv.tensors))])
-        if self._timing_stream is not None:
-            load.marks = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            load.marks[0].record(stream)
-        copier = self._sync_copier
-        try:
-            load.results = copier.cpu_to_gpu_grouped(slots, gpu, groups, stream=stream, mechanism=self._in_step_mechanism)
-        except _START_ERRORS as exc:
-            # once more as one whole copy (the forward then waits for all of it): a load that cannot
-            # start at all is reported failed in this step's poll and vLLM recomputes its blocks
-            log.warning("TieredKVConnector rank %d: layer-by-layer load of job %d failed to start (%s); "
-                        "retrying as one copy", self.rank, job.job_id, exc)
-            try:
-                load.results = [copier.cpu_to_gpu(slots, gpu, stream=stream, mechanism=self._in_step_mechanism)]
-            except _START_ERRORS as exc2:
-                load.error = exc2
-                log.warning("TieredKVConnector rank %d: in-step load of job %d failed: %s", self.rank,
-                            job.job_id, exc2)
-                return
-            groups = [(0, len(self.kv.tensors))]
-        self.counters.sync_loads += 1
-        self.counters.sync_load_groups += len(groups)
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("rank %d job %d in-step load started: %d blocks in %d groups, layerwise=%s, call %.2f ms",
-                      self.rank, job.job_id, len(gpu), len(groups), layerwise,
-                      (time.perf_counter() - load.started) * 1e3)
-        if not self._cuda:
-            return  # the CPU copy is done already
-        if load.marks is not None:
-            _stream_waits(load.results[-1:], self._timing_stream)
-            load.marks[1].record(self._timing_stream)
-        if layerwise and len(groups) > 1:
-            bounds = [b for _, b in groups]
-            g = 0
-            for layer in range(len(self.kv.tensors)):
-                while layer >= bounds[g]:
-                    g += 1
-                self._layer_waits.setdefault(layer, []).append(load.results[g])
-        else:
-            self._wait_all(load, stream)
-
-    @property
-    def _in_step_mechanism(self) -> Mechanism | None:
-        """``in_step_copy``: the SM kernel where asked for and on CUDA, else what the movers use."""
-        if self._cuda and self.cfg.in_step_copy == "sm_kernel":
-            return Mechanism.SM_KERNEL
-        return self._mechanism
-
-    def _wait_all(self, load: _SyncLoad, stream) -> None:
-        """Make ``stream`` wait for every group of ``load`` (groups land in order: the last one suffices)."""
-        try:
-            load.results[-1].wait_on(stream)
-        except CopyLaunchError as exc:
-            load.error = exc
-
     def wait_layer(self, layer_name: str) -> None:
         """``wait_for_layer_load``: vLLM's stream waits (on the GPU) for this layer's in-step loads."""
-        if not self._layer_waits:
-            return
-        layer = self._layer_index.get(layer_name, -1)
-        waits = self._layer_waits.pop(layer, None)
-        if not waits:
-            return
-        t0 = time.perf_counter()
-        _stream_waits(waits, torch.cuda.current_stream(self.kv.device))
-        if log.isEnabledFor(logging.DEBUG) and (layer == 0 or not self._layer_waits):
-            log.debug("rank %d layer %d: forward waits for its in-step load (host waited %.2f ms for submission)",
-                      self.rank, layer, (time.perf_counter() - t0) * 1e3)
+        in_step = self.in_step
+        if in_step is not None and in_step.layer_waits:  # checked here: vLLM calls this for every layer
+            in_step.wait_layer(layer_name)
 
     def after_forward(self) -> None:
         """Submit stores of this step's KV (``wait_for_save``, or ``get_finished`` without a forward)."""
@@ -375,8 +274,9 @@ class WorkerRuntime:
     def poll(self) -> PollResult:
         """Drain completed jobs into reports, finished loads and failed GPU blocks (``get_finished``)."""
         self.after_forward()
-        if self._sync_loads:
-            self._finish_sync()
+        in_step = self.in_step
+        if in_step is not None and in_step.loads:
+            self._finish_in_step(in_step)
         with self._lock:
             done, self._completed = self._completed, []
             for job, _ in done:
@@ -401,46 +301,10 @@ class WorkerRuntime:
             out.invalid_block_ids.update(self._pending_fail.pop(rid, ()))
         return out
 
-    def _finish_sync(self) -> None:
-        """Wait for this step's in-step loads to land and queue their completions (vLLM's thread).
-
-        The forward already waits for these bytes on the GPU, so waiting here costs the host at
-        most the rest of the forward; it lets a failure reach vLLM in the step that read the blocks.
-        """
-        loads, self._sync_loads = self._sync_loads, []
-        forward_done = None
-        if any(load.marks is not None for load in loads):
-            forward_done = torch.cuda.Event(enable_timing=True)
-            forward_done.record(torch.cuda.current_stream(self.kv.device))
-        if self._layer_waits:  # a layer vLLM never waited for (not one of ours): order later work anyway
-            stream = torch.cuda.current_stream(self.kv.device)
-            for waits in self._layer_waits.values():
-                _stream_waits(waits, stream)
-            self._layer_waits.clear()
-        for load in loads:
-            if load.error is None and load.results:
-                try:
-                    load.results[-1].wait()
-                except CopyLaunchError as exc:
-                    load.error = exc
-            job, n = load.job, len(load.job)
-            secs = time.perf_counter() - load.started
-            if load.error is not None:
-                log.warning("TieredKVConnector rank %d: in-step load of job %d failed: %s", self.rank, job.job_id,
-                            load.error)
-                done = Completion(job.job_id, [False] * n, [False] * n, 0, secs)
-            else:
-                done = Completion(job.job_id, [True] * n, [False] * n, load.nbytes, secs)
-                log.debug("rank %d job %d in-step load: %d blocks in %d groups, host saw it done %.1f ms after "
-                          "the call", self.rank, job.job_id, load.nbytes // self.kv.block_nbytes,
-                          len(load.results), secs * 1e3)
-                if load.marks is not None and forward_done is not None:
-                    forward_done.synchronize()
-                    landed = load.marks[0].elapsed_time(load.marks[1])
-                    log.debug("rank %d job %d on the GPU: landed %.2f ms after the submission point (%.1f GB/s), "
-                              "step's forward done at %.2f ms", self.rank, job.job_id, landed,
-                              load.nbytes / landed / 1e6, load.marks[0].elapsed_time(forward_done))
-            self._count(job, done.nbytes, secs, done.ok, done.corrupt)
+    def _finish_in_step(self, in_step: InStepLoader) -> None:
+        """Wait for this step's in-step loads to land; count and queue their completions for ``poll``."""
+        for job, done in in_step.finish():
+            self._count(job, done.nbytes, done.seconds, done.ok, done.corrupt)
             self._on_done(job, done)
 
     def idle(self) -> bool:
@@ -585,8 +449,8 @@ class WorkerRuntime:
 
     def close(self) -> None:
         """Finish queued jobs, stop the movers, flush and close the tiers."""
-        if self._sync_loads:
-            self._finish_sync()
+        if self.in_step is not None and self.in_step.loads:
+            self._finish_in_step(self.in_step)
         self.front.close()
         if self.back is not None:
             self.back.close()
@@ -595,27 +459,3 @@ class WorkerRuntime:
             self.disk.close()
         self.cpu.close()
 
-
-def _stream_waits(results: list[CopyResult], stream) -> None:
-    """Make ``stream`` wait for each copy; a copy that failed to start is skipped here (the load
-    carries the same error on its last result, and ``poll`` reports the load as failed)."""
-    for res in results:
-        try:
-            res.wait_on(stream)
-        except CopyLaunchError:
-            pass
-
-
-def _layer_groups(kv, nbytes: int, wanted: int = 0) -> list[tuple[int, int]]:
-    """Consecutive tensor groups for an in-step load of ``nbytes``.
-
-    ``wanted`` (the ``load_groups`` key) > 0 fixes the count (at most one group per tensor);
-    0 takes as many as ``MIN_GROUP_BYTES`` allows, at most ``MAX_AUTO_GROUPS``.
-    """
-    layers = len(kv.tensors)
-    if wanted > 0:
-        count = min(layers, wanted)
-    else:
-        count = max(1, min(layers, nbytes // MIN_GROUP_BYTES, MAX_AUTO_GROUPS))
-    per = -(-layers // count)
-    return [(a, min(layers, a + per)) for a in range(0, layers, per)]
