@@ -131,10 +131,10 @@ def slot_accounting(disk) -> dict:
     """Slots of a DiskTier by fate: records + free list + pending claims vs. the high-water mark."""
     import struct
 
-    with disk.env.begin() as txn:
-        hwm = struct.unpack(">Q", txn.get(b"hwm", db=disk.db_meta))[0]
-        records = txn.stat(disk.db_records)["entries"]
-        free = txn.stat(disk.db_free)["entries"]
-        claims = txn.stat(disk.db_claims)["entries"]
+    with disk.index.env.begin() as txn:
+        hwm = struct.unpack(">Q", txn.get(b"hwm", db=disk.index.db_meta))[0]
+        records = txn.stat(disk.index.db_records)["entries"]
+        free = txn.stat(disk.index.db_free)["entries"]
+        claims = txn.stat(disk.index.db_claims)["entries"]
     return {"hwm": hwm, "records": records, "free": free, "claims": claims,
             "unaccounted": hwm - records - free - claims}

@@ -51,7 +51,7 @@ def _headers(path, keys) -> dict[bytes, bytes]:
     """Raw header bytes of each key, read with the store open (then closed)."""
     with TieredStore(disk_config(path, disk_bytes=4 << 20)) as store:
         disk = store.tiers[-1]
-        with disk.env.begin(db=disk.db_records, buffers=False) as txn:
+        with disk.index.env.begin(db=disk.index.db_records, buffers=False) as txn:
             return {k: txn.get(k) for k in keys}
 
 
@@ -142,14 +142,14 @@ def test_header_damage_in_lmdb_while_open_reads_as_miss_is_removed_and_counted(t
     rng = random.Random(11)
     with TieredStore(disk_config(path, disk_bytes=4 << 20)) as store:
         disk = store.tiers[-1]
-        with disk.env.begin(db=disk.db_records, buffers=False) as txn:
+        with disk.index.env.begin(db=disk.index.db_records, buffers=False) as txn:
             raws = {k: txn.get(k) for k in keys}
         damaged = set(rng.sample(keys, 20))
         _damage_headers_in_file(path / "index" / "data.mdb", [raws[k] for k in damaged], rng)
         _check_verdicts(store, keys, damaged)
         st = store.stats()["tiers"]["disk"]
         assert st["corrupt_dropped"] == len(damaged), st
-        with disk.env.begin(db=disk.db_records) as txn:
+        with disk.index.env.begin(db=disk.index.db_records) as txn:
             assert all(txn.get(k) is None for k in damaged), "damaged headers left in the index"
 
 

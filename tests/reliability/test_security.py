@@ -75,9 +75,9 @@ def test_planted_pickle_record_reads_as_miss_and_is_never_unpickled(tmp_path):
     with TieredStore(disk_config(path, disk_bytes=1 << 20)) as store:
         assert all(store.put(keys, blocks_of(keys)).wait(30))
         disk = store.tiers[-1]
-        with disk.env.begin(write=True) as txn:  # a record the planner knows now holds a pickle
-            txn.put(keys[0], payload, db=disk.db_records)
-            txn.put(stranger, payload, db=disk.db_records)
+        with disk.index.env.begin(write=True) as txn:  # a record the planner knows now holds a pickle
+            txn.put(keys[0], payload, db=disk.index.db_records)
+            txn.put(stranger, payload, db=disk.index.db_records)
         out = torch.empty((1, *SHAPE), dtype=TORCH_DTYPE)
         assert store.get([keys[0]], out).wait(30) == 0
         assert store.stats()["tiers"]["disk"]["corrupt_dropped"] == 1

@@ -62,7 +62,7 @@ def test_flipped_payload_and_header_are_misses_deleted_and_counted(small_cfg, tm
     with TieredStore(cfg) as s:
         assert all(s.put(keys, data).wait(30))
         s.flush()
-        with s.tiers[0].env.begin(db=s.tiers[0].db_records) as txn:
+        with s.tiers[0].index.env.begin(db=s.tiers[0].index.db_records) as txn:
             headers = {k: bytes(txn.get(k)) for k in keys}
     path = tmp_path / "kv"
     # 1) flip one byte inside block 3's payload

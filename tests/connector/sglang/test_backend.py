@@ -124,7 +124,7 @@ def _corrupt_payload(backend, key: str) -> None:
 
     disk = backend.store.tiers[-1]
     k = backend._keys([key])[0]
-    with disk.env.begin(db=disk.db_records, buffers=False) as txn:
+    with disk.index.env.begin(db=disk.index.db_records, buffers=False) as txn:
         hdr = RecordHeader.unpack(k, txn.get(k))
     with open(disk.path / "payload.bin", "r+b") as f:
         f.seek(hdr.slot * disk.slot_bytes + 10)

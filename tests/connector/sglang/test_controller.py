@@ -114,7 +114,7 @@ def test_corrupted_record_is_a_miss_and_sglang_goes_on(tmp_path):
         backend = ctrl.storage_backend
         disk = backend.store.tiers[-1]
         key = backend._keys(get_hash_str(tokens, None, page_size=PAGE_SIZE)[2:3])[0]
-        with disk.env.begin(db=disk.db_records, buffers=False) as txn:
+        with disk.index.env.begin(db=disk.index.db_records, buffers=False) as txn:
             slot = RecordHeader.unpack(key, txn.get(key)).slot
         with open(disk.path / "payload.bin", "r+b") as f:  # flip bytes of page 2's payload on disk
             f.seek(slot * disk.slot_bytes + 100)

@@ -1,0 +1,287 @@
+"""Disk tier: an LMDB index plus a preallocated payload file of fixed-size slots.
+
+Why not payloads inside LMDB: the same-run benchmark (``benchmarks/disk_bench.py``,
+numbers in docs/benchmarks.md) showed LMDB with 2 MiB values well under 90% of raw disk
+speed, so LMDB keeps only what it is good at: a crash-safe, multi-process index of small
+records (``record.RecordHeader`` under each key), the free-slot list and pending claims
+(``DiskIndex``, index.py). Payloads go to ``payload.bin`` at ``slot * slot_bytes`` with one
+``pwrite``/``preadv`` (``SlotFile``, slots.py). ``DiskTier`` owns the directory (its path
+checks, its two entries) and composes the two behind the ``Tier`` protocol.
+
+Crash safety: a write claims a free slot (LMDB txn 1), writes the payload, then commits
+the header (txn 2). A crash between the two leaves a claim whose owner process is dead;
+the next open returns such slots to the free list. A slot is reused only after the txn
+that deleted its record committed, so a committed header never points at someone
+else's bytes; a reader that races a delete in another process gets a checksum mismatch
+and reports a miss (it re-reads the header to tell a race from real corruption).
+
+Durability: with ``sync=False`` (default) committed blocks survive a process crash
+(the kernel holds the page cache); ``flush()`` makes them survive power loss. With
+``sync=True`` every batch is fdatasync'ed and every LMDB commit is synced.
+
+Sharing: several processes may open one directory (LMDB serializes writers); each one's
+planner knows only the records it adopted at open or wrote itself.
+
+Security: the directory is created 0700 and files 0600; paths with ``..`` or symlinks
+are refused; headers are parsed with ``struct`` and verified, never unpickled.
+
+Threading contract: ``read``/``write``/``delete`` may run on several mover threads at
+once (LMDB txns are per call; ``pwrite``/``preadv`` are positional). ``close()`` once.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from tiered_kv.errors import ConfigError, RecordError, StoreClosedError
+from tiered_kv.tiers.base import Tier
+from tiered_kv.tiers.disk.index import DiskIndex
+from tiered_kv.tiers.disk.slots import ALIGN, SlotFile
+from tiered_kv.values.layout import BlockLayout
+from tiered_kv.values.record import CODECS, RecordHeader
+
+log = logging.getLogger(__name__)
+
+
+def check_store_path(path: str | os.PathLike) -> Path:
+    """Validate a disk-tier directory path: no ``..`` parts, not a symlink, not a file, writable parent.
+
+    Raises ConfigError naming the path and what to do.
+    """
+    p = Path(path)
+    if any(part == ".." for part in p.parts):
+        raise ConfigError(f"disk_path {str(path)!r} contains '..'; give a normalized path")
+    if p.is_symlink():
+        raise ConfigError(f"disk_path {str(path)!r} is a symlink (to {os.readlink(p)!r}); give the real directory")
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"disk_path {str(path)!r} exists and is not a directory; choose another path")
+    parent = p if p.exists() else p.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"disk_path {str(path)!r} is not writable (checked {str(parent)!r}); fix permissions "
+                          f"or choose another path")
+    return p
+
+
+def file_mode(path: str | os.PathLike) -> int:
+    """Permission bits of ``path`` (for tests and ``inspect``)."""
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+class DiskTier(Tier):
+    """Persistent tier on local disk: LMDB index (``self.index``) + slot file (``self.slots``)."""
+
+    name = "disk"
+    slotted = False
+
+    def __init__(self, layout: BlockLayout, path: str | os.PathLike, capacity_bytes: int,
+                 compression: str = "none", zstd_level: int = 1, sync: bool = False, readonly: bool = False,
+                 key_prefix: bytes = b"", direct_io: bool = True, writer: bool = True, read_threads: int = 4) -> None:
+        if compression not in CODECS:
+            raise ConfigError(f"compression: unknown codec {compression!r}; valid: {sorted(CODECS)}")
+        self.slot_bytes = -(-layout.nbytes // ALIGN) * ALIGN
+        super().__init__(layout, capacity_bytes // self.slot_bytes)
+        if capacity_bytes and self.capacity == 0 and not readonly:
+            raise ConfigError(f"disk_bytes={capacity_bytes} is smaller than one block slot ({self.slot_bytes} bytes)")
+        self.path = check_store_path(path)
+        self.sync = sync
+        self.readonly = readonly
+        self.writer = writer and not readonly  # a reader never writes or deletes records (damaged ones aside)
+        self.key_prefix = key_prefix
+        self._closed = False
+        self.dropped_at_open = 0
+        self.read_threads = read_threads
+        self._executor: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+        if not readonly:
+            self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.chmod(self.path, 0o700)
+        elif not (self.path / "index").exists():
+            raise ConfigError(f"{str(self.path)!r} holds no tiered_kv disk tier (no index/ inside)")
+        idx, payload = self.path / "index", self.path / "payload.bin"
+        for inner in (idx, idx / "data.mdb", idx / "lock.mdb", payload):
+            if inner.is_symlink():  # never let a planted link send our writes outside the store
+                raise ConfigError(f"{str(inner)!r} is a symlink; a store directory must hold plain files only")
+        self.index = DiskIndex(idx, self.slot_bytes, self.capacity, readonly=readonly, sync=sync)
+        self.slot_bytes = self.index.slot_bytes  # a read-only open takes the directory's slot size
+        try:
+            self.slots = SlotFile(payload, self.slot_bytes, readonly=readonly, direct_io=direct_io,
+                                  codec=CODECS[compression], zstd_level=zstd_level)
+        except ConfigError:
+            self.index.close()
+            raise
+        if not readonly:
+            self.slots.ensure_slots(self.index.physical_slots)
+            self.index.recover_claims()
+
+    @property
+    def physical_slots(self) -> int:
+        """Slots in the payload file (the largest capacity this directory was ever opened with)."""
+        return self.index.physical_slots
+
+    def physical_slots_cached(self) -> int:
+        """Slots in the payload file, from the file size (cheap; no txn)."""
+        return self.slots.slot_count()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError(f"disk tier {str(self.path)!r} is closed")
+
+    # ------------------------------------------------------------------ Tier API
+    def write(self, keys: Sequence[bytes], slots: Sequence[int], rows) -> list[bool]:
+        """Write ``rows[i]`` under ``keys[i]``; a key already stored is kept as is (blocks are immutable).
+
+        ``rows`` is a ``(n, block_nbytes)`` uint8 tensor or a list of ``n`` 1-D uint8 rows (views are
+        fine: a page-aligned CPU row is written to disk with no copy).
+        """
+        self._check_open()
+        if not self.writer:
+            return [False] * len(keys)
+        fresh, claimed = self.index.claim(keys)
+        ok = [True] * len(keys)
+        for i in fresh[len(claimed):]:
+            ok[i] = False  # the file is full (other processes may hold slots this planner does not know)
+        written: list[tuple[bytes, int, bytes]] = []  # (key, slot, packed header)
+        written_items: list[int] = []
+        failed_slots: list[int] = []
+        fp = self.layout.fingerprint
+        for i, slot in zip(fresh, claimed):
+            row = rows[i]
+            raw = (row if row.device.type == "cpu" else row.cpu()).numpy()
+            try:
+                hdr = self.slots.write(slot, raw, fp)
+            except OSError as exc:
+                log.warning("disk tier %s: write of slot %d failed: %s", self.path, slot, exc)
+                ok[i] = False
+                failed_slots.append(slot)
+                continue
+            written.append((keys[i], slot, hdr.pack(keys[i])))
+            written_items.append(i)
+        if self.sync and written:
+            self.slots.datasync()  # payloads on stable storage before any header that points at them
+        if not self.index.commit(written, failed_slots):
+            for i in written_items:
+                ok[i] = False
+        return ok
+
+    def read(self, keys: Sequence[bytes], slots: Sequence[int], out) -> tuple[list[bool], list[bool]]:
+        """Read and verify each block into ``out[i]``; damaged records are deleted and reported corrupt."""
+        ok, corrupt, _ = self.read_ex(keys, slots, out)
+        return ok, corrupt
+
+    def read_ex(self, keys: Sequence[bytes], slots: Sequence[int], out) -> tuple[list[bool], list[bool], list[bool]]:
+        """``read`` plus ``missing[i]``: no record of ``keys[i]`` at all (deleted by another process, say).
+
+        ``out`` is a ``(n, block_nbytes)`` uint8 tensor or a list of 1-D rows, on any device. Only
+        verified bytes are reported ok; a row whose read failed holds undefined bytes.
+        """
+        self._check_open()
+        n = len(keys)
+        ok, corrupt, missing = [False] * n, [False] * n, [False] * n
+        raws = self.index.headers(keys)
+        index, slot_file = self.index, self.slots
+
+        def one(i: int) -> None:
+            key, raw = keys[i], raws[i]
+            if raw is None:
+                missing[i] = True
+                return
+            dst = out[i]
+            staging = dst if dst.device.type == "cpu" else torch.empty(dst.shape, dtype=torch.uint8)
+            try:
+                hdr = RecordHeader.unpack(key, raw)
+                if hdr.layout_fp != self.layout.fingerprint:
+                    return  # written for another layout: not ours to serve, not damage either
+                if hdr.raw_len != self.block_nbytes or hdr.slot >= slot_file.slot_count():
+                    raise RecordError(f"record of {hdr.raw_len} bytes at slot {hdr.slot} does not fit this tier")
+                slot_file.read(hdr, staging)
+                if staging is not dst:
+                    dst.copy_(staging)
+                ok[i] = True
+            except (RecordError, OSError) as exc:
+                if index.still_same(key, raw):  # else another process deleted it meanwhile: a plain miss
+                    log.warning("disk tier %s: dropping damaged record %s: %s", self.path, key.hex()[:16], exc)
+                    index.drop_damaged(key, slot_file.slot_count())
+                    corrupt[i] = True
+
+        if n > 1 and self.read_threads > 1:  # several reads in flight: the disk works on a queue, not one at a time
+            list(self._pool().map(one, range(n)))
+        else:
+            for i in range(n):
+                one(i)
+        return ok, corrupt, missing
+
+    def _pool(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(self.read_threads, thread_name_prefix="tkv-disk-read")
+            return self._executor
+
+    def delete(self, keys: Sequence[bytes]) -> None:
+        """Delete records and return their slots to the free list (one txn).
+
+        Idempotent: a key with no record is skipped, so a caller may send a DELETE for a key a
+        read already dropped as corrupt (e.g. on the other TP ranks of a connector).
+        """
+        self._check_open()
+        if not self.writer:
+            return
+        self.index.delete(keys)
+
+    def has(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether the directory holds a record of each key now (one read txn; no payload I/O)."""
+        self._check_open()
+        return self.index.has(keys)
+
+    def stored_keys(self) -> list[bytes]:
+        """Keys of this layout (and key prefix, if set) stored in the directory, oldest first."""
+        keys, bad = self.index.list_keys(self.layout.fingerprint, self.key_prefix)
+        if bad and not self.readonly:
+            log.warning("disk tier %s: dropping %d records with damaged headers", self.path, len(bad))
+            limit = self.slots.slot_count()
+            for key in bad:
+                self.index.drop_damaged(key, limit)
+        self.dropped_at_open = len(bad)
+        return keys
+
+    def scan(self) -> dict:
+        """Summary of the directory for ``tiered-kv inspect``: records, bytes, layouts, bad headers."""
+        return {"path": str(self.path), **self.index.scan()}
+
+    def flush(self) -> None:
+        """fsync the payload file and the LMDB index."""
+        if self._closed or self.readonly:
+            return
+        self.slots.flush()
+        self.index.sync()
+
+    def describe(self) -> dict:
+        """Adds the path and slot size."""
+        d = super().describe()
+        d.update(path=str(self.path), slot_bytes=self.slot_bytes,
+                 compression=[k for k, v in CODECS.items() if v == self.slots.codec][0])
+        return d
+
+    def close(self) -> None:
+        """Flush (when syncing), close the index and the payload file. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+        try:
+            if self.sync and not self.readonly:
+                self.slots.flush()
+        finally:
+            try:
+                self.slots.close()
+            finally:
+                self.index.close()
