@@ -14,7 +14,6 @@ Handles may be waited on from any thread or awaited from any event loop.
 """
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import threading
@@ -25,6 +24,7 @@ import torch
 
 from tiered_kv.planner.chain import TierChain, TierSpec
 from tiered_kv.store.config import StoreConfig
+from tiered_kv.store.handle import Handle  # also imported from here by callers
 from tiered_kv.errors import InvalidInputError, StoreClosedError, TransferTimeout
 from tiered_kv.values.keys import Namespace, chain_keys, check_key
 from tiered_kv.values.layout import BlockLayout
@@ -39,63 +39,6 @@ from tiered_kv.values.jobs import EXT, Completion, JobKind, TransferJob
 from tiered_kv.movers.mover import Mover
 
 log = logging.getLogger(__name__)
-
-
-class Handle:
-    """The pending result of a put, get or prefetch."""
-
-    def __init__(self, kind: str, n: int) -> None:
-        self.kind = kind
-        self.n = n
-        self._event = threading.Event()
-        self._result: object = None
-        self._callbacks: list = []
-        self._lock = threading.Lock()
-        self.t_start = time.perf_counter()
-        self.t_done = 0.0
-
-    def _set(self, result: object) -> None:
-        with self._lock:
-            self._result = result
-            self.t_done = time.perf_counter()
-            self._event.set()
-            callbacks, self._callbacks = self._callbacks, []
-        for cb in callbacks:
-            cb(result)
-
-    def done(self) -> bool:
-        """True once the result is known."""
-        return self._event.is_set()
-
-    def wait(self, timeout: float | None = None):
-        """Block until done; returns the result (put: list[bool]; get/prefetch: int leading count)."""
-        if not self._event.wait(timeout):
-            raise TransferTimeout(f"{self.kind} of {self.n} blocks not done after {timeout} s; "
-                                  f"it keeps running — wait again or raise the timeout")
-        return self._result
-
-    @property
-    def result(self):
-        """The result if done, else None."""
-        return self._result if self.done() else None
-
-    def add_done_callback(self, fn) -> None:
-        """Call ``fn(result)`` when done (at once if already done), on the completing thread."""
-        with self._lock:
-            if not self._event.is_set():
-                self._callbacks.append(fn)
-                return
-        fn(self._result)
-
-    def __await__(self):
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-
-        def _resolve(result, fut=fut):
-            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result))
-
-        self.add_done_callback(_resolve)
-        return fut.__await__()
 
 
 class TieredStore:
