@@ -3,7 +3,10 @@
 ``put / get / prefetch`` return a ``Handle`` at once; ``handle.wait()`` (or ``await handle``)
 gives the result. The planner (``TierChain``) runs under one lock and only does dictionary
 work; bytes move on the movers' threads, one mover per tier edge (plus the front edge
-between the caller and the fastest tier).
+between the caller and the fastest tier): ``movers.EdgeMovers`` routes each job to its edge
+and ``movers.JobExecutor`` runs it against the tiers. This module keeps the planner's side:
+it starts calls, applies each ``Completion`` to the planner under the lock, submits the jobs
+that unblocks, and resolves handles.
 
 Buffers: ``put`` reads the caller's ``blocks`` and ``get`` writes the caller's ``out`` on a
 mover thread; keep them alive and unchanged until the handle is done (as with any
@@ -14,7 +17,6 @@ Handles may be waited on from any thread or awaited from any event loop.
 """
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import threading
@@ -25,77 +27,22 @@ import torch
 
 from tiered_kv.planner.chain import TierChain, TierSpec
 from tiered_kv.store.config import StoreConfig
+from tiered_kv.store.handle import Handle  # also imported from here by callers
 from tiered_kv.errors import InvalidInputError, StoreClosedError, TransferTimeout
 from tiered_kv.values.keys import Namespace, chain_keys, check_key
 from tiered_kv.values.layout import BlockLayout
 from tiered_kv.store.metrics import make_registry, serve
 from tiered_kv.planner.policy import PlacementPolicy
 from tiered_kv.planner.radix import RadixIndex
-from tiered_kv.tiers.base import SlabTier, Tier, copy_rows
+from tiered_kv.tiers.base import Tier
 from tiered_kv.tiers.cpu import CpuTier
 from tiered_kv.tiers.disk import DiskTier
 from tiered_kv.tiers.gpu import GpuTier
 from tiered_kv.values.jobs import EXT, Completion, JobKind, TransferJob
-from tiered_kv.movers.mover import Mover
+from tiered_kv.movers.edges import EdgeMovers
+from tiered_kv.movers.executor import JobExecutor
 
 log = logging.getLogger(__name__)
-
-
-class Handle:
-    """The pending result of a put, get or prefetch."""
-
-    def __init__(self, kind: str, n: int) -> None:
-        self.kind = kind
-        self.n = n
-        self._event = threading.Event()
-        self._result: object = None
-        self._callbacks: list = []
-        self._lock = threading.Lock()
-        self.t_start = time.perf_counter()
-        self.t_done = 0.0
-
-    def _set(self, result: object) -> None:
-        with self._lock:
-            self._result = result
-            self.t_done = time.perf_counter()
-            self._event.set()
-            callbacks, self._callbacks = self._callbacks, []
-        for cb in callbacks:
-            cb(result)
-
-    def done(self) -> bool:
-        """True once the result is known."""
-        return self._event.is_set()
-
-    def wait(self, timeout: float | None = None):
-        """Block until done; returns the result (put: list[bool]; get/prefetch: int leading count)."""
-        if not self._event.wait(timeout):
-            raise TransferTimeout(f"{self.kind} of {self.n} blocks not done after {timeout} s; "
-                                  f"it keeps running — wait again or raise the timeout")
-        return self._result
-
-    @property
-    def result(self):
-        """The result if done, else None."""
-        return self._result if self.done() else None
-
-    def add_done_callback(self, fn) -> None:
-        """Call ``fn(result)`` when done (at once if already done), on the completing thread."""
-        with self._lock:
-            if not self._event.is_set():
-                self._callbacks.append(fn)
-                return
-        fn(self._result)
-
-    def __await__(self):
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-
-        def _resolve(result, fut=fut):
-            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result))
-
-        self.add_done_callback(_resolve)
-        return fut.__await__()
 
 
 class TieredStore:
@@ -111,6 +58,7 @@ class TieredStore:
         self._torch_dtype = self.layout.torch_dtype()
         self._closed = False
         self.tiers: list[Tier] = []
+        self._edge_workers: list[int] = []  # [i]: mover threads between tier i and tier i+1
         try:
             self._open_tiers(config)
         except BaseException:
@@ -125,12 +73,10 @@ class TieredStore:
         self._buffers: dict[int, torch.Tensor] = {}
         self._ids = itertools.count(1)
         self._bytes = {t.name: [0, 0] for t in self.tiers}  # bytes in, bytes out per tier
-        self._gpu_dev = next((t.device for t in self.tiers if t.device.type == "cuda"), None)
-        self.movers: list[Mover] = [Mover("front", self._execute, self._on_done, workers=1)]
-        for a, b in zip(self.tiers, self.tiers[1:]):
-            workers = config.disk_workers if isinstance(b, DiskTier) else 1
-            self.movers.append(Mover(f"{a.name}-{b.name}", self._execute, self._on_done, workers=workers))
-        self._streams = {}
+        self._executor = JobExecutor(self.tiers, self._buffers)
+        self._gpu_dev = self._executor.cuda_device
+        self.movers = EdgeMovers([t.name for t in self.tiers], self._edge_workers, self._executor.execute,
+                                 self._on_done)
         self._metrics_server = None
         if config.metrics_port:
             self._metrics_server = serve(make_registry(self.stats), config.metrics_port)
@@ -146,12 +92,19 @@ class TieredStore:
 
     def _open_tiers(self, c: StoreConfig) -> None:
         if c.gpu_bytes:
-            self.tiers.append(GpuTier(self.layout, c.gpu_bytes, c.device))
+            self._add_tier(GpuTier(self.layout, c.gpu_bytes, c.device), 1)
         if c.cpu_bytes:
-            self.tiers.append(CpuTier(self.layout, c.cpu_bytes, c.pin_memory))
+            self._add_tier(CpuTier(self.layout, c.cpu_bytes, c.pin_memory), 1)
         if c.disk_path is not None:
-            self.tiers.append(DiskTier(self.layout, c.disk_path, c.disk_bytes, c.compression, c.zstd_level,
-                                       c.disk_sync, writer=c.disk_role == "writer"))
+            # Several threads on the edge into disk: each waits on its own reads and writes.
+            self._add_tier(DiskTier(self.layout, c.disk_path, c.disk_bytes, c.compression, c.zstd_level,
+                                    c.disk_sync, writer=c.disk_role == "writer"), c.disk_workers)
+
+    def _add_tier(self, tier: Tier, edge_workers: int) -> None:
+        """Append ``tier`` below the others; ``edge_workers`` threads move between it and the tier above."""
+        self.tiers.append(tier)
+        if len(self.tiers) > 1:
+            self._edge_workers.append(edge_workers)
 
     # ------------------------------------------------------------------ context manager
     def __enter__(self) -> "TieredStore":
@@ -344,63 +297,12 @@ class TieredStore:
         return {"num_tokens": n * self.config.page_size, "keys": keys[:n],
                 "tiers": [self.tiers[t].name for t in where[:n]]}
 
-    # ------------------------------------------------------------------ movers
-    def _mover_for(self, job: TransferJob) -> Mover:
-        if job.kind in (JobKind.INGRESS, JobKind.EGRESS, JobKind.DELETE):
-            t = job.dst_tier if job.kind is JobKind.INGRESS else job.src_tier
-            return self.movers[t]  # front for tier 0, else the edge above tier t
-        return self.movers[max(job.src_tier, job.dst_tier)]
-
+    # ------------------------------------------------------------------ jobs and completions
     def _submit(self, jobs: list[TransferJob]) -> None:
-        for job in jobs:
-            self._mover_for(job).submit(job)
-
-    def _rows(self, tier: int, job: TransferJob) -> torch.Tensor | None:
-        if tier == EXT:
-            return self._buffers.get(job.handle)
-        t = self.tiers[tier]
-        return t.slab if isinstance(t, SlabTier) else None
-
-    def _stream(self, device: torch.device):
-        if device is None or device.type != "cuda":
-            return None
-        key = threading.get_ident()
-        s = self._streams.get(key)
-        if s is None:
-            s = self._streams[key] = torch.cuda.Stream(device=device)
-        return s
-
-    def _execute(self, job: TransferJob) -> Completion:
-        n = len(job)
-        if job.kind is JobKind.DELETE:
-            self.tiers[job.src_tier].delete(job.keys)
-            return Completion(job.job_id, [True] * n, [False] * n)
-        src_rows, dst_rows = self._rows(job.src_tier, job), self._rows(job.dst_tier, job)
-        ok, corrupt, missing = [True] * n, [False] * n, []
-        stream = self._stream(self._gpu_dev) if self._gpu_dev is not None else None
-        ctx = torch.cuda.stream(stream) if stream is not None else _nullcontext()
-        with ctx:
-            if src_rows is None:  # keyed source: read straight into the destination rows
-                if dst_rows.device.type == "cpu":
-                    ok, corrupt, missing = self.tiers[job.src_tier].read_ex(
-                        job.keys, job.src_slots, [dst_rows[d] for d in job.dst_slots])
-                else:
-                    staging = torch.empty((n, self.layout.nbytes), dtype=torch.uint8)
-                    ok, corrupt, missing = self.tiers[job.src_tier].read_ex(job.keys, job.src_slots, staging)
-                    good = [i for i in range(n) if ok[i]]
-                    copy_rows(staging, good, dst_rows, [job.dst_slots[i] for i in good])
-            elif dst_rows is None:  # keyed destination: hand over row views, no gather copy
-                rows = [src_rows[s] for s in job.src_slots] if src_rows.device.type == "cpu" else \
-                    src_rows[torch.as_tensor(job.src_slots, device=src_rows.device)].cpu()
-                ok = self.tiers[job.dst_tier].write(job.keys, job.dst_slots, rows)
-            else:
-                copy_rows(src_rows, job.src_slots, dst_rows, job.dst_slots, non_blocking=stream is not None)
-            if stream is not None:
-                stream.synchronize()
-        nbytes = sum(ok) * self.layout.nbytes
-        return Completion(job.job_id, ok, corrupt, nbytes=nbytes, missing=missing)
+        self.movers.submit(jobs)
 
     def _on_done(self, job: TransferJob, done: Completion) -> None:
+        # On a mover thread: apply the outcome to the planner, start what it unblocked, resolve handles.
         with self._lock:
             if job.src_tier != EXT and job.kind is not JobKind.DELETE:
                 self._bytes[self.tiers[job.src_tier].name][1] += done.nbytes
@@ -452,7 +354,7 @@ class TieredStore:
                     "bytes_in": self._bytes[t.name][0], "bytes_out": self._bytes[t.name][1],
                     "evictions": tc.evictions, "failed_transfers": tc.failed_transfers,
                     "corrupt_dropped": tc.corrupt_dropped, "vanished": tc.vanished, "refused": tc.refused,
-                    "queue_depth": self.movers[i].depth,
+                    "queue_depth": self.movers.depth(i),
                 }
             return {
                 "lookups": c.lookups, "hits": c.hits, "misses": c.misses,
@@ -470,17 +372,8 @@ class TieredStore:
                 return
             self._closed = True
         self.drain(timeout=60.0)
-        for m in self.movers:
-            m.close()
+        self.movers.close()
         for t in self.tiers:
             t.close()
         if self._metrics_server is not None:
             self._metrics_server[0].shutdown()
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
