@@ -265,6 +265,7 @@ class RoomKeeper:
         return self._release(t, c.slot) if held else []
 
     def _free(self, key: bytes, t: int) -> Jobs:
+        """Forget ``key``'s copy in ``t`` (no reader left, nothing left to delete) and release its room."""
         c = self.index.get(key).copies[t]
         if c.leaving:
             self.leaving[t] -= 1
