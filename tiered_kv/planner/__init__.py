@@ -1,8 +1,10 @@
 """The planner: which block lives where, what moves next (pure Python, no bytes, no torch).
 
-``TierChain`` routes puts, gets, prefetches and evictions over a ``BlockIndex`` with one
-``EvictionPolicy`` per tier and returns ``TransferJob`` records; ``RadixIndex`` maps token
-sequences to chunk keys. Imports only ``tiered_kv.values`` and ``tiered_kv.errors``.
+``TierChain`` routes puts, gets, prefetches and completions over a ``BlockIndex`` with one
+``EvictionPolicy`` per tier and returns ``TransferJob`` records; its ``RoomKeeper`` keeps the
+room in each tier (waiters for a full tier, eviction by policy, copies leaving).
+``RadixIndex`` maps token sequences to chunk keys. Imports only ``tiered_kv.values`` and
+``tiered_kv.errors``.
 
 Threading contract: not thread-safe; one owner thread (or the owner's lock) drives a chain.
 """

@@ -1,12 +1,17 @@
 """TierChain: the planner. Decides what moves where; never touches bytes.
 
-``TierChain`` keeps the ``BlockIndex``, one ``EvictionPolicy`` per tier, slot
-allocation for slab tiers and capacity counts for keyed tiers. Each call returns the
-``TransferJob``s to run; ``complete()`` applies a ``Completion`` and returns the jobs it
-unblocked. Results of caller requests (put/get/prefetch) are collected per handle id and
-drained with ``take_finished()``.
+``TierChain`` routes: it turns caller requests (put/get/prefetch/delete/adopt) and movers'
+``Completion``s into ``TransferJob``s, and tracks the handles whose items those jobs carry.
+Each call returns the jobs to run; ``complete()`` applies a completion and returns the jobs
+it unblocked. Results of caller requests are collected per handle id and drained with
+``take_finished()``.
 
-Rules it keeps (DESIGN invariants 1, 2, 5):
+Room-making is its ``RoomKeeper`` (``planner/room.py``): room and slots per tier, waiters
+for a full tier, eviction by policy, copies leaving. The two share the ``BlockIndex``, one
+``EvictionPolicy`` per tier and the counters; the chain asks the keeper for room and tells
+it when copies land or let go, the keeper asks the chain to issue its DEMOTE/DELETE jobs.
+
+Rules it keeps, with its keeper (DESIGN invariants 1, 2, 5):
 - a copy is served only when READY; a key being written reads as a miss;
 - an evicted block is copied down first and its source freed only after the copy
   committed; a failed copy frees the destination and keeps the source;
@@ -21,60 +26,20 @@ under its lock; the vLLM scheduler thread in the connector).
 from __future__ import annotations
 
 import itertools
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tiered_kv.errors import ConfigError, InvalidInputError
+from tiered_kv.planner.counters import ChainCounters, TierCounters
 from tiered_kv.planner.index import BlockIndex, Copy, CopyState
 from tiered_kv.planner.policy import EvictionPolicy, PlacementPolicy, make_policy
+from tiered_kv.planner.room import RoomKeeper, TierSpec
 from tiered_kv.values.jobs import EXT, NO_SLOT, Completion, JobKind, TransferJob
 
+# TierSpec and the counters are defined beside the room keeper; callers import them from here.
+__all__ = ["ChainCounters", "TierChain", "TierCounters", "TierSpec"]
+
 Jobs = list[TransferJob]
-
-
-@dataclass(frozen=True)
-class TierSpec:
-    """What the planner needs to know of one tier: a name, a capacity in blocks, and who picks slots.
-
-    ``slotted=True``: the planner hands out slot numbers ``0..capacity-1`` (GPU and CPU slabs).
-    ``slotted=False``: the tier places records itself and is addressed by key (disk).
-    """
-
-    name: str
-    capacity: int
-    slotted: bool = True
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.capacity, int) or self.capacity < 0:
-            raise ConfigError(f"tier {self.name!r}: capacity must be an int >= 0 blocks, got {self.capacity!r}")
-
-
-@dataclass
-class TierCounters:
-    """Per-tier counters (all monotonic except ``resident``)."""
-
-    hits: int = 0
-    blocks_in: int = 0
-    blocks_out: int = 0
-    evictions: int = 0
-    failed_transfers: int = 0
-    corrupt_dropped: int = 0
-    vanished: int = 0
-    refused: int = 0
-
-
-@dataclass
-class ChainCounters:
-    """Store-level counters: lookups = hits + misses; blocks_in = blocks_out + resident."""
-
-    lookups: int = 0
-    hits: int = 0
-    misses: int = 0
-    blocks_in: int = 0
-    blocks_out: int = 0
-    puts_refused: int = 0
-    puts_deduplicated: int = 0
 
 
 @dataclass
@@ -84,12 +49,6 @@ class _Handle:
     pending: int
     ok: list[bool] = field(default_factory=list)
     hits: int = 0
-
-
-@dataclass
-class _Waiter:
-    grant: Callable[[int], Jobs]
-    refuse: Callable[[], Jobs]
 
 
 class _HandleItems:
@@ -125,18 +84,25 @@ class TierChain:
         n = len(specs)
         self.index = BlockIndex(n)
         self.policies: list[EvictionPolicy] = [make_policy(eviction) for _ in specs]
-        self.used = [0] * n
-        self.leaving = [0] * n
-        self._free_slots: list[list[int]] = [list(range(s.capacity - 1, -1, -1)) if s.slotted else [] for s in specs]
-        self._waiters: list[deque[_Waiter]] = [deque() for _ in specs]
         self._jobs: dict[int, tuple[TransferJob, list]] = {}
         self._job_ids = itertools.count(1)
         self._handles: dict[int, _Handle] = {}
         self._finished: list[tuple[int, object]] = []
         self.tier_counters = [TierCounters() for _ in specs]
-        self._pins = 0  # sum of every copy's pins, kept in step with them
         self._followers: dict[tuple[bytes, int], list] = {}  # prefetches waiting on a copy in flight
         self.counters = ChainCounters()
+        self.room = RoomKeeper(self.specs, self.index, self.policies, self.tier_counters, self.counters,
+                               job=self._block_job, lost=self._abandon_followers)
+
+    @property
+    def used(self) -> list[int]:
+        """Room taken per tier, in blocks (copies in any state plus room granted to waiters)."""
+        return self.room.used
+
+    @property
+    def leaving(self) -> list[int]:
+        """Evictions under way per tier."""
+        return self.room.leaving
 
     # ------------------------------------------------------------------ queries
     @property
@@ -184,11 +150,11 @@ class TierChain:
 
     def pinned(self) -> int:
         """Copies pinned by running readers."""
-        return self._pins
+        return self.room.pins
 
     def waiting(self) -> int:
         """Reservations waiting for room."""
-        return sum(len(w) for w in self._waiters)
+        return self.room.waiting()
 
     def resident(self, tier: int) -> int:
         """Copies (any state) in ``tier``."""
@@ -209,17 +175,11 @@ class TierChain:
         t = self.placement.put_tier
         n = len(keys)
         h = self._open(handle, "put", n)
-        if n and self.used[t] + n <= self.specs[t].capacity and self.index.holds_none_of(keys) \
-                and len(set(keys)) == n:
-            # the common case (new prompt blocks, room for all): one job, no per-key calls
+        room = self.room
+        # the common case (new prompt blocks, room for all): one job, no per-key calls
+        if n and self.index.holds_none_of(keys) and len(set(keys)) == n \
+                and (slots := room.take_run(t, n)) is not None:
             self.counters.blocks_in += n
-            self.used[t] += n
-            if self.specs[t].slotted:
-                free = self._free_slots[t]
-                slots = free[:-n - 1:-1]  # what n pop()s would take, in that order
-                del free[-n:]
-            else:
-                slots = [NO_SLOT] * n
             self.index.add_new_many(keys, t, slots, CopyState.WRITING)
             items = list(range(n))
             return [self._job(JobKind.INGRESS, EXT, t, list(keys), items, slots, handle, _HandleItems(handle))]
@@ -238,7 +198,7 @@ class TierChain:
                 self._refuse_put(handle, i, t)
                 continue
             self.counters.blocks_in += 1
-            slot = self._take_room(t)
+            slot = room.take(t)
             if slot is not None:  # room now: the common case, no closures
                 self.index.add_new(key, t, Copy(CopyState.WRITING, slot))
                 batch.append((i, key, slot))
@@ -251,11 +211,11 @@ class TierChain:
                 return [self._job(JobKind.INGRESS, EXT, t, [key], [i], [slot], handle, [(handle, i)])]
 
             def refuse(key=key, i=i) -> Jobs:
-                out = self._remove(key, t)
+                out = room.remove(key, t)
                 self._refuse_put(handle, i, t)
                 return out
 
-            status, _, more = self._reserve(t, grant, refuse)  # no room now: wait, or refused
+            status, _, more = room.reserve(t, grant, refuse)  # no room now: wait, or refused
             jobs += more
             if status == "refused":
                 jobs += refuse()
@@ -279,10 +239,10 @@ class TierChain:
             t = e.best()
             c = e.copies[t]
             c.pins += 1
-            self._pins += 1
             self.policies[t].access(key)
             self.tier_counters[t].hits += 1
             by_tier.setdefault(t, []).append((i, key, c.slot))
+        self.room.pins += n  # the n pins just taken, added once rather than per key
         # promote only after every hit is pinned, so a promotion's eviction cannot take a block we read
         if self.placement.promote_on_hit:
             for t, items in by_tier.items():
@@ -320,24 +280,20 @@ class TierChain:
                     continue
                 if not c.leaving:
                     self.policies[t].remove(key)
-                jobs += self._drop(key, t)
+                jobs += self.room.drop(key, t)
         return jobs
 
     def adopt(self, tier: int, keys: Sequence[bytes]) -> Jobs:
         """Register blocks a tier already holds (a reopened disk tier). Extra blocks beyond capacity are evicted."""
-        jobs: Jobs = []
+        added = 0
         for key in keys:
             if key in self.index:
                 continue
             self.counters.blocks_in += 1
             self.index.add_copy(key, tier, Copy(CopyState.READY, NO_SLOT))
-            self.used[tier] += 1
             self.policies[tier].insert(key)
-        excess = self.used[tier] - self.specs[tier].capacity
-        if excess > 0:
-            for victim in self.policies[tier].victims(excess, lambda k: True):
-                jobs += self._evict(tier, victim)
-        return jobs
+            added += 1
+        return self.room.occupy(tier, added)
 
     # ------------------------------------------------------------------ completions
     def complete(self, done: Completion) -> Jobs:
@@ -354,10 +310,9 @@ class TierChain:
     def _complete_item(self, job: TransferJob, key: bytes, ok: bool, corrupt: bool, ctx, missing: bool = False) -> Jobs:
         kind, src, dst = job.kind, job.src_tier, job.dst_tier
         jobs: Jobs = []
+        room = self.room
         if kind is JobKind.DELETE:
-            c = self.index.get(key).copies[src]
-            c.deleting = False
-            return self._free(key, src)
+            return room.delete_done(key, src)
         if src != EXT:
             jobs += self._source_done(key, src, corrupt, missing and not self.specs[src].slotted)
             if corrupt:
@@ -377,10 +332,10 @@ class TierChain:
             self.policies[dst].insert(key)
             if c.doomed or e.deleted:
                 self.policies[dst].remove(key)
-                jobs += self._drop(key, dst)
-            jobs += self._kick(dst)
+                jobs += room.drop(key, dst)
+            jobs += room.kick(dst)
         else:
-            jobs += self._remove(key, dst)
+            jobs += room.remove(key, dst)
         if ok:
             for follower in self._followers.pop((key, dst), ()):
                 jobs += self._prefetch_step(key, follower, dst)
@@ -393,7 +348,7 @@ class TierChain:
             if ok:
                 jobs += self._copy_down(key, dst)
         elif kind is JobKind.DEMOTE:
-            jobs += self._demote_done(key, src, ok)
+            jobs += room.demote_done(key, src, ok)
         elif kind is JobKind.PROMOTE:
             if ctx is not None:
                 if ok:  # one hop done; the copy counts as arrived even if evicted right after
@@ -461,107 +416,14 @@ class TierChain:
         self._jobs[job.job_id] = (job, ctx)
         return job
 
-    def _reserve(self, t: int, grant: Callable[[int], Jobs], refuse: Callable[[], Jobs]) -> tuple[str, int, Jobs]:
-        """Room for one block in tier ``t``: ("now", slot), ("wait", -1) with ``grant(slot)`` called later,
-        or ("refused", -1) for a tier with no room at all.
+    def _block_job(self, kind: JobKind, src: int, dst: int, key: bytes, src_slot: int, dst_slot: int) -> TransferJob:
+        """A one-block job no caller waits on: the room keeper's demotions and deletes."""
+        return self._job(kind, src, dst, [key], [src_slot], [dst_slot], 0, [None])
 
-        Waiting always ends: copies being written or read become evictable when their job
-        completes, waiting promotions and copies hold no pins, and demotions only wait on
-        lower tiers, the lowest of which evicts by dropping.
-        """
-        slot = self._take_room(t)
-        if slot is not None:
-            return "now", slot, []
-        if self.specs[t].capacity == 0:
-            return "refused", NO_SLOT, []
-        self._waiters[t].append(_Waiter(grant, refuse))
-        return "wait", NO_SLOT, self._make_room(t)
-
-    def _take_room(self, t: int) -> int | None:
-        """One unit of room in ``t`` if there is some: its slot (``NO_SLOT`` for keyed tiers), else None."""
-        if self.used[t] >= self.specs[t].capacity:
-            return None
-        self.used[t] += 1
-        return self._free_slots[t].pop() if self.specs[t].slotted else NO_SLOT
-
-    def _kick(self, t: int) -> Jobs:
-        """Something in ``t`` may have become evictable: start evictions for waiters that have none yet."""
-        if len(self._waiters[t]) > self.leaving[t]:
-            return self._make_room(t)
-        return []
-
-    def _make_room(self, t: int) -> Jobs:
-        """Start evictions in ``t`` until one is under way for each waiter (if the policy finds victims)."""
-        jobs: Jobs = []
-        need = len(self._waiters[t]) - self.leaving[t]
-        if need <= 0:
-            return jobs
-        victims = self.policies[t].victims(need, lambda k: self._evictable(k, t) and not self._wanted(k, t))
-        if len(victims) < need:  # only sources of waiting copies are left: take them rather than stall
-            chosen = set(victims)
-            victims += self.policies[t].victims(need - len(victims),
-                                                lambda k: k not in chosen and self._evictable(k, t))
-        for key in victims:
-            jobs += self._evict(t, key)
-        return jobs
-
-    def _wanted(self, key: bytes, t: int) -> bool:
-        return self.index.get(key).copies[t].wanted > 0
-
-    def _evictable(self, key: bytes, t: int) -> bool:
-        c = self.index.get(key).copies.get(t)
-        return c is not None and c.state is CopyState.READY and c.pins == 0 and not c.leaving and not c.doomed
-
-    def _evict(self, t: int, key: bytes) -> Jobs:
-        e = self.index.get(key)
-        c = e.copies[t]
-        c.leaving = True
-        self.leaving[t] += 1
-        self.policies[t].remove(key)
-        self.tier_counters[t].evictions += 1
-        lower = t + 1
-        if lower >= self.num_tiers or lower in e.copies or any(u < t and d.readable for u, d in e.copies.items()):
-            return self._drop(key, t)
-        c.pins += 1  # the demotion reads it
-        self._pins += 1
-        self.index.add_copy(key, lower, Copy(CopyState.QUEUED, NO_SLOT))
-
-        def grant(slot: int) -> Jobs:
-            d = self.index.get(key).copies[lower]
-            d.state, d.slot = CopyState.WRITING, slot
-            return [self._job(JobKind.DEMOTE, t, lower, [key], [c.slot], [slot], 0, [None])]
-
-        def refuse() -> Jobs:  # no room below: the block leaves this tier without a copy below
-            out = self._remove(key, lower)
-            c.pins -= 1
-            self._pins -= 1
-            return out + self._drop(key, t)
-
-        status, slot, jobs = self._reserve(lower, grant, refuse)
-        if status == "now":
-            jobs += grant(slot)
-        elif status == "refused":
-            jobs += refuse()
-        return jobs
-
-    def _demote_done(self, key: bytes, src: int, ok: bool) -> Jobs:
-        e = self.index.get(key)
-        c = None if e is None else e.copies.get(src)
-        if c is None:  # deleted while moving: the source was freed when its last reader let go
-            return self._kick(src)
-        if ok:
-            return self._drop(key, src)
-        c.leaving = False  # keep the source; try another victim for whoever waits
-        self.leaving[src] -= 1
-        if not c.doomed:
-            self.policies[src].insert(key)
-        return self._refuse_one(src) + self._make_room(src)
-
-    def _refuse_one(self, t: int) -> Jobs:
-        """A demotion out of ``t`` failed: refuse one waiter that counted on it (bounds retries on a bad medium)."""
-        if len(self._waiters[t]) > self.leaving[t]:
-            return self._waiters[t].pop().refuse()
-        return []
+    def _abandon_followers(self, key: bytes, t: int) -> None:
+        """``key``'s copy in ``t`` will not arrive: fail the prefetches that waited for it."""
+        for follower in self._followers.pop((key, t), ()):
+            self._item_done(follower[0], follower[1], False)
 
     def _copy_down(self, key: bytes, t: int) -> Jobs:
         lower = t + 1
@@ -592,18 +454,18 @@ class TierChain:
             if c is None or not c.readable:  # the source left while we waited: give the room back
                 if ctx is not None:
                     self._item_done(ctx[0], ctx[1], False)
-                return self._remove(key, dst)
+                return self.room.remove(key, dst)
             c.pins += 1
-            self._pins += 1
+            self.room.pins += 1
             return [self._job(kind, src, dst, [key], [c.slot], [slot], 0, [ctx])]
 
         def refuse() -> Jobs:
             unwant()
             if ctx is not None:
                 self._item_done(ctx[0], ctx[1], False)
-            return self._remove(key, dst)
+            return self.room.remove(key, dst)
 
-        status, slot, jobs = self._reserve(dst, grant, refuse)
+        status, slot, jobs = self.room.reserve(dst, grant, refuse)
         if status == "now":
             jobs += grant(slot)
         elif status == "refused":
@@ -623,61 +485,4 @@ class TierChain:
             c.doomed = True
             if not c.leaving:
                 self.policies[t].remove(key)
-        return self._unpin(key, t)
-
-    def _unpin(self, key: bytes, t: int) -> Jobs:
-        c = self.index.get(key).copies[t]
-        c.pins -= 1
-        self._pins -= 1
-        if c.pins == 0 and c.doomed:
-            if c.deleting and not self.specs[t].slotted and c.state is CopyState.READY:
-                return self._free(key, t)  # corrupt record: the tier already removed it
-            return self._drop(key, t)
-        if c.pins == 0 and not c.leaving:
-            return self._kick(t)
-        return []
-
-    def _drop(self, key: bytes, t: int) -> Jobs:
-        """Let ``key``'s copy in ``t`` go: now if unpinned, else when the last reader unpins."""
-        c = self.index.get(key).copies[t]
-        c.doomed = True
-        if c.pins > 0 or c.deleting:
-            return []
-        if not self.specs[t].slotted and c.state is CopyState.READY:
-            c.deleting = True
-            return [self._job(JobKind.DELETE, t, t, [key], [NO_SLOT], [NO_SLOT], 0, [None])]
-        return self._free(key, t)
-
-    def _remove(self, key: bytes, t: int) -> Jobs:
-        """Remove a copy that never became READY (or failed), releasing its room if it held any."""
-        c = self.index.get(key).copies[t]
-        held = c.state is not CopyState.QUEUED
-        for follower in self._followers.pop((key, t), ()):  # prefetches that waited for this copy
-            self._item_done(follower[0], follower[1], False)
-        self.policies[t].remove(key)
-        if c.leaving:
-            self.leaving[t] -= 1
-        gone = self.index.remove_copy(key, t)
-        if gone:
-            self.counters.blocks_out += 1
-        return self._release(t, c.slot) if held else []
-
-    def _free(self, key: bytes, t: int) -> Jobs:
-        c = self.index.get(key).copies[t]
-        if c.leaving:
-            self.leaving[t] -= 1
-        self.policies[t].remove(key)
-        self.tier_counters[t].blocks_out += 1
-        if self.index.remove_copy(key, t):
-            self.counters.blocks_out += 1
-        return self._release(t, c.slot)
-
-    def _release(self, t: int, slot: int) -> Jobs:
-        """A unit of room in ``t`` is free: give it to the first waiter, else back to the pool."""
-        if self._waiters[t]:
-            w = self._waiters[t].popleft()
-            return w.grant(slot)
-        self.used[t] -= 1
-        if self.specs[t].slotted:
-            self._free_slots[t].append(slot)
-        return []
+        return self.room.unpin(key, t)

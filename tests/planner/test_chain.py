@@ -1,0 +1,106 @@
+"""TierChain routing: puts, gets, prefetches and their completions, driven with no bytes moved.
+
+Room-making (waiters, eviction, refusals) is tested in test_room.py.
+"""
+from __future__ import annotations
+
+from tests.planner._driver import K, run_all, three_tier
+from tiered_kv.planner.chain import TierChain, TierSpec
+from tiered_kv.planner.policy import PlacementPolicy
+from tiered_kv.values.jobs import JobKind
+
+
+def test_put_cascades_and_counts_add_up():
+    c = three_tier()
+    jobs = c.put([K(i) for i in range(2)], 1)
+    run_all(c, jobs)
+    for i in range(2, 10):
+        run_all(c, c.put([K(i)], 10 + i))
+    res = dict(c.take_finished())
+    assert all(res[h] == [True] for h in range(12, 20))
+    # 10 blocks into 2+3+5: all held, cascaded by LRU
+    assert [c.resident(t) for t in range(3)] == [2, 3, 5]
+    assert c.locate([K(0), K(9)]) == [2, 0]
+    assert c.counters.blocks_in == c.counters.blocks_out + len(c.index)
+    assert c.inflight() == 0 and c.pinned() == 0 and c.waiting() == 0
+
+
+def test_overflow_drops_from_bottom_and_get_is_prefix():
+    c = three_tier(1, 1, 2)
+    for i in range(6):
+        run_all(c, c.put([K(i)], i + 1))
+    assert len(c.index) == 4
+    assert c.lookup([K(0)]) == 0 and c.lookup([K(5), K(4), K(0), K(3)]) == 2
+    n, jobs = c.get([K(5), K(4), K(0), K(3)], 99)
+    assert n == 2
+    assert all(j.kind in (JobKind.EGRESS, JobKind.PROMOTE, JobKind.DEMOTE, JobKind.DELETE) for j in jobs)
+    run_all(c, jobs)
+    assert dict(c.take_finished())[99] == 2
+    assert c.counters.hits == 2 and c.counters.misses == 2 and c.counters.lookups == 4
+
+
+def test_bulk_put_matches_the_per_key_path():
+    """New keys with room for all take the bulk path; a repeated key or a full tier the per-key one.
+    Both give the same slots, copies and outcome."""
+    bulk, per_key = three_tier(gpu=8), three_tier(gpu=8)
+    jobs_b = bulk.put([K(1), K(2), K(3)], 1)
+    # a key repeated inside one call: per-key path (the second one deduplicates against the first)
+    jobs_p = per_key.put([K(1), K(2), K(3), K(1)], 1)
+    assert [j.dst_slots for j in jobs_b] == [[0, 1, 2]] and [j.dst_slots for j in jobs_p] == [[0, 1, 2]]
+    assert per_key.counters.puts_deduplicated == 1 and bulk.counters.puts_deduplicated == 0
+    run_all(bulk, jobs_b)
+    run_all(per_key, jobs_p)
+    assert bulk.take_finished() == [(1, [True, True, True])]
+    assert per_key.take_finished() == [(1, [True, True, True, True])]
+    assert bulk.resident(0) == per_key.resident(0) == 3 and bulk.used == per_key.used
+    # more keys than room: per-key path with waits and evictions, every key still stored
+    jobs = bulk.put([K(i) for i in range(10, 17)], 2)
+    run_all(bulk, jobs)
+    assert bulk.take_finished() == [(2, [True] * 7)] and bulk.resident(0) == 8
+
+
+def test_corrupt_read_is_a_miss_and_dropped():
+    c = TierChain([TierSpec("disk", 4, slotted=False)])
+    run_all(c, c.put([K(0), K(1)], 1))
+    n, jobs = c.get([K(0), K(1)], 2)
+    assert n == 2
+    run_all(c, jobs, corrupt=lambda job, key: key == K(0))
+    assert dict(c.take_finished())[2] == 0
+    assert c.lookup([K(0)]) == 0 and c.lookup([K(1)]) == 1
+    assert c.tier_counters[0].corrupt_dropped == 1
+    assert c.used[0] == 1
+
+
+def test_write_through_copies_down():
+    c = three_tier(placement=PlacementPolicy(write_policy="write_through"))
+    run_all(c, c.put([K(0)], 1))
+    e = c.index.get(K(0))
+    assert sorted(e.copies) == [0, 1, 2]
+
+
+def test_prefetch_moves_up_hop_by_hop():
+    c = three_tier(1, 2, 4, placement=PlacementPolicy(promote_on_hit=False))
+    for i in range(5):
+        run_all(c, c.put([K(i)], i + 1))
+    assert c.locate([K(0)]) == [2]
+    n, jobs = c.prefetch([K(0)], 0, 50)
+    ran = run_all(c, jobs)
+    assert [(j.src_tier, j.dst_tier) for j in ran if j.kind is JobKind.PROMOTE] == [(2, 1), (1, 0)]
+    assert dict(c.take_finished())[50] == 1 and c.locate([K(0)]) == [0]
+
+
+def test_prefetch_follows_a_promotion_already_in_flight():
+    c = three_tier(1, 2, 4)
+    for i in range(5):
+        run_all(c, c.put([K(i)], i + 1))
+    assert c.locate([K(0)]) == [2]
+    n, get_jobs = c.get([K(0)], 10)  # the hit also starts a disk -> cpu promotion (waiting for room)
+    assert 1 in c.index.get(K(0)).copies
+    n, pf_jobs = c.prefetch([K(0)], 0, 11)  # follows that promotion instead of failing or starting another
+    assert n == 1 and pf_jobs == []
+    ran = run_all(c, get_jobs)
+    assert [(j.src_tier, j.dst_tier) for j in ran if j.kind is JobKind.PROMOTE] == [(2, 1), (1, 0)]
+    res = dict(c.take_finished())
+    assert res[10] == 1 and res[11] == 1
+    assert c.locate([K(0)]) == [0]
+    assert c.inflight() == 0 and c.pinned() == 0 and c.waiting() == 0
