@@ -104,3 +104,20 @@ def test_prefetch_follows_a_promotion_already_in_flight():
     assert res[10] == 1 and res[11] == 1
     assert c.locate([K(0)]) == [0]
     assert c.inflight() == 0 and c.pinned() == 0 and c.waiting() == 0
+
+
+def test_write_through_copy_lands_where_a_waiter_evicts_it_at_once():
+    """A copy-down that lands in a full middle tier with waiters is evicted at once (demoted below):
+    the write-through step after it must see the copy gone, not fail (found by a randomized A/B run)."""
+    from tiered_kv.values.jobs import Completion
+
+    c = TierChain([TierSpec("gpu", 4), TierSpec("cpu", 1), TierSpec("disk", 4, slotted=False)],
+                  placement=PlacementPolicy(write_policy="write_through"))
+    ingress = c.put([K(0), K(1)], 1)
+    down = c.complete(Completion(ingress[0].job_id, [True, True]))
+    assert [j.kind for j in down] == [JobKind.COPY_DOWN]  # K(0) got the cpu slot, K(1) waits for room
+    jobs = c.complete(Completion(down[0].job_id, [True]))
+    run_all(c, jobs)
+    assert c.locate([K(0), K(1)]) == [0, 0]
+    assert c.inflight() == 0 and c.waiting() == 0 and c.pinned() == 0
+    assert c.resident(1) + c.resident(2) >= 2  # both blocks reached a lower tier (write-through holds)

@@ -428,7 +428,10 @@ class TierChain:
     def _copy_down(self, key: bytes, t: int) -> Jobs:
         lower = t + 1
         e = self.index.get(key)
-        if lower >= self.num_tiers or e is None or lower in e.copies or not e.copies[t].readable:
+        # The copy may already be gone or leaving: a waiter's eviction can take it the moment it lands
+        # (its demotion then writes it below, so a write-through copy has nothing left to do).
+        c = None if e is None else e.copies.get(t)
+        if lower >= self.num_tiers or c is None or lower in e.copies or not c.readable or c.leaving:
             return []
         return self._copy_up_or_down(key, t, lower, JobKind.COPY_DOWN, None)
 
