@@ -295,6 +295,16 @@ class TierChain:
             added += 1
         return self.room.occupy(tier, added)
 
+    def forget(self, tier: int, keys: Sequence[bytes]) -> Jobs:
+        """The medium of ``tier`` dropped these records by itself (a governed tier evicting, another
+        process deleting): forget those copies. Keys the chain does not hold there are ignored."""
+        jobs: Jobs = []
+        index, vanished = self.index, self.room.vanished
+        for key in keys:
+            if key in index:
+                jobs += vanished(key, tier)
+        return jobs
+
     # ------------------------------------------------------------------ completions
     def complete(self, done: Completion) -> Jobs:
         """Apply a job's completion; returns the jobs it unblocked."""
@@ -305,6 +315,8 @@ class TierChain:
             bad = bool(done.corrupt[i]) if i < len(done.corrupt) else False
             gone = bool(done.missing[i]) if i < len(done.missing) else False
             jobs += self._complete_item(job, key, ok, bad, ctx[i], gone and not ok)
+        if done.evicted:  # a governed destination made room by dropping other records
+            jobs += self.forget(job.dst_tier, done.evicted)
         return jobs
 
     def _complete_item(self, job: TransferJob, key: bytes, ok: bool, corrupt: bool, ctx, missing: bool = False) -> Jobs:

@@ -42,15 +42,23 @@ class TierSpec:
 
     ``slotted=True``: the planner hands out slot numbers ``0..capacity-1`` (GPU and CPU slabs).
     ``slotted=False``: the tier places records itself and is addressed by key (disk).
+    ``governed=True`` (keyed tiers only): the medium keeps its own budget and evicts by itself (a disk
+    directory shared by several processes, a Redis cluster). The planner then never counts room there,
+    never waits for it and never picks victims; ``capacity`` is informative. Its copies are hints: the
+    medium may drop one at any time, and says so through ``TierChain.forget`` or a read that finds the
+    record missing.
     """
 
     name: str
     capacity: int
     slotted: bool = True
+    governed: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.capacity, int) or self.capacity < 0:
             raise ConfigError(f"tier {self.name!r}: capacity must be an int >= 0 blocks, got {self.capacity!r}")
+        if self.governed and self.slotted:
+            raise ConfigError(f"tier {self.name!r}: a governed tier places its own records: use slotted=False")
 
 
 @dataclass
@@ -91,7 +99,7 @@ class RoomKeeper:
     # ------------------------------------------------------------------ taking room
     def take(self, t: int) -> int | None:
         """One unit of room in ``t`` if there is some: its slot (``NO_SLOT`` for keyed tiers), else None."""
-        if self.used[t] >= self.specs[t].capacity:
+        if self.used[t] >= self.specs[t].capacity and not self.specs[t].governed:
             return None
         self.used[t] += 1
         return self._free_slots[t].pop() if self.specs[t].slotted else NO_SLOT
@@ -100,7 +108,7 @@ class RoomKeeper:
         """``n`` (>= 1) units of room in ``t`` at once, as ``n`` ``take`` calls would give them, or None
         (nothing taken) if ``t`` lacks room for all of them. The bulk put path: no per-key calls."""
         spec = self.specs[t]
-        if self.used[t] + n > spec.capacity:
+        if self.used[t] + n > spec.capacity and not spec.governed:
             return None
         self.used[t] += n
         if not spec.slotted:
@@ -122,7 +130,7 @@ class RoomKeeper:
         slot = self.take(t)
         if slot is not None:
             return "now", slot, []
-        if self.specs[t].capacity == 0:
+        if self.specs[t].capacity == 0:  # (a governed tier always had room above)
             return "refused", NO_SLOT, []
         self._waiters[t].append(_Waiter(grant, refuse))
         return "wait", NO_SLOT, self._make_room(t)
@@ -133,7 +141,7 @@ class RoomKeeper:
         self.used[t] += n
         jobs: Jobs = []
         excess = self.used[t] - self.specs[t].capacity
-        if excess > 0:
+        if excess > 0 and not self.specs[t].governed:
             for victim in self.policies[t].victims(excess, lambda k: True):
                 jobs += self._evict(t, victim)
         return jobs
@@ -245,6 +253,18 @@ class RoomKeeper:
             c.deleting = True
             return [self._job(JobKind.DELETE, t, t, key, NO_SLOT, NO_SLOT)]
         return self._free(key, t)
+
+    def vanished(self, key: bytes, t: int) -> Jobs:
+        """The medium of tier ``t`` dropped ``key``'s record by itself (a governed tier's own eviction, or
+        another process): forget the copy without a DELETE job, now or when its last reader lets go."""
+        c = self.index.get(key).copies.get(t)
+        if c is None or c.state is not CopyState.READY or c.leaving or c.deleting:
+            return []  # still being written, or already on its way out: that job's completion decides
+        self.tier_counters[t].vanished += 1
+        c.doomed = True
+        c.deleting = True  # nothing left on the medium to delete
+        self.policies[t].remove(key)
+        return self._free(key, t) if c.pins == 0 else []
 
     def delete_done(self, key: bytes, t: int) -> Jobs:
         """The DELETE job of ``key``'s record in keyed tier ``t`` ended: its room is free."""

@@ -82,7 +82,9 @@ class Completion:
 
     ``corrupt[i]`` means the source tier found item i's record damaged and already removed it;
     ``missing[i]`` that the source tier no longer has the record at all (removed by another
-    process sharing the medium). Either way the planner forgets that copy.
+    process sharing the medium). Either way the planner forgets that copy. ``evicted`` lists keys
+    whose records a governed destination tier dropped to make room for this job's writes (the
+    planner forgets those copies too).
     """
 
     job_id: int
@@ -92,6 +94,7 @@ class Completion:
     seconds: float = 0.0
     error: str = ""
     missing: list[bool] = field(default_factory=list)
+    evicted: list[bytes] = field(default_factory=list)
 
     @classmethod
     def failed(cls, job: TransferJob, error: str) -> "Completion":
@@ -101,11 +104,12 @@ class Completion:
     def to_dict(self) -> dict:
         """Plain, JSON-able form."""
         return {"job_id": self.job_id, "ok": list(self.ok), "corrupt": list(self.corrupt),
-                "nbytes": self.nbytes, "seconds": self.seconds, "error": self.error, "missing": list(self.missing)}
+                "nbytes": self.nbytes, "seconds": self.seconds, "error": self.error, "missing": list(self.missing),
+                "evicted": [k.hex() for k in self.evicted]}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Completion":
         """Inverse of ``to_dict``."""
         return cls(int(d["job_id"]), [bool(x) for x in d["ok"]], [bool(x) for x in d.get("corrupt", [])],
                    int(d.get("nbytes", 0)), float(d.get("seconds", 0.0)), str(d.get("error", "")),
-                   [bool(x) for x in d.get("missing", [])])
+                   [bool(x) for x in d.get("missing", [])], [bytes.fromhex(k) for k in d.get("evicted", [])])

@@ -1,0 +1,87 @@
+"""Governed tiers: the medium keeps its own budget (a shared disk directory, a Redis cluster).
+
+The planner never waits for room there and never picks victims there; copies there are hints the
+medium may drop at any time (``TierChain.forget``, ``Completion.evicted``, or a read that finds the
+record missing). Pure Python, no bytes moved.
+"""
+from __future__ import annotations
+
+import pytest
+
+from tests.planner._driver import K, run_all
+from tiered_kv.errors import ConfigError
+from tiered_kv.planner.chain import TierChain, TierSpec
+from tiered_kv.values.jobs import Completion, JobKind
+
+
+def chain(cpu=2, remote=1, **kw) -> TierChain:
+    return TierChain([TierSpec("cpu", cpu), TierSpec("remote", remote, slotted=False, governed=True)], **kw)
+
+
+def test_a_governed_tier_must_be_keyed():
+    with pytest.raises(ConfigError, match="governed"):
+        TierSpec("x", 4, slotted=True, governed=True)
+
+
+def test_writes_into_a_governed_tier_never_wait_or_evict_there():
+    c = chain(cpu=2, remote=1)
+    jobs = run_all(c, c.put([K(i) for i in range(6)], 1))
+    # 6 blocks through a 2-block cpu tier: 4 demoted into the governed tier, although its informative
+    # capacity is 1; the planner issued no DELETE there (the medium evicts by itself)
+    assert sum(len(j) for j in jobs if j.kind is JobKind.DEMOTE) == 4
+    assert not any(j.kind is JobKind.DELETE for j in jobs)
+    assert c.locate([K(i) for i in range(6)]) == [1, 1, 1, 1, 0, 0]
+    assert c.resident(1) == 4 and c.waiting() == 0 and c.inflight() == 0
+
+
+def test_forget_drops_hints_and_a_pinned_copy_goes_when_its_reader_ends():
+    c = chain(cpu=2)
+    run_all(c, c.put([K(i) for i in range(4)], 1))
+    assert c.locate([K(0), K(1)]) == [1, 1]
+    assert c.forget(1, [K(0), b"\x00" * 32]) == []  # unknown keys are ignored
+    assert c.locate([K(0), K(1)]) == [None, 1] and c.resident(1) == 1
+    n, jobs = c.get([K(1)], 2)  # a read pins K(1) in the governed tier (and promotes it)
+    assert n == 1
+    c.forget(1, [K(1)])  # the medium dropped it while the read runs: forgotten when the read ends
+    run_all(c, jobs)
+    assert c.tier_counters[1].vanished == 2 and c.pinned() == 0
+    e = c.index.get(K(1))
+    assert e is None or 1 not in e.copies  # the governed copy is forgotten once the read let go
+
+
+def test_completion_evicted_forgets_what_the_medium_dropped_for_room():
+    c = chain(cpu=1)
+    first = c.put([K(0)], 1)
+    run_all(c, first)
+    demote = c.put([K(1)], 2)  # cpu full: K(0) is demoted into the governed tier
+    assert [j.kind for j in demote] == [JobKind.INGRESS, JobKind.DEMOTE] or demote
+    jobs = list(demote)
+    seen = []
+    while jobs:
+        job = jobs.pop(0)
+        seen.append(job)
+        done = Completion(job.job_id, [True] * len(job))
+        jobs += c.complete(done)
+    assert c.locate([K(0)]) == [1]
+    third = c.put([K(2)], 3)  # demotes K(1); the medium makes room by dropping K(0)
+    jobs = list(third)
+    while jobs:
+        job = jobs.pop(0)
+        evicted = [K(0)] if job.kind is JobKind.DEMOTE else []
+        jobs += c.complete(Completion(job.job_id, [True] * len(job), evicted=evicted))
+    assert c.locate([K(0), K(1), K(2)]) == [None, 1, 0]
+    assert c.tier_counters[1].vanished == 1
+
+
+def test_a_read_of_a_vanished_record_is_a_miss_not_an_error():
+    c = chain(cpu=1)
+    run_all(c, c.put([K(0), K(1)], 1))
+    assert c.locate([K(0)]) == [1]
+    n, jobs = c.get([K(0)], 2)
+    assert n == 1
+    while jobs:  # the medium says of every read of it: not there any more
+        job = jobs.pop(0)
+        missing = [job.src_tier == 1 and k == K(0) for k in job.keys]
+        jobs += c.complete(Completion(job.job_id, [not m for m in missing], missing=missing))
+    assert c.locate([K(0)]) == [None] and c.tier_counters[1].vanished >= 1  # counted per read that found it gone
+    assert c.tier_counters[1].failed_transfers == 0 and c.pinned() == 0
