@@ -10,7 +10,8 @@ from tiered_kv.store.config import StoreConfig
 from tiered_kv.errors import ConfigError, InvalidInputError, StoreClosedError, TieredKVError, TransferTimeout
 from tiered_kv.values.keys import Namespace, chain_keys
 from tiered_kv.values.layout import BlockLayout
-from tiered_kv.store.tiered_store import Handle, TieredStore
+from tiered_kv.store.handle import Handle
+from tiered_kv.store.tiered_store import TieredStore
 
 __version__ = "0.1.0"
 __all__ = ["TieredStore", "StoreConfig", "Handle", "Namespace", "chain_keys", "BlockLayout", "TieredKVError",
