@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from serving import report, server, stats  # noqa: E402
 from serving.modes import ModeRegistry, ServerOptions, Sizes, serve_argv, serve_env, shell_line, validate_argv  # noqa: E402
-from serving.shapes import DEFAULT_USERS, SHAPES, kv_bytes_per_token, weight_bytes, write_model_dir, write_wordlevel_tokenizer  # noqa: E402
+from serving.shapes import DEFAULT_GPU_BLOCKS, DEFAULT_USERS, SHAPES, kv_bytes_per_token, weight_bytes, write_model_dir, write_wordlevel_tokenizer  # noqa: E402
 from serving.workload import Workload, WorkloadParams, plan_phases, sizes  # noqa: E402
 
 T0 = time.monotonic()
@@ -90,7 +90,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     w.add_argument("--request-timeout-s", type=float, default=300)
     w.add_argument("--preset", choices=("smoke",), help="smoke: 16 users, concurrency 8,1, 4 users at c1")
     s = ap.add_argument_group("server")
-    s.add_argument("--gpu-blocks", type=int, default=6912, help="--num-gpu-blocks-override (16-token blocks)")
+    s.add_argument("--gpu-blocks", type=int, default=0,
+                   help="--num-gpu-blocks-override (16-token blocks); default 6912 (32B: 6144)")
     s.add_argument("--max-model-len", type=int, default=8192)
     s.add_argument("--max-num-seqs", type=int, default=0, help="default max(64, highest concurrency)")
     s.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -123,6 +124,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         a.users, a.concurrency, a.c1_users = a.users or 16, "8,1", 4
     if not a.plot_from and not a.shape:
         ap.error("--shape is required (or --plot-from)")
+    if a.shape and not a.gpu_blocks:
+        a.gpu_blocks = DEFAULT_GPU_BLOCKS[a.shape]
     return a
 
 

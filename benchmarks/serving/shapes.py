@@ -31,8 +31,11 @@ SHAPES: dict[str, dict] = {
                     "use_sliding_window": False, "sliding_window": None, "max_window_layers": 64},
 }
 
-#: default users per shape: 32B serves 96 so that one engine start fits a device call (see docs)
+#: default users per shape: 32B serves 96 so that two modes fit one device call (see docs/benchmarks.md)
 DEFAULT_USERS = {"llama3-8b": 128, "qwen2.5-7b": 128, "qwen2.5-32b": 96}
+#: default GPU KV cache (16-token blocks): 32 running users of the longest turn fit (86k tokens), and the
+#: other users' history between two turns of a user exceeds it (32B: fewer users, so a smaller cache)
+DEFAULT_GPU_BLOCKS = {"llama3-8b": 6912, "qwen2.5-7b": 6912, "qwen2.5-32b": 6144}
 
 
 def kv_bytes_per_token(shape: str) -> int:
