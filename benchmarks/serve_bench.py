@@ -285,7 +285,8 @@ class Bench:
         for m in modes:
             self.reg.spec(m, self.sizes)  # unknown modes fail before any GPU time is spent
         for run_idx, mode in schedule(self.a, modes):
-            rec = {"mode": mode, "run": run_idx, "workload_id": self.wid}
+            rec = {"mode": mode, "run": run_idx, "workload_id": self.wid, "status": "running"}
+            self.doc["starts"].append(rec)  # filled in place: partial files show the start in progress
             if self.left_s() < self.need_s(mode):
                 rec.update(status="skipped", reason=f"deadline: {self.left_s():.0f} s left, ~{self.need_s(mode):.0f} s needed")
                 print(f"[{mode} r{run_idx}] skipped ({rec['reason']})", flush=True)
@@ -295,7 +296,6 @@ class Bench:
                 except Exception as e:  # noqa: BLE001 - one broken start must not lose the others
                     rec.update(status="failed", error=f"{type(e).__name__}: {e}")
                     print(f"[{mode} r{run_idx}] FAILED: {rec['error']}", flush=True)
-            self.doc["starts"].append(rec)
             self.save_partial()
 
     def start_with_fallbacks(self, mode: str, run_idx: int, rec: dict) -> None:
@@ -339,7 +339,9 @@ class Bench:
         if a.tkv_log:
             env["TIERED_KV_LOG"] = delta["TIERED_KV_LOG"] = a.tkv_log
         log = os.path.join(a.out_dir, f"serve_{a.shape}_{mode}_r{run_idx}{f'_try{attempt}' if attempt else ''}.log")
-        rec.update(status="failed", graphs=graphs, tokenizer=tok, command=shell_line(argv, delta), log=os.path.basename(log),
+        for key in ("error", "log_tail", "startup_s", "warmup_s", "repeats"):  # left by a failed try
+            rec.pop(key, None)
+        rec.update(status="running", graphs=graphs, tokenizer=tok, command=shell_line(argv, delta), log=os.path.basename(log),
                    disk_dir=spec.disk_dir)
         _wipe(spec.disk_dir)
         if spec.disk_dir:
@@ -375,8 +377,7 @@ class Bench:
                     return True
                 ok, why = False, f"server exited (code {srv.proc.returncode}) during the workload"
                 self.settled = True  # it did start: not a start-up setting to fall back from
-            rec["error"] = why
-            rec["log_tail"] = srv.log_tail(40)
+            rec.update(status="failed", error=why, log_tail=srv.log_tail(40))
             print(f"[{mode} r{run_idx}] FAILED: {why}\n--- last lines of {log} ---\n{rec['log_tail']}\n---", flush=True)
             return False
         finally:
@@ -528,6 +529,8 @@ def attach(a) -> None:
 
 
 def main(argv=None) -> None:
+    global T0
+    T0 = time.monotonic()  # --deadline-s counts from here
     a = parse_args(argv)
     if a.plot_from:
         return plot_from(a)

@@ -81,8 +81,7 @@ def summarize(starts: list[dict]) -> dict:
                     g[0] += 1
                     g[1] += int(ref == row[6])
     out = {}
-    modes = list(dict.fromkeys(s["mode"] for s in starts))
-    for mode in modes:
+    for mode in mode_order(dict.fromkeys(s["mode"] for s in starts)):
         ms = [s for s in starts if s["mode"] == mode]
         phases = {}
         for name, a in acc.get(mode, {}).items():
@@ -118,11 +117,14 @@ def _k(d: dict | None) -> str:
 
 def phase_order(summary: dict) -> list[str]:
     """Phase names in run order (warm first), as they appear in the summary."""
-    names: dict[str, int] = {}
-    for m in summary.values():
-        for name, ph in m["phases"].items():
-            names.setdefault(name, ph["concurrency"])
-    return sorted(names, key=lambda n: (n != "warm", list(names).index(n)))
+    names = list(dict.fromkeys(name for m in summary.values() for name in m["phases"]))
+    return [n for n in names if n == "warm"] + [n for n in names if n != "warm"]
+
+
+def mode_order(modes) -> list[str]:
+    """Baseline first, then the peers, ours last (each group by name)."""
+    rank = {"none": 0, "offloading": 1, "simple": 2, "lmcache": 3, "tiered": 4}
+    return sorted(modes, key=lambda m: (rank.get(m.split("-")[0], 5), m))
 
 
 def table(summary: dict) -> str:
