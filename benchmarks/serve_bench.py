@@ -88,7 +88,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     w.add_argument("--phase-gap-s", type=float, default=1.2,
                    help="pause + one tiny request after each phase, every mode (our metrics snapshot refreshes <= 1/s)")
     w.add_argument("--request-timeout-s", type=float, default=300)
-    w.add_argument("--preset", choices=("smoke",), help="smoke: 16 users, concurrency 8,1, 4 users at c1")
+    w.add_argument("--preset", choices=("smoke",), help="smoke: 24 users, concurrency 8,1, 4 users at c1, 1536 GPU blocks")
     s = ap.add_argument_group("server")
     s.add_argument("--gpu-blocks", type=int, default=0,
                    help="--num-gpu-blocks-override (16-token blocks); default 6912 (32B: 6144)")
@@ -120,8 +120,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     a = ap.parse_args(argv)
     if a.enforce_eager:
         a.graphs = "eager"
-    if a.preset == "smoke":
-        a.users, a.concurrency, a.c1_users = a.users or 16, "8,1", 4
+    if a.preset == "smoke":  # plumbing check in ~15 s per start; still evicts prefixes from the GPU
+        a.users, a.concurrency, a.c1_users, a.gpu_blocks = a.users or 24, "8,1", 4, a.gpu_blocks or 1536
     if not a.plot_from and not a.shape:
         ap.error("--shape is required (or --plot-from)")
     if a.shape and not a.gpu_blocks:

@@ -88,6 +88,14 @@ def test_default_workload_history_exceeds_the_gpu_cache_for_every_shape():
         assert s["max_seq_len"] <= 8192
 
 
+def test_smoke_preset_is_small_but_still_evicts():
+    a = serve_bench.parse_args(["--shape", "llama3-8b", "--preset", "smoke"])
+    wp = serve_bench.workload_params(a)
+    s = sizes(wp, kv_bytes_per_token("llama3-8b"), a.gpu_blocks)
+    assert [p["requests"] for p in s["phases"]] == [24, 24, 4]
+    assert s["evict_ratio"] > 1.0 and s["running_tokens_max"] <= s["gpu_cache_tokens"]
+
+
 def test_shapes_kv_bytes_and_model_dir(tmp_path):
     assert kv_bytes_per_token("llama3-8b") == 128 * 1024
     assert kv_bytes_per_token("qwen2.5-7b") == 56 * 1024  # 28 layers, 4 KV heads
