@@ -1,0 +1,558 @@
+"""Serving load: ``vllm serve`` with concurrent multi-turn users, per KV-connector mode (issue 14).
+
+For each engine start (one mode, one run) the script writes a dummy-weight model directory
+(``config.json`` of the shape; vLLM fills the weights), starts ``python3 -m
+vllm.entrypoints.cli.main serve`` in its own process group, waits for ``/health``, sends two
+warm-up requests, drives the workload (``serving/workload.py``: a shared system prompt, per-user
+history growing each turn, a warm phase, then closed-loop phases at concurrency 32, 8 and 1;
+history larger than the GPU KV cache), scrapes ``/metrics`` (and our connector's metrics
+endpoint) around each phase, then kills the process group and waits for the GPU to empty before
+the next start. Modes are interleaved: run r starts every mode once, in an order rotated by r
+(and by ``--call-index`` across device calls).
+
+Per mode and phase: TTFT p50/p90/p99, inter-token latency p50, output tokens/s, requests,
+prompt tokens by source (recomputed / GPU prefix cache / connector: vLLM's
+``vllm:prompt_tokens_by_source_total``), our per-tier loads (``tiered_kv_tier_hits_total``),
+greedy-output equality with mode ``none`` (same prompts, dummy weights seeded), and min / median /
+max over engine starts. Output: a table on stdout, ``$OUT/serve_bench_<shape>[_<tag>].json`` (and
+a ``.partial.json`` rewritten after every phase), a PNG of TTFT p50 vs concurrency per mode, and
+one server log per start (``serve_<shape>_<mode>_r<run>.log``).
+
+GPU machine (vLLM 0.26 + LMCache 0.5.3 installed into /tmp/site by scripts/gpu/serve_setup.sh):
+  PYTHONPATH=/tmp/site:. python3 benchmarks/serve_bench.py --shape llama3-8b --deadline-s 540
+  PYTHONPATH=/tmp/site:. python3 benchmarks/serve_bench.py --shape qwen2.5-32b --modes tiered,offloading
+Anywhere (no GPU):
+  python3 benchmarks/serve_bench.py --shape llama3-8b --dry-run [--validate]   # commands, env, sizes
+  python3 benchmarks/serve_bench.py --plot-from a.json b.json --out-dir docs/img  # merge calls, table, PNG
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import atexit
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from serving import report, server, stats  # noqa: E402
+from serving.modes import ModeRegistry, ServerOptions, Sizes, serve_argv, serve_env, shell_line, validate_argv  # noqa: E402
+from serving.shapes import DEFAULT_GPU_BLOCKS, DEFAULT_USERS, SHAPES, kv_bytes_per_token, weight_bytes, write_model_dir, write_wordlevel_tokenizer  # noqa: E402
+from serving.workload import Workload, WorkloadParams, plan_phases, sizes  # noqa: E402
+
+T0 = time.monotonic()
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_MODES = "none,offloading,tiered,lmcache"
+#: rough H200 rates for the time estimate (prefill tokens/s, decode step ms at small batch)
+RATES = {"llama3-8b": (37000, 8.0), "qwen2.5-7b": (40000, 8.0), "qwen2.5-32b": (9000, 22.0)}
+STARTUP_GUESS_S = {"llama3-8b": 60.0, "qwen2.5-7b": 60.0, "qwen2.5-32b": 120.0}
+STOP_MARGIN_S = 25.0  # stop the server, wait for the GPU, write the files
+
+
+# ============================================================================== arguments
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=sorted(SHAPES))
+    ap.add_argument("--modes", default=DEFAULT_MODES, help=f"comma-separated (default {DEFAULT_MODES})")
+    ap.add_argument("--define", action="append", default=[], metavar="NAME=JSON",
+                    help='a mode derived from the known mode its name starts with, e.g. tiered-g1=\'{"load_groups":1}\'')
+    for fam in ("tiered", "offloading", "simple", "lmcache"):
+        ap.add_argument(f"--{fam}-extra", default="{}", metavar="JSON", help=f"settings for every {fam}* mode")
+    g = ap.add_argument_group("runs")
+    g.add_argument("--runs", type=int, default=1, help="engine starts per mode in this call (default 1)")
+    g.add_argument("--repeats", type=int, default=1, help="workload runs per engine start, fresh conversations each")
+    g.add_argument("--run-offset", type=int, default=0, help="index of this call's first run (seeds the conversations)")
+    g.add_argument("--call-index", type=int, default=None, help="rotates the mode order (default: --run-offset)")
+    g.add_argument("--order", choices=("rotate", "fixed"), default="rotate")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--deadline-s", type=float, default=0, help="end cleanly (partial results) this many s after start")
+    g.add_argument("--tag", default="", help="suffix of the result file names (e.g. call2)")
+    w = ap.add_argument_group("workload")
+    w.add_argument("--users", type=int, default=0, help="default per shape: 128 (32B: 96)")
+    w.add_argument("--turns", type=int, default=1, help="turns per user in each measured phase")
+    w.add_argument("--concurrency", default="32,8,1", help="levels, one measured phase each, in this order")
+    w.add_argument("--c1-users", type=int, default=16, help="users served in a concurrency-1 phase")
+    w.add_argument("--warm-concurrency", type=int, default=0)
+    w.add_argument("--system-tokens", type=int, default=1024)
+    w.add_argument("--context-tokens", type=int, default=1024)
+    w.add_argument("--turn-tokens", type=int, default=128)
+    w.add_argument("--answer-tokens", type=int, default=32)
+    w.add_argument("--phase-gap-s", type=float, default=1.2,
+                   help="pause + one tiny request after each phase, every mode (our metrics snapshot refreshes <= 1/s)")
+    w.add_argument("--request-timeout-s", type=float, default=300)
+    w.add_argument("--preset", choices=("smoke",), help="smoke: 24 users, concurrency 8,1, 4 users at c1, 1536 GPU blocks")
+    s = ap.add_argument_group("server")
+    s.add_argument("--gpu-blocks", type=int, default=0,
+                   help="--num-gpu-blocks-override (16-token blocks); default 6912 (32B: 6144)")
+    s.add_argument("--max-model-len", type=int, default=8192)
+    s.add_argument("--max-num-seqs", type=int, default=0, help="default max(64, highest concurrency)")
+    s.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    s.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    s.add_argument("--graphs", choices=("auto", "decode", "eager"), default="auto",
+                   help="decode: -cc.mode=none + FULL_DECODE_ONLY graphs; auto: that, eager if the first start fails")
+    s.add_argument("--enforce-eager", action="store_true", help="same as --graphs eager")
+    s.add_argument("--tokenizer", choices=("auto", "skip", "word"), default="auto",
+                   help="skip: --skip-tokenizer-init; word: offline word-level tokenizer; auto: skip, word on failure")
+    s.add_argument("--serve-arg", action="append", default=[], help="extra argument for vllm serve (repeatable)")
+    s.add_argument("--python", default=sys.executable)
+    s.add_argument("--start-timeout-s", type=float, default=0, help="default 300 (32B: 420)")
+    s.add_argument("--tkv-log", default="", help="TIERED_KV_LOG level for our connector (debug|info)")
+    t = ap.add_argument_group("tiers")
+    t.add_argument("--cpu-gib", type=int, default=0, help="CPU tier of every mode; default 1.25x a run's stored KV")
+    t.add_argument("--disk-cpu-gib", type=int, default=0, help="CPU tier of the disk variants; default 25%% of it")
+    t.add_argument("--disk-gib", type=int, default=0, help="disk tier of the disk variants; default 1.5x")
+    t.add_argument("--disk-root", default="/root/tkv/serve-bench", help="must be a real disk (not tmpfs)")
+    o = ap.add_argument_group("output")
+    o.add_argument("--out-dir", default=os.environ.get("OUT") or "bench_out")
+    o.add_argument("--dry-run", action="store_true", help="print commands, env and sizes; start nothing")
+    o.add_argument("--validate", action="store_true", help="with --dry-run: parse each command with vLLM's parser")
+    o.add_argument("--plot-from", nargs="+", metavar="JSON", help="merge result files: table, merged JSON, PNG")
+    o.add_argument("--no-plot", action="store_true")
+    o.add_argument("--attach", metavar="URL", help="drive a server already running (one mode, no start/stop)")
+    a = ap.parse_args(argv)
+    if a.enforce_eager:
+        a.graphs = "eager"
+    if a.preset == "smoke":  # plumbing check in ~15 s per start; still evicts prefixes from the GPU
+        a.users, a.concurrency, a.c1_users, a.gpu_blocks = a.users or 24, "8,1", 4, a.gpu_blocks or 1536
+    if not a.plot_from and not a.shape:
+        ap.error("--shape is required (or --plot-from)")
+    if a.shape and not a.gpu_blocks:
+        a.gpu_blocks = DEFAULT_GPU_BLOCKS[a.shape]
+    return a
+
+
+def workload_params(a) -> WorkloadParams:
+    return WorkloadParams(
+        users=a.users or DEFAULT_USERS[a.shape], system_tokens=a.system_tokens, context_tokens=a.context_tokens,
+        turn_tokens=a.turn_tokens, answer_tokens=a.answer_tokens,
+        concurrency=tuple(int(c) for c in a.concurrency.split(",") if c), turns=a.turns, c1_users=a.c1_users,
+        warm_concurrency=a.warm_concurrency, vocab_size=SHAPES[a.shape]["vocab_size"])
+
+
+def tier_sizes(a, wp: WorkloadParams) -> Sizes:
+    stored_gib = sizes(wp, kv_bytes_per_token(a.shape), a.gpu_blocks)["stored_bytes"] / (1 << 30)
+    return Sizes(cpu_gib=a.cpu_gib or math.ceil(1.25 * stored_gib),
+                 disk_cpu_gib=a.disk_cpu_gib or max(1, math.ceil(0.25 * stored_gib)),
+                 disk_gib=a.disk_gib or math.ceil(1.5 * stored_gib), disk_root=a.disk_root)
+
+
+def registry(a) -> ModeRegistry:
+    reg = ModeRegistry({f: json.loads(getattr(a, f"{f}_extra")) for f in ("tiered", "offloading", "simple", "lmcache")})
+    for d in a.define:
+        name, _, js = d.partition("=")
+        reg.define(name.strip(), json.loads(js) if js.strip() else {})
+    return reg
+
+
+def server_options(a, wp: WorkloadParams, graphs: str, tokenizer: str) -> ServerOptions:
+    if wp.max_seq_len > a.max_model_len:
+        raise SystemExit(f"the longest turn needs {wp.max_seq_len} tokens > --max-model-len {a.max_model_len}")
+    return ServerOptions(python=a.python, max_model_len=a.max_model_len,
+                         max_num_seqs=a.max_num_seqs or max(64, max(wp.concurrency + (wp.warm_c,))),
+                         max_num_batched_tokens=a.max_num_batched_tokens, gpu_blocks=a.gpu_blocks,
+                         gpu_memory_utilization=a.gpu_memory_utilization, graphs=graphs, tokenizer=tokenizer,
+                         extra_args=tuple(a.serve_arg))
+
+
+def workload_id(wp: WorkloadParams) -> str:
+    """Greedy outputs are compared only between starts that ran the same workload."""
+    return hashlib.sha1(json.dumps(wp.__dict__, sort_keys=True, default=list).encode()).hexdigest()[:10]
+
+
+def estimate_s(shape: str, wp: WorkloadParams, connector: bool) -> float:
+    """Rough workload seconds of one start (H200 rates in RATES): prefill + decode, phase by phase."""
+    tps, step_ms = RATES[shape]
+    total = 0.0
+    for ph in plan_phases(wp):
+        lens = [wp.prompt_len(t) for _, t in ph.items]
+        if ph.name == "warm" or not connector:
+            computed = sum(n - wp.system_tokens for n in lens)
+        else:  # new tokens + the stand-in answer + half a 256-token chunk recomputed on average
+            computed = len(lens) * (wp.turn_tokens + wp.answer_tokens + 128)
+        waves = math.ceil(len(lens) / ph.concurrency)
+        total += computed / tps + waves * wp.answer_tokens * step_ms * (1 + ph.concurrency / 64) / 1e3
+    return total + len(plan_phases(wp)) * 1.5
+
+
+# ============================================================================== dry run
+def dry_run(a) -> None:
+    wp = workload_params(a)
+    kvb = kv_bytes_per_token(a.shape)
+    sz = sizes(wp, kvb, a.gpu_blocks)
+    ts = tier_sizes(a, wp)
+    reg = registry(a)
+    modes = [m for m in a.modes.split(",") if m]
+    graphs = "decode" if a.graphs == "auto" else a.graphs
+    tok = "skip" if a.tokenizer == "auto" else a.tokenizer
+    opts = server_options(a, wp, graphs, tok)
+    gib = lambda b: b / (1 << 30)  # noqa: E731
+    print(f"# shape {a.shape}: KV {kvb / 1024:.0f} KiB/token, bf16 weights ~{weight_bytes(a.shape) / 1e9:.1f} GB; "
+          f"GPU KV cache {a.gpu_blocks} blocks = {sz['gpu_cache_tokens']} tokens ({gib(sz['gpu_cache_tokens'] * kvb):.1f} GiB)")
+    print(f"# workload {workload_id(wp)}: {wp.users} users, system {wp.system_tokens}, context {wp.context_tokens}, "
+          f"+{wp.turn_tokens} per turn, {wp.answer_tokens} output tokens; longest sequence {sz['max_seq_len']}")
+    for ph in sz["phases"]:
+        print(f"#   phase {ph['name']:>6}: concurrency {ph['concurrency']:>2}, {ph['requests']:>4} requests, prompts "
+              f"{ph['prompt_len_min']}-{ph['prompt_len_max']} tokens ({ph['prompt_tokens']} in all), "
+              f"{ph['output_tokens']} output tokens")
+    print(f"# per run: {sz['stored_tokens']} distinct prompt tokens = {gib(sz['stored_bytes']):.1f} GiB of KV; "
+          f"history / GPU cache = {sz['history_over_gpu']}; other users between two turns / GPU cache = "
+          f"{sz['evict_ratio']} (> 1: prefixes leave the GPU); running at most {sz['running_tokens_max']} tokens "
+          f"({'fits' if sz['running_tokens_max'] <= sz['gpu_cache_tokens'] else 'DOES NOT FIT: preemptions'})")
+    print(f"# tiers: CPU {ts.cpu_gib} GiB in every mode; disk variants: CPU {ts.disk_cpu_gib} GiB + disk "
+          f"{ts.disk_gib} GiB under {ts.disk_root}/<mode>")
+    est_none, est_conn = estimate_s(a.shape, wp, False), estimate_s(a.shape, wp, True)
+    per_start = [STARTUP_GUESS_S[a.shape] + (est_none if m == "none" else est_conn) + 15 for m in modes]
+    print(f"# time guess (H200): workload ~{est_none:.0f} s (none) / ~{est_conn:.0f} s (connector) per start, "
+          f"start-up ~{STARTUP_GUESS_S[a.shape]:.0f} s, stop ~15 s: ~{sum(per_start) * a.runs * a.repeats:.0f} s "
+          f"for {a.runs} run(s) x {len(modes)} mode(s)")
+    print(f"# order: {[m for _, m in schedule(a, modes)]}")
+    problems = 0
+    for m in modes:
+        spec = reg.spec(m, ts, metrics_port=9400 if m.startswith("tiered") else None)
+        argv = serve_argv(spec, opts, f"/tmp/serve-bench-{a.shape}", 8000)
+        _, delta = serve_env(spec, REPO, {"PYTHONPATH": os.environ.get("PYTHONPATH", "")})
+        print(f"\n## mode {m} ({spec.family}{', disk ' + spec.disk_dir if spec.disk_dir else ''})")
+        print(shell_line(argv, delta))
+        if a.validate:
+            try:
+                validate_argv(argv)
+                print(f"# {m}: vLLM's parser accepts it")
+            except Exception as e:  # noqa: BLE001 - report every mode's problem, then fail
+                problems += 1
+                print(f"# {m}: REJECTED: {type(e).__name__}: {e}")
+    if problems:
+        raise SystemExit(f"{problems} mode(s) rejected")
+
+
+def schedule(a, modes: list[str]) -> list[tuple[int, str]]:
+    """(run index, mode) in start order: every mode once per run, rotated per run and per call."""
+    call = a.run_offset if a.call_index is None else a.call_index
+    out = []
+    for r in range(a.runs):
+        k = (call + r) % len(modes) if a.order == "rotate" else 0
+        out += [(a.run_offset + r, m) for m in modes[k:] + modes[:k]]
+    return out
+
+
+# ============================================================================== one engine start
+class Bench:
+    """State of one call: settings, the result document, what the fallbacks decided."""
+
+    def __init__(self, a) -> None:
+        self.a = a
+        self.wp = workload_params(a)
+        self.wid = workload_id(self.wp)
+        self.sizes = tier_sizes(a, self.wp)
+        self.reg = registry(a)
+        self.graphs = "decode" if a.graphs == "auto" else a.graphs
+        self.tokenizer = "skip" if a.tokenizer == "auto" else a.tokenizer
+        self.settled = False  # a start succeeded: no more fallbacks
+        self.model_dir = write_model_dir(a.shape, tempfile.mkdtemp(prefix=f"serve-bench-{a.shape}-"),
+                                         tokenizer=self.tokenizer == "word")
+        self.tokenizer_written = self.tokenizer == "word"
+        self.startups: list[float] = []
+        self.workloads: list[float] = []
+        suffix = f"_{a.tag}" if a.tag else ""
+        self.path = os.path.join(a.out_dir, f"serve_bench_{a.shape}{suffix}.json")
+        self.doc = {"schema": "serve_bench/1", "shape": a.shape, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "device": server.device_name(), "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+                    "workload": {**self.wp.__dict__, "id": self.wid}, "sizes": sizes(self.wp, kv_bytes_per_token(a.shape), a.gpu_blocks),
+                    "tiers_gib": self.sizes.__dict__, "starts": []}
+
+    # ---------------------------------------------------------------- time
+    def left_s(self) -> float:
+        return math.inf if not self.a.deadline_s else self.a.deadline_s - (time.monotonic() - T0)
+
+    def need_s(self, mode: str) -> float:
+        start = max(self.startups, default=STARTUP_GUESS_S[self.a.shape])
+        work = max(self.workloads, default=estimate_s(self.a.shape, self.wp, mode != "none")) * self.a.repeats
+        return start + work + STOP_MARGIN_S
+
+    def save_partial(self) -> None:
+        report.write_json(self.path.replace(".json", ".partial.json"), self.doc)
+
+    # ---------------------------------------------------------------- starts
+    def run(self) -> None:
+        modes = [m for m in self.a.modes.split(",") if m]
+        for m in modes:
+            self.reg.spec(m, self.sizes)  # unknown modes fail before any GPU time is spent
+        for run_idx, mode in schedule(self.a, modes):
+            rec = {"mode": mode, "run": run_idx, "workload_id": self.wid, "status": "running"}
+            self.doc["starts"].append(rec)  # filled in place: partial files show the start in progress
+            if self.left_s() < self.need_s(mode):
+                rec.update(status="skipped", reason=f"deadline: {self.left_s():.0f} s left, ~{self.need_s(mode):.0f} s needed")
+                print(f"[{mode} r{run_idx}] skipped ({rec['reason']})", flush=True)
+            else:
+                try:
+                    self.start_with_fallbacks(mode, run_idx, rec)
+                except Exception as e:  # noqa: BLE001 - one broken start must not lose the others
+                    rec.update(status="failed", error=f"{type(e).__name__}: {e}")
+                    print(f"[{mode} r{run_idx}] FAILED: {rec['error']}", flush=True)
+            self.save_partial()
+
+    def start_with_fallbacks(self, mode: str, run_idx: int, rec: dict) -> None:
+        """Start ``mode``; until a first start of this call succeeds, retry a failure with the other
+        tokenizer or graph setting (``auto``), at most twice. What works is kept for every later start."""
+        cur = (self.graphs, self.tokenizer)
+        tried = []
+        while True:
+            if self.one_start(mode, run_idx, rec, *cur, attempt=len(tried)):
+                if cur != (self.graphs, self.tokenizer):
+                    print(f"[fallback] every later start uses graphs={cur[0]} tokenizer={cur[1]}", flush=True)
+                    self.doc["fallback"] = {"graphs": cur[0], "tokenizer": cur[1], "after": rec.get("failed_tries")}
+                self.graphs, self.tokenizer, self.settled = cur[0], cur[1], True
+                return
+            tried.append(cur)
+            rec.setdefault("failed_tries", []).append({"graphs": cur[0], "tokenizer": cur[1], "error": rec.get("error")})
+            cur = None if self.settled or len(tried) > 2 else self.next_try(tried, rec.get("error", "") + rec.get("log_tail", ""))
+            if cur is None or self.left_s() < self.need_s(mode):
+                return
+
+    def next_try(self, tried: list[tuple[str, str]], failure: str) -> tuple[str, str] | None:
+        """The next (graphs, tokenizer) to try: the tokenizer first when the failure names it."""
+        graphs, tok = tried[-1]
+        alt_g = "eager" if self.a.graphs == "auto" and graphs == "decode" else graphs
+        alt_t = "word" if self.a.tokenizer == "auto" and tok == "skip" else tok
+        # only error lines count: the log's command line and vLLM's "non-default args" name the tokenizer too
+        named = any("tokeniz" in line and "error" in line for line in failure.lower().splitlines())
+        order = [(graphs, alt_t), (alt_g, tok)] if named else [(alt_g, tok), (graphs, alt_t)]
+        return next((c for c in order + [(alt_g, alt_t)] if c not in tried), None)
+
+    def one_start(self, mode: str, run_idx: int, rec: dict, graphs: str, tok: str, attempt: int) -> bool:
+        a = self.a
+        spec = self.reg.spec(mode, self.sizes, metrics_port=server.free_port() if mode.startswith("tiered") else None)
+        if tok == "word" and not self.tokenizer_written:
+            write_wordlevel_tokenizer(self.model_dir, SHAPES[a.shape]["vocab_size"])
+            self.tokenizer_written = True
+        opts = server_options(a, self.wp, graphs, tok)
+        port = server.free_port()
+        argv = serve_argv(spec, opts, self.model_dir, port)
+        env, delta = serve_env(spec, REPO, dict(os.environ))
+        if a.tkv_log:
+            env["TIERED_KV_LOG"] = delta["TIERED_KV_LOG"] = a.tkv_log
+        log = os.path.join(a.out_dir, f"serve_{a.shape}_{mode}_r{run_idx}{f'_try{attempt}' if attempt else ''}.log")
+        for key in ("error", "log_tail", "startup_s", "warmup_s", "repeats"):  # left by a failed try
+            rec.pop(key, None)
+        rec.update(status="running", graphs=graphs, tokenizer=tok, command=shell_line(argv, delta), log=os.path.basename(log),
+                   disk_dir=spec.disk_dir)
+        _wipe(spec.disk_dir)
+        if spec.disk_dir:
+            os.makedirs(spec.disk_dir, exist_ok=True)
+        srv = server.ServerProcess(argv, env, log)
+        base = f"http://127.0.0.1:{port}"
+        t0 = time.monotonic()
+        srv.start()
+        timeout = min(a.start_timeout_s or (420 if a.shape == "qwen2.5-32b" else 300), max(10.0, self.left_s() - STOP_MARGIN_S))
+        ok, why = srv.wait_healthy(base, timeout)
+        try:
+            if ok:
+                rec["startup_s"] = round(time.monotonic() - t0, 1)
+                print(f"[{mode} r{run_idx}] healthy after {rec['startup_s']} s (graphs={graphs}, tokenizer={tok})", flush=True)
+                warm = _run_async(warmup(base, self.wp))
+                rec["warmup_s"] = [round(x, 3) for x in warm[0]]
+                if warm[1]:
+                    ok, why = False, f"warm-up request failed: {warm[1]}"
+            if ok:
+                rec["vllm_version"] = _version(base)
+                self.startups.append(rec["startup_s"])
+                t1 = time.monotonic()
+                rec["repeats"] = []
+                for rep in range(a.repeats):
+                    seed = a.seed * 1_000_003 + 1000 * run_idx + rep
+                    rec["repeats"].append({"seed": seed, "phases": []})
+                    _run_async(self.drive(base, spec, Workload(self.wp, seed), rec["repeats"][-1]["phases"]))
+                    if self.left_s() < STOP_MARGIN_S:
+                        break
+                self.workloads.append((time.monotonic() - t1) / max(1, len(rec["repeats"])))
+                if srv.alive:
+                    rec["status"] = "ok"
+                    return True
+                ok, why = False, f"server exited (code {srv.proc.returncode}) during the workload"
+                self.settled = True  # it did start: not a start-up setting to fall back from
+            rec.update(status="failed", error=why, log_tail=srv.log_tail(40))
+            print(f"[{mode} r{run_idx}] FAILED: {why}\n--- last lines of {log} ---\n{rec['log_tail']}\n---", flush=True)
+            return False
+        finally:
+            rec["stop_s"] = round(srv.stop(), 1)
+            rec["gpu_free_wait_s"] = round(server.wait_gpu_free(), 1)
+            _wipe(spec.disk_dir)
+
+    async def drive(self, base: str, spec, wl: Workload, out: list) -> None:
+        """The phases of one workload run, with Prometheus scrapes between them."""
+        from serving import client
+
+        a = self.a
+        stop_at = None if not a.deadline_s else T0 + a.deadline_s - STOP_MARGIN_S
+        before = _scrape(base, spec)
+        async with client.make_session(max(self.wp.concurrency + (self.wp.warm_c,)), a.request_timeout_s) as session:
+            for ph in wl.phases():
+                run = await client.run_phase(session, base, ph.items, wl.prompt, ph.concurrency, self.wp.answer_tokens, stop_at)
+                await asyncio.sleep(a.phase_gap_s)
+                await client.stream_completion(session, base, _fresh_ids(self.wp, 16, f"flush:{wl.seed}:{ph.name}"), 1)
+                after = _scrape(base, spec)
+                rec = phase_record(ph, run, before, after, spec)
+                out.append(rec)
+                before = after
+                _print_phase(spec.name, rec)
+                self.save_partial()
+                if run.truncated:
+                    print(f"[{spec.name}] deadline: phase {ph.name} cut short, later phases skipped", flush=True)
+                    break
+
+
+def phase_record(ph, run, before: dict, after: dict, spec) -> dict:
+    """One phase's numbers, the Prometheus deltas and one compact row per request."""
+    results = [r.as_dict() for r in run.results]
+    vdelta = stats.prom_delta(before["vllm"], after["vllm"])
+    tdelta = stats.prom_delta(before["tkv"], after["tkv"])
+    rows = [[r.user, r.turn, r.prompt_len, None if r.ttft_s is None else round(r.ttft_s * 1e3, 2), r.cached_tokens,
+             r.queue_ms, hashlib.sha1(json.dumps(r.token_ids).encode()).hexdigest()[:12], r.token_ids[:8]]
+            for r in sorted(run.results, key=lambda r: (r.user, r.turn))]
+    errors = sorted({r.error for r in run.results if r.error})[:3]
+    return {"name": ph.name, "concurrency": ph.concurrency, "truncated": run.truncated,
+            **stats.summarize(results, run.wall_s), "error_samples": errors,
+            "sources": stats.token_sources(vdelta),
+            "tiers": stats.tier_hits(tdelta, spec.chunk_tokens) if spec.metrics_port else {},
+            "vllm_metrics": vdelta, "tiered_kv_metrics": tdelta,
+            "rows_columns": ["user", "turn", "prompt_len", "ttft_ms", "cached", "queue_ms", "out_sha1", "first_ids"],
+            "rows": rows}
+
+
+def _print_phase(mode: str, r: dict) -> None:
+    src = r["sources"]
+    tiers = " ".join(f"{k}={v:.0f}" for k, v in r["tiers"].items())
+    print(f"[{mode}] {r['name']:>6}: {r['requests']} req ({r['errors']} err) in {r['wall_s']:.1f} s | TTFT ms p50 "
+          f"{r['ttft_ms']['p50']} p90 {r['ttft_ms']['p90']} p99 {r['ttft_ms']['p99']} | ITL p50 {r['itl_ms']['p50']} ms "
+          f"| {r['output_tok_s']} tok/s | tokens computed {src['computed']:.0f} gpu {src['gpu_hit']:.0f} "
+          f"connector {src['connector_hit']:.0f} {tiers}", flush=True)
+
+
+def _scrape(base: str, spec) -> dict:
+    vllm_text = server.http_get(base + "/metrics", timeout=10)[1]
+    tkv_text = server.http_get(f"http://127.0.0.1:{spec.metrics_port}/metrics", timeout=5)[1] if spec.metrics_port else ""
+    return {"vllm": stats.parse_prometheus(vllm_text), "tkv": stats.parse_prometheus(tkv_text)}
+
+
+def _version(base: str) -> str | None:
+    status, body = server.http_get(base + "/version")
+    try:
+        return json.loads(body).get("version") if status == 200 else None
+    except ValueError:
+        return None
+
+
+def _fresh_ids(wp: WorkloadParams, n: int, tag: str) -> list[int]:
+    rng = random.Random(tag)
+    return [rng.randrange(1000, wp.vocab_size - 1000) for _ in range(n)]
+
+
+async def warmup(base: str, wp: WorkloadParams) -> tuple[list[float], str | None]:
+    """Two short requests (kernels, allocator), not measured; the first error, if any."""
+    from serving import client
+
+    times, err = [], None
+    async with client.make_session(2, 120) as session:
+        for i in range(2):
+            t = time.perf_counter()
+            r = await client.stream_completion(session, base, _fresh_ids(wp, 64, f"warmup:{i}"), 4)
+            times.append(time.perf_counter() - t)
+            err = err or r.error
+    return times, err
+
+
+def _run_async(coro):
+    try:
+        import uvloop
+    except ImportError:
+        uvloop = None
+    run = getattr(uvloop, "run", None)  # uvloop >= 0.18
+    return run(coro) if run is not None else asyncio.run(coro)
+
+
+def _wipe(path: str | None) -> None:
+    if path:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+# ============================================================================== entry points
+def finish(doc: dict, path: str, plot: bool) -> None:
+    """Summary, table, final JSON and plot of one result document."""
+    doc["summary"] = report.summarize(doc["starts"])
+    text = report.table(doc["summary"])
+    mixed = {(s.get("graphs"), s.get("tokenizer")) for s in doc["starts"] if s.get("status") == "ok"}
+    if len(mixed) > 1:
+        text += f"\n\nWARNING: starts ran with different server settings (graphs, tokenizer): {sorted(mixed)}"
+    doc["table"] = text
+    print(text, flush=True)
+    report.write_json(path, doc)
+    print(f"wrote {path}", flush=True)
+    if plot:
+        try:
+            png = report.plot(doc["summary"], f"{doc['shape']} | {', '.join(doc.get('devices') or [doc.get('device', '')])} "
+                              f"| TTFT p50 vs concurrency", path.replace(".json", ".png"))
+            print(f"wrote {png}", flush=True)
+        except ImportError as e:
+            print(f"no plot ({e}); redraw anywhere with --plot-from {path}", flush=True)
+
+
+def plot_from(a) -> None:
+    docs = []
+    for p in a.plot_from:
+        with open(p) as f:
+            docs.append({**json.load(f), "path": p})
+    for shape, m in report.merge(docs).items():
+        out = os.path.join(a.out_dir, f"serve_bench_{shape}{f'_{a.tag}' if a.tag else ''}.merged.json")
+        finish(m, out, plot=not a.no_plot)
+
+
+def attach(a) -> None:
+    """Drive one running server (``--attach URL``) as mode ``--modes`` (one name): for debugging and the tests."""
+    bench = Bench(a)
+    mode = a.modes.split(",")[0]
+    spec = bench.reg.spec(mode, bench.sizes)
+    rec = {"mode": mode, "run": a.run_offset, "workload_id": bench.wid, "status": "ok", "attached": a.attach,
+           "startup_s": 0.0, "repeats": []}
+    bench.doc["starts"].append(rec)
+    for rep in range(a.repeats):
+        seed = a.seed * 1_000_003 + 1000 * a.run_offset + rep
+        rec["repeats"].append({"seed": seed, "phases": []})
+        _run_async(bench.drive(a.attach.rstrip("/"), spec, Workload(bench.wp, seed), rec["repeats"][-1]["phases"]))
+    finish(bench.doc, bench.path, plot=not a.no_plot)
+
+
+def main(argv=None) -> None:
+    global T0
+    T0 = time.monotonic()  # --deadline-s counts from here
+    a = parse_args(argv)
+    if a.plot_from:
+        return plot_from(a)
+    if a.dry_run:
+        return dry_run(a)
+    os.makedirs(a.out_dir, exist_ok=True)
+    if a.attach:
+        return attach(a)
+    atexit.register(server.stop_all)
+
+    def on_signal(signum, frame):  # the device call's time limit: leave no server behind
+        server.stop_all()
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    bench = Bench(a)
+    try:
+        bench.run()
+    finally:
+        shutil.rmtree(bench.model_dir, ignore_errors=True)
+    finish(bench.doc, bench.path, plot=not a.no_plot)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,262 @@
+"""One ``vllm serve`` command line and environment per mode (which KV connector, with which settings).
+
+Families and the connector each one configures (vLLM 0.26 on the GPU machine):
+
+- ``none``        no connector: every prefix that left the GPU is recomputed
+- ``offloading``  vLLM's ``OffloadingConnector`` (CPU); ``offloading-fs`` adds vLLM's own disk
+                  path: ``TieringOffloadingSpec`` with an ``fs`` secondary tier (write-through)
+- ``simple``      vLLM's ``SimpleCPUOffloadConnector``; ``simple-lazy`` stores only what the GPU
+                  prefix cache is about to drop (``lazy_offload``, vLLM PR #37160's behaviour)
+- ``tiered``      ours: ``TieredKVConnector`` from ``tiered_kv.connector.vllm`` (the repo must be
+                  on the server's PYTHONPATH; it is added); ``metrics_port`` exposes per-tier
+                  counters; ``tiered-disk`` = a small CPU tier + the disk tier
+- ``lmcache``     ``LMCacheConnectorV1`` (LMCache 0.5.3's adapter), configured by ``LMCACHE_*``
+                  environment variables; ``lmcache-disk`` adds its local disk backend
+
+Every mode of a shape gets the same CPU bytes (``cpu_gib``), or in the disk variants the same
+smaller CPU tier (``disk_cpu_gib``) plus a disk tier in its own directory under ``disk_root``,
+wiped before and after each engine start (vLLM's fs tier has no size limit).
+
+New variants: ``define(name, json)`` derives a mode from the longest built-in (or defined) mode
+name that prefixes it, e.g. ``tiered-g1={"load_groups": 1}``; family-wide extras apply to every
+mode of a family (``--tiered-extra '{"store_policy": "on_finish"}'``). Order: built-in settings,
+then family extras, then the definition's own keys. LMCache keys are config keys
+(``chunk_size``), written as ``LMCACHE_CHUNK_SIZE``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+from dataclasses import dataclass, field
+
+FAMILIES = ("none", "offloading", "simple", "tiered", "lmcache")
+TIERED_MODULE = "tiered_kv.connector.vllm"
+BLOCK_SIZE = 16  # vLLM's GPU block (tokens); our chunk = chunk_blocks of these
+
+#: name -> (family, settings over the family's defaults, has a disk tier)
+BUILTIN: dict[str, tuple[str, dict, bool]] = {
+    "none": ("none", {}, False),
+    "offloading": ("offloading", {}, False),
+    "offloading-fs": ("offloading", {}, True),
+    "simple": ("simple", {"lazy_offload": False}, False),
+    "simple-lazy": ("simple", {"lazy_offload": True}, False),
+    "tiered": ("tiered", {}, False),
+    "tiered-onfinish": ("tiered", {"store_policy": "on_finish"}, False),
+    "tiered-disk": ("tiered", {}, True),
+    "tiered-disk-always": ("tiered", {"disk_load_policy": "always"}, True),
+    "lmcache": ("lmcache", {}, False),
+    "lmcache-c16": ("lmcache", {"chunk_size": 16}, False),
+    "lmcache-disk": ("lmcache", {}, True),
+}
+
+#: set for every mode; the GPU image has no FlashInfer (the sampler would import it), no network
+COMMON_ENV = {
+    "VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1", "VLLM_HOST_IP": "127.0.0.1",
+    "PYTHONHASHSEED": "0",  # vLLM's block hashes (and file names on disk) the same in every start
+    "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "DO_NOT_TRACK": "1",
+}
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Tier sizes shared by all modes of a run (GiB)."""
+
+    cpu_gib: int
+    disk_cpu_gib: int
+    disk_gib: int
+    disk_root: str
+
+
+@dataclass(frozen=True)
+class ModeSpec:
+    """Everything mode-specific about one engine start."""
+
+    name: str
+    family: str
+    kv_transfer: dict | None
+    env: dict = field(default_factory=dict)
+    disk_dir: str | None = None
+    metrics_port: int | None = None  # ours: the connector's Prometheus endpoint
+    chunk_tokens: int = 0  # ours: tokens per chunk (what one tier hit loads)
+
+
+class ModeRegistry:
+    """Built-in modes plus the ones defined on the command line."""
+
+    def __init__(self, family_extra: dict[str, dict] | None = None) -> None:
+        self._modes = dict(BUILTIN)
+        self.family_extra = {f: dict((family_extra or {}).get(f, {})) for f in FAMILIES}
+        bad = set(family_extra or {}) - set(FAMILIES)
+        if bad:
+            raise ValueError(f"no mode family {sorted(bad)}; families: {FAMILIES}")
+
+    def names(self) -> list[str]:
+        """Every mode name known."""
+        return list(self._modes)
+
+    def define(self, name: str, settings: dict) -> None:
+        """Add ``name``: the longest known mode prefixing it, with ``settings`` on top."""
+        base = max((m for m in self._modes if name == m or name.startswith(m + "-")), key=len, default=None)
+        if base is None:
+            raise ValueError(f"mode {name!r}: its name must start with a known mode ({', '.join(self._modes)})")
+        family, over, disk = self._modes[base]
+        if family == "none" and settings:
+            raise ValueError(f"mode {name!r}: 'none' takes no settings")
+        self._modes[name] = (family, {**over, **settings}, disk)
+
+    def spec(self, name: str, sizes: Sizes, metrics_port: int | None = None) -> ModeSpec:
+        """The mode's connector config and environment."""
+        if name not in self._modes:
+            raise ValueError(f"unknown mode {name!r}; known: {', '.join(self._modes)} (or --define NAME=JSON)")
+        family, over, disk = self._modes[name]
+        settings = {**self.family_extra[family], **over}
+        disk_dir = os.path.join(sizes.disk_root, name) if disk else None
+        cpu_gib = sizes.disk_cpu_gib if disk else sizes.cpu_gib
+        return _BUILDERS[family](name, settings, cpu_gib, disk_dir, sizes.disk_gib, metrics_port)
+
+
+def _none(name, settings, cpu_gib, disk_dir, disk_gib, port) -> ModeSpec:
+    return ModeSpec(name, "none", None)
+
+
+def _offloading(name, settings, cpu_gib, disk_dir, disk_gib, port) -> ModeSpec:
+    extra: dict = {"cpu_bytes_to_use": cpu_gib << 30}
+    if disk_dir:
+        extra.update(spec_name="TieringOffloadingSpec", secondary_tiers=[
+            {"type": "fs", "root_dir": disk_dir, "n_read_threads": 16, "n_write_threads": 16}])
+    extra.update(settings)
+    return ModeSpec(name, "offloading", {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                                         "kv_connector_extra_config": extra}, disk_dir=disk_dir)
+
+
+def _simple(name, settings, cpu_gib, disk_dir, disk_gib, port) -> ModeSpec:
+    if disk_dir:
+        raise ValueError("SimpleCPUOffloadConnector has no disk tier in vLLM 0.26 (PR #49644 is not in it)")
+    extra = {"cpu_bytes_to_use": cpu_gib << 30, **settings}
+    return ModeSpec(name, "simple", {"kv_connector": "SimpleCPUOffloadConnector", "kv_role": "kv_both",
+                                     "kv_connector_extra_config": extra})
+
+
+def _tiered(name, settings, cpu_gib, disk_dir, disk_gib, port) -> ModeSpec:
+    extra: dict = {"cpu_bytes": f"{cpu_gib}GiB"}
+    if disk_dir:
+        extra.update(disk_path=disk_dir, disk_bytes=f"{disk_gib}GiB")
+    if port is not None:
+        extra["metrics_port"] = port
+    extra.update(settings)
+    kv = {"kv_connector": "TieredKVConnector", "kv_connector_module_path": TIERED_MODULE, "kv_role": "kv_both",
+          "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
+    return ModeSpec(name, "tiered", kv, disk_dir=disk_dir, metrics_port=extra.get("metrics_port"),
+                    chunk_tokens=int(extra.get("chunk_blocks", 16)) * BLOCK_SIZE)
+
+
+def _lmcache(name, settings, cpu_gib, disk_dir, disk_gib, port) -> ModeSpec:
+    # LMCache 0.5.3 reads LMCACHE_<KEY> for each config key when no config file is given
+    cfg: dict = {"chunk_size": 256, "local_cpu": True, "max_local_cpu_size": float(cpu_gib),
+                 "use_layerwise": False, "save_decode_cache": False, "enable_async_loading": False}
+    if disk_dir:
+        cfg.update(local_disk=f"file://{disk_dir}/", max_local_disk_size=float(disk_gib))
+    cfg.update(settings)
+    env = {f"LMCACHE_{k.upper()}": _env_value(v) for k, v in cfg.items()}
+    env["LMCACHE_TRACK_USAGE"] = "false"  # no usage reports to an outside host
+    return ModeSpec(name, "lmcache", {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"},
+                    env=env, disk_dir=disk_dir)
+
+
+def _env_value(v) -> str:
+    if isinstance(v, bool):
+        return "True" if v else "False"
+    return json.dumps(v) if isinstance(v, (dict, list)) else str(v)
+
+
+_BUILDERS = {"none": _none, "offloading": _offloading, "simple": _simple, "tiered": _tiered, "lmcache": _lmcache}
+
+
+# ---------------------------------------------------------------------------- command line
+@dataclass(frozen=True)
+class ServerOptions:
+    """The ``vllm serve`` flags every mode shares."""
+
+    python: str = "python3"
+    max_model_len: int = 8192
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 8192
+    gpu_blocks: int = 6912
+    gpu_memory_utilization: float = 0.9
+    graphs: str = "decode"  # "decode": no compile, full graphs for decode-only batches; "eager"
+    capture_size: int = 64
+    tokenizer: str = "skip"  # "skip": --skip-tokenizer-init; "word": the model dir's offline tokenizer
+    extra_args: tuple[str, ...] = ()
+
+
+def serve_argv(spec: ModeSpec, opts: ServerOptions, model_dir: str, port: int) -> list[str]:
+    """The full command that starts the OpenAI server for ``spec``."""
+    argv = [opts.python, "-m", "vllm.entrypoints.cli.main", "serve", model_dir,
+            "--served-model-name", "m", "--load-format", "dummy", "--generation-config", "vllm", "--seed", "0",
+            "--host", "127.0.0.1", "--port", str(port),
+            "--max-model-len", str(opts.max_model_len), "--max-num-seqs", str(opts.max_num_seqs),
+            "--max-num-batched-tokens", str(opts.max_num_batched_tokens),
+            "--num-gpu-blocks-override", str(opts.gpu_blocks),
+            "--gpu-memory-utilization", str(opts.gpu_memory_utilization),
+            "--enable-prefix-caching", "--enable-prompt-tokens-details", "--enable-per-request-metrics",
+            "--disable-uvicorn-access-log"]
+    if opts.tokenizer == "skip":
+        argv.append("--skip-tokenizer-init")
+    if opts.graphs == "eager":
+        argv.append("--enforce-eager")
+    else:  # no torch.compile (seconds to start), CUDA graphs only for uniform decode batches
+        argv += ["-cc.mode=none", "-cc.cudagraph_mode=FULL_DECODE_ONLY",
+                 "--max-cudagraph-capture-size", str(opts.capture_size)]
+    if spec.kv_transfer is not None:
+        argv += ["--kv-transfer-config", json.dumps(spec.kv_transfer, separators=(",", ":"))]
+    return argv + list(opts.extra_args)
+
+
+def serve_env(spec: ModeSpec, repo_root: str, base: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """(the server's full environment, what differs from ``base``): common + mode variables, repo on PYTHONPATH."""
+    paths = [p for p in base.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if os.path.abspath(repo_root) not in [os.path.abspath(p) for p in paths]:
+        paths.append(repo_root)
+    delta = {**COMMON_ENV, "PYTHONPATH": os.pathsep.join(paths), **spec.env}
+    return {**base, **delta}, delta
+
+
+def shell_line(argv: list[str], env_delta: dict[str, str]) -> str:
+    """A copy-pasteable shell line (environment first)."""
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env_delta.items()))
+    return (env + " " if env else "") + " ".join(shlex.quote(a) for a in argv)
+
+
+# ---------------------------------------------------------------------------- validation
+def validate_argv(argv: list[str]) -> None:
+    """Parse a ``serve`` command with the installed vLLM's own server parser (raises on a bad flag).
+
+    vLLM's parser builds config defaults that ask the platform for its device type; on a machine
+    without a GPU and with a vLLM that does not read ``VLLM_TARGET_DEVICE`` (0.26), the dry run
+    sets the CPU platform first: only the flags are being checked, nothing runs.
+    """
+    import vllm.platforms as platforms
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    try:
+        from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args  # vLLM 0.26
+    except ImportError:  # vLLM >= 0.30 moved the server's arguments
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    if not platforms.current_platform.device_type:
+        from vllm.platforms.cpu import CpuPlatform
+
+        platforms._current_platform = CpuPlatform()
+    rest = argv[argv.index("serve") + 1:]
+    parser = make_arg_parser(FlexibleArgumentParser())
+    try:
+        args = parser.parse_args(rest)
+    except SystemExit as exc:  # argparse reports on stderr and exits
+        raise ValueError(f"vLLM's parser rejected the command (exit {exc.code}): {' '.join(rest)[:300]}") from None
+    validate_parsed_serve_args(args)
+    if args.kv_transfer_config is not None:
+        extra = args.kv_transfer_config.kv_connector_extra_config
+        if args.kv_transfer_config.kv_connector_module_path == TIERED_MODULE:
+            from tiered_kv.connector.vllm.config import ConnectorConfig
+
+            ConnectorConfig.from_extra_config(extra)  # our own keys, validated the way the connector does

@@ -1,0 +1,243 @@
+"""Summary over engine starts, the printed tables, the JSON files and the TTFT-vs-concurrency plot.
+
+A result file holds ``starts``: one record per engine start (mode, run index, status, start-up
+seconds, and per repeat of the workload its phases' numbers). ``summarize`` pools the samples of
+each (mode, phase) over starts, from one file or several (``--plot-from`` merges calls), and gives
+min / median / max of each number. Greedy equality: every request's output ids are hashed; a
+request is compared with the same request (same workload, seed, phase, user, turn) in mode
+``none``.
+
+Threading contract: pure functions plus file writes; main thread only.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from collections import defaultdict
+
+#: the peers a ``tiered*`` mode is compared with in the ratio table, and the issue's goals
+PEERS = ("offloading", "lmcache", "none")
+GOAL_TTFT_VS_PEER = 0.7
+GOAL_TOKS_VS_PEER = 1.1
+
+
+def spread(values: list[float]) -> dict | None:
+    """min / median / max (None without values)."""
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return None
+    return {"min": round(min(vals), 3), "median": round(statistics.median(vals), 3), "max": round(max(vals), 3),
+            "n": len(vals)}
+
+
+def _phase_samples(starts: list[dict]):
+    """Yield (mode, start, repeat, phase) for every finished phase of every successful start."""
+    for s in starts:
+        if s.get("status") != "ok":
+            continue
+        for rep in s.get("repeats", ()):
+            for ph in rep.get("phases", ()):
+                yield s["mode"], s, rep, ph
+
+
+def _greedy_index(starts: list[dict]) -> dict:
+    """(workload id, seed, phase, user, turn) -> output hash, from the ``none`` starts."""
+    idx = {}
+    for mode, s, rep, ph in _phase_samples(starts):
+        if mode != "none":
+            continue
+        for row in ph.get("rows", ()):
+            idx[(s.get("workload_id"), rep["seed"], ph["name"], row[0], row[1])] = row[6]
+    return idx
+
+
+def summarize(starts: list[dict]) -> dict:
+    """``{mode: {"startup_s": spread, "failed": n, "phases": {phase: numbers}}}`` over all starts."""
+    base = _greedy_index(starts)
+    acc: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
+    greedy: dict = defaultdict(lambda: defaultdict(lambda: [0, 0]))
+    concurrency: dict = {}
+    for mode, s, rep, ph in _phase_samples(starts):
+        if ph.get("truncated"):
+            continue  # a phase cut by the deadline is not a sample
+        a = acc[mode][ph["name"]]
+        concurrency[ph["name"]] = ph["concurrency"]
+        a["ttft_p50_ms"].append(ph["ttft_ms"]["p50"])
+        a["ttft_p90_ms"].append(ph["ttft_ms"]["p90"])
+        a["ttft_p99_ms"].append(ph["ttft_ms"]["p99"])
+        a["itl_p50_ms"].append(ph["itl_ms"]["p50"])
+        a["output_tok_s"].append(ph["output_tok_s"])
+        a["errors"].append(ph["errors"])  # summed below: a failed request is not a spread
+        for k, v in (ph.get("sources") or {}).items():
+            a["tokens_" + k].append(v)
+        for tier, v in (ph.get("tiers") or {}).items():
+            a["tier_" + tier].append(v)
+        if mode != "none":
+            g = greedy[mode][ph["name"]]
+            for row in ph.get("rows", ()):
+                ref = base.get((s.get("workload_id"), rep["seed"], ph["name"], row[0], row[1]))
+                if ref is not None:
+                    g[0] += 1
+                    g[1] += int(ref == row[6])
+    out = {}
+    for mode in mode_order(dict.fromkeys(s["mode"] for s in starts)):
+        ms = [s for s in starts if s["mode"] == mode]
+        phases = {}
+        for name, a in acc.get(mode, {}).items():
+            phases[name] = {"concurrency": concurrency[name], **{k: spread(v) for k, v in a.items() if k != "errors"},
+                            "errors": sum(a["errors"])}
+            if mode != "none":
+                cmp_, eq = greedy[mode][name]
+                phases[name]["greedy_vs_none"] = {"compared": cmp_, "equal": eq}
+        out[mode] = {"startup_s": spread([s.get("startup_s") for s in ms if s.get("status") == "ok"]),
+                     "starts_ok": sum(s.get("status") == "ok" for s in ms),
+                     "failed": sum(s.get("status") == "failed" for s in ms),
+                     "skipped": sum(s.get("status") == "skipped" for s in ms), "phases": phases}
+    return out
+
+
+def _med(d: dict | None) -> float | None:
+    return None if d is None else d["median"]
+
+
+def _fmt(d: dict | None, digits: int = 1) -> str:
+    if d is None:
+        return "-"
+    if d["n"] == 1:
+        return f"{d['median']:.{digits}f}"
+    return f"{d['median']:.{digits}f} [{d['min']:.{digits}f}-{d['max']:.{digits}f}]"
+
+
+def _k(d: dict | None) -> str:
+    if d is None:
+        return "-"
+    return f"{d['median'] / 1000:.0f}k" if d["median"] >= 10000 else f"{d['median']:.0f}"
+
+
+def phase_order(summary: dict) -> list[str]:
+    """Phase names in run order (warm first), as they appear in the summary."""
+    names = list(dict.fromkeys(name for m in summary.values() for name in m["phases"]))
+    return [n for n in names if n == "warm"] + [n for n in names if n != "warm"]
+
+
+def mode_order(modes) -> list[str]:
+    """Baseline first, then the peers, ours last (each group by name)."""
+    rank = {"none": 0, "offloading": 1, "simple": 2, "lmcache": 3, "tiered": 4}
+    return sorted(modes, key=lambda m: (rank.get(m.split("-")[0], 5), m))
+
+
+def table(summary: dict) -> str:
+    """Markdown: one row per phase and mode (median [min-max] over starts), then start-ups and ratios."""
+    rows = ["| phase | mode | n | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | ITL p50 ms | output tok/s "
+            "| prompt tokens computed / GPU hit / connector | ours per tier | greedy = none |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name in phase_order(summary):
+        for mode, m in summary.items():
+            ph = m["phases"].get(name)
+            if ph is None:
+                continue
+            tiers = ", ".join(f"{k[5:]} {_k(v)}" for k, v in ph.items() if k.startswith("tier_")) or "-"
+            g = ph.get("greedy_vs_none")
+            greedy = "-" if not g or not g["compared"] else f"{g['equal']}/{g['compared']}"
+            n = f"{(ph['ttft_p50_ms'] or {}).get('n', 0)}" + (f" ({ph['errors']} failed requests)" if ph["errors"] else "")
+            label = f"{name} (cold)" if name == "warm" else name
+            rows.append(f"| {label} | {mode} | {n} | {_fmt(ph['ttft_p50_ms'])} | {_fmt(ph['ttft_p90_ms'])} "
+                        f"| {_fmt(ph['ttft_p99_ms'])} | {_fmt(ph['itl_p50_ms'], 2)} | {_fmt(ph['output_tok_s'], 0)} "
+                        f"| {_k(ph.get('tokens_computed'))} / {_k(ph.get('tokens_gpu_hit'))} / "
+                        f"{_k(ph.get('tokens_connector_hit'))} | {tiers} | {greedy} |")
+    rows += ["", "| mode | starts ok | failed | skipped | start-up s |", "|---|---|---|---|---|"]
+    for mode, m in summary.items():
+        rows.append(f"| {mode} | {m['starts_ok']} | {m['failed']} | {m['skipped']} | {_fmt(m['startup_s'])} |")
+    ratios = ratio_rows(summary)
+    if ratios:
+        rows += ["", f"Ours vs each peer (medians; goal at c8/c32: TTFT p50 <= {GOAL_TTFT_VS_PEER}x of offloading "
+                 f"and lmcache, output tok/s >= {GOAL_TOKS_VS_PEER}x, never worse than none):", "",
+                 "| phase | ours | peer | TTFT p50 ratio | output tok/s ratio | goal met |", "|---|---|---|---|---|---|"]
+        rows += ratios
+    return "\n".join(rows)
+
+
+def ratio_rows(summary: dict) -> list[str]:
+    """One row per (measured phase, tiered* mode, peer present)."""
+    rows = []
+    for name in phase_order(summary):
+        if name == "warm":
+            continue
+        for ours, m in summary.items():
+            if not ours.startswith("tiered") or name not in m["phases"]:
+                continue
+            for peer in PEERS:
+                p = summary.get(peer, {}).get("phases", {}).get(name)
+                if p is None:
+                    continue
+                o = m["phases"][name]
+                t_o, t_p = _med(o["ttft_p50_ms"]), _med(p["ttft_p50_ms"])
+                k_o, k_p = _med(o["output_tok_s"]), _med(p["output_tok_s"])
+                if None in (t_o, t_p, k_o, k_p) or not t_p or not k_p:
+                    continue
+                tr, kr = t_o / t_p, k_o / k_p
+                met = (tr <= 1.0 and kr >= 1.0) if peer == "none" else (tr <= GOAL_TTFT_VS_PEER and kr >= GOAL_TOKS_VS_PEER)
+                rows.append(f"| {name} | {ours} | {peer} | {tr:.2f}x | {kr:.2f}x | {'yes' if met else 'no'} |")
+    return rows
+
+
+def write_json(path: str, doc: dict) -> str:
+    """Write atomically (a reader never sees half a file)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(tmp, path)
+    return path
+
+
+def merge(docs: list[dict]) -> dict[str, dict]:
+    """Result files -> one document per shape with every start (each labelled with its device)."""
+    out: dict[str, dict] = {}
+    for doc in docs:
+        shape = doc["shape"]
+        m = out.setdefault(shape, {"shape": shape, "devices": [], "dates": [], "files": [], "starts": []})
+        m["devices"] = sorted(set(m["devices"]) | {doc.get("device", "?")})
+        m["dates"].append(doc.get("date"))
+        m["files"].append(doc.get("path"))
+        m["starts"] += [{**s, "device": doc.get("device")} for s in doc.get("starts", ())]
+    for m in out.values():
+        m["summary"] = summarize(m["starts"])
+    return out
+
+
+def plot(summary: dict, title: str, path: str) -> str:
+    """TTFT p50 (median over starts, bars min-max) vs concurrency, one line per mode; PNG at ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    levels: set[int] = set()
+    for mode, m in summary.items():
+        pts = sorted((ph["concurrency"], ph["ttft_p50_ms"]) for name, ph in m["phases"].items()
+                     if name != "warm" and "-" not in name and ph.get("ttft_p50_ms"))
+        if not pts:
+            continue
+        xs = [c for c, _ in pts]
+        med = [d["median"] for _, d in pts]
+        err = [[d["median"] - d["min"] for _, d in pts], [d["max"] - d["median"] for _, d in pts]]
+        ax.errorbar(xs, med, yerr=err, marker="o", capsize=3, label=mode,
+                    linewidth=2.2 if mode.startswith("tiered") else 1.4)
+        levels |= set(xs)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(sorted(levels))
+    ax.set_xticklabels([str(c) for c in sorted(levels)])
+    ax.set_xlabel("concurrent users (closed loop)")
+    ax.set_ylabel("TTFT p50 (ms, log)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path

@@ -1,0 +1,31 @@
+"""Stands in for ``python3 -m vllm.entrypoints.cli.main serve ...`` in the tests of serve_bench's start/stop path.
+
+Run as ``fake_serve.py -m vllm.entrypoints.cli.main serve MODEL --port P ...``: serves ``serve_stub``
+on port P until killed. ``FAKE_SERVE_FAIL=skip`` makes it exit with an error when
+``--skip-tokenizer-init`` is given (to exercise the tokenizer fallback), ``FAKE_SERVE_FAIL=graphs``
+when ``--enforce-eager`` is not; ``FAKE_SERVE_EXIT_AFTER=n`` exits after n requests. It records its argv and some environment in ``FAKE_SERVE_RECORD``.
+"""
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from serve_stub import StubServer  # noqa: E402
+
+argv = sys.argv[1:]
+if os.environ.get("FAKE_SERVE_RECORD"):
+    with open(os.environ["FAKE_SERVE_RECORD"], "a") as f:
+        f.write(json.dumps({"pid": os.getpid(), "argv": argv, "LMCACHE_CHUNK_SIZE": os.environ.get("LMCACHE_CHUNK_SIZE"),
+                            "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED")}) + "\n")
+fail = os.environ.get("FAKE_SERVE_FAIL", "")
+print("fake vllm serve starting", flush=True)
+if (fail == "skip" and "--skip-tokenizer-init" in argv) or (fail == "graphs" and "--enforce-eager" not in argv):
+    print("ValueError: tokenizer needed" if fail == "skip" else "RuntimeError: CUDA graph capture failed",
+          file=sys.stderr, flush=True)
+    sys.exit(3)
+time.sleep(0.3)  # "loading the model": /health does not answer yet
+StubServer(port=int(argv[argv.index("--port") + 1]), exit_after=int(os.environ.get("FAKE_SERVE_EXIT_AFTER", "0"))).start()
+while True:
+    time.sleep(1)

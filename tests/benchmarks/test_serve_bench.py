@@ -1,0 +1,519 @@
+"""``benchmarks/serve_bench.py`` on the CPU: workload, stats, modes and command lines, report, client.
+
+A real ``vllm serve`` cannot run on this CPU machine (no GPU, and the vLLM in .venv is a CPU build
+of 0.32, not the 0.26 the GPU machine serves), so the client and the whole drive loop run against
+``serve_stub.StubServer``, an aiohttp app that streams vLLM-style SSE chunks. The command lines
+are checked with vLLM's own server argument parser (the one installed in .venv).
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import serve_bench  # noqa: E402
+from serving import report, stats  # noqa: E402
+from serving.modes import BUILTIN, ModeRegistry, ServerOptions, Sizes, serve_argv, serve_env  # noqa: E402
+from serving.shapes import SHAPES, kv_bytes_per_token, write_model_dir  # noqa: E402
+from serving.workload import Workload, WorkloadParams, plan_phases, sizes  # noqa: E402
+
+SIZES = Sizes(cpu_gib=30, disk_cpu_gib=6, disk_gib=36, disk_root="/data/sb")
+SMALL = WorkloadParams(users=6, system_tokens=32, context_tokens=48, turn_tokens=16, answer_tokens=4,
+                       concurrency=(4, 2, 1), c1_users=2)
+
+
+# ============================================================================ workload
+def test_prompts_grow_by_message_and_answer_and_share_only_the_system_prompt():
+    wl = Workload(SMALL, seed=7)
+    p = SMALL
+    for t in range(4):
+        assert len(wl.prompt(0, t)) == p.prompt_len(t) == 32 + 48 + t * 20 + 16
+    for t in range(3):  # turn t+1 = turn t + its stand-in answer + a new message
+        assert wl.prompt(0, t + 1) == wl.prompt(0, t) + wl.answer(0, t) + wl.message(0, t + 1)
+    a, b = wl.prompt(0, 0), wl.prompt(1, 0)
+    assert a[:32] == b[:32] == wl.system
+    assert a[32] != b[32] and wl.context(0) != wl.context(1)
+    assert all(1000 <= x < p.vocab_size - 1000 for x in a)
+
+
+def test_conversations_are_fresh_per_seed_and_reproducible():
+    a, b, a2 = Workload(SMALL, 1), Workload(SMALL, 2), Workload(SMALL, 1)
+    assert a.system == b.system  # the system prompt is the same in every run
+    assert a.context(0) != b.context(0) and a.message(3, 1) != b.message(3, 1)
+    assert a.prompt(3, 2) == a2.prompt(3, 2)
+
+
+def test_phases_warm_then_one_per_level_in_order():
+    ph = plan_phases(SMALL)
+    assert [(x.name, x.concurrency) for x in ph] == [("warm", 4), ("c4", 4), ("c2", 2), ("c1", 1)]
+    assert ph[0].items == tuple((u, 0) for u in range(6))
+    assert ph[1].items == tuple((u, 1) for u in range(6))
+    assert ph[3].items == ((0, 3), (1, 3))  # level 1: only the first c1_users users
+    two = plan_phases(WorkloadParams(**{**SMALL.__dict__, "turns": 2, "concurrency": (2, 2)}))
+    assert [x.name for x in two] == ["warm", "c2", "c2-2"]
+    assert two[1].items == tuple((u, t) for t in (1, 2) for u in range(6))  # round robin over users
+    assert two[2].items[0] == (0, 3)
+
+
+def test_sizes_count_distinct_prompt_tokens_and_eviction():
+    s = sizes(SMALL, kv_bytes_per_token("llama3-8b"), gpu_blocks=10)
+    wl = Workload(SMALL, 0)
+    last = {u: max(t for ph in plan_phases(SMALL) for uu, t in ph.items if uu == u) for u in range(6)}
+    distinct = {tuple(wl.prompt(u, t)[:i]) for u, t in last.items() for i in range(1, SMALL.prompt_len(t) + 1)}
+    assert s["stored_tokens"] == len(distinct)  # prefixes: one per distinct prompt token position
+    assert s["stored_bytes"] == s["stored_tokens"] * 128 * 1024
+    assert s["gpu_cache_tokens"] == 160
+    assert s["evict_ratio"] == round(5 * (48 + 16 + 4) / 160, 2)
+    assert s["max_seq_len"] == SMALL.prompt_len(3) + 4
+    assert [p["requests"] for p in s["phases"]] == [6, 6, 6, 2]
+
+
+def test_default_workload_history_exceeds_the_gpu_cache_for_every_shape():
+    for shape in SHAPES:
+        a = serve_bench.parse_args(["--shape", shape])
+        wp = serve_bench.workload_params(a)
+        s = sizes(wp, kv_bytes_per_token(shape), a.gpu_blocks)
+        assert s["history_over_gpu"] > 1.3 and s["evict_ratio"] > 1.1, shape
+        assert s["running_tokens_max"] <= s["gpu_cache_tokens"], shape  # 32 users fit: no preemption
+        assert s["max_seq_len"] <= 8192
+
+
+def test_smoke_preset_is_small_but_still_evicts():
+    a = serve_bench.parse_args(["--shape", "llama3-8b", "--preset", "smoke"])
+    wp = serve_bench.workload_params(a)
+    s = sizes(wp, kv_bytes_per_token("llama3-8b"), a.gpu_blocks)
+    assert [p["requests"] for p in s["phases"]] == [24, 24, 4]
+    assert s["evict_ratio"] > 1.0 and s["running_tokens_max"] <= s["gpu_cache_tokens"]
+
+
+def test_shapes_kv_bytes_and_model_dir(tmp_path):
+    assert kv_bytes_per_token("llama3-8b") == 128 * 1024
+    assert kv_bytes_per_token("qwen2.5-7b") == 56 * 1024  # 28 layers, 4 KV heads
+    assert kv_bytes_per_token("qwen2.5-32b") == 256 * 1024  # 64 layers
+    d = write_model_dir("qwen2.5-7b", str(tmp_path / "m"), tokenizer=False)
+    cfg = json.loads((Path(d) / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 28 and cfg["num_key_value_heads"] == 4 and cfg["architectures"] == ["Qwen2ForCausalLM"]
+    assert not (Path(d) / "tokenizer.json").exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tokenizers") is None, reason="needs tokenizers")
+def test_offline_tokenizer_round_trips_ids(tmp_path):
+    from tokenizers import Tokenizer
+
+    d = write_model_dir("llama3-8b", str(tmp_path / "m"), tokenizer=True)
+    tok = Tokenizer.from_file(str(Path(d) / "tokenizer.json"))
+    assert tok.get_vocab_size() == SHAPES["llama3-8b"]["vocab_size"]
+    assert tok.decode([5, 6, 128000]) == "t5 t6 t128000"
+    assert tok.encode("t5 t6 t128000").ids == [5, 6, 128000]
+
+
+# ============================================================================ stats
+def test_percentile_is_linear_between_ranks():
+    xs = [5.0, 1.0, 3.0, 2.0, 4.0]
+    assert stats.percentile(xs, 50) == 3.0
+    assert stats.percentile(xs, 0) == 1.0 and stats.percentile(xs, 100) == 5.0
+    assert stats.percentile(xs, 90) == pytest.approx(4.6)
+    assert stats.percentile([1.0, 2.0], 99) == pytest.approx(1.99)
+    assert stats.percentile([], 50) is None
+
+
+def test_inter_token_gaps_spread_multi_token_chunks():
+    # first chunk (TTFT) carries 2 tokens, then 1 token after 10 ms, then 3 tokens after 30 ms
+    assert stats.spread_gaps([0.1, 0.11, 0.14], [2, 1, 3]) == pytest.approx([0.0, 0.01, 0.01, 0.01, 0.01])
+    assert stats.spread_gaps([], []) == []
+
+
+def test_summarize_a_phase():
+    res = [{"ttft_s": 0.1, "chunk_times": [0.1, 0.12, 0.14], "chunk_tokens": [1, 1, 1], "completion_tokens": 3,
+            "prompt_tokens": 100, "cached_tokens": 64, "queue_ms": 1.0},
+           {"ttft_s": 0.3, "chunk_times": [0.3, 0.34], "chunk_tokens": [1, 2], "completion_tokens": 3,
+            "prompt_tokens": 100, "cached_tokens": 0, "queue_ms": 3.0},
+           {"error": "HTTP 500", "chunk_times": [], "chunk_tokens": []}]
+    s = stats.summarize(res, wall_s=2.0)
+    assert s["requests"] == 3 and s["errors"] == 1
+    assert s["ttft_ms"]["p50"] == pytest.approx(200.0) and s["ttft_ms"]["p99"] == pytest.approx(298.0)
+    assert s["itl_ms"]["p50"] == pytest.approx(20.0)  # gaps 20, 20, 20, 20 ms
+    assert s["output_tokens"] == 6 and s["output_tok_s"] == 3.0 and s["req_s"] == 1.0
+    assert s["cached_tokens"] == 64 and s["server_queue_ms_p50"] == 2.0
+
+
+PROM_A = """# HELP vllm:prompt_tokens_by_source_total x
+# TYPE vllm:prompt_tokens_by_source_total counter
+vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="local_compute"} 100.0
+vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="external_kv_transfer"} 0.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.1",model_name="m"} 3.0
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="m"} 0.5
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+tiered_kv_tier_hits_total{store="vllm",tier="cpu"} 4.0
+tiered_kv_tier_hits_total{store="vllm",tier="disk"} 1.0
+"""
+PROM_B = PROM_A.replace('local_compute"} 100.0', 'local_compute"} 350.0').replace(
+    'external_kv_transfer"} 0.0', 'external_kv_transfer"} 2048.0').replace("_sum{engine=\"0\",model_name=\"m\"} 0.5",
+                                                                           "_sum{engine=\"0\",model_name=\"m\"} 0.75").replace(
+    'tier="cpu"} 4.0', 'tier="cpu"} 12.0').replace("0.25", "0.5")
+
+
+def test_prometheus_deltas_sources_and_tiers():
+    a, b = stats.parse_prometheus(PROM_A), stats.parse_prometheus(PROM_B)
+    assert a['vllm:prompt_tokens_by_source_total{source="local_compute"}'] == 100.0
+    assert not any("_bucket" in k for k in a)
+    d = stats.prom_delta(a, b)
+    assert d == {'vllm:prompt_tokens_by_source_total{source="local_compute"}': 250.0,
+                 'vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}': 2048.0,
+                 "vllm:time_to_first_token_seconds_sum": 0.25, "vllm:kv_cache_usage_perc": 0.5,
+                 'tiered_kv_tier_hits_total{store="vllm",tier="cpu"}': 8.0}
+    assert stats.token_sources(d) == {"computed": 250.0, "gpu_hit": 0.0, "connector_hit": 2048.0}
+    assert stats.tier_hits(d, chunk_tokens=256) == {"cpu": 2048.0}
+
+
+# ============================================================================ modes and command lines
+def _argv(name: str, reg: ModeRegistry | None = None, **opts) -> tuple[list[str], dict]:
+    spec = (reg or ModeRegistry()).spec(name, SIZES, metrics_port=9400 if name.startswith("tiered") else None)
+    argv = serve_argv(spec, ServerOptions(**opts), "/tmp/model", 8123)
+    _, env = serve_env(spec, str(ROOT), {"PYTHONPATH": "/tmp/site"})
+    return argv, env
+
+
+def _kv(argv: list[str]) -> dict | None:
+    return json.loads(argv[argv.index("--kv-transfer-config") + 1]) if "--kv-transfer-config" in argv else None
+
+
+def test_every_mode_shares_the_server_flags_and_only_the_connector_differs():
+    base, _ = _argv("none")
+    assert base[1:5] == ["-m", "vllm.entrypoints.cli.main", "serve", "/tmp/model"]
+    for flag, value in (("--load-format", "dummy"), ("--num-gpu-blocks-override", "6912"), ("--port", "8123"),
+                        ("--max-num-seqs", "64"), ("--served-model-name", "m")):
+        assert base[base.index(flag) + 1] == value
+    assert "--skip-tokenizer-init" in base and "--enable-prefix-caching" in base and "-cc.mode=none" in base
+    assert "-cc.cudagraph_mode=FULL_DECODE_ONLY" in base and "--enforce-eager" not in base
+    for name in BUILTIN:
+        argv, env = _argv(name)
+        rest = argv[:argv.index("--kv-transfer-config")] if "--kv-transfer-config" in argv else argv
+        assert rest == base, name
+        assert env["PYTHONHASHSEED"] == "0" and env["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+        assert env["PYTHONPATH"].split(os.pathsep) == ["/tmp/site", str(ROOT)]
+
+
+def test_connector_configs_per_mode():
+    assert _kv(_argv("none")[0]) is None
+    off = _kv(_argv("offloading")[0])
+    assert off["kv_connector"] == "OffloadingConnector" and off["kv_connector_extra_config"] == {"cpu_bytes_to_use": 30 << 30}
+    fs = _kv(_argv("offloading-fs")[0])["kv_connector_extra_config"]
+    assert fs["spec_name"] == "TieringOffloadingSpec" and fs["cpu_bytes_to_use"] == 6 << 30
+    assert fs["secondary_tiers"][0]["type"] == "fs" and fs["secondary_tiers"][0]["root_dir"] == "/data/sb/offloading-fs"
+    ours = _kv(_argv("tiered")[0])
+    assert ours["kv_connector_module_path"] == "tiered_kv.connector.vllm" and ours["kv_connector"] == "TieredKVConnector"
+    assert ours["kv_connector_extra_config"] == {"cpu_bytes": "30GiB", "metrics_port": 9400}
+    assert _kv(_argv("tiered-onfinish")[0])["kv_connector_extra_config"]["store_policy"] == "on_finish"
+    disk = _kv(_argv("tiered-disk")[0])["kv_connector_extra_config"]
+    assert disk == {"cpu_bytes": "6GiB", "disk_path": "/data/sb/tiered-disk", "disk_bytes": "36GiB", "metrics_port": 9400}
+    assert _kv(_argv("simple-lazy")[0])["kv_connector_extra_config"] == {"cpu_bytes_to_use": 30 << 30, "lazy_offload": True}
+    argv, env = _argv("lmcache")
+    assert _kv(argv) == {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
+    assert env["LMCACHE_MAX_LOCAL_CPU_SIZE"] == "30.0" and env["LMCACHE_CHUNK_SIZE"] == "256"
+    assert env["LMCACHE_LOCAL_CPU"] == "True" and env["LMCACHE_TRACK_USAGE"] == "false" and "LMCACHE_LOCAL_DISK" not in env
+    _, env = _argv("lmcache-disk")
+    assert env["LMCACHE_LOCAL_DISK"] == "file:///data/sb/lmcache-disk/" and env["LMCACHE_MAX_LOCAL_CPU_SIZE"] == "6.0"
+    assert "LMCACHE_CHUNK_SIZE" not in _argv("tiered")[1]
+
+
+def test_extra_settings_from_the_command_line():
+    reg = ModeRegistry({"tiered": {"store_policy": "on_finish"}, "lmcache": {"chunk_size": 16}})
+    reg.define("tiered-g1", {"load_groups": 1})
+    reg.define("tiered-disk-eager", {"store_policy": "eager"})
+    assert _kv(_argv("tiered", reg)[0])["kv_connector_extra_config"]["store_policy"] == "on_finish"
+    g1 = _kv(_argv("tiered-g1", reg)[0])["kv_connector_extra_config"]
+    assert g1["load_groups"] == 1 and g1["store_policy"] == "on_finish"
+    de = _kv(_argv("tiered-disk-eager", reg)[0])["kv_connector_extra_config"]
+    assert de["store_policy"] == "eager" and de["disk_path"] == "/data/sb/tiered-disk-eager"  # disk from the base
+    assert _argv("lmcache", reg)[1]["LMCACHE_CHUNK_SIZE"] == "16"
+    with pytest.raises(ValueError, match="must start with a known mode"):
+        reg.define("other", {})
+    with pytest.raises(ValueError, match="unknown mode"):
+        reg.spec("tiered-x", SIZES)
+
+
+def test_graph_and_tokenizer_options():
+    argv, _ = _argv("none", graphs="eager", tokenizer="word")
+    assert "--enforce-eager" in argv and "-cc.mode=none" not in argv and "--skip-tokenizer-init" not in argv
+    a = serve_bench.parse_args(["--shape", "llama3-8b", "--enforce-eager"])
+    assert a.graphs == "eager"
+
+
+def test_schedule_interleaves_and_rotates_modes():
+    a = serve_bench.parse_args(["--shape", "llama3-8b", "--runs", "3", "--modes", "a,b,c"])
+    assert serve_bench.schedule(a, ["a", "b", "c"]) == [(0, "a"), (0, "b"), (0, "c"), (1, "b"), (1, "c"), (1, "a"),
+                                                       (2, "c"), (2, "a"), (2, "b")]
+    a = serve_bench.parse_args(["--shape", "llama3-8b", "--run-offset", "1", "--modes", "a,b"])
+    assert serve_bench.schedule(a, ["a", "b"]) == [(1, "b"), (1, "a")]
+
+
+def test_dry_run_prints_every_mode(capsys):
+    serve_bench.main(["--shape", "qwen2.5-32b", "--dry-run", "--modes", "none,tiered,lmcache-disk,offloading-fs"])
+    out = capsys.readouterr().out
+    assert "# workload" in out and "96 users" in out and "KV 256 KiB/token" in out
+    assert out.count("vllm.entrypoints.cli.main serve") == 4
+    assert "LMCACHE_LOCAL_DISK=file:///root/tkv/serve-bench/lmcache-disk/" in out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM lives in .venv")
+def test_dry_run_commands_parse_with_vllms_own_server_parser():
+    """Every built-in mode's command line goes through vLLM's ``serve`` argument parser (.venv's vLLM),
+    our connector's keys through its own validator; a bad key is reported and fails the run."""
+    modes = ",".join([*BUILTIN, "tiered-g1", "tiered-bogus"])
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serve_bench.py"), "--shape", "llama3-8b",
+                          "--dry-run", "--validate", "--modes", modes, "--define", 'tiered-g1={"load_groups":1}',
+                          "--define", 'tiered-bogus={"bogus":1}'],
+                         capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "VLLM_TARGET_DEVICE": "cpu", "PYTHONPATH": str(ROOT)})
+    assert out.returncode != 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.stdout.count("vLLM's parser accepts it") == len(BUILTIN) + 1, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "# tiered-bogus: REJECTED: ConfigError" in out.stdout and "1 mode(s) rejected" in out.stderr
+
+
+# ============================================================================ report
+def _start(mode: str, ttft: float, toks: float, outs: dict, truncated: bool = False, status: str = "ok") -> dict:
+    rows = [[u, 1, 100, ttft, 0, 0.1, h, []] for u, h in outs.items()]
+    ph = {"name": "c8", "concurrency": 8, "truncated": truncated, "errors": 0,
+          "ttft_ms": {"p50": ttft, "p90": ttft * 2, "p99": ttft * 3}, "itl_ms": {"p50": 8.0},
+          "output_tok_s": toks, "sources": {"computed": 10.0, "gpu_hit": 0.0, "connector_hit": 90.0},
+          "tiers": {"cpu": 90.0} if mode.startswith("tiered") else {}, "rows": rows}
+    return {"mode": mode, "status": status, "startup_s": 40.0, "workload_id": "w", "repeats": [{"seed": 1, "phases": [ph]}]}
+
+
+def test_summary_min_median_max_greedy_and_ratios():
+    starts = [_start("none", 100.0, 1000.0, {0: "a", 1: "b"}), _start("none", 120.0, 900.0, {0: "a", 1: "b"}),
+              _start("offloading", 80.0, 1100.0, {0: "a", 1: "b"}),
+              _start("tiered", 50.0, 1300.0, {0: "a", 1: "x"}), _start("tiered", 40.0, 1250.0, {0: "a", 1: "b"}),
+              _start("tiered", 60.0, 1200.0, {0: "a", 1: "b"}), _start("tiered", 1.0, 1.0, {}, truncated=True),
+              {"mode": "lmcache", "status": "failed", "error": "boom"}]
+    s = report.summarize(starts)
+    t = s["tiered"]["phases"]["c8"]
+    assert t["ttft_p50_ms"] == {"min": 40.0, "median": 50.0, "max": 60.0, "n": 3}  # the truncated phase is not a sample
+    assert t["output_tok_s"]["median"] == 1250.0 and t["tier_cpu"]["median"] == 90.0
+    assert t["greedy_vs_none"] == {"compared": 6, "equal": 5}
+    assert s["lmcache"]["failed"] == 1 and s["lmcache"]["phases"] == {}
+    text = report.table(s)
+    assert "| c8 | tiered | 3 | 50.0 [40.0-60.0] |" in text and "5/6" in text
+    rows = report.ratio_rows(s)
+    assert "| c8 | tiered | offloading | 0.62x | 1.14x | yes |" in rows
+    assert "| c8 | tiered | none | 0.45x | 1.32x | yes |" in rows
+
+
+def test_merge_files_and_write_json(tmp_path):
+    a = {"shape": "llama3-8b", "device": "H200", "date": "d1", "starts": [_start("none", 100.0, 1000.0, {0: "a"})]}
+    b = {"shape": "llama3-8b", "device": "H200", "date": "d2", "starts": [_start("tiered", 50.0, 1200.0, {0: "a"})]}
+    m = report.merge([a, b])["llama3-8b"]
+    assert len(m["starts"]) == 2 and m["devices"] == ["H200"]
+    assert m["summary"]["tiered"]["phases"]["c8"]["greedy_vs_none"] == {"compared": 1, "equal": 1}
+    path = report.write_json(str(tmp_path / "x" / "r.json"), m)
+    assert json.loads(Path(path).read_text())["shape"] == "llama3-8b"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib is not in .venv (it is on the GPU image)")
+def test_plot_writes_a_png(tmp_path):
+    starts = [_start("none", 100.0, 1000.0, {0: "a"}), _start("tiered", 50.0, 1200.0, {0: "a"})]
+    png = report.plot(report.summarize(starts), "t", str(tmp_path / "p.png"))
+    assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_from_merges_files_and_prints_the_table(tmp_path, capsys):
+    for i, (mode, ttft) in enumerate((("none", 100.0), ("tiered", 50.0))):
+        doc = {"shape": "qwen2.5-7b", "device": "H200", "starts": [_start(mode, ttft, 1000.0, {0: "a"})]}
+        (tmp_path / f"{i}.json").write_text(json.dumps(doc))
+    serve_bench.main(["--plot-from", str(tmp_path / "0.json"), str(tmp_path / "1.json"), "--out-dir",
+                      str(tmp_path / "o"), "--no-plot"])
+    out = capsys.readouterr().out
+    assert "| c8 | tiered | 1 | 50.0 |" in out
+    merged = json.loads((tmp_path / "o" / "serve_bench_qwen2.5-7b.merged.json").read_text())
+    assert merged["summary"]["none"]["starts_ok"] == 1
+
+
+# ============================================================================ client against the stub
+@pytest.fixture
+def stub():
+    from serve_stub import StubServer
+
+    s = StubServer().start()
+    yield s
+    s.stop()
+
+
+def test_stream_completion_records_ttft_chunks_usage(stub):
+    from serving import client
+
+    stub.chunk_tokens = 3
+
+    async def go():
+        async with client.make_session(2, 30) as session:
+            return await client.stream_completion(session, stub.url, list(range(1000, 1040)), 7)
+
+    r = asyncio.run(go())
+    assert r.error is None and r.token_ids == stub.outputs(list(range(1000, 1040)), 7)
+    assert r.chunk_tokens == [3, 3, 1] and r.ttft_s == r.chunk_times[0] > 0
+    assert r.prompt_tokens == 40 and r.completion_tokens == 7 and r.cached_tokens == 0 and r.queue_ms == 0.5
+
+
+def test_stream_completion_reports_http_errors(stub):
+    from serving import client
+
+    stub.fail_every = 1
+
+    async def go():
+        async with client.make_session(2, 30) as session:
+            return await client.stream_completion(session, stub.url, [1000] * 8, 2)
+
+    r = asyncio.run(go())
+    assert r.error.startswith("HTTP 500") and r.ttft_s is None
+
+
+def test_phase_keeps_exactly_c_users_in_flight_and_turns_in_order(stub):
+    from serving import client
+
+    stub.token_delay_s = 0.003
+    wl = Workload(SMALL, 3)
+    items = [(u, t) for t in (0, 1) for u in range(6)]
+
+    async def go():
+        async with client.make_session(4, 30) as session:
+            return await client.run_phase(session, stub.url, items, wl.prompt, 4, 4)
+
+    run = asyncio.run(go())
+    assert len(run.results) == 12 and not run.truncated and all(r.error is None for r in run.results)
+    assert stub.max_in_flight == 4
+    for u in range(6):  # a user's turn 1 was sent only after its turn 0 finished
+        r0, r1 = (next(r for r in run.results if (r.user, r.turn) == (u, t)) for t in (0, 1))
+        assert r1.sent_at >= r0.sent_at + r0.chunk_times[-1]
+
+
+def test_phase_stops_taking_requests_at_the_deadline(stub):
+    import time
+
+    from serving import client
+
+    wl = Workload(SMALL, 3)
+
+    async def go():
+        async with client.make_session(2, 30) as session:
+            return await client.run_phase(session, stub.url, [(u, 0) for u in range(6)], wl.prompt, 2, 4,
+                                          stop_at=time.monotonic() - 1)
+
+    run = asyncio.run(go())
+    assert run.truncated and run.results == []
+
+
+def test_attach_drives_all_phases_and_compares_greedy_outputs(stub, tmp_path, capsys):
+    common = ["--shape", "llama3-8b", "--attach", stub.url, "--users", "6", "--system-tokens", "32",
+              "--context-tokens", "48", "--turn-tokens", "16", "--answer-tokens", "4", "--concurrency", "4,2,1",
+              "--c1-users", "2", "--phase-gap-s", "0", "--no-plot"]
+    serve_bench.main(common + ["--modes", "none", "--out-dir", str(tmp_path / "a")])
+    serve_bench.main(common + ["--modes", "tiered", "--out-dir", str(tmp_path / "b")])
+    a = json.loads((tmp_path / "a" / "serve_bench_llama3-8b.json").read_text())
+    phases = a["starts"][0]["repeats"][0]["phases"]
+    assert [p["name"] for p in phases] == ["warm", "c4", "c2", "c1"]
+    assert [p["requests"] for p in phases] == [6, 6, 6, 2] and all(p["errors"] == 0 for p in phases)
+    # the flush request after each phase adds 16 computed tokens: sources come from /metrics deltas
+    assert phases[0]["sources"]["computed"] == 6 * 96 - 32 * 5 + 16  # the system prompt is cached after user 0
+    assert phases[1]["sources"]["connector_hit"] > 0
+    assert len(phases[1]["rows"]) == 6 and phases[1]["rows"][0][:2] == [0, 1]
+    assert a["starts"][0]["status"] == "ok" and "summary" in a and "| c4 | none |" in a["table"]
+    merged = report.merge([a, json.loads((tmp_path / "b" / "serve_bench_llama3-8b.json").read_text())])
+    g = merged["llama3-8b"]["summary"]["tiered"]["phases"]["c4"]["greedy_vs_none"]
+    assert g == {"compared": 6, "equal": 6}  # same prompts, the stub is deterministic: equal outputs
+
+
+# ============================================================================ engine starts (a fake `vllm serve`)
+SMALL_ARGS = ["--shape", "llama3-8b", "--users", "6", "--system-tokens", "32", "--context-tokens", "48",
+              "--turn-tokens", "16", "--answer-tokens", "4", "--concurrency", "4,2,1", "--c1-users", "2",
+              "--phase-gap-s", "0", "--no-plot"]
+
+
+def _fake_python(tmp_path: Path) -> str:
+    """An interpreter stand-in whose ``-m vllm.entrypoints.cli.main serve`` runs ``fake_serve.py``."""
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f"#!/bin/sh\nexec {sys.executable} {Path(__file__).resolve().parent / 'fake_serve.py'} \"$@\"\n")
+    wrapper.chmod(0o755)
+    return str(wrapper)
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("fail, settled", [("skip", ("decode", "word")), ("graphs", ("eager", "skip"))])
+def test_starts_fall_back_once_then_keep_what_worked(tmp_path, monkeypatch, fail, settled):
+    rec_path = tmp_path / "rec.jsonl"
+    monkeypatch.setenv("FAKE_SERVE_FAIL", fail)
+    monkeypatch.setenv("FAKE_SERVE_RECORD", str(rec_path))
+    out = tmp_path / "out"
+    serve_bench.main(SMALL_ARGS + ["--python", _fake_python(tmp_path), "--modes", "none,lmcache,tiered-disk",
+                                   "--out-dir", str(out), "--disk-root", str(tmp_path / "disk")])
+    doc = json.loads((out / "serve_bench_llama3-8b.json").read_text())
+    first, second, third = doc["starts"]
+    assert [s["status"] for s in doc["starts"]] == ["ok", "ok", "ok"]
+    assert [(t["graphs"], t["tokenizer"]) for t in first["failed_tries"]] == [("decode", "skip")]
+    assert (first["graphs"], first["tokenizer"]) == settled == (doc["fallback"]["graphs"], doc["fallback"]["tokenizer"])
+    assert "failed_tries" not in second and (second["graphs"], second["tokenizer"]) == settled
+    assert len(first["repeats"][0]["phases"]) == 4 and first["startup_s"] > 0
+    runs = _records(rec_path)
+    assert len(runs) == 4 and all(r["PYTHONHASHSEED"] == "0" for r in runs)
+    assert runs[2]["LMCACHE_CHUNK_SIZE"] == "256" and runs[0]["LMCACHE_CHUNK_SIZE"] is None
+    disk_kv = json.loads(runs[3]["argv"][runs[3]["argv"].index("--kv-transfer-config") + 1])
+    assert disk_kv["kv_connector_extra_config"]["disk_path"] == str(tmp_path / "disk" / "tiered-disk")
+    assert not (tmp_path / "disk" / "tiered-disk").exists()  # wiped after the start
+    assert all(_gone(r["pid"]) for r in runs)  # every server's process group was stopped
+    logs = sorted(p.name for p in out.glob("*.log"))
+    assert logs == ["serve_llama3-8b_lmcache_r0.log", "serve_llama3-8b_none_r0.log", "serve_llama3-8b_none_r0_try1.log",
+                    "serve_llama3-8b_tiered-disk_r0.log"]
+    assert ("tokenizer needed" if fail == "skip" else "graph capture failed") in first["failed_tries"][0]["error"] + \
+        (out / "serve_llama3-8b_none_r0.log").read_text()
+    assert (out / "serve_bench_llama3-8b.partial.json").exists()
+
+
+def test_a_failed_mode_is_recorded_with_its_log_tail_and_the_rest_runs(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FAKE_SERVE_FAIL", "skip")
+    out = tmp_path / "out"
+    serve_bench.main(SMALL_ARGS + ["--python", _fake_python(tmp_path), "--modes", "none,tiered", "--tokenizer", "skip",
+                                   "--out-dir", str(out), "--runs", "2"])
+    doc = json.loads((out / "serve_bench_llama3-8b.json").read_text())
+    assert [(s["mode"], s["run"], s["status"]) for s in doc["starts"]] == [
+        ("none", 0, "failed"), ("tiered", 0, "failed"), ("tiered", 1, "failed"), ("none", 1, "failed")]
+    assert "tokenizer needed" in doc["starts"][0]["log_tail"]
+    assert "FAILED" in capsys.readouterr().out
+
+
+def test_deadline_skips_starts_that_would_not_fit(tmp_path):
+    out = tmp_path / "out"
+    serve_bench.main(SMALL_ARGS + ["--python", _fake_python(tmp_path), "--modes", "none,tiered", "--deadline-s", "30",
+                                   "--out-dir", str(out)])
+    doc = json.loads((out / "serve_bench_llama3-8b.json").read_text())
+    assert [s["status"] for s in doc["starts"]] == ["skipped", "skipped"]
+    assert doc["starts"][0]["reason"].startswith("deadline")
+
+
+def test_a_server_that_dies_mid_run_fails_its_start_without_fallbacks(tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_SERVE_EXIT_AFTER", "5")  # 2 warm-up requests, then 3 of the warm phase
+    out = tmp_path / "out"
+    serve_bench.main(SMALL_ARGS + ["--python", _fake_python(tmp_path), "--modes", "none", "--out-dir", str(out)])
+    (start,) = json.loads((out / "serve_bench_llama3-8b.json").read_text())["starts"]
+    assert start["status"] == "failed" and "during the workload" in start["error"]
+    assert len(start["failed_tries"]) == 1
+    assert start["repeats"][0]["phases"][0]["errors"] > 0
