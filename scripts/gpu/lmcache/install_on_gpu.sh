@@ -59,6 +59,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.lmcache_connector import LMCac
 import lmcache.c_ops as ops
 f = ops.multi_layer_kv_transfer
 native = type(f).__name__ == "builtin_function_or_method"
+if not native:  # say what the extension exposes, and why LMCache's own lazy import of it failed
+    import traceback
+    print("lmcache.c_ops:", getattr(ops, "__file__", None), "| multi_layer_kv_transfer is", type(f))
+    from lmcache.v1.platform.cuda import device_ops as dops
+    src = open(dops.__file__).read()
+    try:  # the same import LMCache's CudaDeviceOps.ensure_native does, now with its traceback
+        exec("import lmcache.c_ops as native", {})
+    except Exception:
+        traceback.print_exc(limit=4)
 print("lmcache", lmcache.__version__, "device", lmcache.torch_device_type,
       "| c_ops native" if native else "| c_ops = TORCH FALLBACK (slow path)")
 sys.exit(0 if (native and lmcache.torch_device_type == "cuda") else 7)
