@@ -62,8 +62,6 @@ native = type(f).__name__ == "builtin_function_or_method"
 if not native:  # say what the extension exposes, and why LMCache's own lazy import of it failed
     import traceback
     print("lmcache.c_ops:", getattr(ops, "__file__", None), "| multi_layer_kv_transfer is", type(f))
-    from lmcache.v1.platform.cuda import device_ops as dops
-    src = open(dops.__file__).read()
     try:  # the same import LMCache's CudaDeviceOps.ensure_native does, now with its traceback
         exec("import lmcache.c_ops as native", {})
     except Exception:
