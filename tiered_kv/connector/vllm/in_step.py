@@ -144,6 +144,7 @@ class InStepLoader:
             if load.error is not None:
                 return 0
             if results is None:  # copied with plain torch ops on the engine's stream: nothing to wait for
+                submitted += 1
                 continue
             if len(results) == 1:
                 spans = [(0, len(kv.tensors))]

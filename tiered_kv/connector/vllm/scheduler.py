@@ -161,7 +161,16 @@ class SchedulerPlanner:
         specs = [TierSpec("cpu", cpu_chunks)]
         if disk_chunks:
             specs.append(TierSpec("disk", disk_chunks, slotted=False))
-        self.chain = TierChain(specs, cfg.eviction, PlacementPolicy(cfg.write_policy, cfg.promote_on_hit))
+        write_policy = cfg.write_policy
+        if disk_chunks and write_policy == "write_back" and any(g.kind in ("swa", "mamba") for g in geo.groups):
+            # write-back makes a store wait for a demotion when the CPU tier is full, and vLLM re-uses
+            # sliding-window and Mamba blocks within a step or two: the store would be dropped. With
+            # write-through CPU copies are clean, so room is made at once; in steady state (CPU full)
+            # both write each chunk to disk once.
+            log.info("TieredKVConnector: hybrid model with a disk tier: write_through instead of write_back "
+                     "(sliding-window and Mamba blocks do not live long enough to wait for a demotion)")
+            write_policy = "write_through"
+        self.chain = TierChain(specs, cfg.eviction, PlacementPolicy(write_policy, cfg.promote_on_hit))
         self.key = ns.key  # prefix and keyed hasher cached on the namespace
         self.counters = PlannerCounters()
         self._step = 0
@@ -301,7 +310,8 @@ class SchedulerPlanner:
                   num_computed_tokens, len(where), usable, where[:4], n)
         if n and not self.geo.block_level_errors and any(t != CPU for t in where[:n]):
             if not st.promoted:  # several groups: load only from the CPU tier, so a bad disk record is a plain miss
-                self._promote(st, keys[:n])
+                # no more than the CPU tier holds, or the last promotions would evict the first
+                self._promote(st, keys[:min(n, self.chain.specs[CPU].capacity)])
                 return None
             n = next(i for i, t in enumerate(where) if t != CPU)
             if self._mamba:
