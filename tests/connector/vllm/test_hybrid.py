@@ -19,9 +19,15 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1  # noqa: E402
+
 from tests.connector.vllm import models  # noqa: E402
 from tests.connector.vllm.harness import BS, Engine, Gate  # noqa: E402
 from tiered_kv.errors import ConfigError  # noqa: E402
+
+#: vLLM >= 0.32 (CI); the tests also run on vLLM 0.26's scheduler code (docs/vllm.md, "Tests")
+VLLM_032 = "supports_divergent_local_hybrid_hits" in vars(KVConnectorBase_V1)
+mamba_032 = pytest.mark.skipif(not VLLM_032, reason="vLLM 0.26 refuses Mamba hybrids (test_mamba_on_vllm_026_is_refused)")
 
 K = 4  # blocks per chunk
 NUM_BLOCKS = {"gptoss": 96, "gemma3": 200, "mamba": 96}
@@ -264,24 +270,31 @@ def test_restart_hits_chunks_written_by_the_previous_engine(model_dirs, tmp_path
         second.close()
 
 
+@pytest.mark.parametrize("gated", [False, True], ids=["free", "gated"])
 @pytest.mark.parametrize("swa_store", ["window", "all"])
-def test_window_blocks_freed_mid_request_are_never_stored_after_reuse(model_dirs, swa_store):
+def test_window_blocks_freed_mid_request_are_never_stored_after_reuse(model_dirs, swa_store, gated):
     """Chunked prefill of two requests at once: vLLM frees each one's out-of-window blocks while it
     runs and hands them to the other. Stores read only blocks still theirs (the harness checks the
-    next turn's loads byte for byte)."""
+    next turn's loads byte for byte). ``gated``: every store is held until vLLM re-allocates one of
+    its blocks, so the fence (wait, or cancel a store not started) is what keeps the bytes right."""
     eng = make(model_dirs, "gptoss", cfg(swa_store=swa_store, load_mode="async"), max_batched=48, num_blocks=80,
                max_model_len=384)
-    gate = Gate(eng.workers[0].connector.worker, open_on_fence=True)  # stores wait until a re-use fences them
+    gate = Gate(eng.workers[0].connector.worker, open_on_fence=True) if gated else None
     try:
         a = eng.add("a", prompt(11, 20 * BS + 1), max_tokens=2)
         b = eng.add("b", prompt(12, 20 * BS + 1), max_tokens=2)
         eng.run()
-        gate.open()
+        if gate is not None:
+            gate.open()
         eng.settle()
-        assert gate.fenced  # a window block was handed on while a store still had to read it
         st = eng.connector.stats()
-        assert st["resident_cpu"] == 10, st
-        if swa_store == "all":
+        ws = eng.workers[0].connector.stats()
+        # every chunk is stored, or its store was dropped (blocks handed on before it was handed out)
+        # or cancelled by a fence (still queued when vLLM handed a block on): a shorter prefix, never wrong KV
+        assert st["resident_cpu"] + st["sched_stores_dropped_reused"] + ws["stores_cancelled"] == 10, (st, ws)
+        if gated:
+            assert gate.fenced  # a window block was handed on while a store still had to read it
+        if swa_store == "all" and VLLM_032:  # (0.26 hands the freed blocks on later in this workload)
             assert st["sched_stale_blocks_dropped"] > 0, st  # re-used window blocks were taken out of the tables
         eng.sched.reset_prefix_cache()
         verified = eng.verified_blocks
@@ -289,11 +302,13 @@ def test_window_blocks_freed_mid_request_are_never_stored_after_reuse(model_dirs
             eng.add(r.request_id + "-2", turn2(r), max_tokens=2)
             eng.run()
             eng.settle()
-        assert eng.connector.stats()["sched_hit_tokens_cpu"] == 2 * 20 * BS
+        if st["resident_cpu"] == 10:
+            assert eng.connector.stats()["sched_hit_tokens_cpu"] == 2 * 20 * BS
         assert eng.verified_blocks - verified >= 2 * 20
         assert_clean(eng)
     finally:
-        gate.open()
+        if gate is not None:
+            gate.open()
         eng.close()
 
 
@@ -390,6 +405,7 @@ def test_copy_that_cannot_start_falls_back_to_a_plain_copy(model_dirs):
 
 
 # ---------------------------------------------------------------------------------------------- Mamba
+@mamba_032
 def test_mamba_align_hits_end_where_a_state_was_kept(model_dirs):
     """vLLM 0.32 "align" mode keeps a recurrent state where a step ends on a block boundary (the
     prompt's last full block); a chunk is one block, and a hit ends at the last chunk stored with
@@ -419,6 +435,7 @@ def test_mamba_align_hits_end_where_a_state_was_kept(model_dirs):
         eng.close()
 
 
+@mamba_032
 def test_mamba_without_a_state_at_a_chunk_end_is_no_hit(model_dirs):
     """A prompt whose only kept state is not stored (a turn shorter than one step end): no hit."""
     eng = make(model_dirs, "mamba", cfg(store_decode_tokens=False))
@@ -442,6 +459,7 @@ def test_mamba_without_a_state_at_a_chunk_end_is_no_hit(model_dirs):
         eng.close()
 
 
+@mamba_032
 def test_mamba_without_align_mode_is_refused(model_dirs):
     def none_mode(cfg):
         cfg.cache_config.mamba_cache_mode = "none"
@@ -458,10 +476,8 @@ def test_mamba_without_align_mode_is_refused(model_dirs):
 
 
 def test_mamba_on_vllm_026_is_refused(model_dirs, monkeypatch):
-    """vLLM 0.26 hands connectors a per-group-max local hit for Mamba hybrids: refused there (here the
+    """vLLM 0.26 hands connectors a per-group-max local hit for Mamba hybrids: refused there (on 0.32 the
     0.32-only property is removed to stand for 0.26)."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
-
-    monkeypatch.delattr(KVConnectorBase_V1, "supports_divergent_local_hybrid_hits")
+    monkeypatch.delattr(KVConnectorBase_V1, "supports_divergent_local_hybrid_hits", raising=False)
     with pytest.raises(ConfigError, match="need vLLM >= 0.32"):
         make(model_dirs, "mamba", cfg())
