@@ -352,6 +352,26 @@ def test_abort_mid_load_frees_everything(model_dirs):
         eng.close()
 
 
+def test_abort_mid_store_then_block_reuse_is_fenced(model_dirs):
+    eng = make(model_dirs, "gptoss", cfg(), num_blocks=40, max_model_len=256)
+    gate = Gate(eng.workers[0].connector.worker, open_on_fence=True)
+    try:
+        eng.add("s", prompt(20, 12 * BS), max_tokens=50)
+        eng.step()  # prefill: its chunk stores are held by the gate
+        eng.abort("s")
+        eng.add("t", prompt(21, 14 * BS), max_tokens=2)  # needs the aborted request's blocks
+        eng.run()
+        gate.open()
+        eng.settle()
+        st = eng.workers[0].connector.stats()
+        assert gate.fenced and st["fences_waited"] + st["stores_cancelled"] >= 1
+        assert eng.requests["t"].is_finished()
+        assert_clean(eng)
+    finally:
+        gate.open()
+        eng.close()
+
+
 def test_on_finish_stores_only_chunks_whose_window_is_still_held(model_dirs):
     """``on_finish``: vLLM hands back 0 for window blocks it freed; a chunk missing blocks a hit needs
     is not stored (the eager default stores every chunk)."""
