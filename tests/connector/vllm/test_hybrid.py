@@ -27,7 +27,8 @@ from tiered_kv.errors import ConfigError  # noqa: E402
 
 #: vLLM >= 0.32 (CI); the tests also run on vLLM 0.26's scheduler code (docs/vllm.md, "Tests")
 VLLM_032 = "supports_divergent_local_hybrid_hits" in vars(KVConnectorBase_V1)
-mamba_032 = pytest.mark.skipif(not VLLM_032, reason="vLLM 0.26 refuses Mamba hybrids (test_mamba_on_vllm_026_is_refused)")
+mamba_032 = pytest.mark.skipif(not VLLM_032,
+                               reason="vLLM 0.26 refuses Mamba hybrids (test_mamba_on_vllm_026_is_refused)")
 
 K = 4  # blocks per chunk
 NUM_BLOCKS = {"gptoss": 96, "gemma3": 200, "mamba": 96}

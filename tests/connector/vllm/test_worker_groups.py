@@ -105,7 +105,8 @@ def run_group_round_trip(device: str, heads: int = 2, head_dim: int = 16, chunks
         planes = slab_planes(rt.cpu.slab, rt.geo.sections)
         for c, s in enumerate(slots):
             for j in range(SWA_STORED):
-                assert torch.equal(planes[0][s * SWA_STORED + j], _block_bytes(kv, names[0], src_swa[c * K + K - SWA_STORED + j]))
+                want = _block_bytes(kv, names[0], src_swa[c * K + K - SWA_STORED + j])
+                assert torch.equal(planes[0][s * SWA_STORED + j], want)
             for j in range(K):
                 assert torch.equal(planes[1][s * K + j], _block_bytes(kv, names[1], src_full[c * K + j]))
         if tmp_path is not None:  # through the disk and back: records are the planes' rows, concatenated

@@ -324,8 +324,8 @@ def geometry(vllm_config, kv_cache_config, chunk_blocks: int = 1, swa_store: str
 def _hybrid_geometry(vllm_config, kv_cache_config, groups, kinds, chunk_blocks, swa_store, layout_name,
                      tp, vllm_index) -> Geometry:
     pc = vllm_config.parallel_config
-    cp = (int(vars(pc).get("decode_context_parallel_size", 1) or 1), int(vars(pc).get("prefill_context_parallel_size", 1) or 1))
-    if cp != (1, 1):
+    cp = [int(vars(pc).get(name, 1) or 1) for name in ("decode_context_parallel_size", "prefill_context_parallel_size")]
+    if cp != [1, 1]:
         raise ConfigError("TieredKVConnector: hybrid models (several KV cache groups) with decode/prefill context "
                           "parallelism are not supported; run without DCP/PCP")
     if vllm_config.speculative_config is not None and any(k in ("swa", "mamba") for k in kinds):

@@ -105,7 +105,8 @@ class InStepLoader:
         self._order = sorted(range(len(parts)), key=lambda g: min((_layer_number(n) for n in parts[g][2]),
                                                                   default=0))
         # debug log only: the stream that marks when an in-step load landed
-        self._timing_stream = torch.cuda.Stream(self.kv.device) if self._cuda and log.isEnabledFor(logging.DEBUG) else None
+        debug = self._cuda and log.isEnabledFor(logging.DEBUG)
+        self._timing_stream = torch.cuda.Stream(self.kv.device) if debug else None
         self.loads: list[_InStepLoad] = []
         self.layer_waits: dict[str, list[CopyResult]] = {}
 
@@ -139,7 +140,8 @@ class InStepLoader:
                 continue
             kv, copier = self.kvs[g], self.copiers[g]
             # one group when the forward waits for the whole load: block-major runs, merged across layers
-            spans = layer_groups(kv, len(gpu) * kv.block_nbytes, self._groups_wanted) if split else [(0, len(kv.tensors))]
+            spans = ([(0, len(kv.tensors))] if not split
+                     else layer_groups(kv, len(gpu) * kv.block_nbytes, self._groups_wanted))
             results = self._submit(load, g, rows, gpu, spans, stream, mechanism)
             if load.error is not None:
                 return 0

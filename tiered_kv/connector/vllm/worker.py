@@ -52,7 +52,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tiered_kv.copy import BackendUnavailableError, BlockCopier, CopyLaunchError, Mechanism, allocate_slab, vllm_layer_layout
+from tiered_kv.copy import (
+    BackendUnavailableError,
+    BlockCopier,
+    CopyLaunchError,
+    Mechanism,
+    allocate_slab,
+    vllm_layer_layout,
+)
 from tiered_kv.errors import ConfigError
 from tiered_kv.values.keys import Namespace
 from tiered_kv.tiers.cpu import CpuTier
@@ -554,7 +561,8 @@ class WorkerRuntime:
             good = [lo + i for i in range(hi - lo) if part_ok[i]]
             if good:
                 if not one_group:
-                    scatter_records(self._staging_planes, self.sections, [i - lo for i in good], into[[i - lo for i in good]])
+                    rows_read = [i - lo for i in good]
+                    scatter_records(self._staging_planes, self.sections, rows_read, into[rows_read])
                 local = list(range(-lo, n - lo))  # staging row of item i is i - lo
                 nbytes += self._copy(self._staging_copiers, job, self._flat(job, local, good), to_cpu=False)
         return ok, corrupt, nbytes
