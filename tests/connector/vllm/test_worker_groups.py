@@ -193,3 +193,24 @@ def test_failed_load_with_several_groups_stops_rather_than_reports(rows):
             rt.poll()
     finally:
         rt.close()
+
+
+def test_kernel_blocks_are_joined_into_vllm_blocks():
+    """vLLM may cut a block into kernel blocks for its attention backend (``r`` rows per block): a
+    block here is then ``r`` adjacent rows, and its bytes are those of the uncut block."""
+    from tiered_kv.connector.vllm.config import ConnectorConfig as Cfg
+
+    block = 2 * BS * 2 * 8 * 2  # 2 heads, 8 dims, bf16
+    geo = Geometry(BS, K, ("l0",), block, 1, "test|kernel")
+    rt = WorkerRuntime(Cfg(chunk_blocks=K, cpu_bytes=2 * K * block, load_mode="async"), geo, Namespace("kb"), 0, 2, 0)
+    try:
+        whole = torch.arange(10 * block // 2, dtype=torch.int16).view(torch.bfloat16).view(10, BS, 2, 16)
+        split = whole.view(40, BS // 4, 2, 16)  # 4 kernel blocks of 4 tokens per block (LBNHC)
+        rt.register({"l0": split})
+        assert rt.kv.rows_per_block == 4 and rt.kv.num_blocks == 10
+        job = TransferJob(1, JobKind.INGRESS, EXT, CPU, [b"k"], [0], [1])
+        _run(rt, StepPlan(1, stores=[job], ext={1: [3, 4, 5, 6]}))
+        want = torch.cat([whole[b].contiguous().view(torch.uint8).reshape(-1) for b in (3, 4, 5, 6)])
+        assert torch.equal(rt.cpu.slab[1], want)
+    finally:
+        rt.close()

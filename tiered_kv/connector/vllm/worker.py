@@ -56,6 +56,7 @@ from tiered_kv.copy import (
     BackendUnavailableError,
     BlockCopier,
     CopyLaunchError,
+    KVLayout,
     Mechanism,
     allocate_slab,
     vllm_layer_layout,
@@ -206,14 +207,8 @@ class WorkerRuntime:
         if missing:
             raise ConfigError(f"TieredKVConnector: register_kv_caches lacks layers {missing[:4]} of the KV cache "
                               f"groups ({len(missing)} missing)")
-        kvs = []
-        for g in self.geo.groups:
-            kv = vllm_layer_layout([t for n in g.layer_names for t in _layer_tensors(kv_caches[n])], name="vllm")
-            if kv.block_nbytes != g.block_nbytes:
-                raise ConfigError(f"TieredKVConnector: a GPU block of KV cache group {g.index} ({g.kind}) is "
-                                  f"{kv.block_nbytes} bytes on rank {self.rank} but the KV cache spec says "
-                                  f"{g.block_nbytes}; unsupported KV layout")
-            kvs.append(kv)
+        kvs = [self._group_layout(g, [t for n in g.layer_names for t in _layer_tensors(kv_caches[n])])
+               for g in self.geo.groups]
         self.kvs = kvs
         self.kv = kvs[0]
         self._cuda = self.kv.device.type == "cuda"
@@ -234,6 +229,25 @@ class WorkerRuntime:
                  "slots%s, disk %s", self.rank, len(kvs), sum(len(kv.tensors) for kv in kvs),
                  self.geo.rank_chunk_nbytes, self.geo.chunk_blocks, self.cpu.capacity,
                  " (shared by all ranks)" if self.shared else "", self.disk.path if self.disk is not None else "off")
+
+    def _group_layout(self, g, tensors: list[torch.Tensor]) -> KVLayout:
+        """The layout of one group's KV tensors, blocks indexed like vLLM's block table.
+
+        vLLM may cut each block into ``r`` kernel blocks for the attention backend (its tensors
+        then have ``r`` rows per block, adjacent in memory): ``r`` rows make one block here, so a
+        block's bytes (and a stored record) are the same as without the cut.
+        """
+        kv = vllm_layer_layout(tensors, name="vllm")
+        if kv.block_nbytes == g.block_nbytes:
+            return kv
+        ratio, rest = divmod(g.block_nbytes, kv.block_nbytes)
+        if ratio > 1 and not rest and all(t.shape[0] % ratio == 0 for t in tensors):
+            log.info("TieredKVConnector rank %d: KV cache group %d has %d kernel blocks per block", self.rank,
+                     g.index, ratio)
+            return KVLayout(tuple(tensors), block_dim=0, rows_per_block=ratio, name="vllm")
+        raise ConfigError(f"TieredKVConnector: a GPU block of KV cache group {g.index} ({g.kind}) is "
+                          f"{kv.block_nbytes} bytes on rank {self.rank} but the KV cache spec says "
+                          f"{g.block_nbytes}; unsupported KV layout")
 
     # ------------------------------------------------------------------ per step
     def on_plan(self, plan: StepPlan) -> None:
