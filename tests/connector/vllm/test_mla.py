@@ -16,7 +16,7 @@ pytest.importorskip("vllm")
 
 from tests.connector.vllm import models  # noqa: E402
 from tests.connector.vllm.harness import BS, Engine  # noqa: E402
-from tests.connector.vllm.test_hybrid import assert_clean, prompt, turn2  # noqa: E402
+from tests.connector.vllm.test_hybrid import assert_clean, patient_fences, prompt, turn2  # noqa: E402,F401
 
 K = 4
 LAYERS = 3
@@ -79,7 +79,7 @@ def test_tp2_disk_tier_is_one_directory_read_by_every_rank_and_survives_restart(
         paths = {str(w.connector.worker.disk.path) for w in first.workers}
         assert len(paths) == 1 and paths.pop().endswith("/replicated")
         assert first.workers[1].connector.stats()["bytes_to_disk"] == 0  # rank 0 wrote the one copy
-        first.sched.reset_prefix_cache()
+        assert first.sched.reset_prefix_cache()
         verified = first.verified_blocks
         first.add("big-2", turn2(a), max_tokens=2)
         first.run()
@@ -123,7 +123,7 @@ def test_store_once_off_keeps_one_copy_per_rank(model_dir):
         eng.run()
         eng.settle()
         assert all(w.connector.stats()["bytes_stored"] == 2 * CHUNK_BYTES for w in eng.workers)
-        eng.sched.reset_prefix_cache()
+        assert eng.sched.reset_prefix_cache()
         eng.add("t2", turn2(a), max_tokens=2)
         eng.run()
         eng.settle()

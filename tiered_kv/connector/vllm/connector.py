@@ -231,9 +231,10 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         return n, n > 0 and self.planner.load_async(request)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        """Plan loads into the blocks vLLM allocated for an external hit (every KV cache group's)."""
-        if num_external_tokens > 0:
-            self.planner.allocated(request, blocks.get_block_ids(), num_external_tokens)
+        """Plan loads into the blocks vLLM allocated for an external hit (every KV cache group's); with no
+        hit, start tracking the request (its chunks are stored as they are computed)."""
+        ids = blocks.get_block_ids() if num_external_tokens > 0 else ()
+        self.planner.allocated(request, ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         """This step's plan for the workers."""
