@@ -49,7 +49,9 @@ none, offloading, simple, tiered-cpu; gpt-oss: those and tiered-cpu-swa-all. All
 model take about 5-8 minutes on an H200 (start-up with dummy weights dominates).
 Environment: N_CONV, PREFIX, GPU_BLOCKS (2048), CPU_GIB (24), DISK_CPU_GIB (2), DISK_PATH
 (/tmp/tkv-ttft-disk; a real disk, not tmpfs), DISK_GIB (24), DISK_POLICY (auto), PREFILL_TPS (37000),
-CHUNK_BLOCKS (16), SETTLE_S (2; 6 for tiered-disk), INPROC (1), OUT (directory for the JSON).
+CHUNK_BLOCKS (16), MAX_BATCHED (PREFIX + 512: a turn-1 prefill in one step; e.g. 2048 for chunked prefill,
+where hybrid models hand window blocks on while the previous step's stores may still copy them),
+SETTLE_S (2; 6 for tiered-disk), INPROC (1), OUT (directory for the JSON).
 PYTHONHASHSEED is set to 0 in every mode's process (same hashes in every mode).
 """
 from __future__ import annotations
@@ -156,6 +158,8 @@ def workload(model: str) -> dict:
         "disk_policy": env.get("DISK_POLICY", "auto"),
         "prefill_tps": float(env.get("PREFILL_TPS", "37000")),  # H200, 8B, 8k prefill: 8192 / 0.2175 s
         "chunk_blocks": int(env.get("CHUNK_BLOCKS", "16")),
+        # tokens per step: default one step per turn-1 prefill; lower it (e.g. 2048) for chunked prefill
+        "max_batched": int(env.get("MAX_BATCHED", str(int(env.get("PREFIX", "8192")) + 512))),
     }
 
 
@@ -189,7 +193,7 @@ def engine_kwargs(mode: str, model_dir: str, w: dict) -> dict:
     kw = dict(model=model_dir, load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
               gpu_memory_utilization=0.6, max_model_len=w["prefix"] + 512, seed=0,
               num_gpu_blocks_override=w["gpu_blocks"], enable_prefix_caching=True,
-              max_num_batched_tokens=w["prefix"] + 512)
+              max_num_batched_tokens=w["max_batched"])
     if mode in ("offloading", "simple"):  # "simple": VLLM_USE_SIMPLE_KV_OFFLOAD=1 picks SimpleCPUOffloadConnector
         kw.update(kv_offloading_size=w["cpu_gib"], kv_offloading_backend="native")
     elif mode.startswith("tiered"):
@@ -396,7 +400,7 @@ def dry_run(model: str, modes: list[str]) -> dict:
         extra = tiered_extra("tiered-cpu", w)
         extra["swa_store"] = store
         cfg = VllmConfig(model_config=mc, cache_config=CacheConfig(block_size=block, enable_prefix_caching=True),
-                         scheduler_config=SchedulerConfig(max_num_batched_tokens=w["prefix"] + 512,
+                         scheduler_config=SchedulerConfig(max_num_batched_tokens=w["max_batched"],
                                                           max_model_len=w["prefix"] + 512, is_encoder_decoder=False),
                          kv_transfer_config=KVTransferConfig(kv_connector="TieredKVConnector", kv_role="kv_both",
                                                              kv_connector_module_path="tiered_kv.connector.vllm",
