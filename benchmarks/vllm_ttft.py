@@ -51,7 +51,8 @@ Environment: N_CONV, PREFIX, GPU_BLOCKS (2048), CPU_GIB (24), DISK_CPU_GIB (2), 
 (/tmp/tkv-ttft-disk; a real disk, not tmpfs), DISK_GIB (24), DISK_POLICY (auto), PREFILL_TPS (37000),
 CHUNK_BLOCKS (16), MAX_BATCHED (PREFIX + 512: a turn-1 prefill in one step; e.g. 2048 for chunked prefill,
 where hybrid models hand window blocks on while the previous step's stores may still copy them),
-SETTLE_S (2; 6 for tiered-disk), INPROC (1), OUT (directory for the JSON).
+SETTLE_S (2; 6 for tiered-disk), INPROC (1), OUT (directory for the JSON), BASELINE (a
+vllm_ttft_<model>.json whose "none" result the table compares against when this run has none).
 PYTHONHASHSEED is set to 0 in every mode's process (same hashes in every mode).
 """
 from __future__ import annotations
@@ -326,8 +327,12 @@ def run_all(model: str, modes: list[str]) -> list[dict]:
 
 
 def table(results: list[dict]) -> str:
-    """Side-by-side markdown table; speed-up and token equality are relative to ``none``."""
+    """Side-by-side markdown table; speed-up and token equality are relative to ``none`` (this run's, or
+    the one in the JSON file named by BASELINE when the modes were split over several runs)."""
     base = next((r for r in results if r["mode"] == "none" and "error" not in r), None)
+    if base is None and os.environ.get("BASELINE"):
+        with open(os.environ["BASELINE"]) as f:
+            base = next((r for r in json.load(f)["results"] if r["mode"] == "none" and "error" not in r), None)
     rows = ["| mode | turn-2 median (s) | vs recompute | turn-2 hit rate | greedy tokens = none | loaded per hit "
             "(GB) | B per hit token | turn-1 stored (GB) | turn-1 store s |",
             "|---|---|---|---|---|---|---|---|---|"]
