@@ -211,6 +211,24 @@ class BlockCopier:
                 if not res._submitted.is_set():
                     res._finish(None, exc)
 
+    def copy_plain(self, gpu_block_ids: BlockIds, cpu_slots: BlockIds, *, to_cpu: bool) -> None:
+        """Copy blocks and slots with plain torch indexing on the caller's thread, and wait for it.
+
+        The fallback for callers that must not fail a copy when the batched mechanisms cannot
+        launch (a driver error, a missing backend): slow (one gather or scatter per tensor chunk,
+        through pageable memory, on the device's current stream) but it needs nothing beyond
+        torch. Same bytes as ``gpu_to_cpu`` (``to_cpu``) or ``cpu_to_gpu``.
+        """
+        ids, slots = self._indices(gpu_block_ids, cpu_slots, to_cpu)
+        if ids.numel() == 0:
+            return
+        if to_cpu:
+            cpu.blocks_to_slab(self.layout, ids, self.slab, slots)
+        else:
+            cpu.slab_to_blocks(self.layout, self.slab, slots, ids)
+        if self._on_cuda:
+            torch.cuda.current_stream(self.layout.device).synchronize()
+
     def plan(self, gpu_block_ids: BlockIds, cpu_slots: BlockIds, to_cpu: bool) -> Runs:
         """The merged byte runs a GPU copy of these blocks would enqueue (for inspection and tests)."""
         ids, slots = self._indices(gpu_block_ids, cpu_slots, to_cpu)

@@ -15,6 +15,16 @@
 - outputs go back through ``ModelRunnerOutput.kv_connector_output`` (merged over ranks with
   vLLM's ``KVOutputAggregator``), one step late under async scheduling, like EngineCore.
 
+Hybrid and MLA models (``Engine.create(..., shape=...)``, shapes in ``models.py``): vLLM's
+hybrid KV cache manager is on, the ``KVCacheConfig`` comes from vLLM's own grouping code
+(``get_kv_cache_configs``), every worker's KV tensors from vLLM's own ``allocate_kv_cache``
+(so cache groups alias the same bytes, as on a GPU), and block tables from the scheduler's KV
+cache manager (tables rebuilt from SchedulerOutput go stale for sliding windows). A forward
+checks what it reads: every block of a full-attention or MLA layer, the window's blocks of a
+sliding-window layer, the recurrent state of a Mamba layer; it writes each scheduled token's
+KV bytes (a function of the token prefix, the layer and the head) and each Mamba layer's state
+at the step's end.
+
 Threading contract: single-threaded, except the connector's own mover threads.
 """
 from __future__ import annotations
@@ -39,6 +49,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
+import tests.connector.vllm.models as shapes
 import tiered_kv.connector.vllm.connector as tkv_vllm
 from tiered_kv.connector.vllm.connector import TieredKVConnector
 from tiered_kv.connector.vllm.scheduler import _resumed_ids
@@ -69,9 +80,14 @@ def write_model_dir(path: str) -> str:
 
 
 def make_vllm_config(model_dir: str, extra: dict, async_sched: bool = False, max_model_len: int = 2048,
-                     max_batched: int = 256, tp: int = 1, hash_algo: str = "sha256") -> VllmConfig:
-    """VllmConfig with our connector loaded by module path, like ``--kv-transfer-config`` does."""
-    mc = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="float16", seed=0, max_model_len=max_model_len)
+                     max_batched: int = 256, tp: int = 1, hash_algo: str = "sha256", hma: bool = False,
+                     dtype: str = "float16") -> VllmConfig:
+    """VllmConfig with our connector loaded by module path, like ``--kv-transfer-config`` does.
+
+    ``hma``: vLLM's hybrid KV cache manager on (what a GPU platform gives a SupportsHMA connector;
+    vLLM's CPU platform turns it off).
+    """
+    mc = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype=dtype, seed=0, max_model_len=max_model_len)
     sc = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_batched, max_model_len=max_model_len,
                          enable_chunked_prefill=True, is_encoder_decoder=False, disable_hybrid_kv_cache_manager=True)
     cc = CacheConfig(block_size=BS, gpu_memory_utilization=0.9, enable_prefix_caching=True,
@@ -83,7 +99,109 @@ def make_vllm_config(model_dir: str, extra: dict, async_sched: bool = False, max
                      device_config=DeviceConfig("cpu"))
     cfg.scheduler_config.async_scheduling = async_sched
     cfg.parallel_config.tensor_parallel_size = tp
+    if hma:
+        cfg.scheduler_config.disable_hybrid_kv_cache_manager = False
+        if "kv_cache_layout" in vars(cfg.cache_config):  # vLLM 0.32: the engine core resolves it on a GPU
+            cfg.cache_config.kv_cache_layout = "LBNHC"
     return cfg
+
+
+def hybrid_kv_cache_configs(cfg: VllmConfig, shape: str, num_blocks: int):
+    """(the workers' KVCacheConfig, the scheduler's) for ``shape``, grouped by vLLM's own code, about
+    ``num_blocks`` blocks."""
+    from vllm.v1.core import kv_cache_utils as ku
+
+    specs = shapes.layer_specs(shape, cfg.model_config, BS)
+    page = max(s.page_size_bytes for s in specs.values())
+    probe = ku.get_kv_cache_configs(cfg, [specs], [page * len(specs) * num_blocks])[0]
+    sizes = [t.size for t in probe.kv_cache_tensors]
+    # vLLM 0.32: every KVCacheTensor describes one shared backing allocation; 0.26: one each
+    total = sizes[0] if "layers" in vars(probe.kv_cache_tensors[0]) else sum(sizes)
+    kvc = ku.get_kv_cache_configs(cfg, [specs], [total // probe.num_blocks * num_blocks])[0]
+    return kvc, ku.generate_scheduler_kv_cache_config([kvc])
+
+
+def allocate_worker_kv(kvc) -> dict[str, torch.Tensor]:
+    """One worker's KV tensors: vLLM's own allocation where it has one (groups alias the same bytes)."""
+    try:
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+        from vllm.v1.worker.utils import allocate_kv_cache
+    except ImportError:  # vLLM 0.26: one buffer per KVCacheTensor, shared by one layer of each group
+        return _allocate_kv_026(kvc)
+    return allocate_kv_cache(kvc, torch.device("cpu"), KVCacheLayout.LBNHC)
+
+
+def _allocate_kv_026(kvc) -> dict[str, torch.Tensor]:
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    spec_of = {n: g.kv_cache_spec for g in kvc.kv_cache_groups for n in g.layer_names}
+    out = {}
+    for t in kvc.kv_cache_tensors:
+        buf = torch.zeros(t.size, dtype=torch.uint8)
+        for name in t.shared_by:
+            spec = spec_of[name]
+            page = spec.page_size_bytes
+            if isinstance(spec, MambaSpec):
+                out[name] = buf.as_strided((kvc.num_blocks, 1, 1, spec.real_page_size_bytes), (page, 0, 0, 1))
+                continue
+            heads = int(spec.num_kv_heads)
+            width = page // (spec.block_size * heads * spec.dtype.itemsize)  # K and V, or MLA's latent
+            raw = buf.as_strided((kvc.num_blocks, heads, spec.block_size, width * spec.dtype.itemsize),
+                                 (page, width * spec.dtype.itemsize, heads * width * spec.dtype.itemsize, 1))
+            out[name] = raw.view(spec.dtype)
+    return out
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """One layer as the harness writes and checks it."""
+
+    name: str
+    index: int  # model layer number (goes into its KV bytes)
+    group: int
+    kind: str  # full | swa | mamba
+    window: int
+    block_size: int
+
+
+def _layers_of(kvc) -> list[_Layer]:
+    from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
+
+    out = []
+    for gi, g in enumerate(kvc.kv_cache_groups):
+        spec = g.kv_cache_spec
+        kind = "mamba" if isinstance(spec, MambaSpec) else "swa" if isinstance(spec, SlidingWindowSpec) else "full"
+        for name in g.layer_names:
+            out.append(_Layer(name, int(name.split(".")[2]), gi, kind,
+                              int(spec.sliding_window) if kind == "swa" else 0, int(spec.block_size)))
+    return sorted(out, key=lambda x: x.index)
+
+
+def prefix_hashes(token_ids: list[int], upto: int) -> torch.Tensor:
+    """The rolling hash of every prefix ``token_ids[:p + 1]``, p < upto (int64)."""
+    h = 0
+    hs = []
+    for t in token_ids[:upto]:
+        h = (h * 1000003 + int(t) + 1) % (1 << 61)
+        hs.append(h)
+    return torch.tensor(hs, dtype=torch.int64)
+
+
+def token_bytes(hashes: torch.Tensor, layer: int, heads: int, width: int, rank_heads: int = 0) -> torch.Tensor:
+    """KV bytes ``(T, heads, width)`` of tokens with prefix hashes ``hashes`` in one layer.
+
+    ``rank_heads``: this rank's first head (TP shards heads); MLA latents are the same on every rank (0).
+    """
+    hv = hashes.view(-1, 1, 1)
+    head = (torch.arange(heads, dtype=torch.int64).view(1, -1, 1) + rank_heads) * 7907
+    j = torch.arange(width, dtype=torch.int64).view(1, 1, -1) * 7919
+    return ((hv * 31 + layer * 104729 + head + j) % 251).to(torch.uint8)
+
+
+def state_bytes(prefix_hash: int, layer: int, width: int) -> torch.Tensor:
+    """A Mamba layer's recurrent state after a prefix (its hash), as ``width`` bytes."""
+    j = torch.arange(width, dtype=torch.int64) * 6007
+    return ((prefix_hash % 1000003 * 17 + layer * 104729 + j) % 253).to(torch.uint8)
 
 
 def kv_cache_config(num_blocks: int) -> KVCacheConfig:
@@ -160,22 +278,32 @@ class Engine:
     sync_steps: int = 0  # steps vLLM flagged has_sync_kv_loads (in-step loads)
     discarded_reads: int = 0  # wrong blocks a forward read in a step that reported them as failed loads
     steps: int = 0
+    shape: str | None = None  # a hybrid/MLA model of models.py (None: the tiny Llama)
+    layers: list[_Layer] = field(default_factory=list)
+    hash_block_size: int = BS
+    kv_cache_config: KVCacheConfig | None = None  # the workers' (hybrid shapes)
     _prev: tuple | None = None
     _tables: dict[str, list[int]] = field(default_factory=dict)
     _aggregator: KVOutputAggregator | None = None
 
     @classmethod
     def create(cls, model_dir: str, extra: dict, *, num_blocks: int = 64, async_sched: bool = False,
-               tp: int = 1, max_batched: int = 256, hash_algo: str = "sha256", cross_layer: bool = False) -> "Engine":
+               tp: int = 1, max_batched: int = 256, hash_algo: str = "sha256", cross_layer: bool = False,
+               shape: str | None = None, max_model_len: int = 2048, tweak=None) -> "Engine":
         """Build a scheduler (which builds the scheduler-role connector) and ``tp`` worker-role connectors.
 
         ``cross_layer``: register each worker the way vLLM 0.26 does when the connector prefers
         cross-layer blocks (one block-outermost tensor, ``register_cross_layers_kv_cache``).
+        ``shape``: a hybrid or MLA model of ``models.py`` (``model_dir`` from ``models.write_model_dir``);
+        ``tweak(cfg)`` may adjust the VllmConfig before anything is built from it.
         """
         global _NONE_HASH_READY
         if not _NONE_HASH_READY:
             init_none_hash(sha256)  # EngineCore does this once per process
             _NONE_HASH_READY = True
+        if shape is not None:
+            return cls._create_shaped(model_dir, extra, shape, num_blocks, async_sched, tp, max_batched, hash_algo,
+                                      max_model_len, tweak)
         cfg = make_vllm_config(model_dir, extra, async_sched=async_sched, max_batched=max_batched, tp=tp,
                                hash_algo=hash_algo)
         kvc = kv_cache_config(num_blocks)
@@ -199,6 +327,38 @@ class Engine:
             workers.append(Worker(conn, kv, rank))
         return cls(cfg, sched, workers, num_blocks, async_sched)
 
+    @classmethod
+    def _create_shaped(cls, model_dir, extra, shape, num_blocks, async_sched, tp, max_batched, hash_algo,
+                       max_model_len, tweak) -> "Engine":
+        from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+        cfg = make_vllm_config(model_dir, extra, async_sched=async_sched, max_batched=max_batched, tp=tp,
+                               hash_algo=hash_algo, hma=True, dtype="bfloat16", max_model_len=max_model_len)
+        if shape == "mamba":
+            cfg.cache_config.mamba_cache_mode = "align"
+            cfg.cache_config.mamba_block_size = BS
+        if tweak is not None:
+            tweak(cfg)
+        kvc, sched_kvc = hybrid_kv_cache_configs(cfg, shape, num_blocks)
+        sbs, hbs = resolve_kv_cache_block_sizes(sched_kvc, cfg)
+        cfg.cache_config.num_gpu_blocks = sched_kvc.num_blocks
+        cls_ = AsyncScheduler if async_sched else Scheduler
+        sched = cls_(vllm_config=cfg, kv_cache_config=sched_kvc,
+                     structured_output_manager=StructuredOutputManager(cfg), block_size=sbs, log_stats=True)
+        workers = []
+        for rank in range(tp):
+            original = tkv_vllm.worker_rank
+            tkv_vllm.worker_rank = lambda r=rank: r
+            try:
+                conn = TieredKVConnector(cfg, KVConnectorRole.WORKER, kvc)
+            finally:
+                tkv_vllm.worker_rank = original
+            kv = allocate_worker_kv(kvc)
+            conn.register_kv_caches(kv)
+            workers.append(Worker(conn, kv, rank))
+        return cls(cfg, sched, workers, sched_kvc.num_blocks, async_sched, shape=shape, layers=_layers_of(kvc),
+                   hash_block_size=hbs, kv_cache_config=kvc)
+
     @property
     def connector(self) -> TieredKVConnector:
         """The scheduler-role connector vLLM built."""
@@ -210,7 +370,7 @@ class Engine:
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         sp.update_from_generation_config({}, EOS)
         req = Request(request_id=req_id, prompt_token_ids=list(prompt), sampling_params=sp, pooling_params=None,
-                      block_hasher=get_request_block_hasher(BS, sha256))
+                      block_hasher=get_request_block_hasher(self.hash_block_size, sha256))
         self.requests[req_id] = req
         self.sched.add_request(req)
         return req
@@ -327,7 +487,17 @@ class Engine:
                                  pooler_output=None, kv_connector_output=kv_out)
 
     def _scheduled(self, out) -> list[tuple[str, int, int, list[int]]]:
-        """(req_id, num_computed_before, num_scheduled, block table) of every scheduled request."""
+        """(req_id, num_computed_before, num_scheduled, block table) of every scheduled request.
+
+        Hybrid shapes: the block table is the KV cache manager's, one list per group.
+        """
+        if self.shape is not None:
+            rows = [(new.req_id, new.num_computed_tokens) for new in out.scheduled_new_reqs]
+            c = out.scheduled_cached_reqs
+            rows += [(rid, c.num_computed_tokens[i]) for i, rid in enumerate(c.req_ids)]
+            manager = self.sched.kv_cache_manager
+            return [(rid, done, out.num_scheduled_tokens[rid], [list(t) for t in manager.get_block_ids(rid)])
+                    for rid, done in rows]
         tables = self._tables
         rows = []
         for new in out.scheduled_new_reqs:
@@ -350,6 +520,8 @@ class Engine:
         Returns ``(message, GPU block id)`` for every wrong block (the caller decides whether vLLM
         would have used it).
         """
+        if self.shape is not None:
+            return self._verify_shaped(rows, workers)
         wrong: list[tuple[str, int]] = []
         for rid, done, _, table in rows:
             nblk = done // BS
@@ -370,8 +542,80 @@ class Engine:
             self.verified_blocks += nblk
         return wrong
 
+    # ------------------------------------------------------------------ hybrid shapes
+    def _layer_view(self, w: Worker, layer: _Layer) -> torch.Tensor:
+        """The layer's KV as bytes: ``(blocks, heads, block_size, bytes per head)``; Mamba ``(blocks, 1, 1, state)``."""
+        t = w.kv[layer.name]
+        return t.view(torch.uint8) if t.dtype != torch.uint8 else t
+
+    def _rank_heads(self, w: Worker, heads: int) -> int:
+        return 0 if self.shape == "dsv2" else w.rank * heads  # MLA latents are the same on every rank
+
+    def _verify_shaped(self, rows, workers) -> list[tuple[str, int]]:
+        wrong: list[tuple[str, int]] = []
+        for rid, done, _, tables in rows:
+            if done == 0:
+                continue
+            req = self.requests[rid]
+            hashes = prefix_hashes(req.all_token_ids, done)
+            for w in workers:
+                for layer in self.layers:
+                    view = self._layer_view(w, layer)
+                    table, bs = tables[layer.group], layer.block_size
+                    if layer.kind == "mamba":
+                        pos = -(-done // bs) - 1
+                        want = state_bytes(int(hashes[done - 1]), layer.index, view.shape[-1])
+                        if not table[pos] or not torch.equal(view[table[pos], 0, 0], want):
+                            wrong.append((f"request {rid}: Mamba state of layer {layer.index} at token {done} "
+                                          f"(block {table[pos]}) is wrong on rank {w.rank}", table[pos]))
+                        self.verified_blocks += 1
+                        continue
+                    first = max(0, (done - layer.window + 1) // bs) if layer.kind == "swa" else 0
+                    last = done // bs
+                    if last <= first:
+                        continue
+                    ids = table[first:last]
+                    if 0 in ids:
+                        wrong.append((f"request {rid}: layer {layer.index} reads null block at position "
+                                      f"{first + ids.index(0)} (computed {done})", 0))
+                        continue
+                    heads, width = view.shape[1], view.shape[3]
+                    want = token_bytes(hashes[first * bs:last * bs], layer.index, heads, width,
+                                       self._rank_heads(w, heads))
+                    want = want.view(last - first, bs, heads, width).transpose(1, 2)
+                    got = view[torch.tensor(ids)]
+                    if not torch.equal(got, want):
+                        bad = [i for i in range(len(ids)) if not torch.equal(got[i], want[i])]
+                        msg = (f"request {rid}: blocks at positions {[first + i for i in bad[:8]]} (GPU ids "
+                               f"{[ids[i] for i in bad[:8]]}) of layer {layer.index} ({layer.kind}) on rank "
+                               f"{w.rank} hold wrong KV before the forward (computed {done})")
+                        wrong.extend((msg, ids[i]) for i in bad)
+                    self.verified_blocks += len(ids)
+        return wrong
+
+    def _forward_shaped(self, w: Worker, rows) -> None:
+        for rid, done, n, tables in rows:
+            req = self.requests[rid]
+            end = min(done + n, len(req.all_token_ids))
+            if end <= done:
+                continue
+            hashes = prefix_hashes(req.all_token_ids, end)
+            pos = torch.arange(done, end)
+            for layer in self.layers:
+                view = self._layer_view(w, layer)
+                table, bs = torch.tensor(tables[layer.group]), layer.block_size
+                if layer.kind == "mamba":  # the state after this step, in the block of its last token
+                    view[int(table[-(-end // bs) - 1]), 0, 0] = state_bytes(int(hashes[end - 1]), layer.index,
+                                                                           view.shape[-1])
+                    continue
+                heads, width = view.shape[1], view.shape[3]
+                vals = token_bytes(hashes[done:end], layer.index, heads, width, self._rank_heads(w, heads))
+                view[table[pos // bs], :, pos % bs, :] = vals
+
     def _forward(self, w: Worker, rows) -> None:
         """Write the KV of every scheduled token whose id is known (prompt and applied outputs)."""
+        if self.shape is not None:
+            return self._forward_shaped(w, rows)
         for rid, done, n, table in rows:
             req = self.requests[rid]
             end = min(done + n, len(req.all_token_ids))

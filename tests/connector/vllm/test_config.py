@@ -119,3 +119,90 @@ def test_n_minus_one_rule_never_reports_the_whole_prompt():
     assert planner.match(req, 0) == 3 * 16  # 4 blocks held, the last one is recomputed
     assert planner.match(req, 16) == 2 * 16
     assert planner.match(req, 8) == 0  # a local hit inside a block: no external hit
+
+
+# ---------------------------------------------------------------------------------- KV cache groups
+def _vllm_config(tp: int = 1, spec_decode=None, **parallel):
+    return SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, **parallel),
+        cache_config=SimpleNamespace(kv_cache_layout="NHD", enable_prefix_caching=True),
+        speculative_config=spec_decode)
+
+
+def _groups(*specs):
+    names = iter(f"model.layers.{i}.attn" for i in range(100))
+    return SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=[next(names), next(names)], kv_cache_spec=s)
+                                            for s in specs], hash_block_size=16)
+
+
+def _spec(kind: str, **kw):
+    import torch
+
+    vllm_spec = pytest.importorskip("vllm.v1.kv_cache_interface")
+    common = dict(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    if kind == "swa":
+        return vllm_spec.SlidingWindowSpec(sliding_window=kw.pop("window", 128), **common, **kw)
+    if kind == "local":
+        return vllm_spec.ChunkedLocalAttentionSpec(attention_chunk_size=1024, **common)
+    if kind == "mla":
+        return vllm_spec.MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16,
+                                          cache_dtype_str="auto")
+    return vllm_spec.FullAttentionSpec(**common)
+
+
+def test_hybrid_geometry_stores_the_window_tail_and_tags_every_group():
+    from tiered_kv.connector.vllm.config import geometry
+
+    geo = geometry(_vllm_config(), _groups(_spec("swa", window=128), _spec("full")), chunk_blocks=16)
+    swa, full = geo.groups
+    assert (swa.kind, swa.chunk_blocks, swa.stored, swa.needed, swa.first_stored) == ("swa", 16, 8, 8, 8)
+    assert (full.kind, full.stored, full.needed) == ("full", 16, 16)
+    page = 16 * 2 * 64 * 2 * 2
+    assert geo.rank_chunk_nbytes == (8 + 16) * 2 * page and geo.slot_blocks == 24 and not geo.block_level_errors
+    assert "swa:SlidingWindowSpec" in geo.tag and "stored=8" in geo.tag and geo.tag.endswith("|chunk=16")
+    every = geometry(_vllm_config(), _groups(_spec("swa", window=128), _spec("full")), 16, swa_store="all")
+    assert every.groups[0].stored == 16 and every.groups[0].needed == 8 and every.tag != geo.tag
+    wide = geometry(_vllm_config(), _groups(_spec("swa", window=1024), _spec("full")), chunk_blocks=16)
+    assert wide.groups[0].stored == 16  # the window reaches past a chunk: every block is needed
+
+
+def test_one_full_attention_group_keeps_the_single_group_geometry():
+    from tiered_kv.connector.vllm.config import geometry
+
+    geo = geometry(_vllm_config(), _groups(_spec("full")), chunk_blocks=4)
+    legacy = Geometry(16, 4, ("model.layers.0.attn", "model.layers.1.attn"), 2 * 16 * 2 * 64 * 2 * 2, 1, geo.tag)
+    assert geo.tag.startswith("vllm|FullAttentionSpec|") and "groups" not in geo.tag
+    assert (geo.rank_chunk_nbytes, geo.slot_blocks, geo.block_level_errors) == (legacy.rank_chunk_nbytes, 4, True)
+    assert geo.rank_layout(0).fingerprint == legacy.rank_layout(0).fingerprint
+
+
+@pytest.mark.parametrize("specs,needle", [
+    (("local", "full"), "--disable-hybrid-kv-cache-manager"),
+])
+def test_unsupported_groups_are_refused_with_what_to_do(specs, needle):
+    from tiered_kv.connector.vllm.config import geometry
+
+    with pytest.raises(ConfigError, match=needle):
+        geometry(_vllm_config(), _groups(*(_spec(k) for k in specs)), 16)
+
+
+def test_sliding_window_with_speculative_decoding_is_refused():
+    from tiered_kv.connector.vllm.config import geometry
+
+    with pytest.raises(ConfigError, match="speculative decoding"):
+        geometry(_vllm_config(spec_decode=object()), _groups(_spec("swa"), _spec("full")), 16)
+
+
+def test_mla_with_tp_is_stored_once_unless_turned_off_or_sharded():
+    from tiered_kv.connector.vllm.config import geometry
+
+    once = geometry(_vllm_config(tp=4), _groups(_spec("mla")), 16)
+    assert once.replicated and once.chunk_nbytes == once.rank_chunk_nbytes
+    cfg = ConnectorConfig(cpu_bytes=once.rank_chunk_nbytes * 8, disk_path="/x", disk_bytes=once.rank_chunk_nbytes * 8)
+    assert capacities(cfg, once) == (8, 8)  # one copy for all ranks: not divided by 4
+    assert not geometry(_vllm_config(tp=4), _groups(_spec("mla")), 16, mla_store_once=False).replicated
+    assert not geometry(_vllm_config(tp=4, pipeline_parallel_size=2), _groups(_spec("mla")), 16).replicated
+    assert not geometry(_vllm_config(tp=1), _groups(_spec("mla")), 16).replicated
+    ns = namespace(ConnectorConfig(), once, "m", SimpleNamespace(algo="sha256", seed="x", stable=True))
+    assert ("tp", "replicated") in ns.extra
+    assert str(rank_disk_dir(ConnectorConfig(disk_path="/d"), ns, 3, 4, True)).endswith("/replicated")

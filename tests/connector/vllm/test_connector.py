@@ -204,6 +204,19 @@ def test_full_prompt_hit_leaves_one_token(model_dir):
         eng.close()
 
 
+def test_prompt_of_exactly_one_chunk_is_stored(model_dir):
+    """Too short to hit anything itself (n-1), but its one chunk serves the next, longer prompt."""
+    eng = Engine.create(model_dir, cfg())
+    try:
+        eng.add("one", prompt(25, K * BS), max_tokens=1)
+        eng.run()
+        eng.settle()
+        assert eng.connector.stats()["resident_cpu"] == 1
+        assert_no_leaks(eng)
+    finally:
+        eng.close()
+
+
 def test_local_hit_inside_a_chunk_loads_only_the_missing_blocks(model_dir):
     # 16 GPU blocks: a filler evicts the tail of turn 1's cached blocks (vLLM evicts tails first),
     # so turn 2 has a local prefix hit that ends inside a chunk.

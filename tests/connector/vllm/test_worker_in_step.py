@@ -160,11 +160,11 @@ def test_fence_cancels_a_queued_store_and_waits_for_a_started_one():
     release, entered = threading.Event(), threading.Event()
     copy = rt._copy
 
-    def held_copy(copier, job, src, dst, to_cpu):  # the first store's copy waits until released
+    def held_copy(copiers, job, parts, to_cpu):  # the first store's copy waits until released
         if job.job_id == 1:
             entered.set()
             assert release.wait(10)
-        return copy(copier, job, src, dst, to_cpu)
+        return copy(copiers, job, parts, to_cpu)
 
     rt._copy = held_copy
     try:

@@ -4,9 +4,10 @@
 name this package; the class is imported on first access so that the config and planner modules
 (``config``, ``scheduler``) import in processes without vLLM.
 
-Modules: ``connector`` (the vLLM-facing class), ``config`` (extra-config keys, geometry),
-``scheduler`` (the planner side, in vLLM's scheduler process), ``worker`` (the byte side, in each
-GPU worker process).
+Modules: ``connector`` (the vLLM-facing class), ``config`` (extra-config keys, geometry and KV
+cache groups), ``scheduler`` (the planner side, in vLLM's scheduler process), ``worker`` and
+``in_step`` (the byte side, in each GPU worker process), ``shared_slab`` (one CPU slab that every
+TP rank maps, for MLA stored once).
 
 Threading contract: see each module.
 """

@@ -35,6 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
@@ -155,8 +156,12 @@ def _timed_hook(fn):
     return wrapper
 
 
-class TieredKVConnector(KVConnectorBase_V1):
-    """tiered_kv's vLLM connector: GPU blocks <-> pinned CPU <-> disk, keyed by vLLM's block hashes."""
+class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
+    """tiered_kv's vLLM connector: GPU blocks <-> pinned CPU <-> disk, keyed by vLLM's block hashes.
+
+    ``SupportsHMA``: vLLM keeps its hybrid KV cache manager on, so sliding-window, Mamba and
+    full-attention layers each get their own KV cache group (docs/vllm.md, "Hybrid models").
+    """
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -164,7 +169,8 @@ class TieredKVConnector(KVConnectorBase_V1):
         if kv_cache_config is None:
             raise ConfigError("TieredKVConnector needs vLLM's kv_cache_config (vLLM >= 0.26)")
         self.cfg = ConnectorConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
-        self.geo = geometry(vllm_config, kv_cache_config, self.cfg.chunk_blocks)
+        self.geo = geometry(vllm_config, kv_cache_config, self.cfg.chunk_blocks, self.cfg.swa_store,
+                            self.cfg.mla_store_once)
         self.ident = hash_identity(str(vllm_config.cache_config.prefix_caching_hash_algo))
         if not self.ident.stable:
             if self.cfg.disk_path is not None:
@@ -187,7 +193,8 @@ class TieredKVConnector(KVConnectorBase_V1):
                 # the HTTP thread reads a snapshot the scheduler thread replaces: the planner is not thread-safe
                 serve(make_registry(lambda: self._prom_snapshot, "vllm"), self.cfg.metrics_port)
         else:
-            self.worker = WorkerRuntime(self.cfg, self.geo, self.ns, worker_rank(), cpu_chunks, disk_chunks)
+            self.worker = WorkerRuntime(self.cfg, self.geo, self.ns, worker_rank(), cpu_chunks, disk_chunks,
+                                        shared_name=_shared_slab_name(vllm_config, self.ns))
             if not self.ident.stable and self.worker.disk is not None:
                 self.worker.disk.delete(self.worker.disk.stored_keys())  # unnameable after a restart
 
@@ -198,8 +205,8 @@ class TieredKVConnector(KVConnectorBase_V1):
         from tiered_kv.tiers.disk import DiskTier  # lazily: needs lmdb and zstandard
 
         common: dict[bytes, None] | None = None
-        for rank in range(self.geo.tp_size):
-            path = rank_disk_dir(self.cfg, self.ns, rank, self.geo.tp_size)
+        for rank in range(1 if self.geo.replicated else self.geo.tp_size):
+            path = rank_disk_dir(self.cfg, self.ns, rank, self.geo.tp_size, self.geo.replicated)
             if not (path / "index").exists():
                 return []
             tier = DiskTier(self.geo.rank_layout(rank), path, 0, readonly=True)
@@ -219,11 +226,14 @@ class TieredKVConnector(KVConnectorBase_V1):
         asynchronously, between steps.
         """
         n = self.planner.match(request, num_computed_tokens)
+        if n is None:  # hybrid model: its disk hit is moving to the CPU tier first; vLLM asks again next step
+            return None, False
         return n, n > 0 and self.planner.load_async(request)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        """Plan loads into the blocks vLLM allocated for an external hit."""
-        ids = blocks.get_block_ids()[0] if num_external_tokens > 0 else ()
+        """Plan loads into the blocks vLLM allocated for an external hit (every KV cache group's); with no
+        hit, start tracking the request (its chunks are stored as they are computed)."""
+        ids = blocks.get_block_ids() if num_external_tokens > 0 else ()
         self.planner.allocated(request, ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
@@ -241,7 +251,13 @@ class TieredKVConnector(KVConnectorBase_V1):
             self.planner.apply_reports(wm.reports)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
-        """Forget the request; never delays vLLM's block frees (fences protect in-flight copies)."""
+        """Forget the request (vLLM's hybrid KV cache manager off: one group); never delays vLLM's frees."""
+        self.planner.finished(request, (block_ids,))
+        return False, None
+
+    def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+        """Forget the request (one block list per KV cache group); never delays vLLM's block frees (fences
+        protect in-flight copies)."""
         self.planner.finished(request, block_ids)
         return False, None
 
@@ -376,6 +392,12 @@ class TieredKVConnector(KVConnectorBase_V1):
         """Finish queued jobs and close the tiers (worker)."""
         if self.worker is not None:
             self.worker.close()
+
+
+def _shared_slab_name(vllm_config, ns) -> str:
+    """Name of the shared-memory CPU slab of a replicated (MLA) cache: one per engine and namespace."""
+    engine = str(vllm_config.kv_transfer_config.engine_id or "engine")
+    return f"tkv-{engine[:36]}-{ns.prefix.hex()[:16]}"
 
 
 def _runs_attention_eagerly(forward_context) -> bool:

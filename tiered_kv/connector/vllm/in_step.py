@@ -17,6 +17,12 @@ copy of each in-step load (``StepPlan.sync``):
 Why on vLLM's thread, and why few groups: docs/vllm.md, "In-step loads". Everything here runs
 before the forward is launched or between its layers, so it does no work a step does not need.
 
+Hybrid models: one ``KVLayout``, CPU plane and copier per KV cache group; a load submits each
+group's part (in the model order of the groups' first layers), and each attention layer waits
+for its own group's copy. With several groups vLLM takes no per-block load errors, so a group
+whose copy cannot start even as one copy is copied with plain torch ops on the engine's stream
+(``plain_fallback``) instead of being reported.
+
 Threading contract: every method runs on vLLM's worker thread (the model runner). The class
 holds no lock and never touches the movers; its copier is its own (``threaded_submit=False``),
 separate from the copiers the front mover thread drives.
@@ -24,6 +30,7 @@ separate from the copiers the front mover thread drives.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -65,104 +72,142 @@ class _InStepLoad:
 class InStepLoader:
     """One TP rank's in-step loads: submit by layer group, per-layer GPU waits, completion in the same step.
 
-    ``loads`` (loads started and not finished) and ``layer_waits`` (layer index -> copy results
+    ``loads`` (loads started and not finished) and ``layer_waits`` (layer name -> copy results
     that layer's forward waits for) are empty between steps; the runtime reads them to skip a
     call when there is nothing to do.
     """
 
-    def __init__(self, kv: KVLayout, slab_rows: torch.Tensor, layer_names: Sequence[str], cfg: ConnectorConfig,
-                 rank: int) -> None:
-        """Bind vLLM's KV tensors (``kv``, tensor i = layer i) and the CPU slab viewed as block rows."""
-        self.kv = kv
+    def __init__(self, parts: Sequence[tuple[KVLayout, torch.Tensor, Sequence[str]]], cfg: ConnectorConfig,
+                 rank: int, plain_fallback: bool = False) -> None:
+        """Bind each KV cache group's layout (tensor i = one layer's, in ``layer_names`` order), its CPU
+        plane viewed as block rows, and its layer names."""
+        self.kvs = [kv for kv, _, _ in parts]
+        self.kv = self.kvs[0]
         self.rank = rank
-        self._cuda = kv.device.type == "cuda"
+        self._cuda = self.kv.device.type == "cuda"
         # In-step loads plan and submit on vLLM's own thread, before the forward is launched: from
         # a submitter thread they fought vLLM's eager forward for the GIL and the H200 load took
         # 31-64 ms instead of ~21 (turn-2 TTFT 0.043-0.048 s against 0.034-0.039 s).
-        self.copier = BlockCopier(kv, slab_rows, threaded_submit=False)
+        self.copiers = [BlockCopier(kv, rows, threaded_submit=False) for kv, rows, _ in parts]
+        self.copier = self.copiers[0]
         self._layerwise = cfg.load_mode == "layerwise"
         self._groups_wanted = cfg.load_groups
+        self._plain_fallback = plain_fallback
+        self.plain_copies = 0
         # ``in_step_copy``: the SM kernel where asked for and on CUDA, else what the movers use
         self._forced = Mechanism.SM_KERNEL if self._cuda and cfg.in_step_copy == "sm_kernel" else None
-        self._layer_index = {n: i for i, n in enumerate(layer_names)}
+        # tensor i of group g belongs to layer _names[g][i] (a layer with several state tensors repeats)
+        self._names = []
+        for kv, _, names in parts:
+            per_layer = len(kv.tensors) // max(1, len(names))
+            self._names.append([n for n in names for _ in range(per_layer)])
+        # groups load in the model order of their first layers, so early layers' bytes land first
+        self._order = sorted(range(len(parts)), key=lambda g: min((_layer_number(n) for n in parts[g][2]),
+                                                                  default=0))
         # debug log only: the stream that marks when an in-step load landed
-        self._timing_stream = torch.cuda.Stream(kv.device) if self._cuda and log.isEnabledFor(logging.DEBUG) else None
+        debug = self._cuda and log.isEnabledFor(logging.DEBUG)
+        self._timing_stream = torch.cuda.Stream(self.kv.device) if debug else None
         self.loads: list[_InStepLoad] = []
-        self.layer_waits: dict[int, list[CopyResult]] = {}
+        self.layer_waits: dict[str, list[CopyResult]] = {}
 
-    def start(self, job: TransferJob, gpu: list[int], slots: list[int], layerwise_ok: bool,
+    def start(self, job: TransferJob, parts: Sequence[tuple[list[int], list[int]]], layerwise_ok: bool,
               mechanism: Mechanism | None) -> int:
-        """Start one in-step load of block rows ``slots`` into GPU blocks ``gpu``: layer groups in order.
+        """Start one in-step load: ``parts[g]`` = (GPU blocks, plane rows) of group g; layer groups in order.
 
         ``layerwise_ok``: vLLM will call ``wait_layer`` for every attention layer of this step's
         forward. ``mechanism``: what the movers use now (None: the copier chooses), unless
-        ``in_step_copy`` forces the SM kernel. Returns the number of groups submitted; 0 when
+        ``in_step_copy`` forces the SM kernel. Returns the number of layer groups submitted; 0 when
         nothing was (no blocks, or the load could not start: ``finish`` then reports it failed).
         """
-        kv = self.kv
-        load = _InStepLoad(job, [], len(gpu) * kv.block_nbytes, time.perf_counter())
+        load = _InStepLoad(job, [], sum(len(gpu) * kv.block_nbytes for (gpu, _), kv in zip(parts, self.kvs)),
+                           time.perf_counter())
         self.loads.append(load)
-        if not gpu:
+        if not load.nbytes:
             return 0
         cuda = self._cuda
         layerwise = layerwise_ok and self._layerwise
-        stream = torch.cuda.current_stream(kv.device) if cuda else None
-        # one group when the forward waits for the whole load: block-major runs, merged across layers
-        groups = (layer_groups(kv, load.nbytes, self._groups_wanted)
-                  if layerwise and cuda else [(0, len(kv.tensors))])
+        stream = torch.cuda.current_stream(self.kv.device) if cuda else None
         if self._timing_stream is not None:
             load.marks = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             load.marks[0].record(stream)
         if self._forced is not None:
             mechanism = self._forced
-        copier = self.copier
+        submitted = 0
+        split = layerwise and cuda
+        for g in self._order:
+            gpu, rows = parts[g]
+            if not gpu:
+                continue
+            kv, copier = self.kvs[g], self.copiers[g]
+            # one group when the forward waits for the whole load: block-major runs, merged across layers
+            spans = ([(0, len(kv.tensors))] if not split
+                     else layer_groups(kv, len(gpu) * kv.block_nbytes, self._groups_wanted))
+            results = self._submit(load, g, rows, gpu, spans, stream, mechanism)
+            if load.error is not None:
+                return 0
+            if results is None:  # copied with plain torch ops on the engine's stream: nothing to wait for
+                submitted += 1
+                continue
+            if len(results) == 1:
+                spans = [(0, len(kv.tensors))]
+            submitted += len(results)
+            load.results.extend(results)
+            if split and len(results) > 1:
+                names = self._names[g]
+                for (a, b), res in zip(spans, results):
+                    for name in names[a:b]:
+                        self.layer_waits.setdefault(name, []).append(res)
+            elif cuda:
+                _wait_all_results(load, results, stream)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("rank %d job %d in-step load started: %d bytes in %d groups, layerwise=%s, call %.2f ms",
+                      self.rank, job.job_id, load.nbytes, submitted, layerwise,
+                      (time.perf_counter() - load.started) * 1e3)
+        if cuda and load.marks is not None and load.results:
+            _stream_waits(load.results[-1:], self._timing_stream)
+            load.marks[1].record(self._timing_stream)
+        return submitted
+
+    def _submit(self, load: _InStepLoad, g: int, rows: list[int], gpu: list[int], spans: list[tuple[int, int]],
+                stream, mechanism: Mechanism | None) -> list[CopyResult] | None:
+        """Submit group g's part in ``spans``; once more as one copy if that cannot start; then (several
+        KV cache groups) as a plain copy (returns None). Sets ``load.error`` when all of it failed."""
+        copier = self.copiers[g]
         try:
-            load.results = copier.cpu_to_gpu_grouped(slots, gpu, groups, stream=stream, mechanism=mechanism)
+            results = copier.cpu_to_gpu_grouped(rows, gpu, spans, stream=stream, mechanism=mechanism)
+            _raise_failed_start(results)
+            return results
         except _START_ERRORS as exc:
             # once more as one whole copy (the forward then waits for all of it): a load that cannot
             # start at all is reported failed in this step's poll and vLLM recomputes its blocks
             log.warning("TieredKVConnector rank %d: layer-by-layer load of job %d failed to start (%s); "
-                        "retrying as one copy", self.rank, job.job_id, exc)
-            try:
-                load.results = [copier.cpu_to_gpu(slots, gpu, stream=stream, mechanism=mechanism)]
-            except _START_ERRORS as exc2:
+                        "retrying as one copy", self.rank, load.job.job_id, exc)
+        try:
+            results = [copier.cpu_to_gpu(rows, gpu, stream=stream, mechanism=mechanism)]
+            _raise_failed_start(results)
+            return results
+        except _START_ERRORS as exc2:
+            if not self._plain_fallback:
                 load.error = exc2
                 log.warning("TieredKVConnector rank %d: in-step load of job %d failed: %s", self.rank,
-                            job.job_id, exc2)
-                return 0
-            groups = [(0, len(kv.tensors))]
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("rank %d job %d in-step load started: %d blocks in %d groups, layerwise=%s, call %.2f ms",
-                      self.rank, job.job_id, len(gpu), len(groups), layerwise,
-                      (time.perf_counter() - load.started) * 1e3)
-        if not cuda:
-            return len(groups)  # the CPU copy is done already
-        if load.marks is not None:
-            _stream_waits(load.results[-1:], self._timing_stream)
-            load.marks[1].record(self._timing_stream)
-        if layerwise and len(groups) > 1:
-            bounds = [b for _, b in groups]
-            waits = self.layer_waits
-            g = 0
-            for layer in range(len(kv.tensors)):
-                while layer >= bounds[g]:
-                    g += 1
-                waits.setdefault(layer, []).append(load.results[g])
-        else:
-            _wait_all(load, stream)
-        return len(groups)
+                            load.job.job_id, exc2)
+                return []
+            log.warning("TieredKVConnector rank %d: in-step load of job %d could not start (%s); copying group %d "
+                        "with plain torch ops", self.rank, load.job.job_id, exc2, g)
+        copier.copy_plain(gpu, rows, to_cpu=False)  # on the engine's current stream: before the forward
+        self.plain_copies += 1
+        return None
 
     def wait_layer(self, layer_name: str) -> None:
         """``wait_for_layer_load``: the engine's stream waits (on the GPU) for this layer's in-step loads."""
-        layer = self._layer_index.get(layer_name, -1)
-        waits = self.layer_waits.pop(layer, None)
+        waits = self.layer_waits.pop(layer_name, None)
         if not waits:
             return
         t0 = time.perf_counter()
         _stream_waits(waits, torch.cuda.current_stream(self.kv.device))
-        if log.isEnabledFor(logging.DEBUG) and (layer == 0 or not self.layer_waits):
-            log.debug("rank %d layer %d: forward waits for its in-step load (host waited %.2f ms for submission)",
-                      self.rank, layer, (time.perf_counter() - t0) * 1e3)
+        if log.isEnabledFor(logging.DEBUG) and not self.layer_waits:
+            log.debug("rank %d layer %s: forward waits for its in-step load (host waited %.2f ms for submission)",
+                      self.rank, layer_name, (time.perf_counter() - t0) * 1e3)
 
     def finish(self) -> list[tuple[TransferJob, Completion]]:
         """Wait for the loads started this step to land; return each one's job and ``Completion``.
@@ -182,11 +227,13 @@ class InStepLoader:
             self.layer_waits.clear()
         out = []
         for load in loads:
-            if load.error is None and load.results:
-                try:
-                    load.results[-1].wait()
-                except CopyLaunchError as exc:
-                    load.error = exc
+            if load.error is None:
+                for res in load.results:  # groups of one KV cache group land in order; the groups do not
+                    try:
+                        res.wait()
+                    except CopyLaunchError as exc:
+                        load.error = exc
+                        break
             job, n = load.job, len(load.job)
             secs = time.perf_counter() - load.started
             if load.error is not None:
@@ -195,9 +242,8 @@ class InStepLoader:
                 done = Completion(job.job_id, [False] * n, [False] * n, 0, secs)
             else:
                 done = Completion(job.job_id, [True] * n, [False] * n, load.nbytes, secs)
-                log.debug("rank %d job %d in-step load: %d blocks in %d groups, host saw it done %.1f ms after "
-                          "the call", self.rank, job.job_id, load.nbytes // self.kv.block_nbytes,
-                          len(load.results), secs * 1e3)
+                log.debug("rank %d job %d in-step load: %d bytes in %d groups, host saw it done %.1f ms after "
+                          "the call", self.rank, job.job_id, load.nbytes, len(load.results), secs * 1e3)
                 if load.marks is not None and forward_done is not None:
                     forward_done.synchronize()
                     landed = load.marks[0].elapsed_time(load.marks[1])
@@ -208,10 +254,23 @@ class InStepLoader:
         return out
 
 
-def _wait_all(load: _InStepLoad, stream) -> None:
-    """Make ``stream`` wait for every group of ``load`` (groups land in order: the last one suffices)."""
+def _layer_number(name: str) -> int:
+    """The layer index in a vLLM layer name such as ``model.layers.12.self_attn.attn`` (0 if none)."""
+    m = re.search(r"\.(\d+)(?:\.|$)", name)
+    return int(m.group(1)) if m else 0
+
+
+def _raise_failed_start(results: list[CopyResult]) -> None:
+    """A copy submitted on the caller's thread has failed already if its driver call did: raise that."""
+    for res in results:
+        if res.error is not None:
+            raise CopyLaunchError(f"copy of {res.num_blocks} blocks failed: {res.error}") from res.error
+
+
+def _wait_all_results(load: _InStepLoad, results: list[CopyResult], stream) -> None:
+    """Make ``stream`` wait for every group of one KV cache group's copy (they land in order: the last suffices)."""
     try:
-        load.results[-1].wait_on(stream)
+        results[-1].wait_on(stream)
     except CopyLaunchError as exc:
         load.error = exc
 

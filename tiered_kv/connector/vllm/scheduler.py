@@ -20,6 +20,17 @@ GPU source blocks are protected without delaying vLLM's frees: a store job is on
 out if none of its blocks was re-allocated since the store was planned, and a block that is
 re-allocated while a job still reads or writes it puts that job in the next plan's fences.
 
+Hybrid models (several KV cache groups, ``Geometry.groups``): a chunk is still one key, named
+by the block hash at its last token (which chains the whole prefix, so it covers every group);
+its record holds, per group, the blocks a hit at a chunk boundary reads (full attention and
+MLA: all; sliding window: the window's tail; Mamba: the state at the boundary). A job's GPU
+ids per item are the groups' stored blocks in group order (``Geometry.slot_blocks``), -1 for
+a block to leave alone. vLLM frees a running request's out-of-window blocks without telling
+the connector, so table entries re-allocated since are zeroed before any store reads them.
+With several groups vLLM takes no per-block load errors, so every load comes from a ready
+CPU copy (disk hits are promoted to the CPU tier first; ``match`` answers "ask again" while
+they move) and the worker falls back to a plain copy rather than report a block.
+
 Threading contract: every method runs on vLLM's scheduler thread (EngineCore); not
 thread-safe and needs no lock. No torch, no I/O (DESIGN invariant 7) except opening the
 disk index read-only once at start-up to adopt what a previous engine stored.
@@ -93,15 +104,18 @@ class JobReport:
 class _Req:
     request: object  # vllm.v1.request.Request
     keys: list[bytes] = field(default_factory=list)  # chunk keys, computed lazily
-    block_ids: list[int] = field(default_factory=list)
+    tables: list[list[int]] = field(default_factory=list)  # GPU block ids per group (0: none / freed)
     stored: int = 0  # leading chunks already offered to the store
-    lookup: tuple[int, int, int] = (0, 0, 0)  # (first chunk, chunks, blocks of the first chunk held locally)
+    lookup: tuple[int, int, int] = (0, 0, 0)  # (first chunk, chunks, tokens held locally)
+    hit_keys: list[bytes] = field(default_factory=list)  # the keys the last match would load
     sync: bool = False  # the last match is loaded inside the step (all chunks in the CPU tier)
+    promoting: int = 0  # handle of a disk->CPU promotion this request waits for (several groups)
+    promoted: bool = False  # its promotion ran: take what the CPU tier holds now
 
 
 @dataclass
 class _Put:
-    gpu: list[int]  # chunk_blocks GPU block ids per item, flat
+    gpu: list[int]  # Geometry.slot_blocks GPU block ids per item, flat
     step: int  # the step the source blocks were last known to hold this KV
 
 
@@ -122,6 +136,9 @@ class PlannerCounters:
     failed_load_blocks: int = 0
     bytes_loaded: int = 0
     bytes_stored: int = 0
+    promotions: int = 0  # disk hits moved to the CPU tier before loading (several groups)
+    stale_blocks_dropped: int = 0  # table entries vLLM re-allocated before a store read them
+    chunks_not_storable: int = 0  # chunks skipped: a block a hit needs was already freed
 
 
 class SchedulerPlanner:
@@ -132,17 +149,37 @@ class SchedulerPlanner:
         self.cfg, self.geo = cfg, geo
         self.bs = geo.block_size
         self.k = geo.chunk_blocks
+        self.w = geo.slot_blocks  # GPU ids per item of a job
+        self.chunk = geo.chunk_tokens
+        self._hashes_per_chunk = geo.chunk_tokens // geo.hash_block_size
+        self._groups = geo.groups
+        # one full-attention (or MLA) group: the single-group code paths, unchanged
+        self._single = len(geo.groups) == 1 and geo.groups[0].kind in ("full", "mla")
+        self._mamba = geo.has_mamba
+        # sliding-window groups lose blocks mid-request: watch table entries for re-allocation
+        self._swa = [i for i, g in enumerate(geo.groups) if g.kind == "swa"]
         specs = [TierSpec("cpu", cpu_chunks)]
         if disk_chunks:
             specs.append(TierSpec("disk", disk_chunks, slotted=False))
-        self.chain = TierChain(specs, cfg.eviction, PlacementPolicy(cfg.write_policy, cfg.promote_on_hit))
+        write_policy = cfg.write_policy
+        if disk_chunks and write_policy == "write_back" and any(g.kind in ("swa", "mamba") for g in geo.groups):
+            # write-back makes a store wait for a demotion when the CPU tier is full, and vLLM re-uses
+            # sliding-window and Mamba blocks within a step or two: the store would be dropped. With
+            # write-through CPU copies are clean, so room is made at once; in steady state (CPU full)
+            # both write each chunk to disk once.
+            log.info("TieredKVConnector: hybrid model with a disk tier: write_through instead of write_back "
+                     "(sliding-window and Mamba blocks do not live long enough to wait for a demotion)")
+            write_policy = "write_through"
+        self.chain = TierChain(specs, cfg.eviction, PlacementPolicy(write_policy, cfg.promote_on_hit))
         self.key = ns.key  # prefix and keyed hasher cached on the namespace
         self.counters = PlannerCounters()
         self._step = 0
         self._reqs: dict[str, _Req] = {}
         self._storing: dict[str, _Req] = {}  # requests with prompt chunks still to store (eager)
+        self._owner: dict[int, tuple[_Req, int, int]] = {}  # sliding-window GPU block -> (request, group, position)
         self._puts: dict[int, _Put] = {}
         self._gets: dict[int, list[int]] = {}  # handle -> its items' GPU ids, flat
+        self._promotions: dict[int, _Req] = {}  # prefetch handle -> the request waiting for it
         self._handle_ids = iter(range(1, 1 << 62))
         self._early: list[TransferJob] = []
         self._stores: list[TransferJob] = []
@@ -173,54 +210,165 @@ class SchedulerPlanner:
         return st
 
     def _chunk_keys(self, st: _Req, upto: int) -> list[bytes]:
-        """Keys of chunks ``[0, upto)``: chunk c is named by the hash of its last block (which chains the prefix)."""
+        """Keys of chunks ``[0, upto)``: chunk c is named by the hash at its last token (which chains the prefix)."""
         keys = st.keys
         if len(keys) < upto:
             hashes = st.request.block_hashes
-            k = self.k
-            keys.extend(self.key(hashes[(c + 1) * k - 1]) for c in range(len(keys), upto))
+            m = self._hashes_per_chunk
+            keys.extend(self.key(hashes[(c + 1) * m - 1]) for c in range(len(keys), upto))
         return keys
 
-    def _gpu_ids(self, block_ids: Sequence[int], c0: int, n: int, skip: int = 0) -> list[int]:
-        """GPU block ids of chunks ``[c0, c0+n)``, flat; the first ``skip`` are -1 (held locally already)."""
-        k = self.k
-        out = list(block_ids[c0 * k:(c0 + n) * k])
-        if skip and out:
-            out[:skip] = [-1] * skip
+    def _state_key(self, st: _Req, c: int) -> bytes:
+        """Mamba hybrids: the key of chunk c's record when it also holds the recurrent state at the chunk's end."""
+        return self.key(bytes(st.request.block_hashes[(c + 1) * self._hashes_per_chunk - 1]) + b"|state")
+
+    def _tables(self, block_ids) -> list[list[int]]:
+        """Our groups' block-id lists out of one of vLLM's per-group tuples."""
+        return [list(block_ids[g.index]) for g in self._groups]
+
+    def _load_ids(self, tables: list[list[int]], c0: int, n: int, local: int) -> list[int]:
+        """GPU ids a load of chunks ``[c0, c0+n)`` fills, ``slot_blocks`` per chunk; -1: leave alone.
+
+        ``local``: tokens vLLM holds already. Several groups: a block is filled only where a hit
+        at the boundary ``(c0+n)`` reads it (the window's tail, the state at the end); vLLM
+        allocates nothing else there (null blocks), which is checked.
+        """
+        if self._single:
+            k = self.k
+            out = list(tables[0][c0 * k:(c0 + n) * k])
+            skip = local // self.bs - c0 * k
+            if skip > 0 and out:
+                out[:skip] = [-1] * skip
+            return out
+        out: list[int] = []
+        last = c0 + n - 1
+        for c in range(c0, c0 + n):
+            for g, table in zip(self._groups, tables):
+                k, bs = g.chunk_blocks, g.block_size
+                for j in range(k):
+                    pos = c * k + j
+                    b = table[pos] if pos < len(table) else 0
+                    fresh = b != 0 and (pos + 1) * bs > local
+                    wanted = j >= g.first_needed and (g.kind != "mamba" or c == last)
+                    if fresh and not wanted:
+                        raise RuntimeError(
+                            f"TieredKVConnector: vLLM allocated block {b} of KV cache group {g.index} ({g.kind}) at "
+                            f"position {pos} for an external hit ending at token {(last + 1) * self.chunk}, where "
+                            f"the stored chunks hold nothing for it; this vLLM version allocates hits differently")
+                    if j >= g.first_stored:
+                        out.append(b if fresh else -1)
         return out
 
+    def _store_ids(self, tables: list[list[int]], c: int, state: bool) -> tuple[list[int], bool, bool]:
+        """GPU ids a store of chunk c reads (``slot_blocks``; -1 = none), whether every block a hit
+        needs is there, and whether the Mamba state at the chunk's end is among them (``state``:
+        a step ended exactly there, so the state block holds it)."""
+        out: list[int] = []
+        complete = True
+        states: list[int] = []  # positions in ``out`` of the Mamba state blocks
+        for g, table in zip(self._groups, tables):
+            k = g.chunk_blocks
+            for j in range(g.first_stored, k):
+                b = table[c * k + j]
+                if g.kind == "mamba":
+                    if state and b:
+                        states.append(len(out))
+                    out.append(b if state and b else -1)
+                elif b:
+                    out.append(b)
+                else:
+                    out.append(-1)
+                    complete = complete and j < g.first_needed
+        has_state = bool(states) and len(states) == sum(1 for g in self._groups if g.kind == "mamba")
+        if not has_state:
+            for i in states:
+                out[i] = -1
+        return out, complete, has_state
+
     # ------------------------------------------------------------------ lookups and loads
-    def match(self, request, num_computed_tokens: int) -> int:
-        """Tokens beyond ``num_computed_tokens`` that can be loaded asynchronously (0 if none)."""
+    def match(self, request, num_computed_tokens: int) -> int | None:
+        """Tokens beyond ``num_computed_tokens`` that can be loaded (0 if none; None: ask again next step)."""
         self.counters.lookups += 1
-        bs, k = self.bs, self.k
+        bs, chunk = self.bs, self.chunk
         if num_computed_tokens % bs:
             return 0
-        c0, skip = divmod(num_computed_tokens // bs, k)
-        # n-1 rule: leave at least one prompt token to compute
-        usable = min(len(request.block_hashes), (request.num_tokens - 1) // bs) // k - c0
+        c0 = num_computed_tokens // chunk
+        # n-1 rule: leave at least one prompt token to compute. It caps the lookup itself (not the
+        # answer), so a sliding window or a Mamba state is only ever taken at the boundary it was stored for.
+        usable = min(len(request.block_hashes) * self.geo.hash_block_size, request.num_tokens - 1) // chunk - c0
         if usable <= 0:
             return 0
         st = self._state(request)
         st.sync = False
-        index = self.chain.index
-        where: list[int] = []
-        for c in range(c0, c0 + usable):
-            e = index.get(self._chunk_keys(st, c + 1)[c])  # keys made lazily: a miss stops the walk
-            best = None if e is None else e.best()
-            if best is None:
-                break
-            where.append(best)
+        if st.promoting:
+            return None  # its disk chunks are still moving up to the CPU tier
+        keys, where = self._walk(st, c0, usable)
         n = self._worth_loading(where)
-        blocks = n * k - skip
+        if self._mamba:
+            n = self._end_at_state(st, keys, where, c0, n)
         log.debug("match %s: computed %d, %d of %d chunks held %s, %d worth loading", request.request_id,
                   num_computed_tokens, len(where), usable, where[:4], n)
-        if n == 0 or blocks < self.cfg.min_hit_blocks:
+        if n and not self.geo.block_level_errors and any(t != CPU for t in where[:n]):
+            if not st.promoted:  # several groups: load only from the CPU tier, so a bad disk record is a plain miss
+                # no more than the CPU tier holds, or the last promotions would evict the first
+                self._promote(st, keys[:min(n, self.chain.specs[CPU].capacity)])
+                return None
+            n = next(i for i, t in enumerate(where) if t != CPU)
+            if self._mamba:
+                n = self._end_at_state(st, keys, where, c0, n)
+        tokens = (c0 + n) * chunk - num_computed_tokens
+        if n == 0 or tokens // bs < self.cfg.min_hit_blocks:
             return 0
-        st.lookup = (c0, n, skip)
-        st.sync = (self.cfg.load_mode != "async" and blocks * bs <= self.cfg.sync_max_tokens
+        st.lookup = (c0, n, num_computed_tokens)
+        st.hit_keys = keys[:n]
+        st.sync = (self.cfg.load_mode != "async" and tokens <= self.cfg.sync_max_tokens
                    and all(t == CPU for t in where[:n]))
-        return blocks * bs
+        return tokens
+
+    def _walk(self, st: _Req, c0: int, usable: int) -> tuple[list[bytes], list[int]]:
+        """Keys and fastest tiers of the leading run of held chunks from c0 (keys made lazily: a miss stops)."""
+        index = self.chain.index
+        keys: list[bytes] = []
+        where: list[int] = []
+        for c in range(c0, c0 + usable):
+            key = self._chunk_keys(st, c + 1)[c]
+            e = index.get(key)
+            best = None if e is None else e.best()
+            if self._mamba:  # a chunk's record may exist with the state at its end, without it, or both
+                skey = self._state_key(st, c)
+                es = index.get(skey)
+                sbest = None if es is None else es.best()
+                if best is None or (sbest is not None and sbest <= best):
+                    key, best = skey, sbest
+            if best is None:
+                break
+            keys.append(key)
+            where.append(best)
+        return keys, where
+
+    def _end_at_state(self, st: _Req, keys: list[bytes], where: list[int], c0: int, n: int) -> int:
+        """Mamba hybrids: cut a hit of n chunks back to the last chunk whose record holds the state at its
+        end, and name that chunk by its state key (earlier chunks may be either record)."""
+        index = self.chain.index
+        for i in range(n - 1, -1, -1):
+            e = index.get(self._state_key(st, c0 + i))
+            best = None if e is None else e.best()
+            if best is not None:
+                keys[i], where[i] = self._state_key(st, c0 + i), best
+                return i + 1
+        return 0
+
+    def _promote(self, st: _Req, keys: list[bytes]) -> None:
+        """Start moving a hit's disk chunks up to the CPU tier; ``match`` answers "ask again" until done."""
+        hid = next(self._handle_ids)
+        got, jobs = self.chain.prefetch(keys, CPU, hid)
+        st.promoting = hid
+        self._promotions[hid] = st
+        self.counters.promotions += 1
+        log.debug("request %s: promoting %d of %d chunks to the CPU tier before loading", st.request.request_id,
+                  sum(1 for j in jobs if j.dst_tier == CPU), got)
+        self._route(jobs)
+        self._drain_finished()
 
     def load_async(self, request) -> bool:
         """Whether the hit the last ``match`` of ``request`` found loads between steps (else inside the step)."""
@@ -247,21 +395,26 @@ class SchedulerPlanner:
         self.counters.disk_hits_declined += 1
         return n_cpu
 
-    def allocated(self, request, block_ids: Sequence[int], num_external_tokens: int) -> None:
-        """vLLM allocated ``block_ids`` (all of the request's blocks) after a hit of ``num_external_tokens``."""
+    def allocated(self, request, block_ids, num_external_tokens: int) -> None:
+        """vLLM allocated ``block_ids`` (all of the request's blocks, one list per KV cache group) after a
+        hit of ``num_external_tokens``."""
         st = self._state(request)
         if num_external_tokens <= 0:
             return
-        c0, n, skip = st.lookup
-        n = min(n, (num_external_tokens // self.bs + skip) // self.k)
-        gpu = self._gpu_ids(block_ids, c0, n, skip)
-        keys = self._chunk_keys(st, c0 + n)[c0:c0 + n]
+        c0, n, local = st.lookup
+        n = min(n, (local + num_external_tokens) // self.chunk - c0)
+        gpu = self._load_ids(self._tables(block_ids), c0, n, local)
+        keys = st.hit_keys[:n]
         hid = next(self._handle_ids)
         self._gets[hid] = gpu
         got, jobs = self.chain.get(keys, hid)
         rid = request.request_id
         if got < n:  # a chunk vanished since the lookup: report its blocks, vLLM recomputes from there
-            lost = [g for g in gpu[got * self.k:] if g >= 0]
+            lost = [g for g in gpu[got * self.w:] if g >= 0]
+            if not self.geo.block_level_errors:  # vLLM calls match and this back to back: cannot happen
+                raise RuntimeError(f"TieredKVConnector: {n - got} chunk(s) of request {rid} vanished between "
+                                   f"the lookup and the load; with several KV cache groups vLLM takes no block "
+                                   f"errors")
             if st.sync:
                 self._sync_fail.extend(lost)
             else:
@@ -277,9 +430,9 @@ class SchedulerPlanner:
         else:
             self._loads.setdefault(rid, []).extend(j.job_id for j in loads)
         self.counters.load_jobs += len(loads)
-        k = self.k
+        chunk = self.chunk
         for j in loads:
-            tokens = sum(1 for i in j.dst_slots for g in gpu[i * k:(i + 1) * k] if g >= 0) * self.bs
+            tokens = sum(chunk - max(0, min(chunk, local - (c0 + i) * chunk)) for i in j.dst_slots)
             if j.src_tier == CPU:
                 self.counters.hit_tokens_cpu += tokens
             else:
@@ -302,31 +455,39 @@ class SchedulerPlanner:
         # request's finish) are checked against re-allocations: record those only while any exist.
         self._watching = bool(self._stores or self._finish_puts or self.chain.waiting())
         storing = self._storing if eager else {}
+        cached = scheduler_output.scheduled_cached_reqs
+        single = self._single
+        if not single:  # first every block handed out this step: stale table entries go before a store reads them
+            for new in scheduler_output.scheduled_new_reqs:
+                self._allocated_now(new.block_ids, step, fences)
+            for new_ids in cached.new_block_ids:
+                if new_ids is not None:
+                    self._allocated_now(new_ids, step, fences)
         for new in scheduler_output.scheduled_new_reqs:
-            ids = new.block_ids[0]
-            self._allocated_now(ids, step, fences)
+            if single:
+                self._allocated_now(new.block_ids, step, fences)
             st = self._reqs.get(new.req_id)
             if st is None or not eager:
                 continue
-            st.block_ids = list(ids)
+            self._set_tables(st, self._tables(new.block_ids))
             storing[new.req_id] = st
-            self._plan_store(st, new.num_computed_tokens + scheduled.get(new.req_id, 0), keys_out, gpu_out)
-        cached = scheduler_output.scheduled_cached_reqs
+            end = new.num_computed_tokens + scheduled.get(new.req_id, 0)
+            self._plan_store(st, end, keys_out, gpu_out)
         resumed = _resumed_ids(cached) if cached.req_ids else set()
         # Decode steps list every running request: keep the per-request work to a lookup unless the
         # request still has chunks to store (prompt-only stores finish with the prefill).
         for i, rid in enumerate(cached.req_ids):
             new_ids = cached.new_block_ids[i]
-            if new_ids is not None and new_ids[0]:
-                self._allocated_now(new_ids[0], step, fences)
+            if single and new_ids is not None and new_ids[0]:
+                self._allocated_now(new_ids, step, fences)
             st = storing.get(rid)
             if st is None:
                 continue
             if new_ids is not None:
                 if rid in resumed:
-                    st.block_ids = list(new_ids[0])
+                    self._set_tables(st, self._tables(new_ids))
                 else:
-                    st.block_ids.extend(new_ids[0])
+                    self._extend_tables(st, new_ids)
             self._plan_store(st, cached.num_computed_tokens[i] + scheduled.get(rid, 0), keys_out, gpu_out)
         self._put(keys_out, gpu_out, step)
         if self._finish_puts:  # planned when their requests finished, i.e. in an earlier step
@@ -356,27 +517,104 @@ class SchedulerPlanner:
         self.counters.store_chunks += len(keys)
         self._route(self.chain.put(keys, hid))
 
-    def _allocated_now(self, ids: list[int], step: int, fences: set[int]) -> None:
-        if self._watching:  # only stores planned in an earlier step need re-allocation dates
-            self._alloc_step.update(dict.fromkeys(ids, step))
-        busy = self._gpu_busy
-        if busy and not busy.keys().isdisjoint(ids):  # rare: checked at C speed first
-            hit = {busy[g] for g in ids if g in busy}
-            fences.update(hit)
-            self._fenced_jobs.update(hit)
+    def _allocated_now(self, block_ids, step: int, fences: set[int]) -> None:
+        """Blocks vLLM (re-)allocated this step, one list per KV cache group: fence in-flight jobs on them,
+        and zero the stale entries sliding-window tables still hold for them."""
+        for g in self._groups:
+            ids = block_ids[g.index]
+            if not ids:
+                continue
+            if self._watching:  # only stores planned in an earlier step need re-allocation dates
+                self._alloc_step.update(dict.fromkeys(ids, step))
+            busy = self._gpu_busy
+            if busy and not busy.keys().isdisjoint(ids):  # rare: checked at C speed first
+                hit = {busy[b] for b in ids if b in busy}
+                fences.update(hit)
+                self._fenced_jobs.update(hit)
+            owner = self._owner
+            if owner and not owner.keys().isdisjoint(ids):
+                for b in ids:
+                    o = owner.pop(b, None)
+                    if o is not None and o[0].tables[o[1]][o[2]] == b:
+                        o[0].tables[o[1]][o[2]] = 0  # vLLM freed it from that request and handed it on
+                        self.counters.stale_blocks_dropped += 1
+
+    def _set_tables(self, st: _Req, tables: list[list[int]]) -> None:
+        self._disown(st)
+        st.tables = tables
+        self._own(st, [0] * len(tables))
+
+    def _extend_tables(self, st: _Req, block_ids) -> None:
+        starts = [len(t) for t in st.tables]
+        for t, g in zip(st.tables, self._groups):
+            t.extend(block_ids[g.index])
+        self._own(st, starts)
+
+    def _own(self, st: _Req, starts: list[int]) -> None:
+        """Remember which request holds each sliding-window block not stored yet (see ``_allocated_now``)."""
+        for gi in self._swa:
+            table, k = st.tables[gi], self._groups[gi].chunk_blocks
+            owner = self._owner
+            for pos in range(max(starts[gi], st.stored * k), len(table)):
+                b = table[pos]
+                if b:
+                    owner[b] = (st, gi, pos)
+
+    def _disown(self, st: _Req) -> None:
+        owner = self._owner
+        if not owner:
+            return
+        for gi in self._swa:
+            if gi < len(st.tables):
+                for b in st.tables[gi]:
+                    o = owner.get(b)
+                    if o is not None and o[0] is st:
+                        del owner[b]
 
     def _plan_store(self, st: _Req, computed: int, keys_out: list[bytes], gpu_out: list[int]) -> None:
+        """Plan stores of the chunks ``st`` completed up to token ``computed`` (this step's end)."""
         req = st.request
+        end = computed
         if not self.cfg.store_decode_tokens:
             computed = min(computed, req.num_prompt_tokens)
-        n = min(computed // self.bs, len(req.block_hashes), len(st.block_ids)) // self.k
-        if n > st.stored:
-            keys = self._chunk_keys(st, n)
-            keys_out.extend(keys[st.stored:n])
-            gpu_out.extend(st.block_ids[st.stored * self.k:n * self.k])
-            st.stored = n
-        if not self.cfg.store_decode_tokens and st.stored >= req.num_prompt_tokens // self.bs // self.k:
-            self._storing.pop(req.request_id, None)  # every prompt chunk offered: stop tracking its table
+        if self._single:
+            block_ids = st.tables[0]
+            n = min(computed // self.bs, len(req.block_hashes), len(block_ids)) // self.k
+            if n > st.stored:
+                keys = self._chunk_keys(st, n)
+                keys_out.extend(keys[st.stored:n])
+                gpu_out.extend(block_ids[st.stored * self.k:n * self.k])
+                st.stored = n
+        else:
+            chunk = self.chunk
+            n = min(computed // chunk, len(req.block_hashes) // self._hashes_per_chunk,
+                    *(len(t) // g.chunk_blocks for t, g in zip(st.tables, self._groups)))
+            if n > st.stored:
+                keys = self._chunk_keys(st, n)
+                for c in range(st.stored, n):
+                    self._offer(st, c, keys[c], end == (c + 1) * chunk, keys_out, gpu_out)
+                st.stored = n
+        if not self.cfg.store_decode_tokens and st.stored >= req.num_prompt_tokens // self.chunk:
+            if self._storing.pop(req.request_id, None) is not None:  # every prompt chunk offered
+                self._disown(st)
+
+    def _offer(self, st: _Req, c: int, key: bytes, state_at_end: bool, keys_out: list[bytes],
+               gpu_out: list[int], tables: list[list[int]] | None = None) -> None:
+        """Several groups: add chunk c to a store if every block a hit needs is still there."""
+        ids, complete, has_state = self._store_ids(tables or st.tables, c, state_at_end)
+        index = self.chain.index
+        if self._mamba:
+            skey = self._state_key(st, c)
+            if has_state:
+                key = skey
+            elif skey in index:
+                return  # the record with the state serves this chunk too
+        if not complete:
+            if key not in index:
+                self.counters.chunks_not_storable += 1
+            return
+        keys_out.append(key)
+        gpu_out.extend(ids)
 
     def _valid_stores(self) -> list[TransferJob]:
         """Stores whose GPU source blocks were not re-allocated since planned; the rest fail now."""
@@ -388,7 +626,7 @@ class SchedulerPlanner:
             ids = self._ext[job.job_id]
             # a store planned in this step reads blocks computed in this step: valid by construction
             if put is not None and (put.step == self._step or all(alloc.get(g, 0) <= put.step for g in ids)):
-                self._track(job.job_id, ids)
+                self._track(job.job_id, ids if self._single else [g for g in ids if g >= 0])
                 out.append(job)
                 continue
             self.counters.stores_dropped_reused += len(job)
@@ -414,7 +652,7 @@ class SchedulerPlanner:
 
     def _items(self, gpu: list[int], items: list[int]) -> list[int]:
         """The flat GPU ids of ``items`` (indices into a handle's keys), in item order."""
-        k = self.k
+        k = self.w
         if items and len(items) * k == len(gpu) and items[0] == 0 and items[-1] == len(items) - 1:
             return gpu  # the whole handle in order: the common case, no copy
         out: list[int] = []
@@ -438,6 +676,10 @@ class SchedulerPlanner:
         for hid, _ in self.chain.take_finished():
             self._puts.pop(hid, None)
             self._gets.pop(hid, None)
+            st = self._promotions.pop(hid, None)
+            if st is not None:  # its next match takes what the CPU tier holds now
+                st.promoting = 0
+                st.promoted = True
 
     # ------------------------------------------------------------------ completions
     def apply_reports(self, reports: dict[int, JobReport]) -> None:
@@ -481,22 +723,38 @@ class SchedulerPlanner:
         self._route(self.chain.complete(Completion(job_id, rep.ok, rep.corrupt, rep.nbytes, rep.seconds)))
 
     # ------------------------------------------------------------------ lifecycle
-    def finished(self, request, block_ids: Sequence[int]) -> None:
-        """A request finished (or was aborted): forget it; with ``on_finish`` stores, plan its chunks."""
+    def finished(self, request, block_ids) -> None:
+        """A request finished (or was aborted): forget it; with ``on_finish`` stores, plan its chunks.
+
+        ``block_ids``: one list per KV cache group, as vLLM frees them (0 where a sliding window
+        or a Mamba group already let a block go).
+        """
         st = self._reqs.pop(request.request_id, None)
         self._storing.pop(request.request_id, None)
+        if st is not None:
+            self._disown(st)
         if st is None or self.cfg.store_policy != "on_finish":
             return
         computed = request.num_computed_tokens
         if not self.cfg.store_decode_tokens:
             computed = min(computed, request.num_prompt_tokens)
-        n = min(computed // self.bs, len(request.block_hashes), len(block_ids)) // self.k
-        if n > st.stored:
-            keys = self._chunk_keys(st, n)
+        tables = self._tables(block_ids)
+        if self._single:
+            ids = tables[0]
+            n = min(computed // self.bs, len(request.block_hashes), len(ids)) // self.k
+            keys = self._chunk_keys(st, n)[st.stored:n]
+            gpu = ids[st.stored * self.k:n * self.k]
+        else:
+            n = min(computed // self.chunk, len(request.block_hashes) // self._hashes_per_chunk,
+                    *(len(t) // g.chunk_blocks for t, g in zip(tables, self._groups)))
+            keys, gpu = [], []
+            all_keys = self._chunk_keys(st, n)
+            for c in range(st.stored, n):  # only chunks whose needed blocks are still held
+                self._offer(st, c, all_keys[c], False, keys, gpu, tables)
+        if keys:
             # vLLM frees the blocks now: the store stays valid only while they are not re-allocated
             # after this step, which _valid_stores checks
-            self._finish_puts.append((keys[st.stored:n], list(block_ids[st.stored * self.k:n * self.k]),
-                                      self._step))
+            self._finish_puts.append((keys, gpu, self._step))
 
     def has_pending_work_to_ship(self) -> bool:
         """True while planned jobs wait for the next plan (in-flight jobs do not count: no busy stepping)."""
@@ -530,6 +788,7 @@ class SchedulerPlanner:
         out.update({
             "inflight_jobs": c.inflight(), "pinned": c.pinned(), "waiting": c.waiting(),
             "gpu_blocks_busy": len(self._gpu_busy), "tracked_requests": len(self._reqs) + len(self._storing),
+            "tracked_window_blocks": len(self._owner), "promotions_pending": len(self._promotions),
             "open_puts": len(self._puts), "open_gets": len(self._gets), "unshipped_ext": len(self._ext),
             "resident_cpu": c.resident(CPU), "resident_disk": c.resident(DISK) if c.num_tiers > 1 else 0,
             "disk_gbps_estimate": round(self._disk_gbps, 3),

@@ -13,6 +13,19 @@ A completed job is reported once, in the next ``poll``: its per-item outcome goe
 planner (``JobReport``), a request whose loads all finished goes into ``finished_recving``,
 and GPU blocks a load could not fill go into the load-error set (vLLM then recomputes them).
 
+Hybrid models (several KV cache groups): each group has its own ``KVLayout`` over its layers and
+its own ``BlockCopier``; the CPU slab is split into one *plane* per group (plane g holds
+``stored_g`` block rows per chunk slot, ``slab_planes``), so a chunk slot is the group planes'
+rows and a disk record is those rows concatenated (``gather_records`` / ``scatter_records``).
+With one group plane 0 is the whole slab and a record is a slab row, as before. vLLM takes no
+per-block load errors with several groups: a load whose batched copy cannot start falls back
+to a plain torch copy, and one that still fails stops the worker rather than serve wrong KV.
+
+Replicated caches (MLA with TP, ``Geometry.replicated``): one ``SharedSlab`` and one disk
+directory serve every rank; rank 0 runs every job that writes a host or disk copy (stores,
+demotions, promotions, deletes), the other ranks acknowledge those at once, and every rank
+loads into its own GPU.
+
 In-step loads (``StepPlan.sync``: CPU-tier hits vLLM scheduled in this very step) do not go
 through the front mover: ``before_forward`` registers each as a job and hands its copy to the
 rank's ``InStepLoader`` (``in_step.py``: layer groups submitted on vLLM's thread, per-layer GPU
@@ -39,7 +52,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tiered_kv.copy import BackendUnavailableError, BlockCopier, Mechanism, allocate_slab, vllm_layer_layout
+from tiered_kv.copy import (
+    BackendUnavailableError,
+    BlockCopier,
+    CopyLaunchError,
+    KVLayout,
+    Mechanism,
+    allocate_slab,
+    vllm_layer_layout,
+)
 from tiered_kv.errors import ConfigError
 from tiered_kv.values.keys import Namespace
 from tiered_kv.tiers.cpu import CpuTier
@@ -48,6 +69,7 @@ from tiered_kv.movers.mover import Mover
 from tiered_kv.connector.vllm.config import ConnectorConfig, Geometry, disk_slot_nbytes, rank_disk_dir
 from tiered_kv.connector.vllm.in_step import InStepLoader
 from tiered_kv.connector.vllm.scheduler import CPU, DISK, JobReport, StepPlan
+from tiered_kv.connector.vllm.shared_slab import SharedSlab
 
 if TYPE_CHECKING:
     from tiered_kv.tiers.disk import DiskTier
@@ -57,6 +79,44 @@ log = logging.getLogger(__name__)
 _FRONT_KINDS = (JobKind.INGRESS, JobKind.EGRESS)
 #: How long a fence lets a queued store start before cancelling it (most are next in line).
 FENCE_PATIENCE_S = 0.002
+#: What a batched copy raises when it cannot start or finish (several groups: retried as a plain copy)
+_COPY_ERRORS = (BackendUnavailableError, CopyLaunchError, RuntimeError)
+
+
+def slab_planes(slab: torch.Tensor, sections: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """Split a ``(slots, row_bytes)`` slab into one block-row plane per group.
+
+    ``sections[g] = (blocks, block_bytes)``: plane g is ``(slots * blocks, block_bytes)``, block j
+    of slot s at row ``s * blocks + j``. One group: plane 0 is the slab viewed as block rows.
+    """
+    flat = slab.view(-1)
+    slots = slab.shape[0]
+    planes, off = [], 0
+    for blocks, nbytes in sections:
+        size = slots * blocks * nbytes
+        planes.append(flat[off:off + size].view(slots * blocks, nbytes))
+        off += size
+    return planes
+
+
+def gather_records(planes: list[torch.Tensor], sections: list[tuple[int, int]], slots) -> torch.Tensor:
+    """The records of slab slots ``slots``: each group's rows of a slot, concatenated, one row per slot."""
+    if len(planes) == 1:
+        return planes[0].view(-1, sections[0][0] * sections[0][1])[slots]
+    return torch.cat([p.view(-1, b * n)[slots] for p, (b, n) in zip(planes, sections)], dim=1)
+
+
+def scatter_records(planes: list[torch.Tensor], sections: list[tuple[int, int]], slots, rows: torch.Tensor) -> None:
+    """Write records ``rows`` (one per slot) into slab slots ``slots``, group by group."""
+    off = 0
+    for p, (b, n) in zip(planes, sections):
+        p.view(-1, b * n)[slots] = rows[:, off:off + b * n]
+        off += b * n
+
+
+def _layer_tensors(kv) -> list[torch.Tensor]:
+    """One layer's KV tensors as vLLM registers them: a tensor, or a list of state tensors (Mamba)."""
+    return list(kv) if isinstance(kv, (list, tuple)) else [kv]
 
 
 @dataclass
@@ -84,24 +144,36 @@ class WorkerCounters:
     stores_cancelled: int = 0
     sync_loads: int = 0
     sync_load_groups: int = 0
+    plain_copy_fallbacks: int = 0  # several groups: batched copies retried as plain torch copies
+    acked_for_rank0: int = 0  # replicated caches: jobs rank 0 runs for every rank, acknowledged here
 
 
 class WorkerRuntime:
     """One TP rank's tiers, movers and job bookkeeping; in-step copies go through its ``InStepLoader``."""
 
     def __init__(self, cfg: ConnectorConfig, geo: Geometry, ns: Namespace, rank: int,
-                 cpu_chunks: int, disk_chunks: int) -> None:
+                 cpu_chunks: int, disk_chunks: int, shared_name: str | None = None) -> None:
         self.cfg, self.geo, self.rank = cfg, geo, rank
-        self.k = geo.chunk_blocks
+        self.k = geo.slot_blocks  # GPU ids per job item
         self.layout = geo.rank_layout(rank)  # one row = one chunk of this rank's share
-        self.cpu = CpuTier(self.layout, cpu_chunks * geo.rank_chunk_nbytes)
+        # replicated (MLA): one copy for every rank; rank 0 writes it, the others acknowledge
+        self.shared = geo.replicated and geo.tp_size > 1
+        self.writes_copies = not self.shared or rank == 0
+        self._name_released = not self.shared
+        if self.shared:
+            self.cpu = SharedSlab(shared_name or f"tkv-{ns.prefix.hex()[:16]}", cpu_chunks, geo.rank_chunk_nbytes,
+                                  rank, geo.tp_size)
+        else:
+            self.cpu = CpuTier(self.layout, cpu_chunks * geo.rank_chunk_nbytes)
+        self.sections = geo.sections
+        self.planes = slab_planes(self.cpu.slab, self.sections)
         self.disk: DiskTier | None = None
-        path = rank_disk_dir(cfg, ns, rank, geo.tp_size)
+        path = rank_disk_dir(cfg, ns, rank, geo.tp_size, geo.replicated)
         if path is not None and disk_chunks:
             from tiered_kv.tiers.disk import DiskTier  # lazily: needs lmdb and zstandard, a CPU-only setup does not
 
             self.disk = DiskTier(self.layout, path, disk_chunks * disk_slot_nbytes(geo), cfg.compression,
-                                 cfg.zstd_level, cfg.disk_sync)
+                                 cfg.zstd_level, cfg.disk_sync, writer=self.writes_copies)
         self.counters = WorkerCounters()
         self._lock = threading.Lock()
         self._completed: list[tuple[TransferJob, Completion]] = []
@@ -115,8 +187,9 @@ class WorkerRuntime:
         self._pending_fail: dict[str, list[int]] = {}
         self._plan: StepPlan | None = None
         self._early_done = self._stores_done = self._fenced = True
-        self.copier: BlockCopier | None = None
-        self._staging_copier: BlockCopier | None = None
+        self.copier: BlockCopier | None = None  # group 0's (the only one for most models)
+        self.copiers: list[BlockCopier] = []
+        self._staging_copiers: list[BlockCopier] = []
         # in-step loads, on vLLM's thread; None before ``register`` and with load_mode "async"
         # (the planner then plans none)
         self.in_step: InStepLoader | None = None
@@ -129,30 +202,52 @@ class WorkerRuntime:
 
     # ------------------------------------------------------------------ set-up
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Bind vLLM's per-layer KV tensors (``register_kv_caches``); checks the block size agrees."""
+        """Bind vLLM's per-layer KV tensors (``register_kv_caches``); checks each group's block size agrees."""
         missing = [n for n in self.geo.layer_names if n not in kv_caches]
         if missing:
             raise ConfigError(f"TieredKVConnector: register_kv_caches lacks layers {missing[:4]} of the KV cache "
-                              f"group ({len(missing)} missing)")
-        kv = vllm_layer_layout([kv_caches[n] for n in self.geo.layer_names], name="vllm")
-        if kv.block_nbytes != self.geo.rank_block_nbytes:
-            raise ConfigError(f"TieredKVConnector: a GPU block is {kv.block_nbytes} bytes on rank {self.rank} but "
-                              f"the KV cache spec says {self.geo.rank_block_nbytes}; unsupported KV layout")
-        self.kv = kv
-        self._cuda = kv.device.type == "cuda"
+                              f"groups ({len(missing)} missing)")
+        kvs = [self._group_layout(g, [t for n in g.layer_names for t in _layer_tensors(kv_caches[n])])
+               for g in self.geo.groups]
+        self.kvs = kvs
+        self.kv = kvs[0]
+        self._cuda = self.kv.device.type == "cuda"
         if self._cuda:
             self.cpu.wait_pinned()  # the copy path needs page-locked rows
-        # The copier addresses blocks: view each chunk row as k block rows.
-        self.copier = BlockCopier(kv, self.cpu.slab.view(-1, kv.block_nbytes))
-        if self.cfg.load_mode != "async":  # kv's tensor i is layer_names[i]
-            self.in_step = InStepLoader(kv, self.cpu.slab.view(-1, kv.block_nbytes), self.geo.layer_names, self.cfg,
-                                        self.rank)
-        staging = allocate_slab(self.cfg.staging_chunks * self.k, kv.block_nbytes, pin=self._cuda)
-        self._staging_copier = BlockCopier(kv, staging)
-        self._staging_rows = staging.view(self.cfg.staging_chunks, self.layout.nbytes)
-        log.info("TieredKVConnector rank %d: %d layers, %d B/block, %d-block chunks, %d CPU chunk slots, disk %s",
-                 self.rank, len(kv.tensors), kv.block_nbytes, self.k, self.cpu.capacity,
-                 self.disk.path if self.disk is not None else "off")
+        # The copiers address blocks: each group's plane holds its block rows.
+        self.copiers = [BlockCopier(kv, plane) for kv, plane in zip(kvs, self.planes)]
+        self.copier = self.copiers[0]
+        if self.cfg.load_mode != "async":
+            self.in_step = InStepLoader([(kv, plane, g.layer_names) for kv, plane, g in
+                                         zip(kvs, self.planes, self.geo.groups)], self.cfg, self.rank,
+                                        plain_fallback=not self.geo.block_level_errors)
+        staging = allocate_slab(self.cfg.staging_chunks, self.geo.rank_chunk_nbytes, pin=self._cuda)
+        self._staging_planes = slab_planes(staging, self.sections)
+        self._staging_copiers = [BlockCopier(kv, plane) for kv, plane in zip(kvs, self._staging_planes)]
+        self._staging_rows = staging
+        log.info("TieredKVConnector rank %d: %d group(s), %d layers, %d B per chunk, %d-block chunks, %d CPU chunk "
+                 "slots%s, disk %s", self.rank, len(kvs), sum(len(kv.tensors) for kv in kvs),
+                 self.geo.rank_chunk_nbytes, self.geo.chunk_blocks, self.cpu.capacity,
+                 " (shared by all ranks)" if self.shared else "", self.disk.path if self.disk is not None else "off")
+
+    def _group_layout(self, g, tensors: list[torch.Tensor]) -> KVLayout:
+        """The layout of one group's KV tensors, blocks indexed like vLLM's block table.
+
+        vLLM may cut each block into ``r`` kernel blocks for the attention backend (its tensors
+        then have ``r`` rows per block, adjacent in memory): ``r`` rows make one block here, so a
+        block's bytes (and a stored record) are the same as without the cut.
+        """
+        kv = vllm_layer_layout(tensors, name="vllm")
+        if kv.block_nbytes == g.block_nbytes:
+            return kv
+        ratio, rest = divmod(g.block_nbytes, kv.block_nbytes)
+        if ratio > 1 and not rest and all(t.shape[0] % ratio == 0 for t in tensors):
+            log.info("TieredKVConnector rank %d: KV cache group %d has %d kernel blocks per block", self.rank,
+                     g.index, ratio)
+            return KVLayout(tuple(tensors), block_dim=0, rows_per_block=ratio, name="vllm")
+        raise ConfigError(f"TieredKVConnector: a GPU block of KV cache group {g.index} ({g.kind}) is "
+                          f"{kv.block_nbytes} bytes on rank {self.rank} but the KV cache spec says "
+                          f"{g.block_nbytes}; unsupported KV layout")
 
     # ------------------------------------------------------------------ per step
     def on_plan(self, plan: StepPlan) -> None:
@@ -229,8 +324,7 @@ class WorkerRuntime:
                 if job.job_id in sync:  # a job like any other; only its copy is the loader's
                     with self._lock:
                         self._events[job.job_id] = threading.Event()
-                    gpu, slots = self._flat(job, job.src_slots)
-                    groups = in_step.start(job, gpu, slots, layerwise_ok, self._mechanism)
+                    groups = in_step.start(job, self._flat(job, job.src_slots), layerwise_ok, self._mechanism)
                     if groups:
                         c.sync_loads += 1
                         c.sync_load_groups += groups
@@ -274,6 +368,8 @@ class WorkerRuntime:
     def poll(self) -> PollResult:
         """Drain completed jobs into reports, finished loads and failed GPU blocks (``get_finished``)."""
         self.after_forward()
+        if self.shared and not self._name_released:  # every rank mapped the shared slab: drop its name
+            self._name_released = self.cpu.release_name()
         in_step = self.in_step
         if in_step is not None and in_step.loads:
             self._finish_in_step(in_step)
@@ -285,7 +381,14 @@ class WorkerRuntime:
         for job, c in done:
             out.reports[job.job_id] = JobReport(1, list(c.ok), list(c.corrupt), c.nbytes, c.seconds)
             ext = self._ext.pop(job.job_id, None)
-            if job.kind is JobKind.EGRESS and ext is not None:
+            if job.kind is JobKind.EGRESS and ext is not None and not all(c.ok):
+                if not self.geo.block_level_errors:
+                    # vLLM takes no block errors with several KV cache groups (0.26 crashes on them, 0.32
+                    # refuses them); the planner only loads from ready CPU copies and the copy already fell
+                    # back to plain torch copies: stop here rather than let vLLM compute on wrong KV
+                    raise RuntimeError(f"TieredKVConnector rank {self.rank}: load job {job.job_id} failed "
+                                       f"({len(c.ok) - sum(c.ok)} of {len(c.ok)} chunks) and vLLM cannot recompute "
+                                       f"blocks of a model with {len(self.geo.groups)} KV cache groups")
                 k = self.k
                 out.invalid_block_ids.update(g for i, ok in enumerate(c.ok) if not ok
                                              for g in ext[i * k:(i + 1) * k] if g >= 0)
@@ -326,9 +429,6 @@ class WorkerRuntime:
         n = len(job)
         ok, corrupt = [True] * n, [False] * n
         kind = job.kind
-        if kind is JobKind.DELETE:
-            self.disk.delete(job.keys)
-            return Completion(job.job_id, ok, corrupt)
         if kind is JobKind.INGRESS:
             with self._lock:
                 cancelled = job.job_id in self._cancelled
@@ -336,60 +436,115 @@ class WorkerRuntime:
                 self._queued_stores.pop(job.job_id, None)  # from here on a fence waits for it
             if cancelled:
                 return Completion(job.job_id, [False] * n, [False] * n, 0, time.perf_counter() - t0)
-            gpu, slots = self._flat(job, job.dst_slots)
-            self._copy(self.copier, job, gpu, slots, to_cpu=True)
+        if not self.writes_copies and kind is not JobKind.EGRESS:
+            # replicated cache: rank 0 writes the one host/disk copy every rank reads; the planner
+            # completes the job when rank 0's report (with the real outcome) arrives too
+            with self._lock:
+                self.counters.acked_for_rank0 += 1
+            return Completion(job.job_id, ok, corrupt, 0, time.perf_counter() - t0)
+        nbytes = None
+        if kind is JobKind.DELETE:
+            self.disk.delete(job.keys)
+            return Completion(job.job_id, ok, corrupt)
+        if kind is JobKind.INGRESS:
+            nbytes = self._copy(self.copiers, job, self._flat(job, job.dst_slots), to_cpu=True)
         elif kind is JobKind.EGRESS and job.src_tier == CPU:
-            gpu, slots = self._flat(job, job.src_slots)
-            self._copy(self.copier, job, slots, gpu, to_cpu=False)
+            nbytes = self._copy(self.copiers, job, self._flat(job, job.src_slots), to_cpu=False)
         elif kind is JobKind.EGRESS:
-            ok, corrupt = self._disk_to_gpu(job)
+            ok, corrupt, nbytes = self._disk_to_gpu(job)
         elif job.src_tier == CPU and job.dst_tier == DISK:  # DEMOTE, COPY_DOWN
-            ok = self.disk.write(job.keys, job.dst_slots, self.cpu.slab[job.src_slots])
+            ok = self.disk.write(job.keys, job.dst_slots, gather_records(self.planes, self.sections, job.src_slots))
         elif job.src_tier == DISK and job.dst_tier == CPU:  # PROMOTE
             rows = torch.empty((n, self.layout.nbytes), dtype=torch.uint8)
             ok, corrupt = self.disk.read(job.keys, job.src_slots, rows)
             good = [i for i in range(n) if ok[i]]
             if good:
-                self.cpu.slab[[job.dst_slots[i] for i in good]] = rows[good]
+                scatter_records(self.planes, self.sections, [job.dst_slots[i] for i in good], rows[good])
         else:
             raise ConfigError(f"job {job.job_id}: unexpected {kind.name} from tier {job.src_tier} to {job.dst_tier}")
         secs = time.perf_counter() - t0
-        nbytes = sum(ok) * self.layout.nbytes
+        if nbytes is None:  # a whole record per item
+            nbytes = sum(ok) * self.layout.nbytes
         log.debug("rank %d job %d %s %d->%d: %d items in %.1f ms (%.1f GB/s)", self.rank, job.job_id, kind.name,
                   job.src_tier, job.dst_tier, n, secs * 1e3, nbytes / secs / 1e9 if secs else 0.0)
         self._count(job, nbytes, secs, ok, corrupt)
         return Completion(job.job_id, ok, corrupt, nbytes, secs)
 
-    def _flat(self, job: TransferJob, chunk_slots: list[int], items=None) -> tuple[list[int], list[int]]:
-        """GPU block ids and block-row slots of ``job``'s items (all, or ``items``), skipping -1 blocks."""
+    def _flat(self, job: TransferJob, chunk_slots: list[int], items=None) -> list[tuple[list[int], list[int]]]:
+        """Per group: GPU block ids and plane rows of ``job``'s items (all, or ``items``), skipping -1 blocks."""
         with self._lock:
             ext = self._ext[job.job_id]
         k = self.k
-        gpu: list[int] = []
-        rows: list[int] = []
+        sections = self.sections
+        if len(sections) == 1:
+            gpu: list[int] = []
+            rows: list[int] = []
+            for i in (range(len(job)) if items is None else items):
+                base = chunk_slots[i] * k
+                for j, g in enumerate(ext[i * k:(i + 1) * k]):
+                    if g >= 0:
+                        gpu.append(g)
+                        rows.append(base + j)
+            return [(gpu, rows)]
+        out: list[tuple[list[int], list[int]]] = [([], []) for _ in sections]
         for i in (range(len(job)) if items is None else items):
-            base = chunk_slots[i] * k
-            for j, g in enumerate(ext[i * k:(i + 1) * k]):
-                if g >= 0:
-                    gpu.append(g)
-                    rows.append(base + j)
-        return gpu, rows
+            pos = i * k
+            for (gpu, rows), (blocks, _) in zip(out, sections):
+                base = chunk_slots[i] * blocks
+                for j, g in enumerate(ext[pos:pos + blocks]):
+                    if g >= 0:
+                        gpu.append(g)
+                        rows.append(base + j)
+                pos += blocks
+        return out
 
-    def _copy(self, copier: BlockCopier, job: TransferJob, src: list[int], dst: list[int], to_cpu: bool) -> None:
-        if not src:
-            return
+    def _copy(self, copiers: list[BlockCopier], job: TransferJob, parts: list[tuple[list[int], list[int]]],
+              to_cpu: bool) -> int:
+        """Copy each group's blocks (``parts[g]`` = GPU ids, plane rows) and wait; returns the bytes moved."""
         stream = self._wait_stream(job)
+        results = []
+        nbytes = 0
+        for copier, (gpu, rows) in zip(copiers, parts):
+            if not gpu:
+                continue
+            nbytes += len(gpu) * copier.layout.block_nbytes
+            src, dst = (gpu, rows) if to_cpu else (rows, gpu)
+            try:
+                results.append((copier, src, dst, self._start_copy(copier, src, dst, stream, to_cpu)))
+            except _COPY_ERRORS as exc:
+                if self.geo.block_level_errors:
+                    raise
+                self._plain_copy(copier, src, dst, to_cpu, exc)
+        for copier, src, dst, res in results:
+            try:
+                res.wait()
+            except _COPY_ERRORS as exc:
+                if self.geo.block_level_errors:
+                    raise
+                self._plain_copy(copier, src, dst, to_cpu, exc)
+        return nbytes
+
+    def _start_copy(self, copier: BlockCopier, src: list[int], dst: list[int], stream, to_cpu: bool):
         copy = copier.gpu_to_cpu if to_cpu else copier.cpu_to_gpu
         try:
-            res = copy(src, dst, stream=stream, mechanism=self._mechanism)
+            return copy(src, dst, stream=stream, mechanism=self._mechanism)
         except BackendUnavailableError as exc:
             if self._mechanism is not None:
                 raise
             # e.g. no cuda-python for the copy engine: the SM kernel (Triton, shipped with vLLM) still works
             log.warning("TieredKVConnector rank %d: %s; using the SM-kernel copy from now on", self.rank, exc)
             self._mechanism = Mechanism.SM_KERNEL
-            res = copy(src, dst, stream=stream, mechanism=self._mechanism)
-        res.wait()
+            return copy(src, dst, stream=stream, mechanism=self._mechanism)
+
+    def _plain_copy(self, copier: BlockCopier, src: list[int], dst: list[int], to_cpu: bool, exc) -> None:
+        """Several groups: redo a batched copy that failed as a plain torch copy (no per-block errors there)."""
+        log.warning("TieredKVConnector rank %d: batched copy failed (%s); retrying it as a plain copy", self.rank, exc)
+        with self._lock:
+            self.counters.plain_copy_fallbacks += 1
+        if to_cpu:
+            copier.copy_plain(src, dst, to_cpu=True)
+        else:
+            copier.copy_plain(dst, src, to_cpu=False)
 
     def _wait_stream(self, job: TransferJob):
         if not self._cuda:
@@ -403,22 +558,28 @@ class WorkerRuntime:
             stream.wait_event(ev)
         return stream
 
-    def _disk_to_gpu(self, job: TransferJob) -> tuple[list[bool], list[bool]]:
+    def _disk_to_gpu(self, job: TransferJob) -> tuple[list[bool], list[bool], int]:
         """Read records into the staging slab a few chunks at a time and load each batch into its GPU blocks."""
         n = len(job)
         ok, corrupt = [False] * n, [False] * n
         rows = self._staging_rows
         step = rows.shape[0]
+        nbytes = 0
+        one_group = len(self.sections) == 1
         for lo in range(0, n, step):
             hi = min(n, lo + step)
-            part_ok, part_bad = self.disk.read(job.keys[lo:hi], job.src_slots[lo:hi], rows[:hi - lo])
+            # one group: a record is a staging row; several: records are split into the groups' planes
+            into = rows[:hi - lo] if one_group else torch.empty((hi - lo, rows.shape[1]), dtype=torch.uint8)
+            part_ok, part_bad = self.disk.read(job.keys[lo:hi], job.src_slots[lo:hi], into)
             ok[lo:hi], corrupt[lo:hi] = part_ok, part_bad
             good = [lo + i for i in range(hi - lo) if part_ok[i]]
             if good:
+                if not one_group:
+                    rows_read = [i - lo for i in good]
+                    scatter_records(self._staging_planes, self.sections, rows_read, into[rows_read])
                 local = list(range(-lo, n - lo))  # staging row of item i is i - lo
-                gpu, slots = self._flat(job, local, good)
-                self._copy(self._staging_copier, job, slots, gpu, to_cpu=False)
-        return ok, corrupt
+                nbytes += self._copy(self._staging_copiers, job, self._flat(job, local, good), to_cpu=False)
+        return ok, corrupt, nbytes
 
     def _count(self, job: TransferJob, nbytes: int, secs: float, ok: list[bool], corrupt: list[bool]) -> None:
         c = self.counters
