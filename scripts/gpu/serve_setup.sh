@@ -49,6 +49,8 @@ import vllm
 import tiered_kv.connector.vllm.connector  # noqa: F401  (our connector, as vLLM will load it)
 print("vllm", vllm.__version__, "| tiered_kv connector imports")
 PYEOF
-[ "$lmc_rc" = 7 ] && echo "WARNING: LMCache's native CUDA ops did not bind (exit 7): lmcache modes would use its torch fallback"
-[ "$lmc_rc" = 9 ] && echo "WARNING: LMCache's native transfer disagreed with its torch fallback (exit 9): don't report lmcache"
+[ "$lmc_rc" = 7 ] && echo "WARNING: LMCache's native CUDA ops did not bind (exit 7): lmcache modes would use" \
+  "its torch fallback"
+[ "$lmc_rc" = 9 ] && echo "WARNING: LMCache's native transfer disagreed with its torch fallback (exit 9):" \
+  "don't report lmcache"
 exit "$lmc_rc"

@@ -506,7 +506,8 @@ def test_an_lmcache_start_on_its_torch_fallback_is_flagged(tmp_path, monkeypatch
     monkeypatch.setenv("FAKE_SERVE_SAY", "[2026-11-23 12:00:00] LMCache WARNING: lmcache.c_ops compiled extension "
                        "not found; CudaDeviceOps stays on the torch baseline for all ops.")
     out = tmp_path / "out"
-    serve_bench.main(SMALL_ARGS + ["--python", _fake_python(tmp_path), "--modes", "lmcache,none", "--out-dir", str(out)])
+    serve_bench.main(SMALL_ARGS + ["--python", _fake_python(tmp_path), "--modes", "lmcache,none",
+                                   "--out-dir", str(out)])
     starts = {s["mode"]: s for s in json.loads((out / "serve_bench_llama3-8b.json").read_text())["starts"]}
     assert starts["lmcache"]["status"] == "ok" and starts["lmcache"]["lmcache_native_ops"] is False
     assert "lmcache_native_ops" not in starts["none"]  # only LMCache's own warning counts, only for its modes
