@@ -79,16 +79,12 @@ class RemoteTier(Tier):
         rkeys = [self.redis_key(k) for k in keys]
         fp, n = self.layout.fingerprint, self.block_nbytes
 
-        def value_of(i: int) -> bytearray:  # runs on the node's thread: the copies spread over the nodes
+        def parts_of(i: int) -> tuple[bytes, memoryview]:  # header + a view of the row: sent with no copy
             row = rows[i]
             payload = memoryview((row if row.device.type == "cpu" else row.cpu()).contiguous().numpy()).cast("B")
-            value = bytearray(HEADER_LEN + n)
-            value[HEADER_LEN:] = payload
-            hdr = RecordHeader(CODEC_NONE, fp, 0, n, n, payload_checksum(payload))
-            value[:HEADER_LEN] = hdr.pack(rkeys[i])
-            return value
+            return RecordHeader(CODEC_NONE, fp, 0, n, n, payload_checksum(payload)).pack(rkeys[i]), payload
 
-        ok = self.client.set_many(rkeys, value_of)
+        ok = self.client.set_many(rkeys, parts_of)
         self.counters["write_failed"] += len(ok) - sum(ok)
         if self.publish_writes:
             publish(self.client, self.stream, [k for k, good in zip(keys, ok) if good],
@@ -112,7 +108,7 @@ class RemoteTier(Tier):
         rkeys = [self.redis_key(k) for k in keys]
         fp, nb = self.layout.fingerprint, self.block_nbytes
 
-        def verify(i: int, value) -> object:  # on the node's thread: checksum and copy spread over the nodes
+        def verify(i: int, value) -> object:  # as each answer is read: the other nodes keep sending meanwhile
             if value is None:
                 missing[i] = True
                 return None
