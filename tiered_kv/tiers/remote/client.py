@@ -126,11 +126,14 @@ class ClusterClient:
         log.warning("remote tier: node %s failed (%s: %s); its keys are misses for %.1f s", node.name,
                     type(exc).__name__, exc, self.settings.retry_after_s)
 
-    def _exchange(self, keys: Sequence[bytes], pack: Callable, default, on_item: Callable | None = None) -> list:
+    def _exchange(self, keys: Sequence[bytes], pack: Callable, default, on_item: Callable | None = None,
+                  read: Callable | None = None) -> list:
         """One round trip per node for a batch: send every node its commands first (``pack(conn, i)`` gives item
         ``i``'s packed command), then read each node's answers in order, so the nodes work side by side while
         this thread reads. Per-item results; ``default`` where a node failed or was skipped, or a command was
         redirected. ``on_item(i, answer)`` replaces each answer as it is read (verifying, copying).
+        ``read(wire, i)``, if given, reads item ``i``'s answer off the node's ``_Wire`` itself (bulk replies
+        straight into the caller's memory) instead of redis-py's parser.
         """
         out = [default] * len(keys)
         if not keys:
@@ -152,16 +155,19 @@ class ClusterClient:
                     pool.release(conn)
                 self._node_failed(node, exc)
         for node, pool, conn, idx in sessions:
+            wire = None if read is None else _Wire(conn)
             try:
                 for i in idx:
                     try:
-                        answer = conn.read_response()
+                        answer = conn.read_response() if wire is None else read(wire, i)
                     except self._response_error:  # MOVED / ASK / CLUSTERDOWN: the map is old
                         self._stale = True
                         self.counters["redirects"] += 1
                         continue
                     out[i] = answer if on_item is None else on_item(i, answer)
             except self._errors as exc:
+                if wire is not None:
+                    conn.disconnect()  # a half-read reply: this connection's stream is lost
                 self._node_failed(node, exc)
             except BaseException:
                 conn.disconnect()  # answers left unread: never hand this connection out again as is
@@ -178,6 +184,28 @@ class ClusterClient:
         """
         return self._exchange(keys, lambda conn, i: [b"*2\r\n$3\r\nGET\r\n$%d\r\n%b\r\n" % (len(keys[i]), keys[i])],
                               unavailable, on_item)
+
+    def get_into(self, keys: Sequence[bytes], head_len: int, into: Callable[[int], memoryview | None],
+                 on_item: Callable, unavailable=None) -> list:
+        """``GET`` each key, receiving a value of ``head_len + len(into(i))`` bytes as its first ``head_len`` bytes
+        (handed to ``on_item(i, head)``) and the rest straight from the socket into the buffer ``into(i)``: no
+        parser copies. A value of another length, or ``into(i)`` None, comes whole (``on_item(i, bytes)``); a
+        missing key as ``on_item(i, None)``. ``unavailable`` where the node failed or was skipped."""
+
+        def read(wire: _Wire, i: int):
+            n = wire.bulk_len()
+            if n < 0:
+                return None
+            dst = into(i)
+            if dst is None or n != head_len + len(dst):
+                return wire.exact(n, trailer=True)
+            head = wire.exact(head_len)
+            wire.fill(dst)
+            wire.trailer()
+            return (head,)
+
+        return self._exchange(keys, lambda conn, i: [b"*2\r\n$3\r\nGET\r\n$%d\r\n%b\r\n" % (len(keys[i]), keys[i])],
+                              unavailable, on_item, read)
 
     def set_many(self, keys: Sequence[bytes], parts_of: Callable[[int], tuple]) -> list[bool]:
         """``SET`` each key to the concatenation of the buffers ``parts_of(i)`` returns (say a header and a
@@ -221,3 +249,73 @@ class ClusterClient:
             self.rc.close()
         except self._redis_error:
             pass
+
+
+class _Wire:
+    """Reads RESP replies off one redis-py connection's socket, bulk strings straight into the caller's buffer.
+
+    Used only inside ``ClusterClient._exchange`` for the replies of commands it sent itself on a connection it
+    holds, so redis-py's own parser has nothing buffered for that connection. Any socket error propagates
+    (the caller then drops the connection).
+    """
+
+    __slots__ = ("sock", "buf", "_response_error", "_connection_error")
+
+    def __init__(self, conn) -> None:
+        from redis.exceptions import ConnectionError as RedisConnectionError, ResponseError  # noqa: PLC0415
+
+        self.sock = conn._sock  # redis-py keeps the connected socket here; it was connected by the send
+        self.buf = bytearray()
+        self._response_error, self._connection_error = ResponseError, RedisConnectionError
+
+    def _more(self) -> None:
+        chunk = self.sock.recv(1 << 16)
+        if not chunk:
+            raise self._connection_error("connection closed by the server")
+        self.buf += chunk
+
+    def line(self) -> bytes:
+        """One reply line, without its CRLF."""
+        while True:
+            end = self.buf.find(b"\r\n")
+            if end >= 0:
+                out = bytes(self.buf[:end])
+                del self.buf[:end + 2]
+                return out
+            self._more()
+
+    def bulk_len(self) -> int:
+        """Length of the bulk string that follows (-1: nil); an error reply raises ResponseError."""
+        head = self.line()
+        if head[:1] == b"$":
+            return int(head[1:])
+        if head == b"_":  # RESP3's null (redis-py 8 speaks RESP3 by default)
+            return -1
+        if head[:1] == b"-":
+            raise self._response_error(head[1:].decode(errors="replace"))
+        raise self._connection_error(f"unexpected reply {head[:40]!r} to GET")
+
+    def fill(self, dst: memoryview) -> None:
+        """Exactly ``len(dst)`` bytes into ``dst``: what is buffered, then the socket straight into it."""
+        n = min(len(self.buf), len(dst))
+        if n:
+            dst[:n] = self.buf[:n]
+            del self.buf[:n]
+        while n < len(dst):
+            got = self.sock.recv_into(dst[n:])
+            if not got:
+                raise self._connection_error("connection closed by the server")
+            n += got
+
+    def exact(self, n: int, trailer: bool = False) -> bytes:
+        """Exactly ``n`` bytes (and the CRLF after a bulk string when ``trailer``)."""
+        out = bytearray(n)
+        self.fill(memoryview(out))
+        if trailer:
+            self.trailer()
+        return bytes(out)
+
+    def trailer(self) -> None:
+        """The CRLF that ends a bulk string."""
+        if self.line() != b"":
+            raise self._connection_error("bulk string not followed by CRLF")
