@@ -307,7 +307,7 @@ class Engine:
             return cls._create_shaped(model_dir, extra, shape, num_blocks, async_sched, tp, max_batched, hash_algo,
                                       max_model_len, tweak)
         cfg = make_vllm_config(model_dir, extra, async_sched=async_sched, max_batched=max_batched, tp=tp,
-                               hash_algo=hash_algo)
+                               hash_algo=hash_algo, max_model_len=max_model_len)
         kvc = kv_cache_config(num_blocks)
         cfg.cache_config.num_gpu_blocks = num_blocks
         cls_ = AsyncScheduler if async_sched else Scheduler
