@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 STORE_POLICIES = ("eager", "on_finish", "none")
 DISK_LOAD_POLICIES = ("auto", "always", "never")
 LOAD_MODES = ("layerwise", "sync", "async")
-IN_STEP_COPIES = ("copy_engine", "sm_kernel")
+IN_STEP_COPIES = ("copy_engine", "sm_kernel", "staged")
 SWA_STORES = ("window", "all")
 
 
@@ -55,6 +55,7 @@ class ConnectorConfig:
     sync_max_tokens: int = 65536
     load_groups: int = 0
     in_step_copy: str = "copy_engine"
+    load_staging_bytes: int = 256 << 20
     cross_layer_blocks: bool = True
     disk_load_policy: str = "auto"
     disk_read_gbps: float = 3.0
@@ -74,7 +75,7 @@ class ConnectorConfig:
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
-        for key in ("cpu_bytes", "disk_bytes"):
+        for key in ("cpu_bytes", "disk_bytes", "load_staging_bytes"):
             set_(key, parse_size(getattr(self, key), key))
         _choice(self.eviction, "eviction", POLICIES)
         _choice(self.write_policy, "write_policy", WRITE_POLICIES)
@@ -109,6 +110,9 @@ class ConnectorConfig:
             if not isinstance(self.disk_path, (str, os.PathLike)) or not str(self.disk_path):
                 raise ConfigError(f"disk_path: expected a directory path or null, got {self.disk_path!r}")
             set_("disk_path", str(self.disk_path))
+        if self.load_staging_bytes < 1:
+            raise ConfigError(f"load_staging_bytes: must be > 0 (the device buffer of in_step_copy: staged); "
+                              f"got {self.load_staging_bytes}")
         if self.cpu_bytes == 0:
             raise ConfigError("cpu_bytes: must be > 0 (the CPU tier stages every load and store); got 0")
 
