@@ -332,6 +332,11 @@ def staged_rows(bench: Bench, label: str, layout: KVLayout, n: int = 512, chunk:
         ("staged 64MiB buf", Mechanism.STAGED, slots, None, {"staging_bytes": 64 << 20}),
         ("staged scattered", Mechanism.STAGED, scattered, None, {}),
         ("copy_engine scattered", Mechanism.COPY_ENGINE, scattered, None, {}),
+        # as the in-step loader calls them: on the caller's thread ("call" = time the caller is held)
+        ("copy_engine inline", Mechanism.COPY_ENGINE, slots, None, {"threaded_submit": False}),
+        ("staged inline", Mechanism.STAGED, slots, None, {"threaded_submit": False}),
+        ("staged inline 2 groups", Mechanism.STAGED, slots, [(0, half), (half, len(layout.tensors))],
+         {"threaded_submit": False}),
     ]
     print(f"{label}: {n} blocks x {len(layout.tensors)} layers x {layout.maps[0].nbytes // 1024} KiB = "
           f"{nbytes / 1e9:.3f} GB, contiguous pinned h2d {base:.2f} GB/s", flush=True)
