@@ -15,7 +15,15 @@ import torch
 
 from tiered_kv.copy import BackendUnavailableError, BlockCopier, Mechanism, allocate_slab, vllm_layer_layout
 from tiered_kv.copy.staged import StagedLoader, layout_rects
-from tiered_kv.copy.testing import Shape, all_cases, fill_random, reference_write, storages, vllm026_tensors, vllm033_views
+from tiered_kv.copy.testing import (
+    Shape,
+    all_cases,
+    fill_random,
+    reference_write,
+    storages,
+    vllm026_tensors,
+    vllm033_views,
+)
 
 SHAPE = Shape(layers=3, heads=2, block_size=4, head_dim=8, num_blocks=9)
 DTYPES = [torch.bfloat16, getattr(torch, "float8_e4m3fn", torch.uint8)]

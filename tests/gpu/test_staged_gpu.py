@@ -128,3 +128,29 @@ def test_staged_load_lands_after_work_on_the_callers_stream(threaded):
     for li, g in enumerate(got):
         assert torch.equal(g.cpu(), src[:, li * row:(li + 1) * row]), f"layer {li}"
     copier.close()
+
+
+def test_no_device_memory_for_the_buffer_falls_back_to_the_copy_engine(monkeypatch):
+    """A staging buffer that cannot be allocated: the load goes as under "auto", bytes still exact."""
+    from tiered_kv.copy import BackendUnavailableError
+    from tiered_kv.copy.staged import StagedLoader
+
+    def no_memory(self, nbytes):
+        raise BackendUnavailableError(f"injected: no device memory for {nbytes} bytes")
+
+    monkeypatch.setattr(StagedLoader, "_buffer", no_memory)
+    gen = torch.Generator().manual_seed(14)
+    case = next(c for c in all_cases() if c.name == "vllm026-mla")
+    gpu, cpu = _twins(case, SHAPE, torch.bfloat16, gen)
+    src = _random_slab(SLOTS, gpu.block_nbytes, gen)
+    slots, blocks = torch.arange(4, 20), torch.randperm(SHAPE.num_blocks, generator=gen)[:16]
+    BlockCopier(cpu, src.clone()).cpu_to_gpu(slots, blocks)
+    copier = BlockCopier(gpu, src, mechanism="staged")
+    res = copier.cpu_to_gpu(slots, blocks)
+    res.wait()
+    assert res.mechanism is not Mechanism.STAGED
+    grouped = copier.cpu_to_gpu_grouped(slots, blocks, [(0, 1), (1, 3)])
+    for r in grouped:
+        r.wait()
+    assert all(r.mechanism is not Mechanism.STAGED for r in grouped)
+    _check_storages_equal(gpu, cpu)

@@ -33,6 +33,7 @@ path is synchronous.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -45,6 +46,8 @@ from tiered_kv.copy.segments import BlockIds, ChunkTable, Runs, as_index_tensor,
 from tiered_kv.copy.select import Mechanism, SelectionPolicy
 from tiered_kv.copy.staged import DEFAULT_STAGING_BYTES, StagedLoader
 from tiered_kv.copy.submit import CopyResult, Submitter
+
+log = logging.getLogger(__name__)
 
 
 def allocate_slab(num_slots: int, block_nbytes: int, pin: bool | None = None) -> torch.Tensor:
@@ -100,7 +103,7 @@ class BlockCopier:
         self.policy = policy
         self._fixed = None if mechanism == "auto" else Mechanism(mechanism)
         self._on_cuda = layout.device.type == "cuda"
-        if not self._on_cuda and self._fixed not in (None, Mechanism.CPU, Mechanism.STAGED):
+        if not self._on_cuda and self._fixed not in (None, Mechanism.CPU, Mechanism.STAGED):  # staged: CPU too
             raise BackendUnavailableError(f"mechanism {self._fixed.value} needs CUDA tensors; layout is on {layout.device}")
         if self._on_cuda and self._fixed is Mechanism.CPU:
             raise LayoutError("mechanism 'cpu' needs CPU tensors; this layout is on CUDA")
@@ -112,6 +115,7 @@ class BlockCopier:
         self._threaded = threaded_submit
         self._staging_bytes = staging_bytes
         self._staged: StagedLoader | None = None
+        self._staged_warned = False
         self._streams: dict[bool, torch.cuda.Stream] = {}
         self._submitters: dict[bool, Submitter] = {}
 
@@ -179,7 +183,10 @@ class BlockCopier:
         sizes = [sum(m.nbytes for m in self.layout.maps[a:b]) for a, b in spans]
         forced = Mechanism(mechanism) if mechanism is not None else self._fixed
         if forced is Mechanism.STAGED:
-            return self._staged_grouped(ids, slots, spans, sizes, stream)
+            staged = self._staged_grouped(ids, slots, spans, sizes, stream)
+            if staged is not None:
+                return staged
+            forced = None  # no device memory for the staging buffer: as under "auto"
         if not self._on_cuda:
             if forced not in (None, Mechanism.CPU):
                 raise BackendUnavailableError(f"mechanism {forced.value} needs CUDA tensors")
@@ -206,10 +213,23 @@ class BlockCopier:
         return results
 
     def _staged_grouped(self, ids: torch.Tensor, slots: torch.Tensor, spans: list[tuple[int, int]], sizes: list[int],
-                        stream: torch.cuda.Stream | None) -> list[CopyResult]:
-        """A ``Mechanism.STAGED`` load of ``spans``: one result per group, submitted like the other mechanisms."""
+                        stream: torch.cuda.Stream | None) -> list[CopyResult] | None:
+        """A ``Mechanism.STAGED`` load of ``spans``: one result per group, submitted like the other mechanisms.
+
+        None when the device has no memory for the staging buffer (the caller then copies as under
+        ``"auto"``; logged once per copier).
+        """
         n = int(ids.numel())
         loader = self._staged_loader()
+        if self._on_cuda:
+            try:
+                with torch.cuda.stream(self._side_stream(False)):  # the buffer belongs to the side stream
+                    loader.reserve(n, spans)
+            except BackendUnavailableError as exc:
+                if not self._staged_warned:
+                    self._staged_warned = True
+                    log.warning("staged load of %d blocks falls back to the other mechanisms: %s", n, exc)
+                return None
         results = [CopyResult(Mechanism.STAGED, False, n, n * size, 0) for size in sizes]
         if not self._on_cuda:
             def landed_cpu(g: int, ops: int) -> None:
@@ -311,9 +331,12 @@ class BlockCopier:
         forced = Mechanism(mechanism) if mechanism is not None else self._fixed
         if forced is Mechanism.STAGED:
             if not to_cpu:  # a load: one group of every tensor
-                return self._staged_grouped(ids, slots, [(0, len(self.layout.tensors))], [self.layout.block_nbytes],
-                                            stream)[0]
-            forced = None  # stores: staging is a load path; choose as under "auto"
+                staged = self._staged_grouped(ids, slots, [(0, len(self.layout.tensors))],
+                                              [self.layout.block_nbytes], stream)
+                if staged is not None:
+                    return staged[0]
+            # stores (staging is a load path), or no device memory for the buffer: as under "auto"
+            forced = None
         if not self._on_cuda:
             if forced not in (None, Mechanism.CPU):
                 raise BackendUnavailableError(f"mechanism {forced.value} needs CUDA tensors")

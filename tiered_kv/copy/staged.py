@@ -128,6 +128,21 @@ class StagedLoader:
             self._rects[key] = layout_rects(self.layout, first, end)
         return self._rects[key]
 
+    def need(self, n: int, groups: list[tuple[int, int]]) -> int:
+        """Staging bytes a load of ``n`` items in ``groups`` uses (at most ``staging_bytes``)."""
+        out = 0
+        maps = self.layout.maps
+        for a, b in groups:
+            width = maps[b - 1].slot_offset + maps[b - 1].nbytes - maps[a].slot_offset
+            out = max(out, min(n, max(1, self.staging_bytes // width)) * width)
+        return out
+
+    def reserve(self, n: int, groups: list[tuple[int, int]]) -> None:
+        """Allocate (or grow) the buffer for such a load now, on the current stream; raise
+        ``BackendUnavailableError`` when the device has no memory for it."""
+        if n:
+            self._buffer(self.need(n, groups))
+
     def load(self, ids: torch.Tensor, slots: torch.Tensor, groups: list[tuple[int, int]],
              stream: torch.cuda.Stream | None, on_group: Callable[[int, int], None]) -> int:
         """Copy ``slab[slots[i]]`` into blocks ``ids[i]``, group of tensors by group; return the operations enqueued.
@@ -155,7 +170,7 @@ class StagedLoader:
                 c1 = self.layout.maps[b - 1].slot_offset + self.layout.maps[b - 1].nbytes
                 width = c1 - c0
                 per_piece = max(1, self.staging_bytes // width)
-                staging = self._buffer(min(n, per_piece) * width)
+                staging = self._buffer(self.need(n, [(a, b)]))
                 for i0 in range(0, n, per_piece):
                     i1 = min(n, i0 + per_piece)
                     ops += self._dma(staging, slots, run_first, i0, i1, c0, c1)
