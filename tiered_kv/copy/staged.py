@@ -226,7 +226,7 @@ class StagedLoader:
                 (num_blocks, r.height, r.width // w), (r.block_stride // w, r.pitch // w, 1), r.offset // w)
             src = _words(staging, w).as_strided((rows, r.height, r.width // w), (width // w, r.width // w, 1),
                                               src_off // w)
-            dst[dev_ids] = src
+            dst.index_put_((dev_ids,), src)
             kernels += 1
         return kernels
 
