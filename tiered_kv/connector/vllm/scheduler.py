@@ -149,6 +149,7 @@ class _Req:
 class _Put:
     gpu: list[int]  # Geometry.slot_blocks GPU block ids per item, flat
     step: int  # the step the source blocks were last known to hold this KV
+    reqs: tuple[str, ...] = ()  # the requests whose blocks it reads ((): already freed, e.g. on_finish)
 
 
 @dataclass
@@ -237,8 +238,15 @@ class SchedulerPlanner:
         self._finish_puts: list[tuple[list[bytes], list[int], int]] = []
         self._alloc_step: dict[int, int] = {}  # GPU block -> last step it was (re)allocated (while watching)
         self._watching = False
-        self._gpu_busy: dict[int, int] = {}  # GPU block -> newest in-flight job touching it
+        self._gpu_busy: dict[int, int] = {}  # GPU block -> newest in-flight job touching it (published jobs)
         self._job_gpu: dict[int, list[int]] = {}
+        # One full-attention group: vLLM re-allocates a block only after the request holding it finished or
+        # was preempted, so a job's blocks are published to _gpu_busy only then (most jobs end first: no
+        # per-block dictionary work). Sliding windows free blocks mid-request: those publish at once.
+        self._lazy_busy = self._single
+        self._published: set[int] = set()  # in-flight jobs whose blocks are in _gpu_busy
+        self._req_jobs: dict[str, list[int]] = {}  # request -> its unpublished in-flight jobs (may list ended ones)
+        self._routing_req: str | None = None  # the request whose blocks the jobs being routed touch (loads)
         self._job_kind: dict[int, tuple[JobKind, int]] = {}
         self._fenced_jobs: set[int] = set()  # jobs named in a fence: a store among them may come back cancelled
         self._reports: dict[int, JobReport] = {}
@@ -542,7 +550,11 @@ class SchedulerPlanner:
             else:
                 self.counters.hit_tokens_disk += tokens
         st.stored = max(st.stored, c0 + min(got, n))
-        self._route(jobs)
+        self._routing_req = rid  # the loads write blocks this request holds
+        try:
+            self._route(jobs)
+        finally:
+            self._routing_req = None
         self._drain_finished()
 
     # ------------------------------------------------------------------ per step
@@ -563,6 +575,11 @@ class SchedulerPlanner:
         storing = self._storing if eager else {}
         cached = scheduler_output.scheduled_cached_reqs
         single = self._single
+        preempted = scheduler_output.preempted_req_ids  # a set, or None (vLLM 0.26 and 0.32 alike)
+        if preempted and self._req_jobs:  # their blocks may be re-allocated in this very step
+            for rid in preempted:
+                self._release(rid)
+        writers: list[str] = []  # requests whose blocks this step's store reads
         if not single:  # first every block handed out this step: stale table entries go before a store reads them
             for new in scheduler_output.scheduled_new_reqs:
                 self._allocated_now(new.block_ids, step, fences)
@@ -578,7 +595,10 @@ class SchedulerPlanner:
             self._set_tables(st, self._tables(new.block_ids))
             storing[new.req_id] = st
             end = new.num_computed_tokens + scheduled.get(new.req_id, 0)
+            before = len(keys_out)
             self._plan_store(st, end, keys_out, gpu_out)
+            if len(keys_out) > before:
+                writers.append(new.req_id)
         resumed = _resumed_ids(cached) if cached.req_ids else set()
         # Decode steps list every running request: keep the per-request work to a lookup unless the
         # request still has chunks to store (prompt-only stores finish with the prefill).
@@ -594,8 +614,11 @@ class SchedulerPlanner:
                     self._set_tables(st, self._tables(new_ids))
                 else:
                     self._extend_tables(st, new_ids)
+            before = len(keys_out)
             self._plan_store(st, cached.num_computed_tokens[i] + scheduled.get(rid, 0), keys_out, gpu_out)
-        self._put(keys_out, gpu_out, step)
+            if len(keys_out) > before:
+                writers.append(rid)
+        self._put(keys_out, gpu_out, step, writers)
         if self._finish_puts:  # planned when their requests finished, i.e. in an earlier step
             first = min(s for _, _, s in self._finish_puts)
             self._put([k for ks, _, _ in self._finish_puts for k in ks],
@@ -615,11 +638,11 @@ class SchedulerPlanner:
         self._early, self._loads, self._load_fail, self._sync, self._sync_fail = [], {}, {}, [], []
         return plan
 
-    def _put(self, keys: list[bytes], gpu: list[int], step: int) -> None:
+    def _put(self, keys: list[bytes], gpu: list[int], step: int, reqs: Sequence[str] = ()) -> None:
         if not keys:
             return
         hid = next(self._handle_ids)
-        self._puts[hid] = _Put(gpu, step)
+        self._puts[hid] = _Put(gpu, step, tuple(reqs))
         self.counters.store_chunks += len(keys)
         self._route(self.chain.put(keys, hid))
 
@@ -760,7 +783,9 @@ class SchedulerPlanner:
             ids = self._ext[job.job_id]
             # a store planned in this step reads blocks computed in this step: valid by construction
             if put is not None and (put.step == self._step or all(alloc.get(g, 0) <= put.step for g in ids)):
-                self._track(job.job_id, ids if self._single and -1 not in ids else [g for g in ids if g >= 0])
+                # planned in this step: its requests still hold the blocks; later: they may have let go since
+                self._track(job.job_id, ids if self._single and -1 not in ids else [g for g in ids if g >= 0],
+                            put.reqs if put.step == self._step else ())
                 out.append(job)
                 continue
             self.counters.stores_dropped_reused += len(job)
@@ -779,7 +804,8 @@ class SchedulerPlanner:
                 self._stores.append(job)
             elif job.kind is JobKind.EGRESS:
                 ext = self._ext[job.job_id] = self._items(self._gets[job.handle], job.dst_slots)
-                self._track(job.job_id, [g for g in ext if g >= 0])
+                rid = self._routing_req
+                self._track(job.job_id, [g for g in ext if g >= 0], (rid,) if rid is not None else ())
                 self._early.append(job)
             else:
                 self._early.append(job)
@@ -794,17 +820,46 @@ class SchedulerPlanner:
             out.extend(gpu[i * k:(i + 1) * k])
         return out
 
-    def _track(self, job_id: int, gpu_ids: list[int]) -> None:
-        """Mark ``gpu_ids`` as touched by ``job_id`` (the newest job wins: an older job on a block was
-        fenced when vLLM re-allocated that block, which is the only way a block gets a new job)."""
+    def _track(self, job_id: int, gpu_ids: list[int], reqs: Sequence[str] = ()) -> None:
+        """Remember that ``job_id`` touches ``gpu_ids``, which ``reqs`` hold (() or several groups: publish
+        them to ``_gpu_busy`` now; else when one of ``reqs`` finishes or is preempted, see ``_release``)."""
         self._job_gpu[job_id] = gpu_ids
+        if self._lazy_busy and reqs:
+            req_jobs = self._req_jobs
+            for rid in reqs:
+                jobs = req_jobs.get(rid)
+                if jobs is None:
+                    req_jobs[rid] = [job_id]
+                else:
+                    jobs.append(job_id)
+        else:
+            self._publish(job_id, gpu_ids)
+
+    def _publish(self, job_id: int, gpu_ids: list[int]) -> None:
+        """Put ``gpu_ids`` in ``_gpu_busy`` under ``job_id`` (the newest job wins: an older job on a block was
+        fenced when vLLM re-allocated that block, which is the only way a block gets a new job)."""
         self._gpu_busy.update(dict.fromkeys(gpu_ids, job_id))
+        self._published.add(job_id)
+
+    def _release(self, rid: str) -> None:
+        """Request ``rid`` let its blocks go (finished, aborted, preempted): publish its in-flight jobs' blocks,
+        so a re-allocation of any of them fences the job."""
+        jobs = self._req_jobs.pop(rid, None)
+        if jobs:
+            job_gpu, published = self._job_gpu, self._published
+            for job_id in jobs:
+                ids = job_gpu.get(job_id)
+                if ids is not None and job_id not in published:
+                    self._publish(job_id, ids)
 
     def _untrack(self, job_id: int) -> None:
-        busy = self._gpu_busy
-        for g in self._job_gpu.pop(job_id, ()):
-            if busy.get(g) == job_id:
-                del busy[g]
+        ids = self._job_gpu.pop(job_id, ())
+        if job_id in self._published:
+            self._published.discard(job_id)
+            busy = self._gpu_busy
+            for g in ids:
+                if busy.get(g) == job_id:
+                    del busy[g]
 
     def _drain_finished(self) -> None:
         for hid, _ in self.chain.take_finished():
@@ -867,6 +922,8 @@ class SchedulerPlanner:
         """
         st = self._reqs.pop(request.request_id, None)
         self._storing.pop(request.request_id, None)
+        if self._req_jobs:
+            self._release(request.request_id)
         if st is not None:
             self._disown(st)
         if st is None or self.cfg.store_policy != "on_finish":
@@ -973,7 +1030,8 @@ class SchedulerPlanner:
         out = {f"sched_{k}": v for k, v in vars(self.counters).items()}
         out.update({
             "inflight_jobs": c.inflight(), "pinned": c.pinned(), "waiting": c.waiting(),
-            "gpu_blocks_busy": len(self._gpu_busy), "tracked_requests": len(self._reqs) + len(self._storing),
+            "gpu_blocks_busy": len(self._gpu_busy) + len(self._job_gpu),
+            "tracked_requests": len(self._reqs) + len(self._storing) + len(self._req_jobs),
             "tracked_window_blocks": len(self._owner), "promotions_pending": len(self._promotions),
             "open_puts": len(self._puts), "open_gets": len(self._gets), "unshipped_ext": len(self._ext),
             "resident_cpu": c.resident(CPU),
