@@ -15,6 +15,8 @@ import re
 from dataclasses import dataclass, fields
 
 from tiered_kv.errors import ConfigError
+from tiered_kv.connector.sglang.gate import check_gate_options
+from tiered_kv.connector.sglang.versions import check_supported, dp_rank, storage_writer
 from tiered_kv.planner.policy import POLICIES
 from tiered_kv.values.record import CODECS
 from tiered_kv.values.units import parse_size
@@ -25,6 +27,7 @@ SGLANG_KEYS = frozenset({
     "backend_name", "module_path", "class_name", "interface_v1",
     "prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
     "hicache_storage_pass_prefix_keys", "tp_lcm_size", "file_storage_path",
+    "prefetch_timeout_max",  # popped by 0.5.17's HiRadixCache, passed through by 0.5.23 (see versions.py)
 })
 
 
@@ -44,6 +47,10 @@ class SGLangBackendConfig:
     reader_refresh_s: float = 0.0
     radix_pages: int = 1 << 20
     chunk_pages: int = 16
+    disk_load_policy: str = "auto"
+    disk_read_gbps: float = 3.0
+    disk_probe_every: int = 32
+    prefill_tokens_per_s: float = 30000.0
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
@@ -72,6 +79,8 @@ class SGLangBackendConfig:
         r = self.reader_refresh_s
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r <= 3600:
             raise ConfigError(f"reader_refresh_s: expected seconds in [0, 3600], got {r!r}")
+        check_gate_options(self.disk_load_policy, self.disk_read_gbps, self.disk_probe_every,
+                           self.prefill_tokens_per_s)
 
     @classmethod
     def valid_keys(cls) -> list[str]:
@@ -103,6 +112,7 @@ class Scope:
     cp_rank: int
     cp_size: int
     is_writer: bool
+    dp_rank: int = 0
 
     def extras(self) -> dict[str, str]:
         """Namespace extras: TP rank only for MHA (MLA pages are the same on every rank); PP and CP when used."""
@@ -113,6 +123,8 @@ class Scope:
             out["pp"] = f"{self.pp_rank}of{self.pp_size}"
         if self.cp_size > 1:
             out["cp"] = f"{self.cp_rank}of{self.cp_size}"
+        if self.dp_rank > 0:  # attention-DP groups: each writes its own directory (one writer per directory)
+            out["dp"] = str(self.dp_rank)
         return out
 
     def dir_name(self, layout_tag: str, ns_hex: str) -> str:
@@ -124,9 +136,10 @@ class Scope:
 
 
 def scope_from(storage_config: object, model_override: str) -> Scope:
-    """A ``Scope`` from SGLang's ``HiCacheStorageConfig``."""
+    """A ``Scope`` from SGLang's ``HiCacheStorageConfig`` (0.5.17 or 0.5.23; ConfigError for DCP > 1)."""
     c = storage_config
+    check_supported(c)
     model = model_override or (c.model_name or "")
     return Scope(model=model, is_mla=bool(c.is_mla_model), tp_rank=int(c.tp_rank), tp_size=int(c.tp_size),
                  pp_rank=int(c.pp_rank), pp_size=int(c.pp_size), cp_rank=int(c.attn_cp_rank),
-                 cp_size=int(c.attn_cp_size), is_writer=bool(c.is_storage_writer))
+                 cp_size=int(c.attn_cp_size), is_writer=storage_writer(c), dp_rank=dp_rank(c))
