@@ -27,7 +27,7 @@ Modes (``--modes``, comma-separated; all in one session, one engine process each
                  disk_path, runs turn 2 again: L3 hit tokens > 0 and the same greedy tokens as A
   mla-none, mla-tiered   DeepSeek-V2-Lite shape, no HiCache vs tiered (always); if SGLang cannot run it
                  with dummy weights on one GPU the result records the error
-Defaults: none,l2,file,tiered-always,tiered.
+Defaults: none,file,tiered-always,tiered,l2 (in priority order: --deadline-s skips from the end).
 
 Per mode: turn-2 TTFT median (and min/max), speed-up over none, L3 hit tokens (SGLang's
 ``cached_tokens_details["storage"]``; also device/host), greedy tokens equal to none's (both turns),
@@ -57,7 +57,7 @@ import tempfile
 import time
 
 MODES = ("none", "l2", "file", "tiered", "tiered-always", "restart", "mla-none", "mla-tiered")
-DEFAULT_MODES = ("none", "l2", "file", "tiered-always", "tiered")
+DEFAULT_MODES = ("none", "file", "tiered-always", "tiered", "l2")
 FOLLOW = 64  # new tokens per turn
 PAGE = 64
 

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # On the GPU machine, from the repo root, after the carried payload parts (make_payload.sh, this folder) were
 # copied into $STAGE: reassemble and check the sha256, unpack SGLang 0.5.17 + the slimmed sglang-kernel 0.4.5
-# into $SITE, install the carried wheels there (pip --target, no deps, no network), put the FlashInfer shim in
+# and the carried dependencies into $SITE, put the FlashInfer shim in
 # when no real FlashInfer imports, and run check_adapter.py (imports of the engine path, our backend through
 # SGLang's dynamic factory, a bit-exact round trip through a real pinned host pool on the GPU).
+# The wheels arrive unpacked (make_payload.sh), so this is a copy: no pip, no network.
 # Env: STAGE (/tmp/stage), SITE (/tmp/sglang-site), PY (python3). Takes ~30-60 s.
 # Then: PYTHONPATH=$SITE:. python3 benchmarks/sglang_ttft.py ...   (scripts/gpu/sglang/README.md)
-# Exit: 0 ok; 3 sha mismatch (a part missing: carry every pN folder); 4 pip failed; 5 check_adapter failed.
+# Exit: 0 ok; 3 sha mismatch (a part missing: carry every pN folder); 4 copy failed; 5 check_adapter failed.
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/../../.." && pwd)
 STAGE=${STAGE:-/tmp/stage}; SITE=${SITE:-/tmp/sglang-site}; PY=${PY:-python3}
@@ -16,9 +17,7 @@ got=$(cat sgl_part_* | sha256sum | cut -d' ' -f1)
 [ -n "$want" ] && [ "$got" = "$want" ] || { echo "payload sha mismatch (have: $(ls sgl_part_* 2>&1))"; exit 3; }
 rm -rf x && mkdir x && cat sgl_part_* | xz -dc -T0 | tar -xf - -C x || exit 3
 rm -rf "$SITE" && mkdir -p "$SITE"
-cp -a x/pl/site/. "$SITE"/
-"$PY" -m pip install -q --no-index --no-deps --no-compile --disable-pip-version-check --target "$SITE" x/pl/deps/*.whl \
-  2>&1 | grep -v "already exists" ; [ "${PIPESTATUS[0]}" = 0 ] || { echo "pip install of the carried wheels failed"; exit 4; }
+cp -a x/pl/site/. "$SITE"/ || { echo "copy into $SITE failed"; exit 4; }   # every wheel arrives unpacked
 rm -rf x
 cd "$REPO"
 if ! PYTHONPATH="$SITE" "$PY" -c 'import flashinfer.sampling' 2>/dev/null; then

@@ -46,11 +46,25 @@ DEPS="transformers==5.12.1 tokenizers==0.22.2 orjson==3.11.5 pybase64==1.4.3 sta
   interegular==0.3.3 compressed_tensors==0.13.0 gguf==0.17.1 sniffio==1.3.1 distro==1.9.0 blobfile==3.0.0
   pycryptodomex==3.23.0 openai==2.6.1 jiter==0.12.0 apache_tvm_ffi==0.1.11 lmdb==1.7.5 zstandard==0.25.0"
 $PIPDL -d "$W/pl/deps" $DEPS
-(cd "$W/pl/site" && python3 -m zipfile -e "$W"/whl/sglang-0.5.17-*.whl . && python3 -m zipfile -e "$W"/whl/sglang_kernel-0.4.5-*.whl .)
+# Every wheel is unpacked here (a wheel is a zip: xz then compresses the sources ~3x better than the wheels' own
+# deflate, which is what lets the payload fit in one part); install_on_gpu.sh copies the tree into place.
+for whl in "$W"/whl/sglang-0.5.17-*.whl "$W"/whl/sglang_kernel-0.4.5-*.whl "$W"/pl/deps/*.whl; do
+  (cd "$W/pl/site" && python3 -m zipfile -e "$whl" .)
+done
+# A wheel's .data/purelib|platlib belong in site-packages; its scripts/headers/data are not needed here.
+for d in "$W"/pl/site/*.data; do
+  [ -d "$d" ] || continue
+  for lib in purelib platlib; do [ -d "$d/$lib" ] && cp -a "$d/$lib/." "$W/pl/site/"; done
+  rm -rf "$d"
+done
+rm -rf "$W/pl/deps"
+# Not loaded by an offline Engine on Hopper with --attention-backend triton: SM100 ops, InfLLM, FlashMLA, the
+# Rust HTTP server and the gRPC server native modules (rust_server / grpc modes only), FA3 unless asked for.
 rm -rf "$W/pl/site/sgl_kernel/sm100" "$W"/pl/site/sgl_kernel/infllm_ops*.so "$W/pl/site/sgl_kernel/flashmla_ops.abi3.so"
+rm -f "$W"/pl/site/sglang/srt/server/_core*.so "$W"/pl/site/sglang/srt/grpc/_core*.so
 [ "$WITH_FA3" = 1 ] || rm -f "$W/pl/site/sgl_kernel/flash_ops.abi3.so"
 find "$W/pl/site" -name "__pycache__" -type d -prune -exec rm -rf {} +
-du -sh "$W/pl/site" "$W/pl/deps"
+du -sh "$W/pl/site"
 mkdir -p "$OUTDIR"
 rm -rf "$OUTDIR"/p* "$OUTDIR"/sgl_part_* "$OUTDIR"/sgl_payload.sha256
 tar -C "$W" -cf - pl | xz -6 -T0 > "$W/sgl_payload.tar.xz"

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.connector.sglang.harness import PAGE_SIZE, extra_config, mha_pool, pages_bytes, running_controller
+from tests.connector.sglang.harness import (
+    PAGE_SIZE, extra_config, fill_random, mha_pool, pages_bytes, running_controller,
+)
 from tests.connector.sglang.test_controller import _backup, _prefetch, _tokens, _wait_backup
 
 torch = pytest.importorskip("torch")
@@ -126,12 +128,18 @@ def test_controller_memory_tier_pages_pass_a_slow_disk_gate(tmp_path):
     page_bytes = pool.get_data_page(0, flat=True).numel() * 2
     extra = extra_config(tmp_path, disk_read_gbps=1e-6, disk_probe_every=0, cpu_bytes=3 * page_bytes)
     with running_controller(pool, extra) as ctrl:
-        tokens = _tokens(700, 6)
-        expected = _stored(ctrl, pool, tokens, seed=3)
         be = ctrl.storage_backend
-        keys = be._keys(_hashes(tokens))
-        assert be.store.prefetch(keys[:3], to="cpu").wait() == 3  # the first half up into our CPU tier
-        assert be.store.locate(keys) == ["cpu"] * 3 + ["disk"] * 3
+        tokens = _tokens(700, 6)
+        hashes = _hashes(tokens)
+        fill_random(pool, seed=3)
+        src = pool.alloc(len(tokens))
+        expected = pages_bytes(pool, src, 6)
+        # the tail first, then the head: the 3-page CPU tier keeps the head, the tail stays on disk only
+        assert all(be.batch_set_v1(hashes[3:], src[3 * PAGE_SIZE:]))
+        be.store.drain()
+        assert all(be.batch_set_v1(hashes[:3], src[:3 * PAGE_SIZE]))
+        be.store.drain()
+        assert be.store.locate(be._keys(hashes)) == ["cpu"] * 3 + ["disk"] * 3
         hit, loaded, dst = _prefetch(ctrl, pool, "mixed", tokens)
         assert hit == loaded == 3 * PAGE_SIZE
         assert all(torch.equal(a, b) for a, b in zip(pages_bytes(pool, dst, 3), expected[:3]))
