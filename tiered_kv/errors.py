@@ -31,3 +31,7 @@ class RecordError(TieredKVError):
 
 class TransferTimeout(TieredKVError, TimeoutError):
     """A handle's wait() ran past its timeout; the transfer keeps running."""
+
+
+class RemoteUnavailableError(TieredKVError, ConnectionError):
+    """The remote tier's cluster could not be reached at start-up (later failures are misses, never this)."""
