@@ -12,8 +12,10 @@ Each command is one role a test needs in another process:
 - ``txn_holder DIR``: opens the store's LMDB index directly, begins a write transaction,
   prints ``HOLDING`` and sleeps (the test SIGKILLs it while it holds the writer lock).
 - ``fill_slots DIR N``: opens a store on DIR, puts N blocks of key space ``other``, closes.
-- ``damage_trials ROOT FIRST LAST NKEYS``: for each trial directory ROOT/<i>, opens a
-  store, reads back key_of(0..NKEYS-1) and prints one verdict line per trial:
+- ``damage_trials ROOT FIRST LAST NKEYS [CPU_BYTES]``: for each trial directory ROOT/<i>, opens a
+  store (with a CPU tier of CPU_BYTES, then also round-trips new blocks after the reads: serving
+  goes on whether or not the disk tier was quarantined), reads back key_of(0..NKEYS-1) and prints
+  one verdict line per trial:
   ``T <i> OPEN <typed|raw> <type>: <msg>`` or ``T <i> READ <json>``. A trial that kills the
   process (SIGBUS, abort) shows up to the parent as a missing verdict.
 
@@ -135,12 +137,12 @@ def fill_slots(path: str, n: str, disk_bytes: str) -> None:
     say(f"FILLED {sum(res)}")
 
 
-def damage_trials(root: str, first: str, last: str, nkeys: str) -> None:
+def damage_trials(root: str, first: str, last: str, nkeys: str, cpu_bytes: str = "0") -> None:
     keys = [key_of(i, b"damage") for i in range(int(nkeys))]
     for i in range(int(first), int(last)):
         path = Path(root) / str(i)
         try:
-            store = TieredStore(disk_config(path, disk_bytes=4 << 20))
+            store = TieredStore(disk_config(path, disk_bytes=4 << 20, cpu_bytes=int(cpu_bytes)))
         except TieredKVError as exc:
             say(f"T {i} OPEN typed {type(exc).__name__}: {exc}"[:400].replace("\n", " "))
             continue
@@ -159,9 +161,21 @@ def damage_trials(root: str, first: str, last: str, nkeys: str) -> None:
                 verdict["served" if matches(k, out[0]) else "wrong"] += 1
             else:
                 verdict["missing"] += 1
-        disk = store.stats()["tiers"]["disk"]
-        verdict["corrupt_dropped"] = disk["corrupt_dropped"]
-        verdict["failed_transfers"] = disk["failed_transfers"]
+        st = store.stats()
+        disk = st["tiers"].get("disk", {})
+        verdict["corrupt_dropped"] = disk.get("corrupt_dropped", 0)
+        verdict["failed_transfers"] = disk.get("failed_transfers", 0)
+        verdict["quarantined"] = st["disk_quarantined"] is not None
+        if int(cpu_bytes):  # serving goes on: a new block round-trips through the tiers left
+            fresh = [key_of(10**6 + i, b"after") for i in range(4)]
+            try:
+                stored = store.put(fresh, blocks_of(fresh)).wait(30)
+                out = torch.empty((4, *SHAPE), dtype=TORCH_DTYPE)
+                got = store.get(fresh, out).wait(30)
+                verdict["after_ok"] = all(stored) and got == 4 and all(matches(k, out[j]) for j, k in enumerate(fresh))
+            except Exception as exc:
+                verdict["get_errors"] += 1
+                verdict["after_error"] = f"{type(exc).__name__}: {exc}"
         try:
             store.close()
         except Exception as exc:

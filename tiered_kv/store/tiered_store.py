@@ -91,6 +91,7 @@ class TieredStore:
             self._metrics_server = serve(make_registry(self.stats), config.metrics_port)
         disk = self.disk
         if disk is not None:
+            disk.keep = self._disk_copy_busy
             keys = disk.stored_keys()
             with self._lock:
                 jobs = self.chain.adopt(len(self.tiers) - 1, keys)
@@ -163,6 +164,20 @@ class TieredStore:
     def key(self, name: bytes) -> bytes:
         """This store's namespaced key for ``name`` (any bytes: an engine's block hash, a page id)."""
         return self.namespace.key(name)
+
+    def _disk_copy_busy(self, key: bytes) -> bool:
+        """The directory is about to evict ``key``'s record: True keeps it (the planner has a read of it planned
+        or running); else the planner forgets the copy now, so no read is planned against a record on its way
+        out. Called by the disk tier inside its claim txn; no path holds this lock while waiting on LMDB."""
+        t = len(self.tiers) - 1
+        with self._lock:
+            e = self.chain.index.get(key)
+            c = None if e is None else e.copies.get(t)
+            if c is not None and (c.pins > 0 or c.wanted > 0):  # read, or waited for by a promotion
+                return True
+            jobs = self.chain.forget(t, [key]) if c is not None else []
+        self._submit(jobs)
+        return False
 
     def _discover(self, keys: list[bytes]) -> int:
         """Adopt keys the planner does not know but the disk directory holds for this namespace (written by

@@ -35,7 +35,7 @@ import itertools
 import os
 import struct
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import lmdb
 
@@ -238,10 +238,12 @@ class Budget:
         total = sum(s.weight for s in spaces.values()) or 1
         return self._budget * spaces[owner].weight // total
 
-    def victim(self, txn: lmdb.Transaction, spaces: dict[bytes, Space], now_ns: int) -> bytes | None:
-        """The record to evict for one more slot of this opener, or None (nothing may go)."""
+    def victim(self, txn: lmdb.Transaction, spaces: dict[bytes, Space], now_ns: int,
+               keep: Callable[[bytes], bool] | None = None) -> bytes | None:
+        """The record to evict for one more slot of this opener, or None (nothing may go). ``keep(key)``:
+        this process still needs the record (its planner has a read of it planned)."""
         if self.mode == "namespace":
-            return self.oldest(txn, self.owner, now_ns)
+            return self.oldest(txn, self.owner, now_ns, keep)
         mine = spaces[self.owner]
         if mine.used >= self.share(spaces, self.owner):
             order = [self.owner]
@@ -253,13 +255,14 @@ class Budget:
         if not order:
             order = [self.owner]  # rounding left nobody above a share: take our own oldest
         for owner in order:
-            key = self.oldest(txn, owner, now_ns)
+            key = self.oldest(txn, owner, now_ns, keep)
             if key is not None:
                 return key
         return None
 
-    def oldest(self, txn: lmdb.Transaction, owner: bytes, now_ns: int) -> bytes | None:
-        """``owner``'s least recently used record that no live reader holds a lease on."""
+    def oldest(self, txn: lmdb.Transaction, owner: bytes, now_ns: int,
+               keep: Callable[[bytes], bool] | None = None) -> bytes | None:
+        """``owner``'s least recently used record that no live reader holds a lease on (nor ``keep`` keeps)."""
         cur = txn.cursor(db=self.db["order"])
         if not cur.set_range(owner):
             return None
@@ -268,7 +271,7 @@ class Budget:
             if not k.startswith(owner) or scanned > _SCAN_LIMIT:
                 return None
             key = k[OWNER_LEN + 8:]
-            if not self.leased(txn, key, now_ns):
+            if not self.leased(txn, key, now_ns) and not (keep is not None and keep(key)):
                 return key
         return None
 

@@ -8,7 +8,9 @@ for writing, ``check_index`` runs this file as a script in a child process, whic
 2. walks every named database (every key and value: each branch, leaf and overflow page the
    B-trees reach) and compares the entries it saw with the count LMDB keeps;
 3. runs one small write transaction (put and delete a probe key), which makes LMDB load its
-   free-page list, the part a walk of the named databases does not reach.
+   free-page list, the part a walk of the named databases does not reach;
+4. lists records whose ownership entries (budget.py) are missing or disagree: damage inside a
+   value, which a B-tree walk cannot see. The opener drops those records.
 
 A child that exits cleanly reports what it walked; a child that dies reports damage. The parent
 never touches a page of a damaged index.
@@ -86,6 +88,7 @@ def _walk(idx: Path) -> dict:
                     raise ValueError(f"database {name!r}: walked {n} entries, LMDB counts {st['entries']}")
                 pages += st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]
                 entries[name.decode(errors="replace")] = n
+            orphans = _orphans(env, txn, names)
     finally:
         env.close()
     env = lmdb.open(str(idx), map_size=size + (64 << 20), max_dbs=16, subdir=True, readahead=False, sync=False,
@@ -97,7 +100,33 @@ def _walk(idx: Path) -> dict:
             txn.delete(b"__integrity_probe__")
     finally:
         env.close()
-    return {"ok": True, "error": "", "entries": entries, "pages": pages, "index_bytes": size}
+    return {"ok": True, "error": "", "entries": entries, "pages": pages, "index_bytes": size,
+            "orphans": [k.hex() for k in orphans]}
+
+
+def _orphans(env, txn, names: list[bytes]) -> list[bytes]:
+    """Record keys whose ownership entries are missing or disagree (damage inside a value or key of the
+    budget's databases, which a B-tree walk cannot see): the opener drops those records (a miss, never
+    another namespace's block)."""
+    if not {b"records", b"owners", b"order"} <= set(names):
+        return []
+    records = env.open_db(b"records", txn=txn, create=False)
+    owners = env.open_db(b"owners", txn=txn, create=False)
+    order = env.open_db(b"order", txn=txn, create=False)
+    meta = env.open_db(b"meta", txn=txn, create=False)
+    if txn.get(b"acct", db=meta) is None:
+        return []  # accounting not built yet: the opener builds it
+    in_order = set()
+    for k, _ in txn.cursor(db=order):
+        k = bytes(k)
+        in_order.add((k[:16], k[16:]))
+    bad = []
+    for key, _ in txn.cursor(db=records):
+        key = bytes(key)
+        own = txn.get(key, db=owners)
+        if own is None or len(own) != 16 or (bytes(own), key) not in in_order:
+            bad.append(key)
+    return bad
 
 
 def main(argv: list[str]) -> int:

@@ -29,7 +29,7 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import lmdb
@@ -231,13 +231,14 @@ class DiskIndex:
         fresh, slots, _, _ = self.claim_ex(keys, evict=False)
         return fresh, slots
 
-    def claim_ex(self, keys: Sequence[bytes], evict: bool = True) -> tuple[list[int], list[int], list[bytes], list[int]]:
+    def claim_ex(self, keys: Sequence[bytes], evict: bool = True, keep: Callable[[bytes], bool] | None = None
+                 ) -> tuple[list[int], list[int], list[bytes], list[int]]:
         """``claim`` under the directory's budget, in one write txn.
 
         Returns ``(fresh, slots, evicted, foreign)``: as ``claim``, plus the keys whose records were
         evicted to make room (any namespace's, as the budget's rules allow; only with ``evict``) and
         ``foreign``, indices of keys another namespace holds a record of (neither fresh nor ours:
-        a put of those is refused).
+        a put of those is refused). ``keep(key)`` spares records this process still needs.
         """
         with self.env.begin(write=True) as txn:
             fresh: list[int] = []
@@ -247,10 +248,11 @@ class DiskIndex:
                     fresh.append(i)
                 elif self.accounted and self.budget.owner_of(txn, k) not in (None, self.owner):
                     foreign.append(i)
-            slots, evicted = self._claim(txn, len(fresh), evict)
+            slots, evicted = self._claim(txn, len(fresh), evict, keep)
             return fresh, slots, evicted, foreign
 
-    def _claim(self, txn: lmdb.Transaction, n: int, evict: bool) -> tuple[list[int], list[bytes]]:
+    def _claim(self, txn: lmdb.Transaction, n: int, evict: bool, keep: Callable[[bytes], bool] | None = None
+               ) -> tuple[list[int], list[bytes]]:
         """Take up to ``n`` slots inside write txn ``txn`` within the budget: free-listed ones first, then
         above the high-water mark, then (``evict``) slots of records the budget's rules let go."""
         out: list[int] = []
@@ -277,7 +279,7 @@ class DiskIndex:
             if not evict:
                 break
             now = now or time.time_ns()
-            victim = budget.victim(txn, spaces, now)
+            victim = budget.victim(txn, spaces, now, keep)
             if victim is None:
                 break
             slot = budget.evict(txn, victim, spaces, limit)

@@ -43,7 +43,7 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -140,8 +140,12 @@ class DiskTier(Tier):
         self.key_prefix = key_prefix
         self.owner = owner
         self.evicts = evicts
+        #: ``keep(key)`` -> True spares a record from this process's evictions (set by the owner of the
+        #: planner: a read of it is planned but has not taken its lease yet). Called inside a write txn.
+        self.keep: Callable[[bytes], bool] | None = None
         self._closed = False
         self.dropped_at_open = 0
+        self.orphans_dropped = 0
         self.read_threads = read_threads
         self._executor: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
@@ -154,8 +158,10 @@ class DiskTier(Tier):
         for inner in (idx, idx / "data.mdb", idx / "lock.mdb", payload):
             if inner.is_symlink():  # never let a planted link send our writes outside the store
                 raise ConfigError(f"{str(inner)!r} is a symlink; a store directory must hold plain files only")
+        orphans: list[bytes] = []
         if check and not readonly and (idx / "data.mdb").exists() and not env_open_here(idx):
             report = check_index(idx)  # out of process: LMDB may abort on a damaged page
+            orphans = [bytes.fromhex(k) for k in report.get("orphans", [])]
             if not report["ok"]:
                 raise DamagedIndexError(f"{str(self.path)!r}: the LMDB index is damaged ({report['error']}); "
                                         f"move it aside (the store does) and run `tiered-kv repair` on it",
@@ -172,6 +178,12 @@ class DiskTier(Tier):
         if not readonly:
             self.slots.ensure_slots(self.index.physical_slots)
             self.index.recover_claims()
+            if orphans:  # ownership entries damaged: drop those records rather than guess whose they are
+                log.warning("disk tier %s: dropping %d records whose ownership entries are damaged", self.path,
+                            len(orphans))
+                for key in orphans:
+                    self.index.drop_damaged(key, self.slots.slot_count())
+                self.orphans_dropped = len(orphans)
 
     @property
     def physical_slots(self) -> int:
@@ -203,7 +215,7 @@ class DiskTier(Tier):
         self._check_open()
         if not self.writer:
             return [False] * len(keys), []
-        fresh, claimed, evicted, foreign = self.index.claim_ex(keys, evict=self.evicts)
+        fresh, claimed, evicted, foreign = self.index.claim_ex(keys, evict=self.evicts, keep=self.keep)
         ok = [True] * len(keys)
         for i in foreign:
             ok[i] = False  # another namespace's record: not ours to share
@@ -320,7 +332,7 @@ class DiskTier(Tier):
             limit = self.slots.slot_count()
             for key in bad:
                 self.index.drop_damaged(key, limit)
-        self.dropped_at_open = len(bad)
+        self.dropped_at_open = len(bad) + self.orphans_dropped
         return keys
 
     def foreign_namespaces(self) -> set[bytes]:
