@@ -9,6 +9,9 @@ Each command is one role a test needs in another process:
 - ``share_worker DIR WID SECONDS SEED``: puts/gets/deletes overlapping keys of one shared
   key space, reopening its store now and then to adopt the others' blocks; verifies every
   served block bit-exact. Prints heartbeats ``H <ops>`` and a final ``DONE {json}``.
+- ``budget_worker DIR MODEL WID SECONDS SEED BUDGET_SLOTS``: one process of namespace MODEL on a
+  directory with one shared budget: puts, gets and slow reads under leases; prints ``DONE {json}``
+  with wrong bytes and leased records that vanished mid-read (both must be 0).
 - ``txn_holder DIR``: opens the store's LMDB index directly, begins a write transaction,
   prints ``HOLDING`` and sleeps (the test SIGKILLs it while it holds the writer lock).
 - ``fill_slots DIR N``: opens a store on DIR, puts N blocks of key space ``other``, closes.
@@ -118,6 +121,72 @@ def share_worker(path: str, wid: str, seconds: str, seed: str) -> None:
     say("DONE " + json.dumps(stats))
 
 
+def budget_worker(path: str, model: str, wid: str, seconds: str, seed: str, budget_slots: str) -> None:
+    """One of several processes of two namespaces on one directory with one shared budget (issue 17).
+
+    Puts blocks of its namespace's key space (shared with the other process of its namespace), gets
+    them back through the store, and now and then reads leased records slowly, straight from the
+    tier, while the others evict: a leased record must read back bit-exact (never vanish mid-read).
+    """
+    from tiered_kv.values.record import RecordHeader
+
+    rng = random.Random(int(seed))
+    space, nkeys = model.encode(), 400
+    cfg = disk_config(path, disk_bytes=int(budget_slots) * 4096, model=model, disk_budget="shared")
+    st = {"wid": int(wid), "model": model, "puts": 0, "put_ok": 0, "gets": 0, "served": 0, "wrong": 0,
+          "leased_reads": 0, "vanished_mid_read": 0, "errors": []}
+    store = TieredStore(cfg)
+    disk = store.tiers[-1]
+    say("READY")
+    deadline = time.monotonic() + float(seconds)
+    last_beat = 0.0
+    ops = 0
+    while time.monotonic() < deadline:
+        try:
+            keys = [key_of(i, space) for i in rng.sample(range(nkeys), rng.randint(1, 8))]
+            op = rng.random()
+            if op < 0.5:
+                res = store.put(keys, blocks_of(keys)).wait(30)
+                st["puts"] += len(keys)
+                st["put_ok"] += sum(res)
+            elif op < 0.85:
+                out = torch.empty((len(keys), *SHAPE), dtype=TORCH_DTYPE)
+                n = store.get(keys, out).wait(30)
+                st["gets"] += len(keys)
+                for k, b in zip(keys[:n], out[:n]):
+                    st["served" if matches(k, b) else "wrong"] += 1
+            else:  # a slow read under leases, while the other processes keep evicting
+                raws, leases = disk.index.lease(keys)
+                try:
+                    time.sleep(0.05)
+                    for k, raw in zip(keys, raws):
+                        if raw is None:
+                            continue
+                        st["leased_reads"] += 1
+                        dst = torch.empty(disk.block_nbytes, dtype=torch.uint8)
+                        try:
+                            disk.slots.read(RecordHeader.unpack(k, raw), dst)
+                            ok = matches(k, dst.view(TORCH_DTYPE).reshape(SHAPE))
+                        except Exception:
+                            ok = False
+                        still = disk.index.has([k])[0]
+                        if not ok or not still:
+                            st["vanished_mid_read"] += 1
+                            say(f"VANISHED {k.hex()} ok={ok} still={still}")
+                finally:
+                    disk.index.unlease(leases, [])
+        except Exception as exc:
+            st["errors"].append(f"{type(exc).__name__}: {exc}"[:200])
+            say(f"E {type(exc).__name__}: {exc}"[:300])
+        ops += 1
+        now = time.monotonic()
+        if now - last_beat > 0.2:
+            say(f"H {ops}")
+            last_beat = now
+    store.close()
+    say("DONE " + json.dumps(st))
+
+
 def txn_holder(path: str) -> None:
     import lmdb
 
@@ -183,7 +252,8 @@ def damage_trials(root: str, first: str, last: str, nkeys: str, cpu_bytes: str =
         say(f"T {i} READ " + json.dumps(verdict))
 
 
-COMMANDS = {"crash_writer": crash_writer, "share_worker": share_worker, "txn_holder": txn_holder,
+COMMANDS = {"crash_writer": crash_writer, "share_worker": share_worker, "budget_worker": budget_worker,
+            "txn_holder": txn_holder,
             "fill_slots": fill_slots, "damage_trials": damage_trials}
 
 if __name__ == "__main__":
