@@ -15,6 +15,8 @@ for writing, ``check_index`` runs this file as a script in a child process, whic
 A child that exits cleanly reports what it walked; a child that dies reports damage. The parent
 never touches a page of a damaged index.
 
+``tiered-kv repair`` runs it with ``--dump`` to salvage the records a damaged index still yields.
+
 Run as ``python -I check.py <index dir>`` (as a script it imports only the standard library and
 ``lmdb``, not tiered_kv, so it starts in tens of milliseconds). It prints one JSON line.
 
@@ -129,8 +131,40 @@ def _orphans(env, txn, names: list[bytes]) -> list[bytes]:
     return bad
 
 
+def _dump(idx: Path) -> None:
+    """``--dump``: print what can still be read of a damaged index, one JSON line per item, flushed, so a
+    crash part-way keeps every line before it: ``{"meta": {name: hex}}``, then ``{"k", "h", "o"}`` per record
+    (key, header, owner entry; hex)."""
+    import lmdb
+
+    env = lmdb.open(str(idx), readonly=True, lock=False, max_dbs=16, subdir=True, readahead=False)
+    with env.begin(buffers=False) as txn:
+        names = [bytes(k) for k, _ in txn.cursor()]
+        meta = {}
+        if b"meta" in names:
+            for k, v in txn.cursor(db=env.open_db(b"meta", txn=txn, create=False)):
+                meta[k.decode(errors="replace")] = v.hex()
+        sys.stdout.write(json.dumps({"meta": meta}) + "\n")
+        sys.stdout.flush()
+        owners = env.open_db(b"owners", txn=txn, create=False) if b"owners" in names else None
+        if b"records" not in names:
+            return
+        for k, v in txn.cursor(db=env.open_db(b"records", txn=txn, create=False)):
+            o = txn.get(k, db=owners) if owners is not None else None
+            sys.stdout.write(json.dumps({"k": k.hex(), "h": v.hex(), "o": None if o is None else o.hex()}) + "\n")
+            sys.stdout.flush()
+
+
 def main(argv: list[str]) -> int:
-    """Script entry: walk ``argv[0]`` and print one JSON line; exit 0 when sound, 3 when damaged."""
+    """Script entry: walk ``argv[0]`` and print one JSON line; exit 0 when sound, 3 when damaged.
+    With ``--dump`` first, print what can be salvaged instead (``_dump``)."""
+    if argv and argv[0] == "--dump":
+        try:
+            _dump(Path(argv[1]))
+        except Exception as exc:  # what was printed before stays usable
+            sys.stdout.write(json.dumps({"error": f"{type(exc).__name__}: {exc}"}) + "\n")
+            return 3
+        return 0
     try:
         out = _walk(Path(argv[0]))
         code = 0
