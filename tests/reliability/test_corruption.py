@@ -403,5 +403,6 @@ def test_inspect_reports_damage_and_repair_rebuilds_the_index_from_what_verifies
         assert len(served) == summary["salvaged"], (kind, off, summary, len(served))
         salvaged_total += summary["salvaged"]
         with capsys.disabled():
-            print(f"{kind}@{off}: {summary['salvaged']} salvaged, {summary['dropped']} dropped, fresh={summary['fresh']}")
+            print(f"{kind}@{off}: {summary['salvaged']} salvaged, {summary['dropped']} dropped, "
+                  f"fresh={summary['fresh']}")
     assert checked >= 3 and salvaged_total > 0

@@ -113,7 +113,8 @@ def _inspect(args: argparse.Namespace) -> int:
         con.print(f"layout {fp}: {count} blocks")
     budget = info["budget"]
     if budget["mode"]:
-        con.print(f"budget: {budget['mode']}" + (f", {budget['budget_slots']} slots shared" if budget["mode"] == "shared"
+        shared = budget["mode"] == "shared"
+        con.print(f"budget: {budget['mode']}" + (f", {budget['budget_slots']} slots shared" if shared
                                                   else " (each namespace its own quota)"))
         for ns, sp in budget["spaces"].items():
             con.print(f"  namespace {ns}: {sp['used_slots']} slots used, quota {sp['quota_slots']}, weight "

@@ -111,8 +111,8 @@ class JobExecutor:
         staging = aligned_empty(n, self.block_nbytes)
         ok, corrupt, missing = self.tiers[job.src_tier].read_ex(job.keys, job.src_slots, staging)
         good = [i for i in range(n) if ok[i]]
-        written, evicted = self.tiers[job.dst_tier].write_ex(
-            [job.keys[i] for i in good], [job.dst_slots[i] for i in good], [staging[i] for i in good]) if good else ([], [])
+        written, evicted = ([], []) if not good else self.tiers[job.dst_tier].write_ex(
+            [job.keys[i] for i in good], [job.dst_slots[i] for i in good], [staging[i] for i in good])
         ok = [False] * n
         for i, w in zip(good, written):
             ok[i] = w

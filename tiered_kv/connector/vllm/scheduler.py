@@ -160,7 +160,8 @@ class SchedulerPlanner:
         self._swa = [i for i, g in enumerate(geo.groups) if g.kind == "swa"]
         specs = [TierSpec("cpu", cpu_chunks)]
         if disk_chunks:
-            specs.append(TierSpec("disk", disk_chunks, slotted=False))
+            # shared budget: the directory evicts by itself (governed); a load of a chunk it evicted fails -> recompute
+            specs.append(TierSpec("disk", disk_chunks, slotted=False, governed=cfg.disk_budget == "shared"))
         write_policy = cfg.write_policy
         if disk_chunks and write_policy == "write_back" and any(g.kind in ("swa", "mamba") for g in geo.groups):
             # write-back makes a store wait for a demotion when the CPU tier is full, and vLLM re-uses

@@ -173,7 +173,8 @@ class WorkerRuntime:
             from tiered_kv.tiers.disk import DiskTier  # lazily: needs lmdb and zstandard, a CPU-only setup does not
 
             self.disk = DiskTier(self.layout, path, disk_chunks * disk_slot_nbytes(geo), cfg.compression,
-                                 cfg.zstd_level, cfg.disk_sync, writer=self.writes_copies)
+                                 cfg.zstd_level, cfg.disk_sync, writer=self.writes_copies, owner=ns.prefix,
+                                 budget=cfg.disk_budget, weight=cfg.disk_weight, evicts=cfg.disk_budget == "shared")
         self.counters = WorkerCounters()
         self._lock = threading.Lock()
         self._completed: list[tuple[TransferJob, Completion]] = []
