@@ -55,6 +55,8 @@ DEFAULT_MODES = "none,offloading,tiered,lmcache"
 RATES = {"llama3-8b": (37000, 8.0), "qwen2.5-7b": (40000, 8.0), "qwen2.5-32b": (9000, 22.0)}
 STARTUP_GUESS_S = {"llama3-8b": 60.0, "qwen2.5-7b": 60.0, "qwen2.5-32b": 120.0}
 STOP_MARGIN_S = 25.0  # stop the server, wait for the GPU, write the files
+#: what LMCache logs when its compiled CUDA ops did not load and it runs on pure-torch ops (0.5.3; 0.5.1)
+LMCACHE_FALLBACK_LINES = ("compiled extension not found", "Failed to import backend lmcache.c_ops")
 
 
 # ============================================================================== arguments
@@ -356,6 +358,8 @@ class Bench:
             if ok:
                 rec["startup_s"] = round(time.monotonic() - t0, 1)
                 print(f"[{mode} r{run_idx}] healthy after {rec['startup_s']} s (graphs={graphs}, tokenizer={tok})", flush=True)
+                if spec.family == "lmcache":
+                    rec["lmcache_native_ops"] = lmcache_native_ops(log)
                 warm = _run_async(warmup(base, self.wp))
                 rec["warmup_s"] = [round(x, 3) for x in warm[0]]
                 if warm[1]:
@@ -475,6 +479,21 @@ def _run_async(coro):
         uvloop = None
     run = getattr(uvloop, "run", None)  # uvloop >= 0.18
     return run(coro) if run is not None else asyncio.run(coro)
+
+
+def lmcache_native_ops(log_path: str) -> bool:
+    """False (and a warning) when LMCache logged in ``log_path`` that it fell back to its torch ops:
+    those numbers are not LMCache's (scripts/gpu/README.md, "LMCache's compiled ops")."""
+    try:
+        with open(log_path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    except OSError as e:
+        print(f"WARNING: cannot read {log_path} to check LMCache's native ops: {e}", flush=True)
+        return False
+    hit = next((line for line in text.splitlines() if any(m in line for m in LMCACHE_FALLBACK_LINES)), None)
+    if hit:
+        print(f"WARNING: LMCache runs on its torch fallback, don't report this start: {hit.strip()[:200]}", flush=True)
+    return hit is None
 
 
 def _wipe(path: str | None) -> None:

@@ -18,6 +18,9 @@ two conversations, whose greedy tokens are compared across modes; they are left 
 
 Modes (each in its own process):
   none          no connector (turn 2 recomputes the prefix)
+  floor         no connector, each conversation's turn 2 right after its own turn 1, so vLLM's GPU
+                prefix cache still holds the prefix: the best any connector can do (its TTFT is the
+                64 new tokens' prefill plus the step overhead; a CPU hit adds at least the copy)
   offloading    vLLM's OffloadingConnector, ``kv_offloading_size`` = CPU_GIB
   simple        vLLM's SimpleCPUOffloadConnector: the same with VLLM_USE_SIMPLE_KV_OFFLOAD=1
   tiered-cpu    TieredKVConnector, cpu_bytes = CPU_GIB (the working set fits in CPU), defaults
@@ -45,9 +48,9 @@ Usage (GPU machine, vLLM importable, tiered_kv on PYTHONPATH):
   python benchmarks/vllm_ttft.py --model dsv2-lite --one tiered-cpu   # one mode in this process
   python benchmarks/vllm_ttft.py --model gpt-oss --dry-run             # CPU: configs, KV groups, bytes
 Default modes: llama3-8b: none, offloading, simple, tiered-cpu, tiered-disk; gemma3 and dsv2-lite:
-none, offloading, simple, tiered-cpu; gpt-oss: those and tiered-cpu-swa-all. All modes of one
+none, floor, offloading, simple, tiered-cpu; gpt-oss: those and tiered-cpu-swa-all. All modes of one
 model take about 5-8 minutes on an H200 (start-up with dummy weights dominates).
-Environment: N_CONV, PREFIX, GPU_BLOCKS (2048), CPU_GIB (24), DISK_CPU_GIB (2), DISK_PATH
+Environment: N_CONV, PREFIX, GPU_BLOCKS (2048; gemma3 8192, gpt-oss 4096), CPU_GIB (24), DISK_CPU_GIB (2), DISK_PATH
 (/tmp/tkv-ttft-disk; a real disk, not tmpfs), DISK_GIB (24), DISK_POLICY (auto), PREFILL_TPS (37000),
 CHUNK_BLOCKS (16), MAX_BATCHED (PREFIX + 512: a turn-1 prefill in one step; e.g. 2048 for chunked prefill,
 where hybrid models hand window blocks on while the previous step's stores may still copy them),
@@ -83,7 +86,7 @@ CPU_VARIANTS = {
 }
 #: any mode with this suffix runs on vLLM's V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0)
 V1_RUNNER = "-v1runner"
-EXTRA_MODES = ("tiered-disk-always", *(m for m in CPU_VARIANTS if m not in MODES),
+EXTRA_MODES = ("floor", "tiered-disk-always", *(m for m in CPU_VARIANTS if m not in MODES),
                *(m + V1_RUNNER for m in ("none", "offloading", "tiered-cpu")))
 FOLLOW = 64
 
@@ -138,11 +141,14 @@ DSV2_LITE = {
 MODELS = {"llama3-8b": LLAMA3_8B, "gemma3": GEMMA3_4B, "gpt-oss": GPTOSS_20B, "dsv2-lite": DSV2_LITE}
 DEFAULT_MODES = {
     "llama3-8b": ("none", "offloading", "simple", "tiered-cpu", "tiered-disk"),
-    "gemma3": ("none", "offloading", "simple", "tiered-cpu"),
-    "gpt-oss": ("none", "offloading", "simple", "tiered-cpu", "tiered-cpu-swa-all"),
-    "dsv2-lite": ("none", "offloading", "simple", "tiered-cpu"),
+    "gemma3": ("none", "floor", "offloading", "simple", "tiered-cpu"),
+    "gpt-oss": ("none", "floor", "offloading", "simple", "tiered-cpu", "tiered-cpu-swa-all"),
+    "dsv2-lite": ("none", "floor", "offloading", "simple", "tiered-cpu"),
 }
 DEFAULT_N_CONV = {"llama3-8b": 12}
+#: vLLM's KV cache pool in blocks: hybrid models spread a token over several groups' blocks, and the
+#: engine refuses to start when the pool cannot hold one max-length request (gemma3: 7 groups)
+DEFAULT_GPU_BLOCKS = {"gemma3": 8192, "gpt-oss": 4096}
 
 
 def workload(model: str) -> dict:
@@ -151,7 +157,7 @@ def workload(model: str) -> dict:
     return {
         "n_conv": int(env.get("N_CONV", DEFAULT_N_CONV.get(model, 8))),
         "prefix": int(env.get("PREFIX", "8192")),
-        "gpu_blocks": int(env.get("GPU_BLOCKS", "2048")),
+        "gpu_blocks": int(env.get("GPU_BLOCKS", DEFAULT_GPU_BLOCKS.get(model, 2048))),
         "cpu_gib": int(env.get("CPU_GIB", "24")),
         "disk_cpu_gib": int(env.get("DISK_CPU_GIB", "2")),
         "disk_path": env.get("DISK_PATH", "/tmp/tkv-ttft-disk"),
@@ -206,7 +212,7 @@ def engine_kwargs(mode: str, model_dir: str, w: dict) -> dict:
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="TieredKVConnector", kv_connector_module_path="tiered_kv.connector.vllm",
             kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
-    elif mode != "none":
+    elif mode not in ("none", "floor"):
         raise SystemExit(f"unknown mode {mode!r}; valid: {', '.join(MODES + EXTRA_MODES)}")
     return kw
 
@@ -259,15 +265,20 @@ def run_one(mode: str, model: str) -> dict:
     generate(convs[0][:512], one)  # warm-up (kernels, allocator)
     tiered = mode.startswith("tiered")
     before1 = _tiered_counters(llm) if tiered else {}
-    turn1 = [generate(c, two)[0] for c in convs]  # 2 tokens: every connector gets a step to store
+    floor = mode == "floor"
+    # 2 tokens: every connector gets a step to store; "floor" runs each turn 1 just before its turn 2
+    turn1 = [] if floor else [generate(c, two)[0] for c in convs]
     time.sleep(float(os.environ.get("SETTLE_S", "6" if mode.startswith("tiered-disk") else "2")))
     before2 = _tiered_counters(llm) if tiered else {}
     turn2, cached, tokens = [], [], []
     for i, (c, f) in enumerate(zip(convs, follows)):
+        if floor:
+            turn1.append(generate(c, two)[0])  # the prefix now sits in vLLM's GPU prefix cache
         t_start = time.time()
         dt, toks, hit = generate(c + f, four if i < 2 else one)
         if os.environ.get("TIERED_KV_LOG"):  # wall-clock marks to line up with the connector's debug log
-            print(f"{t_start:.3f} turn2 {i} start; {t_start + dt:.3f} end ({dt * 1e3:.1f} ms, {hit} cached)", flush=True)
+            print(f"{t_start:.3f} turn2 {i} start; {t_start + dt:.3f} end ({dt * 1e3:.1f} ms, {hit} cached)",
+                  flush=True)
         turn2.append(dt)
         cached.append(hit)
         if i < 2:

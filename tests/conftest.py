@@ -19,3 +19,6 @@ def small_cfg(tmp_path):
         cfg.update(over)
         return cfg
     return make
+
+
+from tests._redis import redis_cluster  # noqa: E402,F401 (the session's Redis Cluster, for every suite)

@@ -41,3 +41,7 @@ class DamagedIndexError(ConfigError):
         super().__init__(message)
         self.path = path
         self.reason = reason
+
+
+class RemoteUnavailableError(TieredKVError, ConnectionError):
+    """The remote tier's cluster could not be reached at start-up (later failures are misses, never this)."""

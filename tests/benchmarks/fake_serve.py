@@ -3,7 +3,9 @@
 Run as ``fake_serve.py -m vllm.entrypoints.cli.main serve MODEL --port P ...``: serves ``serve_stub``
 on port P until killed. ``FAKE_SERVE_FAIL=skip`` makes it exit with an error when
 ``--skip-tokenizer-init`` is given (to exercise the tokenizer fallback), ``FAKE_SERVE_FAIL=graphs``
-when ``--enforce-eager`` is not; ``FAKE_SERVE_EXIT_AFTER=n`` exits after n requests. It records its argv and some environment in ``FAKE_SERVE_RECORD``.
+when ``--enforce-eager`` is not; ``FAKE_SERVE_EXIT_AFTER=n`` exits after n requests; ``FAKE_SERVE_SAY`` is a
+line it logs at start (as an engine's warning would be). It records its argv and some environment in
+``FAKE_SERVE_RECORD``.
 """
 import json
 import os
@@ -21,6 +23,8 @@ if os.environ.get("FAKE_SERVE_RECORD"):
                             "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED")}) + "\n")
 fail = os.environ.get("FAKE_SERVE_FAIL", "")
 print("fake vllm serve starting", flush=True)
+if os.environ.get("FAKE_SERVE_SAY"):
+    print(os.environ["FAKE_SERVE_SAY"], file=sys.stderr, flush=True)
 if (fail == "skip" and "--skip-tokenizer-init" in argv) or (fail == "graphs" and "--enforce-eager" not in argv):
     print("ValueError: tokenizer needed" if fail == "skip" else "RuntimeError: CUDA graph capture failed",
           file=sys.stderr, flush=True)

@@ -472,6 +472,7 @@ def test_starts_fall_back_once_then_keep_what_worked(tmp_path, monkeypatch, fail
     assert [(t["graphs"], t["tokenizer"]) for t in first["failed_tries"]] == [("decode", "skip")]
     assert (first["graphs"], first["tokenizer"]) == settled == (doc["fallback"]["graphs"], doc["fallback"]["tokenizer"])
     assert "failed_tries" not in second and (second["graphs"], second["tokenizer"]) == settled
+    assert second["mode"] == "lmcache" and second["lmcache_native_ops"] is True and "lmcache_native_ops" not in first
     assert len(first["repeats"][0]["phases"]) == 4 and first["startup_s"] > 0
     runs = _records(rec_path)
     assert len(runs) == 4 and all(r["PYTHONHASHSEED"] == "0" for r in runs)
@@ -498,6 +499,19 @@ def test_a_failed_mode_is_recorded_with_its_log_tail_and_the_rest_runs(tmp_path,
         ("none", 0, "failed"), ("tiered", 0, "failed"), ("tiered", 1, "failed"), ("none", 1, "failed")]
     assert "tokenizer needed" in doc["starts"][0]["log_tail"]
     assert "FAILED" in capsys.readouterr().out
+
+
+def test_an_lmcache_start_on_its_torch_fallback_is_flagged(tmp_path, monkeypatch, capsys):
+    # the warning LMCache 0.5.3 logs (CudaDeviceOps.ensure_native) when `import lmcache.c_ops` fails
+    monkeypatch.setenv("FAKE_SERVE_SAY", "[2026-11-23 12:00:00] LMCache WARNING: lmcache.c_ops compiled extension "
+                       "not found; CudaDeviceOps stays on the torch baseline for all ops.")
+    out = tmp_path / "out"
+    serve_bench.main(SMALL_ARGS + ["--python", _fake_python(tmp_path), "--modes", "lmcache,none",
+                                   "--out-dir", str(out)])
+    starts = {s["mode"]: s for s in json.loads((out / "serve_bench_llama3-8b.json").read_text())["starts"]}
+    assert starts["lmcache"]["status"] == "ok" and starts["lmcache"]["lmcache_native_ops"] is False
+    assert "lmcache_native_ops" not in starts["none"]  # only LMCache's own warning counts, only for its modes
+    assert "LMCache runs on its torch fallback" in capsys.readouterr().out
 
 
 def test_deadline_skips_starts_that_would_not_fit(tmp_path):

@@ -85,3 +85,17 @@ def test_a_read_of_a_vanished_record_is_a_miss_not_an_error():
         jobs += c.complete(Completion(job.job_id, [not m for m in missing], missing=missing))
     assert c.locate([K(0)]) == [None] and c.tier_counters[1].vanished >= 1  # counted per read that found it gone
     assert c.tier_counters[1].failed_transfers == 0 and c.pinned() == 0
+
+
+def test_copy_to_writes_new_blocks_straight_to_the_governed_tier():
+    from tiered_kv.planner.policy import PlacementPolicy
+
+    c = TierChain([TierSpec("cpu", 4), TierSpec("disk", 8, slotted=False),
+                   TierSpec("remote", 0, slotted=False, governed=True)],
+                  placement=PlacementPolicy("write_back", copy_to=(2,)))
+    jobs = run_all(c, c.put([K(0), K(1)], 1))
+    downs = [j for j in jobs if j.kind is JobKind.COPY_DOWN]
+    assert [(j.src_tier, j.dst_tier) for j in downs] == [(0, 2), (0, 2)]  # cpu -> remote, disk skipped
+    assert c.locate([K(0), K(1)]) == [0, 0] and c.resident(2) == 2 and c.resident(1) == 0
+    with pytest.raises(ConfigError, match="copy_to"):
+        PlacementPolicy(copy_to=(0,))

@@ -81,6 +81,8 @@ class TierChain:
         self.placement = placement or PlacementPolicy()
         if self.placement.put_tier >= len(specs):
             raise ConfigError(f"put_tier={self.placement.put_tier} but the chain has only {len(specs)} tiers {names}")
+        if any(t >= len(specs) for t in self.placement.copy_to):
+            raise ConfigError(f"copy_to={self.placement.copy_to} but the chain has only {len(specs)} tiers {names}")
         n = len(specs)
         self.index = BlockIndex(n)
         self.policies: list[EvictionPolicy] = [make_policy(eviction) for _ in specs]
@@ -343,6 +345,8 @@ class TierChain:
             c.state = CopyState.READY
             self.tier_counters[dst].blocks_in += 1
             self.policies[dst].insert(key)
+            if kind is JobKind.INGRESS and self.placement.copy_to:
+                jobs += self._copy_to(key, dst)  # before kick: a waiter's eviction must not take it uncopied
             if c.doomed or e.deleted:
                 self.policies[dst].remove(key)
                 jobs += room.drop(key, dst)
@@ -447,6 +451,17 @@ class TierChain:
         if lower >= self.num_tiers or c is None or lower in e.copies or not c.readable or c.leaving:
             return []
         return self._copy_up_or_down(key, t, lower, JobKind.COPY_DOWN, None)
+
+    def _copy_to(self, key: bytes, t: int) -> Jobs:
+        """Write-through copies of a new block in ``t`` straight to each ``placement.copy_to`` tier lacking one."""
+        jobs: Jobs = []
+        for lower in self.placement.copy_to:
+            e = self.index.get(key)
+            c = None if e is None else e.copies.get(t)
+            if c is None or lower in e.copies or not c.readable:
+                continue
+            jobs += self._copy_up_or_down(key, t, lower, JobKind.COPY_DOWN, None)
+        return jobs
 
     def _promote(self, key: bytes, src: int, dst: int, ctx) -> Jobs:
         return self._copy_up_or_down(key, src, dst, JobKind.PROMOTE, ctx)

@@ -205,17 +205,23 @@ class PlacementPolicy:
       the put lands (safer against a crash, more bytes moved).
     - ``promote_on_hit``: a get served from a lower tier also copies the block one tier up.
     - ``put_tier``: index of the tier puts land in (0 = fastest).
+    - ``copy_to``: tiers that also get a copy of every new block right after its put lands, straight
+      from the put tier, whatever ``write_policy`` says of the tiers between (the remote tier with
+      ``remote_write`` "through": other hosts see a block as soon as it is stored).
     """
 
     write_policy: str = "write_back"
     promote_on_hit: bool = True
     put_tier: int = 0
+    copy_to: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.write_policy not in WRITE_POLICIES:
             raise ConfigError(f"write_policy: unknown value {self.write_policy!r}; valid: {list(WRITE_POLICIES)}")
         if not isinstance(self.put_tier, int) or self.put_tier < 0:
             raise ConfigError(f"put_tier must be an int >= 0, got {self.put_tier!r}")
+        if any(not isinstance(t, int) or t <= self.put_tier for t in self.copy_to):
+            raise ConfigError(f"copy_to must name tiers below put_tier={self.put_tier}, got {self.copy_to!r}")
 
 
 def drain(policy: EvictionPolicy, keys: Iterable[bytes]) -> None:

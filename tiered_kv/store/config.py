@@ -18,6 +18,7 @@ import yaml
 from tiered_kv.errors import ConfigError
 from tiered_kv.values.layout import normalize_dtype
 from tiered_kv.planner.policy import POLICIES, WRITE_POLICIES
+from tiered_kv.tiers.remote.settings import REMOTE_WRITES, RemoteSettings
 from tiered_kv.values.record import CODECS
 from tiered_kv.values.units import parse_size
 
@@ -54,6 +55,14 @@ class StoreConfig:
     write_policy: str = "write_back"
     promote_on_hit: bool = True
     metrics_port: int | None = None
+    remote_url: str | None = None
+    remote_password_env: str | None = None
+    remote_user: str | None = None
+    remote_tls_ca: str | None = None
+    remote_timeout_s: float = 2.0
+    remote_connect_timeout_s: float = 0.5
+    remote_write: str = "through"
+    remote_workers: int = 4
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -96,8 +105,18 @@ class StoreConfig:
             if not isinstance(self.disk_path, (str, os.PathLike)) or not str(self.disk_path):
                 raise ConfigError(f"disk_path: expected a directory path or null, got {self.disk_path!r}")
             set_("disk_path", str(self.disk_path))
+        _check_choice(self.remote_write, "remote_write", REMOTE_WRITES)
+        _check_int(self.remote_workers, "remote_workers", 1, 64)
+        self.remote_settings()  # validates remote_url and the other remote_* keys
         if self.gpu_bytes == 0 and self.cpu_bytes == 0 and self.disk_path is None:
             raise ConfigError("no tier configured: set at least one of gpu_bytes, cpu_bytes or disk_path")
+
+    def remote_settings(self) -> RemoteSettings | None:
+        """The remote tier's settings (None without ``remote_url``); ConfigError names a bad ``remote_*`` key."""
+        if self.remote_url is None:
+            return None
+        return RemoteSettings(self.remote_url, self.remote_password_env, self.remote_user, self.remote_tls_ca,
+                              self.remote_connect_timeout_s, self.remote_timeout_s)
 
     @classmethod
     def valid_keys(cls) -> list[str]:

@@ -45,6 +45,7 @@ from tiered_kv.tiers.base import Tier
 from tiered_kv.tiers.cpu import CpuTier
 from tiered_kv.tiers.disk import DiskTier, quarantine
 from tiered_kv.tiers.gpu import GpuTier
+from tiered_kv.tiers.remote import PresenceFeed, RemoteTier
 from tiered_kv.values.jobs import EXT, Completion, JobKind, TransferJob
 from tiered_kv.movers.edges import EdgeMovers
 from tiered_kv.movers.executor import JobExecutor
@@ -67,15 +68,19 @@ class TieredStore:
         self.tiers: list[Tier] = []
         self._edge_workers: list[int] = []  # [i]: mover threads between tier i and tier i+1
         self.disk_quarantined: dict | None = None  # set when the disk directory was damaged and moved aside
+        self.disk: DiskTier | None = None
+        self._disk: int | None = None
         try:
             self._open_tiers(config)
         except BaseException:
             for t in self.tiers:
                 t.close()
             raise
-        self.disk: DiskTier | None = self.tiers[-1] if isinstance(self.tiers[-1], DiskTier) else None
-        self.chain = TierChain([TierSpec(t.name, t.capacity, t.slotted, governed=t is self.disk) for t in self.tiers],
-                               config.eviction, PlacementPolicy(config.write_policy, config.promote_on_hit))
+        remote = next((i for i, t in enumerate(self.tiers) if isinstance(t, RemoteTier)), None)
+        copy_to = (remote,) if remote and config.remote_write == "through" else ()
+        self.chain = TierChain([TierSpec(t.name, t.capacity, t.slotted, t.governed) for t in self.tiers],
+                               config.eviction, PlacementPolicy(config.write_policy, config.promote_on_hit,
+                                                                copy_to=copy_to))
         self.radix = RadixIndex(config.page_size)
         self._lock = threading.RLock()
         self._handles: dict[int, Handle] = {}
@@ -89,16 +94,20 @@ class TieredStore:
         self._metrics_server = None
         if config.metrics_port:
             self._metrics_server = serve(make_registry(self.stats), config.metrics_port)
-        disk = self.disk
+        self._disk = next((i for i, t in enumerate(self.tiers) if isinstance(t, DiskTier)), None)
+        disk = self.disk = None if self._disk is None else self.tiers[self._disk]
         if disk is not None:
             disk.keep = self._disk_copy_busy
             keys = disk.stored_keys()
             with self._lock:
-                jobs = self.chain.adopt(len(self.tiers) - 1, keys)
-                self.chain.tier_counters[-1].corrupt_dropped += disk.dropped_at_open
+                jobs = self.chain.adopt(self._disk, keys)
+                self.chain.tier_counters[self._disk].corrupt_dropped += disk.dropped_at_open
             self._submit(jobs)
             if keys:
                 log.info("tiered_kv: reopened %s with %d blocks", disk.path, len(keys))
+        # the remote tier's presence feed: what the fleet stores, adopted as hints before each lookup
+        self._remote = remote
+        self._feed: PresenceFeed | None = None if remote is None else self.tiers[remote].feed()
 
     def _open_tiers(self, c: StoreConfig) -> None:
         if c.gpu_bytes:
@@ -106,11 +115,13 @@ class TieredStore:
         if c.cpu_bytes:
             self._add_tier(CpuTier(self.layout, c.cpu_bytes, c.pin_memory), 1)
         if c.disk_path is not None:
-            # Several threads on the edge into disk: each waits on its own reads and writes.
+            # Several threads on the edge into disk: each waits on its own reads and writes. The directory
+            # governs its budget and evicts by itself, unless a remote tier below should receive the evictions
+            # (then the planner evicts and demotes, and the directory only refuses what exceeds its budget).
             try:
                 disk = DiskTier(self.layout, c.disk_path, c.disk_bytes, c.compression, c.zstd_level, c.disk_sync,
                                 writer=c.disk_role == "writer", owner=self.namespace.prefix, budget=c.disk_budget,
-                                weight=c.disk_weight, evicts=True)
+                                weight=c.disk_weight, evicts=c.remote_settings() is None)
             except DamagedIndexError as exc:
                 moved = quarantine(c.disk_path, exc.reason)
                 self.disk_quarantined = {"path": c.disk_path, "moved_to": moved, "reason": exc.reason}
@@ -119,6 +130,9 @@ class TieredStore:
                           exc.reason, moved, moved)
             else:
                 self._add_tier(disk, c.disk_workers)
+        settings = c.remote_settings()
+        if settings is not None:  # below disk (or below CPU): Redis owns its capacity
+            self._add_tier(RemoteTier(self.layout, settings, self.namespace.prefix), c.remote_workers)
         if not self.tiers:  # the only tier was a damaged disk: keep serving (every get a miss, every put refused)
             self._add_tier(CpuTier(self.layout, 0, False), 1)
 
@@ -169,7 +183,7 @@ class TieredStore:
         """The directory is about to evict ``key``'s record: True keeps it (the planner has a read of it planned
         or running); else the planner forgets the copy now, so no read is planned against a record on its way
         out. Called by the disk tier inside its claim txn; no path holds this lock while waiting on LMDB."""
-        t = len(self.tiers) - 1
+        t = self._disk
         with self._lock:
             e = self.chain.index.get(key)
             c = None if e is None else e.copies.get(t)
@@ -193,7 +207,7 @@ class TieredStore:
             return 0
         with self._lock:
             fresh = [k for k in present if k not in self.chain.index]
-            jobs = self.chain.adopt(len(self.tiers) - 1, fresh)
+            jobs = self.chain.adopt(self._disk, fresh)
         self._submit(jobs)
         return len(fresh)
 
@@ -257,6 +271,7 @@ class TieredStore:
         """Fill ``out[:n]`` with the longest leading run of ``keys`` held. ``wait()`` -> n."""
         self._check_open()
         keys = self._check_keys(keys)
+        self._sync_remote()
         rows = self._check_buffer("out", out, len(keys))
         self._discover(keys)
         return self._start("get", keys, rows, lambda hid: self.chain.get(keys, hid)[::-1])
@@ -265,6 +280,7 @@ class TieredStore:
         """Move the leading run of held ``keys`` up to tier ``to`` (name or index). ``wait()`` -> count there."""
         self._check_open()
         keys = self._check_keys(keys)
+        self._sync_remote()
         target = self.chain.tier_index(to)
         self._discover(keys)
         return self._start("prefetch", keys, None, lambda hid: self.chain.prefetch(keys, target, hid)[::-1])
@@ -287,6 +303,7 @@ class TieredStore:
         """Whether each key is held (readable) in some tier."""
         keys = self._check_keys(keys)
         self._discover(keys)
+        self._sync_remote()
         with self._lock:
             return [t is not None for t in self.chain.locate(keys)]
 
@@ -294,6 +311,7 @@ class TieredStore:
         """Leading number of ``keys`` held."""
         keys = self._check_keys(keys)
         self._discover(keys)
+        self._sync_remote()
         with self._lock:
             return self.chain.lookup(keys)
 
@@ -301,6 +319,7 @@ class TieredStore:
         """Name of the fastest tier holding each key (None if not held)."""
         keys = self._check_keys(keys)
         self._discover(keys)
+        self._sync_remote()
         with self._lock:
             return [None if t is None else self.tiers[t].name for t in self.chain.locate(keys)]
 
@@ -311,6 +330,29 @@ class TieredStore:
         with self._lock:
             jobs = self.chain.delete(keys)
         self._submit(jobs)
+
+    def _sync_remote(self) -> None:
+        """Adopt the blocks the fleet stored in the remote tier, and forget those it removed, since the last call
+        (a list swap when nothing arrived: no network I/O here)."""
+        feed = self._feed
+        if feed is None or not feed.pending():
+            return
+        stored, removed = feed.take()
+        with self._lock:
+            if self._closed:
+                return
+            jobs = self.chain.adopt(self._remote, [k for k in stored if k not in self.chain.index])
+            jobs += self.chain.forget(self._remote, removed)
+        self._submit(jobs)
+
+    def wait_remote_sync(self, timeout: float = 10.0) -> bool:
+        """Wait until the presence feed read the fleet's stream through once (the remote tier's keys known at
+        start); True if it did. Without a remote tier: True at once."""
+        if self._feed is None:
+            return True
+        done = self._feed.caught_up.wait(timeout)
+        self._sync_remote()
+        return done
 
     def refresh(self, keys: Sequence[bytes]) -> int:
         """Adopt those of ``keys`` that another process committed to the disk directory since we opened it.
@@ -353,6 +395,7 @@ class TieredStore:
         in some tier. Uses the radix index; pages it does not know (e.g. after a restart) are
         found by hashing the tokens and asking the tiers.
         """
+        self._sync_remote()
         with self._lock:
             keys = self.radix.match(token_ids)
         if len(keys) < len(token_ids) // self.config.page_size:

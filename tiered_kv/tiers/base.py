@@ -31,6 +31,7 @@ class Tier(ABC):
 
     name: str = "tier"
     slotted: bool = True
+    governed: bool = False  # the medium keeps its own budget and evicts by itself (planner.room.TierSpec)
 
     def __init__(self, layout: BlockLayout, capacity: int) -> None:
         self.layout = layout

@@ -7,12 +7,17 @@
 # Output: OUTDIR/p0/lmc_part_0 (.. pN) + lmc_payload.sha256 in the last folder, parts <= 60 MiB (today: one
 # part, ~34 MB). Carry one folder per device call into /tmp/stage-lmc (scripts/gpu/README.md has the whole
 # sequence); scripts/gpu/serve_setup.sh then runs install_on_gpu.sh (this folder) on the GPU machine. A copy
-# of the installer also travels in the last folder as install_lmcache_on_gpu.sh, for use without the repo.
+# of the installer also travels in the last folder as install_lmcache_on_gpu.sh (with check_native.py), for use
+# without the repo.
 # File names differ from the vLLM payload's (part_N, payload.sha256) so both can sit in one stage dir.
 #
 # What is carried and why (found by import probing against torch 2.11.0+cu130 + the image's package
 # list + the vLLM payload, 2026-11-23):
-#   lmcache 0.5.3           the peer under test (its native ops load with torch 2.11; 0.5.6's do not)
+#   lmcache 0.5.3           the peer under test. Its c_ops.so needs 63 torch/c10 symbols, all exported by torch
+#                           2.11.0+cu130 (checked with nm against the wheel), libcudart.so.13, sm_90 code; 0.5.6's
+#                           cuda_ops.so needs c10::NotImplementedError(SourceLocation, std::string), which 2.11
+#                           lacks. It binds natively inside vLLM unless something loaded c_ops.so first under another
+#                           module name (pybind11 then refuses the second init): check_native.py
 #   aiofile, caio           imported by lmcache.v1.storage_backend (LocalDiskBackend & co) at adapter import
 #   cryptography, cffi      imported on LMCache's CUDA path (gds_context -> distributed.serde.aesgcm)
 #   pycparser               cffi's declared dependency (not needed at run time; 100 KB insurance)
@@ -50,6 +55,7 @@ rm -rf "$W"
 last=""
 for f in "$OUTDIR"/lmc_part_*; do n=${f##*_}; mkdir -p "$OUTDIR/p$n"; mv "$f" "$OUTDIR/p$n/"; last=$n; done
 mv "$OUTDIR/lmc_payload.sha256" "$OUTDIR/p$last/"
-# The installer travels with the last part (the GPU machine only gets the repo tree + carried folders).
+# The installer and its check travel with the last part (for use without the repo tree).
 cp "$(dirname "$0")/install_on_gpu.sh" "$OUTDIR/p$last/install_lmcache_on_gpu.sh"
+cp "$(dirname "$0")/check_native.py" "$OUTDIR/p$last/check_native.py"
 ls -laR "$OUTDIR"

@@ -140,6 +140,7 @@ class DiskTier(Tier):
         self.key_prefix = key_prefix
         self.owner = owner
         self.evicts = evicts
+        self.governed = evicts  # the planner neither counts room nor picks victims here (planner.room.TierSpec)
         #: ``keep(key)`` -> True spares a record from this process's evictions (set by the owner of the
         #: planner: a read of it is planned but has not taken its lease yet). Called inside a write txn.
         self.keep: Callable[[bytes], bool] | None = None

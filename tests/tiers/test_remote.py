@@ -1,0 +1,215 @@
+"""The remote tier on a real 3-master Redis Cluster (tests/_redis.py): the Tier contract, records that
+are checked before they are served, namespaces, faults and start-up errors."""
+from __future__ import annotations
+
+import os
+import time
+import uuid
+
+import pytest
+import torch
+
+from tests._redis import PASSWORD_ENV
+from tiered_kv.errors import ConfigError, RemoteUnavailableError
+from tiered_kv.testing import LAYOUT, TierContract, make_keys, random_rows
+from tiered_kv.tiers.remote import PresenceFeed, RemoteSettings, RemoteTier
+from tiered_kv.values.layout import BlockLayout
+
+
+def settings(cluster, **over) -> RemoteSettings:
+    kw = dict(url=cluster.url, password_env=PASSWORD_ENV, op_timeout_s=1.0, connect_timeout_s=0.3,
+              retry_after_s=0.5)
+    kw.update(over)
+    return RemoteSettings(**kw)
+
+
+def fresh_ns() -> bytes:
+    return uuid.uuid4().bytes[:8]
+
+
+def make_tier(cluster, ns: bytes | None = None, layout: BlockLayout = LAYOUT, **over) -> RemoteTier:
+    return RemoteTier(layout, settings(cluster, **over), ns or fresh_ns(), 64 << 20)
+
+
+@pytest.fixture(autouse=True)
+def _cluster(redis_cluster):
+    redis_cluster.wait_ok()
+    yield
+
+
+class TestRemoteTier(TierContract):
+    """The shared contract; each test gets its own namespace on the session's cluster."""
+
+    @pytest.fixture(autouse=True)
+    def _keep_cluster(self, redis_cluster):
+        self.cluster = redis_cluster
+
+    def make_tier(self, tmp_path, capacity):
+        self._ns = fresh_ns()
+        return make_tier(self.cluster, self._ns)
+
+    def reopen(self, tier, tmp_path, capacity):
+        tier.close()
+        return make_tier(self.cluster, self._ns)
+
+
+def test_keys_spread_over_every_master(redis_cluster):
+    tier = make_tier(redis_cluster)
+    try:
+        keys, rows = make_keys(60), random_rows(60)
+        assert all(tier.write(keys, [-1] * 60, rows))
+        per_node = [int(redis_cluster.cli(i, "dbsize").strip()) for i in range(3)]
+        assert all(n > 0 for n in per_node), per_node
+        assert tier.has(keys) == [True] * 60 and tier.has([b"nope" * 8]) == [False]
+    finally:
+        tier.close()
+
+
+def test_damaged_foreign_and_moved_values_are_never_served(redis_cluster):
+    tier = make_tier(redis_cluster)
+    try:
+        keys, rows = make_keys(4), random_rows(4, seed=7)
+        tier.write(keys, [-1] * 4, rows)
+        rc = tier.client.rc
+        v = bytearray(rc.get(tier.redis_key(keys[0])))
+        v[-1] ^= 0xFF  # flip a payload byte
+        rc.set(tier.redis_key(keys[0]), bytes(v))
+        rc.set(tier.redis_key(keys[1]), b"not a record at all")
+        rc.set(tier.redis_key(keys[2]), rc.get(tier.redis_key(keys[3])))  # a good record under another key
+        out = torch.zeros_like(rows)
+        ok, corrupt, missing = tier.read_ex(keys, [-1] * 4, out)
+        assert ok == [False, False, False, True] and corrupt == [True, True, True, False]
+        assert torch.equal(out[3], rows[3])
+        assert tier.has(keys[:3]) == [False] * 3  # damaged records were deleted
+        other = make_tier(redis_cluster, tier.namespace_prefix, BlockLayout((2, 4, 32), "bfloat16"))
+        try:  # same namespace prefix and key, another layout: a miss, not damage, and not deleted
+            ok, corrupt, missing = other.read_ex(keys[3:], [-1], torch.zeros((1, other.block_nbytes),
+                                                                              dtype=torch.uint8))
+            assert (ok, corrupt, missing) == ([False], [False], [True])
+            assert tier.has(keys[3:]) == [True]
+        finally:
+            other.close()
+    finally:
+        tier.close()
+
+
+def test_two_namespaces_never_read_each_other(redis_cluster):
+    a, b = make_tier(redis_cluster), make_tier(redis_cluster)
+    try:
+        keys = make_keys(8)
+        a.write(keys, [-1] * 8, random_rows(8, seed=1))
+        out = torch.zeros((8, LAYOUT.nbytes), dtype=torch.uint8)
+        ok, corrupt, missing = b.read_ex(keys, [-1] * 8, out)
+        assert ok == [False] * 8 and missing == [True] * 8 and not any(corrupt)
+        assert not b.stored_keys() and sorted(a.stored_keys()) == sorted(keys)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_presence_feed_sees_what_another_writer_stored_and_deleted(redis_cluster):
+    ns = fresh_ns()
+    writer, reader = make_tier(redis_cluster, ns), make_tier(redis_cluster, ns)
+    try:
+        early = make_keys(5, b"e")
+        writer.write(early, [-1] * 5, random_rows(5))
+        feed = reader.feed()
+        assert isinstance(feed, PresenceFeed)
+        late = make_keys(3, b"l")
+        writer.write(late, [-1] * 3, random_rows(3))
+        writer.delete(early[:1])
+        stored, removed = [], []
+        deadline = time.monotonic() + 10
+        while (len(stored) < 8 or not removed) and time.monotonic() < deadline:
+            s, r = feed.take()
+            stored += s
+            removed += r
+            time.sleep(0.02)
+        assert stored == early + late and removed == early[:1]
+        assert feed.take() == ([], [])
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_a_killed_node_gives_misses_fast_then_hits_again(redis_cluster):
+    tier = make_tier(redis_cluster, retry_after_s=0.3)
+    keys, rows = make_keys(30), random_rows(30, seed=9)
+    try:
+        assert all(tier.write(keys, [-1] * 30, rows))
+        owner = [tier.client._node_of(tier.redis_key(k)).port for k in keys]
+        victim = redis_cluster.ports.index(owner[0])
+        on_victim = [p == owner[0] for p in owner]
+        redis_cluster.stop(victim)
+        try:
+            out = torch.zeros_like(rows)
+            for _ in range(3):  # the first read finds the node dead; later ones skip it at once
+                t0 = time.monotonic()
+                ok, corrupt, missing = tier.read_ex(keys, [-1] * 30, out)
+                assert time.monotonic() - t0 < 3.0
+                assert not any(corrupt) and not any(missing)  # down is not gone: the planner keeps its hints
+                assert [not o for o in ok] == on_victim
+                assert all(torch.equal(out[i], rows[i]) for i in range(30) if ok[i])
+            w = tier.write(make_keys(30, b"w"), [-1] * 30, rows)  # writes to the dead node fail, others work
+            assert any(w) and not all(w)
+        finally:
+            redis_cluster.start(victim)
+            redis_cluster.wait_ok()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            out = torch.zeros_like(rows)
+            ok, _, missing = tier.read_ex(keys, [-1] * 30, out)
+            if all(ok) or any(missing):
+                break
+            time.sleep(0.2)
+        # the node came back empty (no persistence in the test cluster): its blocks are misses, never errors;
+        # the others still hit
+        assert all(ok[i] or missing[i] for i in range(30)) and all(ok[i] for i in range(30) if not on_victim[i])
+        assert all(tier.write(keys, [-1] * 30, rows))  # and it takes writes again
+        ok, _, _ = tier.read_ex(keys, [-1] * 30, out)
+        assert all(ok) and torch.equal(out, rows)
+    finally:
+        tier.close()
+
+
+def test_wrong_password_fails_at_start_up_with_a_clear_message(redis_cluster, monkeypatch):
+    monkeypatch.setenv("TKV_WRONG_PW", "not-the-password")
+    with pytest.raises(ConfigError) as info:
+        make_tier(redis_cluster, password_env="TKV_WRONG_PW")
+    msg = str(info.value)
+    assert "refused the credentials" in msg and "$TKV_WRONG_PW" in msg and "not-the-password" not in msg
+    with pytest.raises(ConfigError, match="TKV_UNSET_PW.*not set"):
+        make_tier(redis_cluster, password_env="TKV_UNSET_PW")
+    with pytest.raises(ConfigError, match="refused the credentials"):
+        make_tier(redis_cluster, password_env=None)  # no password at all
+
+
+def test_unreachable_cluster_fails_at_start_up(redis_cluster):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    with pytest.raises(RemoteUnavailableError, match=f"127.0.0.1:{port}.*remote_url"):
+        make_tier(redis_cluster, url=f"redis://127.0.0.1:{port}")
+    assert time.monotonic() - t0 < 10
+
+
+@pytest.mark.parametrize("url, what", [
+    ("redis://u:pw@127.0.0.1:1", "password"), ("http://127.0.0.1:1", "redis://"), ("", "remote_url"),
+    ("redis://127.0.0.1:1/3", "database"), ("redis://a:1,rediss://b:2", "mixes"),
+])
+def test_bad_remote_url_is_a_config_error(url, what):
+    with pytest.raises(ConfigError, match=what):
+        RemoteSettings(url=url)
+
+
+def test_describe_never_shows_the_password(redis_cluster):
+    tier = make_tier(redis_cluster)
+    try:
+        text = repr(tier.describe()) + repr(tier.settings)
+        assert os.environ[PASSWORD_ENV] not in text and PASSWORD_ENV in text
+        assert len(tier.describe()["nodes"]) == 3
+    finally:
+        tier.close()

@@ -1,0 +1,110 @@
+"""Presence: how an engine learns, without a network round trip on its hot path, what the remote tier holds.
+
+Every writer of a namespace appends the keys it stored (and deleted) to one Redis stream per
+namespace (``<key_prefix><namespace hex>|presence``, capped at ``stream_maxlen`` entries with
+``XADD MAXLEN ~``). A ``PresenceFeed`` thread in each reader process tails that stream with a
+blocking ``XREAD`` (first the whole retained stream, so a new engine learns what its fleet stored
+before it started, then every new entry) and queues what it reads. The planner's owner drains the
+queue with ``take()``, which is a list swap: the vLLM scheduler thread adopts those keys as copies
+in the governed remote tier (dictionary work) and so answers lookups from memory.
+
+What the feed says are hints, not truths: Redis may have evicted a block since (``allkeys-lru``),
+a node may be down. A read that finds a record missing is a miss and the planner forgets that
+copy; a read whose node is down fails and the copy is kept for the next try. The stream lives
+in one slot, so on one node: while that node is down the feed pauses and retries every
+``retry_after_s``; the data calls of the other nodes go on.
+
+Threading contract: ``publish`` may be called from any thread (mover threads); the feed runs
+on its own daemon thread; ``take`` may be called from any thread (one consumer at a time is
+expected); ``close`` once.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+
+from tiered_kv.tiers.remote.client import ClusterClient
+
+log = logging.getLogger(__name__)
+
+STORED, REMOVED = b"+", b"-"
+
+
+def stream_key(key_prefix: str, namespace_prefix: bytes) -> bytes:
+    """The presence stream's Redis key for one namespace."""
+    return key_prefix.encode() + namespace_prefix.hex().encode() + b"|presence"
+
+
+def publish(client: ClusterClient, stream: bytes, stored: Sequence[bytes] = (), removed: Sequence[bytes] = (),
+            maxlen: int = 200_000) -> bool:
+    """Append one entry naming ``stored`` and ``removed`` keys; False if the stream's node did not take it."""
+    if not stored and not removed:
+        return True
+    fields = {STORED + str(i).encode(): k for i, k in enumerate(stored)}
+    fields.update({REMOVED + str(i).encode(): k for i, k in enumerate(removed)})
+    return client.call(lambda rc: rc.xadd(stream, fields, maxlen=maxlen, approximate=True), None) is not None
+
+
+class PresenceFeed:
+    """Tails one namespace's presence stream on a daemon thread; ``take()`` hands over what arrived."""
+
+    def __init__(self, client: ClusterClient, stream: bytes, block_ms: int = 500, batch: int = 1000) -> None:
+        self.client = client
+        self.stream = stream
+        # the blocking read must end before the socket's own timeout would cut it
+        self.block_ms = max(10, min(block_ms, int(client.settings.op_timeout_s * 1000 / 2)))
+        self.batch = batch
+        self._lock = threading.Lock()
+        self._stored: list[bytes] = []
+        self._removed: list[bytes] = []
+        self._last = b"0"
+        self._stop = threading.Event()
+        self.entries = 0
+        self.caught_up = threading.Event()  # set once the retained stream was read through
+        self._thread = threading.Thread(target=self._run, name="tkv-remote-presence", daemon=True)
+        self._thread.start()
+
+    def take(self) -> tuple[list[bytes], list[bytes]]:
+        """Keys stored and removed since the last call (each list in stream order)."""
+        with self._lock:
+            if not self._stored and not self._removed:
+                return [], []
+            out = (self._stored, self._removed)
+            self._stored, self._removed = [], []
+            return out
+
+    def pending(self) -> bool:
+        """Whether ``take`` has anything (a cheap check for a hot path)."""
+        return bool(self._stored or self._removed)
+
+    def _run(self) -> None:
+        retry = self.client.settings.retry_after_s
+        while not self._stop.is_set():
+            block = self.block_ms if self.caught_up.is_set() else None
+            res = self.client.call(lambda rc: rc.xread({self.stream: self._last}, count=self.batch, block=block),
+                                   default=False)
+            if res is False:  # the stream's node is down or slow: try again later
+                self._stop.wait(retry)
+                continue
+            got = 0
+            for _, entries in (res or []):
+                for entry_id, fields in entries:
+                    self._take_entry(fields)
+                    self._last = entry_id
+                    got += 1
+            self.entries += got
+            if got < self.batch:
+                self.caught_up.set()
+
+    def _take_entry(self, fields: dict) -> None:
+        stored = [v for f, v in fields.items() if f[:1] == STORED]
+        removed = [v for f, v in fields.items() if f[:1] == REMOVED]
+        with self._lock:
+            self._stored += stored
+            self._removed += removed
+
+    def close(self) -> None:
+        """Stop the thread (returns within one blocking read). Idempotent."""
+        self._stop.set()
+        self._thread.join(timeout=self.block_ms / 1000 + self.client.settings.op_timeout_s + 1)

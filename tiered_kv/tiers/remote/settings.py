@@ -1,0 +1,103 @@
+"""Settings of the remote tier: where the Redis Cluster is, how to log in, how long to wait.
+
+``RemoteSettings`` is built from the config keys of every front end (``remote_url``,
+``remote_password_env``, ``remote_user``, the timeouts...). The password itself is never a config
+value: the config names an environment variable that holds it, so it never lands in a config
+file, a log line or vLLM's printed config. ``seeds()`` parses ``remote_url``: a comma-separated
+list of ``redis://host:port`` (or ``rediss://`` for TLS) seed nodes of one cluster.
+
+Threading contract: immutable values; safe from any thread.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from tiered_kv.errors import ConfigError
+
+REMOTE_WRITES = ("through", "evict")
+
+
+@dataclass(frozen=True)
+class RemoteSettings:
+    """How to reach and use one Redis Cluster (see docs/remote.md for each field)."""
+
+    url: str
+    password_env: str | None = None
+    user: str | None = None
+    tls_ca: str | None = None
+    connect_timeout_s: float = 0.5
+    op_timeout_s: float = 2.0
+    retry_after_s: float = 1.0
+    key_prefix: str = "tkv:"
+    stream_maxlen: int = 200_000
+
+    def __post_init__(self) -> None:
+        self.seeds()  # validates the url
+        for name in ("connect_timeout_s", "op_timeout_s", "retry_after_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 600:
+                raise ConfigError(f"remote {name}: expected seconds in (0, 600], got {v!r}")
+            object.__setattr__(self, name, float(v))
+        for name in ("password_env", "user", "tls_ca"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ConfigError(f"remote {name}: expected a non-empty string or null, got {v!r}")
+        if not isinstance(self.key_prefix, str) or not self.key_prefix or "{" in self.key_prefix:
+            raise ConfigError(f"remote key_prefix: expected a non-empty string without '{{', got {self.key_prefix!r}")
+        if isinstance(self.stream_maxlen, bool) or not isinstance(self.stream_maxlen, int) or self.stream_maxlen < 1:
+            raise ConfigError(f"remote stream_maxlen: expected an int >= 1, got {self.stream_maxlen!r}")
+
+    @property
+    def tls(self) -> bool:
+        """Whether the seeds use ``rediss://`` (TLS)."""
+        return self.url.strip().startswith("rediss://")
+
+    def seeds(self) -> list[tuple[str, int]]:
+        """``(host, port)`` of each seed node in ``url``; ConfigError for anything else."""
+        if not isinstance(self.url, str) or not self.url.strip():
+            raise ConfigError(f"remote_url: expected 'redis://host:port[,redis://host:port...]', got {self.url!r}")
+        out, schemes = [], set()
+        for part in self.url.split(","):
+            part = part.strip()
+            u = urlsplit(part if "://" in part else "redis://" + part)
+            schemes.add(u.scheme)
+            if u.scheme not in ("redis", "rediss"):
+                raise ConfigError(f"remote_url: {part!r} must start with redis:// or rediss:// (TLS)")
+            if u.password is not None:
+                raise ConfigError("remote_url: holds a password; put it in an environment variable and name that "
+                                  "variable in remote_password_env instead")
+            if u.username:
+                raise ConfigError("remote_url: holds a user name; set remote_user instead")
+            try:
+                port = u.port or 6379
+            except ValueError:
+                raise ConfigError(f"remote_url: {part!r} has a bad port") from None
+            if not u.hostname or u.path not in ("", "/"):
+                raise ConfigError(f"remote_url: {part!r} must be redis://host:port (no database number: a "
+                                  f"cluster has only database 0)")
+            out.append((u.hostname, port))
+        if len(schemes) > 1:
+            raise ConfigError(f"remote_url: mixes redis:// and rediss:// seeds ({self.url!r}); use one scheme")
+        return out
+
+    def password(self) -> str | None:
+        """The password from the environment variable ``password_env`` (None without one).
+
+        ConfigError when the variable is named but not set: a typo would otherwise show up as an
+        authentication error with no hint.
+        """
+        if self.password_env is None:
+            return None
+        value = os.environ.get(self.password_env)
+        if value is None:
+            raise ConfigError(f"remote_password_env names ${self.password_env}, which is not set in this process's "
+                              f"environment; export it (the password of the Redis user) before starting")
+        return value
+
+    def describe(self) -> dict:
+        """What stats and logs may show: seeds and settings, never the password."""
+        return {"url": ",".join(f"{h}:{p}" for h, p in self.seeds()), "tls": self.tls, "user": self.user or "default",
+                "password_env": self.password_env, "op_timeout_s": self.op_timeout_s,
+                "connect_timeout_s": self.connect_timeout_s, "key_prefix": self.key_prefix}

@@ -1,0 +1,203 @@
+"""Remote tier: blocks as checksummed records in a Redis Cluster shared by a fleet of engines.
+
+A block is one Redis string under ``<key_prefix><namespace hex>:<key>``: the disk tier's 64-byte
+``RecordHeader`` (magic, version, layout fingerprint, lengths, payload checksum, and a header
+checksum that also covers the Redis key) followed by the payload. A read verifies both
+checksums before a byte reaches the caller: a damaged value, a value of another layout, a value
+copied to another key or written by something else is never served (damaged ones are deleted
+and reported corrupt; foreign ones are misses).
+
+Redis owns the capacity (``maxmemory`` + ``allkeys-lru`` on every node): the tier is *governed*
+(``TierSpec.governed``): the planner never counts room there, never evicts there, and treats
+its copies as hints: a record that vanished is reported ``missing`` (the planner forgets it), a
+record whose node is down or slow is a failed read (kept for a later try). Nothing raises out of
+``read``/``write``/``delete`` for a network fault; waits are bounded by the client's timeouts.
+
+Every successful write and delete is announced on the namespace's presence stream
+(``presence.py``), so the other engines' planners learn of it without asking Redis per lookup.
+
+Threading contract: as ``Tier``: ``read``/``write``/``delete`` may run on several mover threads at
+once (the client is thread-safe); ``close()`` once, after the movers stopped.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from tiered_kv.errors import RecordError, StoreClosedError
+from tiered_kv.tiers.base import Tier
+from tiered_kv.tiers.remote.client import ClusterClient
+from tiered_kv.tiers.remote.presence import PresenceFeed, publish, stream_key
+from tiered_kv.tiers.remote.settings import RemoteSettings
+from tiered_kv.values.layout import BlockLayout
+from tiered_kv.values.record import CODEC_NONE, HEADER_LEN, RecordHeader, payload_checksum
+
+log = logging.getLogger(__name__)
+
+_DOWN = object()  # a read whose node failed or is skipped
+
+
+class RemoteTier(Tier):
+    """Keyed, governed tier on a Redis Cluster (``slotted = False``, ``governed = True``)."""
+
+    name = "remote"
+    slotted = False
+    governed = True
+
+    def __init__(self, layout: BlockLayout, settings: RemoteSettings, namespace_prefix: bytes,
+                 capacity_bytes: int = 0, client: ClusterClient | None = None, publish_writes: bool = True) -> None:
+        super().__init__(layout, capacity_bytes // (layout.nbytes + HEADER_LEN) if capacity_bytes else 0)
+        self.settings = settings
+        self.namespace_prefix = namespace_prefix
+        self._own_client = client is None
+        self.client = client if client is not None else ClusterClient(settings)
+        self._base = settings.key_prefix.encode() + namespace_prefix.hex().encode() + b":"
+        self.stream = stream_key(settings.key_prefix, namespace_prefix)
+        self.publish_writes = publish_writes
+        self._closed = False
+        self._feed: PresenceFeed | None = None
+        self.counters = {"corrupt": 0, "foreign": 0, "missing": 0, "unavailable": 0, "write_failed": 0}
+
+    def redis_key(self, key: bytes) -> bytes:
+        """The Redis key a block key is stored under (namespace-prefixed)."""
+        return self._base + key
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError("remote tier is closed")
+
+    # ------------------------------------------------------------------ Tier API
+    def write(self, keys: Sequence[bytes], slots: Sequence[int], rows) -> list[bool]:
+        """Store ``rows[i]`` as a checksummed record under ``keys[i]``; False where its node did not take it."""
+        self._check_open()
+        rkeys = [self.redis_key(k) for k in keys]
+        fp, n = self.layout.fingerprint, self.block_nbytes
+
+        def value_of(i: int) -> bytearray:  # runs on the node's thread: the copies spread over the nodes
+            row = rows[i]
+            payload = memoryview((row if row.device.type == "cpu" else row.cpu()).contiguous().numpy()).cast("B")
+            value = bytearray(HEADER_LEN + n)
+            value[HEADER_LEN:] = payload
+            hdr = RecordHeader(CODEC_NONE, fp, 0, n, n, payload_checksum(payload))
+            value[:HEADER_LEN] = hdr.pack(rkeys[i])
+            return value
+
+        ok = self.client.set_many(rkeys, value_of)
+        self.counters["write_failed"] += len(ok) - sum(ok)
+        if self.publish_writes:
+            publish(self.client, self.stream, [k for k, good in zip(keys, ok) if good],
+                    maxlen=self.settings.stream_maxlen)
+        return ok
+
+    def read(self, keys: Sequence[bytes], slots: Sequence[int], out) -> tuple[list[bool], list[bool]]:
+        """Read and verify each block into ``out[i]``; damaged records are deleted and reported corrupt."""
+        ok, corrupt, _ = self.read_ex(keys, slots, out)
+        return ok, corrupt
+
+    def read_ex(self, keys: Sequence[bytes], slots: Sequence[int], out) -> tuple[list[bool], list[bool], list[bool]]:
+        """``read`` plus ``missing[i]``: Redis holds no record of ``keys[i]`` (evicted, deleted, never written).
+
+        A key whose node is down or slow is neither ok nor missing (a failed read; the caller may try
+        again later). ``out`` is a ``(n, block_nbytes)`` uint8 tensor or a list of 1-D rows, any device.
+        """
+        self._check_open()
+        n = len(keys)
+        ok, corrupt, missing = [False] * n, [False] * n, [False] * n
+        rkeys = [self.redis_key(k) for k in keys]
+        fp, nb = self.layout.fingerprint, self.block_nbytes
+
+        def verify(i: int, value) -> object:  # on the node's thread: checksum and copy spread over the nodes
+            if value is None:
+                missing[i] = True
+                return None
+            try:
+                if len(value) < HEADER_LEN:
+                    raise RecordError(f"value of {len(value)} bytes is shorter than a record header")
+                hdr = RecordHeader.unpack(rkeys[i], memoryview(value)[:HEADER_LEN])
+                if hdr.layout_fp != fp:
+                    return "foreign"  # another layout under our key: not ours to serve, not damage either
+                if hdr.codec != CODEC_NONE or hdr.raw_len != nb or len(value) != HEADER_LEN + hdr.payload_len \
+                        or hdr.payload_len != nb:
+                    raise RecordError(f"record of {len(value)} bytes does not hold one {nb}-byte block")
+                payload = memoryview(value)[HEADER_LEN:]
+                if payload_checksum(payload) != hdr.payload_xxh:
+                    raise RecordError("payload checksum mismatch")
+            except RecordError as exc:
+                log.warning("remote tier: dropping damaged record %s: %s", keys[i].hex()[:16], exc)
+                return "corrupt"
+            src = np.frombuffer(value, dtype=np.uint8, count=nb, offset=HEADER_LEN)
+            dst = out[i]
+            if dst.device.type == "cpu":
+                dst.numpy()[:] = src
+            else:
+                dst.copy_(torch.from_numpy(src.copy()))
+            ok[i] = True
+            return None
+
+        res = self.client.get_many(rkeys, on_item=verify, unavailable=_DOWN)
+        bad = [rkeys[i] for i, r in enumerate(res) if r == "corrupt"]
+        for i, r in enumerate(res):
+            if r is _DOWN:
+                self.counters["unavailable"] += 1
+            elif r == "corrupt":
+                corrupt[i] = True
+            elif r == "foreign":
+                missing[i] = True
+                self.counters["foreign"] += 1
+        self.counters["corrupt"] += len(bad)
+        self.counters["missing"] += sum(missing)
+        if bad:
+            self.client.delete_many(bad)
+        return ok, corrupt, missing
+
+    def delete(self, keys: Sequence[bytes]) -> None:
+        """Delete records (best effort) and announce it on the presence stream."""
+        self._check_open()
+        if not keys:
+            return
+        self.client.delete_many([self.redis_key(k) for k in keys])
+        if self.publish_writes:
+            publish(self.client, self.stream, removed=list(keys), maxlen=self.settings.stream_maxlen)
+
+    def has(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether Redis holds a record of each key now (one pipelined ``EXISTS`` per node; no payload)."""
+        self._check_open()
+        return self.client.exists_many([self.redis_key(k) for k in keys])
+
+    def stored_keys(self) -> list[bytes]:
+        """Keys of this namespace Redis holds now, by ``SCAN`` of every master (for tools and tests: a store
+        learns what the fleet holds from the presence feed, not from a scan of the whole cluster)."""
+        self._check_open()
+        out: list[bytes] = []
+        pattern = self._base.replace(b"*", b"\\*").replace(b"?", b"\\?") + b"*"
+        for node in self.client.rc.get_primaries():
+            r = self.client.rc.get_redis_connection(node)
+            out += [k[len(self._base):] for k in r.scan_iter(match=pattern, count=1000)]
+        return out
+
+    # ------------------------------------------------------------------ presence
+    def feed(self) -> PresenceFeed:
+        """Start (once) and return the presence feed of this tier's namespace."""
+        if self._feed is None:
+            self._feed = PresenceFeed(self.client, self.stream)
+        return self._feed
+
+    def describe(self) -> dict:
+        """Adds the cluster (never the password) and the tier's counters."""
+        d = super().describe()
+        d.update(self.settings.describe(), nodes=self.client.nodes(), **self.counters,
+                 **{f"client_{k}": v for k, v in self.client.counters.items()})
+        return d
+
+    def close(self) -> None:
+        """Stop the presence feed and close the client (if this tier opened it). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._feed is not None:
+            self._feed.close()
+        if self._own_client:
+            self.client.close()
