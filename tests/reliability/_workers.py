@@ -51,7 +51,8 @@ def say(line: str) -> None:
 def crash_writer(path: str, rnd: str, codec: str, seed: str) -> None:
     rng = random.Random(int(seed))
     space = f"crash-{rnd}".encode()
-    store = TieredStore(disk_config(path, compression=codec))
+    # the test's budget (test_crash.DISK_BYTES): the directory's quota is one per namespace, the last opener's
+    store = TieredStore(disk_config(path, disk_bytes=256 << 20, compression=codec))
     say("READY")
     acked: list[int] = []
     nxt = 0

@@ -38,8 +38,13 @@ def _watch(path, stop: threading.Event, seen: dict) -> None:
     while not stop.is_set():
         try:
             if env is None:
-                env = lmdb.open(str(path / "index"), readonly=True, lock=True, max_dbs=16, subdir=True)
-                dbs = {n: env.open_db(n.encode(), create=False) for n in ("records", "claims", "spaces")}
+                opened = lmdb.open(str(path / "index"), readonly=True, lock=True, max_dbs=16, subdir=True)
+                try:
+                    dbs = {n: opened.open_db(n.encode(), create=False) for n in ("records", "claims", "spaces")}
+                except lmdb.Error:
+                    opened.close()  # the first worker has not created them yet
+                    raise
+                env = opened
             with env.begin() as txn:
                 records = txn.stat(dbs["records"])["entries"]
                 claims = txn.stat(dbs["claims"])["entries"]
