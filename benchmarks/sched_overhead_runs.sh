@@ -6,6 +6,10 @@
 # prints one RESULT line per run plus a median table. Run it alone on the machine: the
 # numbers are per-step CPU times and other processes move them.
 #
+# With TKV_REMOTE_URL (and TKV_REMOTE_PASSWORD_ENV) set, a fourth mode runs TieredKVConnector with the
+# remote tier on that cluster (benchmarks/remote_sched_mode.py; TKV_FLEET_KEYS_PER_S chunks/s announced
+# by the "fleet" meanwhile, default 1000). benchmarks/remote_sched_overhead.sh starts a local cluster for it.
+#
 # Usage: benchmarks/sched_overhead_runs.sh [REPS] [PYTHON]   (from the repo root)
 set -euo pipefail
 REPS="${1:-3}"
@@ -15,6 +19,11 @@ TOOL="${SCHED_OVERHEAD_TOOL:-../shared/tools/sched_overhead.py}"
 OUT="${OUT:-bench_out}/sched_overhead_$(date -u +%Y%m%dT%H%M%SZ).jsonl"
 mkdir -p "$(dirname "$OUT")"
 MODES=(none offloading tiered_kv.connector.vllm:TieredKVConnector)
+if [ -n "${TKV_REMOTE_URL:-}" ]; then
+  MODES+=(benchmarks.remote_sched_mode:ExtraFromEnvConnector)
+  export TKV_EXTRA="{\"remote_url\": \"$TKV_REMOTE_URL\", \"remote_password_env\": \"${TKV_REMOTE_PASSWORD_ENV:-}\"}"
+  export TKV_FLEET_KEYS_PER_S="${TKV_FLEET_KEYS_PER_S:-1000}" PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
 echo "# $(date -u +%FT%TZ) host=$(hostname) cpus=$(nproc) python=$PY reps=$REPS" | tee "$OUT.log"
 for rep in $(seq 1 "$REPS"); do
   for mode in "${MODES[@]}"; do

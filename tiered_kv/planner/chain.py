@@ -95,6 +95,22 @@ class TierChain:
         self.counters = ChainCounters()
         self.room = RoomKeeper(self.specs, self.index, self.policies, self.tier_counters, self.counters,
                                job=self._block_job, lost=self._abandon_followers)
+        self.events: list[tuple[bool, int, bytes]] | None = None  # see record_events
+
+    def record_events(self) -> None:
+        """From now on append ``(stored, tier, key)`` to ``self.events`` whenever a copy this chain wrote became
+        READY in a tier (``stored`` True) or a READY copy left one (False): the raw material of KV events.
+        The owner drains the list; off by default (no cost)."""
+        if self.events is None:
+            self.events = self.room.events = []
+
+    def take_events(self) -> list[tuple[bool, int, bytes]]:
+        """Drain what ``record_events`` collected since the last call (empty when not recording)."""
+        if not self.events:
+            return []
+        out = self.events[:]
+        self.events.clear()  # the room keeper appends to this same list
+        return out
 
     @property
     def used(self) -> list[int]:
@@ -343,6 +359,8 @@ class TierChain:
         c = e.copies[dst]
         if ok:
             c.state = CopyState.READY
+            if self.events is not None:
+                self.events.append((True, dst, key))
             self.tier_counters[dst].blocks_in += 1
             self.policies[dst].insert(key)
             if kind is JobKind.INGRESS and self.placement.copy_to:

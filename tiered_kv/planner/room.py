@@ -91,6 +91,7 @@ class RoomKeeper:
         self.pins = 0  # sum of every copy's pins; whoever pins or unpins a copy keeps it in step
         self._free_slots: list[list[int]] = [list(range(s.capacity - 1, -1, -1)) if s.slotted else [] for s in specs]
         self._waiters: list[deque[_Waiter]] = [deque() for _ in specs]
+        self.events: list[tuple[bool, int, bytes]] | None = None  # TierChain.record_events
 
     def waiting(self) -> int:
         """Reservations waiting for room."""
@@ -289,6 +290,8 @@ class RoomKeeper:
         c = self.index.get(key).copies[t]
         if c.leaving:
             self.leaving[t] -= 1
+        if self.events is not None:
+            self.events.append((False, t, key))
         self.policies[t].remove(key)
         self.tier_counters[t].blocks_out += 1
         if self.index.remove_copy(key, t):

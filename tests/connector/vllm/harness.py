@@ -306,6 +306,8 @@ class Engine:
                                       max_model_len, tweak)
         cfg = make_vllm_config(model_dir, extra, async_sched=async_sched, max_batched=max_batched, tp=tp,
                                hash_algo=hash_algo)
+        if tweak is not None:
+            tweak(cfg)
         kvc = kv_cache_config(num_blocks)
         cfg.cache_config.num_gpu_blocks = num_blocks
         cls_ = AsyncScheduler if async_sched else Scheduler
@@ -633,9 +635,10 @@ class Engine:
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:
-        """Shut the worker connectors down (flushes and closes their tiers)."""
+        """Shut the worker connectors down (flushes and closes their tiers), then the scheduler's."""
         for w in self.workers:
             w.connector.shutdown()
+        self.connector.shutdown()
 
 
 class Gate:

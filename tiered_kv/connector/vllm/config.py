@@ -26,6 +26,7 @@ from tiered_kv.errors import ConfigError
 from tiered_kv.values.keys import Namespace
 from tiered_kv.values.layout import BlockLayout
 from tiered_kv.planner.policy import POLICIES, WRITE_POLICIES
+from tiered_kv.tiers.remote.settings import REMOTE_WRITES, RemoteSettings
 from tiered_kv.values.record import CODECS
 from tiered_kv.values.units import parse_size
 
@@ -34,7 +35,7 @@ log = logging.getLogger(__name__)
 STORE_POLICIES = ("eager", "on_finish", "none")
 DISK_LOAD_POLICIES = ("auto", "always", "never")
 LOAD_MODES = ("layerwise", "sync", "async")
-IN_STEP_COPIES = ("copy_engine", "sm_kernel")
+IN_STEP_COPIES = ("copy_engine", "sm_kernel", "staged")
 SWA_STORES = ("window", "all")
 
 
@@ -57,6 +58,7 @@ class ConnectorConfig:
     sync_max_tokens: int = 65536
     load_groups: int = 0
     in_step_copy: str = "copy_engine"
+    load_staging_bytes: int = 256 << 20
     cross_layer_blocks: bool = True
     disk_load_policy: str = "auto"
     disk_read_gbps: float = 3.0
@@ -73,10 +75,18 @@ class ConnectorConfig:
     model_id: str = ""
     tenant_salt: str = ""
     metrics_port: int | None = None
+    remote_url: str | None = None
+    remote_password_env: str | None = None
+    remote_user: str | None = None
+    remote_tls_ca: str | None = None
+    remote_timeout_s: float = 2.0
+    remote_connect_timeout_s: float = 0.5
+    remote_write: str = "through"
+    remote_workers: int = 4
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
-        for key in ("cpu_bytes", "disk_bytes"):
+        for key in ("cpu_bytes", "disk_bytes", "load_staging_bytes"):
             set_(key, parse_size(getattr(self, key), key))
         _choice(self.eviction, "eviction", POLICIES)
         _choice(self.write_policy, "write_policy", WRITE_POLICIES)
@@ -113,8 +123,21 @@ class ConnectorConfig:
             if not isinstance(self.disk_path, (str, os.PathLike)) or not str(self.disk_path):
                 raise ConfigError(f"disk_path: expected a directory path or null, got {self.disk_path!r}")
             set_("disk_path", str(self.disk_path))
+        if self.load_staging_bytes < 1:
+            raise ConfigError(f"load_staging_bytes: must be > 0 (the device buffer of in_step_copy: staged); "
+                              f"got {self.load_staging_bytes}")
         if self.cpu_bytes == 0:
             raise ConfigError("cpu_bytes: must be > 0 (the CPU tier stages every load and store); got 0")
+        _choice(self.remote_write, "remote_write", REMOTE_WRITES)
+        _int(self.remote_workers, "remote_workers", 1, 64)
+        self.remote_settings()  # validates remote_url and the other remote_* keys
+
+    def remote_settings(self) -> RemoteSettings | None:
+        """The remote tier's settings (None without ``remote_url``); ConfigError names a bad ``remote_*`` key."""
+        if self.remote_url is None:
+            return None
+        return RemoteSettings(self.remote_url, self.remote_password_env, self.remote_user, self.remote_tls_ca,
+                              self.remote_connect_timeout_s, self.remote_timeout_s)
 
     @classmethod
     def valid_keys(cls) -> list[str]:
@@ -489,6 +512,11 @@ def rank_disk_dir(cfg: ConnectorConfig, ns: Namespace, rank: int, tp_size: int,
         return None
     top = "shared" if cfg.disk_budget == "shared" else ns.prefix.hex()
     return Path(cfg.disk_path) / top / ("replicated" if replicated else f"rank{rank}-of-{tp_size}")
+
+
+def rank_remote_part(geo: Geometry, rank: int) -> str:
+    """The part of the remote tier's Redis keys that holds one rank's share (one for all ranks when replicated)."""
+    return "replicated" if geo.replicated else f"rank{rank}-of-{geo.tp_size}"
 
 
 def capacities(cfg: ConnectorConfig, geo: Geometry) -> tuple[int, int]:

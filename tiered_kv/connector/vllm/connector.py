@@ -81,7 +81,8 @@ class TieredKVWorkerMeta(KVConnectorWorkerMetadata):
         for job_id, rep in other.reports.items():
             mine = self.reports.get(job_id)
             if mine is None:
-                self.reports[job_id] = JobReport(rep.count, list(rep.ok), list(rep.corrupt), rep.nbytes, rep.seconds)
+                self.reports[job_id] = JobReport(rep.count, list(rep.ok), list(rep.corrupt), rep.nbytes, rep.seconds,
+                                                 list(rep.missing))
             else:
                 mine.merge(rep)
         return self
@@ -185,18 +186,38 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker: WorkerRuntime | None = None
         self._prom_snapshot: dict = {}
         self._prom_at = 0.0
+        self._remote_client = self._presence = None
         if role == KVConnectorRole.SCHEDULER:
+            self._presence = self._open_presence()  # a wrong password or no cluster fails here, at start-up
             self.planner = SchedulerPlanner(self.cfg, self.geo, self.ns, cpu_chunks, disk_chunks,
-                                            self._adoptable_keys(disk_chunks))
+                                            self._adoptable_keys(disk_chunks), presence=self._presence)
+            kv_events = vllm_config.kv_events_config
+            self._events_on = bool(kv_events is not None and kv_events.enable_kv_cache_events)
+            if self._events_on:
+                self.planner.enable_events()
             if self.cfg.metrics_port is not None:
                 self._prom_snapshot = self.planner.store_stats()
                 # the HTTP thread reads a snapshot the scheduler thread replaces: the planner is not thread-safe
                 serve(make_registry(lambda: self._prom_snapshot, "vllm"), self.cfg.metrics_port)
         else:
+            self._events_on = False
             self.worker = WorkerRuntime(self.cfg, self.geo, self.ns, worker_rank(), cpu_chunks, disk_chunks,
                                         shared_name=_shared_slab_name(vllm_config, self.ns))
             if not self.ident.stable and self.worker.disk is not None:
                 self.worker.disk.delete(self.worker.disk.stored_keys())  # unnameable after a restart
+
+    def _open_presence(self):
+        """Scheduler role with ``remote_url``: a cluster client and the namespace's presence feed (its thread reads
+        what the fleet stores; the planner takes it once per step without network I/O)."""
+        settings = self.cfg.remote_settings()
+        if settings is None:
+            return None
+        from tiered_kv.tiers.remote import ClusterClient, PresenceFeed, stream_key  # lazily: needs redis-py
+
+        self._remote_client = ClusterClient(settings)
+        log.info("TieredKVConnector: remote tier on %s (remote_write=%s)", settings.describe()["url"],
+                 self.cfg.remote_write)
+        return PresenceFeed(self._remote_client, stream_key(settings.key_prefix, self.ns.prefix))
 
     def _adoptable_keys(self, disk_chunks: int) -> list[bytes]:
         """Keys every rank's disk directory holds from a previous engine (read-only open)."""
@@ -266,8 +287,16 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         return self.planner.has_pending_work_to_ship()
 
     def take_events(self):
-        """No KV-cache events yet."""
-        return ()
+        """``BlockStored``/``BlockRemoved`` for the chunks this engine stored, per medium (CPU, DISK, REMOTE), since
+        the last call; empty unless vLLM's ``--kv-events-config`` enables KV cache events."""
+        if self.planner is None or not self._events_on:
+            return ()
+        records = self.planner.take_events()
+        if not records:
+            return ()
+        from tiered_kv.connector.vllm.events import make_events  # noqa: PLC0415 (only with events on)
+
+        return make_events(records, self.geo.hash_block_size)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -389,9 +418,13 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         return TieredKVStats(data=delta) if any(delta.values()) else None
 
     def shutdown(self) -> None:
-        """Finish queued jobs and close the tiers (worker)."""
+        """Finish queued jobs and close the tiers (worker); stop the presence feed (scheduler)."""
         if self.worker is not None:
             self.worker.close()
+        if self._presence is not None:
+            self._presence.close()
+            self._remote_client.close()
+            self._presence = None
 
 
 def _shared_slab_name(vllm_config, ns) -> str:
@@ -407,5 +440,5 @@ def _runs_attention_eagerly(forward_context) -> bool:
     return getattr(mode, "name", None) in ("NONE", "PIECEWISE")
 
 
-_FLOW_KEYS = ("bytes_loaded", "bytes_stored", "bytes_to_disk", "bytes_from_disk", "load_seconds",
-              "store_seconds", "failed_items", "corrupt_items")
+_FLOW_KEYS = ("bytes_loaded", "bytes_stored", "bytes_to_disk", "bytes_from_disk", "bytes_to_remote",
+              "bytes_from_remote", "load_seconds", "store_seconds", "failed_items", "corrupt_items")

@@ -40,6 +40,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from tiered_kv.planner.chain import TierChain, TierSpec
 from tiered_kv.errors import ConfigError
@@ -48,9 +49,22 @@ from tiered_kv.planner.policy import PlacementPolicy
 from tiered_kv.values.jobs import Completion, JobKind, TransferJob
 from tiered_kv.connector.vllm.config import ConnectorConfig, Geometry
 
+
+class PresenceSource(Protocol):
+    """What the planner needs of the remote tier's presence feed (``tiers.remote.PresenceFeed``)."""
+
+    def pending(self) -> bool: ...
+
+    def take(self) -> tuple[list[bytes], list[bytes]]: ...
+
 log = logging.getLogger(__name__)
 
-CPU, DISK = 0, 1
+CPU, DISK = 0, 1  # DISK only when a disk tier is configured: tier_indices gives the real layout
+
+
+def tier_indices(disk: bool, remote: bool) -> tuple[int | None, int | None]:
+    """Chain indices of the disk and remote tiers ([cpu, disk?, remote?]; None for an absent tier)."""
+    return (DISK if disk else None), ((2 if disk else 1) if remote else None)
 
 
 @dataclass
@@ -90,12 +104,15 @@ class JobReport:
     corrupt: list[bool]
     nbytes: int = 0
     seconds: float = 0.0
+    missing: list[bool] = field(default_factory=list)  # the source tier no longer holds the record (any rank)
 
     def merge(self, other: "JobReport") -> None:
         """Fold another rank's report of the same job into this one."""
         self.count += other.count
         self.ok = [a and b for a, b in zip(self.ok, other.ok)]
         self.corrupt = [a or b for a, b in zip(self.corrupt, other.corrupt)]
+        if other.missing:
+            self.missing = [a or b for a, b in zip(self.missing or [False] * len(other.missing), other.missing)]
         self.nbytes += other.nbytes
         self.seconds = max(self.seconds, other.seconds)
 
@@ -137,6 +154,7 @@ class PlannerCounters:
     bytes_loaded: int = 0
     bytes_stored: int = 0
     promotions: int = 0  # disk hits moved to the CPU tier before loading (several groups)
+    remote_adopted: int = 0  # chunks the presence feed reported stored by the fleet
     stale_blocks_dropped: int = 0  # table entries vLLM re-allocated before a store read them
     chunks_not_storable: int = 0  # chunks skipped: a block a hit needs was already freed
 
@@ -145,7 +163,7 @@ class SchedulerPlanner:
     """The planner behind ``TieredKVConnector``'s scheduler role; works in chunks of blocks."""
 
     def __init__(self, cfg: ConnectorConfig, geo: Geometry, ns: Namespace, cpu_chunks: int, disk_chunks: int,
-                 adopted: Sequence[bytes] = ()) -> None:
+                 adopted: Sequence[bytes] = (), presence: PresenceSource | None = None) -> None:
         self.cfg, self.geo = cfg, geo
         self.bs = geo.block_size
         self.k = geo.chunk_blocks
@@ -160,8 +178,15 @@ class SchedulerPlanner:
         self._swa = [i for i, g in enumerate(geo.groups) if g.kind == "swa"]
         specs = [TierSpec("cpu", cpu_chunks)]
         if disk_chunks:
-            # shared budget: the directory evicts by itself (governed); a load of a chunk it evicted fails -> recompute
-            specs.append(TierSpec("disk", disk_chunks, slotted=False, governed=cfg.disk_budget == "shared"))
+            # shared budget without a remote tier below: the directory evicts by itself (governed); a load of a
+            # chunk it evicted fails and vLLM recomputes. With a remote tier, the planner evicts (demotes) as before.
+            shared = cfg.disk_budget == "shared" and presence is None
+            specs.append(TierSpec("disk", disk_chunks, slotted=False, governed=shared))
+        # the remote tier (a Redis Cluster shared by the fleet) is governed: Redis keeps its budget
+        _, self.remote = tier_indices(bool(disk_chunks), presence is not None)
+        if self.remote is not None:
+            specs.append(TierSpec("remote", 0, slotted=False, governed=True))
+        self._presence = presence
         write_policy = cfg.write_policy
         if disk_chunks and write_policy == "write_back" and any(g.kind in ("swa", "mamba") for g in geo.groups):
             # write-back makes a store wait for a demotion when the CPU tier is full, and vLLM re-uses
@@ -171,7 +196,9 @@ class SchedulerPlanner:
             log.info("TieredKVConnector: hybrid model with a disk tier: write_through instead of write_back "
                      "(sliding-window and Mamba blocks do not live long enough to wait for a demotion)")
             write_policy = "write_through"
-        self.chain = TierChain(specs, cfg.eviction, PlacementPolicy(write_policy, cfg.promote_on_hit))
+        copy_to = (self.remote,) if self.remote is not None and cfg.remote_write == "through" else ()
+        self.chain = TierChain(specs, cfg.eviction, PlacementPolicy(write_policy, cfg.promote_on_hit, copy_to=copy_to))
+        self._event_meta: dict[bytes, tuple] | None = None  # chunk key -> what a KV event names (enable_events)
         self.key = ns.key  # prefix and keyed hasher cached on the namespace
         self.counters = PlannerCounters()
         self._step = 0
@@ -290,6 +317,8 @@ class SchedulerPlanner:
     def match(self, request, num_computed_tokens: int) -> int | None:
         """Tokens beyond ``num_computed_tokens`` that can be loaded (0 if none; None: ask again next step)."""
         self.counters.lookups += 1
+        if self._presence is not None and self._presence.pending():
+            self.sync_remote()  # what the fleet stored since the last step, before this lookup
         bs, chunk = self.bs, self.chunk
         if num_computed_tokens % bs:
             return 0
@@ -447,6 +476,8 @@ class SchedulerPlanner:
         """Plan this step: track block tables, plan stores, add fences, hand out all pending jobs."""
         self._step += 1
         step = self._step
+        if self._presence is not None and self._presence.pending():
+            self.sync_remote()
         fences: set[int] = set()
         keys_out: list[bytes] = []
         gpu_out: list[int] = []
@@ -585,6 +616,8 @@ class SchedulerPlanner:
                 keys = self._chunk_keys(st, n)
                 keys_out.extend(keys[st.stored:n])
                 gpu_out.extend(block_ids[st.stored * self.k:n * self.k])
+                if self._event_meta is not None:
+                    self._remember(st, st.stored, n)
                 st.stored = n
         else:
             chunk = self.chunk
@@ -616,6 +649,8 @@ class SchedulerPlanner:
             return
         keys_out.append(key)
         gpu_out.extend(ids)
+        if self._event_meta is not None:
+            self._remember(st, c, c + 1, key)
 
     def _valid_stores(self) -> list[TransferJob]:
         """Stores whose GPU source blocks were not re-allocated since planned; the rest fail now."""
@@ -689,7 +724,8 @@ class SchedulerPlanner:
         for job_id, rep in reports.items():
             acc = self._reports.get(job_id)
             if acc is None:
-                acc = self._reports[job_id] = JobReport(0, list(rep.ok), list(rep.corrupt))
+                acc = self._reports[job_id] = JobReport(0, list(rep.ok), list(rep.corrupt),
+                                                        missing=[False] * len(rep.ok) if rep.missing else [])
             acc.merge(rep)
             if acc.count < tp:
                 continue
@@ -721,7 +757,8 @@ class SchedulerPlanner:
                         len(rep.ok) - sum(rep.ok), len(rep.ok))
         else:
             log.debug("job %d (%s) done: %d items, %d bytes", job_id, kind.name, len(rep.ok), rep.nbytes)
-        self._route(self.chain.complete(Completion(job_id, rep.ok, rep.corrupt, rep.nbytes, rep.seconds)))
+        self._route(self.chain.complete(Completion(job_id, rep.ok, rep.corrupt, rep.nbytes, rep.seconds,
+                                                   missing=rep.missing)))
 
     # ------------------------------------------------------------------ lifecycle
     def finished(self, request, block_ids) -> None:
@@ -752,10 +789,57 @@ class SchedulerPlanner:
             all_keys = self._chunk_keys(st, n)
             for c in range(st.stored, n):  # only chunks whose needed blocks are still held
                 self._offer(st, c, all_keys[c], False, keys, gpu, tables)
+        if keys and self._event_meta is not None and self._single:
+            self._remember(st, st.stored, n)
         if keys:
             # vLLM frees the blocks now: the store stays valid only while they are not re-allocated
             # after this step, which _valid_stores checks
             self._finish_puts.append((keys, gpu, self._step))
+
+    # ------------------------------------------------------------------ remote tier and KV events
+    def sync_remote(self) -> None:
+        """Adopt the chunks the fleet stored in the remote tier and forget those it removed, as the presence feed
+        reported them since the last call (dictionary work: the feed did the network I/O on its own thread)."""
+        stored, removed = self._presence.take()
+        index = self.chain.index
+        jobs = self.chain.adopt(self.remote, [k for k in stored if k not in index])
+        jobs += self.chain.forget(self.remote, removed)
+        self.counters.remote_adopted += len(stored)
+        self._route(jobs)
+
+    def enable_events(self) -> None:
+        """Record what each chunk this engine stores names in vLLM's terms, for ``take_events``."""
+        if self._event_meta is None:
+            self._event_meta = {}
+            self.chain.record_events()
+
+    def _remember(self, st: _Req, c0: int, c1: int, key: bytes | None = None) -> None:
+        """Event metadata of chunks ``[c0, c1)`` of ``st``: their block hashes, the parent hash, their tokens."""
+        req, m, chunk = st.request, self._hashes_per_chunk, self.chunk
+        hashes, tokens = req.block_hashes, req.all_token_ids
+        keys = st.keys
+        for c in range(c0, c1):
+            self._event_meta[key if key is not None else keys[c]] = (
+                list(hashes[c * m:(c + 1) * m]), hashes[c * m - 1] if c else None, list(tokens[c * chunk:(c + 1) * chunk]),
+                req.lora_request.lora_int_id if req.lora_request is not None else None)
+
+    def take_events(self) -> list[tuple[bool, str, tuple]]:
+        """``(stored, tier name, event metadata)`` for every chunk this engine stored that landed in or left a tier
+        since the last call; metadata is dropped once no tier holds the chunk."""
+        meta = self._event_meta
+        if meta is None:
+            return []
+        out = []
+        names = [s.name for s in self.chain.specs]
+        index = self.chain.index
+        for stored, t, key in self.chain.take_events():
+            m = meta.get(key)
+            if m is None:
+                continue  # a chunk another engine stored (adopted from the remote tier): not ours to report
+            out.append((stored, names[t], m))
+            if not stored and key not in index:
+                del meta[key]
+        return out
 
     def has_pending_work_to_ship(self) -> bool:
         """True while planned jobs wait for the next plan (in-flight jobs do not count: no busy stepping)."""
@@ -791,7 +875,9 @@ class SchedulerPlanner:
             "gpu_blocks_busy": len(self._gpu_busy), "tracked_requests": len(self._reqs) + len(self._storing),
             "tracked_window_blocks": len(self._owner), "promotions_pending": len(self._promotions),
             "open_puts": len(self._puts), "open_gets": len(self._gets), "unshipped_ext": len(self._ext),
-            "resident_cpu": c.resident(CPU), "resident_disk": c.resident(DISK) if c.num_tiers > 1 else 0,
+            "resident_cpu": c.resident(CPU),
+            "resident_disk": c.resident(DISK) if c.num_tiers > 1 and c.specs[DISK].name == "disk" else 0,
+            "resident_remote": c.resident(self.remote) if self.remote is not None else 0,
             "disk_gbps_estimate": round(self._disk_gbps, 3),
         })
         for i, tc in enumerate(c.tier_counters):

@@ -66,13 +66,20 @@ from tiered_kv.values.keys import Namespace
 from tiered_kv.tiers.cpu import CpuTier
 from tiered_kv.values.jobs import Completion, JobKind, TransferJob
 from tiered_kv.movers.mover import Mover
-from tiered_kv.connector.vllm.config import ConnectorConfig, Geometry, disk_slot_nbytes, rank_disk_dir
+from tiered_kv.connector.vllm.config import (
+    ConnectorConfig,
+    Geometry,
+    disk_slot_nbytes,
+    rank_disk_dir,
+    rank_remote_part,
+)
 from tiered_kv.connector.vllm.in_step import InStepLoader
-from tiered_kv.connector.vllm.scheduler import CPU, DISK, JobReport, StepPlan
+from tiered_kv.connector.vllm.scheduler import CPU, JobReport, StepPlan, tier_indices
 from tiered_kv.connector.vllm.shared_slab import SharedSlab
 
 if TYPE_CHECKING:
     from tiered_kv.tiers.disk import DiskTier
+    from tiered_kv.tiers.remote import RemoteTier
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +143,8 @@ class WorkerCounters:
     bytes_stored: int = 0
     bytes_to_disk: int = 0
     bytes_from_disk: int = 0
+    bytes_to_remote: int = 0
+    bytes_from_remote: int = 0
     load_seconds: float = 0.0
     store_seconds: float = 0.0
     failed_items: int = 0
@@ -174,7 +183,20 @@ class WorkerRuntime:
 
             self.disk = DiskTier(self.layout, path, disk_chunks * disk_slot_nbytes(geo), cfg.compression,
                                  cfg.zstd_level, cfg.disk_sync, writer=self.writes_copies, owner=ns.prefix,
-                                 budget=cfg.disk_budget, weight=cfg.disk_weight, evicts=cfg.disk_budget == "shared")
+                                 budget=cfg.disk_budget, weight=cfg.disk_weight,
+                                 evicts=cfg.disk_budget == "shared" and cfg.remote_settings() is None)
+        self.remote: RemoteTier | None = None
+        settings = cfg.remote_settings()
+        if settings is not None:
+            from tiered_kv.tiers.remote import RemoteTier  # lazily: needs redis-py
+
+            # rank 0 announces what it stored on the namespace's presence stream (every rank stores its share
+            # under its own part; a rank whose share is missing reads a miss, and vLLM recomputes)
+            self.remote = RemoteTier(self.layout, settings, ns.prefix, publish_writes=rank == 0,
+                                     part=rank_remote_part(geo, rank))
+        disk_i, remote_i = tier_indices(self.disk is not None, self.remote is not None)
+        self.keyed: dict[int, DiskTier | RemoteTier] = {i: t for i, t in ((disk_i, self.disk), (remote_i, self.remote))
+                                                        if t is not None}  # chain index -> keyed tier
         self.counters = WorkerCounters()
         self._lock = threading.Lock()
         self._completed: list[tuple[TransferJob, Completion]] = []
@@ -198,8 +220,9 @@ class WorkerRuntime:
         self._dep_stream = None
         self._mechanism: Mechanism | None = None  # None: the copier chooses per call
         self.front = Mover(f"vllm-gpu-r{rank}", self._execute, self._on_done, workers=1)
-        self.back = (Mover(f"vllm-disk-r{rank}", self._execute, self._on_done, workers=cfg.disk_workers)
-                     if self.disk is not None else None)
+        workers = (cfg.disk_workers if self.disk is not None else 0) + (cfg.remote_workers if self.remote else 0)
+        self.back = (Mover(f"vllm-disk-r{rank}", self._execute, self._on_done, workers=workers)
+                     if self.keyed else None)
 
     # ------------------------------------------------------------------ set-up
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -380,7 +403,7 @@ class WorkerRuntime:
                 self._events.pop(job.job_id, None)
         out = PollResult()
         for job, c in done:
-            out.reports[job.job_id] = JobReport(1, list(c.ok), list(c.corrupt), c.nbytes, c.seconds)
+            out.reports[job.job_id] = JobReport(1, list(c.ok), list(c.corrupt), c.nbytes, c.seconds, list(c.missing))
             ext = self._ext.pop(job.job_id, None)
             if job.kind is JobKind.EGRESS and ext is not None and not all(c.ok):
                 if not self.geo.block_level_errors:
@@ -444,23 +467,31 @@ class WorkerRuntime:
                 self.counters.acked_for_rank0 += 1
             return Completion(job.job_id, ok, corrupt, 0, time.perf_counter() - t0)
         nbytes = None
+        missing: list[bool] = []
+        src, dst = self.keyed.get(job.src_tier), self.keyed.get(job.dst_tier)
         if kind is JobKind.DELETE:
-            self.disk.delete(job.keys)
+            src.delete(job.keys)
             return Completion(job.job_id, ok, corrupt)
         if kind is JobKind.INGRESS:
             nbytes = self._copy(self.copiers, job, self._flat(job, job.dst_slots), to_cpu=True)
         elif kind is JobKind.EGRESS and job.src_tier == CPU:
             nbytes = self._copy(self.copiers, job, self._flat(job, job.src_slots), to_cpu=False)
         elif kind is JobKind.EGRESS:
-            ok, corrupt, nbytes = self._disk_to_gpu(job)
-        elif job.src_tier == CPU and job.dst_tier == DISK:  # DEMOTE, COPY_DOWN
-            ok = self.disk.write(job.keys, job.dst_slots, gather_records(self.planes, self.sections, job.src_slots))
-        elif job.src_tier == DISK and job.dst_tier == CPU:  # PROMOTE
+            ok, corrupt, missing, nbytes = self._disk_to_gpu(job, src)
+        elif job.src_tier == CPU and dst is not None:  # DEMOTE, COPY_DOWN (to disk or remote)
+            ok = dst.write(job.keys, job.dst_slots, gather_records(self.planes, self.sections, job.src_slots))
+        elif src is not None:  # PROMOTE to the CPU tier, or a move between two keyed tiers
             rows = torch.empty((n, self.layout.nbytes), dtype=torch.uint8)
-            ok, corrupt = self.disk.read(job.keys, job.src_slots, rows)
+            ok, corrupt, missing = src.read_ex(job.keys, job.src_slots, rows)
             good = [i for i in range(n) if ok[i]]
-            if good:
+            if good and job.dst_tier == CPU:
                 scatter_records(self.planes, self.sections, [job.dst_slots[i] for i in good], rows[good])
+            elif good and dst is not None:
+                written = dst.write([job.keys[i] for i in good], [job.dst_slots[i] for i in good], rows[good])
+                for i, w in zip(good, written):
+                    ok[i] = w
+            elif dst is None and job.dst_tier != CPU:
+                raise ConfigError(f"job {job.job_id}: unexpected {kind.name} to tier {job.dst_tier}")
         else:
             raise ConfigError(f"job {job.job_id}: unexpected {kind.name} from tier {job.src_tier} to {job.dst_tier}")
         secs = time.perf_counter() - t0
@@ -469,7 +500,7 @@ class WorkerRuntime:
         log.debug("rank %d job %d %s %d->%d: %d items in %.1f ms (%.1f GB/s)", self.rank, job.job_id, kind.name,
                   job.src_tier, job.dst_tier, n, secs * 1e3, nbytes / secs / 1e9 if secs else 0.0)
         self._count(job, nbytes, secs, ok, corrupt)
-        return Completion(job.job_id, ok, corrupt, nbytes, secs)
+        return Completion(job.job_id, ok, corrupt, nbytes, secs, missing=missing)
 
     def _flat(self, job: TransferJob, chunk_slots: list[int], items=None) -> list[tuple[list[int], list[int]]]:
         """Per group: GPU block ids and plane rows of ``job``'s items (all, or ``items``), skipping -1 blocks."""
@@ -559,10 +590,11 @@ class WorkerRuntime:
             stream.wait_event(ev)
         return stream
 
-    def _disk_to_gpu(self, job: TransferJob) -> tuple[list[bool], list[bool], int]:
-        """Read records into the staging slab a few chunks at a time and load each batch into its GPU blocks."""
+    def _disk_to_gpu(self, job: TransferJob, tier) -> tuple[list[bool], list[bool], list[bool], int]:
+        """Read records of a keyed tier (disk or remote) into the staging slab a few chunks at a time and load each
+        batch into its GPU blocks; returns (ok, corrupt, missing, bytes)."""
         n = len(job)
-        ok, corrupt = [False] * n, [False] * n
+        ok, corrupt, missing = [False] * n, [False] * n, [False] * n
         rows = self._staging_rows
         step = rows.shape[0]
         nbytes = 0
@@ -571,8 +603,8 @@ class WorkerRuntime:
             hi = min(n, lo + step)
             # one group: a record is a staging row; several: records are split into the groups' planes
             into = rows[:hi - lo] if one_group else torch.empty((hi - lo, rows.shape[1]), dtype=torch.uint8)
-            part_ok, part_bad = self.disk.read(job.keys[lo:hi], job.src_slots[lo:hi], into)
-            ok[lo:hi], corrupt[lo:hi] = part_ok, part_bad
+            part_ok, part_bad, part_gone = tier.read_ex(job.keys[lo:hi], job.src_slots[lo:hi], into)
+            ok[lo:hi], corrupt[lo:hi], missing[lo:hi] = part_ok, part_bad, part_gone
             good = [lo + i for i in range(hi - lo) if part_ok[i]]
             if good:
                 if not one_group:
@@ -580,7 +612,7 @@ class WorkerRuntime:
                     scatter_records(self._staging_planes, self.sections, rows_read, into[rows_read])
                 local = list(range(-lo, n - lo))  # staging row of item i is i - lo
                 nbytes += self._copy(self._staging_copiers, job, self._flat(job, local, good), to_cpu=False)
-        return ok, corrupt, nbytes
+        return ok, corrupt, missing, nbytes
 
     def _count(self, job: TransferJob, nbytes: int, secs: float, ok: list[bool], corrupt: list[bool]) -> None:
         c = self.counters
@@ -593,10 +625,15 @@ class WorkerRuntime:
             elif job.kind is JobKind.INGRESS:
                 c.bytes_stored += nbytes
                 c.store_seconds += secs
-            if job.dst_tier == DISK:
+            dst, src = self.keyed.get(job.dst_tier), self.keyed.get(job.src_tier)
+            if dst is not None and dst is self.disk:
                 c.bytes_to_disk += nbytes
-            if job.src_tier == DISK:
+            elif dst is not None:
+                c.bytes_to_remote += nbytes
+            if src is not None and src is self.disk:
                 c.bytes_from_disk += nbytes
+            elif src is not None:
+                c.bytes_from_remote += nbytes
 
     # ------------------------------------------------------------------ stats and shutdown
     def stats(self) -> dict:
@@ -619,5 +656,7 @@ class WorkerRuntime:
         if self.disk is not None:
             self.disk.flush()
             self.disk.close()
+        if self.remote is not None:
+            self.remote.close()
         self.cpu.close()
 

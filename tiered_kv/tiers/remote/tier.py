@@ -1,6 +1,6 @@
 """Remote tier: blocks as checksummed records in a Redis Cluster shared by a fleet of engines.
 
-A block is one Redis string under ``<key_prefix><namespace hex>:<key>``: the disk tier's 64-byte
+A block is one Redis string under ``<key_prefix><namespace hex>:[<part>:]<key>``: the disk tier's 64-byte
 ``RecordHeader`` (magic, version, layout fingerprint, lengths, payload checksum, and a header
 checksum that also covers the Redis key) followed by the payload. A read verifies both
 checksums before a byte reaches the caller: a damaged value, a value of another layout, a value
@@ -48,13 +48,16 @@ class RemoteTier(Tier):
     governed = True
 
     def __init__(self, layout: BlockLayout, settings: RemoteSettings, namespace_prefix: bytes,
-                 capacity_bytes: int = 0, client: ClusterClient | None = None, publish_writes: bool = True) -> None:
+                 capacity_bytes: int = 0, client: ClusterClient | None = None, publish_writes: bool = True,
+                 part: str = "") -> None:
         super().__init__(layout, capacity_bytes // (layout.nbytes + HEADER_LEN) if capacity_bytes else 0)
         self.settings = settings
         self.namespace_prefix = namespace_prefix
         self._own_client = client is None
         self.client = client if client is not None else ClusterClient(settings)
-        self._base = settings.key_prefix.encode() + namespace_prefix.hex().encode() + b":"
+        # ``part`` splits one namespace's records (a TP rank's share); the presence stream stays per namespace
+        self._base = settings.key_prefix.encode() + namespace_prefix.hex().encode() + b":" \
+            + (part.encode() + b":" if part else b"")
         self.stream = stream_key(settings.key_prefix, namespace_prefix)
         self.publish_writes = publish_writes
         self._closed = False

@@ -1,0 +1,182 @@
+"""The remote tier through vLLM: two engines (each its own Scheduler + worker, CPU tier and connectors) share a
+Redis Cluster; engine B hits what engine A stored, bit-exact (the harness checks every block a forward reads
+against the KV of its token prefix). KV events go through vLLM's real ZMQ publisher to a subscriber."""
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from tests._redis import PASSWORD_ENV  # noqa: E402
+from tests.connector.vllm.harness import BS, Engine, write_model_dir  # noqa: E402
+from tiered_kv.errors import ConfigError  # noqa: E402
+
+K = 4
+CHUNK_BYTES = K * 4096
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_model_dir(str(tmp_path_factory.mktemp("tiny-llama-remote")))
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return [100 + (seed * 7919 + i * 31) % 800 for i in range(n)]
+
+
+def extra(cluster, salt: str, **kw) -> dict:
+    return {"chunk_blocks": K, "cpu_bytes": 16 * CHUNK_BYTES, "remote_url": cluster.url,
+            "remote_password_env": PASSWORD_ENV, "remote_timeout_s": 1.0, "tenant_salt": salt, **kw}
+
+
+def wait_feed(eng: Engine, chunks: int, timeout: float = 20.0) -> None:
+    """Until engine ``eng``'s presence feed read at least ``chunks`` stored chunks."""
+    feed = eng.connector._presence
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        eng.connector.planner.sync_remote()
+        if eng.connector.planner.chain.resident(eng.connector.planner.remote) >= chunks:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"presence feed saw {feed.entries} entries")
+
+
+@pytest.mark.parametrize("async_sched", [False, True], ids=["sync", "async"])
+def test_engine_b_hits_engine_a_prefix_from_remote_bit_exact(redis_cluster, model_dir, async_sched):
+    salt = f"share-{async_sched}-{time.monotonic_ns()}"
+    a = Engine.create(model_dir, extra(redis_cluster, salt), async_sched=async_sched)
+    try:
+        first = a.add("a-1", prompt(1, 12 * BS + 5), max_tokens=2)
+        a.run()
+        a.settle()
+        st = a.connector.stats()
+        assert st["resident_remote"] == 3 and a.workers[0].connector.stats()["bytes_to_remote"] == 3 * CHUNK_BYTES
+    finally:
+        a.close()
+    b = Engine.create(model_dir, extra(redis_cluster, salt), async_sched=async_sched)  # another "host"
+    try:
+        wait_feed(b, 3)
+        conv = list(first.prompt_token_ids) + prompt(99, 40)
+        verified = b.verified_blocks
+        b.add("b-1", conv, max_tokens=2)
+        b.run()
+        b.settle()
+        st = b.connector.stats()
+        assert st["remote_hits"] == 3 and st["sched_hit_tokens_disk"] == 12 * BS, st  # non-CPU hits
+        # the load itself, plus the promotion of the hit into the CPU tier (promote_on_hit)
+        assert b.workers[0].connector.stats()["bytes_from_remote"] == 2 * 3 * CHUNK_BYTES
+        assert b.verified_blocks - verified >= 12  # every loaded block checked against its token prefix
+        assert st["inflight_jobs"] == 0 and st["pinned"] == 0
+    finally:
+        b.close()
+
+
+def test_a_chunk_evicted_by_redis_is_a_miss_and_recomputed(redis_cluster, model_dir):
+    salt = f"vanish-{time.monotonic_ns()}"
+    a = Engine.create(model_dir, extra(redis_cluster, salt))
+    try:
+        first = a.add("a-1", prompt(2, 8 * BS + 3), max_tokens=2)
+        a.run()
+        a.settle()
+    finally:
+        a.close()
+    b = Engine.create(model_dir, extra(redis_cluster, salt))
+    try:
+        wait_feed(b, 2)
+        remote = b.workers[0].connector.worker.remote
+        remote.client.delete_many(list(remote.client.rc.scan_iter(match=remote._base + b"*")) or [b"x"])
+        for node in remote.client.rc.get_primaries():  # what allkeys-lru does to a cold key, on every node
+            r = remote.client.rc.get_redis_connection(node)
+            keys = list(r.scan_iter(match=remote._base + b"*"))
+            if keys:
+                r.delete(*keys)
+        b.add("b-1", list(first.prompt_token_ids) + prompt(98, 20), max_tokens=2)
+        b.run()
+        b.settle()
+        st = b.connector.stats()
+        assert st["remote_vanished"] >= 1 and st["remote_failed_transfers"] == 0, st
+        assert b.workers[0].connector.stats()["bytes_from_remote"] == 0
+        assert st["inflight_jobs"] == 0 and st["pinned"] == 0
+    finally:
+        b.close()
+
+
+def test_wrong_password_fails_engine_start_up_clearly(redis_cluster, model_dir, monkeypatch):
+    monkeypatch.setenv("TKV_BAD_PW", "wrong")
+    with pytest.raises(ConfigError, match=r"refused the credentials.*\$TKV_BAD_PW"):
+        Engine.create(model_dir, extra(redis_cluster, "x", remote_password_env="TKV_BAD_PW"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_kv_events_name_what_was_stored_and_evicted_per_medium(redis_cluster, model_dir, tmp_path):
+    import msgspec
+    import zmq
+    from vllm.config import KVEventsConfig
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
+
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+
+    def tweak(cfg):
+        cfg.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint,
+                                              topic="kv")
+
+    ex = extra(redis_cluster, f"events-{time.monotonic_ns()}", cpu_bytes=2 * CHUNK_BYTES,
+               disk_path=str(tmp_path / "disk"), disk_bytes=64 * CHUNK_BYTES)
+    # vLLM's publisher connects to a non-wildcard endpoint, so the subscriber binds it (loopback only)
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.bind(endpoint)
+    sub.setsockopt_string(zmq.SUBSCRIBE, "kv")
+    eng = Engine.create(model_dir, ex, tweak=tweak)
+    try:
+        # PUB/SUB drops what is sent before the subscription arrived: probe through vLLM's publisher until one lands
+        for _ in range(100):
+            eng.sched.kv_event_publisher.publish(KVEventBatch(ts=time.time(), events=[BlockRemoved([], "PROBE")]))
+            if sub.poll(100):
+                break
+        else:
+            raise AssertionError("vLLM's ZMQ publisher never reached the subscriber")
+        req = eng.add("ev-1", prompt(5, 16 * BS + 3), max_tokens=2)
+        eng.run()
+        eng.settle()
+        for _ in range(5):
+            eng.step()
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        events = []
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if sub.poll(200):
+                _topic, _seq, payload = sub.recv_multipart()
+                events += decoder.decode(payload).events
+            elif events:
+                break
+        ours = [e for e in events if getattr(e, "medium", None) in ("CPU", "DISK", "REMOTE")]
+        stored = {m: [e for e in ours if isinstance(e, BlockStored) and e.medium == m] for m in ("CPU", "DISK",
+                                                                                                   "REMOTE")}
+        removed = [e for e in ours if isinstance(e, BlockRemoved)]
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as external
+
+        hashes = [external(h) for h in req.block_hashes]  # what vLLM publishes for its own GPU blocks too
+        # 4 chunks of 4 blocks: all 4 into CPU and (write-through) REMOTE, 2 evicted from CPU down to DISK
+        assert len(stored["CPU"]) == 4 and len(stored["REMOTE"]) == 4 and len(stored["DISK"]) == 2, ours
+        assert [e.medium for e in removed] == ["CPU", "CPU"]
+        for e in stored["REMOTE"]:
+            assert len(e.block_hashes) == K and e.block_size == BS and len(e.token_ids) == K * BS
+            first = hashes.index(e.block_hashes[0])
+            assert list(e.block_hashes) == hashes[first:first + K] and first % K == 0
+            assert e.token_ids == list(req.all_token_ids[first * BS:(first + K) * BS])
+            assert e.parent_block_hash is None if first == 0 else e.parent_block_hash == hashes[first - 1]
+        assert {h for e in removed for h in e.block_hashes} == \
+            {h for e in stored["DISK"] for h in e.block_hashes}  # what left the CPU went to disk
+    finally:
+        sub.close(0)
+        ctx.term()
+        eng.close()
