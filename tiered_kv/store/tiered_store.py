@@ -70,6 +70,8 @@ class TieredStore:
         self.disk_quarantined: dict | None = None  # set when the disk directory was damaged and moved aside
         self.disk: DiskTier | None = None
         self._disk: int | None = None
+        self._evicting: dict[bytes, int] = {}  # disk records an eviction of ours is deleting right now
+        self._evict_epoch = 0  # changes whenever an eviction of ours starts or ends (see _discover)
         try:
             self._open_tiers(config)
         except BaseException:
@@ -98,6 +100,7 @@ class TieredStore:
         disk = self.disk = None if self._disk is None else self.tiers[self._disk]
         if disk is not None:
             disk.keep = self._disk_copy_busy
+            disk.released = self._disk_evictions_ended
             keys = disk.stored_keys()
             with self._lock:
                 jobs = self.chain.adopt(self._disk, keys)
@@ -190,26 +193,48 @@ class TieredStore:
             if c is not None and (c.pins > 0 or c.wanted > 0):  # read, or waited for by a promotion
                 return True
             jobs = self.chain.forget(t, [key]) if c is not None else []
+            self._evicting[key] = self._evicting.get(key, 0) + 1
+            self._evict_epoch += 1
         self._submit(jobs)
         return False
 
+    def _disk_evictions_ended(self, keys: list[bytes]) -> None:
+        """The claim txn that evicted ``keys`` ended: their records are gone (or, if it failed, still there)."""
+        with self._lock:
+            for k in keys:
+                n = self._evicting.get(k, 0) - 1
+                if n > 0:
+                    self._evicting[k] = n
+                else:
+                    self._evicting.pop(k, None)
+            self._evict_epoch += 1
+
     def _discover(self, keys: list[bytes]) -> int:
         """Adopt keys the planner does not know but the disk directory holds for this namespace (written by
-        another process since this one opened it). One read txn, no payload I/O."""
+        another process since this one opened it). One read txn, no payload I/O.
+
+        An eviction of ours forgets its victim before its txn commits, so a read txn may still see a record
+        on its way out: keys being evicted are skipped, and if an eviction started or ended while we looked,
+        we look again (up to 3 times; a hint not adopted is only a miss)."""
         if self.disk is None or not keys:
             return 0
-        with self._lock:
-            unknown = [k for k in keys if k not in self.chain.index]
-        if not unknown:
-            return 0
-        present = [k for k, held in zip(unknown, self.disk.has(unknown)) if held]
-        if not present:
-            return 0
-        with self._lock:
-            fresh = [k for k in present if k not in self.chain.index]
-            jobs = self.chain.adopt(self._disk, fresh)
-        self._submit(jobs)
-        return len(fresh)
+        for _ in range(3):
+            with self._lock:
+                unknown = [k for k in keys if k not in self.chain.index and k not in self._evicting]
+                epoch = self._evict_epoch
+            if not unknown:
+                return 0
+            present = [k for k, held in zip(unknown, self.disk.has(unknown)) if held]
+            if not present:
+                return 0
+            with self._lock:
+                if self._evict_epoch != epoch:
+                    continue
+                fresh = [k for k in present if k not in self.chain.index]
+                jobs = self.chain.adopt(self._disk, fresh)
+            self._submit(jobs)
+            return len(fresh)
+        return 0
 
     def _check_buffer(self, name: str, buf: torch.Tensor, n: int) -> torch.Tensor:
         if not isinstance(buf, torch.Tensor):

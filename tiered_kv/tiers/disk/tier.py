@@ -144,6 +144,9 @@ class DiskTier(Tier):
         #: ``keep(key)`` -> True spares a record from this process's evictions (set by the owner of the
         #: planner: a read of it is planned but has not taken its lease yet). Called inside a write txn.
         self.keep: Callable[[bytes], bool] | None = None
+        #: ``released(keys)``: the claim txn that evicted ``keys`` (``keep`` said False) has ended (committed or
+        #: not); called outside the txn. Lets the planner's owner tell a stale snapshot from a live record.
+        self.released: Callable[[list[bytes]], None] | None = None
         self._closed = False
         self.dropped_at_open = 0
         self.orphans_dropped = 0
@@ -216,7 +219,19 @@ class DiskTier(Tier):
         self._check_open()
         if not self.writer:
             return [False] * len(keys), []
-        fresh, claimed, evicted, foreign = self.index.claim_ex(keys, evict=self.evicts, keep=self.keep)
+        going: list[bytes] = []
+
+        def keep(key: bytes) -> bool:
+            if self.keep is not None and self.keep(key):
+                return True
+            going.append(key)
+            return False
+
+        try:
+            fresh, claimed, evicted, foreign = self.index.claim_ex(keys, evict=self.evicts, keep=keep)
+        finally:
+            if going and self.released is not None:
+                self.released(going)
         ok = [True] * len(keys)
         for i in foreign:
             ok[i] = False  # another namespace's record: not ours to share
