@@ -88,12 +88,14 @@ class TieredHiCacheStorage(HiCacheStorage):
         probe = Namespace(self.scope.model, pages.layout.fingerprint, o.tenant_salt, tuple(sorted(extras.items())))
         disk_dir = None
         if o.disk_path is not None:
-            disk_dir = Path(o.disk_path) / self.scope.dir_name(pages.layout.tag, probe.prefix.hex())
+            disk_dir = Path(o.disk_path) / (self.scope.shared_dir_name() if o.disk_budget == "shared"
+                                            else self.scope.dir_name(pages.layout.tag, probe.prefix.hex()))
         cfg = StoreConfig.from_dict({
             "block_shape": list(pages.page_shape), "dtype": pages.layout.dtype, "page_size": pages.page_size,
             "layout_tag": pages.layout.tag, "model": self.scope.model, "tenant_salt": o.tenant_salt,
             "gpu_bytes": 0, "cpu_bytes": o.cpu_bytes, "pin_memory": False,
             "disk_path": None if disk_dir is None else str(disk_dir), "disk_bytes": o.disk_bytes,
+            "disk_budget": o.disk_budget, "disk_weight": o.disk_weight,
             "compression": o.compression, "disk_sync": o.disk_sync, "disk_workers": o.disk_workers,
             "eviction": o.eviction, "write_policy": "write_through", "promote_on_hit": True,
             "namespace_extra": extras,

@@ -37,6 +37,8 @@ class SGLangBackendConfig:
 
     disk_path: str | None = None
     disk_bytes: int = 64 << 30
+    disk_budget: str = "namespace"  # "shared": one budget for every namespace on disk_path (docs/reliability.md)
+    disk_weight: int = 1
     cpu_bytes: int = 0
     compression: str = "none"
     eviction: str = "lru"
@@ -67,6 +69,10 @@ class SGLangBackendConfig:
             raise ConfigError(f"compression: unknown value {self.compression!r}; valid: {sorted(CODECS)}")
         if not isinstance(self.eviction, str) or self.eviction not in POLICIES:
             raise ConfigError(f"eviction: unknown value {self.eviction!r}; valid: {sorted(POLICIES)}")
+        if self.disk_budget not in ("namespace", "shared"):
+            raise ConfigError(f"disk_budget: unknown value {self.disk_budget!r}; valid: ['namespace', 'shared']")
+        if not isinstance(self.disk_weight, int) or isinstance(self.disk_weight, bool) or self.disk_weight < 1:
+            raise ConfigError(f"disk_weight: expected an int >= 1, got {self.disk_weight!r}")
         if not isinstance(self.disk_sync, bool):
             raise ConfigError(f"disk_sync: expected true or false, got {self.disk_sync!r}")
         for key, lo, hi in (("disk_workers", 1, 64), ("radix_pages", 0, 1 << 30), ("chunk_pages", 1, 1024)):
@@ -126,6 +132,11 @@ class Scope:
         if self.dp_rank > 0:  # attention-DP groups: each writes its own directory (one writer per directory)
             out["dp"] = str(self.dp_rank)
         return out
+
+    def shared_dir_name(self) -> str:
+        """Disk sub-directory under a shared budget: one per rank position, every namespace in it."""
+        parts = [f"{k}{v}" for k, v in sorted(self.extras().items()) if k != "engine"] or ["all"]
+        return "shared/" + re.sub(r"[^A-Za-z0-9._-]+", "_", "-".join(parts))[:120]
 
     def dir_name(self, layout_tag: str, ns_hex: str) -> str:
         """Disk sub-directory for this scope: readable parts plus the namespace prefix (unique and stable)."""
