@@ -296,6 +296,48 @@ def test_restart_hits_blocks_written_by_previous_engine(model_dir, tmp_path, mon
         second.close()
 
 
+def test_shared_disk_budget_keeps_two_models_apart(model_dir, tmp_path, monkeypatch):
+    """Issue 17: two models (namespaces) on one disk_path with ``disk_budget: shared`` write into one
+    directory under one budget; the second never adopts nor hits the first one's chunks for the very same
+    tokens (a foreign namespace's block is a miss), and the first one's chunks survive the second's run."""
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    extra = {"write_policy": "write_through", "disk_budget": "shared"}
+    first = _disk_engine(model_dir, tmp_path, extra={**extra, "model_id": "model-a"})
+    try:
+        a = first.add("a", prompt(4, 12 * BS + 3), max_tokens=2)
+        first.run()
+        first.settle()
+        assert first.connector.stats()["resident_disk"] == 3
+        conv = turn2(first, a)
+    finally:
+        first.close()
+    other = _disk_engine(model_dir, tmp_path, extra={**extra, "model_id": "model-b"})
+    try:
+        assert other.connector.stats()["resident_disk"] == 0  # model-a's chunks are not adopted
+        other.add("b", conv, max_tokens=2)
+        other.run()
+        other.settle()
+        st = other.connector.stats()
+        assert st["sched_hit_tokens_disk"] == 0 and st["sched_hit_tokens_cpu"] == 0, st  # same tokens: a miss
+        disk = other.workers[0].connector.worker.disk
+        assert disk.path == tmp_path / "kv" / "shared" / "rank0-of-1"
+        spaces = disk.usage()["spaces"]
+        assert len(spaces) == 2 and all(sp["used_slots"] >= 3 for sp in spaces.values()), spaces
+        assert_no_leaks(other)
+    finally:
+        other.close()
+    again = _disk_engine(model_dir, tmp_path, extra={**extra, "model_id": "model-a"})
+    try:
+        assert again.connector.stats()["resident_disk"] == 3
+        again.add("a2", conv, max_tokens=2)
+        again.run()
+        again.settle()
+        assert again.connector.stats()["sched_hit_tokens_disk"] == 12 * BS
+        assert_no_leaks(again)
+    finally:
+        again.close()
+
+
 def test_unstable_block_hashes_warn_and_never_adopt(model_dir, tmp_path, monkeypatch, caplog):
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)  # xxhash without a seed: random per process
     caplog.set_level(logging.WARNING, logger="tiered_kv.connector")

@@ -197,7 +197,10 @@ class SchedulerPlanner:
         self._swa = [i for i, g in enumerate(geo.groups) if g.kind == "swa"]
         specs = [TierSpec("cpu", cpu_chunks)]
         if disk_chunks:
-            specs.append(TierSpec("disk", disk_chunks, slotted=False))
+            # shared budget without a remote tier below: the directory evicts by itself (governed); a load of a
+            # chunk it evicted fails and vLLM recomputes. With a remote tier, the planner evicts (demotes) as before.
+            shared = cfg.disk_budget == "shared" and presence is None
+            specs.append(TierSpec("disk", disk_chunks, slotted=False, governed=shared))
         # the remote tier (a Redis Cluster shared by the fleet) is governed: Redis keeps its budget
         _, self.remote = tier_indices(bool(disk_chunks), presence is not None)
         if self.remote is not None:
