@@ -11,7 +11,12 @@ head_dim 64: 512 KiB a block), with blocks and slots chosen at random:
 - the same for synthetic layouts whose blocks split into 1..64 KiB chunks (the
   data behind the mechanism selection rule);
 - the slowdown of a concurrent bf16 matmul loop while both directions copy at
-  full rate, per mechanism.
+  full rate, per mechanism;
+- ``--staged-only`` (issue 12): loads of 512 blocks from chunk runs of 16 adjacent slots into
+  small per-layer blocks (DeepSeek-V2-Lite MLA: 27 layers x 18 KiB; Qwen2.5-7B: 28 layers x
+  32 KiB), copy engine (one descriptor per layer-block) vs the staged load (one DMA per slot
+  run into a device buffer, then an on-device scatter; whole, and in 2 layer groups) vs the
+  contiguous pinned copy of the same bytes, plus the matmul slowdown under each.
 
 Prints a table, writes ``gpu_copy.json`` and ``gpu_copy.png`` to ``$OUT`` (or
 ``--out``). ``--plot-from FILE.json`` only redraws the plot (no GPU needed).
@@ -39,7 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tiered_kv.copy import BlockCopier, KVLayout, Mechanism, vllm_layer_layout  # noqa: E402
-from tiered_kv.copy.testing import Shape, storages, vllm033_views  # noqa: E402
+from tiered_kv.copy.testing import Shape, storages, vllm026_tensors, vllm033_views  # noqa: E402
 
 MIB = 1 << 20
 SHAPES = {
@@ -292,6 +297,75 @@ def matmul_interference(bench: Bench, layout: KVLayout, n: int, iters: int,
     return out
 
 
+STAGED_SHAPES = {
+    # vLLM 0.26 separate per-layer tensors: one chunk per (layer, block)
+    "dsv2-lite-mla": (Shape(layers=27, heads=1, block_size=16, head_dim=576, num_blocks=1100), True),
+    "qwen2.5-7b": (Shape(layers=28, heads=4, block_size=16, head_dim=128, num_blocks=1100), False),
+}
+
+
+def build_staged_layout(shape: Shape, mla: bool) -> KVLayout:
+    """vLLM 0.26 per-layer tensors (separate allocations), random bytes."""
+    layout = vllm_layer_layout(vllm026_tensors("NHD", shape, torch.bfloat16, "cuda", mla=mla), "vllm026")
+    for flat in storages(layout):
+        flat.random_(0, 256)
+    return layout
+
+
+def staged_rows(bench: Bench, label: str, layout: KVLayout, n: int = 512, chunk: int = 16) -> None:
+    """Loads of ``n`` blocks from slot runs of ``chunk`` (the runs in random order) into random blocks:
+    contiguous ceiling, copy engine, SM kernel, staged (whole / 2 layer groups), staged from scattered slots."""
+    slab = bench.slab(layout.block_nbytes)
+    runs = slab.shape[0] // chunk
+    starts = torch.randperm(runs, generator=bench.gen)[: -(-n // chunk)] * chunk
+    slots = (starts[:, None] + torch.arange(chunk)[None, :]).reshape(-1)[:n]
+    scattered = torch.randperm(slab.shape[0], generator=bench.gen)[:n]
+    blocks = torch.randperm(layout.num_blocks, generator=bench.gen)[:n]
+    nbytes = n * layout.block_nbytes
+    base = bench.contiguous(nbytes, "h2d")
+    half = len(layout.tensors) // 2
+    variants = [
+        ("copy_engine", Mechanism.COPY_ENGINE, slots, None, {}),
+        ("sm_kernel", Mechanism.SM_KERNEL, slots, None, {}),
+        ("staged", Mechanism.STAGED, slots, None, {}),
+        ("staged 2 groups", Mechanism.STAGED, slots, [(0, half), (half, len(layout.tensors))], {}),
+        ("staged 64MiB buf", Mechanism.STAGED, slots, None, {"staging_bytes": 64 << 20}),
+        ("staged scattered", Mechanism.STAGED, scattered, None, {}),
+        ("copy_engine scattered", Mechanism.COPY_ENGINE, scattered, None, {}),
+        # as the in-step loader calls them: on the caller's thread ("call" = time the caller is held)
+        ("copy_engine inline", Mechanism.COPY_ENGINE, slots, None, {"threaded_submit": False}),
+        ("staged inline", Mechanism.STAGED, slots, None, {"threaded_submit": False}),
+        ("staged inline 2 groups", Mechanism.STAGED, slots, [(0, half), (half, len(layout.tensors))],
+         {"threaded_submit": False}),
+    ]
+    print(f"{label}: {n} blocks x {len(layout.tensors)} layers x {layout.maps[0].nbytes // 1024} KiB = "
+          f"{nbytes / 1e9:.3f} GB, contiguous pinned h2d {base:.2f} GB/s", flush=True)
+    for name, mech, sl, groups, opts in variants:
+        copier = BlockCopier(layout, slab, **opts)
+        last: list = []
+
+        def run(mech=mech, sl=sl, groups=groups, last=last) -> list:
+            if groups is None:
+                out = [copier.cpu_to_gpu(sl, blocks, mechanism=mech)]
+            else:
+                out = copier.cpu_to_gpu_grouped(sl, blocks, groups, mechanism=mech)
+            last[:] = out
+            return out
+
+        seconds, submit = _median_time(run, max(5, bench.reps(nbytes)))
+        rate = nbytes / seconds / 1e9
+        ops = sum(r.num_runs for r in last)
+        rec = dict(case=label, staged=True, variant=name, blocks=n, layers=len(layout.tensors),
+                   layer_block_bytes=layout.maps[0].nbytes, block_bytes=layout.block_nbytes, direction="h2d",
+                   mechanism=mech.value, opts=opts, gbps=round(rate, 2), contiguous_gbps=round(base, 2),
+                   ratio=round(rate / base, 3), ops_per_call=ops, call_ms=round(submit * 1e3, 3),
+                   total_ms=round(seconds * 1e3, 3))
+        bench.records.append(rec)
+        print(f"  {name:<22} {rate:7.2f} GB/s  ratio {rate / base:5.3f}  ops {ops:>6}  call {submit * 1e3:7.2f} ms"
+              f"  landed {seconds * 1e3:7.2f} ms", flush=True)
+        copier.close()
+
+
 def plot(data: dict, path: Path) -> None:
     """GB/s vs blocks per call, one panel per (model, layout), one line per mechanism and direction."""
     import matplotlib
@@ -355,6 +429,8 @@ def main() -> int:
     ap.add_argument("--plot-from", help="redraw the PNG from this JSON and exit")
     ap.add_argument("--matmul-iters", type=int, default=200)
     ap.add_argument("--ab-only", action="store_true", help="only the submission-thread A/B")
+    ap.add_argument("--staged-only", action="store_true",
+                    help="only the staged-load rows (issue 12): small per-layer blocks, 512-block loads")
     ap.add_argument("--streamed-only", action="store_true",
                     help="only 256-block calls, 8 back to back per sample, vs 8 back-to-back contiguous copies")
     args = ap.parse_args()
@@ -370,7 +446,7 @@ def main() -> int:
     from cuda import bindings
 
     big = SHAPES["llama3-8b"]
-    bench = Bench(slab_bytes=2 * 4096 * 2 * MIB, quick=args.quick)
+    bench = Bench(slab_bytes=(2 << 30) if args.staged_only else 2 * 4096 * 2 * MIB, quick=args.quick)
     data = dict(device=torch.cuda.get_device_name(0), date=datetime.date.today().isoformat(),
                 command=" ".join([sys.executable.split("/")[-1]] + sys.argv), torch=torch.__version__,
                 triton=triton.__version__, cuda_bindings=getattr(bindings, "__version__", "?"),
@@ -390,6 +466,18 @@ def main() -> int:
         (out / "gpu_copy_ab.json").write_text(json.dumps(bench.records, indent=1))
         return 0
     ce, sm = (Mechanism.COPY_ENGINE,), (Mechanism.SM_KERNEL,)
+    if args.staged_only:
+        for name, (shape, mla) in STAGED_SHAPES.items():
+            layout = build_staged_layout(shape, mla)
+            staged_rows(bench, name, layout)
+            if mla:
+                variants = [(Mechanism.COPY_ENGINE, {}), (Mechanism.STAGED, {})]
+                data["matmul"] = matmul_interference(bench, layout, 512, min(args.matmul_iters, 100), variants)
+            del layout
+            torch.cuda.empty_cache()
+        data["copies"] = bench.records
+        (out / "gpu_copy_staged.json").write_text(json.dumps(data, indent=1))
+        return 0
     if args.streamed_only:
         for shape_name, order in (("llama3-8b", "LBNHC"), ("llama3-8b", "BLHNC"), ("small-16L-hd64", "LBNHC"),
                                   ("small-16L-hd64", "BLHNC")):
@@ -439,6 +527,11 @@ def main() -> int:
         bench.copies(f"chunks{chunk_kib}KiB", layout, 512, ("d2h", "h2d"), ce, rect_copies=False)
         if chunk_kib in (1, 4, 16):
             bench.copies(f"chunks{chunk_kib}KiB", layout, 512, ("d2h", "h2d"), sm, sm_programs=132)
+        del layout
+        torch.cuda.empty_cache()
+    for name, (shape, mla) in STAGED_SHAPES.items():  # issue 12: small per-layer blocks, staged loads
+        layout = build_staged_layout(shape, mla)
+        staged_rows(bench, name, layout)
         del layout
         torch.cuda.empty_cache()
     data["copies"] = bench.records

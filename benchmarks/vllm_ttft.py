@@ -7,6 +7,7 @@ Models (``--model``, dummy weights, configs written here):
   gpt-oss     gpt-oss-20b shape in bf16 (no MXFP4): 24 layers alternating sliding window (128) and full,
               8 KV heads x 64, 32 experts top-4 (2 KV cache groups)
   dsv2-lite   DeepSeek-V2-Lite shape: 27 MLA layers (one 576-wide latent per token), 64 experts top-6
+  qwen2.5-7b  Qwen2.5-7B shape: 28 layers, 4 KV heads x 128 (32 KiB per layer-block), bf16
 
 Workload: N_CONV conversations with distinct PREFIX-token prefixes (llama3-8b: 12 x 8,192; the
 others: 8 x 8,192), GPU KV cache limited to GPU_BLOCKS blocks (2,048: a few conversations), so
@@ -30,9 +31,9 @@ Modes (each in its own process):
                 DISK_PATH, so turn-2 hits come from disk (disk_load_policy DISK_POLICY: "auto"
                 lets the connector decline a disk slower than recompute; "always" forces reads)
   tiered-disk-always, tiered-cpu-async/-sync/-layerwise, tiered-cpu-gN (N = 1, 2, 8, 32),
-  tiered-cpu-perlayer, tiered-cpu-sm, *-v1runner  (only with --modes) one-setting variants of the
-                above (load_mode, load_groups, cross_layer_blocks false, in_step_copy sm_kernel,
-                vLLM's V1 model runner)
+  tiered-cpu-perlayer, tiered-cpu-sm, tiered-cpu-staged, tiered-cpu-perlayer-staged, *-v1runner
+                (only with --modes) one-setting variants of the above (load_mode, load_groups,
+                cross_layer_blocks false, in_step_copy sm_kernel or staged, vLLM's V1 model runner)
 
 Per mode it reports: turn-2 median TTFT and speed-up over ``none``, turn-2 hit rate (vLLM's cached
 tokens), whether the greedy tokens equal ``none``'s, and for tiered_kv the bytes its loads moved
@@ -83,6 +84,10 @@ CPU_VARIANTS = {
     "tiered-cpu-g32": {"load_groups": 32},
     "tiered-cpu-perlayer": {"cross_layer_blocks": False},
     "tiered-cpu-sm": {"in_step_copy": "sm_kernel"},
+    # issue 12: one DMA per run of slots into a device buffer, then an on-device scatter
+    "tiered-cpu-staged": {"in_step_copy": "staged", "load_staging_bytes": "512MiB"},
+    "tiered-cpu-perlayer-staged": {"cross_layer_blocks": False, "in_step_copy": "staged",
+                                   "load_staging_bytes": "512MiB"},
 }
 #: any mode with this suffix runs on vLLM's V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0)
 V1_RUNNER = "-v1runner"
@@ -138,12 +143,22 @@ DSV2_LITE = {
     "attention_bias": False, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
     "bos_token_id": 100000, "eos_token_id": 100001,
 }
-MODELS = {"llama3-8b": LLAMA3_8B, "gemma3": GEMMA3_4B, "gpt-oss": GPTOSS_20B, "dsv2-lite": DSV2_LITE}
+QWEN25_7B = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
+    "hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28,
+    "num_hidden_layers": 28, "num_key_value_heads": 4, "max_position_embeddings": 32768,
+    "max_window_layers": 28, "use_sliding_window": False, "sliding_window": 131072,
+    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "vocab_size": 152064, "bos_token_id": 151643, "eos_token_id": 151643,
+}
+MODELS = {"llama3-8b": LLAMA3_8B, "gemma3": GEMMA3_4B, "gpt-oss": GPTOSS_20B, "dsv2-lite": DSV2_LITE,
+          "qwen2.5-7b": QWEN25_7B}
 DEFAULT_MODES = {
     "llama3-8b": ("none", "offloading", "simple", "tiered-cpu", "tiered-disk"),
     "gemma3": ("none", "floor", "offloading", "simple", "tiered-cpu"),
     "gpt-oss": ("none", "floor", "offloading", "simple", "tiered-cpu", "tiered-cpu-swa-all"),
     "dsv2-lite": ("none", "floor", "offloading", "simple", "tiered-cpu"),
+    "qwen2.5-7b": ("none", "floor", "offloading", "simple", "tiered-cpu"),
 }
 DEFAULT_N_CONV = {"llama3-8b": 12}
 #: vLLM's KV cache pool in blocks: hybrid models spread a token over several groups' blocks, and the

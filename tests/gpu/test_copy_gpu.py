@@ -177,7 +177,7 @@ def test_inline_submission_and_close(name, variant):
     _check_storages_equal(gpu, cpu)
 
 
-@pytest.mark.parametrize("mech", [Mechanism.COPY_ENGINE, Mechanism.SM_KERNEL], ids=lambda m: m.value)
+@pytest.mark.parametrize("mech", [Mechanism.COPY_ENGINE, Mechanism.SM_KERNEL, Mechanism.STAGED], ids=lambda m: m.value)
 @pytest.mark.parametrize("name", ["vllm033-LBNHC", "vllm033-BLHNC", "vllm033-mla-LBNHC", "vllm026-HND"])
 def test_grouped_load_layer_by_layer_bit_exact(name, mech):
     """cpu_to_gpu_grouped per layer into poisoned KV; a stream that waits on group g reads layer g's new bytes."""

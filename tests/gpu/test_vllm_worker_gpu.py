@@ -26,7 +26,7 @@ def test_in_step_load_layer_by_layer_on_cuda(layerwise):
 
 @pytest.mark.parametrize("cross_layer", [False, True], ids=["per-layer", "cross-layer"])
 @pytest.mark.parametrize("groups", [0, 11], ids=["auto", "11-groups"])
-@pytest.mark.parametrize("copy", ["copy_engine", "sm_kernel"])
+@pytest.mark.parametrize("copy", ["copy_engine", "sm_kernel", "staged"])
 def test_in_step_load_groups_on_cuda(cross_layer, groups, copy):
     # 32 layers x 2 heads x 128 dims: 512 KiB a block; 192 chunks of 4 blocks (one held locally) = 383.5 MiB
     stats = run_in_step_load("cuda", layers=32, heads=2, head_dim=128, chunks=192, layerwise=True,

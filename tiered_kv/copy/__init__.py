@@ -9,6 +9,7 @@ SGLang device or host pools; MHA or MLA; any dtype) and block-major slab slots
 - ``testing``: engine-shaped tensors and an independent reference (tests, benchmarks);
 - ``engine``: the copy engine (``cuMemcpyBatchAsync`` and ``cuMemcpy2DAsync`` via cuda-python);
 - ``triton_kernel``: the SM kernel (Triton, UVA) for many tiny runs;
+- ``staged``: loads as one DMA per run of adjacent slots into a device buffer, then an on-device scatter;
 - ``cpu``: the CPU fallback with identical semantics;
 - ``select``: the measured rule that picks a mechanism per call;
 - ``dispatch``: per-copier CUDA state: descriptor form, slice-by-slice planning and submission;

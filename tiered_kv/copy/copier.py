@@ -8,7 +8,10 @@ operation and return a ``CopyResult`` whose CUDA event fires when the bytes
 have landed. Mechanism per call: the copy engine (``engine.py``, batched 1-D
 runs or 2-D copies), the SM kernel (``triton_kernel.py``) or, for CPU tensors,
 torch indexing (``cpu.py``), chosen by ``dispatch.py`` / ``select.py`` unless
-the caller names one.
+the caller names one. Loads may also name ``Mechanism.STAGED`` (``staged.py``:
+whole slot rows in one DMA per run of adjacent slots into a device staging
+buffer, then an on-device scatter); it runs on CPU tensors too, with a CPU
+staging buffer. A store that names it is chosen for as under ``"auto"``.
 
 Ordering contract (CUDA): a copy starts after all work enqueued on ``stream``
 (default: the device's current stream) before the call, and runs on the
@@ -30,6 +33,7 @@ path is synchronous.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -40,7 +44,10 @@ from tiered_kv.copy.errors import BackendUnavailableError, BlockIndexError, Layo
 from tiered_kv.copy.layouts import KVLayout
 from tiered_kv.copy.segments import BlockIds, ChunkTable, Runs, as_index_tensor, check_indices, plan_runs
 from tiered_kv.copy.select import Mechanism, SelectionPolicy
+from tiered_kv.copy.staged import DEFAULT_STAGING_BYTES, StagedLoader
 from tiered_kv.copy.submit import CopyResult, Submitter
+
+log = logging.getLogger(__name__)
 
 
 def allocate_slab(num_slots: int, block_nbytes: int, pin: bool | None = None) -> torch.Tensor:
@@ -68,6 +75,9 @@ class BlockCopier:
     ``threaded_submit=False`` plans and hands runs to the driver on the
     caller's thread (the call then blocks while the copy queue is full; for
     callers that already run copies on their own mover thread).
+    ``staging_bytes`` caps the device staging buffer of ``Mechanism.STAGED``
+    loads (allocated at the first such load, at the size it needs; a larger
+    load goes in pieces).
 
     Use as a context manager or call ``close()`` to stop the submitter threads.
     """
@@ -84,6 +94,7 @@ class BlockCopier:
         sm_programs: int = 32,
         threaded_submit: bool = True,
         rect_copies: bool | None = None,
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
     ) -> None:
         """Validate the slab against the layout; CUDA resources are created on first use."""
         _check_slab(slab, layout)
@@ -92,7 +103,7 @@ class BlockCopier:
         self.policy = policy
         self._fixed = None if mechanism == "auto" else Mechanism(mechanism)
         self._on_cuda = layout.device.type == "cuda"
-        if not self._on_cuda and self._fixed not in (None, Mechanism.CPU):
+        if not self._on_cuda and self._fixed not in (None, Mechanism.CPU, Mechanism.STAGED):  # staged: CPU too
             raise BackendUnavailableError(f"mechanism {self._fixed.value} needs CUDA tensors; layout is on {layout.device}")
         if self._on_cuda and self._fixed is Mechanism.CPU:
             raise LayoutError("mechanism 'cpu' needs CPU tensors; this layout is on CUDA")
@@ -102,6 +113,9 @@ class BlockCopier:
             else None
         )
         self._threaded = threaded_submit
+        self._staging_bytes = staging_bytes
+        self._staged: StagedLoader | None = None
+        self._staged_warned = False
         self._streams: dict[bool, torch.cuda.Stream] = {}
         self._submitters: dict[bool, Submitter] = {}
 
@@ -168,6 +182,11 @@ class BlockCopier:
         n = int(ids.numel())
         sizes = [sum(m.nbytes for m in self.layout.maps[a:b]) for a, b in spans]
         forced = Mechanism(mechanism) if mechanism is not None else self._fixed
+        if forced is Mechanism.STAGED:
+            staged = self._staged_grouped(ids, slots, spans, sizes, stream)
+            if staged is not None:
+                return staged
+            forced = None  # no device memory for the staging buffer: as under "auto"
         if not self._on_cuda:
             if forced not in (None, Mechanism.CPU):
                 raise BackendUnavailableError(f"mechanism {forced.value} needs CUDA tensors")
@@ -192,6 +211,60 @@ class BlockCopier:
         else:
             job()
         return results
+
+    def _staged_grouped(self, ids: torch.Tensor, slots: torch.Tensor, spans: list[tuple[int, int]], sizes: list[int],
+                        stream: torch.cuda.Stream | None) -> list[CopyResult] | None:
+        """A ``Mechanism.STAGED`` load of ``spans``: one result per group, submitted like the other mechanisms.
+
+        None when the device has no memory for the staging buffer (the caller then copies as under
+        ``"auto"``; logged once per copier).
+        """
+        n = int(ids.numel())
+        loader = self._staged_loader()
+        if self._on_cuda:
+            try:
+                with torch.cuda.stream(self._side_stream(False)):  # the buffer belongs to the side stream
+                    loader.reserve(n, spans)
+            except BackendUnavailableError as exc:
+                if not self._staged_warned:
+                    self._staged_warned = True
+                    log.warning("staged load of %d blocks falls back to the other mechanisms: %s", n, exc)
+                return None
+        results = [CopyResult(Mechanism.STAGED, False, n, n * size, 0) for size in sizes]
+        if not self._on_cuda:
+            def landed_cpu(g: int, ops: int) -> None:
+                results[g]._finish(None, descriptors=ops)
+
+            loader.load(ids, slots, spans, None, landed_cpu)
+            return results
+        caller = torch.cuda.Event()
+        caller.record(stream if stream is not None else torch.cuda.current_stream(self.layout.device))
+        side = self._side_stream(False)
+
+        def landed(g: int, ops: int) -> None:
+            done = torch.cuda.Event()
+            done.record(side)
+            results[g]._finish(done, descriptors=ops)
+
+        def job() -> None:
+            try:
+                side.wait_event(caller)
+                loader.load(ids, slots, spans, side, landed)
+            except Exception as exc:  # noqa: BLE001 - reported through every unfinished result
+                for res in results:
+                    if not res._submitted.is_set():
+                        res._finish(None, exc)
+
+        if self._threaded:
+            self._submitter(False).put(job)
+        else:
+            job()
+        return results
+
+    def _staged_loader(self) -> StagedLoader:
+        if self._staged is None:
+            self._staged = StagedLoader(self.layout, self.slab, self._staging_bytes)
+        return self._staged
 
     def _submit_groups(self, mech: Mechanism, planned: list, caller: torch.cuda.Event, side: torch.cuda.Stream,
                        results: list[CopyResult]) -> None:
@@ -256,6 +329,14 @@ class BlockCopier:
         n = int(ids.numel())
         nbytes = n * self.layout.block_nbytes
         forced = Mechanism(mechanism) if mechanism is not None else self._fixed
+        if forced is Mechanism.STAGED:
+            if not to_cpu:  # a load: one group of every tensor
+                staged = self._staged_grouped(ids, slots, [(0, len(self.layout.tensors))],
+                                              [self.layout.block_nbytes], stream)
+                if staged is not None:
+                    return staged[0]
+            # stores (staging is a load path), or no device memory for the buffer: as under "auto"
+            forced = None
         if not self._on_cuda:
             if forced not in (None, Mechanism.CPU):
                 raise BackendUnavailableError(f"mechanism {forced.value} needs CUDA tensors")

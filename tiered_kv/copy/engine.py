@@ -185,6 +185,20 @@ class RectMemcpy:
         err, pitch = driver.cuDeviceGetAttribute(attr, driver.CUdevice(index))
         self.max_pitch = int(pitch) if err == driver.CUresult.CUDA_SUCCESS else _DEFAULT_MAX_PITCH
 
+    def copy_pitched(self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int,
+                     to_cpu: bool, stream_handle: int) -> None:
+        """One 2-D copy: ``height`` rows of ``width`` bytes, each side at its own pitch (device <-> pinned host)."""
+        p = _Memcpy2D()
+        if to_cpu:
+            p.srcMemoryType, p.srcDevice, p.dstMemoryType, p.dstHost = _MEMORYTYPE_DEVICE, src, _MEMORYTYPE_HOST, dst
+        else:
+            p.srcMemoryType, p.srcHost, p.dstMemoryType, p.dstDevice = _MEMORYTYPE_HOST, src, _MEMORYTYPE_DEVICE, dst
+        p.srcPitch, p.dstPitch, p.WidthInBytes, p.Height = src_pitch, dst_pitch, width, height
+        err = self._fn(ctypes.addressof(p), stream_handle)
+        if err != 0:
+            raise CopyLaunchError(f"cuMemcpy2DAsync returned CUresult {err} (dst=0x{dst:x} pitch={dst_pitch} "
+                                  f"src=0x{src:x} pitch={src_pitch} width={width} height={height})")
+
     def submit(self, rects: Rects, to_cpu: bool, stream_handle: int) -> int:
         """Enqueue every rectangle on ``stream_handle``; return driver calls made."""
         p = _Memcpy2D()

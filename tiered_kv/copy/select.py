@@ -23,11 +23,16 @@ from dataclasses import dataclass
 
 
 class Mechanism(str, enum.Enum):
-    """How bytes move: DMA copy engine, a Triton kernel on the SMs, or torch on the CPU."""
+    """How bytes move: DMA copy engine, a Triton kernel on the SMs, torch on the CPU, or (loads) staged.
+
+    ``STAGED``: whole slot rows DMA'd into a device staging buffer, then scattered on the device
+    (``staged.py``); only when named (``in_step_copy: staged``), never by the automatic rule yet.
+    """
 
     COPY_ENGINE = "copy_engine"
     SM_KERNEL = "sm_kernel"
     CPU = "cpu"
+    STAGED = "staged"
 
 
 @dataclass(frozen=True)

@@ -110,7 +110,20 @@ def test_geometry_stores_only_what_a_chunk_boundary_hit_reads(model_dirs):
 @pytest.mark.parametrize("async_sched", [False, True], ids=["sync", "async"])
 def test_multiturn_loads_every_group_bit_exact(model_dirs, shape, load_mode, async_sched):
     """Turn 2 hits turn 1's prefix in the CPU tier: every group's blocks a hit reads, and only those, load."""
-    eng = make(model_dirs, shape, cfg(load_mode=load_mode), async_sched=async_sched)
+    _multiturn(model_dirs, shape, cfg(load_mode=load_mode), async_sched)
+
+
+@pytest.mark.parametrize("shape", ["gptoss", "gemma3"])
+def test_staged_in_step_loads_every_group_bit_exact(model_dirs, shape):
+    """``in_step_copy: staged`` (one staging copy per run of slots, then a scatter per group's layers)."""
+    eng = _multiturn(model_dirs, shape, cfg(in_step_copy="staged"), False)
+    for w in eng.workers:
+        assert all(c._staged is not None for c in w.connector.worker.in_step.copiers)  # every group went staged
+
+
+def _multiturn(model_dirs, shape: str, extra: dict, async_sched: bool) -> Engine:
+    load_mode = extra.get("load_mode", "layerwise")
+    eng = make(model_dirs, shape, extra, async_sched=async_sched)
     try:
         a = eng.add("t1", prompt(1, 12 * BS + 5), max_tokens=3)
         eng.run()
@@ -135,6 +148,7 @@ def test_multiturn_loads_every_group_bit_exact(model_dirs, shape, load_mode, asy
         assert_clean(eng)
     finally:
         eng.close()
+    return eng
 
 
 def test_three_turns_extend_the_stored_prefix(model_dirs):

@@ -34,8 +34,9 @@ def make(model_dir, tp: int, **extra) -> Engine:
                          tp=tp, num_blocks=96, max_model_len=512, max_batched=64)
 
 
-def test_tp2_stores_once_and_every_rank_loads_it_bit_exact(model_dir):
-    eng = make(model_dir, 2)
+@pytest.mark.parametrize("in_step_copy", ["copy_engine", "staged"])
+def test_tp2_stores_once_and_every_rank_loads_it_bit_exact(model_dir, in_step_copy):
+    eng = make(model_dir, 2, in_step_copy=in_step_copy)
     try:
         conn = eng.connector
         assert conn.geo.replicated and conn.geo.chunk_nbytes == CHUNK_BYTES  # one copy, not one per rank
@@ -62,6 +63,7 @@ def test_tp2_stores_once_and_every_rank_loads_it_bit_exact(model_dir):
         assert eng.verified_blocks - verified >= 2 * 12  # both ranks' loaded blocks checked
         for w in (w0, w1):
             assert w.stats()["bytes_loaded"] == 3 * CHUNK_BYTES
+            assert (w.in_step.copiers[0]._staged is not None) == (in_step_copy == "staged")
         assert_clean(eng)
     finally:
         eng.close()
@@ -94,7 +96,7 @@ def test_tp2_disk_tier_is_one_directory_read_by_every_rank_and_survives_restart(
         first.close()
     second = make(model_dir, 2, **extra)  # a new engine on the same disk path
     try:
-        assert second.connector.stats()["resident_disk"] == 5
+        assert second.connector.stats()["resident_disk"] == 6  # 5 chunks + the tail piece turn 2 stored
         second.add("again", conv, max_tokens=2)
         second.run()
         second.settle()

@@ -69,16 +69,17 @@ def _run(rt, plan, layerwise_ok=False, names=()):
 
 
 def run_group_round_trip(device: str, heads: int = 2, head_dim: int = 16, chunks: int = 3, slow_stream=False,
-                         break_copies: bool = False, tmp_path=None) -> dict:
+                         break_copies: bool = False, tmp_path=None, **extra) -> dict:
     """Store ``chunks`` chunks of both groups, load them in-step into other blocks, check every layer.
 
     The window group's stores read its chunks' last 2 blocks only; its in-step load fills the last
     chunk's 2 window blocks (what vLLM allocates for a hit at that boundary). Returns the stats.
+    ``extra``: more ``ConnectorConfig`` keys.
     """
     num_blocks = chunks * 2 * K * 2 + 4
     rt, kv, names = make_group_runtime(device, heads, head_dim, num_blocks, cpu_chunks=chunks + 1,
                                        disk_path=str(tmp_path / "kv") if tmp_path else None,
-                                       load_mode="layerwise")
+                                       load_mode="layerwise", **extra)
     try:
         gen = torch.Generator().manual_seed(3)
         for t in {id(t): t for t in kv.values()}.values():
@@ -159,6 +160,11 @@ def test_group_stores_and_in_step_loads_are_bit_exact():
 
 def test_group_records_go_to_disk_and_back(tmp_path):
     run_group_round_trip("cpu", tmp_path=tmp_path)
+
+
+def test_group_in_step_loads_staged_are_bit_exact():
+    stats = run_group_round_trip("cpu", in_step_copy="staged")
+    assert stats["bytes_loaded"] == (3 * 4 * 3 + 2 * 2) * 2048 and stats["sync_loads"] == 1
 
 
 def test_group_in_step_load_that_cannot_start_is_copied_plainly():

@@ -93,9 +93,10 @@ def run_in_step_load(device: str, layers: int = 4, heads: int = 2, head_dim: int
         rt.close()
 
 
+@pytest.mark.parametrize("in_step_copy", ["copy_engine", "staged"])
 @pytest.mark.parametrize("cross_layer", [False, True], ids=["per-layer", "cross-layer"])
-def test_in_step_load_on_cpu_is_bit_exact_and_reported(cross_layer):
-    stats = run_in_step_load("cpu", layerwise=False, cross_layer=cross_layer)
+def test_in_step_load_on_cpu_is_bit_exact_and_reported(cross_layer, in_step_copy):
+    stats = run_in_step_load("cpu", layerwise=False, cross_layer=cross_layer, in_step_copy=in_step_copy)
     assert stats["sync_loads"] == 1 and stats["bytes_loaded"] == (3 * K - 1) * 4 * 2 * BS * 128 * 2
 
 
@@ -136,6 +137,9 @@ def test_load_groups_and_in_step_copy_keys_are_validated():
         with pytest.raises(Exception, match="load_groups"):
             ConnectorConfig(load_groups=bad)
     assert ConnectorConfig(in_step_copy="sm_kernel").in_step_copy == "sm_kernel"
+    assert ConnectorConfig(in_step_copy="staged", load_staging_bytes="64MiB").load_staging_bytes == 64 << 20
+    with pytest.raises(Exception, match="load_staging_bytes"):
+        ConnectorConfig(load_staging_bytes=0)
     with pytest.raises(Exception, match="in_step_copy"):
         ConnectorConfig(in_step_copy="dma")
 

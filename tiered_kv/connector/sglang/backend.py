@@ -44,6 +44,7 @@ from tiered_kv.values.keys import Namespace
 from tiered_kv.planner.radix import RadixIndex
 from tiered_kv.store.tiered_store import TieredStore
 from tiered_kv.connector.sglang.config import SGLangBackendConfig, Scope, scope_from
+from tiered_kv.connector.sglang.gate import MEMORY_TIERS, LoadGate
 from tiered_kv.connector.sglang.page_io import read_pages, write_pages
 from tiered_kv.connector.sglang.pages import HostPages
 from tiered_kv.connector.sglang.stats import BackendCounters
@@ -68,6 +69,7 @@ class TieredHiCacheStorage(HiCacheStorage):
         self.namespace: Namespace | None = None
         self.disk_dir: Path | None = None
         self.counters = BackendCounters()
+        self.gate: LoadGate | None = None
         self._radix = RadixIndex(1, max(1, self.options.radix_pages))
         self._radix_lock = threading.Lock()
         self._refresh_lock = threading.Lock()
@@ -86,12 +88,14 @@ class TieredHiCacheStorage(HiCacheStorage):
         probe = Namespace(self.scope.model, pages.layout.fingerprint, o.tenant_salt, tuple(sorted(extras.items())))
         disk_dir = None
         if o.disk_path is not None:
-            disk_dir = Path(o.disk_path) / self.scope.dir_name(pages.layout.tag, probe.prefix.hex())
+            disk_dir = Path(o.disk_path) / (self.scope.shared_dir_name() if o.disk_budget == "shared"
+                                            else self.scope.dir_name(pages.layout.tag, probe.prefix.hex()))
         cfg = StoreConfig.from_dict({
             "block_shape": list(pages.page_shape), "dtype": pages.layout.dtype, "page_size": pages.page_size,
             "layout_tag": pages.layout.tag, "model": self.scope.model, "tenant_salt": o.tenant_salt,
             "gpu_bytes": 0, "cpu_bytes": o.cpu_bytes, "pin_memory": False,
             "disk_path": None if disk_dir is None else str(disk_dir), "disk_bytes": o.disk_bytes,
+            "disk_budget": o.disk_budget, "disk_weight": o.disk_weight,
             "compression": o.compression, "disk_sync": o.disk_sync, "disk_workers": o.disk_workers,
             "eviction": o.eviction, "write_policy": "write_through", "promote_on_hit": True,
             "namespace_extra": extras,
@@ -106,6 +110,9 @@ class TieredHiCacheStorage(HiCacheStorage):
             raise ConfigError(f"store namespace {self.namespace} differs from the one the disk directory "
                               f"{disk_dir} was named for ({probe}); this is a tiered_kv bug, please report it")
         self.pages, self.store, self.disk_dir = pages, store, disk_dir
+        if self.gate is None or self.gate.page_nbytes != pages.page_nbytes:  # keep the disk estimate on re-attach
+            self.gate = LoadGate(o.disk_load_policy, o.disk_read_gbps, o.disk_probe_every, o.prefill_tokens_per_s,
+                                 pages.page_size, pages.page_nbytes)
         log.info("tiered_kv SGLang backend: %s, %d B/page, %s, tiers %s, %d pages held",
                  pages.layout.tag, pages.page_nbytes, "writer" if self.scope.is_writer else "reader",
                  [t.name for t in store.tiers], store.stats()["resident_blocks"])
@@ -123,13 +130,18 @@ class TieredHiCacheStorage(HiCacheStorage):
 
     # ------------------------------------------------------------------ queries
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
-        """Number of leading ``keys`` held, from the index (no I/O). 0 on any failure."""
+        """Number of leading ``keys`` worth loading: held, and (``gate``) not slower to read than to recompute.
+
+        From the index only (no I/O). 0 on any failure.
+        """
         try:
             store, _ = self._ready()
             ks = self._chain_keys(keys, extra_info)
             hits = store.lookup(ks)
             if hits < len(ks) and self._adopt_if_reader(ks[hits:]):
                 hits = store.lookup(ks)
+            if hits and self.gate is not None and self.options.disk_path is not None:
+                hits = self.gate.worth_loading(store.locate(ks[:hits]))
             self.counters.add(exists_calls=1, exists_pages=len(ks), exists_hits=hits)
             if hits and self.options.cpu_bytes and self.options.disk_path is not None:
                 store.prefetch(ks[:hits], to=0)  # warm the CPU tier while SGLang allocates host slots
@@ -177,11 +189,14 @@ class TieredHiCacheStorage(HiCacheStorage):
             t0 = time.perf_counter()
             ks = self._chain_keys(keys, extra_info)
             page_ids = pages.page_ids(host_indices, n)
+            slow = self._slow_pages(store, ks)
             got, zero_copy = read_pages(store, pages, ks, page_ids, self.options.chunk_pages)
             if got < n and self._adopt_if_reader(ks[got:]):
                 more, _ = read_pages(store, pages, ks[got:], page_ids[got:], self.options.chunk_pages)
                 got += more
-            self.counters.transfer("get", got, n - got, got * pages.page_nbytes, time.perf_counter() - t0, zero_copy)
+            seconds = time.perf_counter() - t0
+            self._observe(slow, got, seconds)
+            self.counters.transfer("get", got, n - got, got * pages.page_nbytes, seconds, zero_copy)
             result = [True] * got + [False] * (n - got)
             self._remember_chain(keys, ks, result, extra_info)
             return result
@@ -229,7 +244,9 @@ class TieredHiCacheStorage(HiCacheStorage):
             store, pages = self._ready()
             t0 = time.perf_counter()
             staging = torch.empty((n, *pages.page_shape), dtype=pages.torch_dtype)
+            slow = self._slow_pages(store, self._keys(keys))
             got = store.get(self._keys(keys), staging).wait()
+            self._observe(slow, got, time.perf_counter() - t0)
             if got == 0 and n and self._adopt_if_reader(self._keys(keys)):
                 got = store.get(self._keys(keys), staging).wait()
             for i in range(got):
@@ -293,6 +310,19 @@ class TieredHiCacheStorage(HiCacheStorage):
         """Legacy single-page write."""
         return self.batch_set([key], None if value is None else [value])
 
+    # ------------------------------------------------------------------ load gate
+    def _slow_pages(self, store: TieredStore, ks: list[bytes]) -> list[bool]:
+        """Per key: held only in a slow tier (disk) right now. Empty when there is no gate or no disk."""
+        if self.gate is None or self.options.disk_path is None:
+            return []
+        return [t is not None and t not in MEMORY_TIERS for t in store.locate(ks)]
+
+    def _observe(self, slow: list[bool], got: int, seconds: float) -> None:
+        """Feed the gate the read rate of the slow-tier pages among the ``got`` that landed."""
+        n_slow = sum(slow[:got])
+        if n_slow and self.gate is not None:
+            self.gate.observe_read(n_slow, seconds)
+
     # ------------------------------------------------------------------ reader ranks
     def _adopt_if_reader(self, keys: list[bytes]) -> bool:
         """MLA reader ranks: adopt those of ``keys`` the writer rank has committed since we looked. True if any."""
@@ -338,6 +368,7 @@ class TieredHiCacheStorage(HiCacheStorage):
     def stats(self) -> dict:
         """Our counters plus the store's ``stats()`` (for tests, logs and the CLI)."""
         out = {"backend": self.counters.snapshot(), "scope": self.scope.__dict__.copy(),
+               "gate": None if self.gate is None else self.gate.snapshot(),
                "layout": None if self.pages is None else self.pages.layout.describe(),
                "disk_dir": None if self.disk_dir is None else str(self.disk_dir)}
         if self.store is not None:

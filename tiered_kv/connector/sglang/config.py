@@ -15,6 +15,8 @@ import re
 from dataclasses import dataclass, fields
 
 from tiered_kv.errors import ConfigError
+from tiered_kv.connector.sglang.gate import check_gate_options
+from tiered_kv.connector.sglang.versions import check_supported, dp_rank, storage_writer
 from tiered_kv.planner.policy import POLICIES
 from tiered_kv.tiers.remote.settings import REMOTE_WRITES, RemoteSettings
 from tiered_kv.values.record import CODECS
@@ -26,6 +28,7 @@ SGLANG_KEYS = frozenset({
     "backend_name", "module_path", "class_name", "interface_v1",
     "prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
     "hicache_storage_pass_prefix_keys", "tp_lcm_size", "file_storage_path",
+    "prefetch_timeout_max",  # popped by 0.5.17's HiRadixCache, passed through by 0.5.23 (see versions.py)
 })
 
 
@@ -35,6 +38,8 @@ class SGLangBackendConfig:
 
     disk_path: str | None = None
     disk_bytes: int = 64 << 30
+    disk_budget: str = "namespace"  # "shared": one budget for every namespace on disk_path (docs/reliability.md)
+    disk_weight: int = 1
     cpu_bytes: int = 0
     compression: str = "none"
     eviction: str = "lru"
@@ -53,6 +58,10 @@ class SGLangBackendConfig:
     remote_connect_timeout_s: float = 0.5
     remote_write: str = "through"
     remote_workers: int = 4
+    disk_load_policy: str = "auto"
+    disk_read_gbps: float = 3.0
+    disk_probe_every: int = 32
+    prefill_tokens_per_s: float = 30000.0
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
@@ -69,6 +78,10 @@ class SGLangBackendConfig:
             raise ConfigError(f"compression: unknown value {self.compression!r}; valid: {sorted(CODECS)}")
         if not isinstance(self.eviction, str) or self.eviction not in POLICIES:
             raise ConfigError(f"eviction: unknown value {self.eviction!r}; valid: {sorted(POLICIES)}")
+        if self.disk_budget not in ("namespace", "shared"):
+            raise ConfigError(f"disk_budget: unknown value {self.disk_budget!r}; valid: ['namespace', 'shared']")
+        if not isinstance(self.disk_weight, int) or isinstance(self.disk_weight, bool) or self.disk_weight < 1:
+            raise ConfigError(f"disk_weight: expected an int >= 1, got {self.disk_weight!r}")
         if not isinstance(self.disk_sync, bool):
             raise ConfigError(f"disk_sync: expected true or false, got {self.disk_sync!r}")
         for key, lo, hi in (("disk_workers", 1, 64), ("radix_pages", 0, 1 << 30), ("chunk_pages", 1, 1024)):
@@ -86,6 +99,8 @@ class SGLangBackendConfig:
         r = self.reader_refresh_s
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r <= 3600:
             raise ConfigError(f"reader_refresh_s: expected seconds in [0, 3600], got {r!r}")
+        check_gate_options(self.disk_load_policy, self.disk_read_gbps, self.disk_probe_every,
+                           self.prefill_tokens_per_s)
 
     @classmethod
     def valid_keys(cls) -> list[str]:
@@ -117,6 +132,7 @@ class Scope:
     cp_rank: int
     cp_size: int
     is_writer: bool
+    dp_rank: int = 0
 
     def extras(self) -> dict[str, str]:
         """Namespace extras: TP rank only for MHA (MLA pages are the same on every rank); PP and CP when used."""
@@ -127,7 +143,14 @@ class Scope:
             out["pp"] = f"{self.pp_rank}of{self.pp_size}"
         if self.cp_size > 1:
             out["cp"] = f"{self.cp_rank}of{self.cp_size}"
+        if self.dp_rank > 0:  # attention-DP groups: each writes its own directory (one writer per directory)
+            out["dp"] = str(self.dp_rank)
         return out
+
+    def shared_dir_name(self) -> str:
+        """Disk sub-directory under a shared budget: one per rank position, every namespace in it."""
+        parts = [f"{k}{v}" for k, v in sorted(self.extras().items()) if k != "engine"] or ["all"]
+        return "shared/" + re.sub(r"[^A-Za-z0-9._-]+", "_", "-".join(parts))[:120]
 
     def dir_name(self, layout_tag: str, ns_hex: str) -> str:
         """Disk sub-directory for this scope: readable parts plus the namespace prefix (unique and stable)."""
@@ -138,9 +161,10 @@ class Scope:
 
 
 def scope_from(storage_config: object, model_override: str) -> Scope:
-    """A ``Scope`` from SGLang's ``HiCacheStorageConfig``."""
+    """A ``Scope`` from SGLang's ``HiCacheStorageConfig`` (0.5.17 or 0.5.23; ConfigError for DCP > 1)."""
     c = storage_config
+    check_supported(c)
     model = model_override or (c.model_name or "")
     return Scope(model=model, is_mla=bool(c.is_mla_model), tp_rank=int(c.tp_rank), tp_size=int(c.tp_size),
                  pp_rank=int(c.pp_rank), pp_size=int(c.pp_size), cp_rank=int(c.attn_cp_rank),
-                 cp_size=int(c.attn_cp_size), is_writer=bool(c.is_storage_writer))
+                 cp_size=int(c.attn_cp_size), is_writer=storage_writer(c), dp_rank=dp_rank(c))

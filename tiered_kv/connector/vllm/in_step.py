@@ -88,14 +88,17 @@ class InStepLoader:
         # In-step loads plan and submit on vLLM's own thread, before the forward is launched: from
         # a submitter thread they fought vLLM's eager forward for the GIL and the H200 load took
         # 31-64 ms instead of ~21 (turn-2 TTFT 0.043-0.048 s against 0.034-0.039 s).
-        self.copiers = [BlockCopier(kv, rows, threaded_submit=False) for kv, rows, _ in parts]
+        self.copiers = [BlockCopier(kv, rows, threaded_submit=False, staging_bytes=cfg.load_staging_bytes)
+                        for kv, rows, _ in parts]
         self.copier = self.copiers[0]
         self._layerwise = cfg.load_mode == "layerwise"
         self._groups_wanted = cfg.load_groups
         self._plain_fallback = plain_fallback
         self.plain_copies = 0
-        # ``in_step_copy``: the SM kernel where asked for and on CUDA, else what the movers use
-        self._forced = Mechanism.SM_KERNEL if self._cuda and cfg.in_step_copy == "sm_kernel" else None
+        # ``in_step_copy``: the SM kernel where asked for and on CUDA, the staged load (CPU too), else
+        # what the movers use
+        self._forced = {"sm_kernel": Mechanism.SM_KERNEL if self._cuda else None,
+                        "staged": Mechanism.STAGED}.get(cfg.in_step_copy)
         # tensor i of group g belongs to layer _names[g][i] (a layer with several state tensors repeats)
         self._names = []
         for kv, _, names in parts:
@@ -116,7 +119,7 @@ class InStepLoader:
 
         ``layerwise_ok``: vLLM will call ``wait_layer`` for every attention layer of this step's
         forward. ``mechanism``: what the movers use now (None: the copier chooses), unless
-        ``in_step_copy`` forces the SM kernel. Returns the number of layer groups submitted; 0 when
+        ``in_step_copy`` forces the SM kernel or the staged load. Returns the number of layer groups submitted; 0 when
         nothing was (no blocks, or the load could not start: ``finish`` then reports it failed).
         """
         load = _InStepLoad(job, [], sum(len(gpu) * kv.block_nbytes for (gpu, _), kv in zip(parts, self.kvs)),

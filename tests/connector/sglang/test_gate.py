@@ -1,0 +1,172 @@
+"""The load gate (``gate.py``): SGLang is told about a disk hit only while reading it beats recomputing it.
+
+The rule on its own first, then through SGLang's real ``HiCacheController`` (backup thread, prefetch
+thread's hit query, IO thread), with our store on a real LMDB disk directory: a declined hit is a
+hit of 0 (SGLang recomputes), a reported one lands bit for bit.
+"""
+from __future__ import annotations
+
+import pytest
+
+from tests.connector.sglang.harness import (
+    PAGE_SIZE, extra_config, fill_random, mha_pool, pages_bytes, running_controller,
+)
+from tests.connector.sglang.test_controller import _backup, _prefetch, _tokens, _wait_backup
+
+torch = pytest.importorskip("torch")
+
+from tiered_kv.connector.sglang.config import SGLangBackendConfig  # noqa: E402
+from tiered_kv.connector.sglang.gate import LoadGate  # noqa: E402
+from tiered_kv.errors import ConfigError  # noqa: E402
+
+MIB8 = 8 << 20  # one 64-token page of a Llama-3-8B shape (128 KiB per token)
+
+
+def _gate(policy="auto", gbps=3.0, probe=0, tps=30000.0):
+    return LoadGate(policy, gbps, probe, tps, 64, MIB8)
+
+
+def test_break_even_of_an_8b_page():
+    """64 tokens of 128 KiB at 30k tokens/s of prefill: a disk must read > 3.93 GB/s to beat recomputing."""
+    snap = _gate().snapshot()
+    assert snap["break_even_gbps"] == pytest.approx(3.932, abs=1e-3)
+    assert not _gate(gbps=3.0).disk_beats_recompute()
+    assert _gate(gbps=4.0).disk_beats_recompute()
+
+
+def test_auto_keeps_memory_pages_and_declines_a_slow_disk():
+    g = _gate(gbps=1.0)
+    assert g.worth_loading(["cpu", "cpu", "disk", "disk"]) == 2
+    assert g.worth_loading(["disk", "cpu"]) == 0  # only a leading run counts
+    assert g.worth_loading(["cpu", "gpu"]) == 2
+    assert g.worth_loading([]) == 0
+    snap = g.snapshot()
+    assert snap["gate_declined_pages"] == 4 and snap["gate_declined_queries"] == 2
+
+
+def test_auto_reports_a_fast_disk():
+    g = _gate(gbps=8.0)
+    assert g.worth_loading(["cpu", "disk", "disk"]) == 3
+    assert g.snapshot()["gate_disk_pages_reported"] == 2
+
+
+def test_always_and_never():
+    assert _gate("always", gbps=0.01).worth_loading(["disk"] * 5) == 5
+    assert _gate("never", gbps=100.0).worth_loading(["cpu", "disk"]) == 1
+
+
+def test_probe_every_nth_declined_query_then_the_estimate_follows_the_reads():
+    g = _gate(gbps=1.0, probe=3)
+    got = [g.worth_loading(["disk"] * 4) for _ in range(6)]
+    assert got == [0, 0, 4, 0, 0, 4]
+    assert g.snapshot()["gate_probes"] == 2
+    for _ in range(12):  # the probes' reads ran at 20 GB/s: 8 MiB in 0.42 ms
+        g.observe_read(1, MIB8 / 20e9)
+    assert g.snapshot()["disk_gbps_estimate"] > 3.932
+    assert g.worth_loading(["disk"] * 4) == 4
+
+
+def test_observe_ignores_empty_reads():
+    g = _gate(gbps=1.0)
+    g.observe_read(0, 1.0)
+    g.observe_read(3, 0.0)
+    assert g.snapshot()["disk_gbps_estimate"] == 1.0 and g.snapshot()["gate_reads_observed"] == 0
+
+
+@pytest.mark.parametrize("extra,match", [
+    ({"disk_load_policy": "sometimes"}, "disk_load_policy"),
+    ({"disk_read_gbps": 0}, "disk_read_gbps"),
+    ({"disk_read_gbps": True}, "disk_read_gbps"),
+    ({"prefill_tokens_per_s": -5}, "prefill_tokens_per_s"),
+    ({"disk_probe_every": -1}, "disk_probe_every"),
+    ({"disk_probe_every": 2.5}, "disk_probe_every"),
+])
+def test_bad_gate_keys_name_themselves(extra, match):
+    with pytest.raises(ConfigError, match=match):
+        SGLangBackendConfig.from_extra_config({"disk_path": "/tmp/x", **extra})
+
+
+# ---------------------------------------------------------------------------- real HiCacheController
+
+def _stored(ctrl, pool, tokens, seed):
+    op_id, _, expected = _backup(ctrl, pool, tokens, seed=seed)
+    assert _wait_backup(ctrl, op_id) == len(tokens)
+    ctrl.storage_backend.store.drain()  # every page committed to the disk tier
+    return expected
+
+
+def test_controller_slow_disk_is_declined_and_sglang_recomputes(tmp_path):
+    pool = mha_pool("page_first")
+    extra = extra_config(tmp_path, disk_read_gbps=1e-6, disk_probe_every=0)
+    with running_controller(pool, extra) as ctrl:
+        tokens = _tokens(100, 5)
+        _stored(ctrl, pool, tokens, seed=1)
+        hit, loaded, _ = _prefetch(ctrl, pool, "slow", tokens)
+        assert hit == loaded == 0
+        be = ctrl.storage_backend
+        assert be.stats()["gate"]["gate_declined_pages"] == 5
+        assert be.stats()["backend"].get("get_pages", 0) == 0  # nothing was read
+        assert be.store.lookup(be._keys(_hashes(tokens))) == 5  # still held, only not worth it
+
+
+def test_controller_always_loads_the_same_pages_bit_exact(tmp_path):
+    pool = mha_pool("page_first")
+    extra = extra_config(tmp_path, disk_read_gbps=1e-6, disk_load_policy="always")
+    with running_controller(pool, extra) as ctrl:
+        tokens = _tokens(300, 4)
+        expected = _stored(ctrl, pool, tokens, seed=2)
+        hit, loaded, dst = _prefetch(ctrl, pool, "always", tokens)
+        assert hit == loaded == len(tokens)
+        assert all(torch.equal(a, b) for a, b in zip(pages_bytes(pool, dst, 4), expected))
+        snap = ctrl.storage_backend.stats()["gate"]
+        assert snap["gate_disk_pages_reported"] == 4 and snap["gate_reads_observed"] == 1
+
+
+def test_controller_memory_tier_pages_pass_a_slow_disk_gate(tmp_path):
+    """With our own CPU tier in front of the disk, pages still in it are reported; the disk-only tail is not."""
+    pool = mha_pool("page_first")
+    page_bytes = pool.get_data_page(0, flat=True).numel() * 2
+    extra = extra_config(tmp_path, disk_read_gbps=1e-6, disk_probe_every=0, cpu_bytes=3 * page_bytes)
+    with running_controller(pool, extra) as ctrl:
+        be = ctrl.storage_backend
+        tokens = _tokens(700, 6)
+        hashes = _hashes(tokens)
+        fill_random(pool, seed=3)
+        src = pool.alloc(len(tokens))
+        expected = pages_bytes(pool, src, 6)
+        # the tail first, then the head: the 3-page CPU tier keeps the head, the tail stays on disk only
+        assert all(be.batch_set_v1(hashes[3:], src[3 * PAGE_SIZE:]))
+        be.store.drain()
+        assert all(be.batch_set_v1(hashes[:3], src[:3 * PAGE_SIZE]))
+        be.store.drain()
+        assert be.store.locate(be._keys(hashes)) == ["cpu"] * 3 + ["disk"] * 3
+        hit, loaded, dst = _prefetch(ctrl, pool, "mixed", tokens)
+        assert hit == loaded == 3 * PAGE_SIZE
+        assert all(torch.equal(a, b) for a, b in zip(pages_bytes(pool, dst, 3), expected[:3]))
+        assert be.stats()["gate"]["gate_declined_pages"] == 3
+
+
+def test_controller_probe_measures_the_disk_and_then_reports_it(tmp_path):
+    """A declined disk is probed on the 2nd query; the probe's read lifts the estimate above break-even."""
+    pool = mha_pool("page_first")
+    # 512 B pages of 4 tokens at 10 tokens/s of "prefill": break-even 1.28 kB/s, far below any real disk read
+    extra = extra_config(tmp_path, disk_read_gbps=1e-9, disk_probe_every=2, prefill_tokens_per_s=10)
+    with running_controller(pool, extra) as ctrl:
+        tokens = _tokens(900, 10)
+        expected = _stored(ctrl, pool, tokens, seed=4)
+        assert _prefetch(ctrl, pool, "q1", tokens)[0] == 0
+        hit, loaded, dst = _prefetch(ctrl, pool, "q2-probe", tokens)
+        assert hit == loaded == len(tokens)
+        assert all(torch.equal(a, b) for a, b in zip(pages_bytes(pool, dst, 10), expected))
+        pool.free(dst)
+        hit, loaded, _ = _prefetch(ctrl, pool, "q3", tokens)
+        assert hit == loaded == len(tokens)
+        snap = ctrl.storage_backend.stats()["gate"]
+        assert snap["gate_probes"] == 1 and snap["gate_reads_observed"] >= 1
+        assert snap["disk_gbps_estimate"] > snap["break_even_gbps"]
+
+
+def _hashes(tokens):
+    from sglang.srt.mem_cache.utils import get_hash_str
+
+    return get_hash_str(tokens, None, page_size=PAGE_SIZE)

@@ -1,0 +1,121 @@
+"""The load gate: report a disk hit to SGLang only while reading it beats recomputing it.
+
+SGLang asks ``batch_exists`` how many leading pages L3 holds and then loads that many; a page
+it is not told about is recomputed by the prefill. A page in one of our memory tiers always
+loads faster than a prefill computes it. A page only on disk (or a slower tier below it) loads
+at the disk's speed, which can be slower than the GPU recomputes it (a virtio disk against an
+H100 prefill of an 8B model: 1-2 GB/s against ~4 GB/s of KV per second of prefill). Telling
+SGLang about such a page would make the request slower than with no HiCache at all. So:
+
+- ``disk_load_policy: auto`` (default): a slow-tier page counts as a hit while
+  ``page_bytes / disk_read_bytes_per_s < page_tokens / prefill_tokens_per_s``. The disk rate
+  starts at ``disk_read_gbps`` and follows the reads the backend times (an exponential average
+  of every ``batch_get`` that read slow-tier pages). A declined disk is never read, so its
+  estimate would never change: every ``disk_probe_every``-th declined query is answered in full
+  anyway, and its read refreshes the estimate (a faster disk, a warm page cache). ``0``: never probe.
+- ``always``: report every page held (measure the disk, or a disk known to be fast).
+- ``never``: report only the leading pages in memory tiers.
+
+The same rule as the vLLM connector's (``connector/vllm/scheduler.py``, ``_worth_loading``), per
+SGLang page instead of per vLLM chunk.
+
+Threading contract: ``worth_loading`` runs on SGLang's prefetch thread and ``observe_read`` on its
+prefetch IO thread, at once; both take the gate's lock.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+from tiered_kv.errors import ConfigError
+
+DISK_LOAD_POLICIES = ("auto", "always", "never")
+
+#: Tiers whose pages always load faster than a prefill recomputes them.
+MEMORY_TIERS = frozenset({"gpu", "cpu"})
+
+#: Weight of the newest read in the disk-rate average (the vLLM connector's value).
+EWMA_NEW = 0.2
+
+
+def check_gate_options(policy: object, read_gbps: object, probe_every: object, prefill_tps: object) -> None:
+    """Validate the four gate keys of the extra config (ConfigError names the bad one)."""
+    if policy not in DISK_LOAD_POLICIES:
+        raise ConfigError(f"disk_load_policy: expected one of {list(DISK_LOAD_POLICIES)}, got {policy!r}")
+    for key, v in (("disk_read_gbps", read_gbps), ("prefill_tokens_per_s", prefill_tps)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            raise ConfigError(f"{key}: expected a number > 0, got {v!r}")
+    if isinstance(probe_every, bool) or not isinstance(probe_every, int) or probe_every < 0:
+        raise ConfigError(f"disk_probe_every: expected an int >= 0 (0 = never probe), got {probe_every!r}")
+
+
+class LoadGate:
+    """Decides how many leading held pages of a query SGLang should load (the rest it recomputes)."""
+
+    def __init__(self, policy: str, disk_read_gbps: float, probe_every: int, prefill_tokens_per_s: float,
+                 page_tokens: int, page_nbytes: int) -> None:
+        check_gate_options(policy, disk_read_gbps, probe_every, prefill_tokens_per_s)
+        if page_tokens <= 0 or page_nbytes <= 0:
+            raise ConfigError(f"load gate: page of {page_tokens} tokens / {page_nbytes} B; both must be > 0")
+        self.policy = policy
+        self.probe_every = int(probe_every)
+        self.prefill_tokens_per_s = float(prefill_tokens_per_s)
+        self.page_tokens = int(page_tokens)
+        self.page_nbytes = int(page_nbytes)
+        self._gbps = float(disk_read_gbps)
+        self._lock = threading.Lock()
+        self._declined_queries = 0
+        self._counts = {"gate_declined_pages": 0, "gate_declined_queries": 0, "gate_probes": 0,
+                        "gate_disk_pages_reported": 0, "gate_reads_observed": 0}
+
+    # ------------------------------------------------------------------ decisions
+    def disk_beats_recompute(self) -> bool:
+        """Whether, at the current disk-rate estimate, a slow-tier page loads faster than it is recomputed."""
+        with self._lock:
+            gbps = self._gbps
+        return self.page_nbytes / (gbps * 1e9) < self.page_tokens / self.prefill_tokens_per_s
+
+    def worth_loading(self, where: Sequence[str | None]) -> int:
+        """Leading pages of a held run worth reporting; ``where[i]`` is the fastest tier holding page i."""
+        n = len(where)
+        n_fast = next((i for i, t in enumerate(where) if t not in MEMORY_TIERS), n)
+        if n_fast == n or self.policy == "always":
+            self._count(gate_disk_pages_reported=n - n_fast)
+            return n
+        if self.policy == "auto":
+            if self.disk_beats_recompute():
+                self._count(gate_disk_pages_reported=n - n_fast)
+                return n
+            with self._lock:
+                self._declined_queries += 1
+                probe = self.probe_every > 0 and self._declined_queries % self.probe_every == 0
+            if probe:  # read it anyway now and then, so the estimate follows the disk
+                self._count(gate_probes=1, gate_disk_pages_reported=n - n_fast)
+                return n
+        self._count(gate_declined_pages=n - n_fast, gate_declined_queries=1)
+        return n_fast
+
+    def observe_read(self, slow_pages: int, seconds: float) -> None:
+        """A read that moved ``slow_pages`` slow-tier pages took ``seconds`` (its whole wall time, conservative)."""
+        if slow_pages <= 0 or seconds <= 0:
+            return
+        gbps = slow_pages * self.page_nbytes / seconds / 1e9
+        with self._lock:
+            self._gbps = (1 - EWMA_NEW) * self._gbps + EWMA_NEW * gbps
+            self._counts["gate_reads_observed"] += 1
+
+    # ------------------------------------------------------------------ reporting
+    def _count(self, **counts: int) -> None:
+        with self._lock:
+            for k, v in counts.items():
+                self._counts[k] += v
+
+    def snapshot(self) -> dict:
+        """Policy, the disk-rate estimate, the break-even rate, and the decision counters."""
+        with self._lock:
+            out = dict(self._counts)
+            out["disk_gbps_estimate"] = round(self._gbps, 3)
+        out["policy"] = self.policy
+        # the disk rate above which a slow-tier page loads faster than the prefill recomputes it
+        out["break_even_gbps"] = round(self.page_nbytes * self.prefill_tokens_per_s / self.page_tokens / 1e9, 3)
+        return out

@@ -1,0 +1,265 @@
+"""Staged mechanism: whole slab rows in one DMA per run of adjacent slots, then an on-device scatter.
+
+Role: loads (slab -> engine blocks) for layouts whose blocks split into many small chunks
+(vLLM's per-layer tensors: one chunk per layer, 18-32 KiB each for MLA and 4-KV-head models),
+where the copy engine pays its per-descriptor cost once per (layer, block). A slot holds one
+block's chunks back to back (``layouts.py``), and the slots of one chunk of a request are
+adjacent rows of the slab, so the load moves as:
+
+1. **DMA**: for each run of adjacent slots, one copy of their bytes into a staging buffer on
+   the device (``cudaMemcpyAsync`` of a contiguous range when the copy takes whole rows; one
+   ``cuMemcpy2DAsync`` when it takes a column range of the rows: a group of tensors of a
+   layer-by-layer load). Staged row ``i`` is item ``i`` of the call.
+2. **Scatter**: for each *rectangle* of the layout (the chunks of one allocation at a fixed
+   pitch: one per layer tensor, or one for all layers when they are views of one buffer), one
+   torch ``index_put_`` from a strided view of the staging rows into a strided view of the
+   engine tensor's storage, indexed by the block ids (on the device). Elements are the widest
+   word (8, 4, 2 or 1 bytes) that every offset, stride and width divides.
+
+Both steps run in order on one stream (the copier's side stream): the staging buffer is reused
+by the next piece or call only after the previous scatter read it, by stream order alone. A
+call larger than the buffer is cut into pieces of whole rows. On CPU tensors the same code
+runs with a CPU staging buffer and torch copies in place of the DMA (CI checks it bit-exact
+against the other mechanisms).
+
+The buffer is allocated on first use at the size the call needs (rounded up to 16 MiB) and
+grows up to ``staging_bytes``; it is allocated under the side stream, so the caching
+allocator never hands its memory to another stream while a copy still reads it.
+
+Threading: a ``StagedLoader`` belongs to one copier and is used by one thread at a time (the
+copier's h2d submitter thread, or its caller with ``threaded_submit=False``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from tiered_kv.copy.errors import BackendUnavailableError
+from tiered_kv.copy.layouts import KVLayout
+
+#: The staging buffer grows in steps of this many bytes (fewer re-allocations as loads vary).
+GROW_STEP = 16 << 20
+#: Default cap on the staging buffer (``BlockCopier(staging_bytes=...)``).
+DEFAULT_STAGING_BYTES = 256 << 20
+_WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+@dataclass(frozen=True)
+class _Rect:
+    """Chunks of one tensor storage at a fixed pitch: ``height`` rows of ``width`` bytes per block.
+
+    Row ``r`` of block ``b`` sits at byte ``offset + b * block_stride + r * pitch`` of the storage
+    of ``layout.tensors[tensor]`` and at ``slot_offset + r * width`` in a slot.
+    """
+
+    tensor: int
+    offset: int
+    block_stride: int
+    pitch: int
+    width: int
+    height: int
+    slot_offset: int
+
+
+def layout_rects(layout: KVLayout, first: int, end: int) -> list[_Rect]:
+    """The rectangles of tensors ``first..end-1``: consecutive chunks of one storage with equal size and
+    block stride, contiguous in the slot and a constant address step apart, merged into one."""
+    rects: list[list[int]] = []  # tensor, offset, block_stride, pitch, width, height, slot_offset, storage ptr
+    for t in range(first, end):
+        tensor, m = layout.tensors[t], layout.maps[t]
+        storage = tensor.untyped_storage().data_ptr()
+        base = m.base_ptr - storage
+        pos = m.slot_offset
+        for off, size in zip(m.chunk_offsets, m.chunk_sizes):
+            addr = base + off
+            if rects and rects[-1][7] == storage:
+                r = rects[-1]
+                same = size == r[4] and m.block_stride == r[2] and pos == r[6] + r[4] * r[5]
+                step = addr - (r[1] + (r[5] - 1) * r[3])
+                if same and r[5] == 1 and step >= size:
+                    r[3], r[5] = step, 2
+                    pos += size
+                    continue
+                if same and r[5] > 1 and step == r[3]:
+                    r[5] += 1
+                    pos += size
+                    continue
+            rects.append([t, addr, m.block_stride, size, size, 1, pos, storage])
+            pos += size
+    return [_Rect(*r[:7]) for r in rects]
+
+
+def _word(*values: int) -> int:
+    """The widest word (8, 4, 2, 1 bytes) dividing every value."""
+    bits = 0
+    for v in values:
+        bits |= int(v)
+    for width in (8, 4, 2):
+        if bits % width == 0:
+            return width
+    return 1
+
+
+class StagedLoader:
+    """Slab -> blocks through a device staging buffer: one DMA per run of adjacent slots, one scatter per rectangle."""
+
+    def __init__(self, layout: KVLayout, slab: torch.Tensor, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
+        """Bind the layout and slab; the staging buffer is allocated at the first call."""
+        if staging_bytes < layout.block_nbytes:
+            raise BackendUnavailableError(
+                f"staging_bytes={staging_bytes} cannot hold one block of {layout.block_nbytes} bytes; "
+                f"raise it to at least {layout.block_nbytes} (a few hundred MiB lets a whole load go in one piece)")
+        self.layout = layout
+        self.slab = slab
+        self.staging_bytes = int(staging_bytes)
+        self._on_cuda = layout.device.type == "cuda"
+        self._staging: torch.Tensor | None = None
+        self._rects: dict[tuple[int, int], list[_Rect]] = {}
+        self._flats: dict[int, torch.Tensor] = {}  # tensor index -> its storage as uint8
+        self._rect2d = None  # engine.RectMemcpy, for column-range DMAs on CUDA
+
+    def rects(self, first: int, end: int) -> list[_Rect]:
+        """The (cached) rectangles of tensors ``first..end-1``."""
+        key = (first, end)
+        if key not in self._rects:
+            self._rects[key] = layout_rects(self.layout, first, end)
+        return self._rects[key]
+
+    def need(self, n: int, groups: list[tuple[int, int]]) -> int:
+        """Staging bytes a load of ``n`` items in ``groups`` uses (at most ``staging_bytes``)."""
+        out = 0
+        maps = self.layout.maps
+        for a, b in groups:
+            width = maps[b - 1].slot_offset + maps[b - 1].nbytes - maps[a].slot_offset
+            out = max(out, min(n, max(1, self.staging_bytes // width)) * width)
+        return out
+
+    def reserve(self, n: int, groups: list[tuple[int, int]]) -> None:
+        """Allocate (or grow) the buffer for such a load now, on the current stream; raise
+        ``BackendUnavailableError`` when the device has no memory for it."""
+        if n:
+            self._buffer(self.need(n, groups))
+
+    def load(self, ids: torch.Tensor, slots: torch.Tensor, groups: list[tuple[int, int]],
+             stream: torch.cuda.Stream | None, on_group: Callable[[int, int], None]) -> int:
+        """Copy ``slab[slots[i]]`` into blocks ``ids[i]``, group of tensors by group; return the operations enqueued.
+
+        ``on_group(g, ops)`` runs after group ``g``'s last scatter is enqueued on ``stream`` (CUDA) or
+        done (CPU). ``ids`` and ``slots`` are validated int64 CPU tensors of equal length.
+        """
+        n = int(ids.numel())
+        total = 0
+        if n == 0:
+            for g in range(len(groups)):
+                on_group(g, 0)
+            return 0
+        ctx = torch.cuda.stream(stream) if self._on_cuda and stream is not None else _nullcontext()
+        with ctx:
+            # pinned, so the upload is queued on the stream (a pageable one would synchronise it)
+            dev_ids = ids.pin_memory().to(self.layout.device, non_blocking=True) if self._on_cuda else ids
+            # runs of adjacent slots: item i .. j-1 come from slots s, s+1, ...
+            starts = torch.ones(n, dtype=torch.bool)
+            starts[1:] = slots[1:] != slots[:-1] + 1
+            run_first = starts.nonzero().reshape(-1).tolist() + [n]
+            for g, (a, b) in enumerate(groups):
+                ops = 0
+                c0 = self.layout.maps[a].slot_offset
+                c1 = self.layout.maps[b - 1].slot_offset + self.layout.maps[b - 1].nbytes
+                width = c1 - c0
+                per_piece = max(1, self.staging_bytes // width)
+                staging = self._buffer(self.need(n, [(a, b)]))
+                for i0 in range(0, n, per_piece):
+                    i1 = min(n, i0 + per_piece)
+                    ops += self._dma(staging, slots, run_first, i0, i1, c0, c1)
+                    ops += self._scatter(staging, dev_ids[i0:i1], i1 - i0, a, b, c0, width)
+                total += ops
+                on_group(g, ops)
+        return total
+
+    # ------------------------------------------------------------------ steps
+    def _dma(self, staging: torch.Tensor, slots: torch.Tensor, run_first: list[int], i0: int, i1: int,
+             c0: int, c1: int) -> int:
+        """Items ``i0..i1-1``: columns ``c0..c1-1`` of their slot rows into staging rows 0.. (packed)."""
+        width = c1 - c0
+        pitch = self.slab.stride(0)
+        flat = self.slab.view(-1) if self.slab.is_contiguous() else None
+        calls = 0
+        for k in range(len(run_first) - 1):
+            a, b = max(run_first[k], i0), min(run_first[k + 1], i1)
+            if a >= b:
+                continue
+            s0 = int(slots[a])
+            rows = b - a
+            dst = staging[(a - i0) * width:(b - i0) * width]
+            if width == pitch and flat is not None:  # whole rows: one contiguous range
+                dst.copy_(flat[s0 * pitch:(s0 + rows) * pitch], non_blocking=True)
+            elif self._on_cuda:
+                self._copy2d(dst, self.slab[s0, c0:].data_ptr(), pitch, width, rows)
+            else:
+                dst.view(rows, width).copy_(self.slab[s0:s0 + rows, c0:c1])
+            calls += 1
+        return calls
+
+    def _copy2d(self, dst: torch.Tensor, src_ptr: int, src_pitch: int, width: int, rows: int) -> None:
+        """``rows`` rows of ``width`` bytes, ``src_pitch`` apart in pinned host memory, packed into ``dst``."""
+        if self._rect2d is None:
+            from tiered_kv.copy.engine import RectMemcpy
+
+            self._rect2d = RectMemcpy(self.layout.device)
+        stream = torch.cuda.current_stream(self.layout.device)
+        self._rect2d.copy_pitched(dst.data_ptr(), width, src_ptr, src_pitch, width, rows, to_cpu=False,
+                                  stream_handle=stream.cuda_stream)
+
+    def _scatter(self, staging: torch.Tensor, dev_ids: torch.Tensor, rows: int, a: int, b: int, c0: int,
+                 width: int) -> int:
+        """Staged rows ``0..rows-1`` (columns ``c0..`` of slots) into blocks ``dev_ids`` of tensors ``a..b-1``."""
+        kernels = 0
+        num_blocks = self.layout.num_blocks
+        for r in self.rects(a, b):
+            src_off = r.slot_offset - c0
+            w = _word(r.offset, r.block_stride, r.pitch, r.width, src_off, width, staging.data_ptr(),
+                      self._flat(r.tensor).data_ptr())
+            dst = _words(self._flat(r.tensor), w).as_strided(
+                (num_blocks, r.height, r.width // w), (r.block_stride // w, r.pitch // w, 1), r.offset // w)
+            src = _words(staging, w).as_strided((rows, r.height, r.width // w), (width // w, r.width // w, 1),
+                                              src_off // w)
+            dst.index_put_((dev_ids,), src)
+            kernels += 1
+        return kernels
+
+    def _flat(self, t: int) -> torch.Tensor:
+        """Tensor ``t``'s whole storage as a 1-D uint8 tensor (cached)."""
+        if t not in self._flats:
+            tensor = self.layout.tensors[t]
+            self._flats[t] = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
+        return self._flats[t]
+
+    def _buffer(self, nbytes: int) -> torch.Tensor:
+        """The staging buffer, grown to at least ``nbytes`` (allocated on the current stream)."""
+        if self._staging is None or self._staging.numel() < nbytes:
+            size = min(self.staging_bytes, -(-nbytes // GROW_STEP) * GROW_STEP)
+            size = max(size, nbytes)
+            self._staging = None  # freed on this stream: reused only in its order
+            try:
+                self._staging = torch.empty(size, dtype=torch.uint8, device=self.layout.device)
+            except torch.OutOfMemoryError as exc:
+                raise BackendUnavailableError(
+                    f"no device memory for a {size >> 20} MiB staging buffer ({exc}); lower staging_bytes "
+                    f"or use the copy engine") from exc
+        return self._staging
+
+
+def _words(flat: torch.Tensor, w: int) -> torch.Tensor:
+    """A 1-D uint8 tensor viewed as ``w``-byte words (its tail of fewer than ``w`` bytes dropped)."""
+    return flat[: flat.numel() // w * w].view(_WORDS[w])
+
+
+class _nullcontext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
