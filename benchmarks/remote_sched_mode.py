@@ -2,21 +2,27 @@
 load a connector by ``MODULE:CLASS`` with no extra config (``../shared/tools/sched_overhead.py``) can measure
 it with the remote tier configured. Used by ``benchmarks/sched_overhead_runs.sh`` (mode ``remote``).
 
-``$TKV_FLEET_KEYS_PER_S`` (scheduler role, with ``remote_url``): a thread plays the rest of the fleet,
-announcing that many freshly stored chunks per second on this engine's presence stream, so the measured
-steps include adopting what the feed brings (the keys are random: they grow the index, never hit).
+``$TKV_FLEET_KEYS_PER_S`` (scheduler role, with ``remote_url``): a separate process plays the rest of the
+fleet, announcing that many freshly stored chunks per second on this engine's presence stream, so the
+measured steps include adopting what the feed brings (the keys are random: they grow the index, never
+hit). A process, not a thread: the fleet's work must not take the scheduler thread's GIL time. It stops
+when its parent exits (or after 30 minutes).
 
-Threading contract: as ``TieredKVConnector``; the fleet thread only writes to Redis.
+Threading contract: as ``TieredKVConnector``.
 """
 from __future__ import annotations
 
 import json
 import os
-import threading
+import subprocess
+import sys
 import time
 import uuid
+from pathlib import Path
 
-from tiered_kv.connector.vllm.connector import TieredKVConnector
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tiered_kv.connector.vllm.connector import TieredKVConnector  # noqa: E402
 
 
 class ExtraFromEnvConnector(TieredKVConnector):
@@ -29,13 +35,27 @@ class ExtraFromEnvConnector(TieredKVConnector):
         super().__init__(vllm_config, role, kv_cache_config)
         rate = float(os.environ.get("TKV_FLEET_KEYS_PER_S", "0"))
         if rate > 0 and self._presence is not None:
-            threading.Thread(target=self._fleet, args=(rate,), name="tkv-bench-fleet", daemon=True).start()
+            subprocess.Popen([sys.executable, __file__, "fleet", self._presence.stream.hex(), str(rate),
+                              str(os.getpid())])
 
-    def _fleet(self, rate: float) -> None:
-        from tiered_kv.tiers.remote import publish  # noqa: PLC0415
 
-        batch = max(1, int(rate / 100))  # 100 announcements a second
-        feed = self._presence
-        while self._presence is not None:
-            publish(feed.client, feed.stream, [uuid.uuid4().bytes * 2 for _ in range(batch)])
-            time.sleep(0.01)
+def fleet(stream_hex: str, rate: str, parent: str) -> None:
+    """Announce ``rate`` random chunks a second on the stream until ``parent`` exits."""
+    from tiered_kv.tiers.remote import ClusterClient, RemoteSettings, publish  # noqa: PLC0415
+
+    extra = json.loads(os.environ["TKV_EXTRA"])
+    client = ClusterClient(RemoteSettings(extra["remote_url"], extra.get("remote_password_env") or None))
+    stream, batch = bytes.fromhex(stream_hex), max(1, int(float(rate) / 100))  # 100 announcements a second
+    deadline = time.monotonic() + 1800
+    while time.monotonic() < deadline:
+        try:
+            os.kill(int(parent), 0)
+        except OSError:
+            break
+        publish(client, stream, [uuid.uuid4().bytes * 2 for _ in range(batch)])
+        time.sleep(0.01)
+    client.close()
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["fleet"]:
+    fleet(*sys.argv[2:5])

@@ -38,7 +38,7 @@ def wait_feed(eng: Engine, chunks: int, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         eng.connector.planner.sync_remote()
-        if eng.connector.planner.chain.resident(eng.connector.planner.remote) >= chunks:
+        if eng.connector.stats()["remote_known"] >= chunks:
             return
         time.sleep(0.02)
     raise AssertionError(f"presence feed saw {feed.entries} entries")
@@ -66,6 +66,7 @@ def test_engine_b_hits_engine_a_prefix_from_remote_bit_exact(redis_cluster, mode
         b.settle()
         st = b.connector.stats()
         assert st["remote_hits"] == 3 and st["sched_hit_tokens_disk"] == 12 * BS, st  # non-CPU hits
+        assert st["sched_remote_announced"] >= 3 and st["sched_remote_adopted"] == 3, st  # adopted when reached
         # the load itself, plus the promotion of the hit into the CPU tier (promote_on_hit)
         assert b.workers[0].connector.stats()["bytes_from_remote"] == 2 * 3 * CHUNK_BYTES
         assert b.verified_blocks - verified >= 12  # every loaded block checked against its token prefix
@@ -98,6 +99,7 @@ def test_a_chunk_evicted_by_redis_is_a_miss_and_recomputed(redis_cluster, model_
         b.settle()
         st = b.connector.stats()
         assert st["remote_vanished"] >= 1 and st["remote_failed_transfers"] == 0, st
+        assert st["remote_known"] < 2, st  # what a read found gone is never adopted again
         assert b.workers[0].connector.stats()["bytes_from_remote"] == 0
         assert st["inflight_jobs"] == 0 and st["pinned"] == 0
     finally:

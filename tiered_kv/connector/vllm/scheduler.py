@@ -170,7 +170,8 @@ class PlannerCounters:
     bytes_loaded: int = 0
     bytes_stored: int = 0
     promotions: int = 0  # disk hits moved to the CPU tier before loading (several groups)
-    remote_adopted: int = 0  # chunks the presence feed reported stored by the fleet
+    remote_announced: int = 0  # chunks the presence feed reported stored by the fleet
+    remote_adopted: int = 0  # of those, chunks a lookup reached (adopted into the chain then)
     stale_blocks_dropped: int = 0  # table entries vLLM re-allocated before a store read them
     chunks_not_storable: int = 0  # chunks skipped: a block a hit needs was already freed
     tail_stores: int = 0  # tail pieces offered to the store (full blocks after a prompt's last whole chunk)
@@ -206,6 +207,9 @@ class SchedulerPlanner:
         if self.remote is not None:
             specs.append(TierSpec("remote", 0, slotted=False, governed=True))
         self._presence = presence
+        # chunks the fleet stored in the remote tier, adopted into the chain only when a lookup reaches one:
+        # a set insert per announced chunk keeps the feed's cost off the scheduler thread's steps
+        self._remote_known: set[bytes] = set()
         write_policy = cfg.write_policy
         if disk_chunks and write_policy == "write_back" and any(g.kind in ("swa", "mamba") for g in geo.groups):
             # write-back makes a store wait for a demotion when the CPU tier is full, and vLLM re-uses
@@ -401,10 +405,14 @@ class SchedulerPlanner:
         for c in range(c0, c0 + usable):
             key = self._chunk_keys(st, c + 1)[c]
             e = index.get(key)
+            if e is None and key in self._remote_known:  # the fleet stored it: adopt it on first use
+                e = self._adopt_remote(key)
             best = None if e is None else e.best()
             if self._mamba:  # a chunk's record may exist with the state at its end, without it, or both
                 skey = self._state_key(st, c)
                 es = index.get(skey)
+                if es is None and skey in self._remote_known:
+                    es = self._adopt_remote(skey)
                 sbest = None if es is None else es.best()
                 if best is None or (sbest is not None and sbest <= best):
                     key, best = skey, sbest
@@ -890,6 +898,11 @@ class SchedulerPlanner:
         self._drain_finished()
 
     def _complete(self, job_id: int, rep: JobReport) -> None:
+        if self._remote_known and (any(rep.missing) or any(rep.corrupt)):
+            job = self.chain.job(job_id)
+            if job is not None and job.src_tier == self.remote:  # gone from Redis: never adopt it again
+                self._remote_known.difference_update(
+                    k for k, m, c in zip(job.keys, rep.missing or [False] * len(job), rep.corrupt) if m or c)
         kind_src = self._job_kind.pop(job_id, None)
         if kind_src is None:
             log.warning("TieredKVConnector: report for unknown job %d ignored", job_id)
@@ -959,14 +972,22 @@ class SchedulerPlanner:
 
     # ------------------------------------------------------------------ remote tier and KV events
     def sync_remote(self) -> None:
-        """Adopt the chunks the fleet stored in the remote tier and forget those it removed, as the presence feed
-        reported them since the last call (dictionary work: the feed did the network I/O on its own thread)."""
+        """Take what the presence feed reported since the last call: chunks the fleet stored in the remote tier
+        (remembered, adopted when a lookup reaches one) and removed (forgotten). Set work: the feed did the
+        network I/O on its own thread."""
         stored, removed = self._presence.take()
-        index = self.chain.index
-        jobs = self.chain.adopt(self.remote, [k for k in stored if k not in index])
-        jobs += self.chain.forget(self.remote, removed)
-        self.counters.remote_adopted += len(stored)
-        self._route(jobs)
+        known = self._remote_known
+        known.update(stored)
+        if removed:
+            known.difference_update(removed)
+            self._route(self.chain.forget(self.remote, removed))
+        self.counters.remote_announced += len(stored)
+
+    def _adopt_remote(self, key: bytes):
+        """Adopt one announced chunk as a copy in the remote tier; its index entry."""
+        self.counters.remote_adopted += 1
+        self._route(self.chain.adopt(self.remote, [key]))
+        return self.chain.index.get(key)
 
     def enable_events(self) -> None:
         """Record what each chunk this engine stores names in vLLM's terms, for ``take_events``."""
@@ -1041,6 +1062,7 @@ class SchedulerPlanner:
             "resident_cpu": c.resident(CPU),
             "resident_disk": c.resident(DISK) if c.num_tiers > 1 and c.specs[DISK].name == "disk" else 0,
             "resident_remote": c.resident(self.remote) if self.remote is not None else 0,
+            "remote_known": len(self._remote_known),
             "disk_gbps_estimate": round(self._disk_gbps, 3),
         })
         for i, tc in enumerate(c.tier_counters):
