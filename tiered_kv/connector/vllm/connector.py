@@ -186,7 +186,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker: WorkerRuntime | None = None
         self._prom_snapshot: dict = {}
         self._prom_at = 0.0
-        self._remote_client = self._presence = None
+        self._presence = None
         if role == KVConnectorRole.SCHEDULER:
             self._presence = self._open_presence()  # a wrong password or no cluster fails here, at start-up
             self.planner = SchedulerPlanner(self.cfg, self.geo, self.ns, cpu_chunks, disk_chunks,
@@ -214,10 +214,14 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             return None
         from tiered_kv.tiers.remote import ClusterClient, PresenceFeed, stream_key  # lazily: needs redis-py
 
-        self._remote_client = ClusterClient(settings)
+        client = ClusterClient(settings)  # checks the login now: a wrong password fails the engine's start
+        try:
+            feed = PresenceFeed.standalone(client, stream_key(settings.key_prefix, self.ns.prefix))
+        finally:
+            client.close()  # the scheduler keeps one connection, not the cluster map (see PresenceFeed)
         log.info("TieredKVConnector: remote tier on %s (remote_write=%s)", settings.describe()["url"],
                  self.cfg.remote_write)
-        return PresenceFeed(self._remote_client, stream_key(settings.key_prefix, self.ns.prefix))
+        return feed
 
     def _adoptable_keys(self, disk_chunks: int) -> list[bytes]:
         """Keys every rank's disk directory holds from a previous engine (read-only open)."""
@@ -423,7 +427,6 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker.close()
         if self._presence is not None:
             self._presence.close()
-            self._remote_client.close()
             self._presence = None
 
 

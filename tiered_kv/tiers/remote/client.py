@@ -74,6 +74,7 @@ class ClusterClient:
                                          f"within {settings.connect_timeout_s} s ({type(exc).__name__}: {text}). "
                                          f"Start the cluster, check remote_url and the firewall, or drop remote_url "
                                          f"to run without the remote tier") from None
+        self._node_kwargs = kwargs  # for node_connection (holds the password: never logged)
         self._lock = threading.Lock()
         self._down: dict[str, float] = {}  # node name -> monotonic time until which it is skipped
         self._stale = False
@@ -235,6 +236,14 @@ class ClusterClient:
             self._stale = True
             log.debug("remote tier: %s", exc)
             return default
+
+    def node_connection(self, key: bytes):
+        """A plain ``redis.Redis`` to the master that owns ``key``'s slot now (same login and timeouts): for one
+        long-lived reader (the presence feed) in a process that should not keep the whole cluster map."""
+        import redis  # noqa: PLC0415
+
+        node = self.rc.get_node_from_key(key)
+        return redis.Redis(host=node.host, port=node.port, **self._node_kwargs)
 
     def nodes(self) -> list[str]:
         """``host:port`` of every master the client knows."""

@@ -24,7 +24,9 @@ import logging
 import threading
 from collections.abc import Sequence
 
+from tiered_kv.errors import TieredKVError
 from tiered_kv.tiers.remote.client import ClusterClient
+from tiered_kv.tiers.remote.settings import RemoteSettings
 
 log = logging.getLogger(__name__)
 
@@ -47,13 +49,22 @@ def publish(client: ClusterClient, stream: bytes, stored: Sequence[bytes] = (), 
 
 
 class PresenceFeed:
-    """Tails one namespace's presence stream on a daemon thread; ``take()`` hands over what arrived."""
+    """Tails one namespace's presence stream on a daemon thread; ``take()`` hands over what arrived.
 
-    def __init__(self, client: ClusterClient, stream: bytes, block_ms: int = 500, batch: int = 1000) -> None:
+    With a ``ClusterClient`` it reads through it (``TieredStore``, which has one for its data anyway).
+    ``PresenceFeed.standalone`` keeps only one plain connection to the stream's node and finds that node
+    again after a failure: what vLLM's scheduler process uses, where the cluster client's slot map (some
+    20,000 objects) would make every collection of Python's garbage collector, and so every step, slower.
+    """
+
+    def __init__(self, client: ClusterClient | None, stream: bytes, block_ms: int = 500, batch: int = 1000,
+                 settings: RemoteSettings | None = None, node=None) -> None:
         self.client = client
+        self.settings = client.settings if client is not None else settings
+        self._node = node  # standalone: a redis.Redis to the stream's node (None: find it)
         self.stream = stream
         # the blocking read must end before the socket's own timeout would cut it
-        self.block_ms = max(10, min(block_ms, int(client.settings.op_timeout_s * 1000 / 2)))
+        self.block_ms = max(10, min(block_ms, int(self.settings.op_timeout_s * 1000 / 2)))
         self.batch = batch
         self._lock = threading.Lock()
         self._stored: list[bytes] = []
@@ -78,12 +89,39 @@ class PresenceFeed:
         """Whether ``take`` has anything (a cheap check for a hot path)."""
         return bool(self._stored or self._removed)
 
+    @classmethod
+    def standalone(cls, client: ClusterClient, stream: bytes, **kw) -> "PresenceFeed":
+        """A feed holding one plain connection to ``stream``'s node (found through ``client``, which the caller
+        may close right after)."""
+        return cls(None, stream, settings=client.settings, node=client.node_connection(stream), **kw)
+
+    def _read(self, block: int | None):
+        """One ``XREAD`` from the last id; False when the stream's node could not answer."""
+        if self.client is not None:
+            return self.client.call(lambda rc: rc.xread({self.stream: self._last}, count=self.batch, block=block),
+                                    default=False)
+        from redis.exceptions import RedisError  # noqa: PLC0415
+
+        try:
+            if self._node is None:  # the stream's node failed or moved: find it again
+                finder = ClusterClient(self.settings)
+                try:
+                    self._node = finder.node_connection(self.stream)
+                finally:
+                    finder.close()
+            return self._node.xread({self.stream: self._last}, count=self.batch, block=block)
+        except (RedisError, OSError, TieredKVError) as exc:
+            log.info("remote tier: presence feed: %s; retrying", exc)
+            if self._node is not None:
+                self._node.close()
+            self._node = None
+            return False
+
     def _run(self) -> None:
-        retry = self.client.settings.retry_after_s
+        retry = self.settings.retry_after_s
         while not self._stop.is_set():
             block = self.block_ms if self.caught_up.is_set() else None
-            res = self.client.call(lambda rc: rc.xread({self.stream: self._last}, count=self.batch, block=block),
-                                   default=False)
+            res = self._read(block)
             if res is False:  # the stream's node is down or slow: try again later
                 self._stop.wait(retry)
                 continue
@@ -107,4 +145,6 @@ class PresenceFeed:
     def close(self) -> None:
         """Stop the thread (returns within one blocking read). Idempotent."""
         self._stop.set()
-        self._thread.join(timeout=self.block_ms / 1000 + self.client.settings.op_timeout_s + 1)
+        self._thread.join(timeout=self.block_ms / 1000 + self.settings.op_timeout_s + 1)
+        if self._node is not None and not self._thread.is_alive():
+            self._node.close()
