@@ -412,6 +412,39 @@ def test_preemption_with_stores_in_flight_leaks_nothing(model_dir, async_sched):
         eng.close()
 
 
+@pytest.mark.parametrize("async_sched", [False, True], ids=["sync", "async"])
+def test_store_in_flight_at_preemption_is_fenced_and_stored_bytes_are_exact(model_dir, async_sched, monkeypatch):
+    """A preempted request's blocks can be re-allocated in the very step it is preempted: its store still in
+    flight is fenced then (the planner publishes its blocks on ``preempted_req_ids``), so what the store
+    copied is the prompt's KV; a later request loads it and every loaded block is checked byte for byte."""
+    import tiered_kv.connector.vllm.worker as worker
+
+    monkeypatch.setattr(worker, "FENCE_PATIENCE_S", 1.0)  # a fenced store is waited for, not cancelled
+    eng = Engine.create(model_dir, cfg(), num_blocks=24, async_sched=async_sched)
+    gate = Gate(eng.workers[0].connector.worker, open_on_fence=True)  # stores stay in flight until fenced
+    try:
+        p1 = eng.add("p1", prompt(7, 160), max_tokens=100)
+        p2 = eng.add("p2", prompt(8, 160), max_tokens=100)
+        eng.run(max_steps=3000)
+        gate.open()
+        eng.settle()
+        assert p1.num_preemptions + p2.num_preemptions >= 1 and gate.fenced
+        assert eng.sched.reset_prefix_cache()
+        verified = eng.verified_blocks
+        hits = eng.connector.stats()["sched_hit_tokens_cpu"]  # a resumed victim may have loaded its own chunks
+        for i, p in enumerate((p1, p2)):
+            eng.add(f"again{i}", list(p.prompt_token_ids) + prompt(30 + i, 20), max_tokens=1)
+        eng.run()
+        eng.settle()
+        hits = eng.connector.stats()["sched_hit_tokens_cpu"] - hits
+        assert hits == 2 * 10 * BS  # 2 chunks + a 2-block tail each
+        assert eng.verified_blocks - verified >= 2 * 10
+        assert_no_leaks(eng)
+    finally:
+        gate.open()
+        eng.close()
+
+
 def test_on_finish_stores_serve_the_next_turn(model_dir):
     eng = Engine.create(model_dir, cfg(store_policy="on_finish"))
     try:

@@ -53,6 +53,7 @@ class ConnectorConfig:
     promote_on_hit: bool = True
     store_policy: str = "eager"
     store_decode_tokens: bool = False
+    tail_chunks: bool = True
     min_hit_blocks: int = 1
     load_mode: str = "layerwise"
     sync_max_tokens: int = 65536
@@ -98,7 +99,8 @@ class ConnectorConfig:
         _choice(self.swa_store, "swa_store", SWA_STORES)
         _choice(self.disk_budget, "disk_budget", ("namespace", "shared"))
         _int(self.disk_weight, "disk_weight", 1, 1 << 20)
-        for key in ("promote_on_hit", "store_decode_tokens", "disk_sync", "cross_layer_blocks", "mla_store_once"):
+        for key in ("promote_on_hit", "store_decode_tokens", "disk_sync", "cross_layer_blocks", "mla_store_once",
+                    "tail_chunks"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"{key}: expected true or false, got {getattr(self, key)!r}")
         _int(self.min_hit_blocks, "min_hit_blocks", 1)
