@@ -38,7 +38,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 from sglang.srt.mem_cache.pool_host.base import HostKVCache
 
-from tiered_kv.store.config import StoreConfig
+from tiered_kv.store.config import REMOTE_KEYS, StoreConfig
 from tiered_kv.errors import ConfigError, InvalidInputError, StoreClosedError
 from tiered_kv.values.keys import Namespace
 from tiered_kv.planner.radix import RadixIndex
@@ -99,6 +99,7 @@ class TieredHiCacheStorage(HiCacheStorage):
             "compression": o.compression, "disk_sync": o.disk_sync, "disk_workers": o.disk_workers,
             "eviction": o.eviction, "write_policy": "write_through", "promote_on_hit": True,
             "namespace_extra": extras,
+            **{k: getattr(o, k) for k in REMOTE_KEYS},  # the Redis Cluster shared by the fleet, if any
             # one writer per directory: a reader rank never writes or deletes there (damaged records aside)
             "disk_role": "reader" if self.scope.is_mla and not self.scope.is_writer else "writer",
         })

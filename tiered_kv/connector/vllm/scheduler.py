@@ -979,10 +979,11 @@ class SchedulerPlanner:
         req, m, chunk = st.request, self._hashes_per_chunk, self.chunk
         hashes, tokens = req.block_hashes, req.all_token_ids
         keys = st.keys
+        lora = req.lora_request.lora_int_id if req.lora_request is not None else None
         for c in range(c0, c1):
             self._event_meta[key if key is not None else keys[c]] = (
-                list(hashes[c * m:(c + 1) * m]), hashes[c * m - 1] if c else None, list(tokens[c * chunk:(c + 1) * chunk]),
-                req.lora_request.lora_int_id if req.lora_request is not None else None)
+                list(hashes[c * m:(c + 1) * m]), hashes[c * m - 1] if c else None,
+                list(tokens[c * chunk:(c + 1) * chunk]), lora)
 
     def take_events(self) -> list[tuple[bool, str, tuple]]:
         """``(stored, tier name, event metadata)`` for every chunk this engine stored that landed in or left a tier
