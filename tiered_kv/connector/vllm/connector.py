@@ -82,7 +82,7 @@ class TieredKVWorkerMeta(KVConnectorWorkerMetadata):
             mine = self.reports.get(job_id)
             if mine is None:
                 self.reports[job_id] = JobReport(rep.count, list(rep.ok), list(rep.corrupt), rep.nbytes, rep.seconds,
-                                                 list(rep.missing))
+                                                 list(rep.missing), list(rep.evicted))
             else:
                 mine.merge(rep)
         return self

@@ -118,6 +118,7 @@ class JobReport:
     nbytes: int = 0
     seconds: float = 0.0
     missing: list[bool] = field(default_factory=list)  # the source tier no longer holds the record (any rank)
+    evicted: list[bytes] = field(default_factory=list)  # records a shared disk directory dropped for room (any rank)
 
     def merge(self, other: "JobReport") -> None:
         """Fold another rank's report of the same job into this one."""
@@ -128,6 +129,9 @@ class JobReport:
             self.missing = [a or b for a, b in zip(self.missing or [False] * len(other.missing), other.missing)]
         self.nbytes += other.nbytes
         self.seconds = max(self.seconds, other.seconds)
+        if other.evicted:
+            seen = set(self.evicted)
+            self.evicted += [k for k in other.evicted if k not in seen]
 
 
 @dataclass
@@ -914,7 +918,7 @@ class SchedulerPlanner:
         else:
             log.debug("job %d (%s) done: %d items, %d bytes", job_id, kind.name, len(rep.ok), rep.nbytes)
         self._route(self.chain.complete(Completion(job_id, rep.ok, rep.corrupt, rep.nbytes, rep.seconds,
-                                                   missing=rep.missing)))
+                                                   missing=rep.missing, evicted=rep.evicted)))
 
     # ------------------------------------------------------------------ lifecycle
     def finished(self, request, block_ids) -> None:
