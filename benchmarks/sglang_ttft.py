@@ -39,8 +39,8 @@ Usage (GPU machine, SGLang importable, tiered_kv on PYTHONPATH; scripts/gpu/sgla
   PYTHONPATH=/tmp/sglang-site:. python3 benchmarks/sglang_ttft.py --modes restart,mla-tiered,mla-none --tag mla
   python3 benchmarks/sglang_ttft.py --dry-run      # CPU: engine arguments, pool sizes, bytes per page/turn
 ``--deadline-s`` stops starting modes that would not finish in time (each is skipped and says so);
-``--mode-timeout-s`` kills a hung engine. JSON to --out (docs/results/sglang_ttft_<tag>.json by
-default; the JSON also lands in $OUT when that is set, for the device tool).
+``--mode-timeout-s`` kills a hung engine. JSON to --out (default
+docs/results/sglang_ttft_<tag>_<date>_<device>.json; also in $OUT when that is set, for the device tool).
 """
 from __future__ import annotations
 
@@ -48,6 +48,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import statistics
@@ -490,8 +491,9 @@ def main() -> None:
     """Command line (see the module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated, of {', '.join(MODES)}")
-    ap.add_argument("--tag", default="llama", help="result name: sglang_ttft_<tag>.json")
-    ap.add_argument("--out", default=None, help="JSON path (default docs/results/sglang_ttft_<tag>.json)")
+    ap.add_argument("--tag", default="llama", help="result name: sglang_ttft_<tag>_<date>_<device>.json")
+    ap.add_argument("--out", default=None,
+                    help="JSON path (default docs/results/sglang_ttft_<tag>_<date>_<device>.json)")
     ap.add_argument("--deadline-s", type=float, default=560.0, help="start no mode that would end after this")
     ap.add_argument("--first-mode-s", type=float, default=90.0, help="time a mode is assumed to need before one ran")
     ap.add_argument("--mode-timeout-s", type=float, default=300.0, help="kill an engine process after this")
@@ -536,7 +538,9 @@ def main() -> None:
     text = table(session)
     print(text, flush=True)
     session["table"] = text
-    path = a.out or os.path.join("docs", "results", f"sglang_ttft_{a.tag}.json")
+    dev = session["device"].lower()
+    short = next((k for k in ("h100", "h200", "a100", "b200") if k in dev), re.sub(r"[^a-z0-9]+", "-", dev)[:16])
+    path = a.out or os.path.join("docs", "results", f"sglang_ttft_{a.tag}_{time.strftime('%Y-%m-%d')}_{short}.json")
     for p in [path] + ([os.path.join(os.environ["OUT"], os.path.basename(path))] if os.environ.get("OUT") else []):
         os.makedirs(os.path.dirname(p) or ".", exist_ok=True)
         with open(p, "w") as f:
