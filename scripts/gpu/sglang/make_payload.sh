@@ -5,8 +5,8 @@
 #                                                            git-ignored via .git/info/exclude /.carry-*/)
 # Output: OUTDIR/p0/sgl_part_0 (.. pN) + sgl_payload.sha256 in the last folder, parts <= 55 MiB. Without
 # FlashAttention-3 (the default, WITH_FA3=0) it is one part of ~43 MiB (2026-11-23: 45,495,424 bytes; 252 MB
-# unpacked): carry OUTDIR/p0 in ONE device call together with the install (scripts/gpu/sglang/README.md). WITH_FA3=1 keeps sgl_kernel's FA3 (flash_ops,
-# 1.1 GB unpacked) and needs 3 parts, one device call each, back to back.
+# unpacked): carry OUTDIR/p0 in ONE device call together with the install (scripts/gpu/sglang/README.md).
+# WITH_FA3=1 keeps sgl_kernel's FA3 (flash_ops, 1.1 GB unpacked) and needs 3 parts, one device call each.
 #
 # Why SGLang 0.5.17: the newest release pinned to the GPU image's torch 2.11.0 (0.5.18+ pin torch 2.13+).
 # What is carried and why (found by import probing the engine path, the CUDA branches included, against the
