@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Scheduler-side cost of TieredKVConnector vs no connector vs vLLM's OffloadingConnector.
+# Scheduler-side cost of TieredKVConnector vs no connector vs vLLM's OffloadingConnector, and the
+# floor: benchmarks/probes/null_connector.py's NullConnector (answers every hook with nothing), i.e.
+# what vLLM's connector plumbing alone costs.
 #
 # Runs ../shared/tools/sched_overhead.py (vLLM's real Scheduler, 64 requests x 8,192-token
 # prompts, 32 output tokens, CPU only) for each mode, alternating modes, REPS times, and
@@ -18,11 +20,12 @@ TOOL="${SCHED_OVERHEAD_TOOL:-../shared/tools/sched_overhead.py}"
 [ -f "$TOOL" ] || TOOL=/work/shared/tools/sched_overhead.py
 OUT="${OUT:-bench_out}/sched_overhead_$(date -u +%Y%m%dT%H%M%SZ).jsonl"
 mkdir -p "$(dirname "$OUT")"
-MODES=(none offloading tiered_kv.connector.vllm:TieredKVConnector)
+MODES=(${SCHED_MODES:-none benchmarks.probes.null_connector:NullConnector offloading tiered_kv.connector.vllm:TieredKVConnector})
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's tiered_kv and benchmarks/, not an installed copy
 if [ -n "${TKV_REMOTE_URL:-}" ]; then
   MODES+=(benchmarks.remote_sched_mode:ExtraFromEnvConnector)
   export TKV_EXTRA="{\"remote_url\": \"$TKV_REMOTE_URL\", \"remote_password_env\": \"${TKV_REMOTE_PASSWORD_ENV:-}\"}"
-  export TKV_FLEET_KEYS_PER_S="${TKV_FLEET_KEYS_PER_S:-1000}" PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  export TKV_FLEET_KEYS_PER_S="${TKV_FLEET_KEYS_PER_S:-1000}"
 fi
 echo "# $(date -u +%FT%TZ) host=$(hostname) cpus=$(nproc) python=$PY reps=$REPS" | tee "$OUT.log"
 for rep in $(seq 1 "$REPS"); do
@@ -38,9 +41,18 @@ by = {}
 for r in rows:
     by.setdefault(r["mode"], []).append(r["us_per_step"])
 base = statistics.median(by["none"])
-print(f"| mode | runs (us/step) | median us/step | vs none |")
-print(f"|---|---|---|---|")
+null = [m for m in by if m.endswith(":NullConnector")]
+floor = statistics.median(by[null[0]]) if null else None
+print(f"| mode | runs (us/step) | median us/step | vs none | vs NullConnector |")
+print(f"|---|---|---|---|---|")
 for mode, xs in by.items():
     med = statistics.median(xs)
-    print(f"| `{mode}` | {', '.join(f'{x:.0f}' for x in xs)} | {med:.0f} | {100 * (med / base - 1):+.0f}% |")
+    vs_null = f"{100 * (med / floor - 1):+.1f}%" if floor else "-"
+    print(f"| `{mode}` | {', '.join(f'{x:.0f}' for x in xs)} | {med:.0f} | {100 * (med / base - 1):+.1f}% | {vs_null} |")
+# paired: each rep's modes ran back to back, so a per-rep ratio cancels the box's slow drifts
+reps = min(len(xs) for xs in by.values())
+for mode in by:
+    if mode != "none":
+        ratios = sorted(by[mode][i] / by["none"][i] for i in range(reps))
+        print(f"paired median {mode} / none: {100 * (statistics.median(ratios) - 1):+.1f}%")
 EOF

@@ -33,5 +33,15 @@ class TransferTimeout(TieredKVError, TimeoutError):
     """A handle's wait() ran past its timeout; the transfer keeps running."""
 
 
+class DamagedIndexError(ConfigError):
+    """A disk tier's LMDB index failed its integrity check. ``path`` names the directory, ``reason`` the
+    finding; ``TieredStore`` moves such a directory aside and runs without its disk tier."""
+
+    def __init__(self, message: str, path: str = "", reason: str = "") -> None:
+        super().__init__(message)
+        self.path = path
+        self.reason = reason
+
+
 class RemoteUnavailableError(TieredKVError, ConnectionError):
     """The remote tier's cluster could not be reached at start-up (later failures are misses, never this)."""

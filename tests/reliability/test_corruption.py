@@ -31,7 +31,9 @@ import torch
 
 from tests.reliability._common import (NBYTES, SHAPE, TORCH_DTYPE, blocks_of, child_env, disk_config, key_of,
                                        matches, pick, slot_accounting, worker_cmd)
-from tiered_kv.errors import TieredKVError
+from tiered_kv.errors import DamagedIndexError, TieredKVError
+from tiered_kv.tiers.disk import DiskTier
+from tiered_kv.values.layout import BlockLayout
 from tiered_kv.values.record import RecordHeader
 from tiered_kv.store.tiered_store import TieredStore
 
@@ -211,13 +213,13 @@ def _prepare_trials(tmp_path, n_trials, seed, kinds=("flip", "zero")) -> tuple[o
     return root, what
 
 
-def _run_trials(root, n_trials) -> dict[int, str]:
+def _run_trials(root, n_trials, cpu_bytes=0) -> dict[int, str]:
     """Run damage_trials children until every trial has a verdict; a trial that kills its child gets 'CRASH'."""
     verdicts: dict[int, str] = {}
     first = 0
     while first < n_trials:
         try:
-            r = subprocess.run(worker_cmd("damage_trials", root, first, n_trials, N), capture_output=True,
+            r = subprocess.run(worker_cmd("damage_trials", root, first, n_trials, N, cpu_bytes), capture_output=True,
                                env=child_env(), timeout=120)
             rc, out = r.returncode, r.stdout.decode()
         except subprocess.TimeoutExpired as exc:
@@ -263,16 +265,27 @@ def test_random_lmdb_page_damage_never_serves_wrong_bytes(tmp_path):
     assert outcomes["served_ok"] > 0, "no trial opened: the sweep tested nothing"
 
 
-def test_zeroed_lmdb_meta_pages_raise_typed_error(tmp_path):
-    """Both meta pages zeroed: LMDB cannot open the file. Promise: a TieredKVError naming the path."""
+def test_zeroed_lmdb_meta_pages_quarantine_the_directory_and_the_store_serves_on(tmp_path, caplog):
+    """Both meta pages zeroed: LMDB cannot open the file. Promise: the store opens without its disk tier,
+    says so loudly, moves the directory aside; a disk tier opened directly raises a typed error."""
     path = tmp_path / "kv"
-    _fill(path)
+    keys = _fill(path)
     data_mdb = path / "index" / "data.mdb"
     with open(data_mdb, "r+b") as f:
         f.write(bytes(2 * PAGE))
-    with pytest.raises(Exception) as info:
-        TieredStore(disk_config(path, disk_bytes=4 << 20))
+    with pytest.raises(DamagedIndexError) as info:
+        DiskTier(BlockLayout(SHAPE, "bfloat16"), path, 4 << 20)
     _expect_typed(info.value, path)
+    with TieredStore(disk_config(path, disk_bytes=4 << 20, cpu_bytes=1 << 20)) as store:
+        q = store.stats()["disk_quarantined"]
+        assert q is not None and q["path"] == str(path) and "disk" not in store.stats()["tiers"]
+        assert any("DISK TIER OFF" in r.message for r in caplog.records)
+        assert os.path.isdir(q["moved_to"]) and not path.exists()
+        assert _get_one(store, keys[0]) is None  # nothing served from the damaged index
+        fresh = [key_of(i, b"fresh") for i in range(3)]
+        assert all(store.put(fresh, blocks_of(fresh)).wait(30)) and matches(fresh[0], _get_one(store, fresh[0]))
+    with TieredStore(disk_config(path, disk_bytes=4 << 20)) as again:  # the next open starts an empty directory
+        assert again.stats()["disk_quarantined"] is None and again.lookup(keys) == 0
 
 
 def _expect_typed(exc, path):
@@ -289,3 +302,107 @@ def test_truncated_lmdb_data_file_does_not_kill_the_process(tmp_path):
     verdicts = _run_trials(tmp_path / "trials", 1)
     print(f"truncated data.mdb ({len(data)} -> {3 * PAGE} bytes): {verdicts}")
     assert verdicts[0].startswith(("READ", "OPEN typed")), verdicts[0]
+
+
+def _damage_at(data: bytes, kind: str, off: int, rng: random.Random) -> bytes:
+    """``data`` with the 4 KiB page holding ``off`` zeroed, 64 random bytes written at ``off``, or cut at ``off``."""
+    out = bytearray(data)
+    if kind == "zero":
+        pg = off // PAGE
+        out[pg * PAGE:(pg + 1) * PAGE] = bytes(PAGE)
+    elif kind == "random":
+        out[off:off + 64] = rng.randbytes(64)
+    else:
+        out = out[:off]
+    return bytes(out)
+
+
+def test_lmdb_damage_at_many_offsets_never_kills_the_process_and_serves_on_without_disk(tmp_path):
+    """Issue 17, shows 3: zeroed pages, random bytes and a truncated file at 20+ offsets of ``data.mdb``.
+
+    Every trial runs in one child process that opens a store with a CPU tier over the damaged directory,
+    reads every block back and round-trips new blocks. Promise: the child never dies; damage the
+    integrity walk finds is reported (directory quarantined, ``disk_quarantined`` in stats) and the store
+    serves on from the CPU tier; records whose ownership entries are damaged are dropped and counted
+    (``corrupt_dropped``); every other block reads back bit-exact. No block goes missing unreported.
+    """
+    base = tmp_path / "orig"
+    _fill(base)
+    data = (base / "index" / "data.mdb").read_bytes()
+    used = len(data) // PAGE
+    rng = random.Random(17)
+    offsets = sorted({pg * PAGE + d for pg in range(used) for d in (0, 16, PAGE // 2)})
+    offsets = offsets if len(offsets) <= 24 else sorted(rng.sample(offsets, 24))
+    offsets = offsets + [PAGE * 2 + 8] if len(offsets) < 20 else offsets
+    root = tmp_path / "trials"
+    root.mkdir()
+    what = []
+    for kind in ("zero", "random", "truncate"):
+        for off in offsets:
+            if kind == "truncate" and off == 0:
+                off = 1
+            d = root / str(len(what))
+            shutil.copytree(base, d)
+            (d / "index" / "data.mdb").write_bytes(_damage_at(data, kind, off, rng))
+            what.append(f"{kind}@{off}")
+    verdicts = _run_trials(root, len(what), cpu_bytes=1 << 20)
+    tally = {"quarantined": 0, "all_served": 0, "crashed": 0, "wrong": 0, "get_errors": 0, "not_serving": 0,
+             "unreported": 0}
+    for i, w in enumerate(what):
+        v = verdicts.get(i, "CRASH (no verdict)")
+        print(f"trial {i:3d} {w:>16}: {v[:150]}")
+        if not v.startswith("READ "):
+            tally["crashed"] += 1
+            continue
+        d = json.loads(v[5:])
+        tally["quarantined"] += d["quarantined"]
+        tally["all_served"] += d["served"] == N
+        tally["wrong"] += d["wrong"]
+        tally["get_errors"] += d["get_errors"]
+        tally["not_serving"] += not d.get("after_ok", False)
+        tally["unreported"] += d["missing"] > 0 and not d["quarantined"] and d["corrupt_dropped"] < d["missing"]
+    print(f"LMDB damage at {len(offsets)} offsets x 3 kinds ({len(what)} trials, {used} pages): {tally}")
+    assert len(offsets) >= 20
+    assert tally["crashed"] == 0, "a damaged index killed (or was refused by) the process"
+    assert tally["wrong"] == 0 and tally["get_errors"] == 0
+    assert tally["not_serving"] == 0, "the store stopped serving new blocks after finding damage"
+    assert tally["quarantined"] >= len(offsets), "the walk found too little: every truncation alone is damage"
+    assert tally["unreported"] == 0, "a block went missing without the damage being reported"
+
+
+def test_inspect_reports_damage_and_repair_rebuilds_the_index_from_what_verifies(tmp_path, capsys):
+    """``tiered-kv inspect`` says DAMAGED (exit 1) without dying; ``tiered-kv repair`` rebuilds the index from
+    the records whose header, owner entry and payload checksum still verify, else starts empty. After it
+    the directory is healthy and a store serves the salvaged blocks bit-exact and nothing else."""
+    from tiered_kv.cli.main import main as cli
+
+    base = tmp_path / "orig"
+    keys = _fill(base)
+    data = (base / "index" / "data.mdb").read_bytes()
+    pages = len(data) // PAGE
+    rng = random.Random(5)
+    salvaged_total = 0
+    trials = [("zero", pg * PAGE) for pg in range(2, pages, max(1, pages // 6))] + [("truncate", 3 * PAGE + 100)]
+    checked = 0
+    for n, (kind, off) in enumerate(trials):
+        d = tmp_path / f"t{n}"
+        shutil.copytree(base, d)
+        (d / "index" / "data.mdb").write_bytes(_damage_at(data, kind, off, rng))
+        if cli(["inspect", str(d)]) != 1:
+            continue  # this page held nothing the walk needs (free space): not a damage case
+        checked += 1
+        assert "DAMAGED" in capsys.readouterr().out
+        assert cli(["repair", str(d), "--json"]) == 0
+        summary = json.loads(capsys.readouterr().out)
+        # rebuilt: healthy; started fresh: an empty directory (no index until a store opens it)
+        assert cli(["inspect", str(d)]) == (2 if summary["fresh"] else 0), f"{kind}@{off}: still damaged"
+        capsys.readouterr()
+        with TieredStore(disk_config(d, disk_bytes=4 << 20)) as store:
+            assert store.stats()["disk_quarantined"] is None
+            served = [k for k in keys if (b := _get_one(store, k)) is not None and (matches(k, b) or 1 / 0)]
+        assert len(served) == summary["salvaged"], (kind, off, summary, len(served))
+        salvaged_total += summary["salvaged"]
+        with capsys.disabled():
+            print(f"{kind}@{off}: {summary['salvaged']} salvaged, {summary['dropped']} dropped, "
+                  f"fresh={summary['fresh']}")
+    assert checked >= 3 and salvaged_total > 0

@@ -125,6 +125,34 @@ def test_two_namespaces_with_identical_tokens_never_share_blocks(tmp_path, a, b)
         assert sa2.get(ka, out).wait(30) == 4 and torch.equal(out.view(torch.int16), blocks_of(ka).view(torch.int16))
 
 
+@pytest.mark.parametrize("budget", ["namespace", "shared"])
+def test_another_namespaces_keys_are_refused_and_its_records_never_read(tmp_path, budget):
+    """Issue 17: given the raw key bytes of another namespace on the same directory, a store refuses them
+    (InvalidInputError naming the namespace); opaque keys another namespace wrote are a miss and a put of
+    them is refused (False), so no record is ever shared or overwritten across namespaces."""
+    from tiered_kv.errors import InvalidInputError
+
+    path = tmp_path / "kv"
+    tokens = list(range(2000, 2000 + 16 * 3))
+    opaque = [key_of(i, b"opaque") for i in range(3)]
+    with TieredStore(disk_config(path, disk_bytes=1 << 20, model="alpha", disk_budget=budget)) as a:
+        ka = a.keys_for_tokens(tokens)
+        assert all(a.put_tokens(tokens, blocks_of(ka)).wait(30)) and all(a.put(opaque, blocks_of(opaque)).wait(30))
+        with TieredStore(disk_config(path, disk_bytes=1 << 20, model="beta", disk_budget=budget)) as b:
+            out = torch.empty((3, *SHAPE), dtype=TORCH_DTYPE)
+            for call in (lambda: b.get(ka, out), lambda: b.contains(ka), lambda: b.put(ka, blocks_of(ka)),
+                         lambda: b.lookup(ka[:1]), lambda: b.delete(ka)):
+                with pytest.raises(InvalidInputError, match="namespace"):
+                    call()
+            assert b.get(opaque, out).wait(30) == 0 and b.contains(opaque) == [False] * 3
+            assert b.put(opaque, torch.zeros((3, *SHAPE), dtype=TORCH_DTYPE)).wait(30) == [False] * 3
+            assert b.drain(30) and b.lookup(opaque) == 0
+        out = torch.empty((3, *SHAPE), dtype=TORCH_DTYPE)
+        same = lambda ks: torch.equal(out.view(torch.int16), blocks_of(ks).view(torch.int16))  # noqa: E731
+        assert a.get(opaque, out).wait(30) == 3 and same(opaque)
+        assert a.get(ka, out).wait(30) == 3 and same(ka)
+
+
 def test_dotdot_and_symlinked_disk_paths_are_refused(tmp_path):
     outside = tmp_path / "outside"
     outside.mkdir()

@@ -1,4 +1,4 @@
-"""The ``tiered-kv`` command line: ``demo``, ``inspect PATH``, ``bench``.
+"""The ``tiered-kv`` command line: ``demo``, ``inspect PATH``, ``repair PATH``, ``bench``.
 
 Threading contract: a command-line entry point; runs on the main thread.
 """
@@ -72,11 +72,23 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from tiered_kv.errors import ConfigError
     from tiered_kv.values.layout import BlockLayout
-    from tiered_kv.tiers.disk import DiskTier
+    from tiered_kv.tiers.disk import DiskTier, check_index
 
     con = Console()
+    idx = Path(args.path) / "index"
+    if (idx / "data.mdb").exists():
+        report = check_index(idx)  # in a child process: a damaged index must not take this one down
+        if not report["ok"]:
+            if args.json:
+                print(json.dumps({"path": args.path, "damaged": True, "error": report["error"]}, indent=2))
+            else:
+                con.print(f"[red]DAMAGED: {args.path}: {report['error']}")
+                con.print(f"salvage what can be read with: tiered-kv repair {args.path}")
+            return 1
     try:
         tier = DiskTier(BlockLayout((1,), "uint8"), args.path, 0, readonly=True)
     except (ConfigError, OSError) as exc:
@@ -87,7 +99,7 @@ def _inspect(args: argparse.Namespace) -> int:
     finally:
         tier.close()
     if args.json:
-        print(json.dumps(info, indent=2))
+        print(json.dumps(dict(info, damaged=False), indent=2))
         return 0
     table = Table(title=f"disk tier {info['path']}")
     table.add_column("field")
@@ -99,8 +111,37 @@ def _inspect(args: argparse.Namespace) -> int:
     con.print(table)
     for fp, count in info["layouts"].items():
         con.print(f"layout {fp}: {count} blocks")
+    budget = info["budget"]
+    if budget["mode"]:
+        shared = budget["mode"] == "shared"
+        con.print(f"budget: {budget['mode']}" + (f", {budget['budget_slots']} slots shared" if shared
+                                                  else " (each namespace its own quota)"))
+        for ns, sp in budget["spaces"].items():
+            con.print(f"  namespace {ns}: {sp['used_slots']} slots used, quota {sp['quota_slots']}, weight "
+                      f"{sp['weight']}, {sp['evictions']} evicted")
     healthy = info["bad_headers"] == 0 and info["pending_claims"] == 0
     con.print("[green]healthy" if healthy else "[yellow]damaged headers or pending claims (a reopen repairs them)")
+    return 0
+
+
+def _repair(args: argparse.Namespace) -> int:
+    from tiered_kv.errors import ConfigError
+    from tiered_kv.tiers.disk.repair import repair
+
+    con = Console()
+    try:
+        out = repair(args.path)
+    except (ConfigError, OSError) as exc:
+        con.print(f"[red]cannot repair {args.path}: {exc}")
+        return 2
+    if args.json:
+        print(json.dumps(out, indent=2))
+    elif out["fresh"]:
+        con.print(f"[yellow]{args.path}: nothing salvageable (no readable format record); started empty; moved "
+                  f"aside: {', '.join(out['moved'])}")
+    else:
+        con.print(f"[green]{args.path}: index rebuilt with {out['salvaged']} verified records "
+                  f"({out['dropped']} dropped); old index moved to {out['moved'][0]}")
     return 0
 
 
@@ -113,7 +154,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``tiered-kv`` command."""
-    ap = argparse.ArgumentParser(prog="tiered-kv", description="tiered KV-cache store: demo, inspect, bench")
+    ap = argparse.ArgumentParser(prog="tiered-kv", description="tiered KV-cache store: demo, inspect, repair, bench")
     sub = ap.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="put -> cascade to disk -> get back, with a summary table")
     d.add_argument("--blocks", type=int, default=256)
@@ -121,12 +162,15 @@ def main(argv: list[str] | None = None) -> int:
     i = sub.add_parser("inspect", help="open a disk tier read-only and show blocks, bytes, layouts, health")
     i.add_argument("path")
     i.add_argument("--json", action="store_true")
+    r = sub.add_parser("repair", help="rebuild a damaged disk tier's index from the records that still verify")
+    r.add_argument("path")
+    r.add_argument("--json", action="store_true")
     b = sub.add_parser("bench", help="CPU <-> disk benchmark against raw O_DIRECT on the same disk")
     b.add_argument("--dir", default=None)
     b.add_argument("--total-mib", type=int, default=512)
     b.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "disk_bench.json"))
     args = ap.parse_args(argv)
-    return {"demo": _demo, "inspect": _inspect, "bench": _bench}[args.cmd](args)
+    return {"demo": _demo, "inspect": _inspect, "repair": _repair, "bench": _bench}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ each side as one of two things, and that, not the tier's class, decides how byte
 So rows to rows is one batched ``copy_rows``; keyed to rows reads straight into the destination
 rows when they are in host memory (staged through host memory when they are on the GPU); rows to
 keyed hands the source rows to the tier (gathered to host memory first when on the GPU); keyed to
-keyed stages through page-aligned host rows. A new keyed tier needs no change here.
+keyed stages through page-aligned host rows. A new keyed tier needs no change here. Writes go through
+``write_ex``, so the keys a governed tier evicted to make room ride back in ``Completion.evicted``.
 
 On a machine with a GPU tier every job runs on a CUDA stream of its own thread, so copies of
 different movers overlap, and waits for that stream before it reports.
@@ -68,19 +69,21 @@ class JobExecutor:
             return Completion(job.job_id, [True] * n, [False] * n)
         src_rows, dst_rows = self._rows(job.src_tier, job), self._rows(job.dst_tier, job)
         ok, corrupt, missing = [True] * n, [False] * n, []
+        evicted: list[bytes] = []
         stream = self._stream()
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             if src_rows is None and dst_rows is None:
-                ok, corrupt, missing = self._keyed_to_keyed(job)
+                ok, corrupt, missing, evicted = self._keyed_to_keyed(job)
             elif src_rows is None:
                 ok, corrupt, missing = self._keyed_to_rows(job, dst_rows)
             elif dst_rows is None:
-                ok = self._rows_to_keyed(job, src_rows)
+                ok, evicted = self._rows_to_keyed(job, src_rows)
             else:
                 copy_rows(src_rows, job.src_slots, dst_rows, job.dst_slots, non_blocking=stream is not None)
             if stream is not None:
                 stream.synchronize()
-        return Completion(job.job_id, ok, corrupt, nbytes=sum(ok) * self.block_nbytes, missing=missing)
+        return Completion(job.job_id, ok, corrupt, nbytes=sum(ok) * self.block_nbytes, missing=missing,
+                          evicted=evicted)
 
     # ------------------------------------------------------------------ the three keyed cases
     def _keyed_to_rows(self, job: TransferJob, dst_rows: torch.Tensor) -> ReadOutcome:
@@ -93,27 +96,27 @@ class JobExecutor:
         copy_rows(staging, good, dst_rows, [job.dst_slots[i] for i in good])
         return ok, corrupt, missing
 
-    def _rows_to_keyed(self, job: TransferJob, src_rows: torch.Tensor) -> list[bool]:
+    def _rows_to_keyed(self, job: TransferJob, src_rows: torch.Tensor) -> tuple[list[bool], list[bytes]]:
         # Host rows go to the tier as views (no gather copy: a page-aligned row can be written
         # with O_DIRECT as is); GPU rows are gathered to host memory in one copy.
         if src_rows.device.type == "cpu":
             rows = [src_rows[s] for s in job.src_slots]
         else:
             rows = src_rows[torch.as_tensor(job.src_slots, device=src_rows.device)].cpu()
-        return self.tiers[job.dst_tier].write(job.keys, job.dst_slots, rows)
+        return self.tiers[job.dst_tier].write_ex(job.keys, job.dst_slots, rows)
 
-    def _keyed_to_keyed(self, job: TransferJob) -> ReadOutcome:
+    def _keyed_to_keyed(self, job: TransferJob) -> tuple[list[bool], list[bool], list[bool], list[bytes]]:
         # Page-aligned staging rows, so a tier doing O_DIRECT reads and writes them without a bounce copy.
         n = len(job)
         staging = aligned_empty(n, self.block_nbytes)
         ok, corrupt, missing = self.tiers[job.src_tier].read_ex(job.keys, job.src_slots, staging)
         good = [i for i in range(n) if ok[i]]
-        written = self.tiers[job.dst_tier].write([job.keys[i] for i in good], [job.dst_slots[i] for i in good],
-                                                 [staging[i] for i in good]) if good else []
+        written, evicted = ([], []) if not good else self.tiers[job.dst_tier].write_ex(
+            [job.keys[i] for i in good], [job.dst_slots[i] for i in good], [staging[i] for i in good])
         ok = [False] * n
         for i, w in zip(good, written):
             ok[i] = w
-        return ok, corrupt, missing
+        return ok, corrupt, missing, evicted
 
     # ------------------------------------------------------------------ sides and streams
     def _rows(self, tier: int, job: TransferJob) -> torch.Tensor | None:

@@ -334,6 +334,7 @@ class TierChain:
             gone = bool(done.missing[i]) if i < len(done.missing) else False
             jobs += self._complete_item(job, key, ok, bad, ctx[i], gone and not ok)
         if done.evicted:  # a governed destination made room by dropping other records
+            self.tier_counters[job.dst_tier].evictions += len(done.evicted)
             jobs += self.forget(job.dst_tier, done.evicted)
         return jobs
 

@@ -23,7 +23,11 @@ from tiered_kv.values.record import CODECS
 from tiered_kv.values.units import parse_size
 
 _SIZE_KEYS = ("gpu_bytes", "cpu_bytes", "disk_bytes")
+#: The remote tier's keys, shared by the engine adapters that pass them through.
+REMOTE_KEYS = ("remote_url", "remote_password_env", "remote_user", "remote_tls_ca", "remote_timeout_s",
+               "remote_connect_timeout_s", "remote_write", "remote_workers")
 DISK_ROLES = ("writer", "reader")
+DISK_BUDGETS = ("namespace", "shared")  # docs/reliability.md, "Sharing one directory"
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,8 @@ class StoreConfig:
     disk_sync: bool = False
     disk_workers: int = 2
     disk_role: str = "writer"
+    disk_budget: str = "namespace"
+    disk_weight: int = 1
     namespace_extra: dict = field(default_factory=dict)
     eviction: str = "lru"
     write_policy: str = "write_back"
@@ -87,6 +93,8 @@ class StoreConfig:
             raise ConfigError(f"pin_memory: expected true, false or null (auto), got {self.pin_memory!r}")
         _check_choice(self.compression, "compression", CODECS)
         _check_choice(self.disk_role, "disk_role", DISK_ROLES)
+        _check_choice(self.disk_budget, "disk_budget", DISK_BUDGETS)
+        _check_int(self.disk_weight, "disk_weight", 1, 1 << 20)
         extra = self.namespace_extra
         if not isinstance(extra, dict) or not all(isinstance(k, str) and isinstance(v, (str, int))
                                                   and not isinstance(v, bool) for k, v in extra.items()):
@@ -103,8 +111,8 @@ class StoreConfig:
         _check_choice(self.remote_write, "remote_write", REMOTE_WRITES)
         _check_int(self.remote_workers, "remote_workers", 1, 64)
         self.remote_settings()  # validates remote_url and the other remote_* keys
-        if self.gpu_bytes == 0 and self.cpu_bytes == 0 and self.disk_path is None:
-            raise ConfigError("no tier configured: set at least one of gpu_bytes, cpu_bytes or disk_path")
+        if self.gpu_bytes == 0 and self.cpu_bytes == 0 and self.disk_path is None and self.remote_url is None:
+            raise ConfigError("no tier configured: set at least one of gpu_bytes, cpu_bytes, disk_path or remote_url")
 
     def remote_settings(self) -> RemoteSettings | None:
         """The remote tier's settings (None without ``remote_url``); ConfigError names a bad ``remote_*`` key."""

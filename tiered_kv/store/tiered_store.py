@@ -12,6 +12,13 @@ Buffers: ``put`` reads the caller's ``blocks`` and ``get`` writes the caller's `
 mover thread; keep them alive and unchanged until the handle is done (as with any
 non-blocking copy).
 
+Namespaces and a shared disk directory: the disk tier is *governed* (the directory keeps one budget
+and one eviction order for every process and namespace on it; the planner learns of evictions
+through ``Completion.evicted`` or a read that finds a record gone). Keys the planner does not know
+are looked up in the directory (another process of this namespace may have written them). A key
+that carries another namespace's prefix (one registered in the directory) is refused with
+``InvalidInputError``; a record another namespace owns is a miss whatever its key.
+
 Threading contract: every public method may be called from any thread, concurrently.
 Handles may be waited on from any thread or awaited from any event loop.
 """
@@ -28,7 +35,7 @@ import torch
 from tiered_kv.planner.chain import TierChain, TierSpec
 from tiered_kv.store.config import StoreConfig
 from tiered_kv.store.handle import Handle  # also imported from here by callers
-from tiered_kv.errors import InvalidInputError, StoreClosedError, TransferTimeout
+from tiered_kv.errors import DamagedIndexError, InvalidInputError, StoreClosedError, TransferTimeout
 from tiered_kv.values.keys import Namespace, chain_keys, check_key
 from tiered_kv.values.layout import BlockLayout
 from tiered_kv.store.metrics import make_registry, serve
@@ -36,7 +43,7 @@ from tiered_kv.planner.policy import PlacementPolicy
 from tiered_kv.planner.radix import RadixIndex
 from tiered_kv.tiers.base import Tier
 from tiered_kv.tiers.cpu import CpuTier
-from tiered_kv.tiers.disk import DiskTier
+from tiered_kv.tiers.disk import DiskTier, quarantine
 from tiered_kv.tiers.gpu import GpuTier
 from tiered_kv.tiers.remote import PresenceFeed, RemoteTier
 from tiered_kv.values.jobs import EXT, Completion, JobKind, TransferJob
@@ -60,6 +67,11 @@ class TieredStore:
         self._closed = False
         self.tiers: list[Tier] = []
         self._edge_workers: list[int] = []  # [i]: mover threads between tier i and tier i+1
+        self.disk_quarantined: dict | None = None  # set when the disk directory was damaged and moved aside
+        self.disk: DiskTier | None = None
+        self._disk: int | None = None
+        self._evicting: dict[bytes, int] = {}  # disk records an eviction of ours is deleting right now
+        self._evict_epoch = 0  # changes whenever an eviction of ours starts or ends (see _discover)
         try:
             self._open_tiers(config)
         except BaseException:
@@ -85,8 +97,10 @@ class TieredStore:
         if config.metrics_port:
             self._metrics_server = serve(make_registry(self.stats), config.metrics_port)
         self._disk = next((i for i, t in enumerate(self.tiers) if isinstance(t, DiskTier)), None)
-        disk = None if self._disk is None else self.tiers[self._disk]
+        disk = self.disk = None if self._disk is None else self.tiers[self._disk]
         if disk is not None:
+            disk.keep = self._disk_copy_busy
+            disk.released = self._disk_evictions_ended
             keys = disk.stored_keys()
             with self._lock:
                 jobs = self.chain.adopt(self._disk, keys)
@@ -104,12 +118,26 @@ class TieredStore:
         if c.cpu_bytes:
             self._add_tier(CpuTier(self.layout, c.cpu_bytes, c.pin_memory), 1)
         if c.disk_path is not None:
-            # Several threads on the edge into disk: each waits on its own reads and writes.
-            self._add_tier(DiskTier(self.layout, c.disk_path, c.disk_bytes, c.compression, c.zstd_level,
-                                    c.disk_sync, writer=c.disk_role == "writer"), c.disk_workers)
+            # Several threads on the edge into disk: each waits on its own reads and writes. The directory
+            # governs its budget and evicts by itself, unless a remote tier below should receive the evictions
+            # (then the planner evicts and demotes, and the directory only refuses what exceeds its budget).
+            try:
+                disk = DiskTier(self.layout, c.disk_path, c.disk_bytes, c.compression, c.zstd_level, c.disk_sync,
+                                writer=c.disk_role == "writer", owner=self.namespace.prefix, budget=c.disk_budget,
+                                weight=c.disk_weight, evicts=c.remote_settings() is None)
+            except DamagedIndexError as exc:
+                moved = quarantine(c.disk_path, exc.reason)
+                self.disk_quarantined = {"path": c.disk_path, "moved_to": moved, "reason": exc.reason}
+                log.error("tiered_kv: DISK TIER OFF: the index of %s is damaged (%s); moved it to %s and running "
+                          "without the disk tier. `tiered-kv repair %s` salvages what it can.", c.disk_path,
+                          exc.reason, moved, moved)
+            else:
+                self._add_tier(disk, c.disk_workers)
         settings = c.remote_settings()
         if settings is not None:  # below disk (or below CPU): Redis owns its capacity
             self._add_tier(RemoteTier(self.layout, settings, self.namespace.prefix), c.remote_workers)
+        if not self.tiers:  # the only tier was a damaged disk: keep serving (every get a miss, every put refused)
+            self._add_tier(CpuTier(self.layout, 0, False), 1)
 
     def _add_tier(self, tier: Tier, edge_workers: int) -> None:
         """Append ``tier`` below the others; ``edge_workers`` threads move between it and the tier above."""
@@ -132,7 +160,81 @@ class TieredStore:
     def _check_keys(self, keys: Sequence[bytes]) -> list[bytes]:
         if isinstance(keys, (bytes, bytearray, str)) or not isinstance(keys, Sequence):
             raise InvalidInputError(f"keys must be a sequence of bytes keys, got {type(keys).__name__}")
-        return [check_key(k, f"keys[{i}]") for i, k in enumerate(keys)]
+        keys = [check_key(k, f"keys[{i}]") for i, k in enumerate(keys)]
+        if self.disk is not None:
+            self._check_namespace(keys)
+        return keys
+
+    def _check_namespace(self, keys: list[bytes]) -> None:
+        """Refuse keys carrying the prefix of another namespace registered in the disk directory."""
+        own = self.namespace.prefix
+        n = len(own)
+        if all(k[:n] == own for k in keys):
+            return
+        foreign = self.disk.foreign_namespaces()
+        for i, k in enumerate(keys):
+            if k[:n] != own and k[:n] in foreign:
+                raise InvalidInputError(f"keys[{i}] ({k.hex()[:16]}...) belongs to namespace {k[:n].hex()} of the "
+                                        f"shared disk directory, not this store's ({own.hex()}); make keys with "
+                                        f"store.key(...) or store.keys_for_tokens(...)")
+
+    def key(self, name: bytes) -> bytes:
+        """This store's namespaced key for ``name`` (any bytes: an engine's block hash, a page id)."""
+        return self.namespace.key(name)
+
+    def _disk_copy_busy(self, key: bytes) -> bool:
+        """The directory is about to evict ``key``'s record: True keeps it (the planner has a read of it planned
+        or running); else the planner forgets the copy now, so no read is planned against a record on its way
+        out. Called by the disk tier inside its claim txn; no path holds this lock while waiting on LMDB."""
+        t = self._disk
+        with self._lock:
+            e = self.chain.index.get(key)
+            c = None if e is None else e.copies.get(t)
+            if c is not None and (c.pins > 0 or c.wanted > 0):  # read, or waited for by a promotion
+                return True
+            jobs = self.chain.forget(t, [key]) if c is not None else []
+            self._evicting[key] = self._evicting.get(key, 0) + 1
+            self._evict_epoch += 1
+        self._submit(jobs)
+        return False
+
+    def _disk_evictions_ended(self, keys: list[bytes]) -> None:
+        """The claim txn that evicted ``keys`` ended: their records are gone (or, if it failed, still there)."""
+        with self._lock:
+            for k in keys:
+                n = self._evicting.get(k, 0) - 1
+                if n > 0:
+                    self._evicting[k] = n
+                else:
+                    self._evicting.pop(k, None)
+            self._evict_epoch += 1
+
+    def _discover(self, keys: list[bytes]) -> int:
+        """Adopt keys the planner does not know but the disk directory holds for this namespace (written by
+        another process since this one opened it). One read txn, no payload I/O.
+
+        An eviction of ours forgets its victim before its txn commits, so a read txn may still see a record
+        on its way out: keys being evicted are skipped, and if an eviction started or ended while we looked,
+        we look again (up to 3 times; a hint not adopted is only a miss)."""
+        if self.disk is None or not keys:
+            return 0
+        for _ in range(3):
+            with self._lock:
+                unknown = [k for k in keys if k not in self.chain.index and k not in self._evicting]
+                epoch = self._evict_epoch
+            if not unknown:
+                return 0
+            present = [k for k, held in zip(unknown, self.disk.has(unknown)) if held]
+            if not present:
+                return 0
+            with self._lock:
+                if self._evict_epoch != epoch:
+                    continue
+                fresh = [k for k in present if k not in self.chain.index]
+                jobs = self.chain.adopt(self._disk, fresh)
+            self._submit(jobs)
+            return len(fresh)
+        return 0
 
     def _check_buffer(self, name: str, buf: torch.Tensor, n: int) -> torch.Tensor:
         if not isinstance(buf, torch.Tensor):
@@ -167,7 +269,8 @@ class TieredStore:
         results: list[bool] = []
         # Stream large puts in chunks no larger than the put tier, so a put bigger than the
         # fastest tier cascades down instead of being refused for lack of room.
-        chunk = max(1, self.tiers[self.chain.placement.put_tier].capacity)
+        put_tier = self.tiers[self.chain.placement.put_tier]
+        chunk = max(1, len(keys) if put_tier.governed else put_tier.capacity)  # a governed tier makes its own room
 
         def run(start: int) -> None:
             end = min(start + chunk, len(keys))
@@ -196,6 +299,7 @@ class TieredStore:
         keys = self._check_keys(keys)
         self._sync_remote()
         rows = self._check_buffer("out", out, len(keys))
+        self._discover(keys)
         return self._start("get", keys, rows, lambda hid: self.chain.get(keys, hid)[::-1])
 
     def prefetch(self, keys: Sequence[bytes], to: str | int = 0) -> Handle:
@@ -204,6 +308,7 @@ class TieredStore:
         keys = self._check_keys(keys)
         self._sync_remote()
         target = self.chain.tier_index(to)
+        self._discover(keys)
         return self._start("prefetch", keys, None, lambda hid: self.chain.prefetch(keys, target, hid)[::-1])
 
     def _start(self, kind: str, keys: list[bytes], rows: torch.Tensor | None, plan) -> Handle:
@@ -223,6 +328,7 @@ class TieredStore:
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key is held (readable) in some tier."""
         keys = self._check_keys(keys)
+        self._discover(keys)
         self._sync_remote()
         with self._lock:
             return [t is not None for t in self.chain.locate(keys)]
@@ -230,6 +336,7 @@ class TieredStore:
     def lookup(self, keys: Sequence[bytes]) -> int:
         """Leading number of ``keys`` held."""
         keys = self._check_keys(keys)
+        self._discover(keys)
         self._sync_remote()
         with self._lock:
             return self.chain.lookup(keys)
@@ -237,6 +344,7 @@ class TieredStore:
     def locate(self, keys: Sequence[bytes]) -> list[str | None]:
         """Name of the fastest tier holding each key (None if not held)."""
         keys = self._check_keys(keys)
+        self._discover(keys)
         self._sync_remote()
         with self._lock:
             return [None if t is None else self.tiers[t].name for t in self.chain.locate(keys)]
@@ -279,20 +387,7 @@ class TieredStore:
         read transaction on the disk index, no payload I/O. Returns how many keys were adopted.
         """
         self._check_open()
-        keys = self._check_keys(keys)
-        if self._disk is None or not keys:
-            return 0
-        disk = self.tiers[self._disk]
-        with self._lock:
-            unknown = [k for k in keys if k not in self.chain.index]
-        present = [k for k, held in zip(unknown, disk.has(unknown)) if held]
-        if not present:
-            return 0
-        with self._lock:
-            fresh = [k for k in present if k not in self.chain.index]
-            jobs = self.chain.adopt(self._disk, fresh)
-        self._submit(jobs)
-        return len(fresh)
+        return self._discover(self._check_keys(keys))
 
     def clear(self, timeout: float = 60.0) -> None:
         """Drop every block this store holds, in every tier, and wait until it is done."""
@@ -331,6 +426,7 @@ class TieredStore:
             keys = self.radix.match(token_ids)
         if len(keys) < len(token_ids) // self.config.page_size:
             keys = self.keys_for_tokens(token_ids)
+        self._discover(keys)
         with self._lock:
             where = self.chain.locate(keys)
         n = next((i for i, t in enumerate(where) if t is None), len(where))
@@ -403,6 +499,7 @@ class TieredStore:
                 "puts_refused": c.puts_refused, "puts_deduplicated": c.puts_deduplicated,
                 "inflight_jobs": self.chain.inflight(), "pinned": self.chain.pinned(),
                 "waiting": self.chain.waiting(), "block_nbytes": nb, "tiers": tiers,
+                "disk_quarantined": self.disk_quarantined,
             }
 
     def close(self) -> None:

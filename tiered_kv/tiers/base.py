@@ -54,6 +54,10 @@ class Tier(ABC):
         ``corrupt[i]`` means the stored record failed verification and the tier removed it.
         """
 
+    def write_ex(self, keys: Sequence[bytes], slots: Sequence[int], rows) -> tuple[list[bool], list[bytes]]:
+        """``write`` plus the keys whose records the medium dropped to make room (a governed tier); none here."""
+        return self.write(keys, slots, rows), []
+
     def read_ex(self, keys: Sequence[bytes], slots: Sequence[int], out) -> tuple[list[bool], list[bool], list[bool]]:
         """``read`` plus ``missing[i]`` (the tier holds no record of ``keys[i]``); slab tiers never miss."""
         ok, corrupt = self.read(keys, slots, out)

@@ -103,6 +103,39 @@ def test_restart_hits_pages_written_before(tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(pages_bytes(fresh, dst, 4), expected))
 
 
+def test_shared_disk_budget_keeps_two_models_apart(tmp_path):
+    """Issue 17: two models on one disk_path with ``disk_budget: shared`` share one directory and budget;
+    the second one's prefetch of the very same tokens is a miss, a raw key of the first one's namespace is
+    refused by the store, and the first one still hits its pages afterwards."""
+    from tiered_kv.errors import InvalidInputError
+
+    tokens = _tokens(900, 4)
+    extra = extra_config(tmp_path, disk_budget="shared")
+    pool = mha_pool("page_first")
+    with running_controller(pool, extra, model="model-a") as ctrl:
+        op_id, _, expected = _backup(ctrl, pool, tokens, seed=9)
+        assert _wait_backup(ctrl, op_id) == len(tokens)
+        foreign = ctrl.storage_backend._keys(get_hash_str(tokens, None, page_size=PAGE_SIZE))
+        dir_a = ctrl.storage_backend.disk_dir
+    other = mha_pool("page_first")
+    with running_controller(other, extra, model="model-b") as ctrl:
+        backend = ctrl.storage_backend
+        assert backend.disk_dir == dir_a and backend.store.stats()["resident_blocks"] == 0  # nothing adopted
+        hit, loaded, _ = _prefetch(ctrl, other, "b", tokens)
+        assert hit == loaded == 0
+        with pytest.raises(InvalidInputError, match="namespace"):
+            backend.store.contains(foreign)
+        op_id, _, _ = _backup(ctrl, other, tokens, seed=10)  # model-b's own pages of the same tokens
+        assert _wait_backup(ctrl, op_id) == len(tokens)
+        assert len(backend.store.tiers[-1].usage()["spaces"]) == 2
+        _no_errors(ctrl)
+    again = mha_pool("page_first")
+    with running_controller(again, extra, model="model-a") as ctrl:
+        hit, loaded, dst = _prefetch(ctrl, again, "a2", tokens)
+        assert hit == loaded == len(tokens)
+        assert all(torch.equal(a, b) for a, b in zip(pages_bytes(again, dst, 4), expected))  # not model-b's
+
+
 def test_corrupted_record_is_a_miss_and_sglang_goes_on(tmp_path):
     from tiered_kv.values.record import RecordHeader
 

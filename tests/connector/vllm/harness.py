@@ -278,6 +278,8 @@ class Engine:
     sync_steps: int = 0  # steps vLLM flagged has_sync_kv_loads (in-step loads)
     discarded_reads: int = 0  # wrong blocks a forward read in a step that reported them as failed loads
     steps: int = 0
+    #: tokens each request held when first scheduled (vLLM's local prefix hit plus the connector's)
+    cached_at_start: dict[str, int] = field(default_factory=dict)
     shape: str | None = None  # a hybrid/MLA model of models.py (None: the tiny Llama)
     layers: list[_Layer] = field(default_factory=list)
     hash_block_size: int = BS
@@ -305,7 +307,7 @@ class Engine:
             return cls._create_shaped(model_dir, extra, shape, num_blocks, async_sched, tp, max_batched, hash_algo,
                                       max_model_len, tweak)
         cfg = make_vllm_config(model_dir, extra, async_sched=async_sched, max_batched=max_batched, tp=tp,
-                               hash_algo=hash_algo)
+                               hash_algo=hash_algo, max_model_len=max_model_len)
         if tweak is not None:
             tweak(cfg)
         kvc = kv_cache_config(num_blocks)
@@ -439,6 +441,8 @@ class Engine:
         raise AssertionError(f"connector did not settle: {self.connector.stats()}")
 
     def _run_workers(self, out) -> ModelRunnerOutput:
+        for new in out.scheduled_new_reqs:
+            self.cached_at_start.setdefault(new.req_id, new.num_computed_tokens)
         rows = self._scheduled(out)
         outputs = [self._run_worker(w, out, rows) for w in self.workers]
         if len(outputs) == 1:

@@ -296,6 +296,48 @@ def test_restart_hits_blocks_written_by_previous_engine(model_dir, tmp_path, mon
         second.close()
 
 
+def test_shared_disk_budget_keeps_two_models_apart(model_dir, tmp_path, monkeypatch):
+    """Issue 17: two models (namespaces) on one disk_path with ``disk_budget: shared`` write into one
+    directory under one budget; the second never adopts nor hits the first one's chunks for the very same
+    tokens (a foreign namespace's block is a miss), and the first one's chunks survive the second's run."""
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    extra = {"write_policy": "write_through", "disk_budget": "shared"}
+    first = _disk_engine(model_dir, tmp_path, extra={**extra, "model_id": "model-a"})
+    try:
+        a = first.add("a", prompt(4, 12 * BS + 3), max_tokens=2)
+        first.run()
+        first.settle()
+        assert first.connector.stats()["resident_disk"] == 3
+        conv = turn2(first, a)
+    finally:
+        first.close()
+    other = _disk_engine(model_dir, tmp_path, extra={**extra, "model_id": "model-b"})
+    try:
+        assert other.connector.stats()["resident_disk"] == 0  # model-a's chunks are not adopted
+        other.add("b", conv, max_tokens=2)
+        other.run()
+        other.settle()
+        st = other.connector.stats()
+        assert st["sched_hit_tokens_disk"] == 0 and st["sched_hit_tokens_cpu"] == 0, st  # same tokens: a miss
+        disk = other.workers[0].connector.worker.disk
+        assert disk.path == tmp_path / "kv" / "shared" / "rank0-of-1"
+        spaces = disk.usage()["spaces"]
+        assert len(spaces) == 2 and all(sp["used_slots"] >= 3 for sp in spaces.values()), spaces
+        assert_no_leaks(other)
+    finally:
+        other.close()
+    again = _disk_engine(model_dir, tmp_path, extra={**extra, "model_id": "model-a"})
+    try:
+        assert again.connector.stats()["resident_disk"] == 3
+        again.add("a2", conv, max_tokens=2)
+        again.run()
+        again.settle()
+        assert again.connector.stats()["sched_hit_tokens_disk"] == 12 * BS
+        assert_no_leaks(again)
+    finally:
+        again.close()
+
+
 def test_unstable_block_hashes_warn_and_never_adopt(model_dir, tmp_path, monkeypatch, caplog):
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)  # xxhash without a seed: random per process
     caplog.set_level(logging.WARNING, logger="tiered_kv.connector")
@@ -364,6 +406,39 @@ def test_preemption_with_stores_in_flight_leaks_nothing(model_dir, async_sched):
         assert p1.is_finished() and p2.is_finished()
         st = eng.workers[0].connector.stats()
         assert gate.fenced and st["fences_waited"] + st["stores_cancelled"] >= 1  # waited for, or cancelled
+        assert_no_leaks(eng)
+    finally:
+        gate.open()
+        eng.close()
+
+
+@pytest.mark.parametrize("async_sched", [False, True], ids=["sync", "async"])
+def test_store_in_flight_at_preemption_is_fenced_and_stored_bytes_are_exact(model_dir, async_sched, monkeypatch):
+    """A preempted request's blocks can be re-allocated in the very step it is preempted: its store still in
+    flight is fenced then (the planner publishes its blocks on ``preempted_req_ids``), so what the store
+    copied is the prompt's KV; a later request loads it and every loaded block is checked byte for byte."""
+    import tiered_kv.connector.vllm.worker as worker
+
+    monkeypatch.setattr(worker, "FENCE_PATIENCE_S", 1.0)  # a fenced store is waited for, not cancelled
+    eng = Engine.create(model_dir, cfg(), num_blocks=24, async_sched=async_sched)
+    gate = Gate(eng.workers[0].connector.worker, open_on_fence=True)  # stores stay in flight until fenced
+    try:
+        p1 = eng.add("p1", prompt(7, 160), max_tokens=100)
+        p2 = eng.add("p2", prompt(8, 160), max_tokens=100)
+        eng.run(max_steps=3000)
+        gate.open()
+        eng.settle()
+        assert p1.num_preemptions + p2.num_preemptions >= 1 and gate.fenced
+        assert eng.sched.reset_prefix_cache()
+        verified = eng.verified_blocks
+        hits = eng.connector.stats()["sched_hit_tokens_cpu"]  # a resumed victim may have loaded its own chunks
+        for i, p in enumerate((p1, p2)):
+            eng.add(f"again{i}", list(p.prompt_token_ids) + prompt(30 + i, 20), max_tokens=1)
+        eng.run()
+        eng.settle()
+        hits = eng.connector.stats()["sched_hit_tokens_cpu"] - hits
+        assert hits == 2 * 10 * BS  # 2 chunks + a 2-block tail each
+        assert eng.verified_blocks - verified >= 2 * 10
         assert_no_leaks(eng)
     finally:
         gate.open()

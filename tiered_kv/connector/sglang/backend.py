@@ -38,7 +38,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 from sglang.srt.mem_cache.pool_host.base import HostKVCache
 
-from tiered_kv.store.config import StoreConfig
+from tiered_kv.store.config import REMOTE_KEYS, StoreConfig
 from tiered_kv.errors import ConfigError, InvalidInputError, StoreClosedError
 from tiered_kv.values.keys import Namespace
 from tiered_kv.planner.radix import RadixIndex
@@ -88,15 +88,18 @@ class TieredHiCacheStorage(HiCacheStorage):
         probe = Namespace(self.scope.model, pages.layout.fingerprint, o.tenant_salt, tuple(sorted(extras.items())))
         disk_dir = None
         if o.disk_path is not None:
-            disk_dir = Path(o.disk_path) / self.scope.dir_name(pages.layout.tag, probe.prefix.hex())
+            disk_dir = Path(o.disk_path) / (self.scope.shared_dir_name() if o.disk_budget == "shared"
+                                            else self.scope.dir_name(pages.layout.tag, probe.prefix.hex()))
         cfg = StoreConfig.from_dict({
             "block_shape": list(pages.page_shape), "dtype": pages.layout.dtype, "page_size": pages.page_size,
             "layout_tag": pages.layout.tag, "model": self.scope.model, "tenant_salt": o.tenant_salt,
             "gpu_bytes": 0, "cpu_bytes": o.cpu_bytes, "pin_memory": False,
             "disk_path": None if disk_dir is None else str(disk_dir), "disk_bytes": o.disk_bytes,
+            "disk_budget": o.disk_budget, "disk_weight": o.disk_weight,
             "compression": o.compression, "disk_sync": o.disk_sync, "disk_workers": o.disk_workers,
             "eviction": o.eviction, "write_policy": "write_through", "promote_on_hit": True,
             "namespace_extra": extras,
+            **{k: getattr(o, k) for k in REMOTE_KEYS},  # the Redis Cluster shared by the fleet, if any
             # one writer per directory: a reader rank never writes or deletes there (damaged records aside)
             "disk_role": "reader" if self.scope.is_mla and not self.scope.is_writer else "writer",
         })

@@ -46,11 +46,14 @@ class ConnectorConfig:
     cpu_bytes: int = 8 << 30
     disk_path: str | None = None
     disk_bytes: int = 64 << 30
+    disk_budget: str = "namespace"  # "shared": one budget for every engine on disk_path (docs/reliability.md)
+    disk_weight: int = 1
     eviction: str = "lru"
     write_policy: str = "write_back"
     promote_on_hit: bool = True
     store_policy: str = "eager"
     store_decode_tokens: bool = False
+    tail_chunks: bool = True
     min_hit_blocks: int = 1
     load_mode: str = "layerwise"
     sync_max_tokens: int = 65536
@@ -94,7 +97,10 @@ class ConnectorConfig:
         _choice(self.in_step_copy, "in_step_copy", IN_STEP_COPIES)
         _choice(self.compression, "compression", CODECS)
         _choice(self.swa_store, "swa_store", SWA_STORES)
-        for key in ("promote_on_hit", "store_decode_tokens", "disk_sync", "cross_layer_blocks", "mla_store_once"):
+        _choice(self.disk_budget, "disk_budget", ("namespace", "shared"))
+        _int(self.disk_weight, "disk_weight", 1, 1 << 20)
+        for key in ("promote_on_hit", "store_decode_tokens", "disk_sync", "cross_layer_blocks", "mla_store_once",
+                    "tail_chunks"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"{key}: expected true or false, got {getattr(self, key)!r}")
         _int(self.min_hit_blocks, "min_hit_blocks", 1)
@@ -499,10 +505,15 @@ def namespace(cfg: ConnectorConfig, geo: Geometry, model: str, ident: HashIdenti
 
 def rank_disk_dir(cfg: ConnectorConfig, ns: Namespace, rank: int, tp_size: int,
                   replicated: bool = False) -> Path | None:
-    """Directory of one rank's disk tier (None without ``disk_path``); one for all ranks when ``replicated``."""
+    """Directory of one rank's disk tier (None without ``disk_path``); one for all ranks when ``replicated``.
+
+    ``disk_budget`` "namespace": one directory per namespace; "shared": every namespace's rank r shares
+    ``<disk_path>/shared/rank{r}-of-{tp}``, so one budget covers every engine of that geometry on the path.
+    """
     if cfg.disk_path is None:
         return None
-    return Path(cfg.disk_path) / ns.prefix.hex() / ("replicated" if replicated else f"rank{rank}-of-{tp_size}")
+    top = "shared" if cfg.disk_budget == "shared" else ns.prefix.hex()
+    return Path(cfg.disk_path) / top / ("replicated" if replicated else f"rank{rank}-of-{tp_size}")
 
 
 def rank_remote_part(geo: Geometry, rank: int) -> str:

@@ -230,7 +230,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             path = rank_disk_dir(self.cfg, self.ns, rank, self.geo.tp_size, self.geo.replicated)
             if not (path / "index").exists():
                 return []
-            tier = DiskTier(self.geo.rank_layout(rank), path, 0, readonly=True)
+            tier = DiskTier(self.geo.rank_layout(rank), path, 0, readonly=True, owner=self.ns.prefix)
             try:
                 keys = tier.stored_keys()
             finally:

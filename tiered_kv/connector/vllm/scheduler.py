@@ -31,6 +31,16 @@ With several groups vLLM takes no per-block load errors, so every load comes fro
 CPU copy (disk hits are promoted to the CPU tier first; ``match`` answers "ask again" while
 they move) and the worker falls back to a plain copy rather than report a block.
 
+Tail pieces (``tail_chunks``, one full-attention or MLA group): a prompt rarely ends on a chunk
+boundary, so the full blocks after its last whole chunk are stored too, once its prefill is
+complete (``on_finish``: when it finishes), as one *tail* record: a chunk slot whose first ``m``
+blocks hold them (the job's other GPU ids are -1, so the rest of the slot is neither written nor
+read). Its key is the namespace prefix, ``TAIL_MARK`` and vLLM's block hash of its last block,
+which chains the whole prefix: equal keys name equal KV, across restarts too (disk records are
+adopted like any other). ``match`` probes tails where the walk over whole chunks stopped, longest
+first; a later turn that holds the same prefix hits the whole chunks and then the tail, so only
+what lies after the earlier prompt's last full block is computed again.
+
 Threading contract: every method runs on vLLM's scheduler thread (EngineCore); not
 thread-safe and needs no lock. No torch, no I/O (DESIGN invariant 7) except opening the
 disk index read-only once at start-up to adopt what a previous engine stored.
@@ -60,6 +70,9 @@ class PresenceSource(Protocol):
 log = logging.getLogger(__name__)
 
 CPU, DISK = 0, 1  # DISK only when a disk tier is configured: tier_indices gives the real layout
+#: Tail keys are ``namespace prefix + TAIL_MARK + vLLM's block hash``: 8 + 1 + 16..32 bytes, never the 32 of a
+#: whole chunk's key. No keyed hash: a lookup probes up to ``chunk_blocks - 1`` of them.
+TAIL_MARK = b"T"
 
 
 def tier_indices(disk: bool, remote: bool) -> tuple[int | None, int | None]:
@@ -123,8 +136,10 @@ class _Req:
     keys: list[bytes] = field(default_factory=list)  # chunk keys, computed lazily
     tables: list[list[int]] = field(default_factory=list)  # GPU block ids per group (0: none / freed)
     stored: int = 0  # leading chunks already offered to the store
-    lookup: tuple[int, int, int] = (0, 0, 0)  # (first chunk, chunks, tokens held locally)
-    hit_keys: list[bytes] = field(default_factory=list)  # the keys the last match would load
+    lookup: tuple[int, int, int] = (0, 0, 0)  # (first chunk, whole chunks, tokens held locally)
+    hit_keys: list[bytes] = field(default_factory=list)  # the keys the last match would load (tail last)
+    hit_tail: int = 0  # blocks of the tail piece after the whole chunks of the last match (0: none)
+    tail_done: bool = False  # the tail piece of this request's stored range was offered
     sync: bool = False  # the last match is loaded inside the step (all chunks in the CPU tier)
     promoting: int = 0  # handle of a disk->CPU promotion this request waits for (several groups)
     promoted: bool = False  # its promotion ran: take what the CPU tier holds now
@@ -134,6 +149,7 @@ class _Req:
 class _Put:
     gpu: list[int]  # Geometry.slot_blocks GPU block ids per item, flat
     step: int  # the step the source blocks were last known to hold this KV
+    reqs: tuple[str, ...] = ()  # the requests whose blocks it reads ((): already freed, e.g. on_finish)
 
 
 @dataclass
@@ -157,6 +173,9 @@ class PlannerCounters:
     remote_adopted: int = 0  # chunks the presence feed reported stored by the fleet
     stale_blocks_dropped: int = 0  # table entries vLLM re-allocated before a store read them
     chunks_not_storable: int = 0  # chunks skipped: a block a hit needs was already freed
+    tail_stores: int = 0  # tail pieces offered to the store (full blocks after a prompt's last whole chunk)
+    tail_hits: int = 0  # loads that ended with a tail piece
+    hit_tokens_tail: int = 0  # tokens of those hits that came from tail pieces (also in hit_tokens_<tier>)
 
 
 class SchedulerPlanner:
@@ -178,7 +197,10 @@ class SchedulerPlanner:
         self._swa = [i for i, g in enumerate(geo.groups) if g.kind == "swa"]
         specs = [TierSpec("cpu", cpu_chunks)]
         if disk_chunks:
-            specs.append(TierSpec("disk", disk_chunks, slotted=False))
+            # shared budget without a remote tier below: the directory evicts by itself (governed); a load of a
+            # chunk it evicted fails and vLLM recomputes. With a remote tier, the planner evicts (demotes) as before.
+            shared = cfg.disk_budget == "shared" and presence is None
+            specs.append(TierSpec("disk", disk_chunks, slotted=False, governed=shared))
         # the remote tier (a Redis Cluster shared by the fleet) is governed: Redis keeps its budget
         _, self.remote = tier_indices(bool(disk_chunks), presence is not None)
         if self.remote is not None:
@@ -197,6 +219,9 @@ class SchedulerPlanner:
         self.chain = TierChain(specs, cfg.eviction, PlacementPolicy(write_policy, cfg.promote_on_hit, copy_to=copy_to))
         self._event_meta: dict[bytes, tuple] | None = None  # chunk key -> what a KV event names (enable_events)
         self.key = ns.key  # prefix and keyed hasher cached on the namespace
+        # tail pieces: one full-attention (or MLA) group only, and only when a chunk has several blocks
+        self._tails = cfg.tail_chunks and self._single and self.k > 1
+        self._tail_prefix = ns.prefix + TAIL_MARK
         self.counters = PlannerCounters()
         self._step = 0
         self._reqs: dict[str, _Req] = {}
@@ -216,8 +241,15 @@ class SchedulerPlanner:
         self._finish_puts: list[tuple[list[bytes], list[int], int]] = []
         self._alloc_step: dict[int, int] = {}  # GPU block -> last step it was (re)allocated (while watching)
         self._watching = False
-        self._gpu_busy: dict[int, int] = {}  # GPU block -> newest in-flight job touching it
+        self._gpu_busy: dict[int, int] = {}  # GPU block -> newest in-flight job touching it (published jobs)
         self._job_gpu: dict[int, list[int]] = {}
+        # One full-attention group: vLLM re-allocates a block only after the request holding it finished or
+        # was preempted, so a job's blocks are published to _gpu_busy only then (most jobs end first: no
+        # per-block dictionary work). Sliding windows free blocks mid-request: those publish at once.
+        self._lazy_busy = self._single
+        self._published: set[int] = set()  # in-flight jobs whose blocks are in _gpu_busy
+        self._req_jobs: dict[str, list[int]] = {}  # request -> its unpublished in-flight jobs (may list ended ones)
+        self._routing_req: str | None = None  # the request whose blocks the jobs being routed touch (loads)
         self._job_kind: dict[int, tuple[JobKind, int]] = {}
         self._fenced_jobs: set[int] = set()  # jobs named in a fence: a store among them may come back cancelled
         self._reports: dict[int, JobReport] = {}
@@ -322,15 +354,22 @@ class SchedulerPlanner:
         c0 = num_computed_tokens // chunk
         # n-1 rule: leave at least one prompt token to compute. It caps the lookup itself (not the
         # answer), so a sliding window or a Mamba state is only ever taken at the boundary it was stored for.
-        usable = min(len(request.block_hashes) * self.geo.hash_block_size, request.num_tokens - 1) // chunk - c0
-        if usable <= 0:
+        avail = min(len(request.block_hashes) * self.geo.hash_block_size, request.num_tokens - 1)
+        usable = avail // chunk - c0
+        if usable <= 0 and not (self._tails and avail // bs > num_computed_tokens // bs):
             return 0
         st = self._state(request)
         st.sync = False
+        st.hit_tail = 0
         if st.promoting:
             return None  # its disk chunks are still moving up to the CPU tier
         keys, where = self._walk(st, c0, usable)
+        tail = 0
+        if self._tails:
+            tail = self._probe_tail(request, c0 + len(keys), avail // bs, num_computed_tokens // bs, keys, where)
         n = self._worth_loading(where)
+        if tail and n < len(where):
+            tail = 0  # the tail's tier was declined (or a chunk before it was)
         if self._mamba:
             n = self._end_at_state(st, keys, where, c0, n)
         log.debug("match %s: computed %d, %d of %d chunks held %s, %d worth loading", request.request_id,
@@ -343,10 +382,12 @@ class SchedulerPlanner:
             n = next(i for i, t in enumerate(where) if t != CPU)
             if self._mamba:
                 n = self._end_at_state(st, keys, where, c0, n)
-        tokens = (c0 + n) * chunk - num_computed_tokens
+        whole = n - (1 if tail else 0)
+        tokens = (c0 + whole) * chunk + tail * bs - num_computed_tokens
         if n == 0 or tokens // bs < self.cfg.min_hit_blocks:
             return 0
-        st.lookup = (c0, n, num_computed_tokens)
+        st.lookup = (c0, whole, num_computed_tokens)
+        st.hit_tail = tail
         st.hit_keys = keys[:n]
         st.sync = (self.cfg.load_mode != "async" and tokens <= self.cfg.sync_max_tokens
                    and all(t == CPU for t in where[:n]))
@@ -372,6 +413,33 @@ class SchedulerPlanner:
             keys.append(key)
             where.append(best)
         return keys, where
+
+    def _probe_tail(self, request, c: int, avail_blocks: int, local_blocks: int, keys: list[bytes],
+                    where: list[int]) -> int:
+        """Look for a tail piece in chunk c (the first one not held whole), longest first; on a hit
+        append its key and tier to ``keys``/``where`` and return its blocks (0: none).
+
+        A piece of m blocks ends at block ``c*k + m - 1``: at most ``avail_blocks`` (the n-1 rule),
+        and past what vLLM already holds (``local_blocks``), or it would add nothing.
+        """
+        base = c * self.k
+        hi = min(self.k - 1, avail_blocks - base)
+        lo = max(1, local_blocks - base + 1)
+        if hi < lo:
+            return 0
+        hashes = request.block_hashes
+        prefix = self._tail_prefix
+        get = self.chain.index.get
+        for m in range(hi, lo - 1, -1):
+            key = prefix + hashes[base + m - 1]
+            e = get(key)
+            if e is not None:
+                best = e.best()
+                if best is not None:
+                    keys.append(key)
+                    where.append(best)
+                    return m
+        return 0
 
     def _end_at_state(self, st: _Req, keys: list[bytes], where: list[int], c0: int, n: int) -> int:
         """Mamba hybrids: cut a hit of n chunks back to the last chunk whose record holds the state at its
@@ -428,18 +496,31 @@ class SchedulerPlanner:
         st = self._state(request)
         if num_external_tokens <= 0:
             return
-        c0, n, local = st.lookup
-        n = min(n, (local + num_external_tokens) // self.chunk - c0)
-        gpu = self._load_ids(self._tables(block_ids), c0, n, local)
+        c0, whole, local = st.lookup
+        end_blocks = (local + num_external_tokens) // self.bs
+        n = min(whole, end_blocks // self.k - c0)
+        tables = self._tables(block_ids)
+        gpu = self._load_ids(tables, c0, n, local)
         keys = st.hit_keys[:n]
+        tail = st.hit_tail if n == whole and end_blocks >= (c0 + n) * self.k + st.hit_tail else 0
+        if tail:  # the piece's m blocks, then -1 for the rest of its slot
+            base = (c0 + n) * self.k
+            piece = tables[0][base:base + tail]
+            skip = local // self.bs - base
+            if skip > 0:
+                piece[:skip] = [-1] * skip
+            gpu = gpu + piece + [-1] * (self.k - tail)
+            keys.append(st.hit_keys[n])
+            self.counters.tail_hits += 1
+        items = n + (1 if tail else 0)
         hid = next(self._handle_ids)
         self._gets[hid] = gpu
         got, jobs = self.chain.get(keys, hid)
         rid = request.request_id
-        if got < n:  # a chunk vanished since the lookup: report its blocks, vLLM recomputes from there
+        if got < items:  # a chunk vanished since the lookup: report its blocks, vLLM recomputes from there
             lost = [g for g in gpu[got * self.w:] if g >= 0]
             if not self.geo.block_level_errors:  # vLLM calls match and this back to back: cannot happen
-                raise RuntimeError(f"TieredKVConnector: {n - got} chunk(s) of request {rid} vanished between "
+                raise RuntimeError(f"TieredKVConnector: {items - got} chunk(s) of request {rid} vanished between "
                                    f"the lookup and the load; with several KV cache groups vLLM takes no block "
                                    f"errors")
             if st.sync:
@@ -459,13 +540,24 @@ class SchedulerPlanner:
         self.counters.load_jobs += len(loads)
         chunk = self.chunk
         for j in loads:
-            tokens = sum(chunk - max(0, min(chunk, local - (c0 + i) * chunk)) for i in j.dst_slots)
+            tokens = 0
+            for i in j.dst_slots:
+                start = (c0 + i) * chunk
+                end = start + (chunk if i < n else tail * self.bs)
+                part = end - max(start, min(local, end))
+                tokens += part
+                if i >= n:
+                    self.counters.hit_tokens_tail += part
             if j.src_tier == CPU:
                 self.counters.hit_tokens_cpu += tokens
             else:
                 self.counters.hit_tokens_disk += tokens
-        st.stored = max(st.stored, c0 + got)
-        self._route(jobs)
+        st.stored = max(st.stored, c0 + min(got, n))
+        self._routing_req = rid  # the loads write blocks this request holds
+        try:
+            self._route(jobs)
+        finally:
+            self._routing_req = None
         self._drain_finished()
 
     # ------------------------------------------------------------------ per step
@@ -486,6 +578,11 @@ class SchedulerPlanner:
         storing = self._storing if eager else {}
         cached = scheduler_output.scheduled_cached_reqs
         single = self._single
+        preempted = scheduler_output.preempted_req_ids  # a set, or None (vLLM 0.26 and 0.32 alike)
+        if preempted and self._req_jobs:  # their blocks may be re-allocated in this very step
+            for rid in preempted:
+                self._release(rid)
+        writers: list[str] = []  # requests whose blocks this step's store reads
         if not single:  # first every block handed out this step: stale table entries go before a store reads them
             for new in scheduler_output.scheduled_new_reqs:
                 self._allocated_now(new.block_ids, step, fences)
@@ -501,7 +598,10 @@ class SchedulerPlanner:
             self._set_tables(st, self._tables(new.block_ids))
             storing[new.req_id] = st
             end = new.num_computed_tokens + scheduled.get(new.req_id, 0)
+            before = len(keys_out)
             self._plan_store(st, end, keys_out, gpu_out)
+            if len(keys_out) > before:
+                writers.append(new.req_id)
         resumed = _resumed_ids(cached) if cached.req_ids else set()
         # Decode steps list every running request: keep the per-request work to a lookup unless the
         # request still has chunks to store (prompt-only stores finish with the prefill).
@@ -517,8 +617,11 @@ class SchedulerPlanner:
                     self._set_tables(st, self._tables(new_ids))
                 else:
                     self._extend_tables(st, new_ids)
+            before = len(keys_out)
             self._plan_store(st, cached.num_computed_tokens[i] + scheduled.get(rid, 0), keys_out, gpu_out)
-        self._put(keys_out, gpu_out, step)
+            if len(keys_out) > before:
+                writers.append(rid)
+        self._put(keys_out, gpu_out, step, writers)
         if self._finish_puts:  # planned when their requests finished, i.e. in an earlier step
             first = min(s for _, _, s in self._finish_puts)
             self._put([k for ks, _, _ in self._finish_puts for k in ks],
@@ -538,11 +641,11 @@ class SchedulerPlanner:
         self._early, self._loads, self._load_fail, self._sync, self._sync_fail = [], {}, {}, [], []
         return plan
 
-    def _put(self, keys: list[bytes], gpu: list[int], step: int) -> None:
+    def _put(self, keys: list[bytes], gpu: list[int], step: int, reqs: Sequence[str] = ()) -> None:
         if not keys:
             return
         hid = next(self._handle_ids)
-        self._puts[hid] = _Put(gpu, step)
+        self._puts[hid] = _Put(gpu, step, tuple(reqs))
         self.counters.store_chunks += len(keys)
         self._route(self.chain.put(keys, hid))
 
@@ -608,7 +711,8 @@ class SchedulerPlanner:
             computed = min(computed, req.num_prompt_tokens)
         if self._single:
             block_ids = st.tables[0]
-            n = min(computed // self.bs, len(req.block_hashes), len(block_ids)) // self.k
+            blocks = min(computed // self.bs, len(req.block_hashes), len(block_ids))
+            n = blocks // self.k
             if n > st.stored:
                 keys = self._chunk_keys(st, n)
                 keys_out.extend(keys[st.stored:n])
@@ -616,6 +720,9 @@ class SchedulerPlanner:
                 if self._event_meta is not None:
                     self._remember(st, st.stored, n)
                 st.stored = n
+            if self._tails and not st.tail_done and end >= req.num_prompt_tokens and st.stored == n:
+                st.tail_done = True  # the prefill is complete: its full blocks after the last whole chunk
+                self._offer_tail(req, block_ids, blocks, keys_out, gpu_out)
         else:
             chunk = self.chunk
             n = min(computed // chunk, len(req.block_hashes) // self._hashes_per_chunk,
@@ -625,9 +732,29 @@ class SchedulerPlanner:
                 for c in range(st.stored, n):
                     self._offer(st, c, keys[c], end == (c + 1) * chunk, keys_out, gpu_out)
                 st.stored = n
-        if not self.cfg.store_decode_tokens and st.stored >= req.num_prompt_tokens // self.chunk:
+        if not self.cfg.store_decode_tokens and st.stored >= req.num_prompt_tokens // self.chunk and \
+                (st.tail_done or not self._tails):
             if self._storing.pop(req.request_id, None) is not None:  # every prompt chunk offered
                 self._disown(st)
+
+    def _offer_tail(self, req, block_ids: list[int], blocks: int, keys_out: list[bytes], gpu_out: list[int]) -> None:
+        """Add the tail piece (the ``blocks`` leading blocks past the last whole chunk) to a store, if any."""
+        k = self.k
+        base = blocks - blocks % k
+        m = blocks - base
+        if not m:
+            return
+        hashes = req.block_hashes
+        key = self._tail_prefix + hashes[blocks - 1]
+        keys_out.append(key)
+        gpu_out.extend(block_ids[base:blocks])
+        gpu_out.extend([-1] * (k - m))
+        self.counters.tail_stores += 1
+        if self._event_meta is not None:  # a KV event names the piece's blocks like a chunk's
+            bs = self.bs
+            self._event_meta[key] = (list(hashes[base:blocks]), hashes[base - 1] if base else None,
+                                     list(req.all_token_ids[base * bs:blocks * bs]),
+                                     req.lora_request.lora_int_id if req.lora_request is not None else None)
 
     def _offer(self, st: _Req, c: int, key: bytes, state_at_end: bool, keys_out: list[bytes],
                gpu_out: list[int], tables: list[list[int]] | None = None) -> None:
@@ -659,7 +786,9 @@ class SchedulerPlanner:
             ids = self._ext[job.job_id]
             # a store planned in this step reads blocks computed in this step: valid by construction
             if put is not None and (put.step == self._step or all(alloc.get(g, 0) <= put.step for g in ids)):
-                self._track(job.job_id, ids if self._single else [g for g in ids if g >= 0])
+                # planned in this step: its requests still hold the blocks; later: they may have let go since
+                self._track(job.job_id, ids if self._single and -1 not in ids else [g for g in ids if g >= 0],
+                            put.reqs if put.step == self._step else ())
                 out.append(job)
                 continue
             self.counters.stores_dropped_reused += len(job)
@@ -678,7 +807,8 @@ class SchedulerPlanner:
                 self._stores.append(job)
             elif job.kind is JobKind.EGRESS:
                 ext = self._ext[job.job_id] = self._items(self._gets[job.handle], job.dst_slots)
-                self._track(job.job_id, [g for g in ext if g >= 0])
+                rid = self._routing_req
+                self._track(job.job_id, [g for g in ext if g >= 0], (rid,) if rid is not None else ())
                 self._early.append(job)
             else:
                 self._early.append(job)
@@ -693,17 +823,46 @@ class SchedulerPlanner:
             out.extend(gpu[i * k:(i + 1) * k])
         return out
 
-    def _track(self, job_id: int, gpu_ids: list[int]) -> None:
-        """Mark ``gpu_ids`` as touched by ``job_id`` (the newest job wins: an older job on a block was
-        fenced when vLLM re-allocated that block, which is the only way a block gets a new job)."""
+    def _track(self, job_id: int, gpu_ids: list[int], reqs: Sequence[str] = ()) -> None:
+        """Remember that ``job_id`` touches ``gpu_ids``, which ``reqs`` hold (() or several groups: publish
+        them to ``_gpu_busy`` now; else when one of ``reqs`` finishes or is preempted, see ``_release``)."""
         self._job_gpu[job_id] = gpu_ids
+        if self._lazy_busy and reqs:
+            req_jobs = self._req_jobs
+            for rid in reqs:
+                jobs = req_jobs.get(rid)
+                if jobs is None:
+                    req_jobs[rid] = [job_id]
+                else:
+                    jobs.append(job_id)
+        else:
+            self._publish(job_id, gpu_ids)
+
+    def _publish(self, job_id: int, gpu_ids: list[int]) -> None:
+        """Put ``gpu_ids`` in ``_gpu_busy`` under ``job_id`` (the newest job wins: an older job on a block was
+        fenced when vLLM re-allocated that block, which is the only way a block gets a new job)."""
         self._gpu_busy.update(dict.fromkeys(gpu_ids, job_id))
+        self._published.add(job_id)
+
+    def _release(self, rid: str) -> None:
+        """Request ``rid`` let its blocks go (finished, aborted, preempted): publish its in-flight jobs' blocks,
+        so a re-allocation of any of them fences the job."""
+        jobs = self._req_jobs.pop(rid, None)
+        if jobs:
+            job_gpu, published = self._job_gpu, self._published
+            for job_id in jobs:
+                ids = job_gpu.get(job_id)
+                if ids is not None and job_id not in published:
+                    self._publish(job_id, ids)
 
     def _untrack(self, job_id: int) -> None:
-        busy = self._gpu_busy
-        for g in self._job_gpu.pop(job_id, ()):
-            if busy.get(g) == job_id:
-                del busy[g]
+        ids = self._job_gpu.pop(job_id, ())
+        if job_id in self._published:
+            self._published.discard(job_id)
+            busy = self._gpu_busy
+            for g in ids:
+                if busy.get(g) == job_id:
+                    del busy[g]
 
     def _drain_finished(self) -> None:
         for hid, _ in self.chain.take_finished():
@@ -766,6 +925,8 @@ class SchedulerPlanner:
         """
         st = self._reqs.pop(request.request_id, None)
         self._storing.pop(request.request_id, None)
+        if self._req_jobs:
+            self._release(request.request_id)
         if st is not None:
             self._disown(st)
         if st is None or self.cfg.store_policy != "on_finish":
@@ -776,9 +937,12 @@ class SchedulerPlanner:
         tables = self._tables(block_ids)
         if self._single:
             ids = tables[0]
-            n = min(computed // self.bs, len(request.block_hashes), len(ids)) // self.k
+            blocks = min(computed // self.bs, len(request.block_hashes), len(ids))
+            n = blocks // self.k
             keys = self._chunk_keys(st, n)[st.stored:n]
             gpu = ids[st.stored * self.k:n * self.k]
+            if self._tails and not st.tail_done and st.stored <= n:
+                self._offer_tail(request, ids, blocks, keys, gpu)
         else:
             n = min(computed // self.chunk, len(request.block_hashes) // self._hashes_per_chunk,
                     *(len(t) // g.chunk_blocks for t, g in zip(tables, self._groups)))
@@ -815,10 +979,11 @@ class SchedulerPlanner:
         req, m, chunk = st.request, self._hashes_per_chunk, self.chunk
         hashes, tokens = req.block_hashes, req.all_token_ids
         keys = st.keys
+        lora = req.lora_request.lora_int_id if req.lora_request is not None else None
         for c in range(c0, c1):
             self._event_meta[key if key is not None else keys[c]] = (
-                list(hashes[c * m:(c + 1) * m]), hashes[c * m - 1] if c else None, list(tokens[c * chunk:(c + 1) * chunk]),
-                req.lora_request.lora_int_id if req.lora_request is not None else None)
+                list(hashes[c * m:(c + 1) * m]), hashes[c * m - 1] if c else None,
+                list(tokens[c * chunk:(c + 1) * chunk]), lora)
 
     def take_events(self) -> list[tuple[bool, str, tuple]]:
         """``(stored, tier name, event metadata)`` for every chunk this engine stored that landed in or left a tier
@@ -869,7 +1034,8 @@ class SchedulerPlanner:
         out = {f"sched_{k}": v for k, v in vars(self.counters).items()}
         out.update({
             "inflight_jobs": c.inflight(), "pinned": c.pinned(), "waiting": c.waiting(),
-            "gpu_blocks_busy": len(self._gpu_busy), "tracked_requests": len(self._reqs) + len(self._storing),
+            "gpu_blocks_busy": len(self._gpu_busy) + len(self._job_gpu),
+            "tracked_requests": len(self._reqs) + len(self._storing) + len(self._req_jobs),
             "tracked_window_blocks": len(self._owner), "promotions_pending": len(self._promotions),
             "open_puts": len(self._puts), "open_gets": len(self._gets), "unshipped_ext": len(self._ext),
             "resident_cpu": c.resident(CPU),

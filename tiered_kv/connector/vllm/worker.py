@@ -182,7 +182,9 @@ class WorkerRuntime:
             from tiered_kv.tiers.disk import DiskTier  # lazily: needs lmdb and zstandard, a CPU-only setup does not
 
             self.disk = DiskTier(self.layout, path, disk_chunks * disk_slot_nbytes(geo), cfg.compression,
-                                 cfg.zstd_level, cfg.disk_sync, writer=self.writes_copies)
+                                 cfg.zstd_level, cfg.disk_sync, writer=self.writes_copies, owner=ns.prefix,
+                                 budget=cfg.disk_budget, weight=cfg.disk_weight,
+                                 evicts=cfg.disk_budget == "shared" and cfg.remote_settings() is None)
         self.remote: RemoteTier | None = None
         settings = cfg.remote_settings()
         if settings is not None:

@@ -5,7 +5,9 @@
 - ``claims``: slot -> writer pid (``<I``) for slots being written, so a crash between claim and
   commit leaves a claim of a dead pid that the next open returns to the free list;
 - ``meta``: ``format`` (JSON: format number, slot size), ``slots`` (slots in the payload file, the
-  largest capacity this directory was ever opened with) and ``hwm`` (slots ever handed out).
+  largest capacity this directory was ever opened with) and ``hwm`` (slots ever handed out);
+- ``owners``, ``order``, ``spaces``, ``leases``: the directory's shared budget, eviction order,
+  per-namespace use and readers' leases (budget.py says what each holds and the rules).
 
 ``DiskIndex`` owns everything about that environment: opening it (one open per process and
 directory, shared by every tier on it), checking its size and format, claiming and freeing
@@ -26,12 +28,14 @@ import logging
 import os
 import struct
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import lmdb
 
 from tiered_kv.errors import ConfigError, RecordError
+from tiered_kv.tiers.disk.budget import ANON, Budget, claim_owner, claim_value, pid_alive
 from tiered_kv.values.record import RecordHeader
 
 log = logging.getLogger(__name__)
@@ -39,6 +43,7 @@ log = logging.getLogger(__name__)
 FORMAT = 1
 _SLOT = struct.Struct(">Q")  # big-endian, so the free list's cursor order is slot order
 _CLAIM = struct.Struct("<I")
+_BUDGET_DBS = ("owners", "order", "spaces", "leases")
 
 # py-lmdb allows one open of an environment per process; tiers of one directory in one process
 # (vLLM's scheduler and worker under a single-process executor, two stores in a test) share it.
@@ -61,6 +66,12 @@ def _open_env(idx: Path, read_only: bool, **kw) -> lmdb.Environment:
         return env
 
 
+def env_open_here(idx: Path) -> bool:
+    """Whether this process already has the LMDB environment at ``idx`` open (then it was checked)."""
+    with _ENVS_LOCK:
+        return os.path.realpath(idx) in _ENVS
+
+
 def _close_env(env: lmdb.Environment) -> None:
     with _ENVS_LOCK:
         for key, ent in list(_ENVS.items()):
@@ -73,14 +84,7 @@ def _close_env(env: lmdb.Environment) -> None:
     env.close()
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+_pid_alive = pid_alive
 
 
 class DiskIndex:
@@ -92,11 +96,16 @@ class DiskIndex:
     (the stored value only grows). Raises ConfigError when the index cannot be opened, is
     damaged or truncated, or holds another format.
 
+    ``owner`` (an 8-byte namespace prefix), ``budget`` ("namespace" or "shared") and ``weight`` are this
+    opener's place in the directory's shared budget (budget.py): a writable open registers them, with
+    ``slots`` as the namespace's quota (namespace mode) or the directory's budget (shared mode).
+
     Public attributes for tools that read the index directly (``inspect``, tests):
     ``env`` and ``db_records``, ``db_free``, ``db_claims``, ``db_meta``.
     """
 
-    def __init__(self, path: Path, slot_bytes: int, slots: int, readonly: bool = False, sync: bool = False) -> None:
+    def __init__(self, path: Path, slot_bytes: int, slots: int, readonly: bool = False, sync: bool = False,
+                 owner: bytes = ANON, budget: str = "namespace", weight: int = 1) -> None:
         self.path = path
         self.root = path.parent  # the disk-tier directory, named in messages
         self.slot_bytes = slot_bytes
@@ -105,7 +114,7 @@ class DiskIndex:
             path.mkdir(mode=0o700, exist_ok=True)
         map_size = max(64 << 20, slots * 512 + (32 << 20))  # ~512 B of B-tree per record, plus room to grow
         try:
-            self.env = _open_env(path, readonly, map_size=map_size, max_dbs=4, subdir=True, readonly=readonly,
+            self.env = _open_env(path, readonly, map_size=map_size, max_dbs=10, subdir=True, readonly=readonly,
                                  sync=sync, metasync=sync, lock=True, mode=0o600, max_readers=256,
                                  readahead=False, meminit=False)
         except lmdb.Error as exc:
@@ -117,7 +126,19 @@ class DiskIndex:
             self.db_free = self.env.open_db(b"free", create=not readonly)
             self.db_claims = self.env.open_db(b"claims", create=not readonly)
             self.db_meta = self.env.open_db(b"meta", create=not readonly)
+            dbs = {"records": self.db_records, "free": self.db_free, "claims": self.db_claims, "meta": self.db_meta}
+            self.accounted = True
+            for name in _BUDGET_DBS:
+                try:
+                    dbs[name] = self.env.open_db(name.encode(), create=not readonly)
+                except lmdb.NotFoundError:  # read-only open of a directory written before the budget existed
+                    self.accounted = False
+            self.owner = owner
+            self.budget = Budget(dbs, owner, budget, weight)
             self._check_format(slots)
+            self.evicted_at_open: list[bytes] = []
+            if not readonly:
+                self._register(slots)
         except lmdb.Error as exc:
             _close_env(self.env)
             raise ConfigError(f"{str(path)!r}: the LMDB index is damaged ({type(exc).__name__}: {exc}); "
@@ -164,6 +185,17 @@ class DiskIndex:
             if slots > old and not self.readonly:
                 txn.put(b"slots", _SLOT.pack(slots))
 
+    def _register(self, slots: int) -> None:
+        """Register this opener in the directory's budget; grow the payload file's slot count to match."""
+        with self.env.begin(write=True) as txn:
+            limit = _SLOT.unpack(txn.get(b"slots", db=self.db_meta))[0]
+            want, self.evicted_at_open = self.budget.register(txn, slots, limit)
+            if want > limit:
+                txn.put(b"slots", _SLOT.pack(want), db=self.db_meta)
+        if self.evicted_at_open:
+            log.info("disk tier %s: evicted %d records to fit the budget at open", self.root,
+                     len(self.evicted_at_open))
+
     @property
     def physical_slots(self) -> int:
         """Slots the payload file must hold (the largest capacity this directory was ever opened with)."""
@@ -179,9 +211,10 @@ class DiskIndex:
         with self.env.begin(write=True) as txn:
             cur = txn.cursor(db=self.db_claims)
             dead = [(bytes(k), bytes(v)) for k, v in cur if not _pid_alive(_CLAIM.unpack(bytes(v)[:4])[0])]
-            for slot_key, _ in dead:
+            for slot_key, val in dead:
                 txn.delete(slot_key, db=self.db_claims)
                 txn.put(slot_key, b"", db=self.db_free)
+                self.budget.release(txn, claim_owner(val), 1)
                 freed += 1
         if freed:
             log.warning("disk tier %s: returned %d slots claimed by crashed writers to the free list", self.root, freed)
@@ -195,27 +228,70 @@ class DiskIndex:
         ``keys[fresh[j]]`` under this process's pid. ``len(slots) < len(fresh)`` when the payload file
         is full. Every claimed slot must end in ``commit`` or ``release``.
         """
-        with self.env.begin(write=True) as txn:
-            fresh = [i for i, k in enumerate(keys) if txn.get(k, db=self.db_records) is None]
-            return fresh, self._claim(txn, len(fresh))
+        fresh, slots, _, _ = self.claim_ex(keys, evict=False)
+        return fresh, slots
 
-    def _claim(self, txn: lmdb.Transaction, n: int) -> list[int]:
-        """Take up to ``n`` slots inside write txn ``txn``: free-listed ones first, then above the high-water mark."""
+    def claim_ex(self, keys: Sequence[bytes], evict: bool = True, keep: Callable[[bytes], bool] | None = None
+                 ) -> tuple[list[int], list[int], list[bytes], list[int]]:
+        """``claim`` under the directory's budget, in one write txn.
+
+        Returns ``(fresh, slots, evicted, foreign)``: as ``claim``, plus the keys whose records were
+        evicted to make room (any namespace's, as the budget's rules allow; only with ``evict``) and
+        ``foreign``, indices of keys another namespace holds a record of (neither fresh nor ours:
+        a put of those is refused). ``keep(key)`` spares records this process still needs.
+        """
+        with self.env.begin(write=True) as txn:
+            fresh: list[int] = []
+            foreign: list[int] = []
+            for i, k in enumerate(keys):
+                if txn.get(k, db=self.db_records) is None:
+                    fresh.append(i)
+                elif self.accounted and self.budget.owner_of(txn, k) not in (None, self.owner):
+                    foreign.append(i)
+            slots, evicted = self._claim(txn, len(fresh), evict, keep)
+            return fresh, slots, evicted, foreign
+
+    def _claim(self, txn: lmdb.Transaction, n: int, evict: bool, keep: Callable[[bytes], bool] | None = None
+               ) -> tuple[list[int], list[bytes]]:
+        """Take up to ``n`` slots inside write txn ``txn`` within the budget: free-listed ones first, then
+        above the high-water mark, then (``evict``) slots of records the budget's rules let go."""
         out: list[int] = []
+        evicted: list[bytes] = []
+        budget = self.budget
+        spaces = budget.begin_claim(txn)
+        mine = spaces[self.owner]
         cur = txn.cursor(db=self.db_free)
-        while len(out) < n and cur.first():
-            out.append(_SLOT.unpack(bytes(cur.key()))[0])
-            cur.delete()
-        if len(out) < n:
-            hwm = _SLOT.unpack(txn.get(b"hwm", db=self.db_meta))[0]
-            limit = _SLOT.unpack(txn.get(b"slots", db=self.db_meta))[0]
-            take = min(n - len(out), max(0, limit - hwm))
-            out.extend(range(hwm, hwm + take))
-            txn.put(b"hwm", _SLOT.pack(hwm + take), db=self.db_meta)
-        pid = _CLAIM.pack(os.getpid())
+        hwm = _SLOT.unpack(txn.get(b"hwm", db=self.db_meta))[0]
+        limit = _SLOT.unpack(txn.get(b"slots", db=self.db_meta))[0]
+        now = 0
+        while len(out) < n:
+            if budget.may_grow(spaces):
+                if cur.first():
+                    out.append(_SLOT.unpack(bytes(cur.key()))[0])
+                    cur.delete()
+                    mine.used += 1
+                    continue
+                if hwm < limit:
+                    out.append(hwm)
+                    hwm += 1
+                    mine.used += 1
+                    continue
+            if not evict:
+                break
+            now = now or time.time_ns()
+            victim = budget.victim(txn, spaces, now, keep)
+            if victim is None:
+                break
+            slot = budget.evict(txn, victim, spaces, limit)
+            evicted.append(victim)
+            if slot is not None:
+                txn.put(_SLOT.pack(slot), b"", db=self.db_free)  # taken by the next turn of the loop
+        txn.put(b"hwm", _SLOT.pack(hwm), db=self.db_meta)
+        budget.save(txn, spaces)
+        val = claim_value(self.owner)
         for s in out:
-            txn.put(_SLOT.pack(s), pid, db=self.db_claims)
-        return out
+            txn.put(_SLOT.pack(s), val, db=self.db_claims)
+        return out, evicted
 
     def commit(self, records: Sequence[tuple[bytes, int, bytes]], failed_slots: Sequence[int]) -> bool:
         """In one write txn: store each ``(key, slot, packed_header)`` and end its claim; free ``failed_slots``.
@@ -227,13 +303,18 @@ class DiskIndex:
         try:
             with self.env.begin(write=True) as txn:
                 lost: list[int] = []
+                stored: list[bytes] = []
                 for key, slot, hdr in records:
                     if not txn.put(key, hdr, db=self.db_records, overwrite=False):
                         lost.append(slot)  # another process stored it first: keep theirs
+                    else:
+                        stored.append(key)
                     txn.delete(_SLOT.pack(slot), db=self.db_claims)
                 for slot in (*failed_slots, *lost):
                     txn.delete(_SLOT.pack(slot), db=self.db_claims)
                     txn.put(_SLOT.pack(slot), b"", db=self.db_free)
+                self.budget.committed(txn, stored)
+                self.budget.release(txn, self.owner, len(failed_slots) + len(lost))
             return True
         except lmdb.Error as exc:
             log.warning("disk tier %s: index commit of %d blocks failed: %s", self.root, len(records), exc)
@@ -244,19 +325,26 @@ class DiskIndex:
         """Give claimed slots back to the free list (best effort: a dead claim is recovered at the next open)."""
         try:
             with self.env.begin(write=True) as txn:
+                n = 0
                 for slot in slots:
-                    txn.delete(_SLOT.pack(slot), db=self.db_claims)
+                    if txn.delete(_SLOT.pack(slot), db=self.db_claims):
+                        n += 1
                     txn.put(_SLOT.pack(slot), b"", db=self.db_free)
+                self.budget.release(txn, self.owner, n)
         except lmdb.Error as exc:
             log.warning("disk tier %s: could not return %d claimed slots: %s", self.root, len(slots), exc)
 
     def delete(self, keys: Sequence[bytes]) -> None:
-        """Delete records and return their slots to the free list (one txn); keys with no record are skipped."""
+        """Delete records and return their slots to the free list (one txn); keys with no record, and
+        records another namespace owns, are skipped."""
         with self.env.begin(write=True) as txn:
             for key in keys:
+                if self.budget.owner_of(txn, key) not in (None, self.owner):
+                    continue
                 raw = txn.pop(key, db=self.db_records)
                 if raw is None:
                     continue
+                self.budget.forget(txn, key)
                 try:
                     slot = RecordHeader.unpack(key, raw).slot
                 except RecordError:
@@ -272,6 +360,7 @@ class DiskIndex:
             with self.env.begin(write=True) as txn:
                 raw = txn.get(key, db=self.db_records)
                 txn.delete(key, db=self.db_records)
+                self.budget.forget(txn, key)
                 slot = None
                 if raw is not None and len(raw) >= 24:
                     try:
@@ -298,9 +387,81 @@ class DiskIndex:
             return True
 
     def has(self, keys: Sequence[bytes]) -> list[bool]:
-        """Whether a record of each key exists now (one read txn)."""
+        """Whether a record of each key that this opener's namespace may read exists now (one read txn)."""
         with self.env.begin(db=self.db_records, buffers=True) as txn:
-            return [txn.get(k) is not None for k in keys]
+            return [txn.get(k) is not None and self._mine(txn, k) for k in keys]
+
+    def _mine(self, txn: lmdb.Transaction, key: bytes) -> bool:
+        return not self.accounted or self.budget.owner_of(txn, key) in (None, self.owner)
+
+    def lease(self, keys: Sequence[bytes]) -> tuple[list[bytes | None], list[bytes]]:
+        """In one write txn: the header of each key this namespace may read (None: no such record, or
+        another namespace's), each held by a lease until ``unlease``. Returns (headers, lease keys)."""
+        raws: list[bytes | None] = []
+        leases: list[bytes] = []
+        with self.env.begin(write=True, buffers=False) as txn:
+            for k in keys:
+                raw = txn.get(k, db=self.db_records)
+                if raw is not None and not self._mine(txn, k):
+                    raw = None
+                raws.append(raw)
+                if raw is not None:
+                    leases.append(self.budget.lease(txn, k))
+        return raws, leases
+
+    def unlease(self, leases: Sequence[bytes], read: Sequence[bytes]) -> None:
+        """End leases; the records in ``read`` were read and move to the young end of the eviction order."""
+        if not leases and not read:
+            return
+        try:
+            with self.env.begin(write=True) as txn:
+                self.budget.unlease(txn, leases)
+                self.budget.touch(txn, read)
+        except lmdb.Error as exc:  # leases expire by themselves
+            log.warning("disk tier %s: could not end %d read leases: %s", self.root, len(leases), exc)
+
+    def owned_keys(self, layout_fp: int) -> tuple[list[bytes], list[bytes]]:
+        """This namespace's keys whose records were written for ``layout_fp``, least recently used first.
+
+        Returns ``(keys, damaged)`` as ``list_keys`` does.
+        """
+        if not self.accounted:
+            return self.list_keys(layout_fp)
+        out: list[bytes] = []
+        bad: list[bytes] = []
+        owner = self.owner
+        with self.env.begin(buffers=False) as txn:
+            cur = txn.cursor(db=self.budget.db["order"])
+            if cur.set_range(owner):
+                for k, _ in cur:
+                    if not k.startswith(owner):
+                        break
+                    key = k[len(owner) + 8:]
+                    raw = txn.get(key, db=self.db_records)
+                    if raw is None:
+                        continue
+                    try:
+                        hdr = RecordHeader.unpack(key, raw)
+                    except RecordError:
+                        bad.append(key)
+                        continue
+                    if hdr.layout_fp == layout_fp:
+                        out.append(key)
+        return out, bad
+
+    def space_usage(self) -> dict:
+        """The directory's budget as this opener sees it: mode, budget (slots), and per namespace (hex
+        prefix) its weight, quota, used slots and evictions."""
+        if not self.accounted:
+            return {"mode": None, "budget_slots": 0, "spaces": {}}
+        with self.env.begin() as txn:
+            spaces = self.budget.spaces(txn)
+            raw = txn.get(b"budget_mode", db=self.db_meta)
+            budget = self.budget.budget_slots(txn)
+            leases = txn.stat(self.budget.db["leases"])["entries"]
+        return {"mode": None if raw is None else bytes(raw).decode(), "budget_slots": budget, "leases": leases,
+                "spaces": {o.hex(): {"weight": s.weight, "quota_slots": s.quota, "used_slots": s.used,
+                                     "evictions": s.evictions} for o, s in spaces.items()}}
 
     def list_keys(self, layout_fp: int, prefix: bytes = b"") -> tuple[list[bytes], list[bytes]]:
         """Keys (starting with ``prefix``) whose records were written for ``layout_fp``, oldest first.
@@ -345,7 +506,7 @@ class DiskIndex:
         return {"records": records, "payload_bytes": stored, "raw_bytes": raw_total, "bad_headers": bad,
                 "layouts": layouts, "slot_bytes": self.slot_bytes, "physical_slots": self.physical_slots,
                 "free_listed": free, "pending_claims": claims,
-                "index_bytes": os.path.getsize(self.path / "data.mdb")}
+                "index_bytes": os.path.getsize(self.path / "data.mdb"), "budget": self.space_usage()}
 
     # ------------------------------------------------------------------ lifetime
     def sync(self) -> None:

@@ -19,8 +19,16 @@ Durability: with ``sync=False`` (default) committed blocks survive a process cra
 (the kernel holds the page cache); ``flush()`` makes them survive power loss. With
 ``sync=True`` every batch is fdatasync'ed and every LMDB commit is synced.
 
-Sharing: several processes may open one directory (LMDB serializes writers); each one's
-planner knows only the records it adopted at open or wrote itself.
+Sharing: several processes (and namespaces) may open one directory (LMDB serializes writers).
+The directory keeps one budget and one eviction order for all of them (budget.py): a write that
+finds no room evicts by the budget's rules inside its claim transaction and reports the evicted
+keys (``write_ex``); a read holds a lease on each record it reads, so no slot is reused under
+it. Each record belongs to the namespace that wrote it (``owner``): another namespace never
+reads, lists, adopts or deletes it.
+
+Damage: a writable open of an existing index first walks it in a child process (check.py), because
+LMDB can kill the process on a damaged B-tree page; a damaged index raises ``DamagedIndexError``
+(the store quarantines the directory and runs without it).
 
 Security: the directory is created 0700 and files 0600; paths with ``..`` or symlinks
 are refused; headers are parsed with ``struct`` and verified, never unpickled.
@@ -34,15 +42,18 @@ import logging
 import os
 import stat
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
-from tiered_kv.errors import ConfigError, RecordError, StoreClosedError
+from tiered_kv.errors import ConfigError, DamagedIndexError, RecordError, StoreClosedError
 from tiered_kv.tiers.base import Tier
-from tiered_kv.tiers.disk.index import DiskIndex
+from tiered_kv.tiers.disk.budget import ANON
+from tiered_kv.tiers.disk.check import check_index
+from tiered_kv.tiers.disk.index import DiskIndex, env_open_here
 from tiered_kv.tiers.disk.slots import ALIGN, SlotFile
 from tiered_kv.values.layout import BlockLayout
 from tiered_kv.values.record import CODECS, RecordHeader
@@ -71,20 +82,51 @@ def check_store_path(path: str | os.PathLike) -> Path:
     return p
 
 
+def quarantine(path: str | os.PathLike, reason: str) -> str | None:
+    """Move a damaged disk-tier directory aside (``<path>.damaged-<UTC time>-<pid>``) with a note of why.
+
+    Returns the new path, or None when it could not be moved (the caller goes on without it either way).
+    Processes that still have the old index open keep their handles; the next open of ``path`` starts empty.
+    """
+    src = Path(path)
+    dst = src.with_name(f"{src.name}.damaged-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}")
+    try:
+        os.rename(src, dst)
+    except OSError as exc:
+        log.error("disk tier %s: could not move the damaged directory aside: %s", src, exc)
+        return None
+    try:
+        (dst / "DAMAGED.txt").write_text(f"moved aside by pid {os.getpid()} at {time.ctime()}: {reason}\n"
+                                         f"salvage with: tiered-kv repair {dst}\n")
+    except OSError:
+        pass
+    return str(dst)
+
+
 def file_mode(path: str | os.PathLike) -> int:
     """Permission bits of ``path`` (for tests and ``inspect``)."""
     return stat.S_IMODE(os.stat(path).st_mode)
 
 
 class DiskTier(Tier):
-    """Persistent tier on local disk: LMDB index (``self.index``) + slot file (``self.slots``)."""
+    """Persistent tier on local disk: LMDB index (``self.index``) + slot file (``self.slots``).
+
+    ``owner`` is the 8-byte namespace prefix whose records this tier reads, lists and writes;
+    ``budget`` ("namespace": ``capacity_bytes`` is this namespace's quota in the directory; "shared":
+    it is the directory's one budget) and ``weight`` (fair share under a shared budget) place it in
+    the directory's budget; ``evicts``: a write that finds no room evicts by the budget's rules (the
+    planner then treats this tier as governed) instead of being refused. ``check``: walk an existing
+    index in a child process before opening it (raises ``DamagedIndexError`` when damaged).
+    """
 
     name = "disk"
     slotted = False
 
     def __init__(self, layout: BlockLayout, path: str | os.PathLike, capacity_bytes: int,
                  compression: str = "none", zstd_level: int = 1, sync: bool = False, readonly: bool = False,
-                 key_prefix: bytes = b"", direct_io: bool = True, writer: bool = True, read_threads: int = 4) -> None:
+                 key_prefix: bytes = b"", direct_io: bool = True, writer: bool = True, read_threads: int = 4,
+                 owner: bytes = ANON, budget: str = "namespace", weight: int = 1, evicts: bool = False,
+                 check: bool = True) -> None:
         if compression not in CODECS:
             raise ConfigError(f"compression: unknown codec {compression!r}; valid: {sorted(CODECS)}")
         self.slot_bytes = -(-layout.nbytes // ALIGN) * ALIGN
@@ -96,8 +138,18 @@ class DiskTier(Tier):
         self.readonly = readonly
         self.writer = writer and not readonly  # a reader never writes or deletes records (damaged ones aside)
         self.key_prefix = key_prefix
+        self.owner = owner
+        self.evicts = evicts
+        self.governed = evicts  # the planner neither counts room nor picks victims here (planner.room.TierSpec)
+        #: ``keep(key)`` -> True spares a record from this process's evictions (set by the owner of the
+        #: planner: a read of it is planned but has not taken its lease yet). Called inside a write txn.
+        self.keep: Callable[[bytes], bool] | None = None
+        #: ``released(keys)``: the claim txn that evicted ``keys`` (``keep`` said False) has ended (committed or
+        #: not); called outside the txn. Lets the planner's owner tell a stale snapshot from a live record.
+        self.released: Callable[[list[bytes]], None] | None = None
         self._closed = False
         self.dropped_at_open = 0
+        self.orphans_dropped = 0
         self.read_threads = read_threads
         self._executor: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
@@ -110,7 +162,16 @@ class DiskTier(Tier):
         for inner in (idx, idx / "data.mdb", idx / "lock.mdb", payload):
             if inner.is_symlink():  # never let a planted link send our writes outside the store
                 raise ConfigError(f"{str(inner)!r} is a symlink; a store directory must hold plain files only")
-        self.index = DiskIndex(idx, self.slot_bytes, self.capacity, readonly=readonly, sync=sync)
+        orphans: list[bytes] = []
+        if check and not readonly and (idx / "data.mdb").exists() and not env_open_here(idx):
+            report = check_index(idx)  # out of process: LMDB may abort on a damaged page
+            orphans = [bytes.fromhex(k) for k in report.get("orphans", [])]
+            if not report["ok"]:
+                raise DamagedIndexError(f"{str(self.path)!r}: the LMDB index is damaged ({report['error']}); "
+                                        f"move it aside (the store does) and run `tiered-kv repair` on it",
+                                        str(self.path), report["error"])
+        self.index = DiskIndex(idx, self.slot_bytes, self.capacity, readonly=readonly, sync=sync, owner=owner,
+                               budget=budget, weight=weight)
         self.slot_bytes = self.index.slot_bytes  # a read-only open takes the directory's slot size
         try:
             self.slots = SlotFile(payload, self.slot_bytes, readonly=readonly, direct_io=direct_io,
@@ -121,6 +182,12 @@ class DiskTier(Tier):
         if not readonly:
             self.slots.ensure_slots(self.index.physical_slots)
             self.index.recover_claims()
+            if orphans:  # ownership entries damaged: drop those records rather than guess whose they are
+                log.warning("disk tier %s: dropping %d records whose ownership entries are damaged", self.path,
+                            len(orphans))
+                for key in orphans:
+                    self.index.drop_damaged(key, self.slots.slot_count())
+                self.orphans_dropped = len(orphans)
 
     @property
     def physical_slots(self) -> int:
@@ -142,13 +209,34 @@ class DiskTier(Tier):
         ``rows`` is a ``(n, block_nbytes)`` uint8 tensor or a list of ``n`` 1-D uint8 rows (views are
         fine: a page-aligned CPU row is written to disk with no copy).
         """
+        return self.write_ex(keys, slots, rows)[0]
+
+    def write_ex(self, keys: Sequence[bytes], slots: Sequence[int], rows) -> tuple[list[bool], list[bytes]]:
+        """``write``, plus the keys whose records the directory evicted to make room (any namespace's).
+
+        A key whose record another namespace owns is refused (False), never overwritten or shared.
+        """
         self._check_open()
         if not self.writer:
-            return [False] * len(keys)
-        fresh, claimed = self.index.claim(keys)
+            return [False] * len(keys), []
+        going: list[bytes] = []
+
+        def keep(key: bytes) -> bool:
+            if self.keep is not None and self.keep(key):
+                return True
+            going.append(key)
+            return False
+
+        try:
+            fresh, claimed, evicted, foreign = self.index.claim_ex(keys, evict=self.evicts, keep=keep)
+        finally:
+            if going and self.released is not None:
+                self.released(going)
         ok = [True] * len(keys)
+        for i in foreign:
+            ok[i] = False  # another namespace's record: not ours to share
         for i in fresh[len(claimed):]:
-            ok[i] = False  # the file is full (other processes may hold slots this planner does not know)
+            ok[i] = False  # no room within the budget (or the file is full)
         written: list[tuple[bytes, int, bytes]] = []  # (key, slot, packed header)
         written_items: list[int] = []
         failed_slots: list[int] = []
@@ -170,7 +258,7 @@ class DiskTier(Tier):
         if not self.index.commit(written, failed_slots):
             for i in written_items:
                 ok[i] = False
-        return ok
+        return ok, evicted
 
     def read(self, keys: Sequence[bytes], slots: Sequence[int], out) -> tuple[list[bool], list[bool]]:
         """Read and verify each block into ``out[i]``; damaged records are deleted and reported corrupt."""
@@ -186,7 +274,10 @@ class DiskTier(Tier):
         self._check_open()
         n = len(keys)
         ok, corrupt, missing = [False] * n, [False] * n, [False] * n
-        raws = self.index.headers(keys)
+        if self.readonly:
+            raws, leases = self.index.headers(keys), []
+        else:
+            raws, leases = self.index.lease(keys)  # eviction skips leased records until we let go
         index, slot_file = self.index, self.slots
 
         def one(i: int) -> None:
@@ -212,11 +303,15 @@ class DiskTier(Tier):
                     index.drop_damaged(key, slot_file.slot_count())
                     corrupt[i] = True
 
-        if n > 1 and self.read_threads > 1:  # several reads in flight: the disk works on a queue, not one at a time
-            list(self._pool().map(one, range(n)))
-        else:
-            for i in range(n):
-                one(i)
+        try:
+            if n > 1 and self.read_threads > 1:  # several reads in flight: the disk works on a queue
+                list(self._pool().map(one, range(n)))
+            else:
+                for i in range(n):
+                    one(i)
+        finally:
+            if leases:
+                index.unlease(leases, [k for k, good in zip(keys, ok) if good])
         return ok, corrupt, missing
 
     def _pool(self) -> ThreadPoolExecutor:
@@ -242,15 +337,30 @@ class DiskTier(Tier):
         return self.index.has(keys)
 
     def stored_keys(self) -> list[bytes]:
-        """Keys of this layout (and key prefix, if set) stored in the directory, oldest first."""
-        keys, bad = self.index.list_keys(self.layout.fingerprint, self.key_prefix)
+        """Keys of this tier's namespace and layout (and key prefix, if set) stored in the directory,
+        least recently used first. Another namespace's records are never listed."""
+        keys, bad = self.index.owned_keys(self.layout.fingerprint)
+        if self.key_prefix:
+            keys = [k for k in keys if k.startswith(self.key_prefix)]
+            bad = [k for k in bad if k.startswith(self.key_prefix)]
         if bad and not self.readonly:
             log.warning("disk tier %s: dropping %d records with damaged headers", self.path, len(bad))
             limit = self.slots.slot_count()
             for key in bad:
                 self.index.drop_damaged(key, limit)
-        self.dropped_at_open = len(bad)
+        self.dropped_at_open = len(bad) + self.orphans_dropped
         return keys
+
+    def foreign_namespaces(self) -> set[bytes]:
+        """Prefixes of the other namespaces registered in this directory (one read txn)."""
+        if not self.index.accounted:
+            return set()
+        with self.index.env.begin() as txn:
+            return {o for o in self.index.budget.spaces(txn) if o != self.owner}
+
+    def usage(self) -> dict:
+        """The directory's budget: mode, budget and per-namespace use (``DiskIndex.space_usage``)."""
+        return self.index.space_usage()
 
     def scan(self) -> dict:
         """Summary of the directory for ``tiered-kv inspect``: records, bytes, layouts, bad headers."""
