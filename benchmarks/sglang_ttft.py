@@ -406,8 +406,10 @@ def run_session(modes: list[str], a: argparse.Namespace) -> dict:
             # the gate's recompute rate: none's turn-2 prompt tokens per second on this GPU
             args["prefill_tps"] = round(turn2_tokens(a) / s["turn2_median_s"], 1)
             calibration["prefill_tokens_per_s"] = args["prefill_tps"]
-        brief = {k: v for k, v in s.items() if "tokens" not in k or k.endswith("hit_tokens")}
+        brief = {k: v for k, v in s.items() if ("tokens" not in k or k.endswith("hit_tokens")) and k != "traceback"}
         print(f"[sglang_ttft] {mode}: {json.dumps(brief)[:800]}", flush=True)
+        if "traceback" in s:  # the device tool returns only the output's tail: say where it broke, here
+            print(f"[sglang_ttft] {mode} traceback (tail):\n{s['traceback'][-1500:]}", flush=True)
         if not a.keep_disk:
             shutil.rmtree(disk_dir, ignore_errors=True)
     compare(results)
