@@ -157,6 +157,24 @@ class WorkerCounters:
     acked_for_rank0: int = 0  # replicated caches: jobs rank 0 runs for every rank, acknowledged here
 
 
+def open_disk_tier(make):
+    """``make()`` a rank's DiskTier; a damaged index is moved aside (loudly) and the rank starts an empty one.
+
+    The scheduler planned with a disk tier, so the rank keeps one: empty is what the engine sees either way
+    (every disk lookup a miss until chunks are stored again). ``tiered-kv repair`` salvages the moved copy.
+    """
+    from tiered_kv.errors import DamagedIndexError
+    from tiered_kv.tiers.disk import quarantine
+
+    try:
+        return make()
+    except DamagedIndexError as exc:
+        moved = quarantine(exc.path, exc.reason)
+        log.error("TieredKVConnector: the disk index of %s is damaged (%s); moved it to %s, starting empty. "
+                  "`tiered-kv repair %s` salvages what it can.", exc.path, exc.reason, moved, moved)
+        return make()
+
+
 class WorkerRuntime:
     """One TP rank's tiers, movers and job bookkeeping; in-step copies go through its ``InStepLoader``."""
 
@@ -181,10 +199,10 @@ class WorkerRuntime:
         if path is not None and disk_chunks:
             from tiered_kv.tiers.disk import DiskTier  # lazily: needs lmdb and zstandard, a CPU-only setup does not
 
-            self.disk = DiskTier(self.layout, path, disk_chunks * disk_slot_nbytes(geo), cfg.compression,
-                                 cfg.zstd_level, cfg.disk_sync, writer=self.writes_copies, owner=ns.prefix,
-                                 budget=cfg.disk_budget, weight=cfg.disk_weight,
-                                 evicts=cfg.disk_budget == "shared" and cfg.remote_settings() is None)
+            self.disk = open_disk_tier(lambda: DiskTier(
+                self.layout, path, disk_chunks * disk_slot_nbytes(geo), cfg.compression, cfg.zstd_level, cfg.disk_sync,
+                writer=self.writes_copies, owner=ns.prefix, budget=cfg.disk_budget, weight=cfg.disk_weight,
+                evicts=cfg.disk_budget == "shared" and cfg.remote_settings() is None))
         self.remote: RemoteTier | None = None
         settings = cfg.remote_settings()
         if settings is not None:
