@@ -332,6 +332,22 @@ class Budget:
         for lk in lease_keys:
             txn.delete(lk, db=self.db["leases"])
 
+    def drop_stale_leases(self, txn: lmdb.Transaction) -> int:
+        """Delete every lease that expired or whose process is gone (at open); returns how many went."""
+        now = time.time_ns()
+        stale = []
+        for k, v in txn.cursor(db=self.db["leases"]):
+            k = bytes(k)
+            if len(k) < _LEASE.size:
+                stale.append(k)
+                continue
+            pid, _ = _LEASE.unpack(k[-_LEASE.size:])
+            if _EXPIRY.unpack(bytes(v))[0] <= now or not pid_alive(pid):
+                stale.append(k)
+        for k in stale:
+            txn.delete(k, db=self.db["leases"])
+        return len(stale)
+
     def leased(self, txn: lmdb.Transaction, key: bytes, now_ns: int) -> bool:
         """Whether a live reader holds ``key``; expired leases and leases of dead processes are dropped
         (when ``txn`` is a write transaction)."""
