@@ -213,3 +213,33 @@ def test_describe_never_shows_the_password(redis_cluster):
         assert len(tier.describe()["nodes"]) == 3
     finally:
         tier.close()
+
+
+ACL_RULES = ["on", ">tkv-acl-secret", "resetkeys", "~tkv:*", "resetchannels", "-@all", "+get", "+set", "+del",
+             "+exists", "+xadd", "+xread", "+scan", "+ping", "+cluster|slots", "+cluster|shards", "+command",
+             "+info"]
+
+
+def test_an_acl_user_limited_to_its_prefix_and_commands_is_enough(redis_cluster, monkeypatch):
+    """The ACL of docs/remote.md: the tier works with it, and that user cannot touch keys outside ``tkv:``."""
+    for i in range(3):
+        redis_cluster.cli(i, "acl", "setuser", "tkv-test", *ACL_RULES)
+    monkeypatch.setenv("TKV_ACL_PW", "tkv-acl-secret")
+    tier = make_tier(redis_cluster, user="tkv-test", password_env="TKV_ACL_PW")
+    try:
+        keys, rows = make_keys(12), random_rows(12, seed=4)
+        assert all(tier.write(keys, [-1] * 12, rows))
+        out = torch.zeros_like(rows)
+        assert tier.read_ex(keys, [-1] * 12, out)[0] == [True] * 12 and torch.equal(out, rows)
+        feed = tier.feed()
+        assert feed.caught_up.wait(10) and feed.take()[0] == keys
+        tier.delete(keys[:3])
+        assert tier.has(keys[:4]) == [False, False, False, True]
+        with pytest.raises(Exception, match="no permissions"):
+            tier.client.rc.set(b"other-app:key", b"x")
+        with pytest.raises(Exception, match="no permissions"):
+            tier.client.rc.flushall()
+    finally:
+        tier.close()
+        for i in range(3):
+            redis_cluster.cli(i, "acl", "deluser", "tkv-test")

@@ -23,6 +23,9 @@ from tiered_kv.values.record import CODECS
 from tiered_kv.values.units import parse_size
 
 _SIZE_KEYS = ("gpu_bytes", "cpu_bytes", "disk_bytes")
+#: The remote tier's keys, shared by the engine adapters that pass them through.
+REMOTE_KEYS = ("remote_url", "remote_password_env", "remote_user", "remote_tls_ca", "remote_timeout_s",
+               "remote_connect_timeout_s", "remote_write", "remote_workers")
 DISK_ROLES = ("writer", "reader")
 DISK_BUDGETS = ("namespace", "shared")  # docs/reliability.md, "Sharing one directory"
 
@@ -108,8 +111,8 @@ class StoreConfig:
         _check_choice(self.remote_write, "remote_write", REMOTE_WRITES)
         _check_int(self.remote_workers, "remote_workers", 1, 64)
         self.remote_settings()  # validates remote_url and the other remote_* keys
-        if self.gpu_bytes == 0 and self.cpu_bytes == 0 and self.disk_path is None:
-            raise ConfigError("no tier configured: set at least one of gpu_bytes, cpu_bytes or disk_path")
+        if self.gpu_bytes == 0 and self.cpu_bytes == 0 and self.disk_path is None and self.remote_url is None:
+            raise ConfigError("no tier configured: set at least one of gpu_bytes, cpu_bytes, disk_path or remote_url")
 
     def remote_settings(self) -> RemoteSettings | None:
         """The remote tier's settings (None without ``remote_url``); ConfigError names a bad ``remote_*`` key."""

@@ -269,7 +269,8 @@ class TieredStore:
         results: list[bool] = []
         # Stream large puts in chunks no larger than the put tier, so a put bigger than the
         # fastest tier cascades down instead of being refused for lack of room.
-        chunk = max(1, self.tiers[self.chain.placement.put_tier].capacity)
+        put_tier = self.tiers[self.chain.placement.put_tier]
+        chunk = max(1, len(keys) if put_tier.governed else put_tier.capacity)  # a governed tier makes its own room
 
         def run(start: int) -> None:
             end = min(start + chunk, len(keys))

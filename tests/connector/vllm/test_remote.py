@@ -180,3 +180,18 @@ def test_kv_events_name_what_was_stored_and_evicted_per_medium(redis_cluster, mo
         sub.close(0)
         ctx.term()
         eng.close()
+
+
+def test_the_deployment_command_in_docs_remote_md_is_valid():
+    import json
+    import re
+    from pathlib import Path
+
+    from tiered_kv.connector.vllm.config import ConnectorConfig
+
+    text = (Path(__file__).resolve().parents[3] / "docs" / "remote.md").read_text()
+    (line,) = [x for x in text.splitlines() if x.strip().startswith("vllm serve")]
+    ktc = json.loads(re.search(r"--kv-transfer-config '([^']+)'", line).group(1))
+    cfg = ConnectorConfig.from_extra_config(ktc["kv_connector_extra_config"])
+    settings = cfg.remote_settings()
+    assert len(settings.seeds()) == 3 and settings.user == "tkv" and settings.password_env == "TKV_REDIS_PW"

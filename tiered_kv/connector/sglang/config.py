@@ -18,6 +18,7 @@ from tiered_kv.errors import ConfigError
 from tiered_kv.connector.sglang.gate import check_gate_options
 from tiered_kv.connector.sglang.versions import check_supported, dp_rank, storage_writer
 from tiered_kv.planner.policy import POLICIES
+from tiered_kv.tiers.remote.settings import REMOTE_WRITES, RemoteSettings
 from tiered_kv.values.record import CODECS
 from tiered_kv.values.units import parse_size
 
@@ -49,6 +50,14 @@ class SGLangBackendConfig:
     reader_refresh_s: float = 0.0
     radix_pages: int = 1 << 20
     chunk_pages: int = 16
+    remote_url: str | None = None
+    remote_password_env: str | None = None
+    remote_user: str | None = None
+    remote_tls_ca: str | None = None
+    remote_timeout_s: float = 2.0
+    remote_connect_timeout_s: float = 0.5
+    remote_write: str = "through"
+    remote_workers: int = 4
     disk_load_policy: str = "auto"
     disk_read_gbps: float = 3.0
     disk_probe_every: int = 32
@@ -62,9 +71,9 @@ class SGLangBackendConfig:
             if not isinstance(self.disk_path, str) or not self.disk_path:
                 raise ConfigError(f"disk_path: expected a directory path, got {self.disk_path!r}")
             set_("disk_path", os.path.expanduser(self.disk_path))
-        if self.disk_path is None and self.cpu_bytes == 0:
+        if self.disk_path is None and self.cpu_bytes == 0 and self.remote_url is None:
             raise ConfigError("tiered_kv needs somewhere to keep pages: set disk_path (and disk_bytes), "
-                              "or cpu_bytes for a memory-only store")
+                              "cpu_bytes for a memory-only store, or remote_url for a Redis Cluster")
         if not isinstance(self.compression, str) or self.compression not in CODECS:
             raise ConfigError(f"compression: unknown value {self.compression!r}; valid: {sorted(CODECS)}")
         if not isinstance(self.eviction, str) or self.eviction not in POLICIES:
@@ -82,6 +91,11 @@ class SGLangBackendConfig:
         for key in ("tenant_salt", "model"):
             if not isinstance(getattr(self, key), str):
                 raise ConfigError(f"{key}: expected a string, got {getattr(self, key)!r}")
+        if self.remote_write not in REMOTE_WRITES:
+            raise ConfigError(f"remote_write: unknown value {self.remote_write!r}; valid: {list(REMOTE_WRITES)}")
+        if self.remote_url is not None:  # checks the URL and every remote_* value now, at server start
+            RemoteSettings(self.remote_url, self.remote_password_env, self.remote_user, self.remote_tls_ca,
+                           self.remote_connect_timeout_s, self.remote_timeout_s)
         r = self.reader_refresh_s
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r <= 3600:
             raise ConfigError(f"reader_refresh_s: expected seconds in [0, 3600], got {r!r}")

@@ -118,6 +118,7 @@ class JobReport:
     nbytes: int = 0
     seconds: float = 0.0
     missing: list[bool] = field(default_factory=list)  # the source tier no longer holds the record (any rank)
+    evicted: list[bytes] = field(default_factory=list)  # records a shared disk directory dropped for room (any rank)
 
     def merge(self, other: "JobReport") -> None:
         """Fold another rank's report of the same job into this one."""
@@ -128,6 +129,9 @@ class JobReport:
             self.missing = [a or b for a, b in zip(self.missing or [False] * len(other.missing), other.missing)]
         self.nbytes += other.nbytes
         self.seconds = max(self.seconds, other.seconds)
+        if other.evicted:
+            seen = set(self.evicted)
+            self.evicted += [k for k in other.evicted if k not in seen]
 
 
 @dataclass
@@ -914,7 +918,7 @@ class SchedulerPlanner:
         else:
             log.debug("job %d (%s) done: %d items, %d bytes", job_id, kind.name, len(rep.ok), rep.nbytes)
         self._route(self.chain.complete(Completion(job_id, rep.ok, rep.corrupt, rep.nbytes, rep.seconds,
-                                                   missing=rep.missing)))
+                                                   missing=rep.missing, evicted=rep.evicted)))
 
     # ------------------------------------------------------------------ lifecycle
     def finished(self, request, block_ids) -> None:
@@ -979,10 +983,11 @@ class SchedulerPlanner:
         req, m, chunk = st.request, self._hashes_per_chunk, self.chunk
         hashes, tokens = req.block_hashes, req.all_token_ids
         keys = st.keys
+        lora = req.lora_request.lora_int_id if req.lora_request is not None else None
         for c in range(c0, c1):
             self._event_meta[key if key is not None else keys[c]] = (
-                list(hashes[c * m:(c + 1) * m]), hashes[c * m - 1] if c else None, list(tokens[c * chunk:(c + 1) * chunk]),
-                req.lora_request.lora_int_id if req.lora_request is not None else None)
+                list(hashes[c * m:(c + 1) * m]), hashes[c * m - 1] if c else None,
+                list(tokens[c * chunk:(c + 1) * chunk]), lora)
 
     def take_events(self) -> list[tuple[bool, str, tuple]]:
         """``(stored, tier name, event metadata)`` for every chunk this engine stored that landed in or left a tier

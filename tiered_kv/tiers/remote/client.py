@@ -2,9 +2,11 @@
 
 redis-py's ``RedisCluster`` finds the topology (which master owns which of the 16384 slots) and
 keeps one connection pool per node. This wrapper uses it for that, and sends the data itself: a
-batch of keys is grouped by owning node and each node gets one pipeline (``GET``/``SET``/``DEL``
-per key: a cluster's ``MGET`` cannot span slots), all nodes at once on a small thread pool, so a
-batch costs about one round trip of the slowest node and its bytes spread over every node's link.
+batch of keys is grouped by owning node and each node gets one pipelined burst (``GET``/``SET``/
+``DEL`` per key: a cluster's ``MGET`` cannot span slots). Every node gets its burst before any
+answer is read, so the nodes work side by side and a batch costs about one round trip of the
+slowest node. ``SET`` values go out as the caller's buffers (record header, then a view of the
+payload): no copy joins them.
 
 Failures never raise out of a data call and never wait long:
 - every socket has ``connect_timeout_s``/``op_timeout_s``; a node that failed (refused, timed
@@ -25,7 +27,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 from tiered_kv.errors import ConfigError, RemoteUnavailableError
 from tiered_kv.tiers.remote.settings import RemoteSettings
@@ -45,6 +46,7 @@ class ClusterClient:
 
         self.settings = settings
         self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+        self._response_error = redis.exceptions.ResponseError
         self._redis_error = RedisError
         password = settings.password()
         kwargs = dict(password=password, username=settings.user, socket_timeout=settings.op_timeout_s,
@@ -75,7 +77,6 @@ class ClusterClient:
         self._lock = threading.Lock()
         self._down: dict[str, float] = {}  # node name -> monotonic time until which it is skipped
         self._stale = False
-        self._pool = ThreadPoolExecutor(max(2, len(self.rc.get_primaries()) + 1), thread_name_prefix="tkv-redis")
         self._closed = False
         self.counters = {"node_failures": 0, "refreshes": 0, "skipped_down": 0, "redirects": 0}
 
@@ -125,63 +126,106 @@ class ClusterClient:
         log.warning("remote tier: node %s failed (%s: %s); its keys are misses for %.1f s", node.name,
                     type(exc).__name__, exc, self.settings.retry_after_s)
 
-    def _per_node(self, keys: Sequence[bytes], build: Callable, n_default, on_item: Callable | None = None) -> list:
-        """Run ``build(pipe, idx)`` per node group (in parallel) and collect per-item results (``n_default`` when a
-        node fails or is skipped). ``on_item(i, result)``, if given, runs on the node's thread for each answer and
-        its return value is the item's result (so verifying and copying values spreads over the nodes' threads)."""
-        out = [n_default] * len(keys)
+    def _exchange(self, keys: Sequence[bytes], pack: Callable, default, on_item: Callable | None = None,
+                  read: Callable | None = None) -> list:
+        """One round trip per node for a batch: send every node its commands first (``pack(conn, i)`` gives item
+        ``i``'s packed command), then read each node's answers in order, so the nodes work side by side while
+        this thread reads. Per-item results; ``default`` where a node failed or was skipped, or a command was
+        redirected. ``on_item(i, answer)`` replaces each answer as it is read (verifying, copying).
+        ``read(wire, i)``, if given, reads item ``i``'s answer off the node's ``_Wire`` itself (bulk replies
+        straight into the caller's memory) instead of redis-py's parser.
+        """
+        out = [default] * len(keys)
         if not keys:
             return out
         groups, _ = self._group(keys)
-
-        def run(node, idx: list[int]) -> None:
+        sessions = []
+        for node, idx in groups.values():
+            pool = conn = None
             try:
-                pipe = self.rc.get_redis_connection(node).pipeline(transaction=False)
-                build(pipe, idx)
-                res = pipe.execute(raise_on_error=False)
-            except self._errors as exc:
+                pool = self.rc.get_redis_connection(node).connection_pool
+                conn = pool.get_connection()
+                chunks: list = []
+                for i in idx:
+                    chunks += pack(conn, i)
+                conn.send_packed_command(chunks, check_health=False)
+                sessions.append((node, pool, conn, idx))
+            except self._errors as exc:  # the connection was closed by redis-py; the node is skipped a while
+                if conn is not None:
+                    pool.release(conn)
                 self._node_failed(node, exc)
-                return
-            except self._redis_error as exc:
-                self._stale = True
-                log.info("remote tier: node %s: %s", node.name, exc)
-                return
-            for i, r in zip(idx, res):
-                if isinstance(r, Exception):
-                    self._stale = True  # MOVED / ASK / CLUSTERDOWN: the map is old
-                    self.counters["redirects"] += 1
-                    continue
-                out[i] = r if on_item is None else on_item(i, r)
-
-        items = list(groups.values())
-        if len(items) == 1:
-            run(*items[0])
-        else:
-            for f in [self._pool.submit(run, node, idx) for node, idx in items]:
-                f.result()
+        for node, pool, conn, idx in sessions:
+            wire = None if read is None else _Wire(conn)
+            try:
+                for i in idx:
+                    try:
+                        answer = conn.read_response() if wire is None else read(wire, i)
+                    except self._response_error:  # MOVED / ASK / CLUSTERDOWN: the map is old
+                        self._stale = True
+                        self.counters["redirects"] += 1
+                        continue
+                    out[i] = answer if on_item is None else on_item(i, answer)
+            except self._errors as exc:
+                if wire is not None:
+                    conn.disconnect()  # a half-read reply: this connection's stream is lost
+                self._node_failed(node, exc)
+            except BaseException:
+                conn.disconnect()  # answers left unread: never hand this connection out again as is
+                raise
+            finally:
+                pool.release(conn)
         return out
 
     # ------------------------------------------------------------------ data
     def get_many(self, keys: Sequence[bytes], on_item: Callable | None = None, unavailable=None) -> list:
         """Value of each key: bytes, None (no such key), or ``unavailable`` (its node failed or is skipped).
 
-        ``on_item(i, value)`` runs on the node's thread for each answer (bytes or None); its result replaces it.
+        ``on_item(i, value)`` runs for each answer (bytes or None) as it is read; its result replaces it.
         """
-        return self._per_node(keys, lambda pipe, idx: [pipe.get(keys[i]) for i in idx], unavailable, on_item)
+        return self._exchange(keys, lambda conn, i: [b"*2\r\n$3\r\nGET\r\n$%d\r\n%b\r\n" % (len(keys[i]), keys[i])],
+                              unavailable, on_item)
 
-    def set_many(self, keys: Sequence[bytes], value_of: Callable[[int], object]) -> list[bool]:
-        """``SET`` each key to ``value_of(i)`` (bytes or a buffer, built on the node's thread); True where the node
-        acknowledged it."""
-        res = self._per_node(keys, lambda pipe, idx: [pipe.set(keys[i], value_of(i)) for i in idx], False)
-        return [r is True for r in res]
+    def get_into(self, keys: Sequence[bytes], head_len: int, into: Callable[[int], memoryview | None],
+                 on_item: Callable, unavailable=None) -> list:
+        """``GET`` each key, receiving a value of ``head_len + len(into(i))`` bytes as its first ``head_len`` bytes
+        (handed to ``on_item(i, head)``) and the rest straight from the socket into the buffer ``into(i)``: no
+        parser copies. A value of another length, or ``into(i)`` None, comes whole (``on_item(i, bytes)``); a
+        missing key as ``on_item(i, None)``. ``unavailable`` where the node failed or was skipped."""
+
+        def read(wire: _Wire, i: int):
+            n = wire.bulk_len()
+            if n < 0:
+                return None
+            dst = into(i)
+            if dst is None or n != head_len + len(dst):
+                return wire.exact(n, trailer=True)
+            head = wire.exact(head_len)
+            wire.fill(dst)
+            wire.trailer()
+            return (head,)
+
+        return self._exchange(keys, lambda conn, i: [b"*2\r\n$3\r\nGET\r\n$%d\r\n%b\r\n" % (len(keys[i]), keys[i])],
+                              unavailable, on_item, read)
+
+    def set_many(self, keys: Sequence[bytes], parts_of: Callable[[int], tuple]) -> list[bool]:
+        """``SET`` each key to the concatenation of the buffers ``parts_of(i)`` returns (say a header and a
+        payload view), sent as they are: no copy joins them. True where the node acknowledged it."""
+
+        def pack(conn, i: int) -> list:
+            parts = parts_of(i)
+            n = sum(len(p) for p in parts)
+            head = b"*3\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n" % (len(keys[i]), keys[i], n)
+            return [head, *parts, b"\r\n"]
+
+        return [r is True or r == b"OK" for r in self._exchange(keys, pack, False)]
 
     def delete_many(self, keys: Sequence[bytes]) -> None:
         """``DEL`` each key (best effort: a failed node keeps its records until Redis evicts them)."""
-        self._per_node(keys, lambda pipe, idx: [pipe.delete(keys[i]) for i in idx], 0)
+        self._exchange(keys, lambda conn, i: conn.pack_commands([("DEL", keys[i])]), 0)
 
     def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key exists now (one pipelined ``EXISTS`` per node; False where a node failed)."""
-        return [bool(r) for r in self._per_node(keys, lambda pipe, idx: [pipe.exists(keys[i]) for i in idx], 0)]
+        return [bool(r) for r in self._exchange(keys, lambda conn, i: conn.pack_commands([("EXISTS", keys[i])]), 0)]
 
     def call(self, fn: Callable, default=None):
         """Run ``fn(redis_cluster)`` (a single-key command redis-py routes itself); ``default`` on any failure."""
@@ -201,8 +245,77 @@ class ClusterClient:
         if self._closed:
             return
         self._closed = True
-        self._pool.shutdown(wait=True)
         try:
             self.rc.close()
         except self._redis_error:
             pass
+
+
+class _Wire:
+    """Reads RESP replies off one redis-py connection's socket, bulk strings straight into the caller's buffer.
+
+    Used only inside ``ClusterClient._exchange`` for the replies of commands it sent itself on a connection it
+    holds, so redis-py's own parser has nothing buffered for that connection. Any socket error propagates
+    (the caller then drops the connection).
+    """
+
+    __slots__ = ("sock", "buf", "_response_error", "_connection_error")
+
+    def __init__(self, conn) -> None:
+        from redis.exceptions import ConnectionError as RedisConnectionError, ResponseError  # noqa: PLC0415
+
+        self.sock = conn._sock  # redis-py keeps the connected socket here; it was connected by the send
+        self.buf = bytearray()
+        self._response_error, self._connection_error = ResponseError, RedisConnectionError
+
+    def _more(self) -> None:
+        chunk = self.sock.recv(1 << 16)
+        if not chunk:
+            raise self._connection_error("connection closed by the server")
+        self.buf += chunk
+
+    def line(self) -> bytes:
+        """One reply line, without its CRLF."""
+        while True:
+            end = self.buf.find(b"\r\n")
+            if end >= 0:
+                out = bytes(self.buf[:end])
+                del self.buf[:end + 2]
+                return out
+            self._more()
+
+    def bulk_len(self) -> int:
+        """Length of the bulk string that follows (-1: nil); an error reply raises ResponseError."""
+        head = self.line()
+        if head[:1] == b"$":
+            return int(head[1:])
+        if head == b"_":  # RESP3's null (redis-py 8 speaks RESP3 by default)
+            return -1
+        if head[:1] == b"-":
+            raise self._response_error(head[1:].decode(errors="replace"))
+        raise self._connection_error(f"unexpected reply {head[:40]!r} to GET")
+
+    def fill(self, dst: memoryview) -> None:
+        """Exactly ``len(dst)`` bytes into ``dst``: what is buffered, then the socket straight into it."""
+        n = min(len(self.buf), len(dst))
+        if n:
+            dst[:n] = self.buf[:n]
+            del self.buf[:n]
+        while n < len(dst):
+            got = self.sock.recv_into(dst[n:])
+            if not got:
+                raise self._connection_error("connection closed by the server")
+            n += got
+
+    def exact(self, n: int, trailer: bool = False) -> bytes:
+        """Exactly ``n`` bytes (and the CRLF after a bulk string when ``trailer``)."""
+        out = bytearray(n)
+        self.fill(memoryview(out))
+        if trailer:
+            self.trailer()
+        return bytes(out)
+
+    def trailer(self) -> None:
+        """The CRLF that ends a bulk string."""
+        if self.line() != b"":
+            raise self._connection_error("bulk string not followed by CRLF")

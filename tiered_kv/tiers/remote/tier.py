@@ -79,16 +79,12 @@ class RemoteTier(Tier):
         rkeys = [self.redis_key(k) for k in keys]
         fp, n = self.layout.fingerprint, self.block_nbytes
 
-        def value_of(i: int) -> bytearray:  # runs on the node's thread: the copies spread over the nodes
+        def parts_of(i: int) -> tuple[bytes, memoryview]:  # header + a view of the row: sent with no copy
             row = rows[i]
             payload = memoryview((row if row.device.type == "cpu" else row.cpu()).contiguous().numpy()).cast("B")
-            value = bytearray(HEADER_LEN + n)
-            value[HEADER_LEN:] = payload
-            hdr = RecordHeader(CODEC_NONE, fp, 0, n, n, payload_checksum(payload))
-            value[:HEADER_LEN] = hdr.pack(rkeys[i])
-            return value
+            return RecordHeader(CODEC_NONE, fp, 0, n, n, payload_checksum(payload)).pack(rkeys[i]), payload
 
-        ok = self.client.set_many(rkeys, value_of)
+        ok = self.client.set_many(rkeys, parts_of)
         self.counters["write_failed"] += len(ok) - sum(ok)
         if self.publish_writes:
             publish(self.client, self.stream, [k for k, good in zip(keys, ok) if good],
@@ -112,35 +108,48 @@ class RemoteTier(Tier):
         rkeys = [self.redis_key(k) for k in keys]
         fp, nb = self.layout.fingerprint, self.block_nbytes
 
-        def verify(i: int, value) -> object:  # on the node's thread: checksum and copy spread over the nodes
+        views: dict[int, memoryview] = {}
+
+        def into(i: int) -> memoryview | None:  # a host row of exactly one block: the socket fills it directly
+            dst = out[i]
+            if dst.device.type != "cpu" or dst.dtype != torch.uint8 or not dst.is_contiguous() or dst.numel() != nb:
+                return None
+            views[i] = memoryview(dst.numpy()).cast("B")
+            return views[i]
+
+        def verify(i: int, value) -> object:  # as each answer is read: the other nodes keep sending meanwhile
             if value is None:
                 missing[i] = True
                 return None
+            direct = isinstance(value, tuple)  # (header,): the payload is already in out[i]
+            head = value[0] if direct else value
             try:
-                if len(value) < HEADER_LEN:
-                    raise RecordError(f"value of {len(value)} bytes is shorter than a record header")
-                hdr = RecordHeader.unpack(rkeys[i], memoryview(value)[:HEADER_LEN])
+                total = HEADER_LEN + nb if direct else len(value)
+                if len(head) < HEADER_LEN:
+                    raise RecordError(f"value of {len(head)} bytes is shorter than a record header")
+                hdr = RecordHeader.unpack(rkeys[i], memoryview(head)[:HEADER_LEN])
                 if hdr.layout_fp != fp:
                     return "foreign"  # another layout under our key: not ours to serve, not damage either
-                if hdr.codec != CODEC_NONE or hdr.raw_len != nb or len(value) != HEADER_LEN + hdr.payload_len \
+                if hdr.codec != CODEC_NONE or hdr.raw_len != nb or total != HEADER_LEN + hdr.payload_len \
                         or hdr.payload_len != nb:
-                    raise RecordError(f"record of {len(value)} bytes does not hold one {nb}-byte block")
-                payload = memoryview(value)[HEADER_LEN:]
+                    raise RecordError(f"record of {total} bytes does not hold one {nb}-byte block")
+                payload = views[i] if direct else memoryview(value)[HEADER_LEN:]
                 if payload_checksum(payload) != hdr.payload_xxh:
                     raise RecordError("payload checksum mismatch")
             except RecordError as exc:
                 log.warning("remote tier: dropping damaged record %s: %s", keys[i].hex()[:16], exc)
                 return "corrupt"
-            src = np.frombuffer(value, dtype=np.uint8, count=nb, offset=HEADER_LEN)
-            dst = out[i]
-            if dst.device.type == "cpu":
-                dst.numpy()[:] = src
-            else:
-                dst.copy_(torch.from_numpy(src.copy()))
+            if not direct:
+                src = np.frombuffer(value, dtype=np.uint8, count=nb, offset=HEADER_LEN)
+                dst = out[i]
+                if dst.device.type == "cpu":
+                    dst.numpy()[:] = src
+                else:
+                    dst.copy_(torch.from_numpy(src.copy()))
             ok[i] = True
             return None
 
-        res = self.client.get_many(rkeys, on_item=verify, unavailable=_DOWN)
+        res = self.client.get_into(rkeys, HEADER_LEN, into, verify, unavailable=_DOWN)
         bad = [rkeys[i] for i, r in enumerate(res) if r == "corrupt"]
         for i, r in enumerate(res):
             if r is _DOWN:
