@@ -44,9 +44,11 @@ events are shared under ``_lock``.
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -241,6 +243,11 @@ class WorkerRuntime:
         workers = (cfg.disk_workers if self.disk is not None else 0) + (cfg.remote_workers if self.remote else 0)
         self.back = (Mover(f"vllm-disk-r{rank}", self._execute, self._on_done, workers=workers)
                      if self.keyed else None)
+        self._closed = False
+        # An engine that exits without shutting its connector down (e.g. ``LLM`` in-process) would leave our
+        # daemon threads inside torch copies while the interpreter finalizes: C++ then aborts the process
+        # ("terminate called without an active exception") after the work is done. Close first.
+        atexit.register(_close_at_exit, weakref.ref(self))
 
     # ------------------------------------------------------------------ set-up
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -669,12 +676,19 @@ class WorkerRuntime:
         return d
 
     def close(self) -> None:
-        """Finish queued jobs, stop the movers, flush and close the tiers."""
+        """Finish queued jobs, stop the movers and the copiers' submitter threads, flush and close the tiers.
+        Safe to call twice (vLLM's ``shutdown`` and the interpreter-exit hook)."""
+        if self._closed:
+            return
+        self._closed = True
         if self.in_step is not None and self.in_step.loads:
             self._finish_in_step(self.in_step)
         self.front.close()
         if self.back is not None:
             self.back.close()
+        for copier in [*self.copiers, *self._staging_copiers,
+                       *(self.in_step.copiers if self.in_step is not None else [])]:
+            copier.close()
         if self.disk is not None:
             self.disk.flush()
             self.disk.close()
@@ -682,3 +696,14 @@ class WorkerRuntime:
             self.remote.close()
         self.cpu.close()
 
+
+def _close_at_exit(ref: weakref.ref) -> None:
+    """Interpreter-exit hook: close a runtime its engine did not shut down (runs before daemon threads die)."""
+    rt = ref()
+    if rt is None or rt._closed:
+        return
+    try:
+        rt.close()
+        log.info("TieredKVConnector rank %d: closed at interpreter exit (queued jobs finished)", rt.rank)
+    except Exception:  # noqa: BLE001 - at exit there is no caller to raise to; say what went wrong
+        log.exception("TieredKVConnector rank %d: closing at interpreter exit failed", rt.rank)
