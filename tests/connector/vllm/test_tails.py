@@ -248,3 +248,29 @@ def test_a_longer_tail_in_the_same_chunk_supersedes_the_shorter_one(model_dir):
         assert_no_leaks(eng)
     finally:
         eng.close()
+
+
+def test_kv_events_name_tail_blocks_and_never_retract_a_superseded_piece(model_dir):
+    """A tail piece is reported like a chunk (its own block hashes); when a later turn's chunk covers it,
+    it is deleted without a removal event (the covering chunk holds the same hashes)."""
+    eng = Engine.create(model_dir, cfg())
+    try:
+        planner = eng.connector.planner
+        planner.enable_events()  # what --kv-events-config turns on; records read here, not through vLLM
+        a = _turn1(eng, 42)
+        first = planner.take_events()
+        stored = sorted(len(m[0]) for ok, tier, m in first if ok and tier == "cpu")
+        assert stored == [3, K, K], first  # two chunks and the 3-block tail piece
+        tail_hashes = next(m[0] for ok, tier, m in first if len(m[0]) == 3)
+        assert tail_hashes == list(a.block_hashes[2 * K:2 * K + 3])
+        eng.sched.reset_prefix_cache()
+        eng.add("t2", turn2(eng, a), max_tokens=2)
+        eng.run()
+        eng.settle()
+        assert planner.counters.tails_superseded == 1
+        second = planner.take_events()
+        assert not [r for r in second if not r[0]], second  # nothing removed
+        assert sorted(len(m[0]) for ok, tier, m in second if ok) == [1, K], second  # chunk 2 and the new tail
+        assert_no_leaks(eng)
+    finally:
+        eng.close()

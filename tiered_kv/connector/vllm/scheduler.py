@@ -755,6 +755,9 @@ class SchedulerPlanner:
         key, end = st.seen_tail
         if stored_blocks > end:
             st.seen_tail = None
+            if self._event_meta is not None:
+                # no KV event retracts it: the chunk or piece that covers it holds the same block hashes
+                self._event_meta.pop(key, None)
             if key in self.chain.index:
                 self.counters.tails_superseded += 1
                 self._route(self.chain.delete([key]))
