@@ -6,7 +6,8 @@
 # Runs ../shared/tools/sched_overhead.py (vLLM's real Scheduler, 64 requests x 8,192-token
 # prompts, 32 output tokens, CPU only) for each mode, alternating modes, REPS times, and
 # prints one RESULT line per run plus a median table. Run it alone on the machine: the
-# numbers are per-step CPU times and other processes move them.
+# numbers are per-step times and other processes move them; SCHED_CLOCK=thread times the scheduler
+# thread's CPU time instead (benchmarks/probes/thread_clock.py), which a busy box moves much less.
 #
 # With TKV_REMOTE_URL (and TKV_REMOTE_PASSWORD_ENV) set, a fourth mode runs TieredKVConnector with the
 # remote tier on that cluster (benchmarks/remote_sched_mode.py; TKV_FLEET_KEYS_PER_S chunks/s announced
@@ -27,10 +28,13 @@ if [ -n "${TKV_REMOTE_URL:-}" ]; then
   export TKV_EXTRA="{\"remote_url\": \"$TKV_REMOTE_URL\", \"remote_password_env\": \"${TKV_REMOTE_PASSWORD_ENV:-}\"}"
   export TKV_FLEET_KEYS_PER_S="${TKV_FLEET_KEYS_PER_S:-1000}"
 fi
-echo "# $(date -u +%FT%TZ) host=$(hostname) cpus=$(nproc) python=$PY reps=$REPS" | tee "$OUT.log"
+# SCHED_CLOCK=thread: time the scheduler thread's CPU time instead of wall time (a shared, busy box)
+CLOCK_WRAPPER=""
+[ "${SCHED_CLOCK:-wall}" = thread ] && CLOCK_WRAPPER=benchmarks/probes/thread_clock.py
+echo "# $(date -u +%FT%TZ) host=$(hostname) cpus=$(nproc) python=$PY reps=$REPS clock=${SCHED_CLOCK:-wall}" | tee "$OUT.log"
 for rep in $(seq 1 "$REPS"); do
   for mode in "${MODES[@]}"; do
-    line=$("$PY" "$TOOL" "$mode" 2>/dev/null | grep '^RESULT ' | sed 's/^RESULT //')
+    line=$("$PY" ${CLOCK_WRAPPER} "$TOOL" "$mode" 2>/dev/null | grep '^RESULT ' | sed 's/^RESULT //')
     echo "$line" | tee -a "$OUT"
   done
 done

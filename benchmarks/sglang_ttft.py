@@ -39,8 +39,8 @@ Usage (GPU machine, SGLang importable, tiered_kv on PYTHONPATH; scripts/gpu/sgla
   PYTHONPATH=/tmp/sglang-site:. python3 benchmarks/sglang_ttft.py --modes restart,mla-tiered,mla-none --tag mla
   python3 benchmarks/sglang_ttft.py --dry-run      # CPU: engine arguments, pool sizes, bytes per page/turn
 ``--deadline-s`` stops starting modes that would not finish in time (each is skipped and says so);
-``--mode-timeout-s`` kills a hung engine. JSON to --out (docs/results/sglang_ttft_<tag>.json by
-default; the JSON also lands in $OUT when that is set, for the device tool).
+``--mode-timeout-s`` kills a hung engine. JSON to --out (default
+docs/results/sglang_ttft_<tag>_<date>_<device>.json; also in $OUT when that is set, for the device tool).
 """
 from __future__ import annotations
 
@@ -48,6 +48,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import statistics
@@ -59,6 +60,7 @@ import time
 MODES = ("none", "l2", "file", "tiered", "tiered-always", "restart", "mla-none", "mla-tiered")
 DEFAULT_MODES = ("none", "file", "tiered-always", "tiered", "l2")
 FOLLOW = 64  # new tokens per turn
+SHUTDOWN_GRACE_S = 30.0  # after a mode's result is written, its engine gets this long to exit
 PAGE = 64
 
 LLAMA3_8B = {
@@ -216,8 +218,11 @@ def _details(meta: dict) -> dict:
             "host": int(d.get("host", 0) or 0), "storage": int(d.get("storage", 0) or 0)}
 
 
-def run_engine(mode: str, phase: str, spec: dict) -> dict:
-    """One engine process: start, (turn 1,) settle, drop caches, turn 2, shut down. Returns the measurements."""
+def run_engine(mode: str, phase: str, spec: dict, report) -> None:
+    """One engine process: start, (turn 1,) settle, drop caches, turn 2, ``report(measurements)``, shut down.
+
+    The measurements are reported before the engine shuts down, so a shutdown that hangs costs no result.
+    """
     import sglang as sgl
 
     a = argparse.Namespace(**spec["args"])
@@ -255,25 +260,28 @@ def run_engine(mode: str, phase: str, spec: dict) -> dict:
                 s, toks, det = gen(ids + prev[i] + follow_up(i, model), 1)
                 turn2.append({"s": round(s, 4), "tokens": toks, **det})
             out["turn2"] = turn2
-        if phase == "turn1":
-            time.sleep(a.settle_s)
+        report(out)
     finally:
         engine.shutdown()
-    return out
 
 
 def worker_main(mode: str, phase: str, spec_path: str, result_path: str) -> None:
     """Entry point of a mode's process: run it and write the result JSON (or the error)."""
     with open(spec_path) as f:
         spec = json.load(f)
+    def report(res: dict) -> None:
+        tmp = result_path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(res, f)
+        os.replace(tmp, result_path)  # the parent sees a whole file or none
+
     try:
-        res = run_engine(mode, phase, spec)
+        run_engine(mode, phase, spec, report)
     except BaseException as exc:  # the parent records why this mode did not run
         import traceback
 
-        res = {"error": f"{type(exc).__name__}: {exc}"[:2000], "traceback": traceback.format_exc()[-4000:]}
-    with open(result_path, "w") as f:
-        json.dump(res, f)
+        if not os.path.exists(result_path):
+            report({"error": f"{type(exc).__name__}: {exc}"[:2000], "traceback": traceback.format_exc()[-4000:]})
     sys.stdout.flush()
     os._exit(0)  # engine threads must not keep the process alive
 
@@ -292,18 +300,25 @@ def spawn(mode: str, phase: str, spec: dict, timeout_s: float) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1", SGLANG_IS_FLASHINFER_AVAILABLE="false")
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    res = None
     try:
-        proc.wait(timeout=max(5.0, timeout_s))
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        res = {"error": f"timed out after {timeout_s:.0f} s (killed)"}
-    else:
+        deadline, grace = t0 + max(5.0, timeout_s), None
+        while proc.poll() is None and time.perf_counter() < deadline:
+            time.sleep(0.5)
+            if grace is None and os.path.exists(result_path):
+                grace = time.perf_counter() + SHUTDOWN_GRACE_S  # measured; give the engine's shutdown a moment
+                deadline = min(deadline, grace)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
         try:
             with open(result_path) as f:
                 res = json.load(f)
+            if grace is not None and proc.returncode not in (0, None):
+                res["shutdown"] = f"killed {SHUTDOWN_GRACE_S:.0f} s after its result (shutdown hung)"
         except (OSError, ValueError):
-            res = {"error": f"engine process exited {proc.returncode} without a result"}
+            res = {"error": f"timed out after {timeout_s:.0f} s (killed)" if proc.returncode == -signal.SIGKILL
+                   else f"engine process exited {proc.returncode} without a result"}
     finally:
         try:  # engine children (scheduler, detokenizer) go with the group
             os.killpg(proc.pid, signal.SIGKILL)
@@ -376,7 +391,8 @@ def run_session(modes: list[str], a: argparse.Namespace) -> dict:
                 f = summarize(mode, first, a.skip)
                 s["before_restart"] = {k: f[k] for k in ("turn2_median_s", "l3_hit_tokens", "turn2_tokens")}
                 s["turn1_tokens"] = f["turn1_tokens"]
-                s["greedy_equal_across_restart"] = s["turn2_tokens"] == f["turn2_tokens"]
+                same = s["turn2_tokens"] == f["turn2_tokens"]
+                s["greedy_equal_across_restart"] = same if all(s["turn2_tokens"]) else None
         else:
             res = spawn(mode, "both", spec, timeout)
             s = summarize(mode, res, a.skip)
@@ -390,8 +406,10 @@ def run_session(modes: list[str], a: argparse.Namespace) -> dict:
             # the gate's recompute rate: none's turn-2 prompt tokens per second on this GPU
             args["prefill_tps"] = round(turn2_tokens(a) / s["turn2_median_s"], 1)
             calibration["prefill_tokens_per_s"] = args["prefill_tps"]
-        brief = {k: v for k, v in s.items() if "tokens" not in k or k.endswith("hit_tokens")}
+        brief = {k: v for k, v in s.items() if ("tokens" not in k or k.endswith("hit_tokens")) and k != "traceback"}
         print(f"[sglang_ttft] {mode}: {json.dumps(brief)[:800]}", flush=True)
+        if "traceback" in s:  # the device tool returns only the output's tail: say where it broke, here
+            print(f"[sglang_ttft] {mode} traceback (tail):\n{s['traceback'][-1500:]}", flush=True)
         if not a.keep_disk:
             shutil.rmtree(disk_dir, ignore_errors=True)
     compare(results)
@@ -410,8 +428,9 @@ def compare(results: list[dict]) -> None:
         base = by.get("mla-none" if r.get("model") == "dsv2-lite" else "none")
         if base and base.get("turn2_median_s") and r.get("turn2_median_s"):
             r["vs_none"] = round(base["turn2_median_s"] / r["turn2_median_s"], 3)
+            seen = all(r["turn2_tokens"]) and all(base["turn2_tokens"])
             r["greedy_equal_none"] = (r["turn2_tokens"] == base["turn2_tokens"]
-                                      and r["turn1_tokens"] == base["turn1_tokens"])
+                                      and r["turn1_tokens"] == base["turn1_tokens"]) if seen else None
         f = by.get("file")
         if f and f.get("turn2_median_s") and r.get("turn2_median_s") and r["mode"].startswith("tiered"):
             r["vs_file"] = round(f["turn2_median_s"] / r["turn2_median_s"], 3)
@@ -474,8 +493,9 @@ def main() -> None:
     """Command line (see the module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated, of {', '.join(MODES)}")
-    ap.add_argument("--tag", default="llama", help="result name: sglang_ttft_<tag>.json")
-    ap.add_argument("--out", default=None, help="JSON path (default docs/results/sglang_ttft_<tag>.json)")
+    ap.add_argument("--tag", default="llama", help="result name: sglang_ttft_<tag>_<date>_<device>.json")
+    ap.add_argument("--out", default=None,
+                    help="JSON path (default docs/results/sglang_ttft_<tag>_<date>_<device>.json)")
     ap.add_argument("--deadline-s", type=float, default=560.0, help="start no mode that would end after this")
     ap.add_argument("--first-mode-s", type=float, default=90.0, help="time a mode is assumed to need before one ran")
     ap.add_argument("--mode-timeout-s", type=float, default=300.0, help="kill an engine process after this")
@@ -520,7 +540,9 @@ def main() -> None:
     text = table(session)
     print(text, flush=True)
     session["table"] = text
-    path = a.out or os.path.join("docs", "results", f"sglang_ttft_{a.tag}.json")
+    dev = session["device"].lower()
+    short = next((k for k in ("h100", "h200", "a100", "b200") if k in dev), re.sub(r"[^a-z0-9]+", "-", dev)[:16])
+    path = a.out or os.path.join("docs", "results", f"sglang_ttft_{a.tag}_{time.strftime('%Y-%m-%d')}_{short}.json")
     for p in [path] + ([os.path.join(os.environ["OUT"], os.path.basename(path))] if os.environ.get("OUT") else []):
         os.makedirs(os.path.dirname(p) or ".", exist_ok=True)
         with open(p, "w") as f:

@@ -337,7 +337,7 @@ def run_all(model: str, modes: list[str]) -> list[dict]:
         line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
         with open(os.path.join(out_dir, f"vllm_ttft_{model}_{mode}.log"), "w") as f:
             f.write(proc.stdout + "\n--- stderr ---\n" + proc.stderr)  # the engine's own log, per mode
-        if proc.returncode or line is None:
+        if line is None:
             tail = (proc.stdout + proc.stderr)[-3000:]
             results.append({"mode": mode, "model": model, "error": f"rc={proc.returncode}", "log_tail": tail})
             print(f"[{model} {mode}] FAILED rc={proc.returncode} after {time.perf_counter() - t0:.0f}s\n{tail}",
@@ -345,6 +345,10 @@ def run_all(model: str, modes: list[str]) -> list[dict]:
             continue
         results.append(json.loads(line[len("RESULT "):]))
         r = results[-1]
+        if proc.returncode:  # measured, then died on the way out: keep the numbers, say so
+            r["exit_rc"] = proc.returncode
+            print(f"[{model} {mode}] WARNING: exited with rc={proc.returncode} after printing its result; "
+                  f"stderr tail: {proc.stderr[-300:]!r}", flush=True)
         print(f"[{model} {mode}] done in {time.perf_counter() - t0:.0f}s: turn-2 median {r['turn2_median_s']:.4f} s, "
               f"hit rate {100 * r['turn2_hit_rate']:.1f}%, turn-1 median {r['turn1_median_s']:.4f} s", flush=True)
         with open(os.path.join(out_dir, f"vllm_ttft_{model}_partial.json"), "w") as f:

@@ -36,7 +36,7 @@ if [ "$WHAT" = core ] || [ "$WHAT" = vllm ] || [ "$WHAT" = all ]; then
   V=.venv
   if [ -f "$V/.tkv-ready" ] && [ "$WHAT" != core ]; then
     log "$V ready"
-    "$V/bin/python" -c "import redis, hiredis" 2>/dev/null || pipq "$V/bin/pip" install -q -e ".[dev]"  # new pins
+    "$V/bin/python" -c "import redis, hiredis, matplotlib" 2>/dev/null || pipq "$V/bin/pip" install -q -e ".[dev,bench]"  # new pins
   else
     t0=$SECONDS
     make_core "$V"
@@ -47,7 +47,7 @@ if [ "$WHAT" = core ] || [ "$WHAT" = vllm ] || [ "$WHAT" = all ]; then
       # scheduler path does not need them.
       "$V/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
     fi
-    pipq "$V/bin/pip" install -q -e ".[dev]"
+    pipq "$V/bin/pip" install -q -e ".[dev,bench]"  # bench: matplotlib for benchmarks/serving/plot.py
     [ "$WHAT" != core ] && touch "$V/.tkv-ready"
     log "$V done in $((SECONDS - t0)) s"
   fi

@@ -49,6 +49,7 @@ def draw(by_shape: dict[str, dict], path: str) -> str:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib import ticker
 
     shapes = sorted(by_shape, key=lambda s: (SHAPE_ORDER.index(s) if s in SHAPE_ORDER else len(SHAPE_ORDER), s))
     modes = sorted({mode for s in shapes for mode in by_shape[s]["summary"]})
@@ -66,16 +67,23 @@ def draw(by_shape: dict[str, dict], path: str) -> str:
             levels |= set(xs)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}" if str(v)[0] in "25" else ""))
         if levels:
             ax.set_xticks(sorted(levels))
             ax.set_xticklabels([str(c) for c in sorted(levels)])
-        starts = sum(1 for s in doc["starts"] if s.get("status") == "ok")
-        ax.set_title(f"{shape} ({', '.join(doc['devices'])}, {starts} engine starts)", fontsize=10)
+        per_mode: dict[str, int] = {}
+        for st in doc["starts"]:
+            if st.get("status") == "ok":
+                per_mode[st["mode"]] = per_mode.get(st["mode"], 0) + 1
+        lo, hi = min(per_mode.values(), default=0), max(per_mode.values(), default=0)
+        starts = f"{lo}" if lo == hi else f"{lo}-{hi}"
+        ax.set_title(f"{shape} ({', '.join(doc['devices'])}; {starts} engine start(s) per mode)", fontsize=10)
         ax.set_xlabel("concurrent users (closed loop)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     axes[0][0].set_ylabel("TTFT p50, ms (log): median over starts, bars min-max")
-    dates = sorted({d for doc in by_shape.values() for d in doc["dates"] if d})
+    dates = sorted({d[:10] for doc in by_shape.values() for d in doc["dates"] if d})
     fig.suptitle(f"vllm serve, multi-turn users: TTFT vs concurrency ({', '.join(dates)})", fontsize=11)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

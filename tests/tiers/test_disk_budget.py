@@ -2,6 +2,9 @@
 leases, ownership. Deterministic; the 4-process run is tests/reliability/test_shared_budget.py."""
 from __future__ import annotations
 
+import struct
+import time
+
 import pytest
 import torch
 
@@ -75,6 +78,29 @@ def test_a_leased_record_is_not_evicted(tmp_path):
         a.index.unlease(leases, [])
         ok, evicted = put(a, make_keys(1, b"z"))
         assert evicted == [keys[0]]
+    finally:
+        a.close()
+
+
+def test_leases_of_dead_readers_never_block_eviction_and_are_dropped_at_open(tmp_path):
+    import subprocess
+    import sys
+
+    a = tier(tmp_path / "d", A, 2)
+    keys = make_keys(3, b"a")
+    put(a, keys[:2])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    with a.index.env.begin(write=True) as txn:  # a reader that crashed while it held the oldest record
+        txn.put(keys[0] + struct.pack("<IQ", dead.pid, 1), struct.pack("<Q", time.time_ns() + 10**12),
+                db=a.index.budget.db["leases"])
+    assert a.usage()["leases"] == 1
+    a.close()
+    a = tier(tmp_path / "d", A, 2)
+    try:
+        assert a.usage()["leases"] == 0  # dropped at open
+        ok, evicted = put(a, keys[2:])
+        assert ok == [True] and evicted == [keys[0]]
     finally:
         a.close()
 

@@ -338,6 +338,72 @@ def test_shared_disk_budget_keeps_two_models_apart(model_dir, tmp_path, monkeypa
         again.close()
 
 
+def test_shared_disk_budget_evictions_reach_the_scheduler(model_dir, tmp_path):
+    """Issue 17: under ``disk_budget: shared`` the directory evicts by itself; the workers report the evicted
+    chunks and the scheduler forgets them, so it never plans a load of a chunk that is gone (no failed load),
+    and its count of disk chunks stays within the budget."""
+    extra = {"write_policy": "write_through", "disk_budget": "shared", "disk_bytes": 3 * CHUNK_BYTES}
+    eng = _disk_engine(model_dir, tmp_path, extra=extra)
+    try:
+        a = eng.add("a", prompt(11, 12 * BS + 3), max_tokens=2)  # 3 chunks: the whole budget
+        eng.run()
+        eng.settle()
+        assert eng.connector.stats()["resident_disk"] == 3
+        eng.add("b", prompt(12, 12 * BS + 3), max_tokens=2)  # 3 more: the directory evicts a's 3
+        eng.run()
+        eng.settle()
+        st = eng.connector.stats()
+        assert st["resident_disk"] == 3, st  # the scheduler heard of the evictions
+        assert eng.workers[0].connector.worker.disk.usage()["spaces"][eng.connector.ns.prefix.hex()][
+            "evictions"] == 3
+        eng.sched.reset_prefix_cache()
+        verified = eng.verified_blocks
+        eng.add("a2", turn2(eng, a), max_tokens=2)  # a's chunks are gone: a plain miss, not a failed load
+        eng.run()
+        eng.settle()
+        st = eng.connector.stats()
+        assert st["sched_hit_tokens_disk"] == 0 and eng.verified_blocks > verified, st
+        assert all(w.connector.stats()["failed_items"] == 0 for w in eng.workers)  # no load planned into a hole
+        assert_no_leaks(eng)
+    finally:
+        eng.close()
+
+
+def test_damaged_disk_index_is_moved_aside_and_the_engine_serves_on(model_dir, tmp_path, monkeypatch, caplog):
+    """Issue 17: an index LMDB cannot read (both meta pages zeroed) neither stops nor kills the engine: the
+    scheduler adopts nothing from it, the worker moves it aside loudly and starts an empty one, the same
+    prompt is recomputed (verified bit-exact by the harness) and stored again."""
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    extra = {"write_policy": "write_through"}
+    first = _disk_engine(model_dir, tmp_path, extra=extra)
+    try:
+        a = first.add("old", prompt(6, 12 * BS + 3), max_tokens=2)
+        first.run()
+        first.settle()
+        rank_dir = first.workers[0].connector.worker.disk.path
+        conv = turn2(first, a)
+    finally:
+        first.close()
+    with open(rank_dir / "index" / "data.mdb", "r+b") as f:
+        f.write(bytes(2 * 4096))
+    with caplog.at_level(logging.ERROR):
+        second = _disk_engine(model_dir, tmp_path, extra=extra)
+    try:
+        assert second.connector.stats()["resident_disk"] == 0
+        assert any("damaged" in r.message for r in caplog.records)
+        assert list(rank_dir.parent.glob(f"{rank_dir.name}.damaged-*")), "the damaged directory was not moved aside"
+        verified = second.verified_blocks
+        second.add("new", conv, max_tokens=2)
+        second.run()
+        second.settle()
+        st = second.connector.stats()
+        assert st["sched_hit_tokens_disk"] == 0 and second.verified_blocks > verified
+        assert st["resident_disk"] >= 3, st  # stored again, in the fresh directory
+        assert_no_leaks(second)
+    finally:
+        second.close()
+
+
 def test_unstable_block_hashes_warn_and_never_adopt(model_dir, tmp_path, monkeypatch, caplog):
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)  # xxhash without a seed: random per process
     caplog.set_level(logging.WARNING, logger="tiered_kv.connector")

@@ -61,8 +61,11 @@ def test_turn2_hits_whole_chunks_and_the_tail_bit_exact(model_dir, async_sched, 
         assert eng.workers[0].connector.stats()["bytes_loaded"] == (2 * K + 3) * BLOCK_BYTES
         assert eng.verified_blocks - verified >= 2 * K + 3  # every loaded block checked byte for byte
         assert b.is_finished()
-        # turn 2 stored its own whole chunk 2 (the tail's chunk, now complete) and its own tail
-        assert st["sched_tail_stores"] == 2, st
+        # turn 2 stored its own whole chunk 2 (the tail's chunk, now complete) and its own 1-block tail; turn 1's
+        # tail piece, covered by that chunk now, is dropped rather than left to the LRU
+        assert st["sched_tail_stores"] == 2 and st["sched_tails_superseded"] == 1, st
+        assert tail_keys[0] not in eng.connector.planner.chain.index
+        assert st["resident_cpu"] == 3 + 1, st
         assert_no_leaks(eng)
     finally:
         eng.close()
@@ -223,5 +226,51 @@ def test_hybrid_groups_store_whole_chunks_only(tmp_path):
         eng.run()
         eng.settle()
         assert eng.connector.stats()["sched_hit_tokens_cpu"] == 2 * K * BS
+    finally:
+        eng.close()
+
+
+def test_a_longer_tail_in_the_same_chunk_supersedes_the_shorter_one(model_dir):
+    """Turn 2 ends inside the same chunk as turn 1: its longer tail replaces turn 1's (one slot, not two)."""
+    eng = Engine.create(model_dir, cfg())
+    try:
+        a = _turn1(eng, 40, n=2 * K * BS + BS + 4)  # a 1-block tail in chunk 2
+        (old,) = [k for k, _ in eng.connector.planner.chain.index.items() if k[8:9] == TAIL_MARK]
+        eng.sched.reset_prefix_cache()
+        conv = list(a.prompt_token_ids) + list(a.output_token_ids) + prompt(41, 20)  # ends in chunk 2 again
+        eng.add("t2", conv, max_tokens=2)
+        eng.run()
+        eng.settle()
+        st = eng.connector.stats()
+        assert st["sched_hit_tokens_cpu"] == (2 * K + 1) * BS and st["sched_tails_superseded"] == 1, st
+        tails = [k for k, _ in eng.connector.planner.chain.index.items() if k[8:9] == TAIL_MARK]
+        assert len(tails) == 1 and tails[0] != old and st["resident_cpu"] == 2 + 1, st
+        assert_no_leaks(eng)
+    finally:
+        eng.close()
+
+
+def test_kv_events_name_tail_blocks_and_never_retract_a_superseded_piece(model_dir):
+    """A tail piece is reported like a chunk (its own block hashes); when a later turn's chunk covers it,
+    it is deleted without a removal event (the covering chunk holds the same hashes)."""
+    eng = Engine.create(model_dir, cfg())
+    try:
+        planner = eng.connector.planner
+        planner.enable_events()  # what --kv-events-config turns on; records read here, not through vLLM
+        a = _turn1(eng, 42)
+        first = planner.take_events()
+        stored = sorted(len(m[0]) for ok, tier, m in first if ok and tier == "cpu")
+        assert stored == [3, K, K], first  # two chunks and the 3-block tail piece
+        tail_hashes = next(m[0] for ok, tier, m in first if len(m[0]) == 3)
+        assert tail_hashes == list(a.block_hashes[2 * K:2 * K + 3])
+        eng.sched.reset_prefix_cache()
+        eng.add("t2", turn2(eng, a), max_tokens=2)
+        eng.run()
+        eng.settle()
+        assert planner.counters.tails_superseded == 1
+        second = planner.take_events()
+        assert not [r for r in second if not r[0]], second  # nothing removed
+        assert sorted(len(m[0]) for ok, tier, m in second if ok) == [1, K], second  # chunk 2 and the new tail
+        assert_no_leaks(eng)
     finally:
         eng.close()

@@ -70,6 +70,7 @@ class TieredHiCacheStorage(HiCacheStorage):
         self.disk_dir: Path | None = None
         self.counters = BackendCounters()
         self.gate: LoadGate | None = None
+        self._gated = False  # True once the store has a tier slower than memory (disk, remote)
         self._radix = RadixIndex(1, max(1, self.options.radix_pages))
         self._radix_lock = threading.Lock()
         self._refresh_lock = threading.Lock()
@@ -110,6 +111,7 @@ class TieredHiCacheStorage(HiCacheStorage):
             raise ConfigError(f"store namespace {self.namespace} differs from the one the disk directory "
                               f"{disk_dir} was named for ({probe}); this is a tiered_kv bug, please report it")
         self.pages, self.store, self.disk_dir = pages, store, disk_dir
+        self._gated = any(t.name not in MEMORY_TIERS for t in store.tiers)
         if self.gate is None or self.gate.page_nbytes != pages.page_nbytes:  # keep the disk estimate on re-attach
             self.gate = LoadGate(o.disk_load_policy, o.disk_read_gbps, o.disk_probe_every, o.prefill_tokens_per_s,
                                  pages.page_size, pages.page_nbytes)
@@ -140,7 +142,7 @@ class TieredHiCacheStorage(HiCacheStorage):
             hits = store.lookup(ks)
             if hits < len(ks) and self._adopt_if_reader(ks[hits:]):
                 hits = store.lookup(ks)
-            if hits and self.gate is not None and self.options.disk_path is not None:
+            if hits and self._gated:
                 hits = self.gate.worth_loading(store.locate(ks[:hits]))
             self.counters.add(exists_calls=1, exists_pages=len(ks), exists_hits=hits)
             if hits and self.options.cpu_bytes and self.options.disk_path is not None:
@@ -312,8 +314,8 @@ class TieredHiCacheStorage(HiCacheStorage):
 
     # ------------------------------------------------------------------ load gate
     def _slow_pages(self, store: TieredStore, ks: list[bytes]) -> list[bool]:
-        """Per key: held only in a slow tier (disk) right now. Empty when there is no gate or no disk."""
-        if self.gate is None or self.options.disk_path is None:
+        """Per key: held only in a slow tier (disk, remote) right now. Empty when the store has no slow tier."""
+        if not self._gated:
             return []
         return [t is not None and t not in MEMORY_TIERS for t in store.locate(ks)]
 

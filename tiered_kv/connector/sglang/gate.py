@@ -114,8 +114,8 @@ class LoadGate:
         """Policy, the disk-rate estimate, the break-even rate, and the decision counters."""
         with self._lock:
             out = dict(self._counts)
-            out["disk_gbps_estimate"] = round(self._gbps, 3)
+            out["disk_gbps_estimate"] = float(f"{self._gbps:.4g}")  # significant digits: small test pages too
         out["policy"] = self.policy
         # the disk rate above which a slow-tier page loads faster than the prefill recomputes it
-        out["break_even_gbps"] = round(self.page_nbytes * self.prefill_tokens_per_s / self.page_tokens / 1e9, 3)
+        out["break_even_gbps"] = float(f"{self.page_nbytes * self.prefill_tokens_per_s / self.page_tokens / 1e9:.4g}")
         return out

@@ -82,7 +82,7 @@ class TieredKVWorkerMeta(KVConnectorWorkerMetadata):
             mine = self.reports.get(job_id)
             if mine is None:
                 self.reports[job_id] = JobReport(rep.count, list(rep.ok), list(rep.corrupt), rep.nbytes, rep.seconds,
-                                                 list(rep.missing))
+                                                 list(rep.missing), list(rep.evicted))
             else:
                 mine.merge(rep)
         return self
@@ -224,15 +224,21 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         return feed
 
     def _adoptable_keys(self, disk_chunks: int) -> list[bytes]:
-        """Keys every rank's disk directory holds from a previous engine (read-only open)."""
+        """Keys every rank's disk directory holds from a previous engine (read-only open, after the integrity
+        check in a child process: a damaged index adopts nothing; the rank's worker moves it aside)."""
         if not disk_chunks or not self.ident.stable:
             return []
-        from tiered_kv.tiers.disk import DiskTier  # lazily: needs lmdb and zstandard
+        from tiered_kv.tiers.disk import DiskTier, check_index  # lazily: needs lmdb and zstandard
 
         common: dict[bytes, None] | None = None
         for rank in range(1 if self.geo.replicated else self.geo.tp_size):
             path = rank_disk_dir(self.cfg, self.ns, rank, self.geo.tp_size, self.geo.replicated)
             if not (path / "index").exists():
+                return []
+            report = check_index(path / "index")
+            if not report["ok"]:
+                log.error("TieredKVConnector: the disk index of %s is damaged (%s); adopting nothing from it",
+                          path, report["error"])
                 return []
             tier = DiskTier(self.geo.rank_layout(rank), path, 0, readonly=True, owner=self.ns.prefix)
             try:

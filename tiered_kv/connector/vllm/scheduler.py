@@ -118,6 +118,7 @@ class JobReport:
     nbytes: int = 0
     seconds: float = 0.0
     missing: list[bool] = field(default_factory=list)  # the source tier no longer holds the record (any rank)
+    evicted: list[bytes] = field(default_factory=list)  # records a shared disk directory dropped for room (any rank)
 
     def merge(self, other: "JobReport") -> None:
         """Fold another rank's report of the same job into this one."""
@@ -128,6 +129,9 @@ class JobReport:
             self.missing = [a or b for a, b in zip(self.missing or [False] * len(other.missing), other.missing)]
         self.nbytes += other.nbytes
         self.seconds = max(self.seconds, other.seconds)
+        if other.evicted:
+            seen = set(self.evicted)
+            self.evicted += [k for k in other.evicted if k not in seen]
 
 
 @dataclass
@@ -140,6 +144,7 @@ class _Req:
     hit_keys: list[bytes] = field(default_factory=list)  # the keys the last match would load (tail last)
     hit_tail: int = 0  # blocks of the tail piece after the whole chunks of the last match (0: none)
     tail_done: bool = False  # the tail piece of this request's stored range was offered
+    seen_tail: tuple[bytes, int] | None = None  # an older turn's tail piece its lookup found: (key, end block)
     sync: bool = False  # the last match is loaded inside the step (all chunks in the CPU tier)
     promoting: int = 0  # handle of a disk->CPU promotion this request waits for (several groups)
     promoted: bool = False  # its promotion ran: take what the CPU tier holds now
@@ -177,6 +182,7 @@ class PlannerCounters:
     tail_stores: int = 0  # tail pieces offered to the store (full blocks after a prompt's last whole chunk)
     tail_hits: int = 0  # loads that ended with a tail piece
     hit_tokens_tail: int = 0  # tokens of those hits that came from tail pieces (also in hit_tokens_<tier>)
+    tails_superseded: int = 0  # older tail pieces dropped once a request stored what covers them
 
 
 class SchedulerPlanner:
@@ -371,6 +377,8 @@ class SchedulerPlanner:
         tail = 0
         if self._tails:
             tail = self._probe_tail(request, c0 + len(keys), avail // bs, num_computed_tokens // bs, keys, where)
+            if tail:  # dropped once this request stores past it (each turn would otherwise leave one behind)
+                st.seen_tail = (keys[-1], (c0 + len(keys) - 1) * self.k + tail)
         n = self._worth_loading(where)
         if tail and n < len(where):
             tail = 0  # the tail's tier was declined (or a chunk before it was)
@@ -731,6 +739,10 @@ class SchedulerPlanner:
             if self._tails and not st.tail_done and end >= req.num_prompt_tokens and st.stored == n:
                 st.tail_done = True  # the prefill is complete: its full blocks after the last whole chunk
                 self._offer_tail(req, block_ids, blocks, keys_out, gpu_out)
+                if st.seen_tail is not None:
+                    self._drop_superseded_tail(st, blocks)
+            if st.seen_tail is not None:
+                self._drop_superseded_tail(st, st.stored * self.k)
         else:
             chunk = self.chunk
             n = min(computed // chunk, len(req.block_hashes) // self._hashes_per_chunk,
@@ -744,6 +756,19 @@ class SchedulerPlanner:
                 (st.tail_done or not self._tails):
             if self._storing.pop(req.request_id, None) is not None:  # every prompt chunk offered
                 self._disown(st)
+
+    def _drop_superseded_tail(self, st: _Req, stored_blocks: int) -> None:
+        """Drop the older tail piece ``st``'s lookup found once ``st`` stored blocks past its end (a whole
+        chunk over it, or a longer tail piece); a tail piece of the same length is the same key, kept."""
+        key, end = st.seen_tail
+        if stored_blocks > end:
+            st.seen_tail = None
+            if self._event_meta is not None:
+                # no KV event retracts it: the chunk or piece that covers it holds the same block hashes
+                self._event_meta.pop(key, None)
+            if key in self.chain.index:
+                self.counters.tails_superseded += 1
+                self._route(self.chain.delete([key]))
 
     def _offer_tail(self, req, block_ids: list[int], blocks: int, keys_out: list[bytes], gpu_out: list[int]) -> None:
         """Add the tail piece (the ``blocks`` leading blocks past the last whole chunk) to a store, if any."""
@@ -927,7 +952,7 @@ class SchedulerPlanner:
         else:
             log.debug("job %d (%s) done: %d items, %d bytes", job_id, kind.name, len(rep.ok), rep.nbytes)
         self._route(self.chain.complete(Completion(job_id, rep.ok, rep.corrupt, rep.nbytes, rep.seconds,
-                                                   missing=rep.missing)))
+                                                   missing=rep.missing, evicted=rep.evicted)))
 
     # ------------------------------------------------------------------ lifecycle
     def finished(self, request, block_ids) -> None:
@@ -956,6 +981,8 @@ class SchedulerPlanner:
             gpu = ids[st.stored * self.k:n * self.k]
             if self._tails and not st.tail_done and st.stored <= n:
                 self._offer_tail(request, ids, blocks, keys, gpu)
+                if st.seen_tail is not None:
+                    self._drop_superseded_tail(st, blocks)
         else:
             n = min(computed // self.chunk, len(request.block_hashes) // self._hashes_per_chunk,
                     *(len(t) // g.chunk_blocks for t, g in zip(tables, self._groups)))

@@ -44,9 +44,11 @@ events are shared under ``_lock``.
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -157,6 +159,24 @@ class WorkerCounters:
     acked_for_rank0: int = 0  # replicated caches: jobs rank 0 runs for every rank, acknowledged here
 
 
+def open_disk_tier(make):
+    """``make()`` a rank's DiskTier; a damaged index is moved aside (loudly) and the rank starts an empty one.
+
+    The scheduler planned with a disk tier, so the rank keeps one: empty is what the engine sees either way
+    (every disk lookup a miss until chunks are stored again). ``tiered-kv repair`` salvages the moved copy.
+    """
+    from tiered_kv.errors import DamagedIndexError
+    from tiered_kv.tiers.disk import quarantine
+
+    try:
+        return make()
+    except DamagedIndexError as exc:
+        moved = quarantine(exc.path, exc.reason)
+        log.error("TieredKVConnector: the disk index of %s is damaged (%s); moved it to %s, starting empty. "
+                  "`tiered-kv repair %s` salvages what it can.", exc.path, exc.reason, moved, moved)
+        return make()
+
+
 class WorkerRuntime:
     """One TP rank's tiers, movers and job bookkeeping; in-step copies go through its ``InStepLoader``."""
 
@@ -181,10 +201,10 @@ class WorkerRuntime:
         if path is not None and disk_chunks:
             from tiered_kv.tiers.disk import DiskTier  # lazily: needs lmdb and zstandard, a CPU-only setup does not
 
-            self.disk = DiskTier(self.layout, path, disk_chunks * disk_slot_nbytes(geo), cfg.compression,
-                                 cfg.zstd_level, cfg.disk_sync, writer=self.writes_copies, owner=ns.prefix,
-                                 budget=cfg.disk_budget, weight=cfg.disk_weight,
-                                 evicts=cfg.disk_budget == "shared" and cfg.remote_settings() is None)
+            self.disk = open_disk_tier(lambda: DiskTier(
+                self.layout, path, disk_chunks * disk_slot_nbytes(geo), cfg.compression, cfg.zstd_level, cfg.disk_sync,
+                writer=self.writes_copies, owner=ns.prefix, budget=cfg.disk_budget, weight=cfg.disk_weight,
+                evicts=cfg.disk_budget == "shared" and cfg.remote_settings() is None))
         self.remote: RemoteTier | None = None
         settings = cfg.remote_settings()
         if settings is not None:
@@ -223,6 +243,11 @@ class WorkerRuntime:
         workers = (cfg.disk_workers if self.disk is not None else 0) + (cfg.remote_workers if self.remote else 0)
         self.back = (Mover(f"vllm-disk-r{rank}", self._execute, self._on_done, workers=workers)
                      if self.keyed else None)
+        self._closed = False
+        # An engine that exits without shutting its connector down (e.g. ``LLM`` in-process) would leave our
+        # daemon threads inside torch copies while the interpreter finalizes: C++ then aborts the process
+        # ("terminate called without an active exception") after the work is done. Close first.
+        atexit.register(_close_at_exit, weakref.ref(self))
 
     # ------------------------------------------------------------------ set-up
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -403,7 +428,8 @@ class WorkerRuntime:
                 self._events.pop(job.job_id, None)
         out = PollResult()
         for job, c in done:
-            out.reports[job.job_id] = JobReport(1, list(c.ok), list(c.corrupt), c.nbytes, c.seconds, list(c.missing))
+            out.reports[job.job_id] = JobReport(1, list(c.ok), list(c.corrupt), c.nbytes, c.seconds, list(c.missing),
+                                                list(c.evicted))
             ext = self._ext.pop(job.job_id, None)
             if job.kind is JobKind.EGRESS and ext is not None and not all(c.ok):
                 if not self.geo.block_level_errors:
@@ -468,6 +494,7 @@ class WorkerRuntime:
             return Completion(job.job_id, ok, corrupt, 0, time.perf_counter() - t0)
         nbytes = None
         missing: list[bool] = []
+        evicted: list[bytes] = []  # a shared disk directory's evictions for this job's writes
         src, dst = self.keyed.get(job.src_tier), self.keyed.get(job.dst_tier)
         if kind is JobKind.DELETE:
             src.delete(job.keys)
@@ -479,7 +506,8 @@ class WorkerRuntime:
         elif kind is JobKind.EGRESS:
             ok, corrupt, missing, nbytes = self._disk_to_gpu(job, src)
         elif job.src_tier == CPU and dst is not None:  # DEMOTE, COPY_DOWN (to disk or remote)
-            ok = dst.write(job.keys, job.dst_slots, gather_records(self.planes, self.sections, job.src_slots))
+            ok, evicted = dst.write_ex(job.keys, job.dst_slots, gather_records(self.planes, self.sections,
+                                                                               job.src_slots))
         elif src is not None:  # PROMOTE to the CPU tier, or a move between two keyed tiers
             rows = torch.empty((n, self.layout.nbytes), dtype=torch.uint8)
             ok, corrupt, missing = src.read_ex(job.keys, job.src_slots, rows)
@@ -487,7 +515,8 @@ class WorkerRuntime:
             if good and job.dst_tier == CPU:
                 scatter_records(self.planes, self.sections, [job.dst_slots[i] for i in good], rows[good])
             elif good and dst is not None:
-                written = dst.write([job.keys[i] for i in good], [job.dst_slots[i] for i in good], rows[good])
+                written, evicted = dst.write_ex([job.keys[i] for i in good], [job.dst_slots[i] for i in good],
+                                                rows[good])
                 for i, w in zip(good, written):
                     ok[i] = w
             elif dst is None and job.dst_tier != CPU:
@@ -500,7 +529,7 @@ class WorkerRuntime:
         log.debug("rank %d job %d %s %d->%d: %d items in %.1f ms (%.1f GB/s)", self.rank, job.job_id, kind.name,
                   job.src_tier, job.dst_tier, n, secs * 1e3, nbytes / secs / 1e9 if secs else 0.0)
         self._count(job, nbytes, secs, ok, corrupt)
-        return Completion(job.job_id, ok, corrupt, nbytes, secs, missing=missing)
+        return Completion(job.job_id, ok, corrupt, nbytes, secs, missing=missing, evicted=evicted)
 
     def _flat(self, job: TransferJob, chunk_slots: list[int], items=None) -> list[tuple[list[int], list[int]]]:
         """Per group: GPU block ids and plane rows of ``job``'s items (all, or ``items``), skipping -1 blocks."""
@@ -647,12 +676,19 @@ class WorkerRuntime:
         return d
 
     def close(self) -> None:
-        """Finish queued jobs, stop the movers, flush and close the tiers."""
+        """Finish queued jobs, stop the movers and the copiers' submitter threads, flush and close the tiers.
+        Safe to call twice (vLLM's ``shutdown`` and the interpreter-exit hook)."""
+        if self._closed:
+            return
+        self._closed = True
         if self.in_step is not None and self.in_step.loads:
             self._finish_in_step(self.in_step)
         self.front.close()
         if self.back is not None:
             self.back.close()
+        for copier in [*self.copiers, *self._staging_copiers,
+                       *(self.in_step.copiers if self.in_step is not None else [])]:
+            copier.close()
         if self.disk is not None:
             self.disk.flush()
             self.disk.close()
@@ -660,3 +696,14 @@ class WorkerRuntime:
             self.remote.close()
         self.cpu.close()
 
+
+def _close_at_exit(ref: weakref.ref) -> None:
+    """Interpreter-exit hook: close a runtime its engine did not shut down (runs before daemon threads die)."""
+    rt = ref()
+    if rt is None or rt._closed:
+        return
+    try:
+        rt.close()
+        log.info("TieredKVConnector rank %d: closed at interpreter exit (queued jobs finished)", rt.rank)
+    except Exception:  # noqa: BLE001 - at exit there is no caller to raise to; say what went wrong
+        log.exception("TieredKVConnector rank %d: closing at interpreter exit failed", rt.rank)

@@ -32,6 +32,7 @@ so callers on any thread may use it at once (LMDB serializes the writers).
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import struct
 import time
@@ -41,6 +42,8 @@ import lmdb
 
 from tiered_kv.errors import ConfigError, RecordError
 from tiered_kv.values.record import RecordHeader
+
+log = logging.getLogger(__name__)
 
 OWNER_LEN = 8
 ANON = bytes(OWNER_LEN)  # the owner of records written by a tier opened without a namespace
@@ -85,7 +88,11 @@ class Space:
 
 
 class Budget:
-    """The budget rules over one index's databases, for one opener (``owner``, ``mode``, ``weight``)."""
+    """The budget rules over one index's databases, for one opener (``owner``, ``mode``, ``weight``).
+
+    ``_budget`` (shared mode's slots) is re-read at the start of every write txn that claims or trims
+    (``begin_claim``, ``_trim``); LMDB serializes those txns, so it never changes under one.
+    """
 
     def __init__(self, dbs: dict, owner: bytes, mode: str, weight: int) -> None:
         if mode not in MODES:
@@ -132,6 +139,10 @@ class Budget:
         sp = spaces.setdefault(self.owner, Space())
         sp.weight, sp.quota = self.weight, quota
         if self.mode == "shared":
+            old = self.budget_slots(txn)
+            if old and old != quota:  # the last opener's disk_bytes wins: say so, it changes every tenant's share
+                log.warning("disk tier: the shared budget changes from %d to %d slots (this process's disk_bytes); "
+                            "give every process on the directory the same disk_bytes", old, quota)
             txn.put(b"budget", _U64.pack(quota), db=meta)
             want = quota
         else:
@@ -320,6 +331,22 @@ class Budget:
         """End leases."""
         for lk in lease_keys:
             txn.delete(lk, db=self.db["leases"])
+
+    def drop_stale_leases(self, txn: lmdb.Transaction) -> int:
+        """Delete every lease that expired or whose process is gone (at open); returns how many went."""
+        now = time.time_ns()
+        stale = []
+        for k, v in txn.cursor(db=self.db["leases"]):
+            k = bytes(k)
+            if len(k) < _LEASE.size:
+                stale.append(k)
+                continue
+            pid, _ = _LEASE.unpack(k[-_LEASE.size:])
+            if _EXPIRY.unpack(bytes(v))[0] <= now or not pid_alive(pid):
+                stale.append(k)
+        for k in stale:
+            txn.delete(k, db=self.db["leases"])
+        return len(stale)
 
     def leased(self, txn: lmdb.Transaction, key: bytes, now_ns: int) -> bool:
         """Whether a live reader holds ``key``; expired leases and leases of dead processes are dropped

@@ -203,12 +203,14 @@ class DiskIndex:
             return _SLOT.unpack(txn.get(b"slots"))[0]
 
     def recover_claims(self) -> int:
-        """Return slots claimed by dead processes (crash between claim and commit) to the free list.
+        """Return slots claimed by dead processes (crash between claim and commit) to the free list, and drop
+        read leases that expired or whose process is gone.
 
         Returns how many slots came back.
         """
         freed = 0
         with self.env.begin(write=True) as txn:
+            self.budget.drop_stale_leases(txn)
             cur = txn.cursor(db=self.db_claims)
             dead = [(bytes(k), bytes(v)) for k, v in cur if not _pid_alive(_CLAIM.unpack(bytes(v)[:4])[0])]
             for slot_key, val in dead:
