@@ -216,7 +216,9 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
 
         client = ClusterClient(settings)  # checks the login now: a wrong password fails the engine's start
         try:
-            feed = PresenceFeed.standalone(client, stream_key(settings.key_prefix, self.ns.prefix))
+            # at most ~20 reads a second: a block stored elsewhere is a hit here within ~50 ms
+            feed = PresenceFeed.standalone(client, stream_key(settings.key_prefix, self.ns.prefix),
+                                           min_interval_s=0.05)
         finally:
             client.close()  # the scheduler keeps one connection, not the cluster map (see PresenceFeed)
         log.info("TieredKVConnector: remote tier on %s (remote_write=%s)", settings.describe()["url"],

@@ -58,7 +58,7 @@ class PresenceFeed:
     """
 
     def __init__(self, client: ClusterClient | None, stream: bytes, block_ms: int = 500, batch: int = 1000,
-                 settings: RemoteSettings | None = None, node=None) -> None:
+                 settings: RemoteSettings | None = None, node=None, min_interval_s: float = 0.0) -> None:
         self.client = client
         self.settings = client.settings if client is not None else settings
         self._node = node  # standalone: a redis.Redis to the stream's node (None: find it)
@@ -66,6 +66,9 @@ class PresenceFeed:
         # the blocking read must end before the socket's own timeout would cut it
         self.block_ms = max(10, min(block_ms, int(self.settings.op_timeout_s * 1000 / 2)))
         self.batch = batch
+        # after a read that brought entries, wait this long before the next: a busy fleet then wakes this
+        # thread (and takes the GIL from the engine's scheduler thread) a few times a second, not per write
+        self.min_interval_s = min_interval_s
         self._lock = threading.Lock()
         self._stored: list[bytes] = []
         self._removed: list[bytes] = []
@@ -134,6 +137,8 @@ class PresenceFeed:
             self.entries += got
             if got < self.batch:
                 self.caught_up.set()
+                if got and self.min_interval_s:
+                    self._stop.wait(self.min_interval_s)
 
     def _take_entry(self, fields: dict) -> None:
         stored = [v for f, v in fields.items() if f[:1] == STORED]
