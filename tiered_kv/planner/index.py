@@ -46,14 +46,18 @@ class Entry(dict):
 
     One object per key instead of an entry plus its dict: the planner runs on vLLM's scheduler
     thread, where every long-lived object the garbage collector tracks makes its collections
-    more frequent (docs/benchmarks.md, scheduler overhead).
+    more frequent (docs/benchmarks.md, scheduler overhead). No Python ``__init__``: ``Entry({tier: copy})``
+    runs ``dict``'s own, in C (the put fast path builds one per chunk key); ``deleted`` reads False
+    until it is set.
     """
 
     __slots__ = ("deleted",)
 
-    def __init__(self, copies: dict[int, Copy] | None = None, deleted: bool = False) -> None:
-        super().__init__(copies or ())
-        self.deleted = deleted
+    def __getattr__(self, name: str):
+        # only reached while the ``deleted`` slot was never set (a plain slot has no default)
+        if name == "deleted":
+            return False
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def copies(self) -> "Entry":

@@ -72,6 +72,20 @@ class Namespace:
         return self.prefix + h.digest()
 
 
+    def keys(self, engine_hashes: Sequence[bytes]) -> list[bytes]:
+        """``[self.key(h) for h in engine_hashes]`` with the per-key attribute lookups hoisted (the vLLM
+        scheduler names every new chunk of a prefill in one call)."""
+        new, prefix = self._keyed.copy, self.prefix
+        out: list[bytes] = []
+        for h in engine_hashes:
+            if not isinstance(h, (bytes, bytearray, memoryview)):
+                raise InvalidInputError(f"engine hash must be bytes, got {type(h).__name__}")
+            x = new()
+            x.update(h)
+            out.append(prefix + x.digest())
+        return out
+
+
 def chain_keys(namespace: Namespace, token_ids: Sequence[int], page_size: int) -> list[bytes]:
     """Keys for each full page of ``token_ids``; block i's key covers tokens ``[0, (i+1)*page_size)``.
 

@@ -84,6 +84,7 @@ class ConnectorConfig:
     remote_connect_timeout_s: float = 0.5
     remote_write: str = "through"
     remote_workers: int = 4
+    remote_feed_interval_s: float = 0.1  # scheduler: the presence feed reads at most once per interval
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
@@ -132,6 +133,10 @@ class ConnectorConfig:
             raise ConfigError("cpu_bytes: must be > 0 (the CPU tier stages every load and store); got 0")
         _choice(self.remote_write, "remote_write", REMOTE_WRITES)
         _int(self.remote_workers, "remote_workers", 1, 64)
+        if isinstance(self.remote_feed_interval_s, bool) or not isinstance(self.remote_feed_interval_s, (int, float)) \
+                or not 0 <= self.remote_feed_interval_s <= 10:
+            raise ConfigError(f"remote_feed_interval_s: expected seconds in [0, 10] (0.1: the presence feed reads "
+                              f"at most 10 times a second), got {self.remote_feed_interval_s!r}")
         self.remote_settings()  # validates remote_url and the other remote_* keys
 
     def remote_settings(self) -> RemoteSettings | None:

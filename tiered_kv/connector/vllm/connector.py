@@ -216,9 +216,11 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
 
         client = ClusterClient(settings)  # checks the login now: a wrong password fails the engine's start
         try:
-            # at most ~20 reads a second: a block stored elsewhere is a hit here within ~50 ms
+            # at most one read per remote_feed_interval_s (0.1 s: ten a second) while the fleet writes: a block
+            # stored elsewhere is a hit here within about that long, and the feed thread takes the GIL from
+            # the scheduler thread rarely
             feed = PresenceFeed.standalone(client, stream_key(settings.key_prefix, self.ns.prefix),
-                                           min_interval_s=0.05)
+                                           min_interval_s=self.cfg.remote_feed_interval_s)
         finally:
             client.close()  # the scheduler keeps one connection, not the cluster map (see PresenceFeed)
         log.info("TieredKVConnector: remote tier on %s (remote_write=%s)", settings.describe()["url"],

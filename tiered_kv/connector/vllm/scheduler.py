@@ -229,6 +229,7 @@ class SchedulerPlanner:
         self.chain = TierChain(specs, cfg.eviction, PlacementPolicy(write_policy, cfg.promote_on_hit, copy_to=copy_to))
         self._event_meta: dict[bytes, tuple] | None = None  # chunk key -> what a KV event names (enable_events)
         self.key = ns.key  # prefix and keyed hasher cached on the namespace
+        self._keys = ns.keys
         # tail pieces: one full-attention (or MLA) group only, and only when a chunk has several blocks
         self._tails = cfg.tail_chunks and self._single and self.k > 1
         self._tail_prefix = ns.prefix + TAIL_MARK
@@ -282,7 +283,7 @@ class SchedulerPlanner:
         if len(keys) < upto:
             hashes = st.request.block_hashes
             m = self._hashes_per_chunk
-            keys.extend(self.key(hashes[(c + 1) * m - 1]) for c in range(len(keys), upto))
+            keys += self._keys(hashes[len(keys) * m + m - 1:upto * m:m])  # only the chunks not named yet
         return keys
 
     def _state_key(self, st: _Req, c: int) -> bytes:

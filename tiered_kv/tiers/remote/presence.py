@@ -128,24 +128,26 @@ class PresenceFeed:
             if res is False:  # the stream's node is down or slow: try again later
                 self._stop.wait(retry)
                 continue
-            got = 0
+            got, stored, removed = 0, [], []
             for _, entries in (res or []):
                 for entry_id, fields in entries:
-                    self._take_entry(fields)
+                    for f, v in fields.items():
+                        tag = f[:1]
+                        if tag == STORED:
+                            stored.append(v)
+                        elif tag == REMOVED:
+                            removed.append(v)
                     self._last = entry_id
                     got += 1
+            if stored or removed:  # one hand-over per read, not per entry
+                with self._lock:
+                    self._stored += stored
+                    self._removed += removed
             self.entries += got
             if got < self.batch:
                 self.caught_up.set()
                 if got and self.min_interval_s:
                     self._stop.wait(self.min_interval_s)
-
-    def _take_entry(self, fields: dict) -> None:
-        stored = [v for f, v in fields.items() if f[:1] == STORED]
-        removed = [v for f, v in fields.items() if f[:1] == REMOVED]
-        with self._lock:
-            self._stored += stored
-            self._removed += removed
 
     def close(self) -> None:
         """Stop the thread (returns within one blocking read). Idempotent."""
