@@ -4,6 +4,8 @@ Room-making (waiters, eviction, refusals) is tested in test_room.py.
 """
 from __future__ import annotations
 
+import pytest
+
 from tests.planner._driver import K, run_all, three_tier
 from tiered_kv.planner.chain import TierChain, TierSpec
 from tiered_kv.planner.policy import PlacementPolicy
@@ -121,3 +123,17 @@ def test_write_through_copy_lands_where_a_waiter_evicts_it_at_once():
     assert c.locate([K(0), K(1)]) == [0, 0]
     assert c.inflight() == 0 and c.waiting() == 0 and c.pinned() == 0
     assert c.resident(1) + c.resident(2) >= 2  # both blocks reached a lower tier (write-through holds)
+
+
+def test_index_entry_deleted_defaults_false_and_is_per_entry():
+    from tiered_kv.planner.index import BlockIndex, Copy, CopyState, Entry
+
+    idx = BlockIndex(2)
+    idx.add_new_many([b"a", b"b"], 0, [3, 4], CopyState.WRITING)
+    a, b = idx.get(b"a"), idx.get(b"b")
+    assert not a.deleted and not b.deleted and a.copies[0].slot == 3 and b.copies[0].slot == 4
+    a.deleted = True
+    assert a.deleted and not b.deleted and not Entry({1: Copy(CopyState.READY, 0)}).deleted
+    assert Entry({1: Copy(CopyState.READY, 0)}).best() == 1
+    with pytest.raises(AttributeError, match="no attribute 'bogus'"):
+        a.bogus  # noqa: B018

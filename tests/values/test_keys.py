@@ -20,3 +20,12 @@ def test_chain_keys_prefix_property_and_namespaces():
         check_key("not-bytes")
     with pytest.raises(InvalidInputError):
         check_key(b"")
+
+
+def test_namespace_keys_equal_key_per_hash_and_reject_non_bytes():
+    ns = Namespace("m", 1, salt="s")
+    hashes = [bytes([i]) * 32 for i in range(40)] + [bytearray(b"ba"), memoryview(b"mv")]
+    assert ns.keys(hashes) == [ns.key(h) for h in hashes]
+    assert len(set(ns.keys(hashes))) == len(hashes) and ns.keys([]) == []
+    with pytest.raises(InvalidInputError, match="engine hash must be bytes, got int"):
+        ns.keys([b"ok", 7])
