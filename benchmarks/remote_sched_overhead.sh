@@ -22,13 +22,19 @@ Path(sys.argv[1], "pids").write_text(" ".join(str(p.pid) for p in c.procs))
 print(c.url)
 PYEOF
 FLEET_PID=""
-cleanup() { [ -z "$FLEET_PID" ] || kill "$FLEET_PID" 2>/dev/null || true; kill $(cat "$DIR/pids") 2>/dev/null || true; rm -rf "$DIR"; }
+cleanup() {
+  [ -z "$FLEET_PID" ] || kill "$FLEET_PID" 2>/dev/null || true
+  kill $(cat "$DIR/pids") 2>/dev/null || true
+  rm -rf "$DIR"
+}
 trap cleanup EXIT
 export TKV_REMOTE_URL=$(cat "$DIR/url") TKV_REMOTE_PASSWORD_ENV=TKV_TEST_REDIS_PASSWORD
 export TKV_TEST_REDIS_PASSWORD=$("$PY" -c "import sys; sys.path.insert(0, '.'); from tests._redis import PASSWORD; print(PASSWORD)")
 if [ "${TKV_FLEET_ALL_MODES:-0}" = 1 ]; then
-  export TKV_EXTRA="{\"remote_url\": \"$TKV_REMOTE_URL\", \"remote_password_env\": \"$TKV_REMOTE_PASSWORD_ENV\"}"
-  PYTHONPATH="$PWD" "$PY" benchmarks/remote_sched_mode.py fleet "$(printf 'tkv-bench|background-fleet' | od -An -tx1 | tr -d ' \n')" \
+  export TKV_EXTRA="{\"remote_url\": \"$TKV_REMOTE_URL\",
+                     \"remote_password_env\": \"$TKV_REMOTE_PASSWORD_ENV\"}"
+  STREAM_HEX=$(printf 'tkv-bench|background-fleet' | od -An -tx1 | tr -d ' \n')
+  PYTHONPATH="$PWD" "$PY" benchmarks/remote_sched_mode.py fleet "$STREAM_HEX" \
     "${TKV_FLEET_KEYS_PER_S:-1000}" $$ &
   FLEET_PID=$!
 fi

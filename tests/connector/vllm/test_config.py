@@ -34,7 +34,8 @@ def test_unknown_key_is_named_with_the_valid_ones():
     ("disk_load_policy", "sometimes", "disk_load_policy"), ("chunk_blocks", 0, "chunk_blocks"),
     ("disk_read_gbps", -1, "disk_read_gbps"), ("promote_on_hit", "yes", "promote_on_hit"),
     ("cpu_bytes", 0, "cpu_bytes"), ("remote_feed_interval_s", -0.1, "remote_feed_interval_s"),
-    ("remote_feed_interval_s", "fast", "remote_feed_interval_s"), ("remote_feed_interval_s", True, "remote_feed_interval_s"),
+    ("remote_feed_interval_s", "fast", "remote_feed_interval_s"),
+    ("remote_feed_interval_s", True, "remote_feed_interval_s"),
 ])
 def test_bad_values_fail_naming_the_key(key, value, needle):
     with pytest.raises(ConfigError, match=needle):
