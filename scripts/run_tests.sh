@@ -9,6 +9,10 @@ rc=0
 .venv/bin/python -c "import vllm, sys; print('vllm', vllm.__version__)" || { echo "!!! vLLM does not import in .venv"; exit 1; }
 PYTHONPATH=scripts/cpu_stubs .venv-sglang/bin/python -c "import sglang.srt.mem_cache.hicache_storage, importlib.metadata as m; print('sglang', m.version('sglang'))" \
   || { echo "!!! SGLang does not import in .venv-sglang"; exit 1; }
+# The remote tier's suites start a real Redis Cluster: redis-server must be there (setup_venvs.sh installs it).
+command -v redis-server >/dev/null && command -v redis-cli >/dev/null \
+  || { echo "!!! redis-server/redis-cli missing: run scripts/setup_venvs.sh as root (apt-get install redis-server)"; exit 1; }
+export TKV_REQUIRE_REDIS=1  # the cluster fixture fails instead of skipping
 run() {  # name, python, args...
   local name=$1 py=$2; shift 2
   echo "=== $name: $py -m pytest $*"
