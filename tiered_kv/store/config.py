@@ -18,20 +18,19 @@ import yaml
 from tiered_kv.errors import ConfigError
 from tiered_kv.values.layout import normalize_dtype
 from tiered_kv.planner.policy import POLICIES, WRITE_POLICIES
-from tiered_kv.tiers.remote.settings import REMOTE_WRITES, RemoteSettings
+from tiered_kv.tiers.remote.settings import RemoteKeys
 from tiered_kv.values.record import CODECS
 from tiered_kv.values.units import parse_size
 
 _SIZE_KEYS = ("gpu_bytes", "cpu_bytes", "disk_bytes")
 #: The remote tier's keys, shared by the engine adapters that pass them through.
-REMOTE_KEYS = ("remote_url", "remote_password_env", "remote_user", "remote_tls_ca", "remote_timeout_s",
-               "remote_connect_timeout_s", "remote_write", "remote_workers")
+REMOTE_KEYS = tuple(f.name for f in fields(RemoteKeys))
 DISK_ROLES = ("writer", "reader")
 DISK_BUDGETS = ("namespace", "shared")  # docs/reliability.md, "Sharing one directory"
 
 
 @dataclass(frozen=True)
-class StoreConfig:
+class StoreConfig(RemoteKeys):
     """Everything a ``TieredStore`` needs. See the README's configuration table for each key."""
 
     block_shape: tuple[int, ...] = (2, 16, 8, 64)
@@ -58,14 +57,6 @@ class StoreConfig:
     write_policy: str = "write_back"
     promote_on_hit: bool = True
     metrics_port: int | None = None
-    remote_url: str | None = None
-    remote_password_env: str | None = None
-    remote_user: str | None = None
-    remote_tls_ca: str | None = None
-    remote_timeout_s: float = 2.0
-    remote_connect_timeout_s: float = 0.5
-    remote_write: str = "through"
-    remote_workers: int = 4
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -108,18 +99,10 @@ class StoreConfig:
             if not isinstance(self.disk_path, (str, os.PathLike)) or not str(self.disk_path):
                 raise ConfigError(f"disk_path: expected a directory path or null, got {self.disk_path!r}")
             set_("disk_path", str(self.disk_path))
-        _check_choice(self.remote_write, "remote_write", REMOTE_WRITES)
-        _check_int(self.remote_workers, "remote_workers", 1, 64)
-        self.remote_settings()  # validates remote_url and the other remote_* keys
+        self.check_remote_keys()
         if self.gpu_bytes == 0 and self.cpu_bytes == 0 and self.disk_path is None and self.remote_url is None:
             raise ConfigError("no tier configured: set at least one of gpu_bytes, cpu_bytes, disk_path or remote_url")
 
-    def remote_settings(self) -> RemoteSettings | None:
-        """The remote tier's settings (None without ``remote_url``); ConfigError names a bad ``remote_*`` key."""
-        if self.remote_url is None:
-            return None
-        return RemoteSettings(self.remote_url, self.remote_password_env, self.remote_user, self.remote_tls_ca,
-                              self.remote_connect_timeout_s, self.remote_timeout_s)
 
     @classmethod
     def valid_keys(cls) -> list[str]:

@@ -18,7 +18,7 @@ from tiered_kv.errors import ConfigError
 from tiered_kv.connector.sglang.gate import check_gate_options
 from tiered_kv.connector.sglang.versions import check_supported, dp_rank, storage_writer
 from tiered_kv.planner.policy import POLICIES
-from tiered_kv.tiers.remote.settings import REMOTE_WRITES, RemoteSettings
+from tiered_kv.tiers.remote.settings import RemoteKeys
 from tiered_kv.values.record import CODECS
 from tiered_kv.values.units import parse_size
 
@@ -33,7 +33,7 @@ SGLANG_KEYS = frozenset({
 
 
 @dataclass(frozen=True)
-class SGLangBackendConfig:
+class SGLangBackendConfig(RemoteKeys):
     """Our keys in ``--hicache-storage-backend-extra-config`` (see docs/sglang.md for the table)."""
 
     disk_path: str | None = None
@@ -50,14 +50,6 @@ class SGLangBackendConfig:
     reader_refresh_s: float = 0.0
     radix_pages: int = 1 << 20
     chunk_pages: int = 16
-    remote_url: str | None = None
-    remote_password_env: str | None = None
-    remote_user: str | None = None
-    remote_tls_ca: str | None = None
-    remote_timeout_s: float = 2.0
-    remote_connect_timeout_s: float = 0.5
-    remote_write: str = "through"
-    remote_workers: int = 4
     disk_load_policy: str = "auto"
     disk_read_gbps: float = 3.0
     disk_probe_every: int = 32
@@ -91,11 +83,7 @@ class SGLangBackendConfig:
         for key in ("tenant_salt", "model"):
             if not isinstance(getattr(self, key), str):
                 raise ConfigError(f"{key}: expected a string, got {getattr(self, key)!r}")
-        if self.remote_write not in REMOTE_WRITES:
-            raise ConfigError(f"remote_write: unknown value {self.remote_write!r}; valid: {list(REMOTE_WRITES)}")
-        if self.remote_url is not None:  # checks the URL and every remote_* value now, at server start
-            RemoteSettings(self.remote_url, self.remote_password_env, self.remote_user, self.remote_tls_ca,
-                           self.remote_connect_timeout_s, self.remote_timeout_s)
+        self.check_remote_keys()  # the URL and every remote_* value now, at server start
         r = self.reader_refresh_s
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r <= 3600:
             raise ConfigError(f"reader_refresh_s: expected seconds in [0, 3600], got {r!r}")

@@ -26,7 +26,7 @@ from tiered_kv.errors import ConfigError
 from tiered_kv.values.keys import Namespace
 from tiered_kv.values.layout import BlockLayout
 from tiered_kv.planner.policy import POLICIES, WRITE_POLICIES
-from tiered_kv.tiers.remote.settings import REMOTE_WRITES, RemoteSettings
+from tiered_kv.tiers.remote.settings import RemoteKeys
 from tiered_kv.values.record import CODECS
 from tiered_kv.values.units import parse_size
 
@@ -40,7 +40,7 @@ SWA_STORES = ("window", "all")
 
 
 @dataclass(frozen=True)
-class ConnectorConfig:
+class ConnectorConfig(RemoteKeys):
     """Every ``kv_connector_extra_config`` key the connector accepts (docs/vllm.md has the table)."""
 
     cpu_bytes: int = 8 << 30
@@ -76,14 +76,6 @@ class ConnectorConfig:
     model_id: str = ""
     tenant_salt: str = ""
     metrics_port: int | None = None
-    remote_url: str | None = None
-    remote_password_env: str | None = None
-    remote_user: str | None = None
-    remote_tls_ca: str | None = None
-    remote_timeout_s: float = 2.0
-    remote_connect_timeout_s: float = 0.5
-    remote_write: str = "through"
-    remote_workers: int = 4
     remote_feed_interval_s: float = 0.1  # scheduler: the presence feed reads at most once per interval
 
     def __post_init__(self) -> None:
@@ -131,20 +123,12 @@ class ConnectorConfig:
                               f"got {self.load_staging_bytes}")
         if self.cpu_bytes == 0:
             raise ConfigError("cpu_bytes: must be > 0 (the CPU tier stages every load and store); got 0")
-        _choice(self.remote_write, "remote_write", REMOTE_WRITES)
-        _int(self.remote_workers, "remote_workers", 1, 64)
         if isinstance(self.remote_feed_interval_s, bool) or not isinstance(self.remote_feed_interval_s, (int, float)) \
                 or not 0 <= self.remote_feed_interval_s <= 10:
             raise ConfigError(f"remote_feed_interval_s: expected seconds in [0, 10] (0.1: the presence feed reads "
                               f"at most 10 times a second), got {self.remote_feed_interval_s!r}")
-        self.remote_settings()  # validates remote_url and the other remote_* keys
+        self.check_remote_keys()
 
-    def remote_settings(self) -> RemoteSettings | None:
-        """The remote tier's settings (None without ``remote_url``); ConfigError names a bad ``remote_*`` key."""
-        if self.remote_url is None:
-            return None
-        return RemoteSettings(self.remote_url, self.remote_password_env, self.remote_user, self.remote_tls_ca,
-                              self.remote_connect_timeout_s, self.remote_timeout_s)
 
     @classmethod
     def valid_keys(cls) -> list[str]:

@@ -1,7 +1,8 @@
 """Settings of the remote tier: where the Redis Cluster is, how to log in, how long to wait.
 
 ``RemoteSettings`` is built from the config keys of every front end (``remote_url``,
-``remote_password_env``, ``remote_user``, the timeouts...). The password itself is never a config
+``remote_password_env``, ``remote_user``, the timeouts...), which ``RemoteKeys`` declares once for
+the store's, the vLLM connector's and the SGLang backend's configs. The password itself is never a config
 value: the config names an environment variable that holds it, so it never lands in a config
 file, a log line or vLLM's printed config. ``seeds()`` parses ``remote_url``: a comma-separated
 list of ``redis://host:port`` (or ``rediss://`` for TLS) seed nodes of one cluster.
@@ -101,3 +102,34 @@ class RemoteSettings:
         return {"url": ",".join(f"{h}:{p}" for h, p in self.seeds()), "tls": self.tls, "user": self.user or "default",
                 "password_env": self.password_env, "op_timeout_s": self.op_timeout_s,
                 "connect_timeout_s": self.connect_timeout_s, "key_prefix": self.key_prefix}
+
+
+@dataclass(frozen=True)
+class RemoteKeys:
+    """The ``remote_*`` config keys, shared by ``StoreConfig``, the vLLM connector's and the SGLang
+    backend's configs (each inherits them; docs/remote.md has each key)."""
+
+    remote_url: str | None = None
+    remote_password_env: str | None = None
+    remote_user: str | None = None
+    remote_tls_ca: str | None = None
+    remote_timeout_s: float = 2.0
+    remote_connect_timeout_s: float = 0.5
+    remote_write: str = "through"
+    remote_workers: int = 4
+
+    def check_remote_keys(self) -> None:
+        """ConfigError naming a bad ``remote_*`` key (``remote_url`` and the timeouts too, when set)."""
+        if not isinstance(self.remote_write, str) or self.remote_write not in REMOTE_WRITES:
+            raise ConfigError(f"remote_write: unknown value {self.remote_write!r}; valid: {sorted(REMOTE_WRITES)}")
+        w = self.remote_workers
+        if not isinstance(w, int) or isinstance(w, bool) or not 1 <= w <= 64:
+            raise ConfigError(f"remote_workers: expected an int in [1, 64], got {w!r}")
+        self.remote_settings()
+
+    def remote_settings(self) -> RemoteSettings | None:
+        """The remote tier's settings (None without ``remote_url``); ConfigError names a bad ``remote_*`` key."""
+        if self.remote_url is None:
+            return None
+        return RemoteSettings(self.remote_url, self.remote_password_env, self.remote_user, self.remote_tls_ca,
+                              self.remote_connect_timeout_s, self.remote_timeout_s)
