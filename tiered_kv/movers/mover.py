@@ -11,11 +11,13 @@ to each other and the submitting thread.
 """
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 from tiered_kv.values.jobs import Completion, TransferJob
@@ -91,3 +93,22 @@ class Mover:
             self._queue.put((2, next(self._seq), None))
         for t in self._threads:
             t.join()
+
+
+def close_at_exit(owner, what: str) -> None:
+    """Close ``owner`` (anything running movers, with an idempotent ``close()`` and a ``_closed`` flag) at
+    interpreter exit if nobody closed it: ``atexit`` runs before the interpreter kills daemon threads, and a
+    mover thread killed inside a torch copy aborts the process ("terminate called without an active
+    exception") and drops its queued work. Holds only a weak reference; ``what`` names it in the log."""
+    atexit.register(_close_at_exit, weakref.ref(owner), what)
+
+
+def _close_at_exit(ref: weakref.ref, what: str) -> None:
+    owner = ref()
+    if owner is None or owner._closed:
+        return
+    try:
+        owner.close()
+        log.info("%s: closed at interpreter exit (queued work finished)", what)
+    except Exception:  # noqa: BLE001 - at exit there is no caller to raise to; say what went wrong
+        log.exception("%s: closing at interpreter exit failed", what)

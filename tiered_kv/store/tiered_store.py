@@ -24,12 +24,10 @@ Handles may be waited on from any thread or awaited from any event loop.
 """
 from __future__ import annotations
 
-import atexit
 import itertools
 import logging
 import threading
 import time
-import weakref
 from collections.abc import Sequence
 
 import torch
@@ -51,6 +49,7 @@ from tiered_kv.tiers.remote import PresenceFeed, RemoteTier
 from tiered_kv.values.jobs import EXT, Completion, JobKind, TransferJob
 from tiered_kv.movers.edges import EdgeMovers
 from tiered_kv.movers.executor import JobExecutor
+from tiered_kv.movers.mover import close_at_exit
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +114,7 @@ class TieredStore:
         self._feed: PresenceFeed | None = None if remote is None else self.tiers[remote].feed()
         # a store its owner never closed is closed before the interpreter kills our daemon threads (a thread
         # killed inside a torch copy aborts the process at exit)
-        atexit.register(_close_at_exit, weakref.ref(self))
+        close_at_exit(self, "TieredStore")
 
     def _open_tiers(self, c: StoreConfig) -> None:
         if c.gpu_bytes:
@@ -519,14 +518,3 @@ class TieredStore:
             t.close()
         if self._metrics_server is not None:
             self._metrics_server[0].shutdown()
-
-
-def _close_at_exit(ref: weakref.ref) -> None:
-    """Interpreter-exit hook: close a store nobody closed (queued work finishes first)."""
-    store = ref()
-    if store is None or store._closed:
-        return
-    try:
-        store.close()
-    except Exception:  # noqa: BLE001 - at exit there is no caller to raise to; say what went wrong
-        log.exception("TieredStore: closing at interpreter exit failed")

@@ -44,11 +44,9 @@ events are shared under ``_lock``.
 """
 from __future__ import annotations
 
-import atexit
 import logging
 import threading
 import time
-import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -67,7 +65,7 @@ from tiered_kv.errors import ConfigError
 from tiered_kv.values.keys import Namespace
 from tiered_kv.tiers.cpu import CpuTier
 from tiered_kv.values.jobs import Completion, JobKind, TransferJob
-from tiered_kv.movers.mover import Mover
+from tiered_kv.movers.mover import Mover, close_at_exit
 from tiered_kv.connector.vllm.config import (
     ConnectorConfig,
     Geometry,
@@ -247,7 +245,7 @@ class WorkerRuntime:
         # An engine that exits without shutting its connector down (e.g. ``LLM`` in-process) would leave our
         # daemon threads inside torch copies while the interpreter finalizes: C++ then aborts the process
         # ("terminate called without an active exception") after the work is done. Close first.
-        atexit.register(_close_at_exit, weakref.ref(self))
+        close_at_exit(self, f"TieredKVConnector rank {rank}")
 
     # ------------------------------------------------------------------ set-up
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -695,15 +693,3 @@ class WorkerRuntime:
         if self.remote is not None:
             self.remote.close()
         self.cpu.close()
-
-
-def _close_at_exit(ref: weakref.ref) -> None:
-    """Interpreter-exit hook: close a runtime its engine did not shut down (runs before daemon threads die)."""
-    rt = ref()
-    if rt is None or rt._closed:
-        return
-    try:
-        rt.close()
-        log.info("TieredKVConnector rank %d: closed at interpreter exit (queued jobs finished)", rt.rank)
-    except Exception:  # noqa: BLE001 - at exit there is no caller to raise to; say what went wrong
-        log.exception("TieredKVConnector rank %d: closing at interpreter exit failed", rt.rank)
