@@ -57,35 +57,17 @@ import sys
 import tempfile
 import time
 
+from vllm_ttft import DSV2_LITE as _VLLM_DSV2_LITE, LLAMA3_8B as _VLLM_LLAMA3_8B  # benchmarks/ is on sys.path
+
 MODES = ("none", "l2", "file", "tiered", "tiered-always", "restart", "mla-none", "mla-tiered")
 DEFAULT_MODES = ("none", "file", "tiered-always", "tiered", "l2")
 FOLLOW = 64  # new tokens per turn
 SHUTDOWN_GRACE_S = 30.0  # after a mode's result is written, its engine gets this long to exit
 PAGE = 64
 
-LLAMA3_8B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-    "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
-    "num_hidden_layers": 32, "num_key_value_heads": 8, "head_dim": 128,
-    "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 128256,
-    "bos_token_id": 1, "eos_token_id": 2, "attention_bias": False, "mlp_bias": False,
-}
-DSV2_LITE = {
-    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
-    "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408,
-    "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16,
-    "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-    "n_routed_experts": 64, "n_shared_experts": 2, "num_experts_per_tok": 6, "first_k_dense_replace": 1,
-    "moe_layer_freq": 1, "topk_method": "greedy", "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
-    "scoring_func": "softmax", "norm_topk_prob": False, "aux_loss_alpha": 0.001, "seq_aux": True,
-    "rope_theta": 10000.0,
-    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
-                     "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
-    "max_position_embeddings": 163840, "vocab_size": 102400, "rms_norm_eps": 1e-6, "hidden_act": "silu",
-    "attention_bias": False, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-    "bos_token_id": 100000, "eos_token_id": 100001,
-}
+# the model shapes of benchmarks/vllm_ttft.py (same dummy weights); SGLang gets a longer context window
+LLAMA3_8B = {**_VLLM_LLAMA3_8B, "max_position_embeddings": 32768}
+DSV2_LITE = _VLLM_DSV2_LITE
 MODELS = {"llama3-8b": LLAMA3_8B, "dsv2-lite": DSV2_LITE}
 
 
