@@ -16,26 +16,22 @@ SGLang about such a page would make the request slower than with no HiCache at a
 - ``always``: report every page held (measure the disk, or a disk known to be fast).
 - ``never``: report only the leading pages in memory tiers.
 
-The same rule as the vLLM connector's (``connector/vllm/scheduler.py``, ``_worth_loading``), per
-SGLang page instead of per vLLM chunk.
+The rule itself is ``tiered_kv.planner.gate.LoadGate``, shared with the vLLM connector (which applies it
+per chunk); this module applies it per SGLang page and keeps SGLang's counters.
 
 Threading contract: ``worth_loading`` runs on SGLang's prefetch thread and ``observe_read`` on its
 prefetch IO thread, at once; both take the gate's lock.
 """
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 
 from tiered_kv.errors import ConfigError
-
-DISK_LOAD_POLICIES = ("auto", "always", "never")
+from tiered_kv.planner import gate as core
+from tiered_kv.planner.gate import DISK_LOAD_POLICIES
 
 #: Tiers whose pages always load faster than a prefill recomputes them.
 MEMORY_TIERS = frozenset({"gpu", "cpu"})
-
-#: Weight of the newest read in the disk-rate average (the vLLM connector's value).
-EWMA_NEW = 0.2
 
 
 def check_gate_options(policy: object, read_gbps: object, probe_every: object, prefill_tps: object) -> None:
@@ -49,7 +45,7 @@ def check_gate_options(policy: object, read_gbps: object, probe_every: object, p
         raise ConfigError(f"disk_probe_every: expected an int >= 0 (0 = never probe), got {probe_every!r}")
 
 
-class LoadGate:
+class LoadGate(core.LoadGate):
     """Decides how many leading held pages of a query SGLang should load (the rest it recomputes)."""
 
     def __init__(self, policy: str, disk_read_gbps: float, probe_every: int, prefill_tokens_per_s: float,
@@ -57,52 +53,36 @@ class LoadGate:
         check_gate_options(policy, disk_read_gbps, probe_every, prefill_tokens_per_s)
         if page_tokens <= 0 or page_nbytes <= 0:
             raise ConfigError(f"load gate: page of {page_tokens} tokens / {page_nbytes} B; both must be > 0")
-        self.policy = policy
-        self.probe_every = int(probe_every)
-        self.prefill_tokens_per_s = float(prefill_tokens_per_s)
-        self.page_tokens = int(page_tokens)
-        self.page_nbytes = int(page_nbytes)
-        self._gbps = float(disk_read_gbps)
-        self._lock = threading.Lock()
-        self._declined_queries = 0
+        super().__init__(policy, disk_read_gbps, probe_every, prefill_tokens_per_s, page_tokens, page_nbytes)
+        self.page_tokens = self.unit_tokens
+        self.page_nbytes = self.unit_nbytes
         self._counts = {"gate_declined_pages": 0, "gate_declined_queries": 0, "gate_probes": 0,
                         "gate_disk_pages_reported": 0, "gate_reads_observed": 0}
 
     # ------------------------------------------------------------------ decisions
     def disk_beats_recompute(self) -> bool:
         """Whether, at the current disk-rate estimate, a slow-tier page loads faster than it is recomputed."""
-        with self._lock:
-            gbps = self._gbps
-        return self.page_nbytes / (gbps * 1e9) < self.page_tokens / self.prefill_tokens_per_s
+        return self.beats_recompute()
 
     def worth_loading(self, where: Sequence[str | None]) -> int:
         """Leading pages of a held run worth reporting; ``where[i]`` is the fastest tier holding page i."""
         n = len(where)
         n_fast = next((i for i, t in enumerate(where) if t not in MEMORY_TIERS), n)
-        if n_fast == n or self.policy == "always":
+        hits, outcome = self.decide(n_fast, n)
+        if outcome == core.DECLINED:
+            self._count(gate_declined_pages=n - n_fast, gate_declined_queries=1)
+        elif outcome == core.PROBE:  # read it anyway now and then, so the estimate follows the disk
+            self._count(gate_probes=1, gate_disk_pages_reported=n - n_fast)
+        else:
             self._count(gate_disk_pages_reported=n - n_fast)
-            return n
-        if self.policy == "auto":
-            if self.disk_beats_recompute():
-                self._count(gate_disk_pages_reported=n - n_fast)
-                return n
-            with self._lock:
-                self._declined_queries += 1
-                probe = self.probe_every > 0 and self._declined_queries % self.probe_every == 0
-            if probe:  # read it anyway now and then, so the estimate follows the disk
-                self._count(gate_probes=1, gate_disk_pages_reported=n - n_fast)
-                return n
-        self._count(gate_declined_pages=n - n_fast, gate_declined_queries=1)
-        return n_fast
+        return hits
 
     def observe_read(self, slow_pages: int, seconds: float) -> None:
         """A read that moved ``slow_pages`` slow-tier pages took ``seconds`` (its whole wall time, conservative)."""
         if slow_pages <= 0 or seconds <= 0:
             return
-        gbps = slow_pages * self.page_nbytes / seconds / 1e9
-        with self._lock:
-            self._gbps = (1 - EWMA_NEW) * self._gbps + EWMA_NEW * gbps
-            self._counts["gate_reads_observed"] += 1
+        self.observe(slow_pages * self.page_nbytes, seconds)
+        self._count(gate_reads_observed=1)
 
     # ------------------------------------------------------------------ reporting
     def _count(self, **counts: int) -> None:
@@ -117,5 +97,5 @@ class LoadGate:
             out["disk_gbps_estimate"] = float(f"{self._gbps:.4g}")  # significant digits: small test pages too
         out["policy"] = self.policy
         # the disk rate above which a slow-tier page loads faster than the prefill recomputes it
-        out["break_even_gbps"] = float(f"{self.page_nbytes * self.prefill_tokens_per_s / self.page_tokens / 1e9:.4g}")
+        out["break_even_gbps"] = float(f"{self.break_even_gbps():.4g}")
         return out

@@ -26,6 +26,7 @@ from tiered_kv.errors import ConfigError
 from tiered_kv.values.keys import Namespace
 from tiered_kv.values.layout import BlockLayout
 from tiered_kv.planner.policy import POLICIES, WRITE_POLICIES
+from tiered_kv.planner.gate import DISK_LOAD_POLICIES
 from tiered_kv.tiers.remote.settings import RemoteKeys
 from tiered_kv.values.record import CODECS
 from tiered_kv.values.units import parse_size
@@ -33,7 +34,6 @@ from tiered_kv.values.units import parse_size
 log = logging.getLogger(__name__)
 
 STORE_POLICIES = ("eager", "on_finish", "none")
-DISK_LOAD_POLICIES = ("auto", "always", "never")
 LOAD_MODES = ("layerwise", "sync", "async")
 IN_STEP_COPIES = ("copy_engine", "sm_kernel", "staged")
 SWA_STORES = ("window", "all")

@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from tiered_kv.planner.chain import TierChain, TierSpec
+from tiered_kv.planner.gate import DECLINED, PROBE, LoadGate
 from tiered_kv.errors import ConfigError
 from tiered_kv.values.keys import Namespace
 from tiered_kv.planner.policy import PlacementPolicy
@@ -264,8 +265,9 @@ class SchedulerPlanner:
         self._job_kind: dict[int, tuple[JobKind, int]] = {}
         self._fenced_jobs: set[int] = set()  # jobs named in a fence: a store among them may come back cancelled
         self._reports: dict[int, JobReport] = {}
-        self._disk_gbps = cfg.disk_read_gbps
-        self._declined = 0
+        # disk and remote chunks load only while reading them beats recomputing them (shared with SGLang's backend)
+        self._gate = LoadGate(cfg.disk_load_policy, cfg.disk_read_gbps, cfg.disk_probe_every,
+                              cfg.prefill_tokens_per_s, geo.chunk_tokens, geo.chunk_nbytes)
         if adopted and disk_chunks:
             self._route(self.chain.adopt(DISK, list(adopted)))
             log.info("TieredKVConnector: adopted %d chunks from disk", len(adopted))
@@ -490,22 +492,12 @@ class SchedulerPlanner:
     def _worth_loading(self, where: list[int]) -> int:
         """Leading chunks worth loading: disk chunks only while reading beats recomputing."""
         n_cpu = next((i for i, t in enumerate(where) if t != CPU), len(where))
-        if n_cpu == len(where) or self.cfg.disk_load_policy == "always":
-            return len(where)
-        if self.cfg.disk_load_policy == "auto":
-            disk_s = self.geo.chunk_nbytes / (self._disk_gbps * 1e9)
-            recompute_s = self.geo.chunk_tokens / self.cfg.prefill_tokens_per_s
-            if disk_s < recompute_s:
-                return len(where)
-            # A declined disk is never measured again: now and then take the hit anyway, so the
-            # bandwidth estimate follows the disk (a faster disk, a warmer page cache).
-            self._declined += 1
-            probe = self.cfg.disk_probe_every
-            if probe and self._declined % probe == 0:
-                self.counters.disk_probes += 1
-                return len(where)
-        self.counters.disk_hits_declined += 1
-        return n_cpu
+        hits, outcome = self._gate.decide(n_cpu, len(where))
+        if outcome == PROBE:  # a declined disk is read now and then, so the estimate follows it
+            self.counters.disk_probes += 1
+        elif outcome == DECLINED:
+            self.counters.disk_hits_declined += 1
+        return hits
 
     def allocated(self, request, block_ids, num_external_tokens: int) -> None:
         """vLLM allocated ``block_ids`` (all of the request's blocks, one list per KV cache group) after a
@@ -939,9 +931,8 @@ class SchedulerPlanner:
         self._untrack(job_id)
         if kind is JobKind.EGRESS:
             self.counters.bytes_loaded += rep.nbytes
-            if src == DISK and rep.seconds > 0 and rep.nbytes > 0:
-                gbps = rep.nbytes / rep.seconds / 1e9  # ranks read their shares in parallel
-                self._disk_gbps = 0.8 * self._disk_gbps + 0.2 * gbps
+            if src == DISK:
+                self._gate.observe(rep.nbytes, rep.seconds)  # ranks read their shares in parallel
         elif kind is JobKind.INGRESS:
             self.counters.bytes_stored += rep.nbytes
         if not all(rep.ok) and kind is JobKind.INGRESS and fenced:
@@ -1091,7 +1082,7 @@ class SchedulerPlanner:
             "resident_disk": c.resident(DISK) if c.num_tiers > 1 and c.specs[DISK].name == "disk" else 0,
             "resident_remote": c.resident(self.remote) if self.remote is not None else 0,
             "remote_known": len(self._remote_known),
-            "disk_gbps_estimate": round(self._disk_gbps, 3),
+            "disk_gbps_estimate": round(self._gate.gbps, 3),
         })
         for i, tc in enumerate(c.tier_counters):
             name = c.specs[i].name
