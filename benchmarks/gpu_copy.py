@@ -18,6 +18,9 @@ head_dim 64: 512 KiB a block), with blocks and slots chosen at random:
   run into a device buffer, then an on-device scatter; whole, and in 2 layer groups) vs the
   contiguous pinned copy of the same bytes, plus the matmul slowdown under each.
 
+``pcie_ceiling()`` (no CLI; ``vllm_ttft.py`` runs it in a child process for issue 14's floor): the
+contiguous pinned copy alone, 8 x 1 GiB per direction, best / median / every GB/s.
+
 Prints a table, writes ``gpu_copy.json`` and ``gpu_copy.png`` to ``$OUT`` (or
 ``--out``). ``--plot-from FILE.json`` only redraws the plot (no GPU needed).
 Times are wall-clock from the call to the event firing (planning and driver

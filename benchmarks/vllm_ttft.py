@@ -8,6 +8,9 @@ Models (``--model``, dummy weights, configs written here):
               8 KV heads x 64, 32 experts top-4 (2 KV cache groups)
   dsv2-lite   DeepSeek-V2-Lite shape: 27 MLA layers (one 576-wide latent per token), 64 experts top-6
   qwen2.5-7b  Qwen2.5-7B shape: 28 layers, 4 KV heads x 128 (32 KiB per layer-block), bf16
+  qwen2.5-32b Qwen2.5-32B shape (serving/shapes.py's): 64 layers, 8 KV heads x 128 (256 KiB per token),
+              ~65.5 GB of bf16 weights: one H200 (gpu_memory_utilization 0.8); 2,048 GPU blocks = 8 GiB
+              against a 16 GiB working set
 
 Workload: N_CONV conversations with distinct PREFIX-token prefixes (llama3-8b: 12 x 8,192; the
 others: 8 x 8,192), GPU KV cache limited to GPU_BLOCKS blocks (2,048: a few conversations), so
@@ -43,21 +46,41 @@ read from the engine core, which therefore runs in the benchmark's process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0; INPROC=0 keeps vLLM's separate engine-core process, as the
 2026-11-22 runs did, and reports no byte counts).
 
+Issue 14 item 2 (CPU-hit TTFT within 1.3x of its floor, spread over engine starts <= 1.2), one call:
+``--starts N`` starts every mode N times, the order rotated by one mode per start (``--start-offset``
+goes on rotating in a later call); ``--deadline-s S`` begins no start whose estimate (its own longest
+start so far, else 1.25x any mode's, else a guess) would end later than S seconds after the call began,
+records it as skipped, and kills a start still running at S. When ``floor`` is among the modes, a
+child process first measures the PCIe ceiling (benchmarks/gpu_copy.py ``pcie_ceiling``: 8 contiguous
+pinned 1 GiB copies per direction, best and median GB/s; again after the last start if time is left).
+Then floor_s = hit bytes / best h2d GB/s + mode ``floor``'s turn-2 median (median over starts), hit
+bytes = tiered-cpu's own counters (bytes loaded per turn-2 hit; else prefix blocks x KV bytes per token,
+and it says which), ratio = a mode's turn-2 median over starts / floor_s, also per start, spread = max /
+min of a mode's per-start medians. ``--merge A.json B.json`` combines calls (each start keeps its own
+call's ceiling). The JSON gains ``pcie``, ``skipped``, ``schedule``, ``item2`` (all of the above) and
+``item2_table``; every result gets ``start`` and ``wall_s``.
+
 Usage (GPU machine, vLLM importable, tiered_kv on PYTHONPATH):
   python benchmarks/vllm_ttft.py --model gemma3        # the model's default modes, one subprocess each
   python benchmarks/vllm_ttft.py --model gpt-oss --modes none,tiered-cpu
   python benchmarks/vllm_ttft.py --model dsv2-lite --one tiered-cpu   # one mode in this process
   python benchmarks/vllm_ttft.py --model gpt-oss --dry-run             # CPU: configs, KV groups, bytes
-Default modes: llama3-8b: none, offloading, simple, tiered-cpu, tiered-disk; gemma3 and dsv2-lite:
-none, floor, offloading, simple, tiered-cpu; gpt-oss: those and tiered-cpu-swa-all. All modes of one
+  python benchmarks/vllm_ttft.py --model qwen2.5-32b --modes floor,offloading,tiered-cpu --starts 3 \
+      --deadline-s 560                                                  # item 2 (add --dry-run: the plan)
+  python benchmarks/vllm_ttft.py --merge call1/vllm_ttft_qwen2.5-32b.json call2/vllm_ttft_qwen2.5-32b.json
+Default modes: llama3-8b: none, offloading, simple, tiered-cpu, tiered-disk; gemma3, dsv2-lite and
+qwen2.5-7b: none, floor, offloading, simple, tiered-cpu; gpt-oss: those and tiered-cpu-swa-all;
+qwen2.5-32b: none, floor, offloading, tiered-cpu. All modes of one
 model take about 5-8 minutes on an H200 (start-up with dummy weights dominates).
-Environment: N_CONV, PREFIX, GPU_BLOCKS (2048; gemma3 8192, gpt-oss 4096), CPU_GIB (24), DISK_CPU_GIB (2), DISK_PATH
+Environment: N_CONV, PREFIX, GPU_BLOCKS (2048; gemma3 8192, gpt-oss 4096), GPU_UTIL (0.6; qwen2.5-32b 0.8),
+CPU_GIB (24; the working set must fit: the dry run says), DISK_CPU_GIB (2), DISK_PATH
 (/tmp/tkv-ttft-disk; a real disk, not tmpfs), DISK_GIB (24), DISK_POLICY (auto), PREFILL_TPS (37000),
 CHUNK_BLOCKS (16), MAX_BATCHED (PREFIX + 512: a turn-1 prefill in one step; e.g. 2048 for chunked prefill,
 where hybrid models hand window blocks on while the previous step's stores may still copy them),
 SETTLE_S (2; 6 for tiered-disk), INPROC (1), OUT (directory for the JSON), BASELINE (a
 vllm_ttft_<model>.json whose "none" result the table compares against when this run has none).
 PYTHONHASHSEED is set to 0 in every mode's process (same hashes in every mode).
+Threading: a script; the main thread only (each engine start and each PCIe probe is a child process).
 """
 from __future__ import annotations
 
@@ -857,13 +880,15 @@ def main() -> None:
     pcie = "floor" in modes and not args.no_pcie
     if args.dry_run:
         p = plan(args.model, modes, args.starts, args.deadline_s, args.start_offset, pcie)
-        print(f"== plan: {len(p['schedule'])} engine start(s) in this order {p['schedule']}; ~{p['start_guess_s']:.0f} s "
+        print(f"== plan: {len(p['schedule'])} engine start(s) in this order {p['schedule']}; "
+              f"~{p['start_guess_s']:.0f} s "
               f"each before one is measured; {p['pcie_probes']} PCIe probe(s) ({p['pcie_probe_command']}); "
               f"estimated {p['estimated_s']} s; by the guesses {p['starts_that_fit_by_guess']} start(s) fit "
               f"--deadline-s {args.deadline_s or 'none'} (the deadline check then uses measured start times)")
         if p["kv_bytes_per_token"]:
             print(f"   turn-2 hit: {p['expected_hit_tokens']} tokens x {p['kv_bytes_per_token']} B = "
-                  f"{p['expected_hit_bytes'] / 1e9:.3f} GB; working set {p['working_set_bytes'] / 2**30:.1f} GiB vs GPU "
+                  f"{p['expected_hit_bytes'] / 1e9:.3f} GB; working set {p['working_set_bytes'] / 2**30:.1f} GiB "
+                  f"vs GPU "
                   f"cache {p['gpu_cache_bytes'] / 2**30:.1f} GiB (exceeds: {p['working_set_exceeds_gpu_cache']}) "
                   f"and CPU tier {p['cpu_tier_bytes'] >> 30} GiB (fits: {p['working_set_fits_cpu_tier']})")
         report = dry_run(args.model, modes)
