@@ -297,6 +297,7 @@ def _tiered_counters(llm) -> dict:
 
 def run_one(mode: str, model: str) -> dict:
     """Start an engine in this process, run the workload, return the result dict."""
+    import torch
     from vllm import LLM, SamplingParams
 
     w = workload(model)
@@ -340,7 +341,8 @@ def run_one(mode: str, model: str) -> dict:
     after2 = _tiered_counters(llm) if tiered else {}
     med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
     n = w["n_conv"]
-    result = {"mode": mode, "model": model, "startup_s": round(startup, 1), "n_conv": n, "prefix": w["prefix"],
+    result = {"mode": mode, "model": model, "device": torch.cuda.get_device_name(0) if torch.cuda.is_available()
+              else "cpu", "startup_s": round(startup, 1), "n_conv": n, "prefix": w["prefix"],
               "gpu_blocks": w["gpu_blocks"], "engine_core": "in-process" if os.environ.get("INPROC", "1") == "1"
               else "separate process",
               "cpu_gib": w["disk_cpu_gib"] if mode.startswith("tiered-disk") else w["cpu_gib"],
@@ -392,11 +394,22 @@ def start_need_s(walls: dict[str, list[float]], mode: str, model: str) -> float:
     return 1.25 * max(seen) if seen else START_GUESS_S.get(model, START_GUESS_DEFAULT_S)
 
 
+def _die_with_parent() -> None:
+    """Runs in a child before exec: Linux sends it SIGKILL when the benchmark's process dies (PR_SET_PDEATHSIG),
+    so a call killed from outside (its own process group no longer reaches the child) leaves no engine behind."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux/glibc: the deadline kill still works
+        pass
+
+
 def run_child(argv: list[str], env: dict, timeout_s: float | None) -> tuple[int | None, str, str]:
-    """Run ``argv`` in its own process group; past ``timeout_s`` kill the whole group (an engine and its
-    helpers) and return rc None. Returns (rc, stdout, stderr)."""
+    """Run ``argv`` in its own process group (it dies with this process); past ``timeout_s`` kill the whole
+    group (an engine and its helpers) and return rc None. Returns (rc, stdout, stderr)."""
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_die_with_parent)
     try:
         out, err = proc.communicate(timeout=timeout_s)
         return proc.returncode, out, err
@@ -537,10 +550,11 @@ def item2_summary(results: list[dict], pcie: list[dict], model: str, w: dict) ->
     (goal <= SPREAD_GOAL; needs >= 2 starts). The floor: ``floor_s`` = hit bytes / PCIe h2d ceiling + the
     median over starts of mode ``floor``'s turn-2 median (the new tokens' prefill with the prefix already
     in vLLM's GPU cache). Hit bytes: tiered-cpu's own counters (bytes loaded / turn-2 hits, median over its
-    starts) when present, else expected_hit_tokens x kv_bytes_per_token. The ceiling: the best contiguous
-    pinned h2d copy of the same call (merged calls: the median of the calls' ceilings). Every mode other than
-    ``none`` and ``floor`` gets ratio = its median over starts / floor_s (goal <= RATIO_GOAL) and, per start
-    that also ran ``floor``, the same ratio with that start's floor and its call's ceiling."""
+    starts; another tiered-cpu-* mode's without it) when present, else expected_hit_tokens x
+    kv_bytes_per_token. The ceiling: the best contiguous pinned h2d copy of the same call (merged calls: the
+    median of the calls' ceilings). Every mode other than ``none`` and ``floor`` gets ratio = its median over
+    starts / floor_s (goal <= RATIO_GOAL) and, per start that also ran ``floor``, the same ratio with that
+    start's floor and its call's ceiling."""
     ok = [r for r in results if "error" not in r and "turn2_median_s" in r]
     modes = list(dict.fromkeys(r["mode"] for r in ok))
     out: dict = {"goals": {"ratio": RATIO_GOAL, "spread": SPREAD_GOAL}, "modes": {}}
@@ -551,11 +565,13 @@ def item2_summary(results: list[dict], pcie: list[dict], model: str, w: dict) ->
                            "median_s": round(statistics.median(xs), 5), "max_s": max(xs),
                            "spread": round(spread, 3) if spread else None,
                            "spread_ok": spread <= SPREAD_GOAL if spread else None}
-    loaded = [r["bytes_per_hit"] for r in ok if r["mode"] == "tiered-cpu" and r.get("bytes_per_hit")]
+    counted = next((m for m in ["tiered-cpu", *modes] if m.startswith("tiered-cpu")
+                    and any(r.get("bytes_per_hit") for r in ok if r["mode"] == m)), None)
+    loaded = [r["bytes_per_hit"] for r in ok if r["mode"] == counted and r.get("bytes_per_hit")]
     per_token = kv_bytes_per_token(model)
     if loaded:
         hit_bytes = statistics.median(loaded)
-        source = f"tiered-cpu counters (sched_bytes_loaded / turn-2 hits), median of {len(loaded)} start(s)"
+        source = f"{counted} counters (sched_bytes_loaded / turn-2 hits), median of {len(loaded)} start(s)"
     elif per_token:
         hit_bytes = expected_hit_tokens(w) * per_token
         source = (f"computed: {expected_hit_tokens(w)} prefix tokens (whole {BLOCK}-token blocks) x "
@@ -620,12 +636,15 @@ def item2_table(s: dict) -> str:
 
 def table(results: list[dict]) -> str:
     """Side-by-side markdown table; speed-up and token equality are relative to ``none`` (this run's, or
-    the one in the JSON file named by BASELINE when the modes were split over several runs)."""
+    the one in the JSON file named by BASELINE when the modes were split over several runs); without
+    any ``none``, tokens are compared with ``floor``'s (no connector either: the same numbers)."""
     base = next((r for r in results if r["mode"] == "none" and "error" not in r), None)
     if base is None and os.environ.get("BASELINE"):
         with open(os.environ["BASELINE"]) as f:
             base = next((r for r in json.load(f)["results"] if r["mode"] == "none" and "error" not in r), None)
-    rows = ["| mode | turn-2 median (s) | vs recompute | turn-2 hit rate | greedy tokens = none | loaded per hit "
+    ref = base or next((r for r in results if r["mode"] == "floor" and "error" not in r), None)
+    rows = ["| mode | turn-2 median (s) | vs recompute | turn-2 hit rate | greedy tokens = "
+            f"{'none' if base or not ref else 'floor'} | loaded per hit "
             "(GB) | B per hit token | turn-1 stored (GB) | turn-1 store s |",
             "|---|---|---|---|---|---|---|---|---|"]
     several = len({(r.get("call"), r.get("start")) for r in results}) > 1
@@ -637,7 +656,7 @@ def table(results: list[dict]) -> str:
             rows.append(f"| {label} | failed ({r['error']}) | | | | | | | |")
             continue
         speed = f"{base['turn2_median_s'] / r['turn2_median_s']:.2f}x" if base else "-"
-        same = "-" if base is None or r is base else ("yes" if r["first_tokens"] == base["first_tokens"] else "NO")
+        same = "-" if ref is None or r is ref else ("yes" if r["first_tokens"] == ref["first_tokens"] else "NO")
         if "bytes_per_hit" in r:
             moved = (f"{r['bytes_per_hit'] / 1e9:.3f} | {r['bytes_per_hit_token']:.0f} | "
                      f"{r['turn1_bytes_stored'] / 1e9:.3f} | {r['turn1_store_seconds']:.3f}")
@@ -904,7 +923,7 @@ def main() -> None:
     print(text + "\n\n" + text2)
     for s_ in doc["skipped"]:
         print(f"skipped: {s_}")
-    device = next((p["device"] for p in doc["pcie"] if "device" in p), None)
+    device = next((x["device"] for x in doc["pcie"] + doc["results"] if x.get("device")), None)
     with open(os.path.join(out_dir, f"vllm_ttft_{args.model}.json"), "w") as f:
         json.dump({"date": date, "model": args.model, "device": device, "call": args.call or date,
                    "command": " ".join(["python3", "benchmarks/vllm_ttft.py"] + sys.argv[1:]), "workload": w,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -187,3 +188,44 @@ def test_pcie_probe_process_without_cuda_reports_why():
     """The probe's own process (gpu_copy.pcie_ceiling) on this CPU machine: a record saying why, no rate."""
     rec = vt.pcie_probe("before", 120)
     assert rec["when"] == "before" and rec["error"] == "no CUDA device" and "h2d" not in rec
+
+
+def test_hit_bytes_from_a_tiered_variant_when_tiered_cpu_did_not_run():
+    results = [_r("floor", 0, 0.02), _r("tiered-cpu-staged", 0, 0.03, bytes_per_hit=470_000_000)]
+    s = vt.item2_summary(results, [{"h2d": {"samples_gbps": [47.0]}}], "qwen2.5-7b", W)
+    assert s["hit_bytes"] == 470_000_000 and s["hit_bytes_source"].startswith("tiered-cpu-staged counters")
+    assert s["modes"]["tiered-cpu-staged"]["ratio"] == pytest.approx(0.03 / (0.01 + 0.02), abs=1e-3)
+
+
+def test_table_checks_tokens_against_floor_without_none():
+    results = [_r("floor", 0, 0.02), _r("tiered-cpu", 0, 0.03, bytes_per_hit=1e9),
+               dict(_r("offloading", 0, 0.04), first_tokens=[[9, 9]])]
+    text = vt.table(results)
+    assert "greedy tokens = floor" in text.splitlines()[0]
+    rows = {ln.split(" | ")[0].strip("| "): ln for ln in text.splitlines()[2:]}
+    assert " | yes | " in rows["tiered-cpu"] and " | NO | " in rows["offloading"]
+
+
+def test_a_child_dies_with_the_benchmark_process(tmp_path):
+    """A call killed from outside (SIGKILL, as a device tool's time limit does) takes its engine start with it,
+    although the start runs in a process group of its own."""
+    pid_file = tmp_path / "child.pid"
+    sleeper = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    parent = subprocess.Popen([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(ROOT / 'benchmarks')!r}); "
+                               f"import vllm_ttft as vt; vt.run_child([sys.executable, '-c', {sleeper!r}], {{}}, 60)"],
+                              env=dict(os.environ))
+    for _ in range(200):
+        if pid_file.exists() and pid_file.read_text():
+            break
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    parent.kill()
+    parent.wait()
+    for _ in range(50):
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    os.kill(child, 9)
+    pytest.fail(f"child {child} outlived its killed parent")
