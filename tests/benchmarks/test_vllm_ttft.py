@@ -104,6 +104,7 @@ def test_item2_summary_arithmetic():
     assert o["ratio"] == pytest.approx(0.060 / floor_s, abs=1e-3) and o["ratio_ok"] is False
     assert "ratio" not in s["modes"]["floor"]
     text = vt.item2_table(s)
+    assert "best 55.00 GB/s, median of all copies 53.50 GB/s" in text
     assert "floor_s = 18.2 ms (hit bytes / ceiling) + 21.0 ms" in text
     assert "| tiered-cpu | 3 | 0.0350 / 0.0380 / 0.0400 | 1.143 ok | 0.970 ok |" in text
     assert "| offloading | 2 | 0.0500 / 0.0600 / 0.0700 | 1.400 MISSED | 1.531 MISSED |" in text
