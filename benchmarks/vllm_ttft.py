@@ -616,8 +616,9 @@ def item2_table(s: dict) -> str:
     calls = s.get("pcie_calls") or {}
     where = "same call" if len(calls) <= 1 else f"median of {len(calls)} calls' bests: " + ", ".join(
         f"{c} {g:.2f}" for c, g in calls.items())
-    lines = [f"PCIe h2d ceiling (contiguous pinned 1 GiB copies, {where}): "
-             + (f"{'best' if len(calls) <= 1 else 'ceiling'} {ceiling:.2f} GB/s, median of all copies {s['pcie_h2d_median_gbps']:.2f} GB/s" if ceiling else "not measured"),
+    rate = (f"{'best' if len(calls) <= 1 else 'ceiling'} {ceiling:.2f} GB/s, median of all copies "
+            f"{s['pcie_h2d_median_gbps']:.2f} GB/s" if ceiling else "not measured")
+    lines = [f"PCIe h2d ceiling (contiguous pinned 1 GiB copies, {where}): {rate}",
              f"hit bytes per turn 2: {gb(s.get('hit_bytes'))} ({s['hit_bytes_source']})"]
     if s.get("floor_s") is None:
         lines.append(f"floor: n/a (missing: {', '.join(s.get('floor_missing', []))})")
