@@ -411,20 +411,19 @@ class SchedulerPlanner:
     def _walk(self, st: _Req, c0: int, usable: int) -> tuple[list[bytes], list[int]]:
         """Keys and fastest tiers of the leading run of held chunks from c0 (keys made lazily: a miss stops)."""
         index = self.chain.index
+        best_of, known = index.best, self._remote_known
         keys: list[bytes] = []
         where: list[int] = []
         for c in range(c0, c0 + usable):
             key = self._chunk_keys(st, c + 1)[c]
-            e = index.get(key)
-            if e is None and key in self._remote_known:  # the fleet stored it: adopt it on first use
-                e = self._adopt_remote(key)
-            best = None if e is None else e.best()
+            best = best_of(key)
+            if best is None and known and key in known and key not in index:  # the fleet stored it: adopt it
+                best = self._adopt_remote(key)
             if self._mamba:  # a chunk's record may exist with the state at its end, without it, or both
                 skey = self._state_key(st, c)
-                es = index.get(skey)
-                if es is None and skey in self._remote_known:
-                    es = self._adopt_remote(skey)
-                sbest = None if es is None else es.best()
+                sbest = best_of(skey)
+                if sbest is None and skey in known and skey not in index:
+                    sbest = self._adopt_remote(skey)
                 if best is None or (sbest is not None and sbest <= best):
                     key, best = skey, sbest
             if best is None:
@@ -448,25 +447,22 @@ class SchedulerPlanner:
             return 0
         hashes = request.block_hashes
         prefix = self._tail_prefix
-        get = self.chain.index.get
+        best_of = self.chain.index.best
         for m in range(hi, lo - 1, -1):
             key = prefix + hashes[base + m - 1]
-            e = get(key)
-            if e is not None:
-                best = e.best()
-                if best is not None:
-                    keys.append(key)
-                    where.append(best)
-                    return m
+            best = best_of(key)
+            if best is not None:
+                keys.append(key)
+                where.append(best)
+                return m
         return 0
 
     def _end_at_state(self, st: _Req, keys: list[bytes], where: list[int], c0: int, n: int) -> int:
         """Mamba hybrids: cut a hit of n chunks back to the last chunk whose record holds the state at its
         end, and name that chunk by its state key (earlier chunks may be either record)."""
-        index = self.chain.index
+        best_of = self.chain.index.best
         for i in range(n - 1, -1, -1):
-            e = index.get(self._state_key(st, c0 + i))
-            best = None if e is None else e.best()
+            best = best_of(self._state_key(st, c0 + i))
             if best is not None:
                 keys[i], where[i] = self._state_key(st, c0 + i), best
                 return i + 1
@@ -1002,11 +998,11 @@ class SchedulerPlanner:
             self._route(self.chain.forget(self.remote, removed))
         self.counters.remote_announced += len(stored)
 
-    def _adopt_remote(self, key: bytes):
-        """Adopt one announced chunk as a copy in the remote tier; its index entry."""
+    def _adopt_remote(self, key: bytes) -> int | None:
+        """Adopt one announced chunk as a copy in the remote tier; the fastest tier now holding it readable."""
         self.counters.remote_adopted += 1
         self._route(self.chain.adopt(self.remote, [key]))
-        return self.chain.index.get(key)
+        return self.chain.index.best(key)
 
     def enable_events(self) -> None:
         """Record what each chunk this engine stores names in vLLM's terms, for ``take_events``."""
