@@ -50,6 +50,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Protocol
 
 from tiered_kv.planner.chain import TierChain, TierSpec
@@ -253,7 +254,9 @@ class SchedulerPlanner:
         self._finish_puts: list[tuple[list[bytes], list[int], int]] = []
         self._alloc_step: dict[int, int] = {}  # GPU block -> last step it was (re)allocated (while watching)
         self._watching = False
-        self._gpu_busy: dict[int, int] = {}  # GPU block -> newest in-flight job touching it (published jobs)
+        # GPU block id -> newest published in-flight job touching it, 0 for none (job ids start at 1): a list indexed
+        # by block id, grown on demand, so publishing a job's blocks is a store per block with no hashing
+        self._gpu_busy: list[int] = []
         self._job_gpu: dict[int, list[int]] = {}
         # One full-attention group: vLLM re-allocates a block only after the request holding it finished or
         # was preempted, so a job's blocks are published to _gpu_busy only then (most jobs end first: no
@@ -663,11 +666,11 @@ class SchedulerPlanner:
                 continue
             if self._watching:  # only stores planned in an earlier step need re-allocation dates
                 self._alloc_step.update(dict.fromkeys(ids, step))
-            busy = self._gpu_busy
-            if busy and not busy.keys().isdisjoint(ids):  # rare: checked at C speed first
-                hit = {busy[b] for b in ids if b in busy}
-                fences.update(hit)
-                self._fenced_jobs.update(hit)
+            if self._published:  # rare: jobs usually end before the requests holding their blocks let go
+                hit = self._busy_jobs(ids)
+                if hit:
+                    fences.update(hit)
+                    self._fenced_jobs.update(hit)
             owner = self._owner
             if owner and not owner.keys().isdisjoint(ids):
                 for b in ids:
@@ -863,8 +866,26 @@ class SchedulerPlanner:
     def _publish(self, job_id: int, gpu_ids: list[int]) -> None:
         """Put ``gpu_ids`` in ``_gpu_busy`` under ``job_id`` (the newest job wins: an older job on a block was
         fenced when vLLM re-allocated that block, which is the only way a block gets a new job)."""
-        self._gpu_busy.update(dict.fromkeys(gpu_ids, job_id))
+        busy = self._gpu_busy
+        try:
+            for g in gpu_ids:
+                busy[g] = job_id
+        except IndexError:  # a block id past the list: grow it to the largest one and store them all
+            busy.extend([0] * (max(gpu_ids) + 1 - len(busy)))
+            for g in gpu_ids:
+                busy[g] = job_id
         self._published.add(job_id)
+
+    def _busy_jobs(self, ids: list[int]) -> set[int]:
+        """The published in-flight jobs touching any of the GPU blocks ``ids``."""
+        busy = self._gpu_busy
+        try:
+            hit = set(itemgetter(*ids)(busy)) if len(ids) > 1 else {busy[ids[0]]}
+        except IndexError:  # an id past every published block: not busy
+            n = len(busy)
+            hit = {busy[b] for b in ids if b < n}
+        hit.discard(0)
+        return hit
 
     def _release(self, rid: str) -> None:
         """Request ``rid`` let its blocks go (finished, aborted, preempted): publish its in-flight jobs' blocks,
@@ -883,8 +904,8 @@ class SchedulerPlanner:
             self._published.discard(job_id)
             busy = self._gpu_busy
             for g in ids:
-                if busy.get(g) == job_id:
-                    del busy[g]
+                if busy[g] == job_id:
+                    busy[g] = 0
 
     def _drain_finished(self) -> None:
         for hid, _ in self.chain.take_finished():
@@ -1070,7 +1091,7 @@ class SchedulerPlanner:
         out = {f"sched_{k}": v for k, v in vars(self.counters).items()}
         out.update({
             "inflight_jobs": c.inflight(), "pinned": c.pinned(), "waiting": c.waiting(),
-            "gpu_blocks_busy": len(self._gpu_busy) + len(self._job_gpu),
+            "gpu_blocks_busy": len(self._gpu_busy) - self._gpu_busy.count(0) + len(self._job_gpu),
             "tracked_requests": len(self._reqs) + len(self._storing) + len(self._req_jobs),
             "tracked_window_blocks": len(self._owner), "promotions_pending": len(self._promotions),
             "open_puts": len(self._puts), "open_gets": len(self._gets), "unshipped_ext": len(self._ext),
