@@ -95,7 +95,7 @@ class RoomKeeper:
 
     def waiting(self) -> int:
         """Reservations waiting for room."""
-        return sum(len(w) for w in self._waiters)
+        return sum(map(len, self._waiters))
 
     # ------------------------------------------------------------------ taking room
     def take(self, t: int) -> int | None:

@@ -591,6 +591,9 @@ class SchedulerPlanner:
             for rid in preempted:
                 self._release(rid)
         writers: list[str] = []  # requests whose blocks this step's store reads
+        # One group: a block allocation matters only to re-allocation dates (while watching) and to published
+        # in-flight jobs (fences); with neither, decode steps skip the scan of every running request's new blocks.
+        check_alloc = single and (self._watching or bool(self._published))
         if not single:  # first every block handed out this step: stale table entries go before a store reads them
             for new in scheduler_output.scheduled_new_reqs:
                 self._allocated_now(new.block_ids, step, fences)
@@ -598,7 +601,7 @@ class SchedulerPlanner:
                 if new_ids is not None:
                     self._allocated_now(new_ids, step, fences)
         for new in scheduler_output.scheduled_new_reqs:
-            if single:
+            if check_alloc:
                 self._allocated_now(new.block_ids, step, fences)
             st = self._reqs.get(new.req_id)
             if st is None or not eager:
@@ -610,16 +613,23 @@ class SchedulerPlanner:
             self._plan_store(st, end, keys_out, gpu_out)
             if len(keys_out) > before:
                 writers.append(new.req_id)
-        resumed = _resumed_ids(cached) if cached.req_ids else set()
-        # Decode steps list every running request: keep the per-request work to a lookup unless the
-        # request still has chunks to store (prompt-only stores finish with the prefill).
-        for i, rid in enumerate(cached.req_ids):
+        if check_alloc:
+            for new_ids in cached.new_block_ids:
+                if new_ids is not None and new_ids[0]:
+                    self._allocated_now(new_ids, step, fences)
+        # Decode steps list every running request: visit only those with chunks still to store (prompt-only stores
+        # finish with the prefill), in the step's order, found by a C-speed search of the step's list for each.
+        todo: list[tuple[int, str]] = []
+        if storing and cached.req_ids:
+            req_ids = cached.req_ids
+            for rid in storing:
+                if rid in req_ids:
+                    todo.append((req_ids.index(rid), rid))
+            todo.sort()
+        resumed = _resumed_ids(cached) if todo else set()
+        for i, rid in todo:
+            st = storing[rid]
             new_ids = cached.new_block_ids[i]
-            if single and new_ids is not None and new_ids[0]:
-                self._allocated_now(new_ids, step, fences)
-            st = storing.get(rid)
-            if st is None:
-                continue
             if new_ids is not None:
                 if rid in resumed:
                     self._set_tables(st, self._tables(new_ids))
@@ -881,9 +891,9 @@ class SchedulerPlanner:
         busy = self._gpu_busy
         try:
             hit = set(itemgetter(*ids)(busy)) if len(ids) > 1 else {busy[ids[0]]}
-        except IndexError:  # an id past every published block: not busy
-            n = len(busy)
-            hit = {busy[b] for b in ids if b < n}
+        except IndexError:  # an id past every published block (not busy): grow the list to cover it, look again
+            busy.extend([0] * (max(ids) + 1 - len(busy)))
+            hit = set(itemgetter(*ids)(busy)) if len(ids) > 1 else {busy[ids[0]]}
         hit.discard(0)
         return hit
 
