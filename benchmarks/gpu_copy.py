@@ -18,6 +18,9 @@ head_dim 64: 512 KiB a block), with blocks and slots chosen at random:
   run into a device buffer, then an on-device scatter; whole, and in 2 layer groups) vs the
   contiguous pinned copy of the same bytes, plus the matmul slowdown under each.
 
+``pcie_ceiling()`` (no CLI; ``vllm_ttft.py`` runs it in a child process for issue 14's floor): the
+contiguous pinned copy alone, 8 x 1 GiB per direction, best / median / every GB/s.
+
 Prints a table, writes ``gpu_copy.json`` and ``gpu_copy.png`` to ``$OUT`` (or
 ``--out``). ``--plot-from FILE.json`` only redraws the plot (no GPU needed).
 Times are wall-clock from the call to the event firing (planning and driver
@@ -56,6 +59,13 @@ MECHS = (Mechanism.COPY_ENGINE, Mechanism.SM_KERNEL)
 
 def _median_time(fn: Callable[[], list], reps: int) -> tuple[float, float]:
     """Median wall seconds of ``fn`` until its results have landed, and median seconds until it returned."""
+    total, submit = _times(fn, reps)
+    return statistics.median(total), statistics.median(submit)
+
+
+def _times(fn: Callable[[], list], reps: int) -> tuple[list[float], list[float]]:
+    """Wall seconds of each of ``reps`` calls of ``fn`` (after one warm-up) until its results have landed,
+    and until it returned."""
     fn_results = fn()  # warm-up (Triton compile, driver entry point)
     for r in fn_results:
         r.wait()
@@ -71,7 +81,7 @@ def _median_time(fn: Callable[[], list], reps: int) -> tuple[float, float]:
         t2 = time.perf_counter()
         total.append(t2 - t0)
         submit.append(t1 - t0)
-    return statistics.median(total), statistics.median(submit)
+    return total, submit
 
 
 class _Event:
@@ -110,6 +120,22 @@ class Bench:
 
     def contiguous(self, nbytes: int, direction: str, calls: int = 1) -> float:
         """GB/s of contiguous pinned copies of ``nbytes`` each way (``both``: two at once), ``calls`` back to back."""
+        moved = nbytes * (2 if direction == "both" else 1) * calls
+        seconds, _ = _median_time(self._contiguous_fn(nbytes, direction, calls), self.reps(moved))
+        return moved / seconds / 1e9
+
+    def contiguous_samples(self, nbytes: int, direction: str, reps: int) -> list[float]:
+        """GB/s of each of ``reps`` contiguous pinned copies of ``nbytes`` (one direction, or ``both``),
+        timed one at a time after a warm-up."""
+        moved = nbytes * (2 if direction == "both" else 1)
+        totals, _ = _times(self._contiguous_fn(nbytes, direction, 1), reps)
+        return [moved / t / 1e9 for t in totals]
+
+    def _contiguous_fn(self, nbytes: int, direction: str, calls: int) -> Callable[[], list]:
+        """A callable that queues the contiguous copies and returns their events."""
+        if 2 * nbytes > self.host.numel():
+            raise ValueError(f"a contiguous copy of {nbytes} bytes needs a slab of >= {2 * nbytes} bytes, "
+                             f"this one has {self.host.numel()}: make the Bench larger")
         h, g = self.host, self.gpu_flat
 
         def run() -> list:
@@ -125,9 +151,7 @@ class Bench:
                     out.append(_Event(self.s2))
             return out
 
-        moved = nbytes * (2 if direction == "both" else 1) * calls
-        seconds, _ = _median_time(run, self.reps(moved))
-        return moved / seconds / 1e9
+        return run
 
     def copies(self, label: str, layout: KVLayout, n: int, directions: tuple[str, ...], mechs=MECHS,
                calls: int = 1, **opts) -> None:
@@ -175,6 +199,27 @@ class Bench:
                       f"  contig {base:6.2f}  ratio {rate / base:5.3f}  descr {runs:>7}"
                       f"  call {submit * 1e3:7.2f} ms", flush=True)
         copier.close()
+
+
+def pcie_ceiling(nbytes: int = 1 << 30, reps: int = 8, directions: tuple[str, ...] = ("h2d", "d2h")) -> dict:
+    """The ceiling other benchmarks compare with: ``reps`` contiguous pinned copies of ``nbytes`` per
+    direction, each timed alone (call to event, after a warm-up), as best / median / every GB/s.
+
+    Used by ``vllm_ttft.py`` (issue 14's floor) in a process of its own, so that its pinned and device
+    buffers are gone before an engine starts. Without a CUDA device it returns ``{"error": ...}``.
+    """
+    if not torch.cuda.is_available():
+        return {"error": "no CUDA device"}
+    bench = Bench(2 * nbytes, quick=False)
+    out: dict = {"device": torch.cuda.get_device_name(0), "bytes": nbytes, "reps": reps,
+                 "pin_seconds": round(bench.pin_seconds, 2)}
+    for d in directions:
+        samples = bench.contiguous_samples(nbytes, d, reps)
+        out[d] = {"best_gbps": round(max(samples), 2), "median_gbps": round(statistics.median(samples), 2),
+                  "samples_gbps": [round(x, 2) for x in samples]}
+    del bench
+    torch.cuda.empty_cache()
+    return out
 
 
 def ab_submit(bench: Bench, label: str, layout: KVLayout, n: int) -> None:

@@ -5,8 +5,9 @@ it with the remote tier configured. Used by ``benchmarks/sched_overhead_runs.sh`
 ``$TKV_FLEET_KEYS_PER_S`` (scheduler role, with ``remote_url``): a separate process plays the rest of the
 fleet, announcing that many freshly stored chunks per second on this engine's presence stream, so the
 measured steps include adopting what the feed brings (the keys are random: they grow the index, never
-hit). A process, not a thread: the fleet's work must not take the scheduler thread's GIL time. It stops
-when its parent exits (or after 30 minutes).
+hit). A process, not a thread: the fleet's work must not take the scheduler thread's GIL time. The connector
+waits until the feed has read the fleet's first announcements (the tool's measured steps last ~0.15 s, less
+than the fleet process takes to start). The fleet stops when its parent exits (or after 30 minutes).
 
 Threading contract: as ``TieredKVConnector``.
 """
@@ -37,6 +38,13 @@ class ExtraFromEnvConnector(TieredKVConnector):
         if rate > 0 and self._presence is not None:
             subprocess.Popen([sys.executable, __file__, "fleet", self._presence.stream.hex(), str(rate),
                               str(os.getpid())])
+            # the tool's steps take ~0.15 s, less than the fleet process's start: wait until its announcements
+            # arrive, so the measured steps run beside a fleet that is writing (and a feed that is reading)
+            seen, deadline = self._presence.entries, time.monotonic() + 60
+            while self._presence.entries < seen + 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if self._presence.entries < seen + 2:
+                raise RuntimeError("remote_sched_mode: the fleet process announced nothing within 60 s")
 
 
 def fleet(stream_hex: str, rate: str, parent: str) -> None:

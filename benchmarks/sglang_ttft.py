@@ -25,8 +25,9 @@ Modes (``--modes``, comma-separated; all in one session, one engine process each
   tiered-always  the same with ``disk_load_policy: always`` (every disk hit is read: the disk's real speed)
   restart        tiered (always): engine A runs both turns, exits; engine B, a new process on the same
                  disk_path, runs turn 2 again: L3 hit tokens > 0 and the same greedy tokens as A
-  mla-none, mla-tiered   DeepSeek-V2-Lite shape, no HiCache vs tiered (always); if SGLang cannot run it
-                 with dummy weights on one GPU the result records the error
+  mla-none, mla-tiered, mla-gated   DeepSeek-V2-Lite shape, no HiCache vs tiered (always) vs tiered (auto:
+                 the gate's recompute rate calibrated by mla-none, so run mla-none first); if SGLang cannot run
+                 it with dummy weights on one GPU the result records the error
 Defaults: none,file,tiered-always,tiered,l2 (in priority order: --deadline-s skips from the end).
 
 Per mode: turn-2 TTFT median (and min/max), speed-up over none, L3 hit tokens (SGLang's
@@ -59,7 +60,7 @@ import time
 
 from vllm_ttft import DSV2_LITE as _VLLM_DSV2_LITE, LLAMA3_8B as _VLLM_LLAMA3_8B  # benchmarks/ is on sys.path
 
-MODES = ("none", "l2", "file", "tiered", "tiered-always", "restart", "mla-none", "mla-tiered")
+MODES = ("none", "l2", "file", "tiered", "tiered-always", "restart", "mla-none", "mla-tiered", "mla-gated")
 DEFAULT_MODES = ("none", "file", "tiered-always", "tiered", "l2")
 FOLLOW = 64  # new tokens per turn
 SHUTDOWN_GRACE_S = 30.0  # after a mode's result is written, its engine gets this long to exit
@@ -93,11 +94,13 @@ def storage_of(mode: str) -> str | None:
 
 def tiered_extra(mode: str, disk_dir: str, a: argparse.Namespace) -> dict:
     """Our ``--hicache-storage-backend-extra-config`` for a tiered mode."""
-    policy = "auto" if mode == "tiered" else "always"
+    policy = "auto" if mode in ("tiered", "mla-gated") else "always"
+    # the gate's recompute rate: calibrated per model shape by that shape's no-HiCache mode (run it first)
+    tps = getattr(a, "prefill_tps_mla", 0.0) if mode_model(mode) == "dsv2-lite" else a.prefill_tps
     return {"backend_name": "tiered_kv", "module_path": "tiered_kv.connector.sglang",
             "class_name": "TieredHiCacheStorage", "interface_v1": 1, "disk_path": disk_dir,
             "disk_bytes": f"{a.disk_gib}GiB", "disk_load_policy": policy,
-            "prefill_tokens_per_s": a.prefill_tps if a.prefill_tps > 0 else 30000.0,
+            "prefill_tokens_per_s": tps if tps > 0 else 30000.0,
             "disk_read_gbps": a.disk_gbps if a.disk_gbps > 0 else 3.0}
 
 
@@ -384,10 +387,11 @@ def run_session(modes: list[str], a: argparse.Namespace) -> dict:
         per_mode_s = max(per_mode_s, elapsed / (2 if mode == "restart" else 1))
         s["mode_s"] = round(elapsed, 1)
         results.append(s)
-        if mode == "none" and a.prefill_tps <= 0 and s.get("turn2_median_s"):
-            # the gate's recompute rate: none's turn-2 prompt tokens per second on this GPU
-            args["prefill_tps"] = round(turn2_tokens(a) / s["turn2_median_s"], 1)
-            calibration["prefill_tokens_per_s"] = args["prefill_tps"]
+        if mode in ("none", "mla-none") and a.prefill_tps <= 0 and s.get("turn2_median_s"):
+            # the gate's recompute rate: none's turn-2 prompt tokens per second on this GPU, per shape
+            key = "prefill_tps" if mode == "none" else "prefill_tps_mla"
+            args[key] = round(turn2_tokens(a) / s["turn2_median_s"], 1)
+            calibration["prefill_tokens_per_s" if mode == "none" else "prefill_tokens_per_s_mla"] = args[key]
         brief = {k: v for k, v in s.items() if ("tokens" not in k or k.endswith("hit_tokens")) and k != "traceback"}
         print(f"[sglang_ttft] {mode}: {json.dumps(brief)[:800]}", flush=True)
         if "traceback" in s:  # the device tool returns only the output's tail: say where it broke, here
@@ -477,7 +481,8 @@ def main() -> None:
     ap.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated, of {', '.join(MODES)}")
     ap.add_argument("--tag", default="llama", help="result name: sglang_ttft_<tag>_<date>_<device>.json")
     ap.add_argument("--out", default=None,
-                    help="JSON path (default docs/results/sglang_ttft_<tag>_<date>_<device>.json)")
+                    help="JSON path, or a directory for the default name "
+                    "(default docs/results/sglang_ttft_<tag>_<date>_<device>.json)")
     ap.add_argument("--deadline-s", type=float, default=560.0, help="start no mode that would end after this")
     ap.add_argument("--first-mode-s", type=float, default=90.0, help="time a mode is assumed to need before one ran")
     ap.add_argument("--mode-timeout-s", type=float, default=300.0, help="kill an engine process after this")
@@ -524,7 +529,8 @@ def main() -> None:
     session["table"] = text
     dev = session["device"].lower()
     short = next((k for k in ("h100", "h200", "a100", "b200") if k in dev), re.sub(r"[^a-z0-9]+", "-", dev)[:16])
-    path = a.out or os.path.join("docs", "results", f"sglang_ttft_{a.tag}_{time.strftime('%Y-%m-%d')}_{short}.json")
+    name = f"sglang_ttft_{a.tag}_{time.strftime('%Y-%m-%d')}_{short}.json"
+    path = os.path.join(a.out, name) if a.out and os.path.isdir(a.out) else a.out or os.path.join("docs", "results", f"sglang_ttft_{a.tag}_{time.strftime('%Y-%m-%d')}_{short}.json")
     for p in [path] + ([os.path.join(os.environ["OUT"], os.path.basename(path))] if os.environ.get("OUT") else []):
         os.makedirs(os.path.dirname(p) or ".", exist_ok=True)
         with open(p, "w") as f:

@@ -8,6 +8,9 @@ Models (``--model``, dummy weights, configs written here):
               8 KV heads x 64, 32 experts top-4 (2 KV cache groups)
   dsv2-lite   DeepSeek-V2-Lite shape: 27 MLA layers (one 576-wide latent per token), 64 experts top-6
   qwen2.5-7b  Qwen2.5-7B shape: 28 layers, 4 KV heads x 128 (32 KiB per layer-block), bf16
+  qwen2.5-32b Qwen2.5-32B shape (serving/shapes.py's): 64 layers, 8 KV heads x 128 (256 KiB per token),
+              ~65.5 GB of bf16 weights: one H200 (gpu_memory_utilization 0.8); 2,048 GPU blocks = 8 GiB
+              against a 16 GiB working set
 
 Workload: N_CONV conversations with distinct PREFIX-token prefixes (llama3-8b: 12 x 8,192; the
 others: 8 x 8,192), GPU KV cache limited to GPU_BLOCKS blocks (2,048: a few conversations), so
@@ -43,21 +46,41 @@ read from the engine core, which therefore runs in the benchmark's process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0; INPROC=0 keeps vLLM's separate engine-core process, as the
 2026-11-22 runs did, and reports no byte counts).
 
+Issue 14 item 2 (CPU-hit TTFT within 1.3x of its floor, spread over engine starts <= 1.2), one call:
+``--starts N`` starts every mode N times, the order rotated by one mode per start (``--start-offset``
+goes on rotating in a later call); ``--deadline-s S`` begins no start whose estimate (its own longest
+start so far, else 1.25x any mode's, else a guess) would end later than S seconds after the call began,
+records it as skipped, and kills a start still running at S. When ``floor`` is among the modes, a
+child process first measures the PCIe ceiling (benchmarks/gpu_copy.py ``pcie_ceiling``: 8 contiguous
+pinned 1 GiB copies per direction, best and median GB/s; again after the last start if time is left).
+Then floor_s = hit bytes / best h2d GB/s + mode ``floor``'s turn-2 median (median over starts), hit
+bytes = tiered-cpu's own counters (bytes loaded per turn-2 hit; else prefix blocks x KV bytes per token,
+and it says which), ratio = a mode's turn-2 median over starts / floor_s, also per start, spread = max /
+min of a mode's per-start medians. ``--merge A.json B.json`` combines calls (each start keeps its own
+call's ceiling). The JSON gains ``pcie``, ``skipped``, ``schedule``, ``item2`` (all of the above) and
+``item2_table``; every result gets ``start`` and ``wall_s``.
+
 Usage (GPU machine, vLLM importable, tiered_kv on PYTHONPATH):
   python benchmarks/vllm_ttft.py --model gemma3        # the model's default modes, one subprocess each
   python benchmarks/vllm_ttft.py --model gpt-oss --modes none,tiered-cpu
   python benchmarks/vllm_ttft.py --model dsv2-lite --one tiered-cpu   # one mode in this process
   python benchmarks/vllm_ttft.py --model gpt-oss --dry-run             # CPU: configs, KV groups, bytes
-Default modes: llama3-8b: none, offloading, simple, tiered-cpu, tiered-disk; gemma3 and dsv2-lite:
-none, floor, offloading, simple, tiered-cpu; gpt-oss: those and tiered-cpu-swa-all. All modes of one
+  python benchmarks/vllm_ttft.py --model qwen2.5-32b --modes floor,offloading,tiered-cpu --starts 3 \
+      --deadline-s 560                                                  # item 2 (add --dry-run: the plan)
+  python benchmarks/vllm_ttft.py --merge call1/vllm_ttft_qwen2.5-32b.json call2/vllm_ttft_qwen2.5-32b.json
+Default modes: llama3-8b: none, offloading, simple, tiered-cpu, tiered-disk; gemma3, dsv2-lite and
+qwen2.5-7b: none, floor, offloading, simple, tiered-cpu; gpt-oss: those and tiered-cpu-swa-all;
+qwen2.5-32b: none, floor, offloading, tiered-cpu. All modes of one
 model take about 5-8 minutes on an H200 (start-up with dummy weights dominates).
-Environment: N_CONV, PREFIX, GPU_BLOCKS (2048; gemma3 8192, gpt-oss 4096), CPU_GIB (24), DISK_CPU_GIB (2), DISK_PATH
+Environment: N_CONV, PREFIX, GPU_BLOCKS (2048; gemma3 8192, gpt-oss 4096), GPU_UTIL (0.6; qwen2.5-32b 0.8),
+CPU_GIB (24; the working set must fit: the dry run says), DISK_CPU_GIB (2), DISK_PATH
 (/tmp/tkv-ttft-disk; a real disk, not tmpfs), DISK_GIB (24), DISK_POLICY (auto), PREFILL_TPS (37000),
 CHUNK_BLOCKS (16), MAX_BATCHED (PREFIX + 512: a turn-1 prefill in one step; e.g. 2048 for chunked prefill,
 where hybrid models hand window blocks on while the previous step's stores may still copy them),
 SETTLE_S (2; 6 for tiered-disk), INPROC (1), OUT (directory for the JSON), BASELINE (a
 vllm_ttft_<model>.json whose "none" result the table compares against when this run has none).
 PYTHONHASHSEED is set to 0 in every mode's process (same hashes in every mode).
+Threading: a script; the main thread only (each engine start and each PCIe probe is a child process).
 """
 from __future__ import annotations
 
@@ -66,10 +89,16 @@ import json
 import os
 import random
 import shutil
+import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from serving.shapes import SHAPES as _SERVE_SHAPES  # noqa: E402
 
 MODES = ("none", "offloading", "simple", "tiered-cpu", "tiered-cpu-swa-all", "tiered-disk")
 #: tiered-cpu variants: one extra ``kv_connector_extra_config`` setting each
@@ -151,19 +180,28 @@ QWEN25_7B = {
     "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
     "vocab_size": 152064, "bos_token_id": 151643, "eos_token_id": 151643,
 }
+#: the 64-layer shape of issue 14 (Qwen2.5-32B: 8 KV heads x 128, hidden 5,120, 40 query heads, MLP 27,648,
+#: vocabulary 152,064; ~65.5 GB of bf16 weights): the serving benchmark's copy, so both run the same model
+QWEN25_32B = dict(_SERVE_SHAPES["qwen2.5-32b"])
 MODELS = {"llama3-8b": LLAMA3_8B, "gemma3": GEMMA3_4B, "gpt-oss": GPTOSS_20B, "dsv2-lite": DSV2_LITE,
-          "qwen2.5-7b": QWEN25_7B}
+          "qwen2.5-7b": QWEN25_7B, "qwen2.5-32b": QWEN25_32B}
 DEFAULT_MODES = {
     "llama3-8b": ("none", "offloading", "simple", "tiered-cpu", "tiered-disk"),
     "gemma3": ("none", "floor", "offloading", "simple", "tiered-cpu"),
     "gpt-oss": ("none", "floor", "offloading", "simple", "tiered-cpu", "tiered-cpu-swa-all"),
     "dsv2-lite": ("none", "floor", "offloading", "simple", "tiered-cpu"),
     "qwen2.5-7b": ("none", "floor", "offloading", "simple", "tiered-cpu"),
+    "qwen2.5-32b": ("none", "floor", "offloading", "tiered-cpu"),
 }
 DEFAULT_N_CONV = {"llama3-8b": 12}
 #: vLLM's KV cache pool in blocks: hybrid models spread a token over several groups' blocks, and the
 #: engine refuses to start when the pool cannot hold one max-length request (gemma3: 7 groups)
 DEFAULT_GPU_BLOCKS = {"gemma3": 8192, "gpt-oss": 4096}
+#: vLLM's gpu_memory_utilization: 0.6 everywhere but the 32B shape, whose 61 GiB of weights, 8 GiB KV
+#: cache (2,048 blocks x 4 MiB) and an 8.7k-token prefill's activations need more than 0.6 x 139 GiB leaves
+DEFAULT_GPU_UTIL = {"qwen2.5-32b": 0.8}
+#: tokens per vLLM block (vLLM's default for these attention backends; the dry run's geometry uses it too)
+BLOCK = 16
 
 
 def workload(model: str) -> dict:
@@ -173,6 +211,7 @@ def workload(model: str) -> dict:
         "n_conv": int(env.get("N_CONV", DEFAULT_N_CONV.get(model, 8))),
         "prefix": int(env.get("PREFIX", "8192")),
         "gpu_blocks": int(env.get("GPU_BLOCKS", DEFAULT_GPU_BLOCKS.get(model, 2048))),
+        "gpu_util": float(env.get("GPU_UTIL", DEFAULT_GPU_UTIL.get(model, 0.6))),
         "cpu_gib": int(env.get("CPU_GIB", "24")),
         "disk_cpu_gib": int(env.get("DISK_CPU_GIB", "2")),
         "disk_path": env.get("DISK_PATH", "/tmp/tkv-ttft-disk"),
@@ -213,7 +252,7 @@ def engine_kwargs(mode: str, model_dir: str, w: dict) -> dict:
     """``LLM(...)`` arguments of one mode (everything but the connector is the same in every mode)."""
     mode = mode.removesuffix(V1_RUNNER)
     kw = dict(model=model_dir, load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
-              gpu_memory_utilization=0.6, max_model_len=w["prefix"] + 512, seed=0,
+              gpu_memory_utilization=w["gpu_util"], max_model_len=w["prefix"] + 512, seed=0,
               num_gpu_blocks_override=w["gpu_blocks"], enable_prefix_caching=True,
               max_num_batched_tokens=w["max_batched"])
     if mode in ("offloading", "simple"):  # "simple": VLLM_USE_SIMPLE_KV_OFFLOAD=1 picks SimpleCPUOffloadConnector
@@ -258,6 +297,7 @@ def _tiered_counters(llm) -> dict:
 
 def run_one(mode: str, model: str) -> dict:
     """Start an engine in this process, run the workload, return the result dict."""
+    import torch
     from vllm import LLM, SamplingParams
 
     w = workload(model)
@@ -301,7 +341,8 @@ def run_one(mode: str, model: str) -> dict:
     after2 = _tiered_counters(llm) if tiered else {}
     med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
     n = w["n_conv"]
-    result = {"mode": mode, "model": model, "startup_s": round(startup, 1), "n_conv": n, "prefix": w["prefix"],
+    result = {"mode": mode, "model": model, "device": torch.cuda.get_device_name(0) if torch.cuda.is_available()
+              else "cpu", "startup_s": round(startup, 1), "n_conv": n, "prefix": w["prefix"],
               "gpu_blocks": w["gpu_blocks"], "engine_core": "in-process" if os.environ.get("INPROC", "1") == "1"
               else "separate process",
               "cpu_gib": w["disk_cpu_gib"] if mode.startswith("tiered-disk") else w["cpu_gib"],
@@ -326,58 +367,306 @@ def run_one(mode: str, model: str) -> dict:
     return result
 
 
-def run_all(model: str, modes: list[str]) -> list[dict]:
-    """Each mode in its own process (a fresh GPU), one after the other."""
-    results = []
+# ------------------------------------------------------------------------ engine starts, deadline
+#: wall seconds of one engine start (process start, LLM(), workload, exit) before any was measured
+START_GUESS_S = {"qwen2.5-32b": 150.0}
+START_GUESS_DEFAULT_S = 75.0
+PCIE_GUESS_S = 30.0  # the PCIe probe's process: torch and CUDA start, 2 GiB pinned, 16 copies of 1 GiB
+STOP_MARGIN_S = 10.0  # after the last start: the table and the JSON
+
+
+def schedule(modes: list[str], starts: int, offset: int = 0) -> list[tuple[int, str]]:
+    """(start index, mode) in run order: every mode once per start, the order rotated by one mode per start
+    (start k begins with ``modes[k % len(modes)]``), so no mode always runs first on a fresh machine."""
+    out = []
+    for s in range(offset, offset + starts):
+        k = s % len(modes)
+        out += [(s, m) for m in modes[k:] + modes[:k]]
+    return out
+
+
+def start_need_s(walls: dict[str, list[float]], mode: str, model: str) -> float:
+    """Seconds one more start of ``mode`` should be given: its longest start so far in this call, else 1.25x
+    the longest start of any mode (the connector modes also pin their CPU tier), else a per-model guess."""
+    if walls.get(mode):
+        return max(walls[mode])
+    seen = [x for v in walls.values() for x in v]
+    return 1.25 * max(seen) if seen else START_GUESS_S.get(model, START_GUESS_DEFAULT_S)
+
+
+def _die_with_parent() -> None:
+    """Runs in a child before exec: Linux sends it SIGKILL when the benchmark's process dies (PR_SET_PDEATHSIG),
+    so a call killed from outside (its own process group no longer reaches the child) leaves no engine behind."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux/glibc: the deadline kill still works
+        pass
+
+
+def run_child(argv: list[str], env: dict, timeout_s: float | None) -> tuple[int | None, str, str]:
+    """Run ``argv`` in its own process group (it dies with this process); past ``timeout_s`` kill the whole
+    group (an engine and its helpers) and return rc None. Returns (rc, stdout, stderr)."""
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, preexec_fn=_die_with_parent)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+        return proc.returncode, out, err
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        out, err = proc.communicate()
+        return None, out, err + f"\n[vllm_ttft] killed after {timeout_s:.0f} s (--deadline-s)\n"
+
+
+def _result_line(stdout: str) -> dict | None:
+    line = next((ln for ln in stdout.splitlines() if ln.startswith("RESULT ")), None)
+    return json.loads(line[len("RESULT "):]) if line else None
+
+
+def pcie_probe(when: str, timeout_s: float | None) -> dict:
+    """benchmarks/gpu_copy.py's ``pcie_ceiling`` in a child process (its buffers never share the GPU with an
+    engine): contiguous pinned 1 GiB copies, best and median GB/s per direction."""
+    t0 = time.perf_counter()
+    rc, out, err = run_child([sys.executable, os.path.abspath(__file__), "--pcie-probe"], dict(os.environ), timeout_s)
+    rec = _result_line(out) or {"error": f"rc={rc}", "log_tail": (out + err)[-1500:]}
+    rec.update(when=when, wall_s=round(time.perf_counter() - t0, 1))
+    if "h2d" in rec:
+        print(f"[pcie {when}] h2d best {rec['h2d']['best_gbps']:.2f} GB/s, median {rec['h2d']['median_gbps']:.2f}; "
+              f"d2h best {rec['d2h']['best_gbps']:.2f}, median {rec['d2h']['median_gbps']:.2f} "
+              f"({rec['reps']} x {rec['bytes'] / 2**30:.0f} GiB, {rec['wall_s']:.0f} s)", flush=True)
+    else:
+        print(f"[pcie {when}] no rate: {rec['error']}", flush=True)
+    return rec
+
+
+def run_all(model: str, modes: list[str], starts: int = 1, deadline_s: float = 0.0, offset: int = 0,
+            pcie: bool = False) -> dict:
+    """Each mode in its own process (a fresh GPU), one after the other, ``starts`` times (order rotated per
+    start); with ``pcie`` the PCIe probe runs before the first start and, if time is left, after the last.
+
+    ``deadline_s`` > 0: no start (or probe) begins unless its estimate fits before ``deadline_s`` seconds
+    after this call began (a skipped start is recorded with the reason), and a running start is killed at
+    the deadline. Returns ``{"results", "pcie", "skipped", "schedule"}``."""
+    t_begin = time.monotonic()
+    left = (lambda: deadline_s - STOP_MARGIN_S - (time.monotonic() - t_begin)) if deadline_s else (lambda: float("inf"))
     out_dir = os.environ.get("OUT", ".")
-    for mode in modes:
-        t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--model", model, "--one", mode],
-                              env=dict(os.environ, **mode_env(mode)), capture_output=True, text=True)
-        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-        with open(os.path.join(out_dir, f"vllm_ttft_{model}_{mode}.log"), "w") as f:
-            f.write(proc.stdout + "\n--- stderr ---\n" + proc.stderr)  # the engine's own log, per mode
-        if line is None:
-            tail = (proc.stdout + proc.stderr)[-3000:]
-            results.append({"mode": mode, "model": model, "error": f"rc={proc.returncode}", "log_tail": tail})
-            print(f"[{model} {mode}] FAILED rc={proc.returncode} after {time.perf_counter() - t0:.0f}s\n{tail}",
-                  flush=True)
-            continue
-        results.append(json.loads(line[len("RESULT "):]))
-        r = results[-1]
-        if proc.returncode:  # measured, then died on the way out: keep the numbers, say so
-            r["exit_rc"] = proc.returncode
-            print(f"[{model} {mode}] WARNING: exited with rc={proc.returncode} after printing its result; "
-                  f"stderr tail: {proc.stderr[-300:]!r}", flush=True)
-        print(f"[{model} {mode}] done in {time.perf_counter() - t0:.0f}s: turn-2 median {r['turn2_median_s']:.4f} s, "
-              f"hit rate {100 * r['turn2_hit_rate']:.1f}%, turn-1 median {r['turn1_median_s']:.4f} s", flush=True)
+    plan = schedule(modes, starts, offset)
+    doc: dict = {"results": [], "pcie": [], "skipped": [], "schedule": [[s, m] for s, m in plan]}
+    walls: dict[str, list[float]] = {}
+
+    def save_partial() -> None:
         with open(os.path.join(out_dir, f"vllm_ttft_{model}_partial.json"), "w") as f:
-            json.dump(results, f, indent=1)  # what a run cut short still leaves behind
-    return results
+            json.dump(doc, f, indent=1)  # what a run cut short still leaves behind
+
+    if pcie:
+        if left() >= PCIE_GUESS_S:
+            doc["pcie"].append(pcie_probe("before", None if left() == float("inf") else left()))
+        else:
+            doc["skipped"].append({"what": "pcie before", "reason": f"deadline: {left():.0f} s left"})
+    for start, mode in plan:
+        need = start_need_s(walls, mode, model)
+        if left() < need:
+            reason = f"deadline: {left():.0f} s left, ~{need:.0f} s needed"
+            doc["skipped"].append({"what": "start", "mode": mode, "start": start, "reason": reason})
+            print(f"[{model} {mode} start {start}] skipped ({reason})", flush=True)
+            continue
+        t0 = time.perf_counter()
+        rc, out, err = run_child([sys.executable, os.path.abspath(__file__), "--model", model, "--one", mode],
+                                 dict(os.environ, **mode_env(mode)), None if left() == float("inf") else left())
+        wall = time.perf_counter() - t0
+        walls.setdefault(mode, []).append(wall)
+        suffix = f"_s{start}" if (starts > 1 or offset) else ""
+        with open(os.path.join(out_dir, f"vllm_ttft_{model}_{mode}{suffix}.log"), "w") as f:
+            f.write(out + "\n--- stderr ---\n" + err)  # the engine's own log, per start
+        r = _result_line(out)
+        if r is None:
+            tail = (out + err)[-3000:]
+            why = "killed at the deadline" if rc is None else f"rc={rc}"
+            doc["results"].append({"mode": mode, "model": model, "start": start, "error": why, "log_tail": tail,
+                                   "wall_s": round(wall, 1)})
+            print(f"[{model} {mode} start {start}] FAILED {why} after {wall:.0f}s\n{tail}", flush=True)
+            save_partial()
+            continue
+        r.update(start=start, wall_s=round(wall, 1))
+        doc["results"].append(r)
+        if rc:  # measured, then died on the way out: keep the numbers, say so
+            r["exit_rc"] = rc
+            print(f"[{model} {mode}] WARNING: exited with rc={rc} after printing its result; "
+                  f"stderr tail: {err[-300:]!r}", flush=True)
+        print(f"[{model} {mode} start {start}] done in {wall:.0f}s: turn-2 median {r['turn2_median_s']:.4f} s, "
+              f"hit rate {100 * r['turn2_hit_rate']:.1f}%, turn-1 median {r['turn1_median_s']:.4f} s, "
+              f"LLM() {r['startup_s']:.0f} s", flush=True)
+        save_partial()
+    if pcie:
+        if left() >= PCIE_GUESS_S:
+            doc["pcie"].append(pcie_probe("after", None if left() == float("inf") else left()))
+        else:
+            doc["skipped"].append({"what": "pcie after", "reason": f"deadline: {left():.0f} s left"})
+    return doc
+
+
+# ------------------------------------------------------------------- issue 14 item 2: the floor
+RATIO_GOAL = 1.3  # CPU-hit TTFT / floor
+SPREAD_GOAL = 1.2  # max / min of a mode's turn-2 median over engine starts
+
+
+def kv_bytes_per_token(model: str) -> int | None:
+    """KV bytes one token occupies over all layers (bf16): K and V per KV head, or MLA's one latent. None for
+    the sliding-window hybrids, where what a hit loads depends on the window (the dry run computes that)."""
+    c = MODELS[model]
+    if "kv_lora_rank" in c:
+        return c["num_hidden_layers"] * (c["kv_lora_rank"] + c["qk_rope_head_dim"]) * 2
+    if any(t != "full_attention" for t in c.get("layer_types", ())):
+        return None
+    head = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head * 2
+
+
+def expected_hit_tokens(w: dict) -> int:
+    """Prefix tokens a turn-2 CPU hit should load: the turn-1 prefix's whole blocks (tiered_kv stores whole
+    chunks plus a tail piece of the remaining whole blocks, docs/vllm.md), within vLLM's rule that the
+    last prompt token is always computed."""
+    return min(w["prefix"] // BLOCK * BLOCK, (w["prefix"] + FOLLOW - 1) // BLOCK * BLOCK)
+
+
+def _ceilings(pcie: list[dict]) -> dict[str, float]:
+    """The h2d ceiling (best GB/s over every probe) per call."""
+    out: dict[str, float] = {}
+    for p in pcie:
+        if "h2d" in p:
+            call = p.get("call", "")
+            out[call] = max(out.get(call, 0.0), max(p["h2d"]["samples_gbps"]))
+    return out
+
+
+def item2_summary(results: list[dict], pcie: list[dict], model: str, w: dict) -> dict:
+    """Issue 14 item 2 from one call's (or several merged calls') results.
+
+    Per mode: the turn-2 median of every engine start, their min / median / max and spread = max / min
+    (goal <= SPREAD_GOAL; needs >= 2 starts). The floor: ``floor_s`` = hit bytes / PCIe h2d ceiling + the
+    median over starts of mode ``floor``'s turn-2 median (the new tokens' prefill with the prefix already
+    in vLLM's GPU cache). Hit bytes: tiered-cpu's own counters (bytes loaded / turn-2 hits, median over its
+    starts; another tiered-cpu-* mode's without it) when present, else expected_hit_tokens x
+    kv_bytes_per_token. The ceiling: the best contiguous pinned h2d copy of the same call (merged calls: the
+    median of the calls' ceilings). Every mode other than ``none`` and ``floor`` gets ratio = its median over
+    starts / floor_s (goal <= RATIO_GOAL) and, per start that also ran ``floor``, the same ratio with that
+    start's floor and its call's ceiling."""
+    ok = [r for r in results if "error" not in r and "turn2_median_s" in r]
+    modes = list(dict.fromkeys(r["mode"] for r in ok))
+    out: dict = {"goals": {"ratio": RATIO_GOAL, "spread": SPREAD_GOAL}, "modes": {}}
+    for m in modes:
+        xs = [r["turn2_median_s"] for r in ok if r["mode"] == m]
+        spread = max(xs) / min(xs) if len(xs) >= 2 and min(xs) > 0 else None
+        out["modes"][m] = {"starts": len(xs), "turn2_median_s": xs, "min_s": min(xs),
+                           "median_s": round(statistics.median(xs), 5), "max_s": max(xs),
+                           "spread": round(spread, 3) if spread else None,
+                           "spread_ok": spread <= SPREAD_GOAL if spread else None}
+    counted = next((m for m in ["tiered-cpu", *modes] if m.startswith("tiered-cpu")
+                    and any(r.get("bytes_per_hit") for r in ok if r["mode"] == m)), None)
+    loaded = [r["bytes_per_hit"] for r in ok if r["mode"] == counted and r.get("bytes_per_hit")]
+    per_token = kv_bytes_per_token(model)
+    if loaded:
+        hit_bytes = statistics.median(loaded)
+        source = f"{counted} counters (sched_bytes_loaded / turn-2 hits), median of {len(loaded)} start(s)"
+    elif per_token:
+        hit_bytes = expected_hit_tokens(w) * per_token
+        source = (f"computed: {expected_hit_tokens(w)} prefix tokens (whole {BLOCK}-token blocks) x "
+                  f"{per_token} KV bytes per token (no tiered-cpu counters in these results)")
+    else:
+        hit_bytes, source = None, "unknown: no tiered-cpu counters and a hybrid model (run tiered-cpu)"
+    ceilings = _ceilings(pcie)
+    ceiling = statistics.median(ceilings.values()) if ceilings else None
+    samples = [x for p in pcie if "h2d" in p for x in p["h2d"]["samples_gbps"]]
+    out.update(hit_bytes=hit_bytes, hit_bytes_source=source, kv_bytes_per_token=per_token,
+               pcie_h2d_ceiling_gbps=ceiling, pcie_h2d_median_gbps=statistics.median(samples) if samples else None,
+               pcie_calls=ceilings)
+    floor = out["modes"].get("floor")
+    missing = [what for what, have in (("hit bytes", hit_bytes), ("a PCIe rate", ceiling), ("mode floor", floor))
+               if not have]
+    if missing:
+        out["floor_s"] = None
+        out["floor_missing"] = missing
+        return out
+    copy_s = hit_bytes / (ceiling * 1e9)
+    out.update(copy_s=round(copy_s, 5), floor_ttft_s=floor["median_s"], floor_s=round(copy_s + floor["median_s"], 5))
+    floors = {(r.get("call", ""), r.get("start")): r["turn2_median_s"] for r in ok if r["mode"] == "floor"}
+    for m, rec in out["modes"].items():
+        if m in ("none", "floor"):
+            continue
+        rec["ratio"] = round(rec["median_s"] / out["floor_s"], 3)
+        rec["ratio_ok"] = rec["ratio"] <= RATIO_GOAL
+        per_start = []
+        for r in ok:
+            key = (r.get("call", ""), r.get("start"))
+            if r["mode"] == m and key in floors and key[0] in ceilings:
+                f_s = hit_bytes / (ceilings[key[0]] * 1e9) + floors[key]
+                per_start.append(round(r["turn2_median_s"] / f_s, 3))
+        rec["ratio_per_start"] = per_start
+    return out
+
+
+def item2_table(s: dict) -> str:
+    """The item-2 summary as text: the floor's parts, then one row per mode."""
+    gb = lambda x: f"{x / 1e9:.3f} GB" if x else "n/a"  # noqa: E731
+    ceiling = s.get("pcie_h2d_ceiling_gbps")
+    calls = s.get("pcie_calls") or {}
+    where = "same call" if len(calls) <= 1 else f"median of {len(calls)} calls' bests: " + ", ".join(
+        f"{c} {g:.2f}" for c, g in calls.items())
+    rate = (f"{'best' if len(calls) <= 1 else 'ceiling'} {ceiling:.2f} GB/s, median of all copies "
+            f"{s['pcie_h2d_median_gbps']:.2f} GB/s" if ceiling else "not measured")
+    lines = [f"PCIe h2d ceiling (contiguous pinned 1 GiB copies, {where}): {rate}",
+             f"hit bytes per turn 2: {gb(s.get('hit_bytes'))} ({s['hit_bytes_source']})"]
+    if s.get("floor_s") is None:
+        lines.append(f"floor: n/a (missing: {', '.join(s.get('floor_missing', []))})")
+    else:
+        lines.append(f"floor_s = {s['copy_s'] * 1e3:.1f} ms (hit bytes / ceiling) + {s['floor_ttft_s'] * 1e3:.1f} ms "
+                     f"(mode floor: prefix in vLLM's GPU cache) = {s['floor_s'] * 1e3:.1f} ms")
+    lines += ["", f"| mode | starts | turn-2 median over starts: min / median / max (s) | spread max/min "
+                  f"(goal <= {SPREAD_GOAL}) | median / floor_s (goal <= {RATIO_GOAL}) | per start |",
+              "|---|---|---|---|---|---|"]
+    mark = lambda ok: "" if ok is None else (" ok" if ok else " MISSED")  # noqa: E731
+    for m, r in s["modes"].items():
+        spread = f"{r['spread']:.3f}{mark(r['spread_ok'])}" if r["spread"] else "n/a (1 start)"
+        ratio = f"{r['ratio']:.3f}{mark(r['ratio_ok'])}" if "ratio" in r else "-"
+        per = ", ".join(f"{x:.3f}" for x in r.get("ratio_per_start", [])) or "-"
+        lines.append(f"| {m} | {r['starts']} | {r['min_s']:.4f} / {r['median_s']:.4f} / {r['max_s']:.4f} "
+                     f"| {spread} | {ratio} | {per} |")
+    return "\n".join(lines)
 
 
 def table(results: list[dict]) -> str:
     """Side-by-side markdown table; speed-up and token equality are relative to ``none`` (this run's, or
-    the one in the JSON file named by BASELINE when the modes were split over several runs)."""
+    the one in the JSON file named by BASELINE when the modes were split over several runs); without
+    any ``none``, tokens are compared with ``floor``'s (no connector either: the same numbers)."""
     base = next((r for r in results if r["mode"] == "none" and "error" not in r), None)
     if base is None and os.environ.get("BASELINE"):
         with open(os.environ["BASELINE"]) as f:
             base = next((r for r in json.load(f)["results"] if r["mode"] == "none" and "error" not in r), None)
-    rows = ["| mode | turn-2 median (s) | vs recompute | turn-2 hit rate | greedy tokens = none | loaded per hit "
+    ref = base or next((r for r in results if r["mode"] == "floor" and "error" not in r), None)
+    rows = ["| mode | turn-2 median (s) | vs recompute | turn-2 hit rate | greedy tokens = "
+            f"{'none' if base or not ref else 'floor'} | loaded per hit "
             "(GB) | B per hit token | turn-1 stored (GB) | turn-1 store s |",
             "|---|---|---|---|---|---|---|---|---|"]
+    several = len({(r.get("call"), r.get("start")) for r in results}) > 1
     for r in results:
+        label = r["mode"]
+        if several:  # several engine starts (or merged calls): say which row is which
+            label += f" (start {r.get('start')}{', ' + r['call'] if r.get('call') else ''})"
         if "error" in r:
-            rows.append(f"| {r['mode']} | failed ({r['error']}) | | | | | | | |")
+            rows.append(f"| {label} | failed ({r['error']}) | | | | | | | |")
             continue
         speed = f"{base['turn2_median_s'] / r['turn2_median_s']:.2f}x" if base else "-"
-        same = "-" if base is None or r is base else ("yes" if r["first_tokens"] == base["first_tokens"] else "NO")
+        same = "-" if ref is None or r is ref else ("yes" if r["first_tokens"] == ref["first_tokens"] else "NO")
         if "bytes_per_hit" in r:
             moved = (f"{r['bytes_per_hit'] / 1e9:.3f} | {r['bytes_per_hit_token']:.0f} | "
                      f"{r['turn1_bytes_stored'] / 1e9:.3f} | {r['turn1_store_seconds']:.3f}")
         else:
             moved = "n/a | n/a | n/a | n/a"
-        rows.append(f"| {r['mode']} | {r['turn2_median_s']:.4f} | {speed} | {100 * r['turn2_hit_rate']:.1f}% "
+        rows.append(f"| {label} | {r['turn2_median_s']:.4f} | {speed} | {100 * r['turn2_hit_rate']:.1f}% "
                     f"| {same} | {moved} |")
     return "\n".join(rows)
 
@@ -519,6 +808,56 @@ def store_probe(geo, cfg, chunks: int = 16, repeats: int = 5) -> dict:
         rt.close()
 
 
+def plan(model: str, modes: list[str], starts: int, deadline_s: float, offset: int = 0, pcie: bool = True) -> dict:
+    """What a call would do, with the time estimates the deadline check uses before anything was measured
+    (CPU only): the start order, which starts the guesses say fit, the working set against the GPU cache
+    and the CPU tier, and the hit bytes the floor will use if the tiered mode reports none."""
+    w = workload(model)
+    guess = START_GUESS_S.get(model, START_GUESS_DEFAULT_S)
+    order = schedule(modes, starts, offset)
+    budget = (deadline_s - STOP_MARGIN_S - (2 * PCIE_GUESS_S if pcie else 0)) if deadline_s else float("inf")
+    fit = int(budget // guess) if deadline_s else len(order)
+    per_token = kv_bytes_per_token(model)
+    conv_tokens = w["prefix"] + FOLLOW
+    working = w["n_conv"] * conv_tokens * per_token if per_token else None
+    return {
+        "model": model, "modes": modes, "starts": starts, "start_offset": offset, "deadline_s": deadline_s,
+        "schedule": [[s_, m] for s_, m in order], "start_guess_s": guess, "pcie_probes": 2 if pcie else 0,
+        "pcie_probe_command": f"{sys.executable} {os.path.abspath(__file__)} --pcie-probe" if pcie else None,
+        "estimated_s": round(len(order) * guess + (2 * PCIE_GUESS_S if pcie else 0) + STOP_MARGIN_S),
+        "starts_that_fit_by_guess": min(fit, len(order)),
+        "expected_hit_tokens": expected_hit_tokens(w), "kv_bytes_per_token": per_token,
+        "expected_hit_bytes": expected_hit_tokens(w) * per_token if per_token else None,
+        "working_set_bytes": working, "gpu_cache_bytes": w["gpu_blocks"] * BLOCK * per_token if per_token else None,
+        "cpu_tier_bytes": w["cpu_gib"] << 30,
+        "working_set_exceeds_gpu_cache": working > w["gpu_blocks"] * BLOCK * per_token if per_token else None,
+        "working_set_fits_cpu_tier": working <= w["cpu_gib"] << 30 if per_token else None,
+    }
+
+
+def merge(paths: list[str]) -> dict:
+    """Several calls' JSON files of one model as one document: every start's result and every PCIe probe,
+    each tagged with its call (the file's ``call``, else its name), and the item-2 summary over all of them."""
+    docs = []
+    for p in paths:
+        with open(p) as f:
+            docs.append(json.load(f))
+    models = {d["model"] for d in docs}
+    if len(models) != 1:
+        raise SystemExit(f"--merge needs files of one model, got {sorted(models)} from {paths}")
+    model = models.pop()
+    results, pcie = [], []
+    for p, d in zip(paths, docs):
+        call = d.get("call") or os.path.basename(p)
+        results += [dict(r, call=call) for r in d["results"]]
+        pcie += [dict(x, call=call) for x in d.get("pcie", [])]
+    w = docs[0].get("workload") or workload(model)
+    summary = item2_summary(results, pcie, model, w)
+    return {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "model": model, "merged_from": paths,
+            "workload": w, "results": results, "pcie": pcie, "item2": summary, "table": table(results),
+            "item2_table": item2_table(summary)}
+
+
 def main() -> None:
     """CLI entry point."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -526,27 +865,75 @@ def main() -> None:
     ap.add_argument("--modes", default=None, help="comma-separated modes (default: the model's default modes)")
     ap.add_argument("--one", choices=MODES + EXTRA_MODES, help="run a single mode in this process and print RESULT")
     ap.add_argument("--dry-run", action="store_true", help="print configs, KV cache groups and bytes per chunk; no GPU")
+    ap.add_argument("--starts", type=int, default=1, help="engine starts per mode (order rotated per start)")
+    ap.add_argument("--start-offset", type=int, default=0,
+                    help="index of this call's first start (rotates the order; label starts across calls)")
+    ap.add_argument("--deadline-s", type=float, default=0.0,
+                    help="begin no start that would end later than this many s after the call began; 0: no limit")
+    ap.add_argument("--no-pcie", action="store_true",
+                    help="skip the PCIe probe (it runs by default when mode floor is among the modes)")
+    ap.add_argument("--call", default="", help="a label for this call in the JSON (--merge tells calls apart by it)")
+    ap.add_argument("--merge", nargs="+", metavar="JSON", help="merge calls' JSON files of one model; no GPU")
+    ap.add_argument("--pcie-probe", action="store_true", help=argparse.SUPPRESS)  # the probe's own process
     args = ap.parse_args()
     if args.one:
         print("RESULT " + json.dumps(run_one(args.one, args.model)), flush=True)
         return
+    if args.pcie_probe:
+        from gpu_copy import pcie_ceiling
+
+        print("RESULT " + json.dumps(pcie_ceiling()), flush=True)
+        return
+    if args.merge:
+        doc = merge(args.merge)
+        print(doc["table"] + "\n\n" + doc["item2_table"])
+        out_dir = os.environ.get("OUT") or "."
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, f"vllm_ttft_{doc['model']}_merged.json"), "w") as f:
+            json.dump(doc, f, indent=1)
+        return
+    if args.starts < 1:
+        raise SystemExit(f"--starts must be >= 1, got {args.starts}")
     modes = [m for m in (args.modes or ",".join(DEFAULT_MODES[args.model])).split(",") if m]
     bad = [m for m in modes if m not in MODES + EXTRA_MODES]
     if bad:
         raise SystemExit(f"unknown mode(s) {bad}; valid: {', '.join(MODES + EXTRA_MODES)}")
     out_dir = os.environ.get("OUT") or "."
     os.makedirs(out_dir, exist_ok=True)
+    pcie = "floor" in modes and not args.no_pcie
     if args.dry_run:
+        p = plan(args.model, modes, args.starts, args.deadline_s, args.start_offset, pcie)
+        print(f"== plan: {len(p['schedule'])} engine start(s) in this order {p['schedule']}; "
+              f"~{p['start_guess_s']:.0f} s "
+              f"each before one is measured; {p['pcie_probes']} PCIe probe(s) ({p['pcie_probe_command']}); "
+              f"estimated {p['estimated_s']} s; by the guesses {p['starts_that_fit_by_guess']} start(s) fit "
+              f"--deadline-s {args.deadline_s or 'none'} (the deadline check then uses measured start times)")
+        if p["kv_bytes_per_token"]:
+            print(f"   turn-2 hit: {p['expected_hit_tokens']} tokens x {p['kv_bytes_per_token']} B = "
+                  f"{p['expected_hit_bytes'] / 1e9:.3f} GB; working set {p['working_set_bytes'] / 2**30:.1f} GiB "
+                  f"vs GPU "
+                  f"cache {p['gpu_cache_bytes'] / 2**30:.1f} GiB (exceeds: {p['working_set_exceeds_gpu_cache']}) "
+                  f"and CPU tier {p['cpu_tier_bytes'] >> 30} GiB (fits: {p['working_set_fits_cpu_tier']})")
         report = dry_run(args.model, modes)
+        report["plan"] = p
         with open(os.path.join(out_dir, f"vllm_ttft_{args.model}_dry_run.json"), "w") as f:
             json.dump(report, f, indent=1)
         return
-    results = run_all(args.model, modes)
-    text = table(results)
-    print(text)
+    date = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    doc = run_all(args.model, modes, args.starts, args.deadline_s, args.start_offset, pcie)
+    w = workload(args.model)
+    summary = item2_summary(doc["results"], doc["pcie"], args.model, w)
+    text, text2 = table(doc["results"]), item2_table(summary)
+    print(text + "\n\n" + text2)
+    for s_ in doc["skipped"]:
+        print(f"skipped: {s_}")
+    device = next((x["device"] for x in doc["pcie"] + doc["results"] if x.get("device")), None)
     with open(os.path.join(out_dir, f"vllm_ttft_{args.model}.json"), "w") as f:
-        json.dump({"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "model": args.model,
-                   "workload": workload(args.model), "results": results, "table": text}, f, indent=1)
+        json.dump({"date": date, "model": args.model, "device": device, "call": args.call or date,
+                   "command": " ".join(["python3", "benchmarks/vllm_ttft.py"] + sys.argv[1:]), "workload": w,
+                   "modes": modes, "starts": args.starts, "start_offset": args.start_offset,
+                   "deadline_s": args.deadline_s, **doc, "item2": summary, "table": text, "item2_table": text2},
+                  f, indent=1)
 
 
 if __name__ == "__main__":

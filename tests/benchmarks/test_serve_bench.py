@@ -318,6 +318,11 @@ def test_merge_files_and_write_json(tmp_path):
     assert m["summary"]["tiered"]["phases"]["c8"]["greedy_vs_none"] == {"compared": 1, "equal": 1}
     path = report.write_json(str(tmp_path / "x" / "r.json"), m)
     assert json.loads(Path(path).read_text())["shape"] == "llama3-8b"
+    # a merged document merges again (plot.py reads the merged files of docs/results): devices survive
+    c = {"shape": "llama3-8b", "device": "H100", "date": "d3", "starts": [_start("offloading", 70.0, 1100.0, {0: "a"})]}
+    again = report.merge([m, c])["llama3-8b"]
+    assert again["devices"] == ["H100", "H200"] and again["dates"] == ["d1", "d2", "d3"]
+    assert [s["device"] for s in again["starts"]] == ["H200", "H200", "H100"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib is not in .venv (it is on the GPU image)")

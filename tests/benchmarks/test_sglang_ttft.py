@@ -106,3 +106,13 @@ def test_unknown_modes_are_refused(bad, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         bench.main()
     assert "unknown mode" in capsys.readouterr().err
+
+
+def test_mla_gated_uses_the_mla_calibration_and_the_auto_policy(tmp_path):
+    a = _args(tmp_path, prefill_tps=50000.0, prefill_tps_mla=90000.0)
+    gated = bench.tiered_extra("mla-gated", "/d", a)
+    assert gated["disk_load_policy"] == "auto" and gated["prefill_tokens_per_s"] == 90000.0
+    assert bench.tiered_extra("mla-tiered", "/d", a)["disk_load_policy"] == "always"
+    assert bench.tiered_extra("tiered", "/d", a)["prefill_tokens_per_s"] == 50000.0
+    # no MLA calibration yet (mla-none did not run): the default rate, not the Llama one
+    assert bench.tiered_extra("mla-gated", "/d", _args(tmp_path, prefill_tps=50000.0))["prefill_tokens_per_s"] == 30000.0

@@ -2,6 +2,7 @@
 are checked before they are served, namespaces, faults and start-up errors."""
 from __future__ import annotations
 
+import gc
 import os
 import time
 import uuid
@@ -13,6 +14,7 @@ from tests._redis import PASSWORD_ENV
 from tiered_kv.errors import ConfigError, RemoteUnavailableError
 from tiered_kv.testing import LAYOUT, TierContract, make_keys, random_rows
 from tiered_kv.tiers.remote import PresenceFeed, RemoteSettings, RemoteTier
+from tiered_kv.tiers.remote.client import key_node
 from tiered_kv.values.layout import BlockLayout
 
 
@@ -130,6 +132,84 @@ def test_presence_feed_sees_what_another_writer_stored_and_deleted(redis_cluster
     finally:
         writer.close()
         reader.close()
+
+
+def test_key_node_finds_the_owner_from_any_seed_without_a_cluster_map(redis_cluster):
+    """The standalone feed's node lookup: each seed (owner or not) leads to the stream's master; it builds far
+    fewer objects than a cluster client (whose slot map the scheduler process must not keep or collect)."""
+    writer = make_tier(redis_cluster)
+    try:
+        owner = writer.client._node_of(writer.stream).port
+        for seed in redis_cluster.ports:
+            conn = key_node(settings(redis_cluster, url=f"redis://127.0.0.1:{seed}"), writer.stream)
+            try:
+                assert conn.connection_pool.connection_kwargs["port"] == owner
+            finally:
+                conn.close()
+        gc.collect()
+        before = len(gc.get_objects())
+        feed = PresenceFeed.standalone(settings(redis_cluster), writer.stream)
+        try:
+            made = len(gc.get_objects()) - before
+            assert made < 2000, made  # a RedisCluster client makes ~20,000
+            writer.write(make_keys(4, b"k"), [-1] * 4, random_rows(4))
+            assert feed.caught_up.wait(10)
+            deadline, got = time.monotonic() + 10, []
+            while len(got) < 4 and time.monotonic() < deadline:
+                got += feed.take()[0]
+                time.sleep(0.02)
+            assert got == make_keys(4, b"k")
+        finally:
+            feed.close()
+    finally:
+        writer.close()
+
+
+def test_standalone_feed_starts_and_waits_while_its_node_is_down_then_reads_again(redis_cluster):
+    """The stream's master down: finding it gives None (the cluster answered: not a start-up error), the feed
+    starts without a node and retries; once the node is back, what is announced arrives."""
+    ns = fresh_ns()
+    writer = make_tier(redis_cluster, ns)
+    victim = redis_cluster.ports.index(writer.client._node_of(writer.stream).port)
+    others = [p for i, p in enumerate(redis_cluster.ports) if i != victim]
+    cfg = settings(redis_cluster, url=",".join(f"redis://127.0.0.1:{p}" for p in others), retry_after_s=0.2)
+    redis_cluster.stop(victim)
+    feed = None
+    try:
+        t0 = time.monotonic()
+        assert key_node(cfg, writer.stream) is None
+        feed = PresenceFeed.standalone(cfg, writer.stream)
+        assert time.monotonic() - t0 < 5
+        assert not feed.caught_up.wait(0.5) and feed.take() == ([], [])
+    finally:
+        redis_cluster.start(victim)
+        redis_cluster.wait_ok()
+    try:
+        keys = make_keys(3, b"back")
+        deadline, got, written = time.monotonic() + 20, [], False
+        while not set(keys) <= set(got) and time.monotonic() < deadline:
+            # the writer's client finds the node again after its retry_after_s; the feed after its own
+            written = written or writer.write(keys, [-1] * 3, random_rows(3)) == [True] * 3
+            got += feed.take()[0]
+            time.sleep(0.1)
+        assert written and set(keys) <= set(got)
+    finally:
+        feed.close()
+        writer.close()
+
+
+def test_standalone_feed_start_up_errors(redis_cluster, monkeypatch):
+    monkeypatch.setenv("TKV_WRONG_PW", "not-the-password")
+    with pytest.raises(ConfigError, match=r"refused the credentials.*\$TKV_WRONG_PW") as info:
+        PresenceFeed.standalone(settings(redis_cluster, password_env="TKV_WRONG_PW"), b"tkv:x|presence")
+    assert "not-the-password" not in str(info.value)
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(RemoteUnavailableError, match=f"127.0.0.1:{port}"):
+        PresenceFeed.standalone(settings(redis_cluster, url=f"redis://127.0.0.1:{port}"), b"tkv:x|presence")
 
 
 def test_a_killed_node_gives_misses_fast_then_hits_again(redis_cluster):

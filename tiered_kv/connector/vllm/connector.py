@@ -191,6 +191,8 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._presence = self._open_presence()  # a wrong password or no cluster fails here, at start-up
             self.planner = SchedulerPlanner(self.cfg, self.geo, self.ns, cpu_chunks, disk_chunks,
                                             self._adoptable_keys(disk_chunks), presence=self._presence)
+            if self._presence is not None:
+                self.planner.sync_remote()  # what the fleet stored before this start, read by _open_presence
             kv_events = vllm_config.kv_events_config
             self._events_on = bool(kv_events is not None and kv_events.enable_kv_cache_events)
             if self._events_on:
@@ -207,22 +209,25 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
                 self.worker.disk.delete(self.worker.disk.stored_keys())  # unnameable after a restart
 
     def _open_presence(self):
-        """Scheduler role with ``remote_url``: a cluster client and the namespace's presence feed (its thread reads
-        what the fleet stores; the planner takes it once per step without network I/O)."""
+        """Scheduler role with ``remote_url``: the namespace's presence feed (its thread reads what the fleet stores;
+        the planner takes it once per step without network I/O). It holds one plain connection to the stream's
+        node, not a cluster client: no slot map in this process (see ``PresenceFeed``). Waits at most
+        ``remote_timeout_s`` for the feed to read what the fleet stored before this start, so the first requests
+        can hit it and the first steps do not take that backlog."""
         settings = self.cfg.remote_settings()
         if settings is None:
             return None
-        from tiered_kv.tiers.remote import ClusterClient, PresenceFeed, stream_key  # lazily: needs redis-py
+        from tiered_kv.tiers.remote import PresenceFeed, stream_key  # lazily: needs redis-py
 
-        client = ClusterClient(settings)  # checks the login now: a wrong password fails the engine's start
-        try:
-            # at most one read per remote_feed_interval_s (0.1 s: ten a second) while the fleet writes: a block
-            # stored elsewhere is a hit here within about that long, and the feed thread takes the GIL from
-            # the scheduler thread rarely
-            feed = PresenceFeed.standalone(client, stream_key(settings.key_prefix, self.ns.prefix),
-                                           min_interval_s=self.cfg.remote_feed_interval_s)
-        finally:
-            client.close()  # the scheduler keeps one connection, not the cluster map (see PresenceFeed)
+        # finding the stream's node checks the login: a wrong password or no cluster fails the engine's start.
+        # At most one read per remote_feed_interval_s (0.1 s: ten a second) while the fleet writes: a block stored
+        # elsewhere is a hit here within about that long, and the feed thread takes the GIL from the scheduler
+        # thread rarely.
+        feed = PresenceFeed.standalone(settings, stream_key(settings.key_prefix, self.ns.prefix),
+                                       min_interval_s=self.cfg.remote_feed_interval_s)
+        if not feed.caught_up.wait(settings.op_timeout_s):
+            log.info("TieredKVConnector: the presence feed has not read the fleet's stream through within %.1f s; "
+                     "it goes on in the background", settings.op_timeout_s)
         log.info("TieredKVConnector: remote tier on %s (remote_write=%s)", settings.describe()["url"],
                  self.cfg.remote_write)
         return feed

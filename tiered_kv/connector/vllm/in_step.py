@@ -6,9 +6,9 @@ copy of each in-step load (``StepPlan.sync``):
 
 - ``start`` (from ``before_forward``: vLLM's ``start_load_kv``) submits the load on vLLM's own
   thread, ordered after the work already on the engine's current stream (vLLM's block zeroing),
-  in layer groups with one CUDA event each. Where vLLM runs attention eagerly and
-  ``load_mode`` is "layerwise", each layer's group is kept for ``wait_layer``; otherwise (a full
-  CUDA graph may replay, no per-layer calls) the engine's stream waits for the whole load now.
+  in layer groups with one CUDA event each. Where vLLM runs attention eagerly and ``load_mode``
+  is "layerwise" (or "adaptive"), each layer's group is kept for ``wait_layer``; otherwise (a
+  full CUDA graph may replay, no per-layer calls) the engine's stream waits for the whole load now.
 - ``wait_layer`` (vLLM's ``wait_for_layer_load``) makes the engine's stream wait, on the GPU,
   for that layer's group: no host wait, so layer 0 computes while later layers still cross PCIe.
 - ``finish`` (from ``poll``: vLLM's ``get_finished`` of the same step) waits for the bytes and
@@ -91,7 +91,7 @@ class InStepLoader:
         self.copiers = [BlockCopier(kv, rows, threaded_submit=False, staging_bytes=cfg.load_staging_bytes)
                         for kv, rows, _ in parts]
         self.copier = self.copiers[0]
-        self._layerwise = cfg.load_mode == "layerwise"
+        self._layerwise = cfg.load_mode in ("layerwise", "adaptive")  # adaptive: layerwise within its budget
         self._groups_wanted = cfg.load_groups
         self._plain_fallback = plain_fallback
         self.plain_copies = 0

@@ -8,7 +8,9 @@ and turns vLLM's scheduler callbacks into ``TransferJob``s for the workers:
   estimated faster than recomputing), and whether the load runs inside the step
   (``load_mode`` "layerwise"/"sync": every chunk in the CPU tier and at most
   ``sync_max_tokens``; vLLM then schedules the request at once and the workers load before
-  or alongside the forward) or between steps (asynchronous: disk hits, big hits, "async");
+  or alongside the forward; "adaptive": the same while the step's in-step bytes stay within
+  a per-step budget, ``admission.py``) or between steps (asynchronous: disk hits, big hits,
+  "async", hits past the budget);
 - ``allocated``: after vLLM allocated GPU blocks for an async hit, plan the loads into them;
 - ``build``: once per step, plan eager stores of newly computed prompt blocks, add fences
   (jobs that must finish on the GPU before a re-allocated block is overwritten) and hand
@@ -59,6 +61,7 @@ from tiered_kv.errors import ConfigError
 from tiered_kv.values.keys import Namespace
 from tiered_kv.planner.policy import PlacementPolicy
 from tiered_kv.values.jobs import Completion, JobKind, TransferJob
+from tiered_kv.connector.vllm.admission import StepLoadBudget
 from tiered_kv.connector.vllm.config import ConnectorConfig, Geometry
 
 
@@ -271,6 +274,10 @@ class SchedulerPlanner:
         # disk and remote chunks load only while reading them beats recomputing them (shared with SGLang's backend)
         self._gate = LoadGate(cfg.disk_load_policy, cfg.disk_read_gbps, cfg.disk_probe_every,
                               cfg.prefill_tokens_per_s, geo.chunk_tokens, geo.chunk_nbytes)
+        # load_mode adaptive: the in-step load bytes (per rank) each step may take; None in the other modes
+        self._budget = (StepLoadBudget(None if cfg.step_load_bytes == "auto" else cfg.step_load_bytes, cfg.load_gbps)
+                        if cfg.load_mode == "adaptive" else None)
+        self._async_cpu_loads: set[int] = set()  # adaptive: asynchronous CPU-tier loads (their rate feeds the budget)
         if adopted and disk_chunks:
             self._route(self.chain.adopt(DISK, list(adopted)))
             log.info("TieredKVConnector: adopted %d chunks from disk", len(adopted))
@@ -409,7 +416,13 @@ class SchedulerPlanner:
         st.hit_keys = keys[:n]
         st.sync = (self.cfg.load_mode != "async" and tokens <= self.cfg.sync_max_tokens
                    and all(t == CPU for t in where[:n]))
+        if st.sync and self._budget is not None:
+            st.sync = self._budget.admit(self._rank_bytes(tokens))
         return tokens
+
+    def _rank_bytes(self, tokens: int) -> int:
+        """The bytes a hit of ``tokens`` moves into one rank's GPU (about: whole blocks, every group)."""
+        return -(-tokens // self.bs) * self.geo.rank_chunk_nbytes // self.k
 
     def _walk(self, st: _Req, c0: int, usable: int) -> tuple[list[bytes], list[int]]:
         """Keys and fastest tiers of the leading run of held chunks from c0 (keys made lazily: a miss stops)."""
@@ -543,8 +556,12 @@ class SchedulerPlanner:
             self._sync.extend(j.job_id for j in loads)
             self.counters.sync_loads += len(loads)
             st.sync = False
+            if self._budget is not None:
+                self._budget.charge(self._rank_bytes(num_external_tokens))
         else:
             self._loads.setdefault(rid, []).extend(j.job_id for j in loads)
+            if self._budget is not None:
+                self._async_cpu_loads.update(j.job_id for j in loads if j.src_tier == CPU)
         self.counters.load_jobs += len(loads)
         chunk = self.chunk
         for j in loads:
@@ -573,6 +590,8 @@ class SchedulerPlanner:
         """Plan this step: track block tables, plan stores, add fences, hand out all pending jobs."""
         self._step += 1
         step = self._step
+        if self._budget is not None:
+            self._budget.next_step(scheduler_output.total_num_scheduled_tokens > 0)
         if self._presence is not None and self._presence.pending():
             self.sync_remote()
         fences: set[int] = set()
@@ -958,6 +977,10 @@ class SchedulerPlanner:
         self._untrack(job_id)
         if kind is JobKind.EGRESS:
             self.counters.bytes_loaded += rep.nbytes
+            if self._async_cpu_loads and job_id in self._async_cpu_loads:
+                self._async_cpu_loads.discard(job_id)
+                if all(rep.ok):  # the ranks loaded in parallel: per-rank bytes over the slowest rank's time
+                    self._budget.observe(rep.nbytes // max(1, rep.count), rep.seconds)
             if src == DISK:
                 self._gate.observe(rep.nbytes, rep.seconds)  # ranks read their shares in parallel
         elif kind is JobKind.INGRESS:
@@ -1111,6 +1134,8 @@ class SchedulerPlanner:
             "remote_known": len(self._remote_known),
             "disk_gbps_estimate": round(self._gate.gbps, 3),
         })
+        if self._budget is not None:
+            out.update(self._budget.stats())
         for i, tc in enumerate(c.tier_counters):
             name = c.specs[i].name
             out.update({f"{name}_{k}": v for k, v in vars(tc).items()})

@@ -17,8 +17,11 @@ never touches a page of a damaged index.
 
 ``tiered-kv repair`` runs it with ``--dump`` to salvage the records a damaged index still yields.
 
-Run as ``python -I check.py <index dir>`` (as a script it imports only the standard library and
-``lmdb``, not tiered_kv, so it starts in tens of milliseconds). It prints one JSON line.
+Run as ``python -I check.py [--lmdb-from DIR] <index dir>`` (as a script it imports only the standard
+library and ``lmdb``, not tiered_kv, so it starts in tens of milliseconds). It prints one JSON line.
+``-I`` ignores ``PYTHONPATH``, so ``child_command`` passes the directory the parent imported ``lmdb``
+from (an engine started with ``PYTHONPATH=/some/site`` has it nowhere else). A child that cannot import
+``lmdb`` at all exits 4: the check did not run, which is not damage.
 
 Threading contract: ``check_index`` may be called from any thread; it blocks until the child ends.
 """
@@ -33,6 +36,21 @@ from pathlib import Path
 
 #: seconds the child may take before the index counts as damaged (it hangs, or the disk is that slow)
 CHECK_TIMEOUT_S = 120.0
+#: the child's exit status when it cannot import lmdb: the check did not run (not damage)
+NO_LMDB_EXIT = 4
+
+
+def child_command(*args: str) -> list[str]:
+    """The command line that runs this file in an isolated child (``-I``) with ``args``, telling the
+    child where this process found ``lmdb`` (``-I`` drops ``PYTHONPATH``, where some installs put it)."""
+    cmd = [sys.executable, "-I", str(Path(__file__).resolve())]
+    try:
+        import lmdb  # noqa: F401  (only its location is wanted)
+
+        cmd += ["--lmdb-from", str(Path(lmdb.__file__).resolve().parent.parent)]
+    except ImportError:  # the child then says it has no lmdb either: a skipped check
+        pass
+    return cmd + list(args)
 
 
 def check_index(idx: str | os.PathLike, timeout: float = CHECK_TIMEOUT_S) -> dict:
@@ -40,8 +58,7 @@ def check_index(idx: str | os.PathLike, timeout: float = CHECK_TIMEOUT_S) -> dic
     plus, when ok, ``entries`` (per database), ``pages``, ``index_bytes`` and ``seconds``."""
     t0 = time.perf_counter()
     try:
-        r = subprocess.run([sys.executable, "-I", str(Path(__file__).resolve()), str(idx)],
-                           capture_output=True, timeout=timeout)
+        r = subprocess.run(child_command(str(idx)), capture_output=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"ok": False, "error": f"the integrity check did not finish in {timeout:.0f} s"}
     except OSError as exc:  # cannot start a child at all: say so, do not call the index damaged
@@ -53,6 +70,9 @@ def check_index(idx: str | os.PathLike, timeout: float = CHECK_TIMEOUT_S) -> dic
             report = json.loads(lines[-1])
         except ValueError:
             report = {}
+    if r.returncode == NO_LMDB_EXIT:  # the child could not import lmdb: nothing was checked, nothing is damaged
+        return {"ok": True, "error": f"integrity check skipped: {report.get('error', 'no lmdb in the child')}",
+                "skipped": True}
     if r.returncode < 0:
         return {"ok": False, "error": f"the check process was killed by signal {-r.returncode} reading the "
                                       f"index (LMDB aborts on damaged pages)"}
@@ -157,7 +177,17 @@ def _dump(idx: Path) -> None:
 
 def main(argv: list[str]) -> int:
     """Script entry: walk ``argv[0]`` and print one JSON line; exit 0 when sound, 3 when damaged.
-    With ``--dump`` first, print what can be salvaged instead (``_dump``)."""
+    With ``--dump`` first, print what can be salvaged instead (``_dump``). ``--lmdb-from DIR`` before
+    either puts ``DIR`` first on ``sys.path``; exit 4 when ``lmdb`` cannot be imported (no check ran)."""
+    if argv[:1] == ["--lmdb-from"] and len(argv) > 1:
+        sys.path.insert(0, argv[1])
+        argv = argv[2:]
+    try:
+        import lmdb  # noqa: F401
+    except ImportError as exc:
+        sys.stdout.write(json.dumps({"ok": False, "error": f"cannot import lmdb: {exc}"}) + "\n")
+        sys.stdout.flush()
+        return NO_LMDB_EXIT
     if argv and argv[0] == "--dump":
         try:
             _dump(Path(argv[1]))

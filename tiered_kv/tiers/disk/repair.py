@@ -18,7 +18,6 @@ import json
 import os
 import struct
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -36,8 +35,7 @@ _U64 = struct.Struct(">Q")
 def salvage(idx: Path, timeout: float = 300.0) -> tuple[dict, list[tuple[bytes, bytes, bytes | None]]]:
     """What a child process could read of the index at ``idx``: (meta as bytes, [(key, header, owner)])."""
     try:
-        r = subprocess.run([sys.executable, "-I", str(Path(check.__file__).resolve()), "--dump", str(idx)],
-                           capture_output=True, timeout=timeout)
+        r = subprocess.run(check.child_command("--dump", str(idx)), capture_output=True, timeout=timeout)
         out = r.stdout
     except subprocess.TimeoutExpired as exc:
         out = exc.stdout or b""

@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from tiered_kv.errors import ConfigError, RemoteUnavailableError
+from tiered_kv.errors import ConfigError, RemoteUnavailableError, TieredKVError
 from tiered_kv.tiers.remote.settings import RemoteSettings
 
 log = logging.getLogger(__name__)
@@ -41,40 +41,21 @@ class ClusterClient:
         import redis  # noqa: PLC0415 (lazily: only setups with a remote tier need redis-py)
         from redis.cluster import ClusterNode, RedisCluster  # noqa: PLC0415
         from redis.backoff import NoBackoff  # noqa: PLC0415
-        from redis.exceptions import AuthenticationError, RedisClusterException, RedisError  # noqa: PLC0415
+        from redis.exceptions import RedisClusterException, RedisError  # noqa: PLC0415
         from redis.retry import Retry  # noqa: PLC0415
 
         self.settings = settings
         self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
         self._response_error = redis.exceptions.ResponseError
         self._redis_error = RedisError
-        password = settings.password()
-        kwargs = dict(password=password, username=settings.user, socket_timeout=settings.op_timeout_s,
-                      socket_connect_timeout=settings.connect_timeout_s, health_check_interval=0)
-        if settings.tls:
-            kwargs.update(ssl=True, ssl_ca_certs=settings.tls_ca)
-        seeds = settings.seeds()
-        who = f"user {settings.user or 'default'!r}" + (f", password from ${settings.password_env}"
-                                                          if settings.password_env else ", no password")
+        kwargs = login_kwargs(settings)
         try:
-            self.rc = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in seeds], require_full_coverage=False,
-                                   retry=Retry(NoBackoff(), 1), dynamic_startup_nodes=True, **kwargs)
+            self.rc = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in settings.seeds()],
+                                   require_full_coverage=False, retry=Retry(NoBackoff(), 1),
+                                   dynamic_startup_nodes=True, **kwargs)
             self.rc.ping(target_nodes=RedisCluster.PRIMARIES)
-        except AuthenticationError as exc:
-            raise ConfigError(f"remote tier: the Redis Cluster at {settings.describe()['url']} refused the "
-                              f"credentials ({who}): {exc}. Check the password in that variable and the ACL user; "
-                              f"see docs/remote.md") from None
         except (RedisClusterException, RedisError, OSError) as exc:
-            text = str(exc)
-            if any(w in text.lower() for w in ("auth", "password", "wrongpass")):
-                raise ConfigError(f"remote tier: the Redis Cluster at {settings.describe()['url']} refused the "
-                                  f"credentials ({who}): {text}. Check the password and the ACL user; see "
-                                  f"docs/remote.md") from None
-            raise RemoteUnavailableError(f"remote tier: cannot reach a Redis Cluster at {settings.describe()['url']} "
-                                         f"within {settings.connect_timeout_s} s ({type(exc).__name__}: {text}). "
-                                         f"Start the cluster, check remote_url and the firewall, or drop remote_url "
-                                         f"to run without the remote tier") from None
-        self._node_kwargs = kwargs  # for node_connection (holds the password: never logged)
+            raise startup_error(settings, exc) from None
         self._lock = threading.Lock()
         self._down: dict[str, float] = {}  # node name -> monotonic time until which it is skipped
         self._stale = False
@@ -237,14 +218,6 @@ class ClusterClient:
             log.debug("remote tier: %s", exc)
             return default
 
-    def node_connection(self, key: bytes):
-        """A plain ``redis.Redis`` to the master that owns ``key``'s slot now (same login and timeouts): for one
-        long-lived reader (the presence feed) in a process that should not keep the whole cluster map."""
-        import redis  # noqa: PLC0415
-
-        node = self.rc.get_node_from_key(key)
-        return redis.Redis(host=node.host, port=node.port, **self._node_kwargs)
-
     def nodes(self) -> list[str]:
         """``host:port`` of every master the client knows."""
         return [n.name for n in self.rc.get_primaries()]
@@ -328,3 +301,77 @@ class _Wire:
         """The CRLF that ends a bulk string."""
         if self.line() != b"":
             raise self._connection_error("bulk string not followed by CRLF")
+
+
+def login_kwargs(settings: RemoteSettings) -> dict:
+    """redis-py connection arguments for ``settings``: login, timeouts, TLS (holds the password: never log it)."""
+    kwargs = dict(password=settings.password(), username=settings.user, socket_timeout=settings.op_timeout_s,
+                  socket_connect_timeout=settings.connect_timeout_s, health_check_interval=0)
+    if settings.tls:
+        kwargs.update(ssl=True, ssl_ca_certs=settings.tls_ca)
+    return kwargs
+
+
+def startup_error(settings: RemoteSettings, exc: BaseException) -> TieredKVError:
+    """The error to raise when the cluster cannot be used at start-up: ``ConfigError`` for refused credentials
+    (naming the user and the password's variable, never the password), else ``RemoteUnavailableError``."""
+    from redis.exceptions import AuthenticationError  # noqa: PLC0415
+
+    who = f"user {settings.user or 'default'!r}" + (f", password from ${settings.password_env}"
+                                                      if settings.password_env else ", no password")
+    url = settings.describe()["url"]
+    text = str(exc)
+    if isinstance(exc, AuthenticationError) or any(w in text.lower() for w in ("auth", "password", "wrongpass")):
+        return ConfigError(f"remote tier: the Redis Cluster at {url} refused the credentials ({who}): {text}. "
+                           f"Check the password in that variable and the ACL user; see docs/remote.md")
+    return RemoteUnavailableError(f"remote tier: cannot reach a Redis Cluster at {url} within "
+                                  f"{settings.connect_timeout_s} s ({type(exc).__name__}: {text}). Start the cluster, "
+                                  f"check remote_url and the firewall, or drop remote_url to run without the remote "
+                                  f"tier")
+
+
+def key_node(settings: RemoteSettings, key: bytes, max_redirects: int = 3):
+    """A plain ``redis.Redis`` to the master that owns ``key``'s slot now (same login and timeouts), found by asking
+    the seeds one keyed command and following its ``MOVED`` answer: for one long-lived reader (the presence feed)
+    in a process that should not build the cluster's slot map (redis-py's ``RedisCluster`` makes some 20,000
+    objects, which the garbage collector then scans, and leaves as many to collect when it is closed).
+
+    Tries each seed in turn; every wait is bounded by ``connect_timeout_s``/``op_timeout_s``. None when a node
+    answered but none could serve the key now (its slot is down: ``CLUSTERDOWN``, a failover): try again later.
+    Raises what ``startup_error`` makes for refused credentials (``ConfigError``) or when no seed answered at all
+    (``RemoteUnavailableError``).
+    """
+    import redis  # noqa: PLC0415
+    from redis.exceptions import AskError, AuthenticationError, RedisError, ResponseError  # noqa: PLC0415
+
+    from redis.backoff import NoBackoff  # noqa: PLC0415
+    from redis.retry import Retry  # noqa: PLC0415
+
+    # no retries inside redis-py (its default backs off for seconds): the caller retries after retry_after_s
+    kwargs = dict(login_kwargs(settings), retry=Retry(NoBackoff(), 0))
+    last: BaseException | None = None
+    answered = False
+    for host, port in settings.seeds():
+        for _ in range(max_redirects + 1):
+            conn = redis.Redis(host=host, port=port, **kwargs)
+            try:
+                conn.execute_command("EXISTS", key)  # the owner answers; any other master redirects
+                return conn
+            except AskError as exc:  # MOVED / ASK: ask the owner (an empty host: the node we asked)
+                conn.close()
+                host, port, last, answered = exc.host or host, int(exc.port), exc, True
+            except AuthenticationError as exc:
+                conn.close()
+                raise startup_error(settings, exc) from None
+            except ResponseError as exc:  # CLUSTERDOWN and the like: the cluster is there, the slot is not now
+                conn.close()
+                last, answered = exc, True
+                break
+            except (RedisError, OSError) as exc:  # this seed is down: the next one
+                conn.close()
+                last = exc
+                break
+    if answered:
+        log.info("remote tier: no node serves %r now (%s); trying again later", key, last)
+        return None
+    raise startup_error(settings, last or RemoteUnavailableError("no seed answered"))

@@ -25,7 +25,7 @@ import threading
 from collections.abc import Sequence
 
 from tiered_kv.errors import TieredKVError
-from tiered_kv.tiers.remote.client import ClusterClient
+from tiered_kv.tiers.remote.client import ClusterClient, key_node
 from tiered_kv.tiers.remote.settings import RemoteSettings
 
 log = logging.getLogger(__name__)
@@ -52,9 +52,10 @@ class PresenceFeed:
     """Tails one namespace's presence stream on a daemon thread; ``take()`` hands over what arrived.
 
     With a ``ClusterClient`` it reads through it (``TieredStore``, which has one for its data anyway).
-    ``PresenceFeed.standalone`` keeps only one plain connection to the stream's node and finds that node
-    again after a failure: what vLLM's scheduler process uses, where the cluster client's slot map (some
-    20,000 objects) would make every collection of Python's garbage collector, and so every step, slower.
+    ``PresenceFeed.standalone`` keeps only one plain connection to the stream's node, found through the seeds
+    (``client.key_node``) at start and again after a failure, and never builds the cluster's slot map: what
+    vLLM's scheduler process uses, where that map (some 20,000 objects, and their garbage when it is closed)
+    would make the garbage collector's passes, and so the scheduler's steps, slower.
     """
 
     def __init__(self, client: ClusterClient | None, stream: bytes, block_ms: int = 500, batch: int = 1000,
@@ -93,10 +94,11 @@ class PresenceFeed:
         return bool(self._stored or self._removed)
 
     @classmethod
-    def standalone(cls, client: ClusterClient, stream: bytes, **kw) -> "PresenceFeed":
-        """A feed holding one plain connection to ``stream``'s node (found through ``client``, which the caller
-        may close right after)."""
-        return cls(None, stream, settings=client.settings, node=client.node_connection(stream), **kw)
+    def standalone(cls, settings: RemoteSettings, stream: bytes, **kw) -> "PresenceFeed":
+        """A feed holding one plain connection to ``stream``'s node. Finding it checks the login: a wrong password
+        raises ``ConfigError`` and an unreachable cluster ``RemoteUnavailableError`` here, at start-up; a cluster
+        that answers without serving the stream's slot now starts the feed without a node (it retries)."""
+        return cls(None, stream, settings=settings, node=key_node(settings, stream), **kw)
 
     def _read(self, block: int | None):
         """One ``XREAD`` from the last id; False when the stream's node could not answer."""
@@ -107,11 +109,9 @@ class PresenceFeed:
 
         try:
             if self._node is None:  # the stream's node failed or moved: find it again
-                finder = ClusterClient(self.settings)
-                try:
-                    self._node = finder.node_connection(self.stream)
-                finally:
-                    finder.close()
+                self._node = key_node(self.settings, self.stream)
+                if self._node is None:
+                    return False
             return self._node.xread({self.stream: self._last}, count=self.batch, block=block)
         except (RedisError, OSError, TieredKVError) as exc:
             log.info("remote tier: presence feed: %s; retrying", exc)
