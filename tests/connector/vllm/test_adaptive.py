@@ -178,3 +178,78 @@ def test_adaptive_keys_parse():
     assert ConnectorConfig().step_load_bytes == "auto" and ConnectorConfig().load_mode == "layerwise"
     with pytest.raises(ConfigError, match="load_gbps"):
         ConnectorConfig.from_extra_config({"load_gbps": 0})
+
+
+def _first_running_step(eng: Engine, reqs: list, steps: int = 40) -> dict[str, int]:
+    """Step the engine; the step at which each request was first seen RUNNING (or finished)."""
+    first: dict[str, int] = {}
+    for s in range(steps):
+        eng.step()
+        for r in reqs:
+            if r.request_id not in first and (r.status.name == "RUNNING" or r.is_finished()):
+                first[r.request_id] = s
+        if len(first) == len(reqs):
+            break
+    return first
+
+
+@pytest.mark.parametrize("async_sched", [False, True], ids=["sync", "async"])
+def test_async_loads_are_reported_one_by_one_in_arrival_order(model_dir, async_sched):
+    """Asynchronous loads go to the worker's AsyncLoader in one batch per step; each request is reported to
+    vLLM as soon as its own load landed. Here they land one per step (the CPU copies land at submission, so
+    the test lets each poll see only the oldest load in flight): vLLM's real scheduler then
+    runs the requests one step apart, in arrival order, each with its loaded KV checked byte for byte."""
+    eng = Engine.create(model_dir, cfg(load_mode="async"), async_sched=async_sched, num_blocks=160,
+                        tweak=_more_seqs)
+    try:
+        reqs = _burst(eng, users=4)
+        loader = eng.workers[0].connector.worker.async_loads
+        real = loader.landed
+
+        def one_per_poll():  # only the oldest load may have landed by this poll
+            rest = loader.pending[1:]
+            loader.pending = loader.pending[:1]
+            out = real()
+            loader.pending += rest
+            return out
+
+        loader.landed = one_per_poll
+        ws0 = eng.workers[0].connector.stats()
+        first = _first_running_step(eng, reqs)
+        steps = [first[r.request_id] for r in reqs]
+        assert steps == sorted(steps) and len(set(steps)) == len(reqs), first  # one by one, first come first
+        ws = eng.workers[0].connector.stats()
+        assert ws["async_loads"] - ws0["async_loads"] == 4 and ws["async_batches"] - ws0["async_batches"] == 1, ws
+        eng.run()
+        eng.settle()
+        assert all(eng.cached_at_start[r.request_id] == 2 * K * BS for r in reqs)
+        assert_no_leaks(eng)
+    finally:
+        eng.close()
+
+
+def test_async_loader_hands_loads_back_in_submission_order_with_bytes(model_dir):
+    """On CPU tensors every load of a batch lands in ``start``: ``landed`` returns all of them, in order,
+    each with its own bytes; a second call returns nothing."""
+    eng = Engine.create(model_dir, cfg(load_mode="async"), num_blocks=160, tweak=_more_seqs)
+    try:
+        reqs = _burst(eng, users=3)
+        loader = eng.workers[0].connector.worker.async_loads
+        seen = []
+        real = loader.landed
+
+        def spy():
+            out = real()
+            seen.extend(out)
+            return out
+
+        loader.landed = spy
+        eng.run()
+        eng.settle()
+        jobs = [j for j, _ in seen]
+        assert [j.job_id for j in jobs] == sorted(j.job_id for j in jobs) and len(jobs) == len(reqs)
+        assert all(c.nbytes == HIT_BYTES and all(c.ok) and c.seconds >= 0 for _, c in seen)
+        assert real() == []
+        assert_no_leaks(eng)
+    finally:
+        eng.close()
