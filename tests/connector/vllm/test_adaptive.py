@@ -253,3 +253,41 @@ def test_async_loader_hands_loads_back_in_submission_order_with_bytes(model_dir)
         assert_no_leaks(eng)
     finally:
         eng.close()
+
+
+def test_trace_path_writes_one_line_per_loading_step_with_every_load_landed(model_dir, tmp_path):
+    """``trace_path``: the burst's step lists 2 in-step and 4 async loads with their bytes and the time
+    start_load_kv held the thread; every load shows up once under ``landed`` with its kind, bytes and times."""
+    path = tmp_path / "trace"
+    eng = Engine.create(model_dir, cfg(load_mode="adaptive", step_load_bytes=int(2.5 * HIT_BYTES),
+                                       trace_path=str(path)), num_blocks=160, tweak=_more_seqs)
+    try:
+        _burst(eng)
+        eng.run()
+        eng.settle()
+    finally:
+        eng.close()
+    import json
+
+    lines = [json.loads(x) for x in (tmp_path / "trace.rank0.jsonl").read_text().splitlines()]
+    burst = [ln for ln in lines if ln["in_step"]["loads"] == 2]
+    assert len(burst) == 1, lines
+    b = burst[0]
+    assert b["in_step"]["bytes"] == 2 * HIT_BYTES and b["async"] == {"loads": USERS - 2, "bytes": (USERS - 2) * HIT_BYTES}
+    assert b["start_load_ms"] >= b["fence_ms"] >= 0
+    landed = [x for ln in lines for x in ln["landed"] if x["step"] == b["step"]]
+    assert sorted(x["kind"] for x in landed) == ["async"] * (USERS - 2) + ["in_step"] * 2
+    assert all(x["bytes"] == HIT_BYTES and x["gpu_ms"] >= 0 and x["host_ms"] >= 0 for x in landed)
+    assert len({x["job"] for x in landed}) == USERS
+    # turn 1's steps loaded nothing: no line is written for a step without loads
+    assert all(ln["in_step"]["loads"] or ln["async"]["loads"] or ln["landed"] for ln in lines)
+
+
+def test_no_trace_file_by_default(model_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    eng = Engine.create(model_dir, cfg(load_mode="adaptive"))
+    try:
+        assert eng.workers[0].connector.worker.trace is None
+    finally:
+        eng.close()
+    assert list(tmp_path.iterdir()) == []

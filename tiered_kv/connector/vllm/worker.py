@@ -81,6 +81,7 @@ from tiered_kv.connector.vllm.config import (
 )
 from tiered_kv.connector.vllm.async_loads import AsyncLoader
 from tiered_kv.connector.vllm.in_step import InStepLoader
+from tiered_kv.connector.vllm.trace import LoadTrace
 from tiered_kv.connector.vllm.scheduler import CPU, JobReport, StepPlan, tier_indices
 from tiered_kv.connector.vllm.shared_slab import SharedSlab
 
@@ -245,6 +246,7 @@ class WorkerRuntime:
         self.in_step: InStepLoader | None = None
         # asynchronous CPU-tier loads (one KV cache group); None before ``register`` (several groups: the mover)
         self.async_loads: AsyncLoader | None = None
+        self.trace = LoadTrace(cfg.trace_path, rank) if cfg.trace_path else None  # per-step load trace (off)
         self._cuda = False
         self._dep_stream = None
         self._mechanism: Mechanism | None = None  # None: the copier chooses per call
@@ -278,7 +280,8 @@ class WorkerRuntime:
         if self.cfg.load_mode != "async":
             self.in_step = InStepLoader([(kv, plane, g.layer_names) for kv, plane, g in
                                          zip(kvs, self.planes, self.geo.groups)], self.cfg, self.rank,
-                                        plain_fallback=not self.geo.block_level_errors)
+                                        plain_fallback=not self.geo.block_level_errors,
+                                        timing=self.trace is not None)
         if self.geo.block_level_errors:
             self.async_loads = AsyncLoader(self.copier, Mechanism.STAGED if self.cfg.in_step_copy == "staged" else None)
         staging = allocate_slab(self.cfg.staging_chunks, self.geo.rank_chunk_nbytes, pin=self._cuda)
@@ -318,6 +321,8 @@ class WorkerRuntime:
             self._ext.update(plan.ext)
         self._plan = plan
         self._early_done = self._stores_done = self._fenced = False
+        if self.trace is not None:
+            self.trace.begin(plan.step)
 
     def fence(self) -> None:
         """Make every fenced job done with GPU memory (``handle_preemptions``).
@@ -372,7 +377,10 @@ class WorkerRuntime:
         """
         if self._early_done or self._plan is None:
             return
+        trace = self.trace
+        t0 = time.perf_counter() if trace is not None else 0.0
         self.fence()
+        t1 = time.perf_counter() if trace is not None else 0.0
         self._early_done = True
         plan = self._plan
         for rid, blocks in plan.load_fail.items():
@@ -394,10 +402,15 @@ class WorkerRuntime:
                     if groups:
                         c.sync_loads += 1
                         c.sync_load_groups += groups
+                    if trace is not None:
+                        load = in_step.loads[-1]
+                        trace.started("in_step", job.job_id, load.nbytes, load.marks)
             early = [j for j in early if j.job_id not in sync]
         if self.async_loads is not None and plan.loads:
             early = self._start_async(early)
         self._submit(early)
+        if trace is not None:
+            trace.held((time.perf_counter() - t0) * 1e3, (t1 - t0) * 1e3)
 
     def _start_async(self, jobs: list[TransferJob]) -> list[TransferJob]:
         """Hand this step's asynchronous CPU-tier loads to the ``AsyncLoader`` (one batch, in plan order, after the
@@ -415,6 +428,9 @@ class WorkerRuntime:
             in_step = self.in_step
             after = [load.results[-1] for load in in_step.loads if load.results] if in_step is not None else []
             self.async_loads.start(batch, after=after, fallback=self._mechanism)
+            if self.trace is not None:
+                for p in self.async_loads.pending[-len(batch):]:
+                    self.trace.started("async", p.job.job_id, p.result.nbytes)
             self.counters.async_loads += len(batch)
             self.counters.async_batches += 1
         return rest
@@ -424,6 +440,8 @@ class WorkerRuntime:
         for job, c in done:
             self._count(job, c.nbytes, c.seconds, c.ok, c.corrupt)
             self._on_done(job, c)
+            if self.trace is not None:
+                self.trace.reported(job.job_id, cpu_ms=c.seconds * 1e3)  # its GPU time (CPU: the copy's)
 
     def wait_layer(self, layer_name: str) -> None:
         """``wait_for_layer_load``: vLLM's stream waits (on the GPU) for this layer's in-step loads."""
@@ -498,6 +516,8 @@ class WorkerRuntime:
             out.finished_recving.add(rid)
             log.debug("rank %d: load of %s done, reported to vLLM", self.rank, rid)
             out.invalid_block_ids.update(self._pending_fail.pop(rid, ()))
+        if self.trace is not None:
+            self.trace.flush(len(self.async_loads.pending) if self.async_loads is not None else 0)
         return out
 
     def _finish_in_step(self, in_step: InStepLoader) -> None:
@@ -505,6 +525,8 @@ class WorkerRuntime:
         for job, done in in_step.finish():
             self._count(job, done.nbytes, done.seconds, done.ok, done.corrupt)
             self._on_done(job, done)
+            if self.trace is not None:  # CUDA: the timing events given at start; CPU: the load's wall time
+                self.trace.reported(job.job_id, cpu_ms=None if self._cuda else done.seconds * 1e3)
 
     def idle(self) -> bool:
         """True when no job is queued, running or unreported on this rank."""
@@ -742,4 +764,6 @@ class WorkerRuntime:
             self.disk.close()
         if self.remote is not None:
             self.remote.close()
+        if self.trace is not None:
+            self.trace.close()
         self.cpu.close()
