@@ -273,7 +273,8 @@ def test_trace_path_writes_one_line_per_loading_step_with_every_load_landed(mode
     burst = [ln for ln in lines if ln["in_step"]["loads"] == 2]
     assert len(burst) == 1, lines
     b = burst[0]
-    assert b["in_step"]["bytes"] == 2 * HIT_BYTES and b["async"] == {"loads": USERS - 2, "bytes": (USERS - 2) * HIT_BYTES}
+    assert b["in_step"]["bytes"] == 2 * HIT_BYTES
+    assert b["async"] == {"loads": USERS - 2, "bytes": (USERS - 2) * HIT_BYTES}
     assert b["start_load_ms"] >= b["fence_ms"] >= 0
     landed = [x for ln in lines for x in ln["landed"] if x["step"] == b["step"]]
     assert sorted(x["kind"] for x in landed) == ["async"] * (USERS - 2) + ["in_step"] * 2
