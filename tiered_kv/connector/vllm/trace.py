@@ -15,7 +15,8 @@ neither, e.g. plain decode steps, write nothing), with
   stream); ``host_ms``: from submission to the ``get_finished`` that reported it. On CPU tensors
   both are wall times.
 
-Cheap when on: a few ``perf_counter`` calls and event queries per step, one buffered line write.
+Cheap when on: a few ``perf_counter`` calls and event queries per step, one line write (line-buffered, so
+a server stopped by a signal keeps every line written).
 
 Threading contract: vLLM's worker thread only (the model runner), like ``WorkerRuntime``.
 """
@@ -56,7 +57,8 @@ class LoadTrace:
     def __init__(self, path: str, rank: int) -> None:
         """Open ``<path>.rank<rank>.jsonl`` for appending (created if missing)."""
         self.path = f"{path}.rank{rank}.jsonl"
-        self._f = open(self.path, "a", buffering=1 << 16, encoding="utf-8")  # noqa: SIM115 - closed in close()
+        # line-buffered: a server stopped by a signal keeps every line written; closed in close()
+        self._f = open(self.path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
         self._step = _Step()
         self._pending: list[_Pending] = []
         self._landed: list[dict] = []
