@@ -178,3 +178,117 @@ def test_adaptive_keys_parse():
     assert ConnectorConfig().step_load_bytes == "auto" and ConnectorConfig().load_mode == "layerwise"
     with pytest.raises(ConfigError, match="load_gbps"):
         ConnectorConfig.from_extra_config({"load_gbps": 0})
+
+
+def _first_running_step(eng: Engine, reqs: list, steps: int = 40) -> dict[str, int]:
+    """Step the engine; the step at which each request was first seen RUNNING (or finished)."""
+    first: dict[str, int] = {}
+    for s in range(steps):
+        eng.step()
+        for r in reqs:
+            if r.request_id not in first and (r.status.name == "RUNNING" or r.is_finished()):
+                first[r.request_id] = s
+        if len(first) == len(reqs):
+            break
+    return first
+
+
+@pytest.mark.parametrize("async_sched", [False, True], ids=["sync", "async"])
+def test_async_loads_are_reported_one_by_one_in_arrival_order(model_dir, async_sched):
+    """Asynchronous loads go to the worker's AsyncLoader in one batch per step; each request is reported to
+    vLLM as soon as its own load landed. Here they land one per step (the CPU copies land at submission, so
+    the test lets each poll see only the oldest load in flight): vLLM's real scheduler then
+    runs the requests one step apart, in arrival order, each with its loaded KV checked byte for byte."""
+    eng = Engine.create(model_dir, cfg(load_mode="async"), async_sched=async_sched, num_blocks=160,
+                        tweak=_more_seqs)
+    try:
+        reqs = _burst(eng, users=4)
+        loader = eng.workers[0].connector.worker.async_loads
+        real = loader.landed
+
+        def one_per_poll():  # only the oldest load may have landed by this poll
+            rest = loader.pending[1:]
+            loader.pending = loader.pending[:1]
+            out = real()
+            loader.pending += rest
+            return out
+
+        loader.landed = one_per_poll
+        ws0 = eng.workers[0].connector.stats()
+        first = _first_running_step(eng, reqs)
+        steps = [first[r.request_id] for r in reqs]
+        assert steps == sorted(steps) and len(set(steps)) == len(reqs), first  # one by one, first come first
+        ws = eng.workers[0].connector.stats()
+        assert ws["async_loads"] - ws0["async_loads"] == 4 and ws["async_batches"] - ws0["async_batches"] == 1, ws
+        eng.run()
+        eng.settle()
+        assert all(eng.cached_at_start[r.request_id] == 2 * K * BS for r in reqs)
+        assert_no_leaks(eng)
+    finally:
+        eng.close()
+
+
+def test_async_loader_hands_loads_back_in_submission_order_with_bytes(model_dir):
+    """On CPU tensors every load of a batch lands in ``start``: ``landed`` returns all of them, in order,
+    each with its own bytes; a second call returns nothing."""
+    eng = Engine.create(model_dir, cfg(load_mode="async"), num_blocks=160, tweak=_more_seqs)
+    try:
+        reqs = _burst(eng, users=3)
+        loader = eng.workers[0].connector.worker.async_loads
+        seen = []
+        real = loader.landed
+
+        def spy():
+            out = real()
+            seen.extend(out)
+            return out
+
+        loader.landed = spy
+        eng.run()
+        eng.settle()
+        jobs = [j for j, _ in seen]
+        assert [j.job_id for j in jobs] == sorted(j.job_id for j in jobs) and len(jobs) == len(reqs)
+        assert all(c.nbytes == HIT_BYTES and all(c.ok) and c.seconds >= 0 for _, c in seen)
+        assert real() == []
+        assert_no_leaks(eng)
+    finally:
+        eng.close()
+
+
+def test_trace_path_writes_one_line_per_loading_step_with_every_load_landed(model_dir, tmp_path):
+    """``trace_path``: the burst's step lists 2 in-step and 4 async loads with their bytes and the time
+    start_load_kv held the thread; every load shows up once under ``landed`` with its kind, bytes and times."""
+    path = tmp_path / "trace"
+    eng = Engine.create(model_dir, cfg(load_mode="adaptive", step_load_bytes=int(2.5 * HIT_BYTES),
+                                       trace_path=str(path)), num_blocks=160, tweak=_more_seqs)
+    try:
+        _burst(eng)
+        eng.run()
+        eng.settle()
+    finally:
+        eng.close()
+    import json
+
+    lines = [json.loads(x) for x in (tmp_path / "trace.rank0.jsonl").read_text().splitlines()]
+    burst = [ln for ln in lines if ln["in_step"]["loads"] == 2]
+    assert len(burst) == 1, lines
+    b = burst[0]
+    assert b["in_step"]["bytes"] == 2 * HIT_BYTES
+    assert b["async"] == {"loads": USERS - 2, "bytes": (USERS - 2) * HIT_BYTES}
+    assert b["start_load_ms"] >= b["fence_ms"] >= 0
+    landed = [x for ln in lines for x in ln["landed"] if x["step"] == b["step"]]
+    assert sorted(x["kind"] for x in landed) == ["async"] * (USERS - 2) + ["in_step"] * 2
+    assert all(x["bytes"] == HIT_BYTES and x["gpu_ms"] >= 0 and x["host_ms"] >= 0 for x in landed)
+    assert len({x["job"] for x in landed}) == USERS
+    # turn 1's steps loaded nothing: no line is written for a step without loads
+    assert all(ln["in_step"]["loads"] or ln["async"]["loads"] or ln["landed"] for ln in lines)
+
+
+def test_no_trace_file_by_default(model_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    eng = Engine.create(model_dir, cfg(load_mode="adaptive"))
+    try:
+        assert eng.workers[0].connector.worker.trace is None
+    finally:
+        eng.close()
+    assert list(tmp_path.iterdir()) == []

@@ -59,6 +59,7 @@ class ConnectorConfig(RemoteKeys):
     sync_max_tokens: int = 65536
     step_load_bytes: int | str = "auto"  # load_mode adaptive: in-step load bytes per step ("auto": measured)
     load_gbps: float = 25.0  # load_mode adaptive: starting estimate of the H2D rate per rank (GB/s)
+    trace_path: str | None = None  # per-step load trace (JSON lines), one file per worker rank (trace.py)
     load_groups: int = 0
     in_step_copy: str = "copy_engine"
     load_staging_bytes: int = 256 << 20
@@ -121,6 +122,11 @@ class ConnectorConfig(RemoteKeys):
         for key in ("model_id", "tenant_salt"):
             if not isinstance(getattr(self, key), str):
                 raise ConfigError(f"{key}: expected a string, got {getattr(self, key)!r}")
+        if self.trace_path is not None:
+            if not isinstance(self.trace_path, (str, os.PathLike)) or not str(self.trace_path):
+                raise ConfigError(f"trace_path: expected a file path (each worker rank appends to "
+                                  f"<trace_path>.rank<r>.jsonl) or null, got {self.trace_path!r}")
+            set_("trace_path", str(self.trace_path))
         if self.disk_path is not None:
             if not isinstance(self.disk_path, (str, os.PathLike)) or not str(self.disk_path):
                 raise ConfigError(f"disk_path: expected a directory path or null, got {self.disk_path!r}")
