@@ -16,7 +16,9 @@ prompt tokens by source (recomputed / GPU prefix cache / connector: vLLM's
 greedy-output equality with mode ``none`` (same prompts, dummy weights seeded), and min / median /
 max over engine starts. Output: a table on stdout, ``$OUT/serve_bench_<shape>[_<tag>].json`` (and
 a ``.partial.json`` rewritten after every phase), a PNG of TTFT p50 vs concurrency per mode, and
-one server log per start (``serve_<shape>_<mode>_r<run>.log``).
+one server log per start (``serve_<shape>_<mode>_r<run>.log``). ``--trace``: every ``tiered*`` start writes
+our connector's per-step load trace (``trace_<shape>_<mode>_r<run>.rank<r>.jsonl``), summarised per phase
+(``phase["trace"]``, ``serving/trace_summary.py``).
 
 GPU machine (vLLM 0.26 + LMCache 0.5.3 installed into /tmp/site by scripts/gpu/serve_setup.sh):
   PYTHONPATH=/tmp/site:. python3 benchmarks/serve_bench.py --shape llama3-8b --deadline-s 540
@@ -30,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import atexit
+import glob
 import hashlib
 import json
 import math
@@ -43,8 +46,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from serving import report, server, stats  # noqa: E402
-from serving.modes import ModeRegistry, ServerOptions, Sizes, serve_argv, serve_env, shell_line, validate_argv  # noqa: E402
+from serving import report, server, stats, trace_summary  # noqa: E402
+from serving.modes import (ModeRegistry, ServerOptions, Sizes, serve_argv, serve_env, shell_line,  # noqa: E402
+                           validate_argv, with_trace)
 from serving.shapes import DEFAULT_GPU_BLOCKS, DEFAULT_USERS, SHAPES, kv_bytes_per_token, weight_bytes, write_model_dir, write_wordlevel_tokenizer  # noqa: E402
 from serving.workload import Workload, WorkloadParams, plan_phases, sizes  # noqa: E402
 
@@ -118,6 +122,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     o.add_argument("--validate", action="store_true", help="with --dry-run: parse each command with vLLM's parser")
     o.add_argument("--plot-from", nargs="+", metavar="JSON", help="merge result files: table, merged JSON, PNG")
     o.add_argument("--no-plot", action="store_true")
+    o.add_argument("--trace", action="store_true",
+                   help="tiered* modes: our per-step load trace ($OUT/trace_<shape>_<mode>_r<run>.rank<r>.jsonl), "
+                        "summarised per phase in the JSON (phase 'trace')")
     o.add_argument("--attach", metavar="URL", help="drive a server already running (one mode, no start/stop)")
     a = ap.parse_args(argv)
     if a.enforce_eager:
@@ -219,6 +226,8 @@ def dry_run(a) -> None:
     problems = 0
     for m in modes:
         spec = reg.spec(m, ts, metrics_port=9400 if m.startswith("tiered") else None)
+        if a.trace:
+            spec = with_trace(spec, os.path.join(a.out_dir, f"trace_{a.shape}_{m}_r0"))
         argv = serve_argv(spec, opts, f"/tmp/serve-bench-{a.shape}", 8000)
         _, delta = serve_env(spec, REPO, {"PYTHONPATH": os.environ.get("PYTHONPATH", "")})
         print(f"\n## mode {m} ({spec.family}{', disk ' + spec.disk_dir if spec.disk_dir else ''})")
@@ -336,6 +345,13 @@ class Bench:
             self.tokenizer_written = True
         opts = server_options(a, self.wp, graphs, tok)
         port = server.free_port()
+        trace = None
+        if a.trace and spec.family == "tiered":
+            trace = os.path.join(a.out_dir, f"trace_{a.shape}_{mode}_r{run_idx}{f'_try{attempt}' if attempt else ''}")
+            for old in glob.glob(glob.escape(trace) + ".rank*.jsonl"):
+                os.remove(old)  # a previous call's file of the same name
+            spec = with_trace(spec, trace)
+            rec["trace_path"] = os.path.basename(trace)
         argv = serve_argv(spec, opts, self.model_dir, port)
         env, delta = serve_env(spec, REPO, dict(os.environ))
         if a.tkv_log:
@@ -388,6 +404,8 @@ class Bench:
             rec["stop_s"] = round(srv.stop(), 1)
             rec["gpu_free_wait_s"] = round(server.wait_gpu_free(), 1)
             _wipe(spec.disk_dir)
+            if trace is not None:
+                add_trace(rec, trace, spec.name)
 
     async def drive(self, base: str, spec, wl: Workload, out: list) -> None:
         """The phases of one workload run, with Prometheus scrapes between them."""
@@ -398,11 +416,14 @@ class Bench:
         before = _scrape(base, spec)
         async with client.make_session(max(self.wp.concurrency + (self.wp.warm_c,)), a.request_timeout_s) as session:
             for ph in wl.phases():
+                t_start = time.time()
                 run = await client.run_phase(session, base, ph.items, wl.prompt, ph.concurrency, self.wp.answer_tokens, stop_at)
+                t_end = time.time()
                 await asyncio.sleep(a.phase_gap_s)
                 await client.stream_completion(session, base, _fresh_ids(self.wp, 16, f"flush:{wl.seed}:{ph.name}"), 1)
                 after = _scrape(base, spec)
                 rec = phase_record(ph, run, before, after, spec)
+                rec["t_start"], rec["t_end"] = round(t_start, 3), round(t_end, 3)  # wall clock: the trace's lines
                 out.append(rec)
                 before = after
                 _print_phase(spec.name, rec)
@@ -410,6 +431,17 @@ class Bench:
                 if run.truncated:
                     print(f"[{spec.name}] deadline: phase {ph.name} cut short, later phases skipped", flush=True)
                     break
+
+
+def add_trace(rec: dict, trace_path: str, mode: str) -> None:
+    """Summarise the start's load trace per phase (``phase["trace"]``), from the files its ranks wrote."""
+    lines = trace_summary.read_lines(trace_path)
+    rec["trace_lines"] = len(lines)
+    for rep in rec.get("repeats", ()):
+        for ph in rep["phases"]:
+            if "t_start" in ph:
+                ph["trace"] = trace_summary.summarize_phase(lines, ph["t_start"], ph["t_end"])
+                print(trace_summary.line(mode, ph["name"], ph["trace"]), flush=True)
 
 
 def phase_record(ph, run, before: dict, after: dict, spec) -> dict:

@@ -9,7 +9,9 @@ Families and the connector each one configures (vLLM 0.26 on the GPU machine):
                   prefix cache is about to drop (``lazy_offload``, vLLM PR #37160's behaviour)
 - ``tiered``      ours: ``TieredKVConnector`` from ``tiered_kv.connector.vllm`` (the repo must be
                   on the server's PYTHONPATH; it is added); ``metrics_port`` exposes per-tier
-                  counters; ``tiered-disk`` = a small CPU tier + the disk tier
+                  counters; ``tiered-disk`` = a small CPU tier + the disk tier; ``tiered-async``,
+                  ``tiered-adaptive``, ``tiered-staged``, ``tiered-adaptive-staged``: ``load_mode`` /
+                  ``in_step_copy`` variants
 - ``lmcache``     ``LMCacheConnectorV1`` (LMCache 0.5.3's adapter), configured by ``LMCACHE_*``
                   environment variables; ``lmcache-disk`` adds its local disk backend
 
@@ -28,7 +30,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 FAMILIES = ("none", "offloading", "simple", "tiered", "lmcache")
 TIERED_MODULE = "tiered_kv.connector.vllm"
@@ -43,6 +45,11 @@ BUILTIN: dict[str, tuple[str, dict, bool]] = {
     "simple-lazy": ("simple", {"lazy_offload": True}, False),
     "tiered": ("tiered", {}, False),
     "tiered-onfinish": ("tiered", {"store_policy": "on_finish"}, False),
+    # issue 14, bursts at c8/c32: where the CPU hits of a step load (docs/vllm.md, "Adaptive load admission")
+    "tiered-async": ("tiered", {"load_mode": "async"}, False),
+    "tiered-adaptive": ("tiered", {"load_mode": "adaptive"}, False),
+    "tiered-staged": ("tiered", {"in_step_copy": "staged"}, False),
+    "tiered-adaptive-staged": ("tiered", {"load_mode": "adaptive", "in_step_copy": "staged"}, False),
     "tiered-disk": ("tiered", {}, True),
     "tiered-disk-always": ("tiered", {"disk_load_policy": "always"}, True),
     "lmcache": ("lmcache", {}, False),
@@ -136,6 +143,15 @@ def _simple(name, settings, cpu_gib, disk_dir, disk_gib, port) -> ModeSpec:
     extra = {"cpu_bytes_to_use": cpu_gib << 30, **settings}
     return ModeSpec(name, "simple", {"kv_connector": "SimpleCPUOffloadConnector", "kv_role": "kv_both",
                                      "kv_connector_extra_config": extra})
+
+
+def with_trace(spec: ModeSpec, trace_path: str) -> ModeSpec:
+    """``spec`` with our connector's per-step load trace on (``trace_path``); other families unchanged."""
+    if spec.family != "tiered":
+        return spec
+    kv = dict(spec.kv_transfer)
+    kv["kv_connector_extra_config"] = {**kv["kv_connector_extra_config"], "trace_path": trace_path}
+    return replace(spec, kv_transfer=kv)
 
 
 def _tiered(name, settings, cpu_gib, disk_dir, disk_gib, port) -> ModeSpec:

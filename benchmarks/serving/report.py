@@ -198,10 +198,11 @@ def merge(docs: list[dict]) -> dict[str, dict]:
     for doc in docs:
         shape = doc["shape"]
         m = out.setdefault(shape, {"shape": shape, "devices": [], "dates": [], "files": [], "starts": []})
-        m["devices"] = sorted(set(m["devices"]) | {doc.get("device", "?")})
-        m["dates"].append(doc.get("date"))
-        m["files"].append(doc.get("path"))
-        m["starts"] += [{**s, "device": doc.get("device")} for s in doc.get("starts", ())]
+        # a merged document (devices/dates/files lists) merges again: its starts keep their own device
+        m["devices"] = sorted(set(m["devices"]) | set(doc.get("devices") or [doc.get("device", "?")]))
+        m["dates"] += doc.get("dates") or [doc.get("date")]
+        m["files"] += doc.get("files") or [doc.get("path")]
+        m["starts"] += [{**s, "device": s.get("device") or doc.get("device")} for s in doc.get("starts", ())]
     for m in out.values():
         m["summary"] = summarize(m["starts"])
     return out

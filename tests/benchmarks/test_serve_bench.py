@@ -318,6 +318,11 @@ def test_merge_files_and_write_json(tmp_path):
     assert m["summary"]["tiered"]["phases"]["c8"]["greedy_vs_none"] == {"compared": 1, "equal": 1}
     path = report.write_json(str(tmp_path / "x" / "r.json"), m)
     assert json.loads(Path(path).read_text())["shape"] == "llama3-8b"
+    # a merged document merges again (plot.py reads the merged files of docs/results): devices survive
+    c = {"shape": "llama3-8b", "device": "H100", "date": "d3", "starts": [_start("offloading", 70.0, 1100.0, {0: "a"})]}
+    again = report.merge([m, c])["llama3-8b"]
+    assert again["devices"] == ["H100", "H200"] and again["dates"] == ["d1", "d2", "d3"]
+    assert [s["device"] for s in again["starts"]] == ["H200", "H200", "H100"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib is not in .venv (it is on the GPU image)")
@@ -531,3 +536,61 @@ def test_a_server_that_dies_mid_run_fails_its_start_without_fallbacks(tmp_path, 
     assert start["status"] == "failed" and "during the workload" in start["error"]
     assert len(start["failed_tries"]) == 1
     assert start["repeats"][0]["phases"][0]["errors"] > 0
+
+
+# ============================================================================ load trace (--trace)
+def test_burst_modes_and_trace_path_in_the_commands():
+    ours = lambda m: _kv(_argv(m)[0])["kv_connector_extra_config"]  # noqa: E731
+    assert ours("tiered-async")["load_mode"] == "async" and ours("tiered-adaptive")["load_mode"] == "adaptive"
+    assert ours("tiered-staged")["in_step_copy"] == "staged" and "load_mode" not in ours("tiered-staged")
+    both = ours("tiered-adaptive-staged")
+    assert both["load_mode"] == "adaptive" and both["in_step_copy"] == "staged"
+    from serving.modes import with_trace
+
+    spec = with_trace(ModeRegistry().spec("tiered-adaptive", SIZES), "/o/trace_x")
+    assert spec.kv_transfer["kv_connector_extra_config"]["trace_path"] == "/o/trace_x"
+    assert ModeRegistry().spec("tiered-adaptive", SIZES).kv_transfer["kv_connector_extra_config"].get("trace_path") is None
+    off = ModeRegistry().spec("offloading", SIZES)
+    assert with_trace(off, "/o/t") is off
+
+
+def test_trace_summary_per_phase(tmp_path):
+    from serving import trace_summary
+
+    def ln(t, ins, asy, held, landed=()):
+        return {"step": int(t * 10), "t": t, "in_step": {"loads": ins, "bytes": ins * 100_000_000},
+                "async": {"loads": asy, "bytes": asy * 100_000_000}, "start_load_ms": held, "fence_ms": 0.0,
+                "async_in_flight": asy, "landed": list(landed)}
+
+    land = lambda kind, ms: {"job": 1, "kind": kind, "step": 1, "bytes": 100_000_000, "gpu_ms": ms, "host_ms": 2 * ms}  # noqa: E731
+    lines = [ln(10.0, 2, 6, 4.0, [land("in_step", 2.0), land("in_step", 4.0)]),
+             ln(10.1, 0, 0, 0.0, [land("async", 2.0)] * 6),
+             ln(20.0, 1, 0, 1.0)]  # another phase
+    (tmp_path / "tr.rank0.jsonl").write_text("\n".join(json.dumps(x) for x in lines[:2]) + "\n{cut")
+    (tmp_path / "tr.rank1.jsonl").write_text(json.dumps(lines[2]) + "\n")
+    read = trace_summary.read_lines(str(tmp_path / "tr"))
+    assert [x["t"] for x in read] == [10.0, 10.1, 20.0]  # both ranks, sorted, the cut line skipped
+    s = trace_summary.summarize_phase(read, 9.9, 10.05)
+    assert s["lines"] == 2 and s["loading_steps"] == 1
+    assert s["in_step"]["loads"] == 2 and s["async"]["loads"] == 6 and s["async"]["bytes"] == 600_000_000
+    assert s["in_step"]["gpu_ms"]["p50"] == 3.0 and s["in_step"]["gbps"] == round(200e6 / 6.0 / 1e6, 2)
+    assert s["async"]["host_ms"]["p50"] == 4.0 and s["start_load_ms"]["max"] == 4.0
+    assert trace_summary.summarize_phase(read, 19.5, 20.5)["in_step"]["loads"] == 1
+    assert "trace: 1 loading steps" in trace_summary.line("tiered", "c32", s)
+
+
+def test_trace_flag_collects_each_start_and_summarises_its_phases(tmp_path):
+    out = tmp_path / "out"
+    serve_bench.main(SMALL_ARGS + ["--python", _fake_python(tmp_path), "--modes", "tiered-adaptive,none", "--trace",
+                                   "--out-dir", str(out), "--tokenizer", "skip", "--graphs", "decode"])
+    doc = json.loads((out / "serve_bench_llama3-8b.json").read_text())
+    ours, none = doc["starts"]
+    assert ours["status"] == "ok" and ours["trace_path"] == "trace_llama3-8b_tiered-adaptive_r0"
+    assert (out / "trace_llama3-8b_tiered-adaptive_r0.rank0.jsonl").exists() and ours["trace_lines"] > 0
+    kv = json.loads(ours["command"].split("--kv-transfer-config ")[1].split(" ")[0].strip("'"))
+    assert kv["kv_connector_extra_config"]["trace_path"] == str(out / "trace_llama3-8b_tiered-adaptive_r0")
+    phases = ours["repeats"][0]["phases"]
+    # the fake writes a line per 50 ms with one in-step load; its phases last a few ms: the first one sees lines
+    assert all(ph["trace"]["in_step"]["loads"] == ph["trace"]["loading_steps"] for ph in phases)
+    assert phases[0]["trace"]["loading_steps"] > 0 and phases[0]["trace"]["start_load_ms"]["p50"] == 1.5
+    assert "trace_path" not in none and all("trace" not in ph for ph in none["repeats"][0]["phases"])

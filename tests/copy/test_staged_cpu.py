@@ -147,3 +147,30 @@ def test_rects_merge_layer_views_of_one_buffer():
     lhbnc = vllm_layer_layout(vllm033_views("LHBNC", SHAPE, torch.float16, "cpu"))
     assert [r.height for r in layout_rects(lhbnc, 0, SHAPE.layers)] == [SHAPE.heads * SHAPE.layers]
     assert [r.height for r in layout_rects(lhbnc, 1, 2)] == [SHAPE.heads]
+
+
+@pytest.mark.parametrize("mechanism", [None, Mechanism.STAGED], ids=["default", "staged"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_many_loads_in_one_call_each_bit_exact(case, mechanism):
+    """``cpu_to_gpu_many``: several loads (one per request) in one call, one result each, same bytes as one
+    ``cpu_to_gpu`` per load; an empty load is a done result of 0 bytes; a staging buffer smaller than a load."""
+    gen, layout, slab = _setup(case, torch.bfloat16, 6)
+    perm = torch.randperm(SHAPE.num_blocks, generator=gen).tolist()
+    loads = [([3, 4, 5], perm[0:3]), ([], []), ([11, 0], perm[3:5]), ([7, 8, 9, 10], perm[5:9])]
+    expected = _expected(layout, slab, [b for _, bs in loads for b in bs], [s for ss, _ in loads for s in ss])
+    copier = BlockCopier(layout, slab, staging_bytes=2 * layout.block_nbytes)
+    results = copier.cpu_to_gpu_many(loads, mechanism=mechanism)
+    assert len(results) == len(loads)
+    for res, (slots, _) in zip(results, loads):
+        res.wait()
+        assert res.done() and res.nbytes == len(slots) * layout.block_nbytes and res.start is None
+        assert res.mechanism is (mechanism or Mechanism.CPU)
+    _assert_equal(layout, expected)
+
+
+def test_many_loads_validate_every_load_before_copying_any():
+    gen, layout, slab = _setup(CASES[0], torch.float16, 7)
+    before = [t.clone() for t in layout.tensors]
+    with pytest.raises(Exception, match="cpu_slots|gpu_block_ids"):
+        BlockCopier(layout, slab).cpu_to_gpu_many([([1], [2]), ([SLOTS + 5], [3])])
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(layout.tensors, before))

@@ -129,6 +129,7 @@ def test_index_entry_deleted_defaults_false_and_is_per_entry():
     from tiered_kv.planner.index import BlockIndex, Copy, CopyState, Entry
 
     idx = BlockIndex(2)
+    idx.compact_records = False  # Entries from the start (compact records: tests/planner/test_index.py)
     idx.add_new_many([b"a", b"b"], 0, [3, 4], CopyState.WRITING)
     a, b = idx.get(b"a"), idx.get(b"b")
     assert not a.deleted and not b.deleted and a.copies[0].slot == 3 and b.copies[0].slot == 4

@@ -212,6 +212,91 @@ class BlockCopier:
             job()
         return results
 
+    def cpu_to_gpu_many(
+        self,
+        loads: Sequence[tuple[BlockIds, BlockIds]],
+        *,
+        stream: torch.cuda.Stream | None = None,
+        mechanism: Mechanism | str | None = None,
+        timing: bool = False,
+    ) -> list[CopyResult]:
+        """Several loads ``(cpu_slots, gpu_block_ids)`` back to back, in order; one result per load.
+
+        All of them go to the driver in one submitter job (one hand-over to the submitter thread,
+        not one per load), on the load direction's side stream, so they land in the order given
+        and each result turns done as soon as its own bytes landed: a consumer serves the first
+        loads while the last ones still move. ``timing``: each result also gets ``start``, a CUDA
+        event recorded where its copy begins (``start.elapsed_time(event)``: its time on the GPU).
+        ``Mechanism.STAGED`` stages each load through the device buffer in turn (one stream, so a
+        load never overwrites the buffer under the previous one's scatter); other mechanisms as
+        ``cpu_to_gpu``. On CPU tensors the copies run now, on the caller's thread.
+        """
+        checked = [self._indices(ids, slots, False) for slots, ids in loads]
+        forced = Mechanism(mechanism) if mechanism is not None else self._fixed
+        whole = [(0, len(self.layout.tensors))]
+        if forced is Mechanism.STAGED:
+            loader = self._staged_loader()
+            if self._on_cuda:
+                try:
+                    with torch.cuda.stream(self._side_stream(False)):
+                        loader.reserve(max((int(i.numel()) for i, _ in checked), default=0), whole)
+                except BackendUnavailableError as exc:
+                    if not self._staged_warned:
+                        self._staged_warned = True
+                        log.warning("staged loads fall back to the other mechanisms: %s", exc)
+                    forced = None
+        if not self._on_cuda:
+            if forced not in (None, Mechanism.CPU, Mechanism.STAGED):
+                raise BackendUnavailableError(f"mechanism {forced.value} needs CUDA tensors")
+            out = []
+            for ids, slots in checked:
+                n = int(ids.numel())
+                res = CopyResult(forced or Mechanism.CPU, False, n, n * self.layout.block_nbytes,
+                                 self.layout.num_chunks * n)
+                if forced is Mechanism.STAGED:
+                    self._staged_loader().load(ids, slots, whole, None,
+                                               lambda g, ops, r=res: r._finish(None, None, ops))
+                else:
+                    if n:
+                        cpu.slab_to_blocks(self.layout, self.slab, slots, ids)
+                    res._finish(None)
+                out.append(res)
+            return out
+        assert self._gpu is not None
+        staged = forced is Mechanism.STAGED
+        plans = [None if staged else self._gpu.decide(int(ids.numel()), forced) for ids, _ in checked]
+        results = [CopyResult(Mechanism.STAGED if staged else p.mechanism, False, int(ids.numel()),
+                              int(ids.numel()) * self.layout.block_nbytes, 0 if staged else p.descriptors)
+                   for (ids, _), p in zip(checked, plans)]
+        caller = torch.cuda.Event()
+        caller.record(stream if stream is not None else torch.cuda.current_stream(self.layout.device))
+        side = self._side_stream(False)
+
+        def job() -> None:
+            try:
+                side.wait_event(caller)
+                for (ids, slots), plan, res in zip(checked, plans, results):
+                    if timing:
+                        res.start = torch.cuda.Event(enable_timing=True)
+                        res.start.record(side)
+                    if staged:
+                        ops = self._staged_loader().load(ids, slots, whole, side, lambda g, o: None)
+                    else:
+                        ops = self._gpu.submit(plan, ids, slots, False, side)
+                    done = torch.cuda.Event(enable_timing=timing)
+                    done.record(side)
+                    res._finish(done, descriptors=ops)
+            except Exception as exc:  # noqa: BLE001 - reported through every unfinished result
+                for res in results:
+                    if not res._submitted.is_set():
+                        res._finish(None, exc)
+
+        if self._threaded:
+            self._submitter(False).put(job)
+        else:
+            job()
+        return results
+
     def _staged_grouped(self, ids: torch.Tensor, slots: torch.Tensor, spans: list[tuple[int, int]], sizes: list[int],
                         stream: torch.cuda.Stream | None) -> list[CopyResult] | None:
         """A ``Mechanism.STAGED`` load of ``spans``: one result per group, submitted like the other mechanisms.

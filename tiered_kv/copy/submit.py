@@ -30,11 +30,13 @@ from tiered_kv.copy.select import Mechanism
 class CopyResult:
     """What one ``gpu_to_cpu`` / ``cpu_to_gpu`` call enqueued, and whether it has landed.
 
+    ``start`` (``cpu_to_gpu_many(timing=True)`` only): a timing event recorded where the copy
+    began on its stream; ``start.elapsed_time(event)`` is its time on the GPU once done.
     ``num_runs`` is the number of descriptors (1-D runs, 2-D copies or kernel
     runs): an upper bound at return, exact once the copy is submitted.
     """
 
-    __slots__ = ("mechanism", "to_cpu", "num_blocks", "nbytes", "num_runs", "event", "error", "_submitted")
+    __slots__ = ("mechanism", "to_cpu", "num_blocks", "nbytes", "num_runs", "event", "error", "start", "_submitted")
 
     def __init__(self, mechanism: Mechanism, to_cpu: bool, num_blocks: int, nbytes: int, num_runs: int) -> None:
         """A pending result; the submitter calls ``_finish`` once the copy is enqueued or has failed."""
@@ -45,6 +47,7 @@ class CopyResult:
         self.num_runs = num_runs
         self.event: torch.cuda.Event | None = None
         self.error: BaseException | None = None
+        self.start: torch.cuda.Event | None = None  # timing event where the copy began (only when asked for)
         self._submitted = threading.Event()
 
     def _finish(self, event: torch.cuda.Event | None, error: BaseException | None = None,

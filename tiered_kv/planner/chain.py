@@ -142,20 +142,16 @@ class TierChain:
     def lookup(self, keys: Sequence[bytes]) -> int:
         """Number of leading keys with a readable copy in some tier."""
         n = 0
+        best = self.index.best
         for key in keys:
-            e = self.index.get(key)
-            if e is None or e.best() is None:
+            if best(key) is None:
                 break
             n += 1
         return n
 
     def locate(self, keys: Sequence[bytes]) -> list[int | None]:
         """Fastest tier holding a readable copy of each key (None if none)."""
-        out: list[int | None] = []
-        for key in keys:
-            e = self.index.get(key)
-            out.append(None if e is None else e.best())
-        return out
+        return [self.index.best(key) for key in keys]
 
     def job(self, job_id: int) -> TransferJob | None:
         """The in-flight job with this id, or None once it completed."""
@@ -203,8 +199,16 @@ class TierChain:
             return [self._job(JobKind.INGRESS, EXT, t, list(keys), items, slots, handle, _HandleItems(handle))]
         jobs: Jobs = []
         batch: list[tuple[int, bytes, int]] = []  # (item, key, slot) ready to write now
+        index = self.index
         for i, key in enumerate(keys):
-            e = self.index.get(key)
+            plain = index.plain(key)
+            if plain is not None:  # one plain copy (never doomed): a duplicate, read without expanding it
+                self.counters.puts_deduplicated += 1
+                if plain[1] is CopyState.READY:
+                    self.policies[plain[0]].access(key)
+                self._item_done(handle, i, True)
+                continue
+            e = index.get(key)
             if e is not None and any(not c.doomed for c in e.copies.values()):
                 self.counters.puts_deduplicated += 1
                 for u, c in e.copies.items():
@@ -218,7 +222,7 @@ class TierChain:
             self.counters.blocks_in += 1
             slot = room.take(t)
             if slot is not None:  # room now: the common case, no closures
-                self.index.add_new(key, t, Copy(CopyState.WRITING, slot))
+                index.add_new(key, t, slot, CopyState.WRITING)
                 batch.append((i, key, slot))
                 continue
             self.index.add_copy(key, t, Copy(CopyState.QUEUED, NO_SLOT))
@@ -308,7 +312,7 @@ class TierChain:
             if key in self.index:
                 continue
             self.counters.blocks_in += 1
-            self.index.add_copy(key, tier, Copy(CopyState.READY, NO_SLOT))
+            self.index.add_new(key, tier, NO_SLOT, CopyState.READY)  # compact: a plain copy
             self.policies[tier].insert(key)
             added += 1
         return self.room.occupy(tier, added)
@@ -355,17 +359,24 @@ class TierChain:
             self._item_done(hid, item, ok)
             return jobs
         # a tier-side destination copy
-        e = self.index.get(key)
-        c = e.copies[dst]
+        if ok and self.index.set_plain_state(key, dst, CopyState.READY):
+            e = c = None  # a compact record (the store's common case): plain, so neither doomed nor deleted
+        else:
+            e = self.index.get(key)
+            c = e.copies[dst]
         if ok:
-            c.state = CopyState.READY
+            if c is not None:
+                c.state = CopyState.READY
             if self.events is not None:
                 self.events.append((True, dst, key))
             self.tier_counters[dst].blocks_in += 1
             self.policies[dst].insert(key)
             if kind is JobKind.INGRESS and self.placement.copy_to:
                 jobs += self._copy_to(key, dst)  # before kick: a waiter's eviction must not take it uncopied
-            if c.doomed or e.deleted:
+                if c is None:  # it added a copy below: the record is an Entry now
+                    e = self.index.get(key)
+                    c = e.copies[dst]
+            if c is not None and (c.doomed or e.deleted):
                 self.policies[dst].remove(key)
                 jobs += room.drop(key, dst)
             jobs += room.kick(dst)

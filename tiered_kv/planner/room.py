@@ -95,7 +95,7 @@ class RoomKeeper:
 
     def waiting(self) -> int:
         """Reservations waiting for room."""
-        return sum(len(w) for w in self._waiters)
+        return sum(map(len, self._waiters))
 
     # ------------------------------------------------------------------ taking room
     def take(self, t: int) -> int | None:
@@ -160,7 +160,7 @@ class RoomKeeper:
         need = len(self._waiters[t]) - self.leaving[t]
         if need <= 0:
             return jobs
-        victims = self.policies[t].victims(need, lambda k: self._evictable(k, t) and not self._wanted(k, t))
+        victims = self.policies[t].victims(need, lambda k: self._evictable(k, t, unwanted=True))
         if len(victims) < need:  # only sources of waiting copies are left: take them rather than stall
             chosen = set(victims)
             victims += self.policies[t].victims(need - len(victims),
@@ -169,12 +169,14 @@ class RoomKeeper:
             jobs += self._evict(t, key)
         return jobs
 
-    def _wanted(self, key: bytes, t: int) -> bool:
-        return self.index.get(key).copies[t].wanted > 0
-
-    def _evictable(self, key: bytes, t: int) -> bool:
+    def _evictable(self, key: bytes, t: int, unwanted: bool = False) -> bool:
+        """READY, unpinned, not leaving or doomed (and with ``unwanted``: no waiting copy will read it)."""
+        plain = self.index.plain(key)
+        if plain is not None:  # a compact record: no pins, flags or readers waiting
+            return plain[0] == t and plain[1] is CopyState.READY
         c = self.index.get(key).copies.get(t)
-        return c is not None and c.state is CopyState.READY and c.pins == 0 and not c.leaving and not c.doomed
+        return c is not None and c.state is CopyState.READY and c.pins == 0 and not c.leaving and not c.doomed \
+            and not (unwanted and c.wanted > 0)
 
     def _evict(self, t: int, key: bytes) -> Jobs:
         """Start ``key``'s copy in ``t`` leaving: demote it one tier down, or drop it when a copy below or
@@ -241,6 +243,7 @@ class RoomKeeper:
                 return self._free(key, t)  # corrupt record: the tier already removed it
             return self.drop(key, t)
         if c.pins == 0 and not c.leaving:
+            self.index.compact(key)  # a plain copy again (the usual end of a read): no tracked objects
             return self.kick(t)
         return []
 

@@ -646,7 +646,8 @@ class Engine:
 
 
 class Gate:
-    """Holds every job a worker's movers start until opened.
+    """Holds every job a worker's movers start, and every asynchronous load its ``AsyncLoader`` submits
+    (not seen landed), until opened.
 
     With ``open_on_fence`` the gate opens by itself when the worker starts waiting on a fence
     (a re-allocated block whose copy is held), so a test can hold copies in flight across
@@ -660,6 +661,22 @@ class Gate:
         self._movers = [m for m in (runtime.front, runtime.back) if m is not None]
         for m in self._movers:
             m._execute = self._wrap(m._execute)  # the mover thread looks it up at each job
+        loader = runtime.async_loads  # asynchronous CPU loads: submitted in a batch, seen landed in poll
+        if loader is not None:
+            start, landed, wait = loader.start, loader.landed, loader.wait
+
+            def gated_start(jobs, *args, **kwargs):
+                self.started += len(jobs)
+                return start(jobs, *args, **kwargs)
+
+            def gated_landed():
+                return landed() if self.event.is_set() else []
+
+            def gated_wait(job_ids=None):
+                self.event.wait()
+                return wait(job_ids)
+
+            loader.start, loader.landed, loader.wait = gated_start, gated_landed, gated_wait
         if open_on_fence:
             original = runtime.fence
 

@@ -34,7 +34,7 @@ from tiered_kv.values.units import parse_size
 log = logging.getLogger(__name__)
 
 STORE_POLICIES = ("eager", "on_finish", "none")
-LOAD_MODES = ("layerwise", "sync", "async")
+LOAD_MODES = ("layerwise", "sync", "async", "adaptive")
 IN_STEP_COPIES = ("copy_engine", "sm_kernel", "staged")
 SWA_STORES = ("window", "all")
 
@@ -57,6 +57,9 @@ class ConnectorConfig(RemoteKeys):
     min_hit_blocks: int = 1
     load_mode: str = "layerwise"
     sync_max_tokens: int = 65536
+    step_load_bytes: int | str = "auto"  # load_mode adaptive: in-step load bytes per step ("auto": measured)
+    load_gbps: float = 25.0  # load_mode adaptive: starting estimate of the H2D rate per rank (GB/s)
+    trace_path: str | None = None  # per-step load trace (JSON lines), one file per worker rank (trace.py)
     load_groups: int = 0
     in_step_copy: str = "copy_engine"
     load_staging_bytes: int = 256 << 20
@@ -82,6 +85,11 @@ class ConnectorConfig(RemoteKeys):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
         for key in ("cpu_bytes", "disk_bytes", "load_staging_bytes"):
             set_(key, parse_size(getattr(self, key), key))
+        if self.step_load_bytes != "auto":
+            set_("step_load_bytes", parse_size(self.step_load_bytes, "step_load_bytes"))
+            if self.step_load_bytes < 1:
+                raise ConfigError(f"step_load_bytes: expected \"auto\" or a size > 0 (in-step load bytes per scheduler "
+                                  f"step with load_mode adaptive), got {self.step_load_bytes!r}")
         _choice(self.eviction, "eviction", POLICIES)
         _choice(self.write_policy, "write_policy", WRITE_POLICIES)
         _choice(self.store_policy, "store_policy", STORE_POLICIES)
@@ -104,7 +112,7 @@ class ConnectorConfig(RemoteKeys):
         _int(self.disk_workers, "disk_workers", 1, 64)
         _int(self.chunk_blocks, "chunk_blocks", 1, 4096)
         _int(self.staging_chunks, "staging_chunks", 1, 4096)
-        for key in ("disk_read_gbps", "prefill_tokens_per_s"):
+        for key in ("disk_read_gbps", "prefill_tokens_per_s", "load_gbps"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise ConfigError(f"{key}: expected a number > 0, got {v!r}")
@@ -114,6 +122,11 @@ class ConnectorConfig(RemoteKeys):
         for key in ("model_id", "tenant_salt"):
             if not isinstance(getattr(self, key), str):
                 raise ConfigError(f"{key}: expected a string, got {getattr(self, key)!r}")
+        if self.trace_path is not None:
+            if not isinstance(self.trace_path, (str, os.PathLike)) or not str(self.trace_path):
+                raise ConfigError(f"trace_path: expected a file path (each worker rank appends to "
+                                  f"<trace_path>.rank<r>.jsonl) or null, got {self.trace_path!r}")
+            set_("trace_path", str(self.trace_path))
         if self.disk_path is not None:
             if not isinstance(self.disk_path, (str, os.PathLike)) or not str(self.disk_path):
                 raise ConfigError(f"disk_path: expected a directory path or null, got {self.disk_path!r}")

@@ -6,9 +6,9 @@ copy of each in-step load (``StepPlan.sync``):
 
 - ``start`` (from ``before_forward``: vLLM's ``start_load_kv``) submits the load on vLLM's own
   thread, ordered after the work already on the engine's current stream (vLLM's block zeroing),
-  in layer groups with one CUDA event each. Where vLLM runs attention eagerly and
-  ``load_mode`` is "layerwise", each layer's group is kept for ``wait_layer``; otherwise (a full
-  CUDA graph may replay, no per-layer calls) the engine's stream waits for the whole load now.
+  in layer groups with one CUDA event each. Where vLLM runs attention eagerly and ``load_mode``
+  is "layerwise" (or "adaptive"), each layer's group is kept for ``wait_layer``; otherwise (a
+  full CUDA graph may replay, no per-layer calls) the engine's stream waits for the whole load now.
 - ``wait_layer`` (vLLM's ``wait_for_layer_load``) makes the engine's stream wait, on the GPU,
   for that layer's group: no host wait, so layer 0 computes while later layers still cross PCIe.
 - ``finish`` (from ``poll``: vLLM's ``get_finished`` of the same step) waits for the bytes and
@@ -66,7 +66,7 @@ class _InStepLoad:
     nbytes: int
     started: float
     error: BaseException | None = None
-    marks: tuple | None = None  # debug log only: CUDA timing events (submission point, landed)
+    marks: tuple | None = None  # debug log or trace: CUDA timing events (submission point, landed)
 
 
 class InStepLoader:
@@ -78,9 +78,10 @@ class InStepLoader:
     """
 
     def __init__(self, parts: Sequence[tuple[KVLayout, torch.Tensor, Sequence[str]]], cfg: ConnectorConfig,
-                 rank: int, plain_fallback: bool = False) -> None:
+                 rank: int, plain_fallback: bool = False, timing: bool = False) -> None:
         """Bind each KV cache group's layout (tensor i = one layer's, in ``layer_names`` order), its CPU
-        plane viewed as block rows, and its layer names."""
+        plane viewed as block rows, and its layer names. ``timing`` (``trace_path``): every load gets timing
+        events (``_InStepLoad.marks``) the trace reads back later, without blocking."""
         self.kvs = [kv for kv, _, _ in parts]
         self.kv = self.kvs[0]
         self.rank = rank
@@ -91,7 +92,7 @@ class InStepLoader:
         self.copiers = [BlockCopier(kv, rows, threaded_submit=False, staging_bytes=cfg.load_staging_bytes)
                         for kv, rows, _ in parts]
         self.copier = self.copiers[0]
-        self._layerwise = cfg.load_mode == "layerwise"
+        self._layerwise = cfg.load_mode in ("layerwise", "adaptive")  # adaptive: layerwise within its budget
         self._groups_wanted = cfg.load_groups
         self._plain_fallback = plain_fallback
         self.plain_copies = 0
@@ -108,8 +109,8 @@ class InStepLoader:
         self._order = sorted(range(len(parts)), key=lambda g: min((_layer_number(n) for n in parts[g][2]),
                                                                   default=0))
         # debug log only: the stream that marks when an in-step load landed
-        debug = self._cuda and log.isEnabledFor(logging.DEBUG)
-        self._timing_stream = torch.cuda.Stream(self.kv.device) if debug else None
+        self._debug = self._cuda and log.isEnabledFor(logging.DEBUG)
+        self._timing_stream = torch.cuda.Stream(self.kv.device) if self._debug or (timing and self._cuda) else None
         self.loads: list[_InStepLoad] = []
         self.layer_waits: dict[str, list[CopyResult]] = {}
 
@@ -220,7 +221,7 @@ class InStepLoader:
         """
         loads, self.loads = self.loads, []
         forward_done = None
-        if any(load.marks is not None for load in loads):
+        if self._debug and any(load.marks is not None for load in loads):  # the debug log waits for the forward
             forward_done = torch.cuda.Event(enable_timing=True)
             forward_done.record(torch.cuda.current_stream(self.kv.device))
         if self.layer_waits:  # a layer vLLM never waited for (not one of ours): order later work anyway

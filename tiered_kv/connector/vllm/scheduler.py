@@ -8,7 +8,9 @@ and turns vLLM's scheduler callbacks into ``TransferJob``s for the workers:
   estimated faster than recomputing), and whether the load runs inside the step
   (``load_mode`` "layerwise"/"sync": every chunk in the CPU tier and at most
   ``sync_max_tokens``; vLLM then schedules the request at once and the workers load before
-  or alongside the forward) or between steps (asynchronous: disk hits, big hits, "async");
+  or alongside the forward; "adaptive": the same while the step's in-step bytes stay within
+  a per-step budget, ``admission.py``) or between steps (asynchronous: disk hits, big hits,
+  "async", hits past the budget);
 - ``allocated``: after vLLM allocated GPU blocks for an async hit, plan the loads into them;
 - ``build``: once per step, plan eager stores of newly computed prompt blocks, add fences
   (jobs that must finish on the GPU before a re-allocated block is overwritten) and hand
@@ -50,6 +52,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Protocol
 
 from tiered_kv.planner.chain import TierChain, TierSpec
@@ -58,6 +61,7 @@ from tiered_kv.errors import ConfigError
 from tiered_kv.values.keys import Namespace
 from tiered_kv.planner.policy import PlacementPolicy
 from tiered_kv.values.jobs import Completion, JobKind, TransferJob
+from tiered_kv.connector.vllm.admission import StepLoadBudget
 from tiered_kv.connector.vllm.config import ConnectorConfig, Geometry
 
 
@@ -253,7 +257,9 @@ class SchedulerPlanner:
         self._finish_puts: list[tuple[list[bytes], list[int], int]] = []
         self._alloc_step: dict[int, int] = {}  # GPU block -> last step it was (re)allocated (while watching)
         self._watching = False
-        self._gpu_busy: dict[int, int] = {}  # GPU block -> newest in-flight job touching it (published jobs)
+        # GPU block id -> newest published in-flight job touching it, 0 for none (job ids start at 1): a list indexed
+        # by block id, grown on demand, so publishing a job's blocks is a store per block with no hashing
+        self._gpu_busy: list[int] = []
         self._job_gpu: dict[int, list[int]] = {}
         # One full-attention group: vLLM re-allocates a block only after the request holding it finished or
         # was preempted, so a job's blocks are published to _gpu_busy only then (most jobs end first: no
@@ -268,6 +274,10 @@ class SchedulerPlanner:
         # disk and remote chunks load only while reading them beats recomputing them (shared with SGLang's backend)
         self._gate = LoadGate(cfg.disk_load_policy, cfg.disk_read_gbps, cfg.disk_probe_every,
                               cfg.prefill_tokens_per_s, geo.chunk_tokens, geo.chunk_nbytes)
+        # load_mode adaptive: the in-step load bytes (per rank) each step may take; None in the other modes
+        self._budget = (StepLoadBudget(None if cfg.step_load_bytes == "auto" else cfg.step_load_bytes, cfg.load_gbps)
+                        if cfg.load_mode == "adaptive" else None)
+        self._async_cpu_loads: set[int] = set()  # adaptive: asynchronous CPU-tier loads (their rate feeds the budget)
         if adopted and disk_chunks:
             self._route(self.chain.adopt(DISK, list(adopted)))
             log.info("TieredKVConnector: adopted %d chunks from disk", len(adopted))
@@ -406,25 +416,30 @@ class SchedulerPlanner:
         st.hit_keys = keys[:n]
         st.sync = (self.cfg.load_mode != "async" and tokens <= self.cfg.sync_max_tokens
                    and all(t == CPU for t in where[:n]))
+        if st.sync and self._budget is not None:
+            st.sync = self._budget.admit(self._rank_bytes(tokens))
         return tokens
+
+    def _rank_bytes(self, tokens: int) -> int:
+        """The bytes a hit of ``tokens`` moves into one rank's GPU (about: whole blocks, every group)."""
+        return -(-tokens // self.bs) * self.geo.rank_chunk_nbytes // self.k
 
     def _walk(self, st: _Req, c0: int, usable: int) -> tuple[list[bytes], list[int]]:
         """Keys and fastest tiers of the leading run of held chunks from c0 (keys made lazily: a miss stops)."""
         index = self.chain.index
+        best_of, known = index.best, self._remote_known
         keys: list[bytes] = []
         where: list[int] = []
         for c in range(c0, c0 + usable):
             key = self._chunk_keys(st, c + 1)[c]
-            e = index.get(key)
-            if e is None and key in self._remote_known:  # the fleet stored it: adopt it on first use
-                e = self._adopt_remote(key)
-            best = None if e is None else e.best()
+            best = best_of(key)
+            if best is None and known and key in known and key not in index:  # the fleet stored it: adopt it
+                best = self._adopt_remote(key)
             if self._mamba:  # a chunk's record may exist with the state at its end, without it, or both
                 skey = self._state_key(st, c)
-                es = index.get(skey)
-                if es is None and skey in self._remote_known:
-                    es = self._adopt_remote(skey)
-                sbest = None if es is None else es.best()
+                sbest = best_of(skey)
+                if sbest is None and skey in known and skey not in index:
+                    sbest = self._adopt_remote(skey)
                 if best is None or (sbest is not None and sbest <= best):
                     key, best = skey, sbest
             if best is None:
@@ -448,25 +463,22 @@ class SchedulerPlanner:
             return 0
         hashes = request.block_hashes
         prefix = self._tail_prefix
-        get = self.chain.index.get
+        best_of = self.chain.index.best
         for m in range(hi, lo - 1, -1):
             key = prefix + hashes[base + m - 1]
-            e = get(key)
-            if e is not None:
-                best = e.best()
-                if best is not None:
-                    keys.append(key)
-                    where.append(best)
-                    return m
+            best = best_of(key)
+            if best is not None:
+                keys.append(key)
+                where.append(best)
+                return m
         return 0
 
     def _end_at_state(self, st: _Req, keys: list[bytes], where: list[int], c0: int, n: int) -> int:
         """Mamba hybrids: cut a hit of n chunks back to the last chunk whose record holds the state at its
         end, and name that chunk by its state key (earlier chunks may be either record)."""
-        index = self.chain.index
+        best_of = self.chain.index.best
         for i in range(n - 1, -1, -1):
-            e = index.get(self._state_key(st, c0 + i))
-            best = None if e is None else e.best()
+            best = best_of(self._state_key(st, c0 + i))
             if best is not None:
                 keys[i], where[i] = self._state_key(st, c0 + i), best
                 return i + 1
@@ -544,8 +556,12 @@ class SchedulerPlanner:
             self._sync.extend(j.job_id for j in loads)
             self.counters.sync_loads += len(loads)
             st.sync = False
+            if self._budget is not None:
+                self._budget.charge(self._rank_bytes(num_external_tokens))
         else:
             self._loads.setdefault(rid, []).extend(j.job_id for j in loads)
+            if self._budget is not None:
+                self._async_cpu_loads.update(j.job_id for j in loads if j.src_tier == CPU)
         self.counters.load_jobs += len(loads)
         chunk = self.chunk
         for j in loads:
@@ -574,6 +590,8 @@ class SchedulerPlanner:
         """Plan this step: track block tables, plan stores, add fences, hand out all pending jobs."""
         self._step += 1
         step = self._step
+        if self._budget is not None:
+            self._budget.next_step(scheduler_output.total_num_scheduled_tokens > 0)
         if self._presence is not None and self._presence.pending():
             self.sync_remote()
         fences: set[int] = set()
@@ -592,6 +610,9 @@ class SchedulerPlanner:
             for rid in preempted:
                 self._release(rid)
         writers: list[str] = []  # requests whose blocks this step's store reads
+        # One group: a block allocation matters only to re-allocation dates (while watching) and to published
+        # in-flight jobs (fences); with neither, decode steps skip the scan of every running request's new blocks.
+        check_alloc = single and (self._watching or bool(self._published))
         if not single:  # first every block handed out this step: stale table entries go before a store reads them
             for new in scheduler_output.scheduled_new_reqs:
                 self._allocated_now(new.block_ids, step, fences)
@@ -599,7 +620,7 @@ class SchedulerPlanner:
                 if new_ids is not None:
                     self._allocated_now(new_ids, step, fences)
         for new in scheduler_output.scheduled_new_reqs:
-            if single:
+            if check_alloc:
                 self._allocated_now(new.block_ids, step, fences)
             st = self._reqs.get(new.req_id)
             if st is None or not eager:
@@ -611,16 +632,23 @@ class SchedulerPlanner:
             self._plan_store(st, end, keys_out, gpu_out)
             if len(keys_out) > before:
                 writers.append(new.req_id)
-        resumed = _resumed_ids(cached) if cached.req_ids else set()
-        # Decode steps list every running request: keep the per-request work to a lookup unless the
-        # request still has chunks to store (prompt-only stores finish with the prefill).
-        for i, rid in enumerate(cached.req_ids):
+        if check_alloc:
+            for new_ids in cached.new_block_ids:
+                if new_ids is not None and new_ids[0]:
+                    self._allocated_now(new_ids, step, fences)
+        # Decode steps list every running request: visit only those with chunks still to store (prompt-only stores
+        # finish with the prefill), in the step's order, found by a C-speed search of the step's list for each.
+        todo: list[tuple[int, str]] = []
+        if storing and cached.req_ids:
+            req_ids = cached.req_ids
+            for rid in storing:
+                if rid in req_ids:
+                    todo.append((req_ids.index(rid), rid))
+            todo.sort()
+        resumed = _resumed_ids(cached) if todo else set()
+        for i, rid in todo:
+            st = storing[rid]
             new_ids = cached.new_block_ids[i]
-            if single and new_ids is not None and new_ids[0]:
-                self._allocated_now(new_ids, step, fences)
-            st = storing.get(rid)
-            if st is None:
-                continue
             if new_ids is not None:
                 if rid in resumed:
                     self._set_tables(st, self._tables(new_ids))
@@ -667,11 +695,11 @@ class SchedulerPlanner:
                 continue
             if self._watching:  # only stores planned in an earlier step need re-allocation dates
                 self._alloc_step.update(dict.fromkeys(ids, step))
-            busy = self._gpu_busy
-            if busy and not busy.keys().isdisjoint(ids):  # rare: checked at C speed first
-                hit = {busy[b] for b in ids if b in busy}
-                fences.update(hit)
-                self._fenced_jobs.update(hit)
+            if self._published:  # rare: jobs usually end before the requests holding their blocks let go
+                hit = self._busy_jobs(ids)
+                if hit:
+                    fences.update(hit)
+                    self._fenced_jobs.update(hit)
             owner = self._owner
             if owner and not owner.keys().isdisjoint(ids):
                 for b in ids:
@@ -867,8 +895,26 @@ class SchedulerPlanner:
     def _publish(self, job_id: int, gpu_ids: list[int]) -> None:
         """Put ``gpu_ids`` in ``_gpu_busy`` under ``job_id`` (the newest job wins: an older job on a block was
         fenced when vLLM re-allocated that block, which is the only way a block gets a new job)."""
-        self._gpu_busy.update(dict.fromkeys(gpu_ids, job_id))
+        busy = self._gpu_busy
+        try:
+            for g in gpu_ids:
+                busy[g] = job_id
+        except IndexError:  # a block id past the list: grow it to the largest one and store them all
+            busy.extend([0] * (max(gpu_ids) + 1 - len(busy)))
+            for g in gpu_ids:
+                busy[g] = job_id
         self._published.add(job_id)
+
+    def _busy_jobs(self, ids: list[int]) -> set[int]:
+        """The published in-flight jobs touching any of the GPU blocks ``ids``."""
+        busy = self._gpu_busy
+        try:
+            hit = set(itemgetter(*ids)(busy)) if len(ids) > 1 else {busy[ids[0]]}
+        except IndexError:  # an id past every published block (not busy): grow the list to cover it, look again
+            busy.extend([0] * (max(ids) + 1 - len(busy)))
+            hit = set(itemgetter(*ids)(busy)) if len(ids) > 1 else {busy[ids[0]]}
+        hit.discard(0)
+        return hit
 
     def _release(self, rid: str) -> None:
         """Request ``rid`` let its blocks go (finished, aborted, preempted): publish its in-flight jobs' blocks,
@@ -887,8 +933,8 @@ class SchedulerPlanner:
             self._published.discard(job_id)
             busy = self._gpu_busy
             for g in ids:
-                if busy.get(g) == job_id:
-                    del busy[g]
+                if busy[g] == job_id:
+                    busy[g] = 0
 
     def _drain_finished(self) -> None:
         for hid, _ in self.chain.take_finished():
@@ -931,6 +977,10 @@ class SchedulerPlanner:
         self._untrack(job_id)
         if kind is JobKind.EGRESS:
             self.counters.bytes_loaded += rep.nbytes
+            if self._async_cpu_loads and job_id in self._async_cpu_loads:
+                self._async_cpu_loads.discard(job_id)
+                if all(rep.ok):  # the ranks loaded in parallel: per-rank bytes over the slowest rank's time
+                    self._budget.observe(rep.nbytes // max(1, rep.count), rep.seconds)
             if src == DISK:
                 self._gate.observe(rep.nbytes, rep.seconds)  # ranks read their shares in parallel
         elif kind is JobKind.INGRESS:
@@ -1002,11 +1052,11 @@ class SchedulerPlanner:
             self._route(self.chain.forget(self.remote, removed))
         self.counters.remote_announced += len(stored)
 
-    def _adopt_remote(self, key: bytes):
-        """Adopt one announced chunk as a copy in the remote tier; its index entry."""
+    def _adopt_remote(self, key: bytes) -> int | None:
+        """Adopt one announced chunk as a copy in the remote tier; the fastest tier now holding it readable."""
         self.counters.remote_adopted += 1
         self._route(self.chain.adopt(self.remote, [key]))
-        return self.chain.index.get(key)
+        return self.chain.index.best(key)
 
     def enable_events(self) -> None:
         """Record what each chunk this engine stores names in vLLM's terms, for ``take_events``."""
@@ -1074,7 +1124,7 @@ class SchedulerPlanner:
         out = {f"sched_{k}": v for k, v in vars(self.counters).items()}
         out.update({
             "inflight_jobs": c.inflight(), "pinned": c.pinned(), "waiting": c.waiting(),
-            "gpu_blocks_busy": len(self._gpu_busy) + len(self._job_gpu),
+            "gpu_blocks_busy": len(self._gpu_busy) - self._gpu_busy.count(0) + len(self._job_gpu),
             "tracked_requests": len(self._reqs) + len(self._storing) + len(self._req_jobs),
             "tracked_window_blocks": len(self._owner), "promotions_pending": len(self._promotions),
             "open_puts": len(self._puts), "open_gets": len(self._gets), "unshipped_ext": len(self._ext),
@@ -1084,6 +1134,8 @@ class SchedulerPlanner:
             "remote_known": len(self._remote_known),
             "disk_gbps_estimate": round(self._gate.gbps, 3),
         })
+        if self._budget is not None:
+            out.update(self._budget.stats())
         for i, tc in enumerate(c.tier_counters):
             name = c.specs[i].name
             out.update({f"{name}_{k}": v for k, v in vars(tc).items()})

@@ -32,6 +32,12 @@ rank's ``InStepLoader`` (``in_step.py``: layer groups submitted on vLLM's thread
 waits in ``wait_layer``); ``poll`` of the same step takes their completions from it and reports
 them like any other job, so vLLM learns of a failed in-step load in the step that read it.
 
+Asynchronous CPU-tier loads (one KV cache group) do not go through the front mover either:
+``before_forward`` hands the step's batch to the rank's ``AsyncLoader`` (``async_loads.py``: one
+submission for all, in plan order, after the in-step loads), and each ``poll`` reports those
+whose bytes landed, one request at a time. Disk and remote loads, and models with several
+groups, keep the front mover.
+
 Ordering on CUDA: a store starts after an event recorded on the engine's current stream at
 ``after_forward`` (the KV it reads has been written); a load starts after an event recorded
 at ``before_forward``'s submission point (after vLLM's block zeroing). A fence waits on the
@@ -73,7 +79,9 @@ from tiered_kv.connector.vllm.config import (
     rank_disk_dir,
     rank_remote_part,
 )
+from tiered_kv.connector.vllm.async_loads import AsyncLoader
 from tiered_kv.connector.vllm.in_step import InStepLoader
+from tiered_kv.connector.vllm.trace import LoadTrace
 from tiered_kv.connector.vllm.scheduler import CPU, JobReport, StepPlan, tier_indices
 from tiered_kv.connector.vllm.shared_slab import SharedSlab
 
@@ -153,6 +161,8 @@ class WorkerCounters:
     stores_cancelled: int = 0
     sync_loads: int = 0
     sync_load_groups: int = 0
+    async_loads: int = 0  # asynchronous CPU-tier loads submitted through the AsyncLoader
+    async_batches: int = 0  # steps that submitted such loads (one submission each)
     plain_copy_fallbacks: int = 0  # several groups: batched copies retried as plain torch copies
     acked_for_rank0: int = 0  # replicated caches: jobs rank 0 runs for every rank, acknowledged here
 
@@ -234,6 +244,9 @@ class WorkerRuntime:
         # in-step loads, on vLLM's thread; None before ``register`` and with load_mode "async"
         # (the planner then plans none)
         self.in_step: InStepLoader | None = None
+        # asynchronous CPU-tier loads (one KV cache group); None before ``register`` (several groups: the mover)
+        self.async_loads: AsyncLoader | None = None
+        self.trace = LoadTrace(cfg.trace_path, rank) if cfg.trace_path else None  # per-step load trace (off)
         self._cuda = False
         self._dep_stream = None
         self._mechanism: Mechanism | None = None  # None: the copier chooses per call
@@ -267,7 +280,10 @@ class WorkerRuntime:
         if self.cfg.load_mode != "async":
             self.in_step = InStepLoader([(kv, plane, g.layer_names) for kv, plane, g in
                                          zip(kvs, self.planes, self.geo.groups)], self.cfg, self.rank,
-                                        plain_fallback=not self.geo.block_level_errors)
+                                        plain_fallback=not self.geo.block_level_errors,
+                                        timing=self.trace is not None)
+        if self.geo.block_level_errors:
+            self.async_loads = AsyncLoader(self.copier, Mechanism.STAGED if self.cfg.in_step_copy == "staged" else None)
         staging = allocate_slab(self.cfg.staging_chunks, self.geo.rank_chunk_nbytes, pin=self._cuda)
         self._staging_planes = slab_planes(staging, self.sections)
         self._staging_copiers = [BlockCopier(kv, plane) for kv, plane in zip(kvs, self._staging_planes)]
@@ -305,6 +321,8 @@ class WorkerRuntime:
             self._ext.update(plan.ext)
         self._plan = plan
         self._early_done = self._stores_done = self._fenced = False
+        if self.trace is not None:
+            self.trace.begin(plan.step)
 
     def fence(self) -> None:
         """Make every fenced job done with GPU memory (``handle_preemptions``).
@@ -319,6 +337,11 @@ class WorkerRuntime:
         if plan is None or self._fenced or not plan.fences:
             return
         self._fenced = True  # the plan is shared data (one object per rank in-process): never edit it
+        loader = self.async_loads
+        if loader is not None and loader.pending:  # only a poll would see these land: wait here
+            held = {j for j in plan.fences if loader.holds(j)}
+            if held:
+                self._finish_async(loader.wait(held))
         with self._lock:
             fenced = [(job_id, ev) for job_id in plan.fences if (ev := self._events.get(job_id)) is not None]
             queued = [(job_id, ev) for job_id, ev in fenced if job_id in self._queued_stores]
@@ -354,7 +377,10 @@ class WorkerRuntime:
         """
         if self._early_done or self._plan is None:
             return
+        trace = self.trace
+        t0 = time.perf_counter() if trace is not None else 0.0
         self.fence()
+        t1 = time.perf_counter() if trace is not None else 0.0
         self._early_done = True
         plan = self._plan
         for rid, blocks in plan.load_fail.items():
@@ -364,10 +390,11 @@ class WorkerRuntime:
             pending.update(ids)
             for j in ids:
                 self._job_req[j] = rid
+        early = plan.early
         if plan.sync:
             sync = set(plan.sync)
             in_step, c = self.in_step, self.counters
-            for job in plan.early:
+            for job in early:
                 if job.job_id in sync:  # a job like any other; only its copy is the loader's
                     with self._lock:
                         self._events[job.job_id] = threading.Event()
@@ -375,9 +402,46 @@ class WorkerRuntime:
                     if groups:
                         c.sync_loads += 1
                         c.sync_load_groups += groups
-            self._submit([j for j in plan.early if j.job_id not in sync])
-        else:
-            self._submit(plan.early)
+                    if trace is not None:
+                        load = in_step.loads[-1]
+                        trace.started("in_step", job.job_id, load.nbytes, load.marks)
+            early = [j for j in early if j.job_id not in sync]
+        if self.async_loads is not None and plan.loads:
+            early = self._start_async(early)
+        self._submit(early)
+        if trace is not None:
+            trace.held((time.perf_counter() - t0) * 1e3, (t1 - t0) * 1e3)
+
+    def _start_async(self, jobs: list[TransferJob]) -> list[TransferJob]:
+        """Hand this step's asynchronous CPU-tier loads to the ``AsyncLoader`` (one batch, in plan order, after the
+        in-step loads); returns the other jobs (for the movers)."""
+        batch, rest = [], []
+        for job in jobs:
+            if job.kind is JobKind.EGRESS and job.src_tier == CPU:
+                (gpu, rows), = self._flat(job, job.src_slots)
+                batch.append((job, gpu, rows))
+                with self._lock:
+                    self._events[job.job_id] = threading.Event()
+            else:
+                rest.append(job)
+        if batch:
+            in_step = self.in_step
+            after = [load.results[-1] for load in in_step.loads if load.results] if in_step is not None else []
+            self.async_loads.start(batch, after=after, fallback=self._mechanism)
+            if self.trace is not None:
+                for p in self.async_loads.pending[-len(batch):]:
+                    self.trace.started("async", p.job.job_id, p.result.nbytes)
+            self.counters.async_loads += len(batch)
+            self.counters.async_batches += 1
+        return rest
+
+    def _finish_async(self, done: list[tuple[TransferJob, Completion]]) -> None:
+        """Count and queue the completions of landed asynchronous loads for ``poll``."""
+        for job, c in done:
+            self._count(job, c.nbytes, c.seconds, c.ok, c.corrupt)
+            self._on_done(job, c)
+            if self.trace is not None:
+                self.trace.reported(job.job_id, cpu_ms=c.seconds * 1e3)  # its GPU time (CPU: the copy's)
 
     def wait_layer(self, layer_name: str) -> None:
         """``wait_for_layer_load``: vLLM's stream waits (on the GPU) for this layer's in-step loads."""
@@ -420,6 +484,8 @@ class WorkerRuntime:
         in_step = self.in_step
         if in_step is not None and in_step.loads:
             self._finish_in_step(in_step)
+        if self.async_loads is not None and self.async_loads.pending:
+            self._finish_async(self.async_loads.landed())  # each load as soon as it landed, never waiting
         with self._lock:
             done, self._completed = self._completed, []
             for job, _ in done:
@@ -450,6 +516,8 @@ class WorkerRuntime:
             out.finished_recving.add(rid)
             log.debug("rank %d: load of %s done, reported to vLLM", self.rank, rid)
             out.invalid_block_ids.update(self._pending_fail.pop(rid, ()))
+        if self.trace is not None:
+            self.trace.flush(len(self.async_loads.pending) if self.async_loads is not None else 0)
         return out
 
     def _finish_in_step(self, in_step: InStepLoader) -> None:
@@ -457,6 +525,8 @@ class WorkerRuntime:
         for job, done in in_step.finish():
             self._count(job, done.nbytes, done.seconds, done.ok, done.corrupt)
             self._on_done(job, done)
+            if self.trace is not None:  # CUDA: the timing events given at start; CPU: the load's wall time
+                self.trace.reported(job.job_id, cpu_ms=None if self._cuda else done.seconds * 1e3)
 
     def idle(self) -> bool:
         """True when no job is queued, running or unreported on this rank."""
@@ -681,6 +751,8 @@ class WorkerRuntime:
         self._closed = True
         if self.in_step is not None and self.in_step.loads:
             self._finish_in_step(self.in_step)
+        if self.async_loads is not None and self.async_loads.pending:
+            self._finish_async(self.async_loads.wait())
         self.front.close()
         if self.back is not None:
             self.back.close()
@@ -692,4 +764,6 @@ class WorkerRuntime:
             self.disk.close()
         if self.remote is not None:
             self.remote.close()
+        if self.trace is not None:
+            self.trace.close()
         self.cpu.close()

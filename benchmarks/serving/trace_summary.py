@@ -1,0 +1,69 @@
+"""Summaries of our connector's per-step load trace (``trace_path``, ``tiered_kv/connector/vllm/trace.py``) per phase.
+
+``serve_bench.py --trace`` gives every ``tiered*`` start ``trace_path = $OUT/trace_<shape>_<mode>_r<run>``;
+each worker rank appends ``<trace_path>.rank<r>.jsonl``. After the start, ``summarize_phase`` reads the
+lines whose wall time falls inside a phase (plus a second for loads that land after its last request
+started) and reports, per phase: loading steps, in-step and asynchronous loads and bytes, bytes per
+loading step, how long ``start_load_kv`` held vLLM's thread (p50/p90/max/sum), and per kind of load its
+GPU time and host latency (submission to ``get_finished``) p50/p90 with the GB/s the GPU times imply.
+
+Threading contract: plain functions, no state.
+"""
+from __future__ import annotations
+
+import glob
+import json
+
+from serving.stats import percentile
+
+#: lines up to this long after a phase's end still count for it (its last loads land and are reported then)
+TAIL_S = 1.0
+
+
+def read_lines(trace_path: str) -> list[dict]:
+    """Every line of every rank's file of ``trace_path`` (unreadable lines skipped), sorted by time."""
+    out = []
+    for path in sorted(glob.glob(glob.escape(trace_path) + ".rank*.jsonl")):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for raw in f:
+                try:
+                    out.append(json.loads(raw))
+                except ValueError:
+                    continue  # a line cut short when the server was stopped
+    return sorted(out, key=lambda x: x.get("t", 0.0))
+
+
+def _dist(values: list[float]) -> dict:
+    if not values:
+        return {"n": 0}
+    return {"n": len(values), "p50": round(percentile(values, 50), 3), "p90": round(percentile(values, 90), 3),
+            "max": round(max(values), 3), "sum": round(sum(values), 3)}
+
+
+def summarize_phase(lines: list[dict], t_start: float, t_end: float) -> dict:
+    """The trace of one phase (lines with ``t_start <= t <= t_end + TAIL_S``)."""
+    mine = [x for x in lines if t_start <= x.get("t", 0.0) <= t_end + TAIL_S]
+    loading = [x for x in mine if x["in_step"]["loads"] or x["async"]["loads"]]
+    out: dict = {"lines": len(mine), "loading_steps": len(loading)}
+    for kind, key in (("in_step", "in_step"), ("async", "async")):
+        loads = sum(x[key]["loads"] for x in mine)
+        nbytes = sum(x[key]["bytes"] for x in mine)
+        per_step = [x[key]["bytes"] / 1e6 for x in loading if x[key]["loads"]]
+        landed = [y for x in mine for y in x.get("landed", ()) if y["kind"] == kind]
+        gpu = [y["gpu_ms"] for y in landed]
+        gpu_bytes = sum(y["bytes"] for y in landed)
+        out[kind] = {"loads": loads, "bytes": nbytes, "mb_per_step": _dist(per_step), "gpu_ms": _dist(gpu),
+                     "host_ms": _dist([y["host_ms"] for y in landed]),
+                     "gbps": round(gpu_bytes / sum(gpu) / 1e6, 2) if sum(gpu) > 0 else None}
+    out["start_load_ms"] = _dist([x["start_load_ms"] for x in loading])
+    out["fence_ms"] = _dist([x["fence_ms"] for x in loading if x.get("fence_ms")])
+    return out
+
+
+def line(mode: str, phase: str, s: dict) -> str:
+    """One printable line of a phase's trace summary."""
+    i, a, h = s["in_step"], s["async"], s["start_load_ms"]
+    return (f"[{mode}] {phase:>6} trace: {s['loading_steps']} loading steps | in-step {i['loads']} loads "
+            f"{i['bytes'] / 1e9:.2f} GB gpu p50 {i['gpu_ms'].get('p50')} ms | async {a['loads']} loads "
+            f"{a['bytes'] / 1e9:.2f} GB gpu p50 {a['gpu_ms'].get('p50')} ms host p50 {a['host_ms'].get('p50')} ms | "
+            f"start_load_kv p50 {h.get('p50')} max {h.get('max')} ms")

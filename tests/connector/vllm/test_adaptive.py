@@ -1,0 +1,294 @@
+"""``load_mode: adaptive``: a step's CPU hits load in-step up to a byte budget, the rest asynchronously.
+
+vLLM's real Scheduler/AsyncScheduler with the harness of ``harness.py`` (every block a forward
+reads is checked byte for byte against its token prefix), as in ``test_connector.py``.
+"""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from tests.connector.vllm.harness import BS, Engine, write_model_dir  # noqa: E402
+from tests.connector.vllm.test_connector import BLOCK_BYTES, K, assert_no_leaks, cfg, prompt, turn2  # noqa: E402
+from tiered_kv.connector.vllm.admission import START_STEP_S, StepLoadBudget  # noqa: E402
+from tiered_kv.connector.vllm.config import ConnectorConfig  # noqa: E402
+from tiered_kv.errors import ConfigError  # noqa: E402
+
+#: turn 1: two whole chunks (8 blocks) and 4 tokens: turn 2 hits 8 blocks = 32 KiB per request
+TURN1 = 2 * K * BS + 4
+HIT_BYTES = 2 * K * BLOCK_BYTES
+USERS = 6
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_model_dir(str(tmp_path_factory.mktemp("tiny-llama-adaptive")))
+
+
+def _burst(eng: Engine, users: int = USERS) -> list:
+    """Turn 1 of ``users`` conversations one after the other, the GPU prefix cache dropped, then every
+    turn 2 added at once (a wave of a closed-loop benchmark): returns the turn-2 requests in arrival order."""
+    firsts = []
+    for u in range(users):
+        firsts.append(eng.add(f"u{u}-t1", prompt(u + 1, TURN1), max_tokens=3))
+        eng.run()
+    eng.settle()
+    assert eng.connector.stats()["resident_cpu"] == 2 * users
+    assert eng.sched.reset_prefix_cache()  # the GPU forgets turn 1: every turn 2 is a CPU hit
+    return [eng.add(f"u{u}-t2", turn2(eng, a), max_tokens=2) for u, a in enumerate(firsts)]
+
+
+def _more_seqs(c) -> None:
+    c.scheduler_config.max_num_seqs = 16
+
+
+@pytest.mark.parametrize("async_sched", [False, True], ids=["sync", "async"])
+def test_burst_loads_first_hits_in_step_up_to_the_budget_and_the_rest_async(model_dir, async_sched):
+    """A budget of 2.5 hits: the first two turn-2 requests load in their step, the other four wait for async
+    loads; every request's KV is bit-exact and every one finishes."""
+    budget = int(2.5 * HIT_BYTES)
+    eng = Engine.create(model_dir, cfg(load_mode="adaptive", step_load_bytes=budget), async_sched=async_sched,
+                        num_blocks=160, tweak=_more_seqs)
+    try:
+        reqs = _burst(eng)
+        before = eng.connector.stats()
+        verified = eng.verified_blocks
+        eng.step()
+        status = [r.status.name for r in reqs]
+        assert status[:2] == ["RUNNING"] * 2, status
+        assert status[2:] == ["WAITING_FOR_REMOTE_KVS"] * (USERS - 2), status
+        st = eng.connector.stats()
+        assert st["admit_in_step"] - before["admit_in_step"] == 2, st
+        assert st["admit_deferred"] - before["admit_deferred"] == USERS - 2, st
+        assert st["admit_budget_bytes"] == budget
+        eng.run()
+        eng.settle()
+        st = eng.connector.stats()
+        assert st["sched_sync_loads"] - before["sched_sync_loads"] == 2, st
+        assert st["sched_hit_tokens_cpu"] - before["sched_hit_tokens_cpu"] == USERS * 2 * K * BS, st
+        # each turn 2 started with its whole hit counted as computed (loaded, not recomputed) ...
+        assert all(eng.cached_at_start[r.request_id] == 2 * K * BS for r in reqs)
+        # ... and the harness checked the loaded blocks of every one byte for byte before its forward
+        assert eng.verified_blocks - verified >= USERS * 2 * K
+        ws = eng.workers[0].connector.stats()
+        assert ws["sync_loads"] == 2, ws
+        assert all(r.is_finished() for r in reqs)
+        assert_no_leaks(eng)
+    finally:
+        eng.close()
+
+
+def test_layerwise_loads_the_whole_burst_in_one_step(model_dir):
+    """The control: ``layerwise`` (the default) puts every hit of the burst into the step that schedules it."""
+    eng = Engine.create(model_dir, cfg(), num_blocks=160, tweak=_more_seqs)
+    try:
+        reqs = _burst(eng)
+        eng.step()
+        assert [r.status.name for r in reqs] == ["RUNNING"] * USERS
+        assert "admit_in_step" not in eng.connector.stats()
+        eng.run()
+        eng.settle()
+        assert eng.workers[0].connector.stats()["sync_loads"] == USERS
+        assert_no_leaks(eng)
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("async_sched", [False, True], ids=["sync", "async"])
+def test_lone_request_loads_in_step_even_past_the_budget(model_dir, async_sched):
+    """The first hit of a step always loads in-step (c1 keeps the in-step win), whatever the budget."""
+    eng = Engine.create(model_dir, cfg(load_mode="adaptive", step_load_bytes=1), async_sched=async_sched)
+    try:
+        a = eng.add("c-t1", prompt(7, TURN1), max_tokens=3)
+        eng.run()
+        eng.settle()
+        assert eng.sched.reset_prefix_cache()
+        b = eng.add("c-t2", turn2(eng, a), max_tokens=2)
+        eng.step()
+        assert b.status.name == "RUNNING", b.status
+        eng.run()
+        eng.settle()
+        st = eng.connector.stats()
+        assert st["sched_sync_loads"] == 1 and st["admit_first_of_step"] == 1 and st["admit_deferred"] == 0, st
+        assert eng.cached_at_start["c-t2"] == 2 * K * BS
+        assert_no_leaks(eng)
+    finally:
+        eng.close()
+
+
+def test_every_hit_past_the_first_goes_async_with_a_one_byte_budget(model_dir):
+    """Budget 1 byte: one in-step load per step; a burst of 6 = 1 in-step + 5 async loads, all bit-exact."""
+    eng = Engine.create(model_dir, cfg(load_mode="adaptive", step_load_bytes=1), num_blocks=160, tweak=_more_seqs)
+    try:
+        reqs = _burst(eng)
+        eng.step()
+        assert [r.status.name for r in reqs] == ["RUNNING"] + ["WAITING_FOR_REMOTE_KVS"] * (USERS - 1)
+        eng.run()
+        eng.settle()
+        assert all(eng.cached_at_start[r.request_id] == 2 * K * BS for r in reqs)
+        assert eng.workers[0].connector.stats()["sync_loads"] == 1
+        assert_no_leaks(eng)
+    finally:
+        eng.close()
+
+
+def test_auto_budget_is_rate_times_step_time():
+    """``auto``: measured H2D rate x the engine's recent step time (running averages, idle gaps clamped)."""
+    now = [0.0]
+    b = StepLoadBudget(None, start_gbps=10.0, clock=lambda: now[0])
+    assert b.budget == int(10e9 * START_STEP_S)
+    b.observe(2_000_000_000, 0.05)  # 40 GB/s: the first measurement replaces the guess
+    assert b.gbps == pytest.approx(40.0)
+    for _ in range(60):  # busy steps 10 ms apart: the step estimate converges to 10 ms
+        b.next_step(busy=True)
+        now[0] += 0.010
+    assert b.step_s == pytest.approx(0.010, rel=1e-3)
+    assert b.budget == pytest.approx(40e9 * 0.010, rel=1e-3)
+    now[0] += 30.0  # an idle gap of 30 s: clamped, and the interval after an idle step is not counted
+    b.next_step(busy=False)
+    now[0] += 30.0
+    b.next_step(busy=True)
+    assert b.step_s == pytest.approx(0.010, rel=1e-3)
+    # within a step: the first hit always, then while the charged bytes fit
+    cap = b.budget
+    assert b.admit(cap * 2)
+    b.charge(cap * 2)
+    assert not b.admit(1)
+    now[0] += 0.010
+    b.next_step(busy=True)
+    cap = b.budget
+    assert b.admit(cap // 2)
+    b.charge(cap // 2)
+    assert b.admit(cap // 2)
+    b.charge(cap // 2)
+    assert not b.admit(1)
+    assert b.counters.first_of_step == 1 and b.counters.deferred == 2 and b.counters.in_step == 3
+
+
+@pytest.mark.parametrize("bad", [0, -5, "lots", True])
+def test_step_load_bytes_is_validated(bad):
+    with pytest.raises(ConfigError, match="step_load_bytes"):
+        ConnectorConfig.from_extra_config({"load_mode": "adaptive", "step_load_bytes": bad})
+
+
+def test_adaptive_keys_parse():
+    c = ConnectorConfig.from_extra_config({"load_mode": "adaptive", "step_load_bytes": "512MiB", "load_gbps": 40})
+    assert c.step_load_bytes == 512 << 20 and c.load_gbps == 40.0
+    assert ConnectorConfig().step_load_bytes == "auto" and ConnectorConfig().load_mode == "layerwise"
+    with pytest.raises(ConfigError, match="load_gbps"):
+        ConnectorConfig.from_extra_config({"load_gbps": 0})
+
+
+def _first_running_step(eng: Engine, reqs: list, steps: int = 40) -> dict[str, int]:
+    """Step the engine; the step at which each request was first seen RUNNING (or finished)."""
+    first: dict[str, int] = {}
+    for s in range(steps):
+        eng.step()
+        for r in reqs:
+            if r.request_id not in first and (r.status.name == "RUNNING" or r.is_finished()):
+                first[r.request_id] = s
+        if len(first) == len(reqs):
+            break
+    return first
+
+
+@pytest.mark.parametrize("async_sched", [False, True], ids=["sync", "async"])
+def test_async_loads_are_reported_one_by_one_in_arrival_order(model_dir, async_sched):
+    """Asynchronous loads go to the worker's AsyncLoader in one batch per step; each request is reported to
+    vLLM as soon as its own load landed. Here they land one per step (the CPU copies land at submission, so
+    the test lets each poll see only the oldest load in flight): vLLM's real scheduler then
+    runs the requests one step apart, in arrival order, each with its loaded KV checked byte for byte."""
+    eng = Engine.create(model_dir, cfg(load_mode="async"), async_sched=async_sched, num_blocks=160,
+                        tweak=_more_seqs)
+    try:
+        reqs = _burst(eng, users=4)
+        loader = eng.workers[0].connector.worker.async_loads
+        real = loader.landed
+
+        def one_per_poll():  # only the oldest load may have landed by this poll
+            rest = loader.pending[1:]
+            loader.pending = loader.pending[:1]
+            out = real()
+            loader.pending += rest
+            return out
+
+        loader.landed = one_per_poll
+        ws0 = eng.workers[0].connector.stats()
+        first = _first_running_step(eng, reqs)
+        steps = [first[r.request_id] for r in reqs]
+        assert steps == sorted(steps) and len(set(steps)) == len(reqs), first  # one by one, first come first
+        ws = eng.workers[0].connector.stats()
+        assert ws["async_loads"] - ws0["async_loads"] == 4 and ws["async_batches"] - ws0["async_batches"] == 1, ws
+        eng.run()
+        eng.settle()
+        assert all(eng.cached_at_start[r.request_id] == 2 * K * BS for r in reqs)
+        assert_no_leaks(eng)
+    finally:
+        eng.close()
+
+
+def test_async_loader_hands_loads_back_in_submission_order_with_bytes(model_dir):
+    """On CPU tensors every load of a batch lands in ``start``: ``landed`` returns all of them, in order,
+    each with its own bytes; a second call returns nothing."""
+    eng = Engine.create(model_dir, cfg(load_mode="async"), num_blocks=160, tweak=_more_seqs)
+    try:
+        reqs = _burst(eng, users=3)
+        loader = eng.workers[0].connector.worker.async_loads
+        seen = []
+        real = loader.landed
+
+        def spy():
+            out = real()
+            seen.extend(out)
+            return out
+
+        loader.landed = spy
+        eng.run()
+        eng.settle()
+        jobs = [j for j, _ in seen]
+        assert [j.job_id for j in jobs] == sorted(j.job_id for j in jobs) and len(jobs) == len(reqs)
+        assert all(c.nbytes == HIT_BYTES and all(c.ok) and c.seconds >= 0 for _, c in seen)
+        assert real() == []
+        assert_no_leaks(eng)
+    finally:
+        eng.close()
+
+
+def test_trace_path_writes_one_line_per_loading_step_with_every_load_landed(model_dir, tmp_path):
+    """``trace_path``: the burst's step lists 2 in-step and 4 async loads with their bytes and the time
+    start_load_kv held the thread; every load shows up once under ``landed`` with its kind, bytes and times."""
+    path = tmp_path / "trace"
+    eng = Engine.create(model_dir, cfg(load_mode="adaptive", step_load_bytes=int(2.5 * HIT_BYTES),
+                                       trace_path=str(path)), num_blocks=160, tweak=_more_seqs)
+    try:
+        _burst(eng)
+        eng.run()
+        eng.settle()
+    finally:
+        eng.close()
+    import json
+
+    lines = [json.loads(x) for x in (tmp_path / "trace.rank0.jsonl").read_text().splitlines()]
+    burst = [ln for ln in lines if ln["in_step"]["loads"] == 2]
+    assert len(burst) == 1, lines
+    b = burst[0]
+    assert b["in_step"]["bytes"] == 2 * HIT_BYTES
+    assert b["async"] == {"loads": USERS - 2, "bytes": (USERS - 2) * HIT_BYTES}
+    assert b["start_load_ms"] >= b["fence_ms"] >= 0
+    landed = [x for ln in lines for x in ln["landed"] if x["step"] == b["step"]]
+    assert sorted(x["kind"] for x in landed) == ["async"] * (USERS - 2) + ["in_step"] * 2
+    assert all(x["bytes"] == HIT_BYTES and x["gpu_ms"] >= 0 and x["host_ms"] >= 0 for x in landed)
+    assert len({x["job"] for x in landed}) == USERS
+    # turn 1's steps loaded nothing: no line is written for a step without loads
+    assert all(ln["in_step"]["loads"] or ln["async"]["loads"] or ln["landed"] for ln in lines)
+
+
+def test_no_trace_file_by_default(model_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    eng = Engine.create(model_dir, cfg(load_mode="adaptive"))
+    try:
+        assert eng.workers[0].connector.worker.trace is None
+    finally:
+        eng.close()
+    assert list(tmp_path.iterdir()) == []

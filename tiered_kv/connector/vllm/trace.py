@@ -1,0 +1,132 @@
+"""Per-step load trace of a vLLM worker rank (``trace_path``): what each step loaded and how long it took.
+
+Off by default. With ``trace_path: /some/file`` each worker rank appends JSON lines to
+``/some/file.rank<r>.jsonl``: one line per step that loaded or saw loads land (steps with
+neither, e.g. plain decode steps, write nothing), with
+
+- ``step`` (the scheduler's step number), ``t`` (wall clock, seconds since the epoch, at the step's
+  ``get_finished``), ``in_step`` / ``async`` (loads started this step and their bytes on this rank),
+  ``start_load_ms`` (how long ``start_load_kv`` held vLLM's thread submitting them), ``fence_ms``
+  (of that, waiting for fenced copies), ``async_in_flight`` (asynchronous loads not landed yet);
+- ``landed``: the loads whose timings resolved since the previous line, each ``{"job", "kind"
+  ("in_step" | "async"), "step" (when submitted), "bytes", "gpu_ms", "host_ms"}``. ``gpu_ms`` comes
+  from CUDA timing events read back without blocking, one or more steps later (in-step: from the
+  engine stream's submission point to the last byte; async: the load's own copy time on its
+  stream); ``host_ms``: from submission to the ``get_finished`` that reported it. On CPU tensors
+  both are wall times.
+
+Cheap when on: a few ``perf_counter`` calls and event queries per step, one line write (line-buffered, so
+a server stopped by a signal keeps every line written).
+
+Threading contract: vLLM's worker thread only (the model runner), like ``WorkerRuntime``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Pending:
+    job: int
+    kind: str
+    step: int
+    nbytes: int
+    submitted: float  # perf_counter
+    marks: tuple | None  # (start, end) CUDA timing events, or None (CPU: wall time at ``landed``)
+    host_ms: float | None = None  # set when the load was reported (in-step: in its own step)
+    cpu_ms: float | None = None  # CPU tensors: the copy's own wall time
+
+
+@dataclass
+class _Step:
+    step: int = -1
+    in_step: list[int] = field(default_factory=lambda: [0, 0])  # loads, bytes
+    async_: list[int] = field(default_factory=lambda: [0, 0])
+    start_load_ms: float = 0.0
+    fence_ms: float = 0.0
+
+
+class LoadTrace:
+    """One rank's trace file and the loads whose timings have not resolved yet."""
+
+    def __init__(self, path: str, rank: int) -> None:
+        """Open ``<path>.rank<rank>.jsonl`` for appending (created if missing)."""
+        self.path = f"{path}.rank{rank}.jsonl"
+        # line-buffered: a server stopped by a signal keeps every line written; closed in close()
+        self._f = open(self.path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
+        self._step = _Step()
+        self._pending: list[_Pending] = []
+        self._landed: list[dict] = []
+        log.info("TieredKVConnector rank %d: load trace in %s", rank, self.path)
+
+    def begin(self, step: int) -> None:
+        """A new step's plan was bound."""
+        if self._step.step != step:
+            self._step = _Step(step)
+
+    def held(self, start_load_ms: float, fence_ms: float) -> None:
+        """``start_load_kv`` of this step held vLLM's thread this long (of which ``fence_ms`` in fences)."""
+        self._step.start_load_ms += start_load_ms
+        self._step.fence_ms += fence_ms
+
+    def started(self, kind: str, job: int, nbytes: int, marks: tuple | None = None) -> None:
+        """A load of ``kind`` ("in_step" | "async") started in this step; ``marks``: its timing events, if any."""
+        counts = self._step.in_step if kind == "in_step" else self._step.async_
+        counts[0] += 1
+        counts[1] += nbytes
+        self._pending.append(_Pending(job, kind, self._step.step, nbytes, time.perf_counter(), marks))
+
+    def reported(self, job: int, marks: tuple | None = None, cpu_ms: float | None = None) -> None:
+        """Load ``job`` was reported to vLLM (``get_finished``); ``marks`` if known only now, ``cpu_ms`` on CPU."""
+        now = time.perf_counter()
+        for p in self._pending:
+            if p.job == job and p.host_ms is None:
+                p.host_ms = (now - p.submitted) * 1e3
+                if marks is not None:
+                    p.marks = marks
+                p.cpu_ms = cpu_ms
+                return
+
+    def flush(self, async_in_flight: int) -> None:
+        """End of the step (``get_finished``): resolve what timings can be read without waiting; write the line."""
+        keep = []
+        for p in self._pending:
+            if p.host_ms is None:
+                keep.append(p)
+                continue
+            if p.marks is not None:
+                start, end = p.marks
+                if not end.query():  # not landed on the GPU yet (the host saw it done: rare); next step
+                    keep.append(p)
+                    continue
+                try:
+                    gpu_ms = start.elapsed_time(end)
+                except RuntimeError:  # an end never recorded (the load failed to start): host time only
+                    gpu_ms = p.host_ms
+            else:
+                gpu_ms = p.cpu_ms if p.cpu_ms is not None else p.host_ms
+            self._landed.append({"job": p.job, "kind": p.kind, "step": p.step, "bytes": p.nbytes,
+                                 "gpu_ms": round(gpu_ms, 3), "host_ms": round(p.host_ms, 3)})
+        self._pending = keep
+        st = self._step
+        if not (st.in_step[0] or st.async_[0] or self._landed):
+            return
+        line = {"step": st.step, "t": round(time.time(), 4),
+                "in_step": {"loads": st.in_step[0], "bytes": st.in_step[1]},
+                "async": {"loads": st.async_[0], "bytes": st.async_[1]},
+                "start_load_ms": round(st.start_load_ms, 3), "fence_ms": round(st.fence_ms, 3),
+                "async_in_flight": async_in_flight, "landed": self._landed}
+        self._f.write(json.dumps(line, separators=(",", ":")) + "\n")
+        self._landed = []
+        st.in_step, st.async_, st.start_load_ms, st.fence_ms = [0, 0], [0, 0], 0.0, 0.0
+
+    def close(self) -> None:
+        """Write what is left and close the file."""
+        if not self._f.closed:
+            self._f.flush()
+            self._f.close()
