@@ -23,6 +23,29 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+
+def fleet(stream_hex: str, rate: str, parent: str) -> None:
+    """Announce ``rate`` random chunks a second on the stream until ``parent`` exits."""
+    from tiered_kv.tiers.remote import ClusterClient, RemoteSettings, publish  # noqa: PLC0415
+
+    extra = json.loads(os.environ["TKV_EXTRA"])
+    client = ClusterClient(RemoteSettings(extra["remote_url"], extra.get("remote_password_env") or None))
+    stream, batch = bytes.fromhex(stream_hex), max(1, int(float(rate) / 100))  # 100 announcements a second
+    deadline = time.monotonic() + 1800
+    while time.monotonic() < deadline:
+        try:
+            os.kill(int(parent), 0)
+        except OSError:
+            break
+        publish(client, stream, [uuid.uuid4().bytes * 2 for _ in range(batch)])
+        time.sleep(0.01)
+    client.close()
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["fleet"]:  # before vLLM's import: the fleet needs only redis-py
+    fleet(*sys.argv[2:5])
+    sys.exit(0)
+
 from tiered_kv.connector.vllm.connector import TieredKVConnector  # noqa: E402
 
 
@@ -45,25 +68,3 @@ class ExtraFromEnvConnector(TieredKVConnector):
                 time.sleep(0.01)
             if self._presence.entries < seen + 2:
                 raise RuntimeError("remote_sched_mode: the fleet process announced nothing within 60 s")
-
-
-def fleet(stream_hex: str, rate: str, parent: str) -> None:
-    """Announce ``rate`` random chunks a second on the stream until ``parent`` exits."""
-    from tiered_kv.tiers.remote import ClusterClient, RemoteSettings, publish  # noqa: PLC0415
-
-    extra = json.loads(os.environ["TKV_EXTRA"])
-    client = ClusterClient(RemoteSettings(extra["remote_url"], extra.get("remote_password_env") or None))
-    stream, batch = bytes.fromhex(stream_hex), max(1, int(float(rate) / 100))  # 100 announcements a second
-    deadline = time.monotonic() + 1800
-    while time.monotonic() < deadline:
-        try:
-            os.kill(int(parent), 0)
-        except OSError:
-            break
-        publish(client, stream, [uuid.uuid4().bytes * 2 for _ in range(batch)])
-        time.sleep(0.01)
-    client.close()
-
-
-if __name__ == "__main__" and sys.argv[1:2] == ["fleet"]:
-    fleet(*sys.argv[2:5])

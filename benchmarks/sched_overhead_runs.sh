@@ -8,6 +8,7 @@
 # prints one RESULT line per run plus a median table. Run it alone on the machine: the
 # numbers are per-step times and other processes move them; SCHED_CLOCK=thread times the scheduler
 # thread's CPU time instead (benchmarks/probes/thread_clock.py), which a busy box moves much less.
+# SCHED_GC=engine: a control with the garbage collector as vLLM's engine leaves it (benchmarks/probes/engine_gc.py).
 #
 # With TKV_REMOTE_URL (and TKV_REMOTE_PASSWORD_ENV) set, a fourth mode runs TieredKVConnector with the
 # remote tier on that cluster (benchmarks/remote_sched_mode.py; TKV_FLEET_KEYS_PER_S chunks/s announced
@@ -31,7 +32,11 @@ fi
 # SCHED_CLOCK=thread: time the scheduler thread's CPU time instead of wall time (a shared, busy box)
 CLOCK_WRAPPER=""
 [ "${SCHED_CLOCK:-wall}" = thread ] && CLOCK_WRAPPER=benchmarks/probes/thread_clock.py
-echo "# $(date -u +%FT%TZ) host=$(hostname) cpus=$(nproc) python=$PY reps=$REPS clock=${SCHED_CLOCK:-wall}" | tee "$OUT.log"
+# SCHED_GC=engine: the collector state vLLM's EngineCore leaves (freeze_gc_heap after building the Scheduler),
+# so the ~95 measured steps do not depend on each mode's start-up allocations (benchmarks/probes/engine_gc.py)
+[ "${SCHED_GC:-tool}" = engine ] && CLOCK_WRAPPER="$CLOCK_WRAPPER benchmarks/probes/engine_gc.py"
+echo "# $(date -u +%FT%TZ) host=$(hostname) cpus=$(nproc) python=$PY reps=$REPS clock=${SCHED_CLOCK:-wall}" \
+  "gc=${SCHED_GC:-tool}" | tee "$OUT.log"
 for rep in $(seq 1 "$REPS"); do
   for mode in "${MODES[@]}"; do
     line=$("$PY" ${CLOCK_WRAPPER} "$TOOL" "$mode" 2>/dev/null | grep '^RESULT ' | sed 's/^RESULT //')

@@ -152,13 +152,17 @@ def test_key_node_finds_the_owner_from_any_seed_without_a_cluster_map(redis_clus
         try:
             made = len(gc.get_objects()) - before
             assert made < 2000, made  # a RedisCluster client makes ~20,000
-            writer.write(make_keys(4, b"k"), [-1] * 4, random_rows(4))
+            keys = make_keys(4, b"k")
+            writer.write(keys, [-1] * 4, random_rows(4))
+            writer.delete(keys[1:2])
             assert feed.caught_up.wait(10)
-            deadline, got = time.monotonic() + 10, []
-            while len(got) < 4 and time.monotonic() < deadline:
-                got += feed.take()[0]
+            deadline, got, gone = time.monotonic() + 10, [], []
+            while (len(got) < 4 or not gone) and time.monotonic() < deadline:
+                stored, removed = feed.take()  # the feed's raw replies: flat field lists, stored and removed
+                got += stored
+                gone += removed
                 time.sleep(0.02)
-            assert got == make_keys(4, b"k")
+            assert got == keys and gone == keys[1:2] and feed.entries == 2
         finally:
             feed.close()
     finally:

@@ -63,6 +63,7 @@ class PresenceFeed:
         self.client = client
         self.settings = client.settings if client is not None else settings
         self._node = node  # standalone: a redis.Redis to the stream's node (None: find it)
+        self._conn = None  # standalone: the one connection of _node the feed reads on
         self.stream = stream
         # the blocking read must end before the socket's own timeout would cut it
         self.block_ms = max(10, min(block_ms, int(self.settings.op_timeout_s * 1000 / 2)))
@@ -101,24 +102,37 @@ class PresenceFeed:
         return cls(None, stream, settings=settings, node=key_node(settings, stream), **kw)
 
     def _read(self, block: int | None):
-        """One ``XREAD`` from the last id; False when the stream's node could not answer."""
+        """One ``XREAD`` from the last id: the reply (None: nothing new), or False when the stream's node could not
+        answer. Standalone, the command goes out on the feed's own connection and the reply comes back as Redis
+        sent it (hiredis' lists, no redis-py dict per entry): a third of the CPU time of ``Redis.xread`` per read,
+        time this thread holds the GIL that vLLM's scheduler thread wants."""
         if self.client is not None:
             return self.client.call(lambda rc: rc.xread({self.stream: self._last}, count=self.batch, block=block),
                                     default=False)
         from redis.exceptions import RedisError  # noqa: PLC0415
 
         try:
-            if self._node is None:  # the stream's node failed or moved: find it again
-                self._node = key_node(self.settings, self.stream)
+            if self._conn is None:  # the stream's node failed or moved: find it again
                 if self._node is None:
-                    return False
-            return self._node.xread({self.stream: self._last}, count=self.batch, block=block)
-        except (RedisError, OSError, TieredKVError) as exc:
+                    self._node = key_node(self.settings, self.stream)
+                    if self._node is None:
+                        return False
+                self._conn = self._node.connection_pool.get_connection()
+            wait = () if block is None else ("BLOCK", block)
+            self._conn.send_command("XREAD", "COUNT", self.batch, *wait, "STREAMS", self.stream, self._last)
+            return self._conn.read_response()
+        except (RedisError, OSError, TieredKVError) as exc:  # MOVED after a failover is a RedisError too
             log.info("remote tier: presence feed: %s; retrying", exc)
-            if self._node is not None:
-                self._node.close()
-            self._node = None
+            self._drop_node()
             return False
+
+    def _drop_node(self) -> None:
+        if self._conn is not None:
+            self._conn.disconnect()
+            self._conn = None
+        if self._node is not None:
+            self._node.close()
+            self._node = None
 
     def _run(self) -> None:
         retry = self.settings.retry_after_s
@@ -129,9 +143,12 @@ class PresenceFeed:
                 self._stop.wait(retry)
                 continue
             got, stored, removed = 0, [], []
-            for _, entries in (res or []):
+            # the reply: {stream: entries} or [[stream, entries]]; an entry: [id, fields], its fields a flat
+            # [name, value, ...] list as Redis sends it, or a dict (redis-py's parsed reply, through a ClusterClient)
+            for entries in (res.values() if isinstance(res, dict) else [e for _, e in res]) if res else ():
                 for entry_id, fields in entries:
-                    for f, v in fields.items():
+                    pairs = fields.items() if isinstance(fields, dict) else zip(fields[::2], fields[1::2])
+                    for f, v in pairs:
                         tag = f[:1]
                         if tag == STORED:
                             stored.append(v)
@@ -153,5 +170,5 @@ class PresenceFeed:
         """Stop the thread (returns within one blocking read). Idempotent."""
         self._stop.set()
         self._thread.join(timeout=self.block_ms / 1000 + self.settings.op_timeout_s + 1)
-        if self._node is not None and not self._thread.is_alive():
-            self._node.close()
+        if not self._thread.is_alive():
+            self._drop_node()
