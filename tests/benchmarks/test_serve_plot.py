@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import glob
 import importlib.util
+import statistics
 
 import pytest
 
@@ -20,10 +21,16 @@ def test_curves_are_the_summaries_ttft_medians_by_concurrency():
         assert [c for c, *_ in pts] == [1, 8, 32], (mode, pts)  # warm left out, sorted by concurrency
         for _, med, lo, hi in pts:
             assert lo <= med <= hi
-    # the first H200 run (docs/benchmarks.md): tiered 340.3 ms vs offloading 281.2 ms at c32 on 8B
-    assert dict((c, m) for c, m, _, _ in cur["tiered"])[32] == pytest.approx(340.3, abs=0.1)
-    assert dict((c, m) for c, m, _, _ in cur["offloading"])[32] == pytest.approx(281.2, abs=0.1)
-
+    # every point is the median over the file's engine starts of that phase's TTFT p50, recomputed here from
+    # the raw starts (so the test follows whichever H200 run docs/results holds)
+    starts = by_shape["llama3-8b"]["starts"]
+    for mode in ("tiered", "offloading"):
+        raw = [ph["ttft_ms"]["p50"] for st in starts if st["mode"] == mode and st.get("status") == "ok"
+               for rep in st["repeats"] for ph in rep["phases"] if ph["name"] == "c32" and not ph.get("truncated")]
+        assert raw, mode
+        assert dict((c, m) for c, m, _, _ in cur[mode])[32] == pytest.approx(statistics.median(raw), abs=0.01)
+        lo_hi = [(lo, hi) for c, _, lo, hi in cur[mode] if c == 32][0]
+        assert lo_hi == pytest.approx((min(raw), max(raw)), abs=0.01)
 
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib not installed (.[bench])")
 def test_one_png_with_a_panel_per_shape(tmp_path, capsys):
