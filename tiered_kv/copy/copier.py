@@ -34,7 +34,7 @@ path is synchronous.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -202,15 +202,16 @@ class BlockCopier:
         mech = self._gpu.decide(n, forced).mechanism  # raises if the mechanism cannot run here
         results = [CopyResult(mech, False, n, n * size, n * (b - a)) for (a, b), size in zip(spans, sizes)]
         planned = self._gpu.plan_groups(ids, slots, False, spans)  # here: the submitter only calls the driver
-        caller = torch.cuda.Event()
-        caller.record(stream if stream is not None else torch.cuda.current_stream(self.layout.device))
-        side = self._side_stream(False)
-        job = lambda: self._submit_groups(mech, planned, caller, side, results)  # noqa: E731
-        if self._threaded:
-            self._submitter(False).put(job)
-        else:
-            job()
-        return results
+
+        def body(side: torch.cuda.Stream) -> None:
+            def landed(g: int, descriptors: int) -> None:
+                done = torch.cuda.Event()
+                done.record(side)
+                results[g]._finish(done, descriptors=descriptors)
+
+            self._gpu.submit_groups(mech, planned, side, landed)
+
+        return self._launch_load(stream, results, body)
 
     def cpu_to_gpu_many(
         self,
@@ -268,34 +269,21 @@ class BlockCopier:
         results = [CopyResult(Mechanism.STAGED if staged else p.mechanism, False, int(ids.numel()),
                               int(ids.numel()) * self.layout.block_nbytes, 0 if staged else p.descriptors)
                    for (ids, _), p in zip(checked, plans)]
-        caller = torch.cuda.Event()
-        caller.record(stream if stream is not None else torch.cuda.current_stream(self.layout.device))
-        side = self._side_stream(False)
 
-        def job() -> None:
-            try:
-                side.wait_event(caller)
-                for (ids, slots), plan, res in zip(checked, plans, results):
-                    if timing:
-                        res.start = torch.cuda.Event(enable_timing=True)
-                        res.start.record(side)
-                    if staged:
-                        ops = self._staged_loader().load(ids, slots, whole, side, lambda g, o: None)
-                    else:
-                        ops = self._gpu.submit(plan, ids, slots, False, side)
-                    done = torch.cuda.Event(enable_timing=timing)
-                    done.record(side)
-                    res._finish(done, descriptors=ops)
-            except Exception as exc:  # noqa: BLE001 - reported through every unfinished result
-                for res in results:
-                    if not res._submitted.is_set():
-                        res._finish(None, exc)
+        def body(side: torch.cuda.Stream) -> None:
+            for (ids, slots), plan, res in zip(checked, plans, results):
+                if timing:
+                    res.start = torch.cuda.Event(enable_timing=True)
+                    res.start.record(side)
+                if staged:
+                    ops = self._staged_loader().load(ids, slots, whole, side, lambda g, o: None)
+                else:
+                    ops = self._gpu.submit(plan, ids, slots, False, side)
+                done = torch.cuda.Event(enable_timing=timing)
+                done.record(side)
+                res._finish(done, descriptors=ops)
 
-        if self._threaded:
-            self._submitter(False).put(job)
-        else:
-            job()
-        return results
+        return self._launch_load(stream, results, body)
 
     def _staged_grouped(self, ids: torch.Tensor, slots: torch.Tensor, spans: list[tuple[int, int]], sizes: list[int],
                         stream: torch.cuda.Stream | None) -> list[CopyResult] | None:
@@ -322,19 +310,30 @@ class BlockCopier:
 
             loader.load(ids, slots, spans, None, landed_cpu)
             return results
+
+        def body(side: torch.cuda.Stream) -> None:
+            def landed(g: int, ops: int) -> None:
+                done = torch.cuda.Event()
+                done.record(side)
+                results[g]._finish(done, descriptors=ops)
+
+            loader.load(ids, slots, spans, side, landed)
+
+        return self._launch_load(stream, results, body)
+
+    def _launch_load(self, stream: torch.cuda.Stream | None, results: list[CopyResult],
+                     body: Callable[[torch.cuda.Stream], None]) -> list[CopyResult]:
+        """Run ``body(side)`` for a load on the load direction's side stream, after the work queued so far
+        on ``stream`` (the caller's; default the current one), on the submitter thread when there is one.
+        An error finishes every result ``body`` had not finished with it. Returns ``results``."""
         caller = torch.cuda.Event()
         caller.record(stream if stream is not None else torch.cuda.current_stream(self.layout.device))
         side = self._side_stream(False)
 
-        def landed(g: int, ops: int) -> None:
-            done = torch.cuda.Event()
-            done.record(side)
-            results[g]._finish(done, descriptors=ops)
-
         def job() -> None:
             try:
                 side.wait_event(caller)
-                loader.load(ids, slots, spans, side, landed)
+                body(side)
             except Exception as exc:  # noqa: BLE001 - reported through every unfinished result
                 for res in results:
                     if not res._submitted.is_set():
@@ -350,24 +349,6 @@ class BlockCopier:
         if self._staged is None:
             self._staged = StagedLoader(self.layout, self.slab, self._staging_bytes)
         return self._staged
-
-    def _submit_groups(self, mech: Mechanism, planned: list, caller: torch.cuda.Event, side: torch.cuda.Stream,
-                       results: list[CopyResult]) -> None:
-        """Runs on the submitter thread: each group's runs, then that group's event."""
-        assert self._gpu is not None
-
-        def landed(g: int, descriptors: int) -> None:
-            done = torch.cuda.Event()
-            done.record(side)
-            results[g]._finish(done, descriptors=descriptors)
-
-        try:
-            side.wait_event(caller)
-            self._gpu.submit_groups(mech, planned, side, landed)
-        except Exception as exc:  # noqa: BLE001 - reported through every unfinished result
-            for res in results:
-                if not res._submitted.is_set():
-                    res._finish(None, exc)
 
     def copy_plain(self, gpu_block_ids: BlockIds, cpu_slots: BlockIds, *, to_cpu: bool) -> None:
         """Copy blocks and slots with plain torch indexing on the caller's thread, and wait for it.
