@@ -327,3 +327,18 @@ def test_an_acl_user_limited_to_its_prefix_and_commands_is_enough(redis_cluster,
         tier.close()
         for i in range(3):
             redis_cluster.cli(i, "acl", "deluser", "tkv-test")
+
+
+def test_an_acl_user_without_a_needed_command_fails_at_start_up_not_silently(redis_cluster, monkeypatch):
+    """An ACL user that may not run EXISTS (the node lookup's probe) is a clear ``ConfigError`` at once, not a feed
+    that retries forever while the fleet's blocks stay invisible."""
+    rules = [r for r in ACL_RULES if r != "+exists"]
+    for i in range(3):
+        redis_cluster.cli(i, "acl", "setuser", "tkv-noexists", *rules)
+    monkeypatch.setenv("TKV_ACL_PW", "tkv-acl-secret")
+    try:
+        with pytest.raises(ConfigError, match="tkv-noexists.*ACL line in docs/remote.md"):
+            key_node(settings(redis_cluster, user="tkv-noexists", password_env="TKV_ACL_PW"), b"tkv:any-stream")
+    finally:
+        for i in range(3):
+            redis_cluster.cli(i, "acl", "deluser", "tkv-noexists")

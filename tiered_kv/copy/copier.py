@@ -335,9 +335,13 @@ class BlockCopier:
                 side.wait_event(caller)
                 body(side)
             except Exception as exc:  # noqa: BLE001 - reported through every unfinished result
+                # part of a failed load may already be queued on ``side``: its result turns done only once
+                # that part has landed, so its blocks are never handed back while a DMA still writes them
+                queued = torch.cuda.Event()
+                queued.record(side)
                 for res in results:
                     if not res._submitted.is_set():
-                        res._finish(None, exc)
+                        res._finish(queued, exc)
 
         if self._threaded:
             self._submitter(False).put(job)

@@ -62,13 +62,16 @@ class CopyResult:
         """True once the copy has landed or has failed (see ``error``); never blocks."""
         if not self._submitted.is_set():
             return False
-        return self.error is not None or self.event is None or self.event.query()
+        # a failed copy may have queued part of its work before the error: done once that has landed too
+        return self.event is None or self.event.query()
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the copy has landed; raise ``CopyLaunchError`` if it failed or ``TimeoutError``."""
         if not self._submitted.wait(timeout):
             raise TimeoutError(f"copy of {self.num_blocks} blocks not submitted within {timeout} s")
         if self.error is not None:
+            if self.event is not None:  # what the failed copy had queued lands before anyone reuses its blocks
+                self.event.synchronize()
             raise CopyLaunchError(f"copy of {self.num_blocks} blocks failed: {self.error}") from self.error
         if self.event is not None:
             self.event.synchronize()

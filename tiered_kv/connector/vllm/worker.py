@@ -275,7 +275,9 @@ class WorkerRuntime:
         if self._cuda:
             self.cpu.wait_pinned()  # the copy path needs page-locked rows
         # The copiers address blocks: each group's plane holds its block rows.
-        self.copiers = [BlockCopier(kv, plane) for kv, plane in zip(kvs, self.planes)]
+        # one staging cap for every staged load (in-step and asynchronous ones): load_staging_bytes
+        self.copiers = [BlockCopier(kv, plane, staging_bytes=self.cfg.load_staging_bytes)
+                        for kv, plane in zip(kvs, self.planes)]
         self.copier = self.copiers[0]
         if self.cfg.load_mode != "async":
             self.in_step = InStepLoader([(kv, plane, g.layer_names) for kv, plane, g in

@@ -178,12 +178,19 @@ def _dump(idx: Path) -> None:
 def main(argv: list[str]) -> int:
     """Script entry: walk ``argv[0]`` and print one JSON line; exit 0 when sound, 3 when damaged.
     With ``--dump`` first, print what can be salvaged instead (``_dump``). ``--lmdb-from DIR`` before
-    either puts ``DIR`` first on ``sys.path``; exit 4 when ``lmdb`` cannot be imported (no check ran)."""
+    either adds ``DIR`` at the end of ``sys.path`` when ``lmdb`` is not importable without it; exit 4 when
+    ``lmdb`` cannot be imported (no check ran)."""
+    lmdb_from = None
     if argv[:1] == ["--lmdb-from"] and len(argv) > 1:
-        sys.path.insert(0, argv[1])
-        argv = argv[2:]
+        lmdb_from, argv = argv[1], argv[2:]
     try:
-        import lmdb  # noqa: F401
+        try:
+            import lmdb  # noqa: F401
+        except ImportError:
+            if lmdb_from is None:
+                raise
+            sys.path.append(lmdb_from)  # after the standard library: nothing there shadows it
+            import lmdb  # noqa: F401,F811
     except ImportError as exc:
         sys.stdout.write(json.dumps({"ok": False, "error": f"cannot import lmdb: {exc}"}) + "\n")
         sys.stdout.flush()

@@ -342,7 +342,8 @@ def key_node(settings: RemoteSettings, key: bytes, max_redirects: int = 3):
     (``RemoteUnavailableError``).
     """
     import redis  # noqa: PLC0415
-    from redis.exceptions import AskError, AuthenticationError, RedisError, ResponseError  # noqa: PLC0415
+    from redis.exceptions import (AskError, AuthenticationError, NoPermissionError, RedisError,  # noqa: PLC0415
+                                  ResponseError)
 
     from redis.backoff import NoBackoff  # noqa: PLC0415
     from redis.retry import Retry  # noqa: PLC0415
@@ -363,6 +364,11 @@ def key_node(settings: RemoteSettings, key: bytes, max_redirects: int = 3):
             except AuthenticationError as exc:
                 conn.close()
                 raise startup_error(settings, exc) from None
+            except NoPermissionError as exc:  # the ACL user lacks a command: retrying never helps, say so now
+                conn.close()
+                raise ConfigError(f"remote tier: Redis ACL user {settings.user or 'default'!r} may not run a command "
+                                  f"the remote tier needs ({exc}); give it the commands of the ACL line in docs/remote.md "
+                                  f"(Security)") from None
             except ResponseError as exc:  # CLUSTERDOWN and the like: the cluster is there, the slot is not now
                 conn.close()
                 last, answered = exc, True
