@@ -39,8 +39,9 @@ def salvage(idx: Path, timeout: float = 300.0) -> tuple[dict, list[tuple[bytes, 
         r = subprocess.run(check.child_command("--dump", str(idx)), capture_output=True, timeout=timeout)
         out = r.stdout
         if r.returncode == check.NO_LMDB_EXIT:  # nothing was read: refuse before anything is moved aside
-            raise ConfigError(f"{str(idx)!r}: the salvage process cannot import lmdb ({out.decode(errors='replace')"
-                              f".strip()}); install lmdb for {sys.executable} and run the repair again")
+            why = out.decode(errors="replace").strip()
+            raise ConfigError(f"{str(idx)!r}: the salvage process cannot import lmdb ({why}); install lmdb for "
+                              f"{sys.executable} and run the repair again")
     except subprocess.TimeoutExpired as exc:
         out = exc.stdout or b""
     meta: dict = {}
