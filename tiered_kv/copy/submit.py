@@ -69,12 +69,10 @@ class CopyResult:
         """Block until the copy has landed; raise ``CopyLaunchError`` if it failed or ``TimeoutError``."""
         if not self._submitted.wait(timeout):
             raise TimeoutError(f"copy of {self.num_blocks} blocks not submitted within {timeout} s")
-        if self.error is not None:
-            if self.event is not None:  # what the failed copy had queued lands before anyone reuses its blocks
-                self.event.synchronize()
-            raise CopyLaunchError(f"copy of {self.num_blocks} blocks failed: {self.error}") from self.error
-        if self.event is not None:
+        if self.event is not None:  # a failed copy's event: what it had queued lands before anyone reuses its blocks
             self.event.synchronize()
+        if self.error is not None:
+            raise CopyLaunchError(f"copy of {self.num_blocks} blocks failed: {self.error}") from self.error
 
     def wait_on(self, stream: torch.cuda.Stream) -> None:
         """Make ``stream`` wait for the copy (blocks the host only until it is submitted, not until it lands)."""

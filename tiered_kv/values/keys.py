@@ -71,7 +71,6 @@ class Namespace:
         h.update(engine_hash)
         return self.prefix + h.digest()
 
-
     def keys(self, engine_hashes: Sequence[bytes]) -> list[bytes]:
         """``[self.key(h) for h in engine_hashes]`` with the per-key attribute lookups hoisted (the vLLM
         scheduler names every new chunk of a prefill in one call)."""

@@ -142,7 +142,6 @@ class ConnectorConfig(RemoteKeys):
                               f"at most 10 times a second), got {self.remote_feed_interval_s!r}")
         self.check_remote_keys()
 
-
     @classmethod
     def valid_keys(cls) -> list[str]:
         """Names accepted in ``kv_connector_extra_config``."""

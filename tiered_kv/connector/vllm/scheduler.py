@@ -900,10 +900,14 @@ class SchedulerPlanner:
             for g in gpu_ids:
                 busy[g] = job_id
         except IndexError:  # a block id past the list: grow it to the largest one and store them all
-            busy.extend([0] * (max(gpu_ids) + 1 - len(busy)))
+            self._cover(gpu_ids)
             for g in gpu_ids:
                 busy[g] = job_id
         self._published.add(job_id)
+
+    def _cover(self, ids: list[int]) -> None:
+        """Grow ``_gpu_busy`` (0: no job) so that every block id in ``ids`` indexes it."""
+        self._gpu_busy.extend([0] * (max(ids) + 1 - len(self._gpu_busy)))
 
     def _busy_jobs(self, ids: list[int]) -> set[int]:
         """The published in-flight jobs touching any of the GPU blocks ``ids``."""
@@ -911,7 +915,7 @@ class SchedulerPlanner:
         try:
             hit = set(itemgetter(*ids)(busy)) if len(ids) > 1 else {busy[ids[0]]}
         except IndexError:  # an id past every published block (not busy): grow the list to cover it, look again
-            busy.extend([0] * (max(ids) + 1 - len(busy)))
+            self._cover(ids)
             hit = set(itemgetter(*ids)(busy)) if len(ids) > 1 else {busy[ids[0]]}
         hit.discard(0)
         return hit

@@ -341,8 +341,7 @@ class Budget:
             if len(k) < _LEASE.size:
                 stale.append(k)
                 continue
-            pid, _ = _LEASE.unpack(k[-_LEASE.size:])
-            if _EXPIRY.unpack(bytes(v))[0] <= now or not pid_alive(pid):
+            if not _lease_live(k[-_LEASE.size:], v, now):
                 stale.append(k)
         for k in stale:
             txn.delete(k, db=self.db["leases"])
@@ -363,8 +362,7 @@ class Budget:
                 break
             if len(k) != want:
                 continue
-            pid, _ = _LEASE.unpack(k[len(key):])
-            if _EXPIRY.unpack(bytes(v))[0] > now_ns and pid_alive(pid):
+            if _lease_live(k[len(key):], v, now_ns):
                 live = True
                 break
             stale.append(k)
@@ -374,6 +372,13 @@ class Budget:
             except lmdb.ReadonlyError:
                 break
         return live
+
+
+def _lease_live(tail: bytes, value: bytes, now_ns: int) -> bool:
+    """Whether the lease whose key ends in ``tail`` (pid, sequence) and holds ``value`` (its expiry) still holds:
+    not expired at ``now_ns`` and its process alive."""
+    pid, _ = _LEASE.unpack(tail)
+    return _EXPIRY.unpack(bytes(value))[0] > now_ns and pid_alive(pid)
 
 
 def claim_value(owner: bytes) -> bytes:
