@@ -247,6 +247,19 @@ def _disk_engine(model_dir, tmp_path, **kw):
     return Engine.create(model_dir, extra, max_batched=64, **kw)
 
 
+def _first_engine(model_dir, tmp_path, extra, name, seed):
+    """A first engine on the disk path runs one 12-block (+3 tokens) prompt and closes. Returns the request's turn-2
+    prompt, the scheduler's ``resident_disk`` before the close, and rank 0's disk directory."""
+    first = _disk_engine(model_dir, tmp_path, extra=extra)
+    try:
+        a = first.add(name, prompt(seed, 12 * BS + 3), max_tokens=2)
+        first.run()
+        first.settle()
+        return turn2(first, a), first.connector.stats()["resident_disk"], first.workers[0].connector.worker.disk.path
+    finally:
+        first.close()
+
+
 @pytest.mark.parametrize("async_sched", [False, True], ids=["sync", "async"])
 def test_working_set_larger_than_cpu_comes_back_from_disk(model_dir, tmp_path, async_sched):
     eng = _disk_engine(model_dir, tmp_path, async_sched=async_sched)
@@ -273,15 +286,8 @@ def test_working_set_larger_than_cpu_comes_back_from_disk(model_dir, tmp_path, a
 def test_restart_hits_blocks_written_by_previous_engine(model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONHASHSEED", "0")  # what makes vLLM 0.26's block hashes stable across starts
     extra = {"write_policy": "write_through"}
-    first = _disk_engine(model_dir, tmp_path, extra=extra)
-    try:
-        a = first.add("old", prompt(4, 12 * BS + 3), max_tokens=2)
-        first.run()
-        first.settle()
-        assert first.connector.stats()["resident_disk"] == 3
-        conv = turn2(first, a)
-    finally:
-        first.close()
+    conv, resident, _ = _first_engine(model_dir, tmp_path, extra, "old", 4)
+    assert resident == 3
     second = _disk_engine(model_dir, tmp_path, extra=extra)  # new connectors, same disk path
     try:
         assert second.connector.stats()["resident_disk"] == 3  # adopted at start-up
@@ -302,15 +308,8 @@ def test_shared_disk_budget_keeps_two_models_apart(model_dir, tmp_path, monkeypa
     tokens (a foreign namespace's block is a miss), and the first one's chunks survive the second's run."""
     monkeypatch.setenv("PYTHONHASHSEED", "0")
     extra = {"write_policy": "write_through", "disk_budget": "shared"}
-    first = _disk_engine(model_dir, tmp_path, extra={**extra, "model_id": "model-a"})
-    try:
-        a = first.add("a", prompt(4, 12 * BS + 3), max_tokens=2)
-        first.run()
-        first.settle()
-        assert first.connector.stats()["resident_disk"] == 3
-        conv = turn2(first, a)
-    finally:
-        first.close()
+    conv, resident, _ = _first_engine(model_dir, tmp_path, {**extra, "model_id": "model-a"}, "a", 4)
+    assert resident == 3
     other = _disk_engine(model_dir, tmp_path, extra={**extra, "model_id": "model-b"})
     try:
         assert other.connector.stats()["resident_disk"] == 0  # model-a's chunks are not adopted
@@ -375,15 +374,7 @@ def test_damaged_disk_index_is_moved_aside_and_the_engine_serves_on(model_dir, t
     prompt is recomputed (verified bit-exact by the harness) and stored again."""
     monkeypatch.setenv("PYTHONHASHSEED", "0")
     extra = {"write_policy": "write_through"}
-    first = _disk_engine(model_dir, tmp_path, extra=extra)
-    try:
-        a = first.add("old", prompt(6, 12 * BS + 3), max_tokens=2)
-        first.run()
-        first.settle()
-        rank_dir = first.workers[0].connector.worker.disk.path
-        conv = turn2(first, a)
-    finally:
-        first.close()
+    conv, _, rank_dir = _first_engine(model_dir, tmp_path, extra, "old", 6)
     with open(rank_dir / "index" / "data.mdb", "r+b") as f:
         f.write(bytes(2 * 4096))
     with caplog.at_level(logging.ERROR):
