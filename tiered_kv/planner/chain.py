@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from tiered_kv.errors import ConfigError, InvalidInputError
 from tiered_kv.planner.counters import ChainCounters, TierCounters
@@ -42,29 +41,18 @@ __all__ = ["ChainCounters", "TierChain", "TierCounters", "TierSpec"]
 Jobs = list[TransferJob]
 
 
-@dataclass
 class _Handle:
-    kind: str
-    n: int
-    pending: int
-    ok: list[bool] = field(default_factory=list)
-    hits: int = 0
+    """One caller request's items still in flight; ``ok`` (per item) is made at the first item's outcome."""
+
+    __slots__ = ("kind", "n", "pending", "ok")
+
+    def __init__(self, kind: str, n: int) -> None:
+        self.kind, self.n, self.pending = kind, n, n
+        self.ok: list[bool] | None = None
 
 
-class _HandleItems:
-    """The ``ctx`` of a job whose item ``i`` is item ``i`` of one handle: ``(handle, i)`` on demand.
-
-    The bulk put path's jobs use it instead of a list of n tuples: fewer objects for Python's
-    garbage collector to count on vLLM's scheduler thread.
-    """
-
-    __slots__ = ("handle",)
-
-    def __init__(self, handle: int) -> None:
-        self.handle = handle
-
-    def __getitem__(self, i: int) -> tuple[int, int]:
-        return (self.handle, i)
+#: ``src_slots`` of a bulk put's one job (item i from caller index i), shared per length: immutable
+_ITEMS: dict[int, tuple[int, ...]] = {}
 
 
 class TierChain:
@@ -86,7 +74,11 @@ class TierChain:
         n = len(specs)
         self.index = BlockIndex(n)
         self.policies: list[EvictionPolicy] = [make_policy(eviction) for _ in specs]
-        self._jobs: dict[int, tuple[TransferJob, list]] = {}
+        # in-flight jobs, and per job the context of each item: a list (a tuple per item, or None), or for a bulk
+        # put's one job the handle's id, an int, whose item i is the handle's item i. Two dicts, no pair per job:
+        # on vLLM's scheduler thread every object that outlives a step makes the garbage collector run sooner.
+        self._jobs: dict[int, TransferJob] = {}
+        self._ctx: dict[int, list | int] = {}
         self._job_ids = itertools.count(1)
         self._handles: dict[int, _Handle] = {}
         self._finished: list[tuple[int, object]] = []
@@ -155,8 +147,7 @@ class TierChain:
 
     def job(self, job_id: int) -> TransferJob | None:
         """The in-flight job with this id, or None once it completed."""
-        entry = self._jobs.get(job_id)
-        return None if entry is None else entry[0]
+        return self._jobs.get(job_id)
 
     def inflight(self) -> int:
         """Jobs issued and not yet completed."""
@@ -185,18 +176,24 @@ class TierChain:
 
     # ------------------------------------------------------------------ requests
     def put(self, keys: Sequence[bytes], handle: int) -> Jobs:
-        """Plan storing ``keys`` from the caller's buffer (item i = buffer index i) into the put tier."""
+        """Plan storing ``keys`` from the caller's buffer (item i = buffer index i) into the put tier.
+
+        A job may keep ``keys`` itself when it is a list: the caller must not change it afterwards."""
         t = self.placement.put_tier
         n = len(keys)
         h = self._open(handle, "put", n)
         room = self.room
-        # the common case (new prompt blocks, room for all): one job, no per-key calls
+        # the common case (new prompt blocks, room for all): one job, no per-key calls; a list of keys is kept as
+        # the job's (no copy), its items are a shared tuple, and its items' context is the handle id itself
         if n and self.index.holds_none_of(keys) and len(set(keys)) == n \
                 and (slots := room.take_run(t, n)) is not None:
             self.counters.blocks_in += n
             self.index.add_new_many(keys, t, slots, CopyState.WRITING)
-            items = list(range(n))
-            return [self._job(JobKind.INGRESS, EXT, t, list(keys), items, slots, handle, _HandleItems(handle))]
+            items = _ITEMS.get(n)
+            if items is None:
+                items = _ITEMS[n] = tuple(range(n))
+            keys = keys if keys.__class__ is list else list(keys)
+            return [self._job(JobKind.INGRESS, EXT, t, keys, items, slots, handle, handle)]
         jobs: Jobs = []
         batch: list[tuple[int, bytes, int]] = []  # (item, key, slot) ready to write now
         index = self.index
@@ -330,13 +327,15 @@ class TierChain:
     # ------------------------------------------------------------------ completions
     def complete(self, done: Completion) -> Jobs:
         """Apply a job's completion; returns the jobs it unblocked."""
-        job, ctx = self._jobs.pop(done.job_id)
+        job = self._jobs.pop(done.job_id)
+        ctx = self._ctx.pop(done.job_id)
+        whole = ctx.__class__ is int  # a bulk put's job: item i is item i of handle ``ctx``
         jobs: Jobs = []
         for i, key in enumerate(job.keys):
             ok = bool(done.ok[i]) if i < len(done.ok) else False
             bad = bool(done.corrupt[i]) if i < len(done.corrupt) else False
             gone = bool(done.missing[i]) if i < len(done.missing) else False
-            jobs += self._complete_item(job, key, ok, bad, ctx[i], gone and not ok)
+            jobs += self._complete_item(job, key, ok, bad, (ctx, i) if whole else ctx[i], gone and not ok)
         if done.evicted:  # a governed destination made room by dropping other records
             self.tier_counters[job.dst_tier].evictions += len(done.evicted)
             jobs += self.forget(job.dst_tier, done.evicted)
@@ -405,7 +404,7 @@ class TierChain:
 
     # ------------------------------------------------------------------ internals
     def _open(self, handle: int, kind: str, n: int) -> _Handle:
-        h = _Handle(kind, n, n, [False] * n)
+        h = _Handle(kind, n)
         self._handles[handle] = h
         return h
 
@@ -413,6 +412,8 @@ class TierChain:
         h = self._handles.get(handle)
         if h is None:
             return
+        if h.ok is None:
+            h.ok = [False] * h.n
         h.ok[item] = ok
         h.pending -= 1
         self._maybe_finish(handle, h)
@@ -421,10 +422,11 @@ class TierChain:
         if h.pending > 0 or self._handles.get(handle) is not h:
             return
         del self._handles[handle]
+        done = h.ok if h.ok is not None else [False] * h.n  # (n == 0: no item ever reported)
         if h.kind == "put":
-            result: object = list(h.ok)
+            result: object = list(done)
         else:
-            result = next((i for i, ok in enumerate(h.ok) if not ok), h.n)
+            result = next((i for i, ok in enumerate(done) if not ok), h.n)
         self._finished.append((handle, result))
 
     def _refuse_put(self, handle: int, item: int, tier: int) -> None:
@@ -456,10 +458,11 @@ class TierChain:
             return []
         return self._promote(key, src, src - 1, ctx)
 
-    def _job(self, kind: JobKind, src: int, dst: int, keys: list[bytes], src_slots: list[int],
-             dst_slots: list[int], handle: int, ctx: list) -> TransferJob:
+    def _job(self, kind: JobKind, src: int, dst: int, keys: list[bytes], src_slots: Sequence[int],
+             dst_slots: list[int], handle: int, ctx: list | int) -> TransferJob:
         job = TransferJob(next(self._job_ids), kind, src, dst, keys, src_slots, dst_slots, handle)
-        self._jobs[job.job_id] = (job, ctx)
+        self._jobs[job.job_id] = job
+        self._ctx[job.job_id] = ctx
         return job
 
     def _block_job(self, kind: JobKind, src: int, dst: int, key: bytes, src_slot: int, dst_slot: int) -> TransferJob:

@@ -43,6 +43,8 @@ class TransferJob:
 
     ``keys[i]`` moves from ``src_slots[i]`` in ``src_tier`` to ``dst_slots[i]`` in
     ``dst_tier``. Slots are ``NO_SLOT`` for keyed tiers (the disk tier finds records by key).
+    A job's lists are never changed once it is planned; ``src_slots`` may be a tuple (a bulk put's
+    items ``0..n-1``, shared between jobs).
     """
 
     job_id: int
@@ -50,7 +52,7 @@ class TransferJob:
     src_tier: int
     dst_tier: int
     keys: list[bytes]
-    src_slots: list[int]
+    src_slots: list[int] | tuple[int, ...]
     dst_slots: list[int]
     handle: int = 0
 

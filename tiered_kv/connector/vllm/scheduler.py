@@ -139,27 +139,39 @@ class JobReport:
             self.evicted += [k for k in other.evicted if k not in seen]
 
 
-@dataclass
 class _Req:
-    request: object  # vllm.v1.request.Request
-    keys: list[bytes] = field(default_factory=list)  # chunk keys, computed lazily
-    tables: list[list[int]] = field(default_factory=list)  # GPU block ids per group (0: none / freed)
-    stored: int = 0  # leading chunks already offered to the store
-    lookup: tuple[int, int, int] = (0, 0, 0)  # (first chunk, whole chunks, tokens held locally)
-    hit_keys: list[bytes] = field(default_factory=list)  # the keys the last match would load (tail last)
-    hit_tail: int = 0  # blocks of the tail piece after the whole chunks of the last match (0: none)
-    tail_done: bool = False  # the tail piece of this request's stored range was offered
-    seen_tail: tuple[bytes, int] | None = None  # an older turn's tail piece its lookup found: (key, end block)
-    sync: bool = False  # the last match is loaded inside the step (all chunks in the CPU tier)
-    promoting: int = 0  # handle of a disk->CPU promotion this request waits for (several groups)
-    promoted: bool = False  # its promotion ran: take what the CPU tier holds now
+    """What the planner follows of one request. A plain class with ``__slots__`` (one object per request, two
+    lists made only once used): every object that outlives a step brings the garbage collector's next run closer,
+    and on vLLM's scheduler thread that run lands inside a step."""
+
+    __slots__ = ("request", "keys", "tables", "stored", "lookup", "hit_keys", "hit_tail", "tail_done", "seen_tail",
+                 "sync", "promoting", "promoted")
+
+    def __init__(self, request) -> None:
+        self.request = request  # vllm.v1.request.Request
+        self.keys: list[bytes] = []  # chunk keys, computed lazily
+        self.tables: Sequence[list[int]] = ()  # GPU block ids per group (0: none / freed), once allocated
+        self.stored = 0  # leading chunks already offered to the store
+        self.lookup: tuple[int, int, int] = (0, 0, 0)  # (first chunk, whole chunks, tokens held locally)
+        self.hit_keys: Sequence[bytes] = ()  # the keys the last match would load (tail last)
+        self.hit_tail = 0  # blocks of the tail piece after the whole chunks of the last match (0: none)
+        self.tail_done = False  # the tail piece of this request's stored range was offered
+        self.seen_tail: tuple[bytes, int] | None = None  # an older turn's tail piece its lookup found: (key, end)
+        self.sync = False  # the last match is loaded inside the step (all chunks in the CPU tier)
+        self.promoting = 0  # handle of a disk->CPU promotion this request waits for (several groups)
+        self.promoted = False  # its promotion ran: take what the CPU tier holds now
 
 
-@dataclass
 class _Put:
-    gpu: list[int]  # Geometry.slot_blocks GPU block ids per item, flat
-    step: int  # the step the source blocks were last known to hold this KV
-    reqs: tuple[str, ...] = ()  # the requests whose blocks it reads ((): already freed, e.g. on_finish)
+    """One planned store (a ``TierChain.put`` handle): where its items' KV sits on the GPU."""
+
+    __slots__ = ("gpu", "step", "reqs", "holes")
+
+    def __init__(self, gpu: list[int], step: int, reqs: Sequence[str], holes: bool) -> None:
+        self.gpu = gpu  # Geometry.slot_blocks GPU block ids per item, flat
+        self.step = step  # the step the source blocks were last known to hold this KV
+        self.reqs = reqs  # the requests whose blocks it reads ((): already freed, e.g. on_finish)
+        self.holes = holes  # gpu may hold -1 (a block to leave alone); False: every id is a block
 
 
 @dataclass
@@ -268,7 +280,6 @@ class SchedulerPlanner:
         self._published: set[int] = set()  # in-flight jobs whose blocks are in _gpu_busy
         self._req_jobs: dict[str, list[int]] = {}  # request -> its unpublished in-flight jobs (may list ended ones)
         self._routing_req: str | None = None  # the request whose blocks the jobs being routed touch (loads)
-        self._job_kind: dict[int, tuple[JobKind, int]] = {}
         self._fenced_jobs: set[int] = set()  # jobs named in a fence: a store among them may come back cancelled
         self._reports: dict[int, JobReport] = {}
         # disk and remote chunks load only while reading them beats recomputing them (shared with SGLang's backend)
@@ -392,6 +403,10 @@ class SchedulerPlanner:
             tail = self._probe_tail(request, c0 + len(keys), avail // bs, num_computed_tokens // bs, keys, where)
             if tail:  # dropped once this request stores past it (each turn would otherwise leave one behind)
                 st.seen_tail = (keys[-1], (c0 + len(keys) - 1) * self.k + tail)
+        if not where:  # nothing held (a new prompt's usual answer): none of what follows could find a hit
+            log.debug("match %s: computed %d, %d of %d chunks held %s, %d worth loading", request.request_id,
+                      num_computed_tokens, 0, usable, where, 0)
+            return 0
         n = self._worth_loading(where)
         if tail and n < len(where):
             tail = 0  # the tail's tier was declined (or a chunk before it was)
@@ -461,11 +476,14 @@ class SchedulerPlanner:
         lo = max(1, local_blocks - base + 1)
         if hi < lo:
             return 0
-        hashes = request.block_hashes
         prefix = self._tail_prefix
-        best_of = self.chain.index.best
+        index = self.chain.index
+        probes = [prefix + h for h in request.block_hashes[base + lo - 1:base + hi]]  # m = lo..hi
+        if index.holds_none_of(probes):  # the usual answer, in one C-speed pass
+            return 0
+        best_of = index.best
         for m in range(hi, lo - 1, -1):
-            key = prefix + hashes[base + m - 1]
+            key = probes[m - lo]
             best = best_of(key)
             if best is not None:
                 keys.append(key)
@@ -597,6 +615,7 @@ class SchedulerPlanner:
         fences: set[int] = set()
         keys_out: list[bytes] = []
         gpu_out: list[int] = []
+        tails = self.counters.tail_stores  # a tail piece adds -1 ids to gpu_out (one group: the only way)
         eager = self.cfg.store_policy == "eager"
         scheduled = scheduler_output.num_scheduled_tokens
         # Stores planned in an earlier step (waiting for room, granted since, or planned at a
@@ -612,16 +631,24 @@ class SchedulerPlanner:
         writers: list[str] = []  # requests whose blocks this step's store reads
         # One group: a block allocation matters only to re-allocation dates (while watching) and to published
         # in-flight jobs (fences); with neither, decode steps skip the scan of every running request's new blocks.
-        check_alloc = single and (self._watching or bool(self._published))
-        if not single:  # first every block handed out this step: stale table entries go before a store reads them
+        # With either, every block handed out this step is checked in one call (a set of fences, one date each).
+        if single and (self._watching or self._published):
+            gi = self._groups[0].index
+            fresh: list[int] = []
+            for new in scheduler_output.scheduled_new_reqs:
+                fresh += new.block_ids[gi]
+            for new_ids in cached.new_block_ids:
+                if new_ids is not None and new_ids[gi]:
+                    fresh += new_ids[gi]
+            if fresh:
+                self._allocated_now({gi: fresh}, step, fences)
+        elif not single:  # first every block handed out this step: stale table entries go before a store reads them
             for new in scheduler_output.scheduled_new_reqs:
                 self._allocated_now(new.block_ids, step, fences)
             for new_ids in cached.new_block_ids:
                 if new_ids is not None:
                     self._allocated_now(new_ids, step, fences)
         for new in scheduler_output.scheduled_new_reqs:
-            if check_alloc:
-                self._allocated_now(new.block_ids, step, fences)
             st = self._reqs.get(new.req_id)
             if st is None or not eager:
                 continue
@@ -632,10 +659,6 @@ class SchedulerPlanner:
             self._plan_store(st, end, keys_out, gpu_out)
             if len(keys_out) > before:
                 writers.append(new.req_id)
-        if check_alloc:
-            for new_ids in cached.new_block_ids:
-                if new_ids is not None and new_ids[0]:
-                    self._allocated_now(new_ids, step, fences)
         # Decode steps list every running request: visit only those with chunks still to store (prompt-only stores
         # finish with the prefill), in the step's order, found by a C-speed search of the step's list for each.
         todo: list[tuple[int, str]] = []
@@ -645,7 +668,7 @@ class SchedulerPlanner:
                 if rid in req_ids:
                     todo.append((req_ids.index(rid), rid))
             todo.sort()
-        resumed = _resumed_ids(cached) if todo else set()
+        resumed = _resumed_ids(cached) if todo else ()
         for i, rid in todo:
             st = storing[rid]
             new_ids = cached.new_block_ids[i]
@@ -658,7 +681,7 @@ class SchedulerPlanner:
             self._plan_store(st, cached.num_computed_tokens[i] + scheduled.get(rid, 0), keys_out, gpu_out)
             if len(keys_out) > before:
                 writers.append(rid)
-        self._put(keys_out, gpu_out, step, writers)
+        self._put(keys_out, gpu_out, step, writers, not single or self.counters.tail_stores != tails)
         if self._finish_puts:  # planned when their requests finished, i.e. in an earlier step
             first = min(s for _, _, s in self._finish_puts)
             self._put([k for ks, _, _ in self._finish_puts for k in ks],
@@ -668,21 +691,23 @@ class SchedulerPlanner:
         self._drain_finished()
         self.counters.fences += len(fences)
         ext = {j.job_id: self._ext.pop(j.job_id) for j in stores}
-        ext.update((j.job_id, self._ext.pop(j.job_id)) for j in self._early if j.job_id in self._ext)
+        if self._early:
+            ext.update((j.job_id, self._ext.pop(j.job_id)) for j in self._early if j.job_id in self._ext)
         plan = StepPlan(step, self._early, stores, ext, sorted(fences), self._loads, self._load_fail, self._sync,
                         self._sync_fail)
-        if plan.early or plan.stores or plan.fences:
+        if (plan.early or plan.stores or plan.fences) and log.isEnabledFor(logging.DEBUG):
             log.debug("step %d: %d early jobs, %d store jobs (%d keys), %d fences, %d in flight", step,
                       len(plan.early), len(stores), sum(len(j) for j in stores), len(plan.fences),
                       self.chain.inflight())
         self._early, self._loads, self._load_fail, self._sync, self._sync_fail = [], {}, {}, [], []
         return plan
 
-    def _put(self, keys: list[bytes], gpu: list[int], step: int, reqs: Sequence[str] = ()) -> None:
+    def _put(self, keys: list[bytes], gpu: list[int], step: int, reqs: Sequence[str] = (), holes: bool = True) -> None:
+        """Plan storing ``keys`` from ``gpu`` (``holes``: it may hold -1); both lists are kept, not copied."""
         if not keys:
             return
         hid = next(self._handle_ids)
-        self._puts[hid] = _Put(gpu, step, tuple(reqs))
+        self._puts[hid] = _Put(gpu, step, reqs, holes)
         self.counters.store_chunks += len(keys)
         self._route(self.chain.put(keys, hid))
 
@@ -841,12 +866,11 @@ class SchedulerPlanner:
             # a store planned in this step reads blocks computed in this step: valid by construction
             if put is not None and (put.step == self._step or all(alloc.get(g, 0) <= put.step for g in ids)):
                 # planned in this step: its requests still hold the blocks; later: they may have let go since
-                self._track(job.job_id, ids if self._single and -1 not in ids else [g for g in ids if g >= 0],
+                self._track(job.job_id, ids if self._single and not put.holes else [g for g in ids if g >= 0],
                             put.reqs if put.step == self._step else ())
                 out.append(job)
                 continue
             self.counters.stores_dropped_reused += len(job)
-            self._job_kind.pop(job.job_id, None)
             self._ext.pop(job.job_id, None)
             self._route(self.chain.complete(Completion.failed(job, "GPU block re-allocated before the store")))
         return out
@@ -855,7 +879,6 @@ class SchedulerPlanner:
     def _route(self, jobs: Iterable[TransferJob]) -> None:
         """Record each job's GPU side (per item, from its handle) and queue it for the next plan."""
         for job in jobs:
-            self._job_kind[job.job_id] = (job.kind, job.src_tier)
             if job.kind is JobKind.INGRESS:
                 self._ext[job.job_id] = self._items(self._puts[job.handle].gpu, job.src_slots)
                 self._stores.append(job)
@@ -906,8 +929,10 @@ class SchedulerPlanner:
         self._published.add(job_id)
 
     def _cover(self, ids: list[int]) -> None:
-        """Grow ``_gpu_busy`` (0: no job) so that every block id in ``ids`` indexes it."""
-        self._gpu_busy.extend([0] * (max(ids) + 1 - len(self._gpu_busy)))
+        """Grow ``_gpu_busy`` (0: no job) so that every block id in ``ids`` indexes it, to twice that: vLLM hands
+        out fresh block ids in rising order, and each miss costs an exception and a second look."""
+        busy = self._gpu_busy
+        busy.extend([0] * (2 * (max(ids) + 1) - len(busy)))
 
     def _busy_jobs(self, ids: list[int]) -> set[int]:
         """The published in-flight jobs touching any of the GPU blocks ``ids``."""
@@ -966,16 +991,15 @@ class SchedulerPlanner:
         self._drain_finished()
 
     def _complete(self, job_id: int, rep: JobReport) -> None:
-        if self._remote_known and (any(rep.missing) or any(rep.corrupt)):
-            job = self.chain.job(job_id)
-            if job is not None and job.src_tier == self.remote:  # gone from Redis: never adopt it again
-                self._remote_known.difference_update(
-                    k for k, m, c in zip(job.keys, rep.missing or [False] * len(job), rep.corrupt) if m or c)
-        kind_src = self._job_kind.pop(job_id, None)
-        if kind_src is None:
+        job = self.chain.job(job_id)  # every job the chain plans is routed here, and leaves it only completed
+        if job is None:
             log.warning("TieredKVConnector: report for unknown job %d ignored", job_id)
             return
-        kind, src = kind_src
+        if self._remote_known and (any(rep.missing) or any(rep.corrupt)) and job.src_tier == self.remote:
+            # gone from Redis: never adopt it again
+            self._remote_known.difference_update(
+                k for k, m, c in zip(job.keys, rep.missing or [False] * len(job), rep.corrupt) if m or c)
+        kind, src = job.kind, job.src_tier
         fenced = job_id in self._fenced_jobs
         self._fenced_jobs.discard(job_id)
         self._untrack(job_id)
@@ -1150,7 +1174,7 @@ def _resumed_ids(cached) -> set[str]:
     """Requests whose ``new_block_ids`` replace (not extend) their block table, in both vLLM versions."""
     resumed = getattr(cached, "resumed_req_ids", None)  # version probe, kept to this one function
     if resumed is not None:
-        return set(resumed)
+        return resumed if isinstance(resumed, (set, frozenset)) else set(resumed)
     flags = getattr(cached, "resumed_from_preemption", None)  # older vLLM: one bool per cached request
     if flags is not None:
         return {rid for rid, f in zip(cached.req_ids, flags) if f}
