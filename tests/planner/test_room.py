@@ -6,6 +6,8 @@ Pure Python, no bytes moved.
 """
 from __future__ import annotations
 
+import random
+
 from tests.planner._driver import K, run_all, three_tier
 from tiered_kv.planner.chain import TierChain
 from tiered_kv.planner.counters import ChainCounters, TierCounters
@@ -64,6 +66,38 @@ def test_take_hands_out_slots_and_take_run_takes_all_or_nothing():
     assert k.room.take(0) == 3 and k.room.take(0) is None
     assert k.room.take_run(1, 3) == [NO_SLOT] * 3 and k.room.take(1) is None
     assert k.room.used == [4, 3]
+
+
+def test_slots_come_in_the_order_of_a_full_free_list():
+    """The keeper keeps only given-back slots in a list (never-used ones are a counter): every take, take_run and
+    release must hand out exactly what a list of every slot, [capacity-1 .. 0] popped from the end, would."""
+    rng = random.Random(7)
+    for _ in range(200):
+        cap = rng.randrange(1, 40)
+        k = Keeper(TierSpec("cpu", cap))
+        model = list(range(cap - 1, -1, -1))
+        held: list[int] = []
+        for _ in range(150):
+            r = rng.random()
+            if r < 0.35:
+                got = k.room.take(0)
+                assert got == (model.pop() if model else None)
+                if got is not None:
+                    held.append(got)
+            elif r < 0.65:
+                n = rng.randrange(1, 9)
+                got = k.room.take_run(0, n)
+                if len(model) < n:
+                    assert got is None
+                else:
+                    want = [model.pop() for _ in range(n)]
+                    assert got == want
+                    held += got
+            elif held:
+                slot = held.pop(rng.randrange(len(held)))
+                assert k.room._release(0, slot) == []
+                model.append(slot)
+        assert k.room.used[0] == len(held) == cap - len(model)
 
 
 def test_a_waiter_gets_the_room_its_eviction_frees():

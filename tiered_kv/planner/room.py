@@ -89,7 +89,11 @@ class RoomKeeper:
         self.used = [0] * n  # room taken per tier: copies in any state plus room granted to waiters
         self.leaving = [0] * n  # evictions under way per tier
         self.pins = 0  # sum of every copy's pins; whoever pins or unpins a copy keeps it in step
-        self._free_slots: list[list[int]] = [list(range(s.capacity - 1, -1, -1)) if s.slotted else [] for s in specs]
+        # Slots of slab tiers: those given back (reused first, last in first out) and, below them, the ones never
+        # handed out yet, ``_fresh[t]`` upward: the order a full list [capacity-1 .. 0] popped from the end gives,
+        # without a list of every slot (a large CPU tier has ~10^5 slots; each young garbage collection walks them)
+        self._free_slots: list[list[int]] = [[] for _ in specs]
+        self._fresh = [0] * n
         self._waiters: list[deque[_Waiter]] = [deque() for _ in specs]
         self.events: list[tuple[bool, int, bytes]] | None = None  # TierChain.record_events
 
@@ -103,7 +107,14 @@ class RoomKeeper:
         if self.used[t] >= self.specs[t].capacity and not self.specs[t].governed:
             return None
         self.used[t] += 1
-        return self._free_slots[t].pop() if self.specs[t].slotted else NO_SLOT
+        if not self.specs[t].slotted:
+            return NO_SLOT
+        free = self._free_slots[t]
+        if free:
+            return free.pop()
+        slot = self._fresh[t]
+        self._fresh[t] = slot + 1
+        return slot
 
     def take_run(self, t: int, n: int) -> list[int] | None:
         """``n`` (>= 1) units of room in ``t`` at once, as ``n`` ``take`` calls would give them, or None
@@ -115,8 +126,17 @@ class RoomKeeper:
         if not spec.slotted:
             return [NO_SLOT] * n
         free = self._free_slots[t]
-        slots = free[:-n - 1:-1]  # what n pop()s would take, in that order
-        del free[-n:]
+        k = min(n, len(free))
+        if k:
+            slots = free[:-k - 1:-1]  # what k pop()s would take, in that order
+            del free[-k:]
+            if k == n:
+                return slots
+        else:
+            slots = []
+        fresh = self._fresh[t]
+        slots += range(fresh, fresh + n - k)
+        self._fresh[t] = fresh + n - k
         return slots
 
     def reserve(self, t: int, grant: Callable[[int], Jobs], refuse: Callable[[], Jobs]) -> tuple[str, int, Jobs]:

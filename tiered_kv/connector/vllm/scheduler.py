@@ -637,9 +637,8 @@ class SchedulerPlanner:
             fresh: list[int] = []
             for new in scheduler_output.scheduled_new_reqs:
                 fresh += new.block_ids[gi]
-            for new_ids in cached.new_block_ids:
-                if new_ids is not None and new_ids[gi]:
-                    fresh += new_ids[gi]
+            for new_ids in filter(None, cached.new_block_ids):  # None: no new block (most requests, most steps)
+                fresh += new_ids[gi]
             if fresh:
                 self._allocated_now({gi: fresh}, step, fences)
         elif not single:  # first every block handed out this step: stale table entries go before a store reads them
