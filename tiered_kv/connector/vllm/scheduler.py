@@ -314,7 +314,9 @@ class SchedulerPlanner:
         return self.key(bytes(st.request.block_hashes[(c + 1) * self._hashes_per_chunk - 1]) + b"|state")
 
     def _tables(self, block_ids) -> list[list[int]]:
-        """Our groups' block-id lists out of one of vLLM's per-group tuples."""
+        """Our groups' block-id lists out of one of vLLM's per-group tuples (copies: we extend them)."""
+        if self._single:
+            return [list(block_ids[self._groups[0].index])]
         return [list(block_ids[g.index]) for g in self._groups]
 
     def _load_ids(self, tables: list[list[int]], c0: int, n: int, local: int) -> list[int]:
@@ -733,11 +735,17 @@ class SchedulerPlanner:
                         self.counters.stale_blocks_dropped += 1
 
     def _set_tables(self, st: _Req, tables: list[list[int]]) -> None:
+        if not self._swa:  # no sliding window: no block owners to keep
+            st.tables = tables
+            return
         self._disown(st)
         st.tables = tables
         self._own(st, [0] * len(tables))
 
     def _extend_tables(self, st: _Req, block_ids) -> None:
+        if self._single:
+            st.tables[0].extend(block_ids[self._groups[0].index])
+            return
         starts = [len(t) for t in st.tables]
         for t, g in zip(st.tables, self._groups):
             t.extend(block_ids[g.index])
