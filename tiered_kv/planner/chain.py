@@ -51,8 +51,9 @@ class _Handle:
         self.ok: list[bool] | None = None
 
 
-#: ``src_slots`` of a bulk put's one job (item i from caller index i), shared per length: immutable
+#: ``src_slots`` of a bulk put's one job (item i from caller index i), shared per length up to _ITEMS_MAX: immutable
 _ITEMS: dict[int, tuple[int, ...]] = {}
+_ITEMS_MAX = 1024
 
 
 class TierChain:
@@ -191,7 +192,9 @@ class TierChain:
             self.index.add_new_many(keys, t, slots, CopyState.WRITING)
             items = _ITEMS.get(n)
             if items is None:
-                items = _ITEMS[n] = tuple(range(n))
+                items = tuple(range(n))
+                if n <= _ITEMS_MAX:
+                    _ITEMS[n] = items
             keys = keys if keys.__class__ is list else list(keys)
             return [self._job(JobKind.INGRESS, EXT, t, keys, items, slots, handle, handle)]
         jobs: Jobs = []
