@@ -945,10 +945,13 @@ class SchedulerPlanner:
         """The published in-flight jobs touching any of the GPU blocks ``ids``."""
         busy = self._gpu_busy
         try:
-            hit = set(itemgetter(*ids)(busy)) if len(ids) > 1 else {busy[ids[0]]}
+            jobs = itemgetter(*ids)(busy) if len(ids) > 1 else (busy[ids[0]],)
         except IndexError:  # an id past every published block (not busy): grow the list to cover it, look again
             self._cover(ids)
-            hit = set(itemgetter(*ids)(busy)) if len(ids) > 1 else {busy[ids[0]]}
+            jobs = itemgetter(*ids)(busy) if len(ids) > 1 else (busy[ids[0]],)
+        if jobs.count(0) == len(jobs):  # none busy (the usual answer): no set to build
+            return set()
+        hit = set(jobs)
         hit.discard(0)
         return hit
 
