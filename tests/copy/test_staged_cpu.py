@@ -10,6 +10,8 @@ across layer views of one buffer.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -174,3 +176,108 @@ def test_many_loads_validate_every_load_before_copying_any():
     with pytest.raises(Exception, match="cpu_slots|gpu_block_ids"):
         BlockCopier(layout, slab).cpu_to_gpu_many([([1], [2]), ([SLOTS + 5], [3])])
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(layout.tensors, before))
+
+
+def test_two_threads_never_swap_the_staging_buffer_under_a_load(monkeypatch):
+    """The in-step path (``cpu_to_gpu_grouped``, layer by layer) and an asynchronous batch (``cpu_to_gpu_many``)
+    share one loader; the batch needs a larger buffer while the in-step load is between its layer groups.
+
+    On CUDA the two are vLLM's thread and the copier's submitter thread; here (the CPU fallback runs copies on
+    the caller's thread) two threads stand in for them. Events force the interleaving: the in-step load pauses
+    after its first group until the batch has either staged its rows (the batch grew the buffer under it: the
+    in-step load's next groups then write into the batch's staged rows) or is blocked waiting for the in-step
+    load to finish (the fix: a load holds the loader from its buffer reservation to its last scatter). Both
+    loads must be bit-exact and each must have used one buffer from its first DMA to its last scatter.
+    """
+    from tiered_kv.copy import staged
+
+    monkeypatch.setattr(staged, "GROW_STEP", 1)  # buffers exactly as large as a load needs: the batch must grow it
+    gen = torch.Generator().manual_seed(21)
+    layout = vllm_layer_layout(vllm026_tensors("NHD", SHAPE, torch.bfloat16, "cpu", mla=True))
+    fill_random(layout, gen)
+    slab = allocate_slab(SLOTS, layout.block_nbytes, pin=False)
+    slab.copy_(torch.randint(0, 256, slab.shape, dtype=torch.uint8, generator=gen))
+    groups = [(t, t + 1) for t in range(len(layout.tensors))]  # one layer per group, as in-step loads go
+    assert len(groups) >= 2 and len({m.nbytes for m in layout.maps}) == 1
+    slots_a, blocks_a = [3, 4], [0, 1]  # in-step: 2 blocks x one layer per group
+    slots_b, blocks_b = [8, 9, 10, 0, 1], [2, 3, 4, 5, 6]  # the batch: 5 whole blocks, a larger buffer
+    expected = _expected(layout, slab, blocks_a + blocks_b, slots_a + slots_b)
+    copier = BlockCopier(layout, slab, mechanism="staged")
+    loader = copier._staged_loader()
+
+    a_paused, progress, a_wrote = threading.Event(), threading.Event(), threading.Event()
+    used: dict[str, list[torch.Tensor]] = {"in-step": [], "batch": []}
+    timeouts: list[str] = []
+    blocked: list[str] = []
+
+    def wait(ev: threading.Event, what: str) -> None:
+        if not ev.wait(10):
+            timeouts.append(what)
+
+    real_dma, real_scatter = StagedLoader._dma, StagedLoader._scatter
+
+    def dma(self, staging, *args):
+        who = threading.current_thread().name
+        used[who].append(staging)
+        out = real_dma(self, staging, *args)
+        if who == "in-step" and a_paused.is_set():
+            a_wrote.set()  # the in-step load's DMA after its pause has landed
+        if who == "batch" and not progress.is_set():  # the batch staged its rows inside the in-step load
+            progress.set()
+            wait(a_wrote, "the in-step load's next DMA")
+        return out
+
+    def scatter(self, staging, *args):
+        who = threading.current_thread().name
+        used[who].append(staging)
+        out = real_scatter(self, staging, *args)
+        if who == "in-step" and not a_paused.is_set():  # its first group landed: pause mid-load
+            a_paused.set()
+            wait(progress, "the batch to stage its rows or to wait for the in-step load")
+        return out
+
+    monkeypatch.setattr(StagedLoader, "_dma", dma)
+    monkeypatch.setattr(StagedLoader, "_scatter", scatter)
+
+    class Probe:  # the loader's lock, reporting a thread that has to wait for it
+        def __init__(self, lock) -> None:
+            self.lock = lock
+
+        def __enter__(self):
+            if not self.lock.acquire(blocking=False):
+                blocked.append(threading.current_thread().name)
+                progress.set()
+                self.lock.acquire()
+            return self
+
+        def __exit__(self, *exc) -> None:
+            self.lock.release()
+
+    if getattr(loader, "_lock", None) is not None:
+        loader._lock = Probe(loader._lock)
+    results: dict[str, list] = {}
+    errors: list[BaseException] = []
+
+    def run(name, call):
+        try:
+            results[name] = call()
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the assertion below
+            errors.append(exc)
+
+    in_step = threading.Thread(target=run, name="in-step", args=("in-step", lambda: copier.cpu_to_gpu_grouped(
+        slots_a, blocks_a, groups, mechanism=Mechanism.STAGED)))
+    batch = threading.Thread(target=run, name="batch", args=("batch", lambda: copier.cpu_to_gpu_many(
+        [(slots_b, blocks_b)], mechanism=Mechanism.STAGED)))
+    in_step.start()
+    assert a_paused.wait(10), "the in-step load never reached its first group"
+    batch.start()
+    in_step.join(30)
+    batch.join(30)
+    assert not errors, errors
+    assert not timeouts, timeouts
+    assert all(r.done() and r.mechanism is Mechanism.STAGED for rs in results.values() for r in rs)
+    _assert_equal(layout, expected)  # without the fix the batch's first block holds the in-step load's bytes
+    for name, steps in used.items():
+        assert steps and all(s is steps[0] for s in steps), f"{name}: the staging buffer was swapped mid-load"
+    assert used["batch"][0].numel() > used["in-step"][0].numel() and loader.allocations == 2
+    assert blocked == ["batch"]  # the batch waited for the in-step load instead of growing the buffer under it

@@ -132,11 +132,10 @@ def test_staged_load_lands_after_work_on_the_callers_stream(threaded):
 
 def test_no_device_memory_for_the_buffer_falls_back_to_the_copy_engine(monkeypatch):
     """A staging buffer that cannot be allocated: the load goes as under "auto", bytes still exact."""
-    from tiered_kv.copy import BackendUnavailableError
-    from tiered_kv.copy.staged import StagedLoader
+    from tiered_kv.copy.staged import StagedLoader, StagingMemoryError
 
     def no_memory(self, nbytes):
-        raise BackendUnavailableError(f"injected: no device memory for {nbytes} bytes")
+        raise StagingMemoryError(f"injected: no device memory for {nbytes} bytes")
 
     monkeypatch.setattr(StagedLoader, "_buffer", no_memory)
     gen = torch.Generator().manual_seed(14)
@@ -153,4 +152,69 @@ def test_no_device_memory_for_the_buffer_falls_back_to_the_copy_engine(monkeypat
     for r in grouped:
         r.wait()
     assert all(r.mechanism is not Mechanism.STAGED for r in grouped)
+    many = copier.cpu_to_gpu_many([(slots[:6], blocks[:6]), (slots[6:], blocks[6:])], timing=True)
+    for r in many:
+        r.wait()
+    assert all(r.mechanism is not Mechanism.STAGED and r.start is not None for r in many)
     _check_storages_equal(gpu, cpu)
+    copier.close()
+
+
+def test_threaded_staged_buffer_is_grown_on_the_submitter_only(monkeypatch):
+    """While the submitter is in the middle of a staged batch, the caller asks for a larger staged load: the
+    buffer is allocated and grown on the submitter thread only (never on the caller's), each load uses one
+    buffer from its first DMA to its last scatter, and both land bit-exact."""
+    import threading
+
+    from tiered_kv.copy import staged
+    from tiered_kv.copy.staged import StagedLoader
+
+    monkeypatch.setattr(staged, "GROW_STEP", 1)  # buffers exactly as large as a load needs: the second must grow
+    gen = torch.Generator().manual_seed(15)
+    case = next(c for c in all_cases() if c.name == "vllm026-mla")
+    gpu, cpu = _twins(case, SHAPE, torch.bfloat16, gen)
+    src = _random_slab(SLOTS, gpu.block_nbytes, gen)
+    perm = torch.randperm(SHAPE.num_blocks, generator=gen)
+    slots1, blocks1 = torch.arange(4, 6), perm[:2]
+    slots2, blocks2 = torch.arange(20, 32), perm[2:14]
+    twin = BlockCopier(cpu, src.clone())
+    twin.cpu_to_gpu(slots1, blocks1)
+    twin.cpu_to_gpu(slots2, blocks2)
+    grown_on: list[str] = []
+    used: list[tuple[str, torch.Tensor]] = []
+    first_in_flight, second_called = threading.Event(), threading.Event()
+    real_buffer, real_dma, real_scatter = StagedLoader._buffer, StagedLoader._dma, StagedLoader._scatter
+
+    def buffer(self, nbytes):
+        grown_on.append(threading.current_thread().name)
+        return real_buffer(self, nbytes)
+
+    def dma(self, staging, *args):
+        used.append(("dma", staging))
+        out = real_dma(self, staging, *args)
+        if not first_in_flight.is_set():  # the first load's DMA is queued: hold the submitter here
+            first_in_flight.set()
+            assert second_called.wait(10)
+        return out
+
+    def scatter(self, staging, *args):
+        used.append(("scatter", staging))
+        return real_scatter(self, staging, *args)
+
+    monkeypatch.setattr(StagedLoader, "_buffer", buffer)
+    monkeypatch.setattr(StagedLoader, "_dma", dma)
+    monkeypatch.setattr(StagedLoader, "_scatter", scatter)
+    copier = BlockCopier(gpu, src, mechanism="staged")  # threaded: loads run on its h2d submitter
+    first = copier.cpu_to_gpu_many([(slots1, blocks1)], timing=True)[0]
+    assert first_in_flight.wait(10)
+    second = copier.cpu_to_gpu(slots2, blocks2)  # needs a larger buffer than the one the first load is using
+    second_called.set()
+    first.wait(30)
+    second.wait(30)
+    assert grown_on and set(grown_on) == {"tkv-copy-h2d"}, grown_on
+    assert copier._staged.allocations == 2
+    assert [k for k, _ in used] == ["dma", "scatter", "dma", "scatter"]  # one piece each, in order
+    assert used[0][1] is used[1][1] and used[2][1] is used[3][1] and used[2][1].numel() > used[0][1].numel()
+    assert first.mechanism is Mechanism.STAGED and second.mechanism is Mechanism.STAGED
+    _check_storages_equal(gpu, cpu)
+    copier.close()

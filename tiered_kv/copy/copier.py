@@ -29,6 +29,12 @@ directions must not wait on each other). The ids are copied at the call, so
 the caller may reuse its buffers at once. Call a copier from one thread at a time; distinct
 copiers may run in parallel. ``close()`` stops the submitter threads. The CPU
 path is synchronous.
+
+The staged loads' device buffer belongs to the thread that runs the loads: the h2d submitter
+thread of a threaded copier (the caller's thread with ``threaded_submit=False``) allocates and
+grows it, under the load side stream, at the start of each load job; the caller's thread never
+touches it, so a call can never resize it under a load the submitter is still queuing
+(``staged.py`` says why the old buffer's memory is never reused under a copy in flight).
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ from tiered_kv.copy.errors import BackendUnavailableError, BlockIndexError, Layo
 from tiered_kv.copy.layouts import KVLayout
 from tiered_kv.copy.segments import BlockIds, ChunkTable, Runs, as_index_tensor, check_indices, plan_runs
 from tiered_kv.copy.select import Mechanism, SelectionPolicy
-from tiered_kv.copy.staged import DEFAULT_STAGING_BYTES, StagedLoader
+from tiered_kv.copy.staged import DEFAULT_STAGING_BYTES, StagedLoader, StagingMemoryError
 from tiered_kv.copy.submit import CopyResult, Submitter
 
 log = logging.getLogger(__name__)
@@ -183,10 +189,7 @@ class BlockCopier:
         sizes = [sum(m.nbytes for m in self.layout.maps[a:b]) for a, b in spans]
         forced = Mechanism(mechanism) if mechanism is not None else self._fixed
         if forced is Mechanism.STAGED:
-            staged = self._staged_grouped(ids, slots, spans, sizes, stream)
-            if staged is not None:
-                return staged
-            forced = None  # no device memory for the staging buffer: as under "auto"
+            return self._staged_grouped(ids, slots, spans, sizes, stream)
         if not self._on_cuda:
             if forced not in (None, Mechanism.CPU):
                 raise BackendUnavailableError(f"mechanism {forced.value} needs CUDA tensors")
@@ -235,17 +238,6 @@ class BlockCopier:
         checked = [self._indices(ids, slots, False) for slots, ids in loads]
         forced = Mechanism(mechanism) if mechanism is not None else self._fixed
         whole = [(0, len(self.layout.tensors))]
-        if forced is Mechanism.STAGED:
-            loader = self._staged_loader()
-            if self._on_cuda:
-                try:
-                    with torch.cuda.stream(self._side_stream(False)):
-                        loader.reserve(max((int(i.numel()) for i, _ in checked), default=0), whole)
-                except BackendUnavailableError as exc:
-                    if not self._staged_warned:
-                        self._staged_warned = True
-                        log.warning("staged loads fall back to the other mechanisms: %s", exc)
-                    forced = None
         if not self._on_cuda:
             if forced not in (None, Mechanism.CPU, Mechanism.STAGED):
                 raise BackendUnavailableError(f"mechanism {forced.value} needs CUDA tensors")
@@ -271,13 +263,23 @@ class BlockCopier:
                    for (ids, _), p in zip(checked, plans)]
 
         def body(side: torch.cuda.Stream) -> None:
+            use_staging = staged
+            if staged:  # the buffer for the batch's largest load, here on the submitter, before anything is queued
+                try:
+                    self._staged_loader().reserve(max((int(i.numel()) for i, _ in checked), default=0), whole, side)
+                except StagingMemoryError as exc:
+                    self._staging_failed(exc)
+                    use_staging = False
             for (ids, slots), plan, res in zip(checked, plans, results):
                 if timing:
                     res.start = torch.cuda.Event(enable_timing=True)
                     res.start.record(side)
-                if staged:
+                if use_staging:
                     ops = self._staged_loader().load(ids, slots, whole, side, lambda g, o: None)
                 else:
+                    if plan is None:  # a staged batch the device had no memory for: as under "auto"
+                        plan = self._gpu.decide(int(ids.numel()), None)
+                        res.mechanism = plan.mechanism
                     ops = self._gpu.submit(plan, ids, slots, False, side)
                 done = torch.cuda.Event(enable_timing=timing)
                 done.record(side)
@@ -286,23 +288,15 @@ class BlockCopier:
         return self._launch_load(stream, results, body)
 
     def _staged_grouped(self, ids: torch.Tensor, slots: torch.Tensor, spans: list[tuple[int, int]], sizes: list[int],
-                        stream: torch.cuda.Stream | None) -> list[CopyResult] | None:
+                        stream: torch.cuda.Stream | None) -> list[CopyResult]:
         """A ``Mechanism.STAGED`` load of ``spans``: one result per group, submitted like the other mechanisms.
 
-        None when the device has no memory for the staging buffer (the caller then copies as under
-        ``"auto"``; logged once per copier).
+        The staging buffer is reserved where the load runs (the submitter thread of a threaded copier),
+        never here on the caller's thread. When the device has no memory for it the load is copied as
+        under ``"auto"`` there instead (logged once per copier; the results name the mechanism used).
         """
         n = int(ids.numel())
         loader = self._staged_loader()
-        if self._on_cuda:
-            try:
-                with torch.cuda.stream(self._side_stream(False)):  # the buffer belongs to the side stream
-                    loader.reserve(n, spans)
-            except BackendUnavailableError as exc:
-                if not self._staged_warned:
-                    self._staged_warned = True
-                    log.warning("staged load of %d blocks falls back to the other mechanisms: %s", n, exc)
-                return None
         results = [CopyResult(Mechanism.STAGED, False, n, n * size, 0) for size in sizes]
         if not self._on_cuda:
             def landed_cpu(g: int, ops: int) -> None:
@@ -317,9 +311,33 @@ class BlockCopier:
                 done.record(side)
                 results[g]._finish(done, descriptors=ops)
 
-            loader.load(ids, slots, spans, side, landed)
+            try:
+                loader.load(ids, slots, spans, side, landed)
+            except StagingMemoryError as exc:  # raised before anything of the load was queued
+                self._staging_failed(exc)
+                self._submit_unstaged(ids, slots, spans, results, side, landed)
 
         return self._launch_load(stream, results, body)
+
+    def _submit_unstaged(self, ids: torch.Tensor, slots: torch.Tensor, spans: list[tuple[int, int]],
+                         results: list[CopyResult], side: torch.cuda.Stream,
+                         landed: Callable[[int, int], None]) -> None:
+        """A staged load without a staging buffer, on the submitter: as under ``"auto"`` (all tensors in one
+        copy, 2-D copies where they pay) or, for several groups, 1-D runs group by group."""
+        assert self._gpu is not None
+        plan = self._gpu.decide(int(ids.numel()), None)
+        for res in results:
+            res.mechanism = plan.mechanism
+        if spans == [(0, len(self.layout.tensors))]:
+            landed(0, self._gpu.submit(plan, ids, slots, False, side))
+        else:
+            self._gpu.submit_groups(plan.mechanism, self._gpu.plan_groups(ids, slots, False, spans), side, landed)
+
+    def _staging_failed(self, exc: StagingMemoryError) -> None:
+        """Log, once per copier, that staged loads go another way for want of device memory."""
+        if not self._staged_warned:
+            self._staged_warned = True
+            log.warning("staged loads fall back to the other mechanisms: %s", exc)
 
     def _launch_load(self, stream: torch.cuda.Stream | None, results: list[CopyResult],
                      body: Callable[[torch.cuda.Stream], None]) -> list[CopyResult]:
@@ -401,12 +419,9 @@ class BlockCopier:
         forced = Mechanism(mechanism) if mechanism is not None else self._fixed
         if forced is Mechanism.STAGED:
             if not to_cpu:  # a load: one group of every tensor
-                staged = self._staged_grouped(ids, slots, [(0, len(self.layout.tensors))],
-                                              [self.layout.block_nbytes], stream)
-                if staged is not None:
-                    return staged[0]
-            # stores (staging is a load path), or no device memory for the buffer: as under "auto"
-            forced = None
+                return self._staged_grouped(ids, slots, [(0, len(self.layout.tensors))],
+                                            [self.layout.block_nbytes], stream)[0]
+            forced = None  # a store (staging is a load path): as under "auto"
         if not self._on_cuda:
             if forced not in (None, Mechanism.CPU):
                 raise BackendUnavailableError(f"mechanism {forced.value} needs CUDA tensors")

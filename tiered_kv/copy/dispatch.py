@@ -14,9 +14,12 @@ Descriptor forms (all on the copy engine unless the SM kernel is chosen):
   when the merged runs average ``RECT_MAX_MEAN_RUN`` (32 KiB) or less;
 - the SM kernel (``triton_kernel``), by ``select.choose_mechanism``.
 
-Threading: ``decide`` from the copier's caller thread; ``submit`` from one
-submitter thread per direction (or the caller's, when not threaded). The
-engines are created on the caller's thread before the first job needs them.
+Threading: ``decide`` from the copier's caller thread (and from the load
+submitter for a staged load that found no device memory for its buffer: the
+lazily created engines are then at worst created twice, one is dropped);
+``submit`` from one submitter thread per direction (or the caller's, when not
+threaded). The engines are created on the caller's thread before the first job
+needs them.
 """
 
 from __future__ import annotations

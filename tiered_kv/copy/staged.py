@@ -22,16 +22,25 @@ call larger than the buffer is cut into pieces of whole rows. On CPU tensors the
 runs with a CPU staging buffer and torch copies in place of the DMA (CI checks it bit-exact
 against the other mechanisms).
 
-The buffer is allocated on first use at the size the call needs (rounded up to 16 MiB) and
-grows up to ``staging_bytes``; it is allocated under the side stream, so the caching
-allocator never hands its memory to another stream while a copy still reads it.
+The buffer is allocated at the start of a load, before anything of it is queued, at the size
+the load needs (rounded up to 16 MiB), and grows up to ``staging_bytes``. It is replaced only
+inside ``load`` / ``reserve``, under the loader's lock, which a load holds until its last
+scatter is queued: a load uses one buffer from its first DMA to its last scatter, and no other
+thread can swap it in between. The copies that read an old buffer are queued on the stream it
+was allocated on (or recorded on their own stream with ``record_stream``), so the caching
+allocator hands its memory to a new tensor only once they have run: no copy is in flight on
+memory that changed owner. ``StagingMemoryError`` (no device memory) is raised before anything
+of the load is queued, so the caller may copy it another way.
 
-Threading: a ``StagedLoader`` belongs to one copier and is used by one thread at a time (the
-copier's h2d submitter thread, or its caller with ``threaded_submit=False``).
+Threading: one lock per loader serialises ``load`` and ``reserve``. ``BlockCopier`` calls them
+only from the thread that runs its loads (the h2d submitter thread; the caller's thread with
+``threaded_submit=False``), never from the caller of a threaded copier; the lock keeps the
+buffer consistent should two threads share a loader anyway.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -45,6 +54,10 @@ GROW_STEP = 16 << 20
 #: Default cap on the staging buffer (``BlockCopier(staging_bytes=...)``).
 DEFAULT_STAGING_BYTES = 256 << 20
 _WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+class StagingMemoryError(BackendUnavailableError):
+    """The device has no memory for the staging buffer a load needs; nothing of that load was queued."""
 
 
 @dataclass(frozen=True)
@@ -117,6 +130,9 @@ class StagedLoader:
         self.staging_bytes = int(staging_bytes)
         self._on_cuda = layout.device.type == "cuda"
         self._staging: torch.Tensor | None = None
+        self._staging_stream: int | None = None  # CUDA: the stream the buffer was allocated on (its handle)
+        self._lock = threading.Lock()  # held by a load from its buffer reservation to its last scatter
+        self.allocations = 0  # buffers allocated so far (the first one, then each growth)
         self._rects: dict[tuple[int, int], list[_Rect]] = {}
         self._flats: dict[int, torch.Tensor] = {}  # tensor index -> its storage as uint8
         self._rect2d = None  # engine.RectMemcpy, for column-range DMAs on CUDA
@@ -137,10 +153,13 @@ class StagedLoader:
             out = max(out, min(n, max(1, self.staging_bytes // width)) * width)
         return out
 
-    def reserve(self, n: int, groups: list[tuple[int, int]]) -> None:
-        """Allocate (or grow) the buffer for such a load now, on the current stream; raise
-        ``BackendUnavailableError`` when the device has no memory for it."""
-        if n:
+    def reserve(self, n: int, groups: list[tuple[int, int]], stream: torch.cuda.Stream | None = None) -> None:
+        """Allocate (or grow) the buffer for a load of ``n`` items in ``groups`` now, on ``stream`` (CUDA; the
+        stream the loads will run on); raise ``StagingMemoryError`` when the device has no memory for it.
+        Call it from the thread that runs the loads (see the module's threading contract)."""
+        if not n:
+            return
+        with self._lock, self._stream_ctx(stream):
             self._buffer(self.need(n, groups))
 
     def load(self, ids: torch.Tensor, slots: torch.Tensor, groups: list[tuple[int, int]],
@@ -148,7 +167,8 @@ class StagedLoader:
         """Copy ``slab[slots[i]]`` into blocks ``ids[i]``, group of tensors by group; return the operations enqueued.
 
         ``on_group(g, ops)`` runs after group ``g``'s last scatter is enqueued on ``stream`` (CUDA) or
-        done (CPU). ``ids`` and ``slots`` are validated int64 CPU tensors of equal length.
+        done (CPU). ``ids`` and ``slots`` are validated int64 CPU tensors of equal length. Raises
+        ``StagingMemoryError`` before enqueuing anything when the device has no memory for the buffer.
         """
         n = int(ids.numel())
         total = 0
@@ -156,8 +176,13 @@ class StagedLoader:
             for g in range(len(groups)):
                 on_group(g, 0)
             return 0
-        ctx = torch.cuda.stream(stream) if self._on_cuda and stream is not None else _nullcontext()
-        with ctx:
+        with self._lock, self._stream_ctx(stream):
+            # the whole load's buffer first: one buffer from the first DMA to the last scatter
+            staging = self._buffer(self.need(n, groups))
+            if self._on_cuda:
+                current = torch.cuda.current_stream(self.layout.device)
+                if current.cuda_stream != self._staging_stream:  # its memory is reused only after this stream's use
+                    staging.record_stream(current)
             # pinned, so the upload is queued on the stream (a pageable one would synchronise it)
             dev_ids = ids.pin_memory().to(self.layout.device, non_blocking=True) if self._on_cuda else ids
             # runs of adjacent slots: item i .. j-1 come from slots s, s+1, ...
@@ -170,7 +195,6 @@ class StagedLoader:
                 c1 = self.layout.maps[b - 1].slot_offset + self.layout.maps[b - 1].nbytes
                 width = c1 - c0
                 per_piece = max(1, self.staging_bytes // width)
-                staging = self._buffer(self.need(n, [(a, b)]))
                 for i0 in range(0, n, per_piece):
                     i1 = min(n, i0 + per_piece)
                     ops += self._dma(staging, slots, run_first, i0, i1, c0, c1)
@@ -178,6 +202,10 @@ class StagedLoader:
                 total += ops
                 on_group(g, ops)
         return total
+
+    def _stream_ctx(self, stream: torch.cuda.Stream | None):
+        """``torch.cuda.stream(stream)`` on CUDA with a stream, else a no-op context."""
+        return torch.cuda.stream(stream) if self._on_cuda and stream is not None else _nullcontext()
 
     # ------------------------------------------------------------------ steps
     def _dma(self, staging: torch.Tensor, slots: torch.Tensor, run_first: list[int], i0: int, i1: int,
@@ -238,17 +266,25 @@ class StagedLoader:
         return self._flats[t]
 
     def _buffer(self, nbytes: int) -> torch.Tensor:
-        """The staging buffer, grown to at least ``nbytes`` (allocated on the current stream)."""
+        """The staging buffer, grown to at least ``nbytes`` on the current stream (the caller holds the lock).
+
+        The old buffer is dropped here: on CUDA its memory returns to the caching allocator's pool of
+        the stream it was allocated on (and waits for the streams recorded on it), so a new tensor
+        gets it only behind the copies already queued there.
+        """
         if self._staging is None or self._staging.numel() < nbytes:
             size = min(self.staging_bytes, -(-nbytes // GROW_STEP) * GROW_STEP)
             size = max(size, nbytes)
-            self._staging = None  # freed on this stream: reused only in its order
+            self._staging = None  # at most one buffer alive: the old one is freed before the new one is taken
             try:
                 self._staging = torch.empty(size, dtype=torch.uint8, device=self.layout.device)
             except torch.OutOfMemoryError as exc:
-                raise BackendUnavailableError(
+                raise StagingMemoryError(
                     f"no device memory for a {size >> 20} MiB staging buffer ({exc}); lower staging_bytes "
-                    f"or use the copy engine") from exc
+                    f"(connector key load_staging_bytes) or use the copy engine") from exc
+            if self._on_cuda:
+                self._staging_stream = torch.cuda.current_stream(self.layout.device).cuda_stream
+            self.allocations += 1
         return self._staging
 
 

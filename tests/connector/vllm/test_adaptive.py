@@ -11,6 +11,7 @@ pytest.importorskip("vllm")
 
 from tests.connector.vllm.harness import BS, Engine, write_model_dir  # noqa: E402
 from tests.connector.vllm.test_connector import BLOCK_BYTES, K, assert_no_leaks, cfg, prompt, turn2  # noqa: E402
+from tiered_kv.connector.vllm import admission  # noqa: E402
 from tiered_kv.connector.vllm.admission import START_STEP_S, StepLoadBudget  # noqa: E402
 from tiered_kv.connector.vllm.config import ConnectorConfig  # noqa: E402
 from tiered_kv.errors import ConfigError  # noqa: E402
@@ -292,3 +293,104 @@ def test_no_trace_file_by_default(model_dir, tmp_path, monkeypatch):
     finally:
         eng.close()
     assert list(tmp_path.iterdir()) == []
+
+
+MiB = 1 << 20
+
+
+def test_rate_estimate_is_bytes_weighted_ignores_tiny_loads_and_is_clamped():
+    """A sequence of loads the old estimate (first sample replaces the guess, then a 0.2 EMA per sample whatever
+    its size) got wrong: a 4 KiB load at 0.1 GB/s took the 25 GB/s guess to 0.1 GB/s (a 2 MB budget at 20 ms
+    steps); a 2 MiB straggler among 144 MiB loads moved it as much as a 144 MiB load."""
+    b = StepLoadBudget(None, start_gbps=25.0)
+    start_budget = b.budget
+    b.observe(4096, 4096 / 0.1e9)  # 4 KiB at 0.1 GB/s: the fixed cost of a load, not PCIe
+    assert b.gbps == 25.0 and b.budget == start_budget  # old code: 0.1 GB/s, budget 2 MB
+    assert b.rate.ignored == 1 and b.rate.samples == 0
+    b.observe(2 * MiB, 2 * MiB / 5e9)  # a small load at 5 GB/s: the guess still counts as 62 MiB of loads
+    expected = (2 * MiB + 62 * MiB) / (2 * MiB / 5e9 + 62 * MiB / 25e9) / 1e9
+    assert b.gbps == pytest.approx(expected) and 20.0 < b.gbps < 25.0  # old code: 5 GB/s
+    for _ in range(3):  # three 144 MiB loads at 50 GB/s: the measured bytes now fill the window, the guess is out
+        b.observe(144 * MiB, 144 * MiB / 50e9)
+    expected = (2 * MiB + 432 * MiB) / (2 * MiB / 5e9 + 432 * MiB / 50e9) / 1e9
+    assert b.gbps == pytest.approx(expected) and b.gbps > 45.0
+    before = b.gbps
+    b.observe(MiB, MiB / 2e9)  # a 1 MiB straggler at 2 GB/s: weighted by its bytes
+    assert before - b.gbps < 0.12 * before  # old code: -19% (0.2 x the gap) from one small load
+    for _ in range(admission.RATE_WINDOW):  # the window moves on: only the last loads count
+        b.observe(64 * MiB, 64 * MiB / 12e9)
+    assert b.gbps == pytest.approx(12.0) and b.rate.samples == admission.RATE_WINDOW
+    assert b.budget == int(12e9 * b.step_s)
+    glitch = StepLoadBudget(None, start_gbps=25.0)
+    glitch.observe(1 << 30, 1e-6)  # a timing glitch: 1 GiB in 1 us
+    assert glitch.gbps == admission.MAX_GBPS
+    stall = StepLoadBudget(None, start_gbps=25.0)
+    stall.observe(1 << 30, 20.0)  # a stalled copy: 1 GiB in 20 s
+    assert stall.gbps == admission.MIN_GBPS
+    assert StepLoadBudget(None, start_gbps=1e6).gbps == admission.MAX_GBPS  # the guess is clamped too
+    ignored = StepLoadBudget(None, start_gbps=25.0)
+    ignored.observe(0, 1.0)
+    ignored.observe(64 * MiB, 0.0)
+    assert ignored.gbps == 25.0 and ignored.rate.samples == 0
+
+
+def _async_burst(eng: Engine, users: int) -> list:
+    """``_burst`` with every turn 2 loaded asynchronously (``sync_max_tokens`` below a hit), run to the end."""
+    reqs = _burst(eng, users)
+    eng.run()
+    eng.settle()
+    assert all(eng.cached_at_start[r.request_id] == 2 * K * BS for r in reqs)
+    return reqs
+
+
+@pytest.mark.parametrize("async_sched", [False, True], ids=["sync", "async"])
+def test_tiny_asynchronous_loads_leave_the_rate_guess_and_budget_alone(model_dir, async_sched):
+    """vLLM's real Scheduler: six 32 KiB asynchronous CPU loads (their CPU copy time is mostly fixed cost) are
+    reported to the budget and ignored; ``admit_gbps`` stays at ``load_gbps`` (the old estimate took the first
+    one's rate, a fraction of a GB/s, and the budget with it)."""
+    eng = Engine.create(model_dir, cfg(load_mode="adaptive", load_gbps=25, sync_max_tokens=BS),
+                        async_sched=async_sched, num_blocks=160, tweak=_more_seqs)
+    try:
+        _async_burst(eng, USERS)
+        st = eng.connector.stats()
+        assert st["sched_sync_loads"] == 0 and st["admit_gbps"] == 25.0, st
+        assert st["admit_budget_bytes"] == int(25e9 * eng.connector.planner._budget.step_s), st
+        assert st["admit_rate_ignored"] == USERS and st["admit_rate_samples"] == 0, st
+        assert_no_leaks(eng)
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_counted_asynchronous_loads_set_the_rate_by_bytes_per_rank(model_dir, tp, monkeypatch):
+    """With the size floor lowered to 0, the real Scheduler's reports reach the estimate: one sample per load, its
+    bytes per rank (the ranks' summed bytes over the ranks that reported: one rank's share of the hit), its
+    measured seconds, and the estimate is the bytes-weighted rate of those samples and the 64 MiB pseudo-load
+    of the guess."""
+    monkeypatch.setattr(admission, "MIN_SAMPLE_BYTES", 0)
+    seen: list[tuple[int, float]] = []
+    real = admission.LoadRate.observe
+
+    def spy(self, nbytes, seconds):
+        seen.append((nbytes, seconds))
+        return real(self, nbytes, seconds)
+
+    monkeypatch.setattr(admission.LoadRate, "observe", spy)
+    eng = Engine.create(model_dir, cfg(load_mode="adaptive", load_gbps=25, sync_max_tokens=BS), tp=tp,
+                        num_blocks=160, tweak=_more_seqs)
+    try:
+        _async_burst(eng, 4)
+        st = eng.connector.stats()
+        per_rank = eng.connector.planner._rank_bytes(2 * K * BS)
+        assert per_rank * tp == sum(w.connector.worker.kv.block_nbytes for w in eng.workers) * 2 * K
+        assert [n for n, _ in seen] == [per_rank] * 4, seen
+        assert all(s > 0 for _, s in seen)
+        measured, secs = sum(n for n, _ in seen), sum(s for _, s in seen)
+        prior = admission.PRIOR_BYTES - measured
+        expected = (measured + prior) / (secs + prior / 25e9) / 1e9
+        rate = eng.connector.planner._budget.gbps
+        assert rate == pytest.approx(min(admission.MAX_GBPS, max(admission.MIN_GBPS, expected)))
+        assert st["admit_rate_samples"] == 4 and st["admit_rate_ignored"] == 0, st
+        assert_no_leaks(eng)
+    finally:
+        eng.close()

@@ -11,10 +11,20 @@ its own bytes landed, so the first requests of a burst no longer wait for the la
 The cap, and why: loading in-step saves a request one scheduler round trip, about one step of
 the engine's current pace; the bytes a step may take in-step without delaying its batch by more
 than that are what PCIe moves in about one step. So ``auto`` = measured H2D rate per rank x the
-engine's recent step time (both running averages: the rate from completed asynchronous CPU
-loads, the step time from the interval between the scheduler's steps while it has work). A fixed
-``step_load_bytes`` replaces it. The first hit of a step always loads in-step (up to
-``sync_max_tokens``, as before), so a request that arrives alone keeps the in-step win.
+engine's recent step time (the rate from completed asynchronous CPU loads, ``LoadRate``; the step
+time a running average of the interval between the scheduler's steps while it has work). A
+fixed ``step_load_bytes`` replaces it.
+
+The rate is weighted by bytes: sum of bytes / sum of copy seconds over the last loads, the
+starting guess (``load_gbps``) counting as a pseudo-load of ``PRIOR_BYTES`` until that many
+measured bytes are in the window. A load's time is a fixed cost (driver calls, events: tens of
+microseconds) plus its bytes over the rate, so a small load measures the fixed cost, not PCIe:
+loads under ``MIN_SAMPLE_BYTES`` are not counted at all, and the estimate is clamped to
+``[MIN_GBPS, MAX_GBPS]``. (Before: the first sample replaced the guess and each later one moved
+it by a fifth whatever its size, so a 4 KiB load at 0.1 GB/s shrank the budget to nothing.)
+
+The first hit of a step always loads in-step (up to ``sync_max_tokens``, as before), so a
+request that arrives alone keeps the in-step win.
 
 Threading contract: vLLM's scheduler thread only (called from ``SchedulerPlanner``); no lock.
 Pure Python, no I/O.
@@ -22,6 +32,7 @@ Pure Python, no I/O.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 
 #: Starting guess of the engine's step time before any step was measured (seconds).
@@ -29,8 +40,49 @@ START_STEP_S = 0.02
 #: Step intervals outside [MIN_STEP_S, MAX_STEP_S] are clamped: a long one is an idle gap (no request)
 #: or a stall, not the pace a burst will see; a tiny one would shrink the budget to nothing.
 MIN_STEP_S, MAX_STEP_S = 0.002, 0.25
-#: Weight of a new sample in the running averages (a few steps of memory: bursts change the pace quickly).
+#: Weight of a new step interval in the step-time average (a few steps of memory: bursts change the pace quickly).
 EMA = 0.2
+#: Loads smaller than this are not rate samples: their time is mostly the fixed cost of a load (at 25 GB/s
+#: 1 MiB moves in 42 us, about the fixed cost of a load's driver calls and events).
+MIN_SAMPLE_BYTES = 1 << 20
+#: The starting guess (``load_gbps``) counts as a load of this many bytes until the window holds as many
+#: measured bytes (a few large loads replace it; many small ones only nudge it).
+PRIOR_BYTES = 64 << 20
+#: The rate is over the last this many counted loads (a few bursts' worth: it follows a change of load).
+RATE_WINDOW = 32
+#: The estimate is clamped to this range (GB/s per rank): a timing glitch (a load of ~0 s) or a stalled copy
+#: must not set a budget of terabytes or of nothing. 500 GB/s is above any host link (GH200's C2C: ~450).
+MIN_GBPS, MAX_GBPS = 1.0, 500.0
+
+
+class LoadRate:
+    """The H2D rate per rank (GB/s) from measured loads: bytes-weighted over a window, with a prior."""
+
+    def __init__(self, prior_gbps: float) -> None:
+        """``prior_gbps``: the rate assumed until loads were measured (clamped to ``[MIN_GBPS, MAX_GBPS]``)."""
+        self.prior_gbps = min(MAX_GBPS, max(MIN_GBPS, float(prior_gbps)))
+        self.ignored = 0  # loads too small to count (``MIN_SAMPLE_BYTES``)
+        self._window: deque[tuple[int, float]] = deque(maxlen=RATE_WINDOW)
+        self.gbps = self.prior_gbps
+
+    @property
+    def samples(self) -> int:
+        """Loads in the window now."""
+        return len(self._window)
+
+    def observe(self, nbytes: int, seconds: float) -> None:
+        """A load of ``nbytes`` took ``seconds`` of copy time; ignored when too small or not positive."""
+        if nbytes <= 0 or seconds <= 0:
+            return
+        if nbytes < MIN_SAMPLE_BYTES:
+            self.ignored += 1
+            return
+        self._window.append((int(nbytes), float(seconds)))
+        measured = sum(b for b, _ in self._window)  # a few dozen loads: summed afresh, no drift
+        secs = sum(t for _, t in self._window)
+        prior = max(0, PRIOR_BYTES - measured)  # the guess fills the window up to PRIOR_BYTES
+        rate = (measured + prior) / (secs + prior / (self.prior_gbps * 1e9)) / 1e9
+        self.gbps = min(MAX_GBPS, max(MIN_GBPS, rate))
 
 
 @dataclass
@@ -49,7 +101,7 @@ class StepLoadBudget:
         """``fixed_bytes``: a fixed cap per step (None: ``auto``, measured); ``start_gbps``: the H2D rate per rank
         (GB/s) assumed until loads were measured; ``clock``: seconds (tests pass their own)."""
         self.fixed = fixed_bytes
-        self.gbps = float(start_gbps)
+        self.rate = LoadRate(start_gbps)
         self.step_s = START_STEP_S
         self.counters = AdmissionCounters()
         self._clock = clock
@@ -57,7 +109,11 @@ class StepLoadBudget:
         self._loads = 0  # in-step loads charged in the step being scheduled
         self._last: float | None = None  # clock at the previous step's build
         self._last_busy = False
-        self._rate_seen = False
+
+    @property
+    def gbps(self) -> float:
+        """The H2D rate per rank (GB/s) the budget assumes now."""
+        return self.rate.gbps
 
     @property
     def budget(self) -> int:
@@ -98,18 +154,13 @@ class StepLoadBudget:
         self._used = self._loads = 0
 
     def observe(self, nbytes: int, seconds: float) -> None:
-        """A CPU-tier asynchronous load of ``nbytes`` per rank moved in ``seconds`` (its copy time)."""
-        if nbytes <= 0 or seconds <= 0:
-            return
-        rate = nbytes / seconds / 1e9
-        if not self._rate_seen:  # the first measurement replaces the guess
-            self.gbps, self._rate_seen = rate, True
-        else:
-            self.gbps += EMA * (rate - self.gbps)
+        """A CPU-tier asynchronous load of ``nbytes`` per rank moved in ``seconds`` (its copy time): ``LoadRate``."""
+        self.rate.observe(nbytes, seconds)
 
     def stats(self) -> dict:
         """Counters and the current estimates, for ``SchedulerPlanner.stats``."""
         c = self.counters
         return {"admit_in_step": c.in_step, "admit_deferred": c.deferred, "admit_first_of_step": c.first_of_step,
                 "admit_budget_bytes": self.budget, "admit_gbps": round(self.gbps, 3),
+                "admit_rate_samples": self.rate.samples, "admit_rate_ignored": self.rate.ignored,
                 "admit_step_ms": round(self.step_s * 1e3, 3)}
