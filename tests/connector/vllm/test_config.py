@@ -123,6 +123,22 @@ def test_n_minus_one_rule_never_reports_the_whole_prompt():
     assert planner.match(req, 8) == 0  # a local hit inside a block: no external hit
 
 
+def test_fence_check_names_only_published_jobs_on_the_blocks_handed_out():
+    """The block-indexed fence map: blocks past every published one are never busy (checked without a lookup), a
+    mix of both is answered from the published ones, and an ended job's blocks are no longer busy."""
+    planner = SchedulerPlanner(ConnectorConfig(chunk_blocks=4), geo(k=4), Namespace("m"), cpu_chunks=8,
+                               disk_chunks=0)
+    planner._job_gpu[7] = [3, 4, 9]
+    planner._publish(7, [3, 4, 9])
+    planner._job_gpu[8] = [5]
+    planner._publish(8, [5])
+    assert planner._busy_jobs([10, 11, 40]) == set()  # all past block 9: never published
+    assert planner._busy_jobs([40, 4, 5, 2]) == {7, 8}  # some past, some published
+    assert planner._busy_jobs([9]) == {7} and planner._busy_jobs([0, 1, 2, 6]) == set()
+    planner._untrack(7)
+    assert planner._busy_jobs([3, 4, 9, 5]) == {8}
+
+
 # ---------------------------------------------------------------------------------- KV cache groups
 def _vllm_config(tp: int = 1, spec_decode=None, **parallel):
     return SimpleNamespace(

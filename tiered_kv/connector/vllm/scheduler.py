@@ -936,18 +936,20 @@ class SchedulerPlanner:
         self._published.add(job_id)
 
     def _cover(self, ids: list[int]) -> None:
-        """Grow ``_gpu_busy`` (0: no job) so that every block id in ``ids`` indexes it, to twice that: vLLM hands
-        out fresh block ids in rising order, and each miss costs an exception and a second look."""
-        busy = self._gpu_busy
-        busy.extend([0] * (2 * (max(ids) + 1) - len(busy)))
+        """Grow ``_gpu_busy`` (0: no job) so that every block id in ``ids`` indexes it. Only ``_publish`` grows it, so
+        its length stays one past the largest block id ever published."""
+        self._gpu_busy.extend([0] * (max(ids) + 1 - len(self._gpu_busy)))
 
     def _busy_jobs(self, ids: list[int]) -> set[int]:
         """The published in-flight jobs touching any of the GPU blocks ``ids``."""
         busy = self._gpu_busy
+        n = len(busy)
+        if min(ids) >= n:  # all past every block ever published (vLLM hands out never-used blocks in rising order)
+            return set()
         try:
             jobs = itemgetter(*ids)(busy) if len(ids) > 1 else (busy[ids[0]],)
-        except IndexError:  # an id past every published block (not busy): grow the list to cover it, look again
-            self._cover(ids)
+        except IndexError:  # some past every published block: those are not busy
+            ids = [g for g in ids if g < n]
             jobs = itemgetter(*ids)(busy) if len(ids) > 1 else (busy[ids[0]],)
         if jobs.count(0) == len(jobs):  # none busy (the usual answer): no set to build
             return set()
