@@ -272,7 +272,6 @@ class SchedulerPlanner:
         # GPU block id -> newest published in-flight job touching it, 0 for none (job ids start at 1): a list indexed
         # by block id, grown on demand, so publishing a job's blocks is a store per block with no hashing
         self._gpu_busy: list[int] = []
-        self._busy_top = 0  # one past the largest block id ever published (every block from there on is free of jobs)
         self._job_gpu: dict[int, list[int]] = {}
         # One full-attention group: vLLM re-allocates a block only after the request holding it finished or
         # was preempted, so a job's blocks are published to _gpu_busy only then (most jobs end first: no
@@ -927,24 +926,29 @@ class SchedulerPlanner:
         """Put ``gpu_ids`` in ``_gpu_busy`` under ``job_id`` (the newest job wins: an older job on a block was
         fenced when vLLM re-allocated that block, which is the only way a block gets a new job)."""
         busy = self._gpu_busy
-        top = max(gpu_ids, default=-1) + 1
-        if top > self._busy_top:
-            self._busy_top = top
-            if top > len(busy):  # grown to twice what it must hold: vLLM hands out block ids in rising order
-                busy.extend([0] * (2 * top - len(busy)))
-        for g in gpu_ids:
-            busy[g] = job_id
+        try:
+            for g in gpu_ids:
+                busy[g] = job_id
+        except IndexError:  # a block id past the list: grow it to the largest one and store them all
+            self._cover(gpu_ids)
+            for g in gpu_ids:
+                busy[g] = job_id
         self._published.add(job_id)
+
+    def _cover(self, ids: list[int]) -> None:
+        """Grow ``_gpu_busy`` (0: no job) so that every block id in ``ids`` indexes it, to twice that: vLLM hands
+        out fresh block ids in rising order, and each miss costs an exception and a second look."""
+        busy = self._gpu_busy
+        busy.extend([0] * (2 * (max(ids) + 1) - len(busy)))
 
     def _busy_jobs(self, ids: list[int]) -> set[int]:
         """The published in-flight jobs touching any of the GPU blocks ``ids``."""
-        top = self._busy_top
-        if min(ids) >= top:  # all past every block ever published (vLLM hands out never-used blocks in rising order)
-            return set()
         busy = self._gpu_busy
-        if max(ids) >= top:  # some past every published block: those are not busy
-            ids = [g for g in ids if g < top]
-        jobs = itemgetter(*ids)(busy) if len(ids) > 1 else (busy[ids[0]],)
+        try:
+            jobs = itemgetter(*ids)(busy) if len(ids) > 1 else (busy[ids[0]],)
+        except IndexError:  # an id past every published block (not busy): grow the list to cover it, look again
+            self._cover(ids)
+            jobs = itemgetter(*ids)(busy) if len(ids) > 1 else (busy[ids[0]],)
         if jobs.count(0) == len(jobs):  # none busy (the usual answer): no set to build
             return set()
         hit = set(jobs)
