@@ -167,6 +167,100 @@ def test_auto_budget_is_rate_times_step_time():
     assert b.counters.first_of_step == 1 and b.counters.deferred == 2 and b.counters.in_step == 3
 
 
+def _steps(b: StepLoadBudget, now: list, kinds: str, order: str, prefill_s: float = 0.025) -> None:
+    """Drive ``b`` through steps: ``kinds`` one letter a step, ``p`` a prefill step (``prefill_s``), ``d`` a decode
+    step (5 ms). ``order`` ``sync``: the interval after a step's build is that step's forward; ``async``: the next
+    one (vLLM schedules a step while the previous one runs)."""
+    cost = [prefill_s if k == "p" else 0.005 for k in kinds]
+    for i, k in enumerate(kinds):
+        b.next_step(busy=True, prefill=k == "p")
+        j = i if order == "sync" else i - 1
+        now[0] += cost[j] if j >= 0 else 0.005
+
+
+@pytest.mark.parametrize("order", ["sync", "async"])
+def test_auto_budget_prices_the_prefill_steps_pace_not_the_decode_steps(order):
+    """A hit loads in-step only in a step that prefills; vLLM runs decode-only steps as a CUDA graph (fast) and
+    steps with a prefill eagerly (slow). The budget is rate x the prefill steps' time, read as the longest of the
+    two intervals after a prefill step's build (either scheduling order); before one was measured, all steps'."""
+    now = [0.0]
+    b = StepLoadBudget(None, start_gbps=40.0, clock=lambda: now[0])
+    _steps(b, now, "dddddddddd", order)
+    assert b.prefill_s is None and b.pace_s == b.step_s
+    assert b.budget == int(40e9 * b.step_s)
+    _steps(b, now, "pddd" * 15 + "d", order)
+    assert b.prefill_s == pytest.approx(0.025)
+    assert b.step_s < 0.015  # the all-steps average is mostly decode steps: the old budget, ~40 % of this one
+    assert b.budget == int(40e9 * 0.025) and b.stats()["admit_prefill_step_ms"] == pytest.approx(25.0)
+    # back-to-back prefill steps make one sample; an idle gap inside a window drops that window's sample
+    _steps(b, now, "pp", order)
+    b.next_step(busy=False)
+    now[0] += 30.0
+    b.next_step(busy=True)
+    assert b.prefill_s == pytest.approx(0.025)
+    # a faster prefill pace (shorter prompts, a smaller model) pulls the budget down within a few prefill steps
+    _steps(b, now, "pddd" * 30 + "d", order, prefill_s=0.010)
+    assert b.prefill_s == pytest.approx(0.010, rel=1e-3)
+    assert b.budget == pytest.approx(40e9 * 0.010, rel=1e-3)
+
+
+def test_load_bound_prefill_steps_do_not_grow_the_budget():
+    """An in-step load longer than the forward lengthens its step to the load's copy time, at most budget / rate:
+    such a sample never raises the pace, so the budget cannot feed on its own loads."""
+    now = [0.0]
+    b = StepLoadBudget(None, start_gbps=40.0, clock=lambda: now[0])
+    _steps(b, now, "pddd" * 20, "sync")
+    cap = b.budget
+    for _ in range(40):  # every prefill step carries a full budget: its forward takes cap / rate
+        b.next_step(busy=True, prefill=True)
+        b.charge(cap)
+        now[0] += cap / 40e9
+        for _ in range(3):
+            b.next_step(busy=True)
+            now[0] += 0.005
+    assert b.budget <= cap
+
+
+@pytest.mark.parametrize("async_sched", [False, True], ids=["sync", "async"])
+def test_real_scheduler_marks_prefill_steps_for_the_budget(model_dir, async_sched):
+    """vLLM's real Scheduler: the budget is told ``prefill`` exactly in the steps where some request has more than
+    one scheduled token (the O(1) test, tokens > requests, agrees with the per-request one), and with a model clock
+    (a prefill step 25 ms, a decode step 5 ms) it prices the prefill steps."""
+    eng = Engine.create(model_dir, cfg(load_mode="adaptive", load_gbps=25), async_sched=async_sched,
+                        num_blocks=160, tweak=_more_seqs)
+    try:
+        planner = eng.connector.planner
+        budget = planner._budget
+        now = [0.0]
+        budget._clock = lambda: now[0]
+        expected, told = [], []
+        build, next_step = planner.build, budget.next_step
+
+        def timed_build(so):
+            prefill = any(n > 1 for n in so.num_scheduled_tokens.values())
+            expected.append(prefill and so.total_num_scheduled_tokens > 0)
+            plan = build(so)
+            now[0] += 0.025 if prefill else 0.005
+            return plan
+
+        def record(busy, prefill=False):
+            told.append(prefill and busy)
+            next_step(busy, prefill)
+
+        planner.build, budget.next_step = timed_build, record
+        for u in range(4):
+            eng.add(f"u{u}", prompt(u + 1, TURN1), max_tokens=6)
+            eng.run()
+        eng.settle()
+        assert told == expected and sum(told) >= 4 and len(told) - sum(told) >= 12, (told, expected)
+        assert budget.prefill_s == pytest.approx(0.025)
+        st = eng.connector.stats()
+        assert st["admit_prefill_step_ms"] == pytest.approx(25.0) and st["admit_budget_bytes"] == int(25e9 * 0.025)
+        assert_no_leaks(eng)
+    finally:
+        eng.close()
+
+
 @pytest.mark.parametrize("bad", [0, -5, "lots", True])
 def test_step_load_bytes_is_validated(bad):
     with pytest.raises(ConfigError, match="step_load_bytes"):
@@ -354,7 +448,7 @@ def test_tiny_asynchronous_loads_leave_the_rate_guess_and_budget_alone(model_dir
         _async_burst(eng, USERS)
         st = eng.connector.stats()
         assert st["sched_sync_loads"] == 0 and st["admit_gbps"] == 25.0, st
-        assert st["admit_budget_bytes"] == int(25e9 * eng.connector.planner._budget.step_s), st
+        assert st["admit_budget_bytes"] == int(25e9 * eng.connector.planner._budget.pace_s), st
         assert st["admit_rate_ignored"] == USERS and st["admit_rate_samples"] == 0, st
         assert_no_leaks(eng)
     finally:

@@ -8,12 +8,28 @@ bytes. ``StepLoadBudget`` caps the in-step bytes of one scheduler step; a hit pa
 asynchronously (between steps, in arrival order) and its request joins a later step as soon as
 its own bytes landed, so the first requests of a burst no longer wait for the last ones' bytes.
 
-The cap, and why: loading in-step saves a request one scheduler round trip, about one step of
-the engine's current pace; the bytes a step may take in-step without delaying its batch by more
-than that are what PCIe moves in about one step. So ``auto`` = measured H2D rate per rank x the
-engine's recent step time (the rate from completed asynchronous CPU loads, ``LoadRate``; the step
-time a running average of the interval between the scheduler's steps while it has work). A
-fixed ``step_load_bytes`` replaces it.
+The cap, and why: an in-step load only ever rides in a step that *prefills* (its own request's
+new tokens are in it), and such a step costs far more than a decode step: vLLM replays decode-only
+batches as a CUDA graph (~5.5 ms for an 8B model on an H200) but runs any batch with a prefill
+eagerly (~22-30 ms, measured in the H200 serving trace of 2026-11-23). Bytes that PCIe moves
+within that time ride along for free; deferring a hit instead costs its request a round trip and
+the batch one more eager prefill step later. So ``auto`` = measured H2D rate per rank x the
+engine's recent *prefill-step* time (the rate from completed asynchronous CPU loads,
+``LoadRate``; the prefill-step time a running average over steps that scheduled more tokens than
+requests, i.e. some request's prompt or a chunk of it, ``PREFILL_WINDOW``). Until a prefill step
+was measured, the average interval between busy steps stands in. A fixed ``step_load_bytes``
+replaces it. (Before: the all-steps pace, i.e. decode steps: ~150-250 MB per step on 8B, so a c8
+serving run loaded one hit per step in-step and sent the rest back as separate prefills: 89 eager
+loading steps for 128 requests where ``layerwise`` needed 32, and 10-20% less output tokens/s.)
+
+How a step's time is read: the interval between consecutive ``build_connector_meta`` calls. With
+vLLM's synchronous scheduling the interval that follows a step's build is that step's forward;
+with asynchronous scheduling (the next step is scheduled while this one runs) it is the one after.
+So a prefill step's sample is the longest of the ``PREFILL_WINDOW`` intervals after its build (the
+other one is a decode step's, shorter). The in-step load itself lengthens its step, but only when
+it takes longer than the forward; then the sample is its copy time and the budget stays where it
+was (bytes / rate = time): it grows only while steps are compute-bound, so it settles at about
+rate x the prefill step's compute time, not above.
 
 The rate is weighted by bytes: sum of bytes / sum of copy seconds over the last loads, the
 starting guess (``load_gbps``) counting as a pseudo-load of ``PRIOR_BYTES`` until that many
@@ -42,6 +58,10 @@ START_STEP_S = 0.02
 MIN_STEP_S, MAX_STEP_S = 0.002, 0.25
 #: Weight of a new step interval in the step-time average (a few steps of memory: bursts change the pace quickly).
 EMA = 0.2
+#: A prefill step's time is the longest of this many busy intervals after its build (see the module text).
+PREFILL_WINDOW = 2
+#: Weight of a new prefill-step sample in its average (prefill steps are rarer than steps).
+PREFILL_EMA = 0.3
 #: Loads smaller than this are not rate samples: their time is mostly the fixed cost of a load (at 25 GB/s
 #: 1 MiB moves in 42 us, about the fixed cost of a load's driver calls and events).
 MIN_SAMPLE_BYTES = 1 << 20
@@ -109,6 +129,9 @@ class StepLoadBudget:
         self._loads = 0  # in-step loads charged in the step being scheduled
         self._last: float | None = None  # clock at the previous step's build
         self._last_busy = False
+        self.prefill_s: float | None = None  # running average of prefill steps' time; None until one was measured
+        self._window = 0  # busy intervals still to read for the prefill step being measured
+        self._window_max = 0.0  # the longest of them so far
 
     @property
     def gbps(self) -> float:
@@ -120,7 +143,12 @@ class StepLoadBudget:
         """The cap of in-step bytes per step (per rank) in effect now."""
         if self.fixed is not None:
             return self.fixed
-        return int(self.gbps * 1e9 * self.step_s)
+        return int(self.gbps * 1e9 * self.pace_s)
+
+    @property
+    def pace_s(self) -> float:
+        """The step time the budget prices: the prefill steps' average, or all busy steps' until one was measured."""
+        return self.step_s if self.prefill_s is None else self.prefill_s
 
     def admit(self, nbytes: int) -> bool:
         """Whether a CPU-tier hit of ``nbytes`` (per rank) may load inside the step being scheduled.
@@ -144,12 +172,25 @@ class StepLoadBudget:
         self._used += nbytes
         self._loads += 1
 
-    def next_step(self, busy: bool) -> None:
-        """The step being scheduled is complete (``build``); ``busy``: it scheduled tokens. Starts the next one."""
+    def next_step(self, busy: bool, prefill: bool = False) -> None:
+        """The step being scheduled is complete (``build``); ``busy``: it scheduled tokens; ``prefill``: more
+        tokens than requests (some prompt, or a chunk of one). Starts the next one."""
         now = self._clock()
         if self._last is not None and self._last_busy and busy:
             dt = min(MAX_STEP_S, max(MIN_STEP_S, now - self._last))
             self.step_s += EMA * (dt - self.step_s)
+            if self._window:
+                self._window_max = max(self._window_max, dt)
+                self._window -= 1
+                if not self._window:
+                    x = self._window_max
+                    self.prefill_s = x if self.prefill_s is None else self.prefill_s + PREFILL_EMA * (x - self.prefill_s)
+        elif self._window:  # an idle gap inside the window: that prefill step's time is unknown
+            self._window = 0
+        if prefill and busy:
+            if not self._window:
+                self._window_max = 0.0
+            self._window = PREFILL_WINDOW  # back-to-back prefill steps: one sample, the longest interval
         self._last, self._last_busy = now, busy
         self._used = self._loads = 0
 
@@ -163,4 +204,5 @@ class StepLoadBudget:
         return {"admit_in_step": c.in_step, "admit_deferred": c.deferred, "admit_first_of_step": c.first_of_step,
                 "admit_budget_bytes": self.budget, "admit_gbps": round(self.gbps, 3),
                 "admit_rate_samples": self.rate.samples, "admit_rate_ignored": self.rate.ignored,
-                "admit_step_ms": round(self.step_s * 1e3, 3)}
+                "admit_step_ms": round(self.step_s * 1e3, 3),
+                "admit_prefill_step_ms": round((self.prefill_s or 0.0) * 1e3, 3)}

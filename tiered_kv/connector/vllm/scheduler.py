@@ -611,7 +611,9 @@ class SchedulerPlanner:
         self._step += 1
         step = self._step
         if self._budget is not None:
-            self._budget.next_step(scheduler_output.total_num_scheduled_tokens > 0)
+            total = scheduler_output.total_num_scheduled_tokens
+            # more tokens than requests: some request prefills (or verifies speculative tokens) in this step
+            self._budget.next_step(total > 0, total > len(scheduler_output.num_scheduled_tokens))
         if self._presence is not None and self._presence.pending():
             self.sync_remote()
         fences: set[int] = set()
