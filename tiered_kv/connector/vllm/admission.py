@@ -20,7 +20,7 @@ requests, i.e. some request's prompt or a chunk of it, ``PREFILL_WINDOW``). Unti
 was measured, the average interval between busy steps stands in. A fixed ``step_load_bytes``
 replaces it. (Before: the all-steps pace, i.e. decode steps: ~150-250 MB per step on 8B, so a c8
 serving run loaded one hit per step in-step and sent the rest back as separate prefills: 89 eager
-loading steps for 128 requests where ``layerwise`` needed 32, and 10-20% less output tokens/s.)
+loading steps for 128 requests where ``layerwise`` needed 32, and 6-22% less output tokens/s.)
 
 How a step's time is read: the interval between consecutive ``build_connector_meta`` calls. With
 vLLM's synchronous scheduling the interval that follows a step's build is that step's forward;

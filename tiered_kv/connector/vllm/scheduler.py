@@ -406,8 +406,7 @@ class SchedulerPlanner:
             if tail:  # dropped once this request stores past it (each turn would otherwise leave one behind)
                 st.seen_tail = (keys[-1], (c0 + len(keys) - 1) * self.k + tail)
         if not where:  # nothing held (a new prompt's usual answer): none of what follows could find a hit
-            log.debug("match %s: computed %d, %d of %d chunks held %s, %d worth loading", request.request_id,
-                      num_computed_tokens, 0, usable, where, 0)
+            log.debug("match %s: computed %d, none of %d chunks held", request.request_id, num_computed_tokens, usable)
             return 0
         n = self._worth_loading(where)
         if tail and n < len(where):
