@@ -82,3 +82,39 @@ def test_the_child_command_names_where_this_process_found_lmdb():
     assert cmd[:3] == [sys.executable, "-I", str(CHECK_PY)]
     assert cmd[3] == "--lmdb-from" and Path(cmd[4]) == Path(lmdb.__file__).resolve().parent.parent
     assert cmd[-1] == "x"
+
+
+GROW = """
+import lmdb, sys
+env = lmdb.open(sys.argv[1], map_size=1 << 30, max_dbs=16, subdir=True)
+meta = env.open_db(b"meta", create=False)
+with env.begin(write=True, db=meta) as txn:
+    txn.put(b"__grown_by_another_process__", b"x" * (4 << 20))
+with env.begin(write=True, db=meta) as txn:
+    txn.delete(b"__grown_by_another_process__")
+env.close()
+"""
+
+
+def test_a_store_another_process_grows_during_the_check_is_not_truncated(tmp_path, monkeypatch):
+    """Another process sharing the directory commits (and grows data.mdb by 4 MiB) while the check has
+    the index open: the check must not call the live file truncated. Found in the four-process sharing
+    test (2026-11-23): the child measured the file before reading the meta page, a commit landed in
+    between, and the worker moved the whole shared directory aside as damaged."""
+    idx = _sound_index(tmp_path)
+    before = (idx / "data.mdb").stat().st_size
+    real_open = lmdb.open
+    grown = []
+
+    def open_then_grow(path, **kw):
+        env = real_open(path, **kw)
+        if kw.get("readonly") and not grown:  # the check's first, read-only open: the other process commits now
+            subprocess.run([sys.executable, "-c", GROW, str(path)], check=True, timeout=60)
+            grown.append((idx / "data.mdb").stat().st_size)
+        return env
+
+    monkeypatch.setattr(lmdb, "open", open_then_grow)
+    report = check_mod._walk(idx)
+    assert grown and grown[0] >= before + (4 << 20), (before, grown)  # the file really grew mid-check
+    assert report["ok"] is True, report
+    assert report["index_bytes"] >= grown[0], report

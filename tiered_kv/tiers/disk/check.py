@@ -88,11 +88,15 @@ def _walk(idx: Path) -> dict:
     import lmdb
 
     data = idx / "data.mdb"
-    size = data.stat().st_size
     env = lmdb.open(str(idx), readonly=True, lock=True, max_dbs=16, subdir=True, readahead=False)
     try:
         psize = env.stat()["psize"]
         need = (env.info()["last_pgno"] + 1) * psize
+        # The size is read after the meta page: another process sharing the directory may commit (and grow
+        # the file) at any time, and LMDB writes a commit's pages before its meta page, so a file measured
+        # after the meta is at least as long as that meta needs. Measured before it, a live store that grew
+        # in between looked truncated and was moved aside as damaged (seen with four processes, 2026-11-23).
+        size = data.stat().st_size
         if size < need:
             raise ValueError(f"data.mdb is truncated ({size} bytes, its meta page needs {need})")
         entries: dict[str, int] = {}
@@ -113,7 +117,7 @@ def _walk(idx: Path) -> dict:
             orphans = _orphans(env, txn, names)
     finally:
         env.close()
-    env = lmdb.open(str(idx), map_size=size + (64 << 20), max_dbs=16, subdir=True, readahead=False, sync=False,
+    env = lmdb.open(str(idx), map_size=data.stat().st_size + (64 << 20), max_dbs=16, subdir=True, readahead=False, sync=False,
                     metasync=False)
     try:
         meta = env.open_db(b"meta", create=False) if b"meta" in names else None
