@@ -43,6 +43,7 @@ import signal
 import sys
 import tempfile
 import time
+from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -50,7 +51,7 @@ from serving import report, server, stats, trace_summary  # noqa: E402
 from serving.modes import (ModeRegistry, ServerOptions, Sizes, serve_argv, serve_env, shell_line,  # noqa: E402
                            validate_argv, with_trace)
 from serving.shapes import DEFAULT_GPU_BLOCKS, DEFAULT_USERS, SHAPES, kv_bytes_per_token, weight_bytes, write_model_dir, write_wordlevel_tokenizer  # noqa: E402
-from serving.workload import Workload, WorkloadParams, plan_phases, sizes  # noqa: E402
+from serving.workload import Workload, WorkloadParams, plan_phases, resident_gpu_blocks, sizes  # noqa: E402
 
 T0 = time.monotonic()
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -171,6 +172,14 @@ def server_options(a, wp: WorkloadParams, graphs: str, tokenizer: str) -> Server
                          extra_args=tuple(a.serve_arg))
 
 
+def mode_options(a, wp: WorkloadParams, spec, opts: ServerOptions) -> ServerOptions:
+    """``opts`` for one mode: ``none-resident`` gets a GPU KV cache that holds the run's whole history."""
+    if not spec.gpu_resident:
+        return opts
+    blocks = resident_gpu_blocks(wp, sizes(wp, kv_bytes_per_token(a.shape), a.gpu_blocks))
+    return replace(opts, gpu_blocks=max(blocks, opts.gpu_blocks))
+
+
 def workload_id(wp: WorkloadParams) -> str:
     """Greedy outputs are compared only between starts that ran the same workload."""
     return hashlib.sha1(json.dumps(wp.__dict__, sort_keys=True, default=list).encode()).hexdigest()[:10]
@@ -228,9 +237,13 @@ def dry_run(a) -> None:
         spec = reg.spec(m, ts, metrics_port=9400 if m.startswith("tiered") else None)
         if a.trace:
             spec = with_trace(spec, os.path.join(a.out_dir, f"trace_{a.shape}_{m}_r0"))
-        argv = serve_argv(spec, opts, f"/tmp/serve-bench-{a.shape}", 8000)
+        mopts = mode_options(a, wp, spec, opts)
+        argv = serve_argv(spec, mopts, f"/tmp/serve-bench-{a.shape}", 8000)
         _, delta = serve_env(spec, REPO, {"PYTHONPATH": os.environ.get("PYTHONPATH", "")})
         print(f"\n## mode {m} ({spec.family}{', disk ' + spec.disk_dir if spec.disk_dir else ''})")
+        if spec.gpu_resident:
+            print(f"# {m}: GPU KV cache {mopts.gpu_blocks} blocks = {mopts.gpu_blocks * 16} tokens "
+                  f"({gib(mopts.gpu_blocks * 16 * kvb):.1f} GiB) so that no prefix leaves the GPU")
         print(shell_line(argv, delta))
         if a.validate:
             try:
@@ -352,6 +365,7 @@ class Bench:
                 os.remove(old)  # a previous call's file of the same name
             spec = with_trace(spec, trace)
             rec["trace_path"] = os.path.basename(trace)
+        opts = mode_options(a, self.wp, spec, opts)
         argv = serve_argv(spec, opts, self.model_dir, port)
         env, delta = serve_env(spec, REPO, dict(os.environ))
         if a.tkv_log:

@@ -2,7 +2,9 @@
 
 Families and the connector each one configures (vLLM 0.26 on the GPU machine):
 
-- ``none``        no connector: every prefix that left the GPU is recomputed
+- ``none``        no connector: every prefix that left the GPU is recomputed; ``none-resident``
+                  gives the engine a GPU KV cache that holds the whole run's history (no prefix
+                  ever leaves the GPU): the engine's own floor, which no connector can beat
 - ``offloading``  vLLM's ``OffloadingConnector`` (CPU); ``offloading-fs`` adds vLLM's own disk
                   path: ``TieringOffloadingSpec`` with an ``fs`` secondary tier (write-through)
 - ``simple``      vLLM's ``SimpleCPUOffloadConnector``; ``simple-lazy`` stores only what the GPU
@@ -39,6 +41,8 @@ BLOCK_SIZE = 16  # vLLM's GPU block (tokens); our chunk = chunk_blocks of these
 #: name -> (family, settings over the family's defaults, has a disk tier)
 BUILTIN: dict[str, tuple[str, dict, bool]] = {
     "none": ("none", {}, False),
+    # the floor of any connector: every prefix stays in vLLM's GPU prefix cache (serve_bench sizes it)
+    "none-resident": ("none", {"gpu_resident": True}, False),
     "offloading": ("offloading", {}, False),
     "offloading-fs": ("offloading", {}, True),
     "simple": ("simple", {"lazy_offload": False}, False),
@@ -86,6 +90,7 @@ class ModeSpec:
     disk_dir: str | None = None
     metrics_port: int | None = None  # ours: the connector's Prometheus endpoint
     chunk_tokens: int = 0  # ours: tokens per chunk (what one tier hit loads)
+    gpu_resident: bool = False  # give vLLM a GPU KV cache that holds the run's whole history (the floor)
 
 
 class ModeRegistry:
@@ -124,7 +129,7 @@ class ModeRegistry:
 
 
 def _none(name, settings, cpu_gib, disk_dir, disk_gib, port) -> ModeSpec:
-    return ModeSpec(name, "none", None)
+    return ModeSpec(name, "none", None, gpu_resident=bool(settings.get("gpu_resident")))
 
 
 def _offloading(name, settings, cpu_gib, disk_dir, disk_gib, port) -> ModeSpec:

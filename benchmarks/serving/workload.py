@@ -25,6 +25,8 @@ GPU KV cache, so each turn's prefix must come from a connector or be recomputed.
 """
 from __future__ import annotations
 
+import math
+
 import random
 from dataclasses import dataclass, field
 
@@ -139,6 +141,14 @@ def plan_phases(p: WorkloadParams) -> list[Phase]:
             name += f"-{seen[name]}"
         out.append(Phase(name, c, tuple((u, t) for t in range(first, first + p.turns) for u in users)))
     return out
+
+
+def resident_gpu_blocks(params: WorkloadParams, sz: dict, block_size: int = 16) -> int:
+    """GPU blocks for a cache that never evicts a prefix in this run (``none-resident``): every distinct
+    prompt token of the run, each user's last answer and one partly filled block per user, plus 10%.
+    ``sz`` is what ``sizes`` returns for ``params``."""
+    tokens = sz["stored_tokens"] + params.users * (params.answer_tokens + block_size)
+    return math.ceil(1.1 * tokens / block_size)
 
 
 def sizes(params: WorkloadParams, kv_bytes_per_token: int, gpu_blocks: int, block_size: int = 16) -> dict:

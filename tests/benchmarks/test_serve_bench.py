@@ -25,7 +25,7 @@ import serve_bench  # noqa: E402
 from serving import report, stats  # noqa: E402
 from serving.modes import BUILTIN, ModeRegistry, ServerOptions, Sizes, serve_argv, serve_env  # noqa: E402
 from serving.shapes import SHAPES, kv_bytes_per_token, write_model_dir  # noqa: E402
-from serving.workload import Workload, WorkloadParams, plan_phases, sizes  # noqa: E402
+from serving.workload import Workload, WorkloadParams, plan_phases, resident_gpu_blocks, sizes  # noqa: E402
 
 SIZES = Sizes(cpu_gib=30, disk_cpu_gib=6, disk_gib=36, disk_root="/data/sb")
 SMALL = WorkloadParams(users=6, system_tokens=32, context_tokens=48, turn_tokens=16, answer_tokens=4,
@@ -308,6 +308,38 @@ def test_summary_min_median_max_greedy_and_ratios():
     rows = report.ratio_rows(s)
     assert "| c8 | tiered | offloading | 0.62x | 1.14x | yes |" in rows
     assert "| c8 | tiered | none | 0.45x | 1.32x | yes |" in rows
+
+
+def test_floor_table_puts_every_mode_against_the_resident_floor():
+    starts = [_start("none-resident", 40.0, 1400.0, {0: "a"}), _start("offloading", 80.0, 1100.0, {0: "a"}),
+              _start("tiered", 50.0, 1300.0, {0: "a"}), _start("none", 100.0, 1000.0, {0: "a"})]
+    s = report.summarize(starts)
+    rows = report.floor_rows(s)
+    assert "| c8 | offloading | 2.00x | 0.79x | 40.0 | 56.0 |" in rows
+    assert "| c8 | tiered | 1.25x | 0.93x | 40.0 | 56.0 |" in rows
+    assert not any("| none-resident |" in r for r in rows)
+    assert "Against the engine's floor" in report.table(s)
+    assert s["none-resident"]["phases"]["c8"]["greedy_vs_none"] == {"compared": 1, "equal": 1}
+    assert report.floor_rows(report.summarize(starts[1:])) == []  # no floor start: no table
+
+
+def test_resident_floor_mode_gets_a_gpu_cache_for_the_whole_history(tmp_path, monkeypatch):
+    wp = WorkloadParams(users=128, system_tokens=1024, context_tokens=1024, turn_tokens=128, answer_tokens=32)
+    sz = sizes(wp, kv_bytes_per_token("llama3-8b"), 6912)
+    blocks = resident_gpu_blocks(wp, sz)
+    assert blocks * 16 >= sz["stored_tokens"] + 128 * 32 and blocks * 16 < 1.3 * sz["stored_tokens"]
+    rec_path = tmp_path / "rec.jsonl"
+    monkeypatch.setenv("FAKE_SERVE_RECORD", str(rec_path))
+    out = tmp_path / "out"
+    serve_bench.main(SMALL_ARGS + ["--python", _fake_python(tmp_path), "--modes", "none,none-resident",
+                                   "--gpu-blocks", "8", "--out-dir", str(out)])
+    got = sorted(int(r["argv"][r["argv"].index("--num-gpu-blocks-override") + 1]) for r in _records(rec_path))
+    small = WorkloadParams(users=6, system_tokens=32, context_tokens=48, turn_tokens=16, answer_tokens=4,
+                           concurrency=(4, 2, 1), c1_users=2, vocab_size=SHAPES["llama3-8b"]["vocab_size"])
+    want = resident_gpu_blocks(small, sizes(small, kv_bytes_per_token("llama3-8b"), 8))
+    assert got == [8, want] and want > 8, (got, want)
+    doc = json.loads((out / "serve_bench_llama3-8b.json").read_text())
+    assert [s["status"] for s in doc["starts"]] == ["ok", "ok"]
 
 
 def test_merge_files_and_write_json(tmp_path):
