@@ -22,7 +22,8 @@ smaller CPU tier (``disk_cpu_gib``) plus a disk tier in its own directory under 
 wiped before and after each engine start (vLLM's fs tier has no size limit).
 
 New variants: ``define(name, json)`` derives a mode from the longest built-in (or defined) mode
-name that prefixes it, e.g. ``tiered-g1={"load_groups": 1}``; family-wide extras apply to every
+name that prefixes it, e.g. ``tiered-g1={"load_groups": 1}``; the key ``env`` sets the server's
+environment instead (``{"env": {"VLLM_USE_V2_MODEL_RUNNER": "0"}}``); family-wide extras apply to every
 mode of a family (``--tiered-extra '{"store_policy": "on_finish"}'``). Order: built-in settings,
 then family extras, then the definition's own keys. LMCache keys are config keys
 (``chunk_size``), written as ``LMCACHE_CHUNK_SIZE``.
@@ -54,6 +55,11 @@ BUILTIN: dict[str, tuple[str, dict, bool]] = {
     "tiered-adaptive": ("tiered", {"load_mode": "adaptive"}, False),
     "tiered-staged": ("tiered", {"in_step_copy": "staged"}, False),
     "tiered-adaptive-staged": ("tiered", {"load_mode": "adaptive", "in_step_copy": "staged"}, False),
+    # in-step loads on a Triton kernel (far less time on vLLM's thread per GiB), and vLLM's V1 model runner,
+    # which hands over the cross-layer KV tensor (one copy run per block instead of one per layer)
+    "tiered-smk": ("tiered", {"in_step_copy": "sm_kernel"}, False),
+    "tiered-v1runner": ("tiered", {"env": {"VLLM_USE_V2_MODEL_RUNNER": "0"}}, False),
+    "offloading-v1runner": ("offloading", {"env": {"VLLM_USE_V2_MODEL_RUNNER": "0"}}, False),
     "tiered-disk": ("tiered", {}, True),
     "tiered-disk-always": ("tiered", {"disk_load_policy": "always"}, True),
     "lmcache": ("lmcache", {}, False),
@@ -113,8 +119,8 @@ class ModeRegistry:
         if base is None:
             raise ValueError(f"mode {name!r}: its name must start with a known mode ({', '.join(self._modes)})")
         family, over, disk = self._modes[base]
-        if family == "none" and settings:
-            raise ValueError(f"mode {name!r}: 'none' takes no settings")
+        if family == "none" and set(settings) - {"env"}:
+            raise ValueError(f"mode {name!r}: 'none' takes no settings (only 'env')")
         self._modes[name] = (family, {**over, **settings}, disk)
 
     def spec(self, name: str, sizes: Sizes, metrics_port: int | None = None) -> ModeSpec:
@@ -123,9 +129,13 @@ class ModeRegistry:
             raise ValueError(f"unknown mode {name!r}; known: {', '.join(self._modes)} (or --define NAME=JSON)")
         family, over, disk = self._modes[name]
         settings = {**self.family_extra[family], **over}
+        engine_env = settings.pop("env", {})  # the server's environment, not a connector setting
+        if not isinstance(engine_env, dict) or not all(isinstance(v, str) for v in engine_env.values()):
+            raise ValueError(f"mode {name!r}: 'env' must map variable names to strings, got {engine_env!r}")
         disk_dir = os.path.join(sizes.disk_root, name) if disk else None
         cpu_gib = sizes.disk_cpu_gib if disk else sizes.cpu_gib
-        return _BUILDERS[family](name, settings, cpu_gib, disk_dir, sizes.disk_gib, metrics_port)
+        spec = _BUILDERS[family](name, settings, cpu_gib, disk_dir, sizes.disk_gib, metrics_port)
+        return replace(spec, env={**spec.env, **engine_env}) if engine_env else spec
 
 
 def _none(name, settings, cpu_gib, disk_dir, disk_gib, port) -> ModeSpec:

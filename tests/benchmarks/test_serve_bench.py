@@ -570,6 +570,25 @@ def test_a_server_that_dies_mid_run_fails_its_start_without_fallbacks(tmp_path, 
     assert start["repeats"][0]["phases"][0]["errors"] > 0
 
 
+def test_env_setting_goes_to_the_server_environment_not_the_connector():
+    reg = ModeRegistry()
+    sz = Sizes(cpu_gib=4, disk_cpu_gib=1, disk_gib=8, disk_root="/tmp/x")
+    v1 = reg.spec("tiered-v1runner", sz)
+    assert v1.env == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    assert "env" not in v1.kv_transfer["kv_connector_extra_config"]
+    assert reg.spec("offloading-v1runner", sz).env == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    assert reg.spec("tiered-smk", sz).kv_transfer["kv_connector_extra_config"]["in_step_copy"] == "sm_kernel"
+    reg.define("none-v1", {"env": {"VLLM_USE_V2_MODEL_RUNNER": "0"}})
+    assert reg.spec("none-v1", sz).env == {"VLLM_USE_V2_MODEL_RUNNER": "0"} and reg.spec("none-v1", sz).kv_transfer is None
+    env, delta = serve_env(v1, "/repo", {})
+    assert env["VLLM_USE_V2_MODEL_RUNNER"] == "0" == delta["VLLM_USE_V2_MODEL_RUNNER"]
+    reg.define("tiered-badenv", {"env": {"X": 1}})
+    with pytest.raises(ValueError, match="'env' must map variable names to strings"):
+        reg.spec("tiered-badenv", sz)
+    with pytest.raises(ValueError, match="takes no settings"):
+        reg.define("none-x", {"load_mode": "async"})
+
+
 # ============================================================================ load trace (--trace)
 def test_burst_modes_and_trace_path_in_the_commands():
     ours = lambda m: _kv(_argv(m)[0])["kv_connector_extra_config"]  # noqa: E731
