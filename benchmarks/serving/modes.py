@@ -60,6 +60,11 @@ BUILTIN: dict[str, tuple[str, dict, bool]] = {
     "tiered-smk": ("tiered", {"in_step_copy": "sm_kernel"}, False),
     "tiered-v1runner": ("tiered", {"env": {"VLLM_USE_V2_MODEL_RUNNER": "0"}}, False),
     "offloading-v1runner": ("offloading", {"env": {"VLLM_USE_V2_MODEL_RUNNER": "0"}}, False),
+    # the V1 runner's own floor (it may prefill faster than V2), and our load modes on it
+    "none-resident-v1runner": ("none", {"gpu_resident": True, "env": {"VLLM_USE_V2_MODEL_RUNNER": "0"}}, False),
+    "tiered-async-v1runner": ("tiered", {"load_mode": "async", "env": {"VLLM_USE_V2_MODEL_RUNNER": "0"}}, False),
+    "tiered-adaptive-v1runner": ("tiered", {"load_mode": "adaptive", "env": {"VLLM_USE_V2_MODEL_RUNNER": "0"}},
+                                 False),
     "tiered-disk": ("tiered", {}, True),
     "tiered-disk-always": ("tiered", {"disk_load_policy": "always"}, True),
     "lmcache": ("lmcache", {}, False),

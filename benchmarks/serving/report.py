@@ -22,6 +22,16 @@ PEERS = ("offloading", "lmcache", "none")
 FLOOR = "none-resident"
 GOAL_TTFT_VS_PEER = 0.7
 GOAL_TOKS_VS_PEER = 1.1
+#: name suffix of the modes on vLLM's V1 model runner (modes.py); they are compared with the same runner's
+#: floor and peers where those ran (``tiered-v1runner`` against ``offloading-v1runner``)
+RUNNER_SUFFIX = "-v1runner"
+
+
+def counterpart(summary: dict, mode: str, base: str) -> str | None:
+    """The mode named ``base`` on the same model runner as ``mode``, if it ran (else ``base`` if it ran)."""
+    if mode.endswith(RUNNER_SUFFIX) and base + RUNNER_SUFFIX in summary:
+        return base + RUNNER_SUFFIX
+    return base if base in summary else None
 
 
 def spread(values: list[float]) -> dict | None:
@@ -169,26 +179,27 @@ def table(summary: dict) -> str:
 
 
 def floor_rows(summary: dict) -> list[str]:
-    """One row per (measured phase, mode other than the floor) when the floor mode ran."""
-    fl = summary.get(FLOOR)
-    if not fl:
-        return []
+    """One row per (measured phase, mode other than a floor) against the floor on the same model runner."""
     rows = []
+    floors = {FLOOR, FLOOR + RUNNER_SUFFIX}
     for name in phase_order(summary):
-        f = fl["phases"].get(name)
-        if name == "warm" or f is None:
+        if name == "warm":
             continue
-        t_f, k_f = _med(f["ttft_p50_ms"]), _med(f["output_tok_s"])
-        off = summary.get("offloading", {}).get("phases", {}).get(name)
-        goal = "-" if off is None or _med(off["ttft_p50_ms"]) is None else f"{GOAL_TTFT_VS_PEER * _med(off['ttft_p50_ms']):.1f}"
         for mode in mode_order(summary):
+            fl_name = counterpart(summary, mode, FLOOR)
             o = summary[mode]["phases"].get(name)
-            if mode == FLOOR or o is None or not t_f or not k_f:
+            if mode in floors or fl_name is None or o is None:
                 continue
+            f = summary[fl_name]["phases"].get(name)
+            t_f, k_f = (_med(f["ttft_p50_ms"]), _med(f["output_tok_s"])) if f else (None, None)
             t_o, k_o = _med(o["ttft_p50_ms"]), _med(o["output_tok_s"])
-            if None in (t_o, k_o):
+            if not t_f or not k_f or None in (t_o, k_o):
                 continue
-            rows.append(f"| {name} | {mode} | {t_o / t_f:.2f}x | {k_o / k_f:.2f}x | {t_f:.1f} | {goal} |")
+            off_name = counterpart(summary, mode, "offloading")
+            off = summary[off_name]["phases"].get(name) if off_name else None
+            goal = "-" if off is None or _med(off["ttft_p50_ms"]) is None else f"{GOAL_TTFT_VS_PEER * _med(off['ttft_p50_ms']):.1f}"
+            label = mode if fl_name == FLOOR else f"{mode} (vs {fl_name})"
+            rows.append(f"| {name} | {label} | {t_o / t_f:.2f}x | {k_o / k_f:.2f}x | {t_f:.1f} | {goal} |")
     return rows
 
 
@@ -201,8 +212,9 @@ def ratio_rows(summary: dict) -> list[str]:
         for ours, m in summary.items():
             if not ours.startswith("tiered") or name not in m["phases"]:
                 continue
-            for peer in PEERS:
-                p = summary.get(peer, {}).get("phases", {}).get(name)
+            for base in PEERS:
+                peer = counterpart(summary, ours, base)
+                p = summary[peer]["phases"].get(name) if peer else None
                 if p is None:
                     continue
                 o = m["phases"][name]
@@ -211,7 +223,7 @@ def ratio_rows(summary: dict) -> list[str]:
                 if None in (t_o, t_p, k_o, k_p) or not t_p or not k_p:
                     continue
                 tr, kr = t_o / t_p, k_o / k_p
-                met = (tr <= 1.0 and kr >= 1.0) if peer == "none" else (tr <= GOAL_TTFT_VS_PEER and kr >= GOAL_TOKS_VS_PEER)
+                met = (tr <= 1.0 and kr >= 1.0) if base == "none" else (tr <= GOAL_TTFT_VS_PEER and kr >= GOAL_TOKS_VS_PEER)
                 rows.append(f"| {name} | {ours} | {peer} | {tr:.2f}x | {kr:.2f}x | {'yes' if met else 'no'} |")
     return rows
 

@@ -323,6 +323,26 @@ def test_floor_table_puts_every_mode_against_the_resident_floor():
     assert report.floor_rows(report.summarize(starts[1:])) == []  # no floor start: no table
 
 
+def test_v1runner_modes_are_compared_with_the_floor_and_peers_on_their_own_runner():
+    starts = [_start("none-resident", 40.0, 1400.0, {0: "a"}), _start("none-resident-v1runner", 30.0, 1500.0, {0: "a"}),
+              _start("offloading", 80.0, 1100.0, {0: "a"}), _start("offloading-v1runner", 60.0, 1200.0, {0: "a"}),
+              _start("tiered", 50.0, 1300.0, {0: "a"}), _start("tiered-v1runner", 45.0, 1320.0, {0: "a"}),
+              _start("tiered-async-v1runner", 36.0, 1440.0, {0: "a"})]
+    s = report.summarize(starts)
+    rows = report.floor_rows(s)
+    assert "| c8 | tiered | 1.25x | 0.93x | 40.0 | 56.0 |" in rows
+    assert "| c8 | tiered-v1runner (vs none-resident-v1runner) | 1.50x | 0.88x | 30.0 | 42.0 |" in rows
+    assert "| c8 | offloading-v1runner (vs none-resident-v1runner) | 2.00x | 0.80x | 30.0 | 42.0 |" in rows
+    assert not any("| none-resident" in r for r in rows)
+    ratios = report.ratio_rows(s)
+    assert "| c8 | tiered-async-v1runner | offloading-v1runner | 0.60x | 1.20x | yes |" in ratios
+    assert "| c8 | tiered | offloading | 0.62x | 1.18x | yes |" in ratios
+    assert not any("| tiered-v1runner | offloading |" in r for r in ratios)
+    # without the V1 runner's own floor, a V1 mode falls back to the default runner's floor
+    rows2 = report.floor_rows(report.summarize([x for x in starts if x["mode"] != "none-resident-v1runner"]))
+    assert "| c8 | tiered-v1runner | 1.12x | 0.94x | 40.0 | 42.0 |" in rows2
+
+
 def test_resident_floor_mode_gets_a_gpu_cache_for_the_whole_history(tmp_path, monkeypatch):
     wp = WorkloadParams(users=128, system_tokens=1024, context_tokens=1024, turn_tokens=128, answer_tokens=32)
     sz = sizes(wp, kv_bytes_per_token("llama3-8b"), 6912)
@@ -577,6 +597,11 @@ def test_env_setting_goes_to_the_server_environment_not_the_connector():
     assert v1.env == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
     assert "env" not in v1.kv_transfer["kv_connector_extra_config"]
     assert reg.spec("offloading-v1runner", sz).env == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    floor_v1 = reg.spec("none-resident-v1runner", sz)
+    assert floor_v1.gpu_resident and floor_v1.kv_transfer is None and floor_v1.env == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    async_v1 = reg.spec("tiered-async-v1runner", sz)
+    assert async_v1.kv_transfer["kv_connector_extra_config"]["load_mode"] == "async"
+    assert async_v1.env == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
     assert reg.spec("tiered-smk", sz).kv_transfer["kv_connector_extra_config"]["in_step_copy"] == "sm_kernel"
     reg.define("none-v1", {"env": {"VLLM_USE_V2_MODEL_RUNNER": "0"}})
     assert reg.spec("none-v1", sz).env == {"VLLM_USE_V2_MODEL_RUNNER": "0"} and reg.spec("none-v1", sz).kv_transfer is None
