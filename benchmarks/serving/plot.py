@@ -8,7 +8,9 @@ Usage (CPU machine; needs matplotlib: ``pip install -e '.[bench]'``)::
 Files of the same shape are merged (every engine start of every call counts), as
 ``serve_bench.py --plot-from`` does; each panel shows, per mode, the median over starts of the
 phase's TTFT p50 with bars from the smallest to the largest start. Our modes (``tiered*``) are
-drawn thicker. Prints what it drew.
+drawn thicker, the engine's floor (``none-resident``) dashed. By default only the modes a reader
+compares (``DEFAULT_MODES``: no connector, the floor, the two peers, our default and ``adaptive``)
+are drawn; ``--modes all`` or a comma list draws others. Prints what it drew.
 
 Threading contract: a script; main thread only.
 """
@@ -29,6 +31,8 @@ DEFAULT_GLOB = "docs/results/serve_bench_*_h200.json"
 DEFAULT_OUT = "docs/img/serve_ttft_vs_concurrency.png"
 #: panel order: the issue's shapes first, anything else after
 SHAPE_ORDER = ("llama3-8b", "qwen2.5-7b", "qwen2.5-32b")
+#: the modes drawn unless ``--modes`` says otherwise, each with its own colour in every panel
+DEFAULT_MODES = ("none", "none-resident", "offloading", "lmcache", "tiered", "tiered-adaptive")
 
 
 def curves(summary: dict) -> dict[str, list[tuple[int, float, float, float]]]:
@@ -43,8 +47,15 @@ def curves(summary: dict) -> dict[str, list[tuple[int, float, float, float]]]:
     return out
 
 
-def draw(by_shape: dict[str, dict], path: str) -> str:
-    """One panel per shape (``report.merge`` documents); writes the PNG and returns its path."""
+def drawn_modes(by_shape: dict[str, dict], modes: tuple[str, ...] | None) -> list[str]:
+    """The modes present in any panel that ``modes`` selects (None: all), sorted by name."""
+    present = sorted({mode for doc in by_shape.values() for mode in doc["summary"]})
+    return [m for m in present if modes is None or m in modes]
+
+
+def draw(by_shape: dict[str, dict], path: str, modes: tuple[str, ...] | None = DEFAULT_MODES) -> str:
+    """One panel per shape (``report.merge`` documents), the modes in ``modes`` (None: all); writes the PNG
+    and returns its path."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -52,18 +63,20 @@ def draw(by_shape: dict[str, dict], path: str) -> str:
     from matplotlib import ticker
 
     shapes = sorted(by_shape, key=lambda s: (SHAPE_ORDER.index(s) if s in SHAPE_ORDER else len(SHAPE_ORDER), s))
-    modes = sorted({mode for s in shapes for mode in by_shape[s]["summary"]})
-    colors = {mode: f"C{i % 10}" for i, mode in enumerate(modes)}  # one colour per mode in every panel
+    colors = {mode: f"C{i % 10}" for i, mode in enumerate(drawn_modes(by_shape, modes))}  # one colour per mode in every panel
     fig, axes = plt.subplots(1, len(shapes), figsize=(5.2 * len(shapes), 4.4), dpi=120, squeeze=False)
     for ax, shape in zip(axes[0], shapes):
         doc = by_shape[shape]
         levels: set[int] = set()
         for mode, pts in curves(doc["summary"]).items():
+            if mode not in colors:
+                continue
             xs = [p[0] for p in pts]
             med = [p[1] for p in pts]
             err = [[p[1] - p[2] for p in pts], [p[3] - p[1] for p in pts]]
             ax.errorbar(xs, med, yerr=err, marker="o", capsize=3, label=mode, color=colors[mode],
-                        linewidth=2.4 if mode.startswith("tiered") else 1.3)
+                        linewidth=2.4 if mode.startswith("tiered") else 1.3,
+                        linestyle="--" if mode.startswith(report.FLOOR) else "-")
             levels |= set(xs)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -74,11 +87,11 @@ def draw(by_shape: dict[str, dict], path: str) -> str:
             ax.set_xticklabels([str(c) for c in sorted(levels)])
         per_mode: dict[str, int] = {}
         for st in doc["starts"]:
-            if st.get("status") == "ok":
+            if st.get("status") == "ok" and st["mode"] in colors:
                 per_mode[st["mode"]] = per_mode.get(st["mode"], 0) + 1
         lo, hi = min(per_mode.values(), default=0), max(per_mode.values(), default=0)
         starts = f"{lo}" if lo == hi else f"{lo}-{hi}"
-        ax.set_title(f"{shape} ({', '.join(doc['devices'])}; {starts} engine start(s) per mode)", fontsize=10)
+        ax.set_title(f"{shape}\n({', '.join(doc['devices'])}; {starts} engine start(s) per mode)", fontsize=10)
         ax.set_xlabel("concurrent users (closed loop)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
@@ -108,7 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="TTFT p50 vs concurrency per mode, one panel per model shape")
     ap.add_argument("files", nargs="*", help=f"serve_bench JSON files (default: {DEFAULT_GLOB})")
     ap.add_argument("--out", default=DEFAULT_OUT, help=f"PNG to write (default: {DEFAULT_OUT})")
+    ap.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                    help="comma-separated modes to draw, or 'all' (default: %(default)s)")
     a = ap.parse_args(argv)
+    modes = None if a.modes == "all" else tuple(m.strip() for m in a.modes.split(",") if m.strip())
     files = a.files or sorted(glob.glob(DEFAULT_GLOB))
     if not files:
         ap.error(f"no result files given and none match {DEFAULT_GLOB}")
@@ -117,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         for mode, pts in curves(doc["summary"]).items():
             print(f"{shape:12s} {mode:16s} " + "  ".join(f"c{c}: {m:.1f} ms [{lo:.1f}-{hi:.1f}]"
                                                          for c, m, lo, hi in pts))
-    print(f"wrote {draw(by_shape, a.out)}")
+    print(f"wrote {draw(by_shape, a.out, modes)}")
     return 0
 
 

@@ -42,3 +42,12 @@ def test_one_png_with_a_panel_per_shape(tmp_path, capsys):
     assert width >= 2 * 5 * 120  # two panels side by side
     printed = capsys.readouterr().out
     assert "llama3-8b" in printed and "qwen2.5-7b" in printed and "wrote" in printed
+
+
+def test_default_modes_are_the_ones_a_reader_compares():
+    by_shape = plot.load(RESULTS)
+    default = plot.drawn_modes(by_shape, plot.DEFAULT_MODES)
+    assert {"none", "offloading", "tiered"} <= set(default) <= set(plot.DEFAULT_MODES)
+    everything = plot.drawn_modes(by_shape, None)
+    assert set(default) < set(everything)  # the result files hold variants (tiered-staged, -v1runner, ...)
+    assert plot.drawn_modes(by_shape, ("tiered",)) == ["tiered"]
