@@ -343,6 +343,19 @@ def test_v1runner_modes_are_compared_with_the_floor_and_peers_on_their_own_runne
     assert "| c8 | tiered-v1runner | 1.12x | 0.94x | 40.0 | 42.0 |" in rows2
 
 
+def test_greedy_outputs_are_checked_against_the_floor_when_a_call_ran_no_none():
+    starts = [_start("none-resident", 40.0, 1400.0, {0: "a", 1: "b"}), _start("tiered", 50.0, 1300.0, {0: "a", 1: "x"}),
+              _start("offloading", 80.0, 1100.0, {0: "a", 1: "b"})]
+    s = report.summarize(starts)
+    assert s["tiered"]["phases"]["c8"]["greedy_vs_none"] == {"compared": 2, "equal": 1}  # user 1 differs
+    assert s["offloading"]["phases"]["c8"]["greedy_vs_none"] == {"compared": 2, "equal": 2}
+    assert s["none-resident"]["phases"]["c8"]["greedy_vs_none"] == {"compared": 0, "equal": 0}  # not with itself
+    # where `none` ran, it is the reference (the floor is compared with it like any other mode)
+    s2 = report.summarize([_start("none", 100.0, 1000.0, {0: "a", 1: "x"})] + starts)
+    assert s2["tiered"]["phases"]["c8"]["greedy_vs_none"] == {"compared": 2, "equal": 2}
+    assert s2["none-resident"]["phases"]["c8"]["greedy_vs_none"] == {"compared": 2, "equal": 1}
+
+
 def test_resident_floor_mode_gets_a_gpu_cache_for_the_whole_history(tmp_path, monkeypatch):
     wp = WorkloadParams(users=128, system_tokens=1024, context_tokens=1024, turn_tokens=128, answer_tokens=32)
     sz = sizes(wp, kv_bytes_per_token("llama3-8b"), 6912)
