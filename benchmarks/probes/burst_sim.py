@@ -58,6 +58,8 @@ EAGER_PREFILL_MS = 22.0
 LAYERS = 32
 MODES = {"layerwise": {}, "adaptive": {"load_mode": "adaptive"}, "async": {"load_mode": "async"},
          "adaptive-1GiB": {"load_mode": "adaptive", "step_load_bytes": "1GiB"},
+         # in-step up to a c8 wave's size on the H200 (0.7-1.2 GB a step), asynchronous beyond (2026-11-28)
+         "adaptive-2GiB": {"load_mode": "adaptive", "step_load_bytes": "2GiB"},
          # the rule before a0bd10c: the budget priced at all busy steps' pace (decode steps), for comparison
          "adaptive-allsteps": {"load_mode": "adaptive", "_pace": "all"}}
 
