@@ -63,7 +63,8 @@ def draw(by_shape: dict[str, dict], path: str, modes: tuple[str, ...] | None = D
     from matplotlib import ticker
 
     shapes = sorted(by_shape, key=lambda s: (SHAPE_ORDER.index(s) if s in SHAPE_ORDER else len(SHAPE_ORDER), s))
-    colors = {mode: f"C{i % 10}" for i, mode in enumerate(drawn_modes(by_shape, modes))}  # one colour per mode in every panel
+    # one colour per mode in every panel
+    colors = {mode: f"C{i % 10}" for i, mode in enumerate(drawn_modes(by_shape, modes))}
     fig, axes = plt.subplots(1, len(shapes), figsize=(5.2 * len(shapes), 4.4), dpi=120, squeeze=False)
     for ax, shape in zip(axes[0], shapes):
         doc = by_shape[shape]
