@@ -5,7 +5,14 @@ each worker rank appends ``<trace_path>.rank<r>.jsonl``. After the start, ``summ
 lines whose wall time falls inside a phase (plus a second for loads that land after its last request
 started) and reports, per phase: loading steps, in-step and asynchronous loads and bytes, bytes per
 loading step, how long ``start_load_kv`` held vLLM's thread (p50/p90/max/sum), and per kind of load its
-GPU time and host latency (submission to ``get_finished``) p50/p90 with the GB/s the GPU times imply.
+GPU time and host latency (submission to ``get_finished``) p50/p90 with the GB/s the GPU times imply
+(bytes / summed GPU time: a rate only while one step's loads do not overlap in time).
+
+``big_step_hold_gbps``: for each step that loaded at least ``BIG_STEP_BYTES`` in-step, its in-step bytes
+over the time ``start_load_kv`` held vLLM's thread. Near the PCIe rate it says the submission itself
+lasted as long as the transfer (the batched memcpy blocks while the copy queue is full), so the forward
+launched only after the bytes had (nearly) landed: no layer-by-layer overlap in that step (H200,
+2026-11-28: 46-50 GB/s per start on per-layer tensors, docs/benchmarks.md).
 
 Threading contract: plain functions, no state.
 """
@@ -18,6 +25,8 @@ from serving.stats import percentile
 
 #: lines up to this long after a phase's end still count for it (its last loads land and are reported then)
 TAIL_S = 1.0
+#: in-step bytes from which a step counts for ``big_step_hold_gbps``
+BIG_STEP_BYTES = 1_000_000_000
 
 
 def read_lines(trace_path: str) -> list[dict]:
@@ -56,6 +65,8 @@ def summarize_phase(lines: list[dict], t_start: float, t_end: float) -> dict:
                      "host_ms": _dist([y["host_ms"] for y in landed]),
                      "gbps": round(gpu_bytes / sum(gpu) / 1e6, 2) if sum(gpu) > 0 else None}
     out["start_load_ms"] = _dist([x["start_load_ms"] for x in loading])
+    out["big_step_hold_gbps"] = _dist([x["in_step"]["bytes"] / x["start_load_ms"] / 1e6 for x in loading
+                                       if x["in_step"]["bytes"] >= BIG_STEP_BYTES and x["start_load_ms"] > 0])
     out["fence_ms"] = _dist([x["fence_ms"] for x in loading if x.get("fence_ms")])
     return out
 
@@ -66,4 +77,6 @@ def line(mode: str, phase: str, s: dict) -> str:
     return (f"[{mode}] {phase:>6} trace: {s['loading_steps']} loading steps | in-step {i['loads']} loads "
             f"{i['bytes'] / 1e9:.2f} GB gpu p50 {i['gpu_ms'].get('p50')} ms | async {a['loads']} loads "
             f"{a['bytes'] / 1e9:.2f} GB gpu p50 {a['gpu_ms'].get('p50')} ms host p50 {a['host_ms'].get('p50')} ms | "
-            f"start_load_kv p50 {h.get('p50')} max {h.get('max')} ms")
+            f"start_load_kv p50 {h.get('p50')} max {h.get('max')} ms"
+            + (f" | steps >= 1 GB in-step: {s['big_step_hold_gbps']['n']}, held the thread for bytes / "
+               f"{s['big_step_hold_gbps']['p50']} GB/s (p50)" if s.get("big_step_hold_gbps", {}).get("n") else ""))

@@ -666,6 +666,12 @@ def test_trace_summary_per_phase(tmp_path):
     assert s["async"]["host_ms"]["p50"] == 4.0 and s["start_load_ms"]["max"] == 4.0
     assert trace_summary.summarize_phase(read, 19.5, 20.5)["in_step"]["loads"] == 1
     assert "trace: 1 loading steps" in trace_summary.line("tiered", "c32", s)
+    assert s["big_step_hold_gbps"] == {"n": 0}  # 0.2 GB in-step: no big step
+    # two steps of >= 1 GB in-step: bytes over the time start_load_kv held the thread
+    big = [ln(30.0, 12, 0, 24.0), ln(30.1, 20, 0, 40.0), ln(30.2, 3, 0, 2.0)]
+    b = trace_summary.summarize_phase(big, 29.9, 30.3)
+    assert b["big_step_hold_gbps"]["n"] == 2 and b["big_step_hold_gbps"]["p50"] == 50.0
+    assert "held the thread for bytes / 50.0 GB/s" in trace_summary.line("tiered", "c32", b)
 
 
 def test_trace_flag_collects_each_start_and_summarises_its_phases(tmp_path):
