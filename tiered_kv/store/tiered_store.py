@@ -132,9 +132,9 @@ class TieredStore:
             except DamagedIndexError as exc:
                 moved = quarantine(c.disk_path, exc.reason)
                 self.disk_quarantined = {"path": c.disk_path, "moved_to": moved, "reason": exc.reason}
-                log.error("tiered_kv: DISK TIER OFF: the index of %s is damaged (%s); moved it to %s and running "
-                          "without the disk tier. `tiered-kv repair %s` salvages what it can.", c.disk_path,
-                          exc.reason, moved, moved)
+                log.error("tiered_kv: DISK TIER OFF: the index of %s is damaged (%s); %s and running without the "
+                          "disk tier. `tiered-kv repair %s` salvages what it can.", c.disk_path, exc.reason,
+                          f"moved it to {moved}" if moved else "left it in place (see above)", moved or c.disk_path)
             else:
                 self._add_tier(disk, c.disk_workers)
         settings = c.remote_settings()

@@ -172,6 +172,8 @@ def open_disk_tier(make):
 
     The scheduler planned with a disk tier, so the rank keeps one: empty is what the engine sees either way
     (every disk lookup a miss until chunks are stored again). ``tiered-kv repair`` salvages the moved copy.
+    A directory that is not moved (other processes have its index open, or the move failed) raises
+    ``DamagedIndexError`` saying so: the rank cannot open it safely and must not split it.
     """
     from tiered_kv.errors import DamagedIndexError
     from tiered_kv.tiers.disk import quarantine
@@ -180,6 +182,15 @@ def open_disk_tier(make):
         return make()
     except DamagedIndexError as exc:
         moved = quarantine(exc.path, exc.reason)
+        if moved is None:
+            try:  # another process (a rank sharing the directory) may have put a fresh one there meanwhile
+                return make()
+            except DamagedIndexError as again:
+                raise DamagedIndexError(
+                    f"TieredKVConnector: the disk index of {exc.path} is damaged ({again.reason}) and was left in "
+                    f"place (other processes have it open, or it could not be moved: see the log). Stop the engines "
+                    f"using {exc.path} and run `tiered-kv repair {exc.path}`, or give this engine another disk_path",
+                    exc.path, again.reason) from exc
         log.error("TieredKVConnector: the disk index of %s is damaged (%s); moved it to %s, starting empty. "
                   "`tiered-kv repair %s` salvages what it can.", exc.path, exc.reason, moved, moved)
         return make()

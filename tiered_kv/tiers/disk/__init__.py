@@ -12,7 +12,7 @@ from tiered_kv.tiers.disk.index import FORMAT, DiskIndex
 from tiered_kv.tiers.disk.slots import ALIGN, SlotFile
 from tiered_kv.tiers.disk.budget import ANON, MODES as BUDGET_MODES
 from tiered_kv.tiers.disk.check import check_index
-from tiered_kv.tiers.disk.tier import DiskTier, check_store_path, file_mode, quarantine
+from tiered_kv.tiers.disk.tier import DiskTier, check_store_path, file_mode, index_users, quarantine
 
 __all__ = ["ALIGN", "ANON", "BUDGET_MODES", "FORMAT", "DiskIndex", "DiskTier", "SlotFile", "check_index",
-           "check_store_path", "file_mode", "quarantine"]
+           "check_store_path", "file_mode", "index_users", "quarantine"]

@@ -82,13 +82,60 @@ def check_store_path(path: str | os.PathLike) -> Path:
     return p
 
 
+#: where Linux lists every file lock of the system (``index_users`` reads it; elsewhere there is none)
+PROC_LOCKS = "/proc/locks"
+
+
+def index_users(path: str | os.PathLike, proc_locks: str = PROC_LOCKS) -> list[int] | None:
+    """PIDs of the processes that have the LMDB index of the disk-tier directory ``path`` open.
+
+    Every process with an LMDB environment open holds a POSIX read lock on its ``lock.mdb`` for as long
+    as it is open (LMDB's own liveness lock); Linux lists those locks, with the file's inode, in
+    ``/proc/locks``. Reading that list takes no lock and opens nothing under ``path`` (opening and
+    closing ``lock.mdb`` here would drop this process's own POSIX locks on it). Matches the inode only
+    (an overlay file system may report another device for the same file). Returns ``[]`` when nobody
+    has it open (or there is no ``lock.mdb``), None when the list cannot be read (not Linux).
+    """
+    try:
+        ino = os.stat(Path(path) / "index" / "lock.mdb").st_ino
+    except OSError:
+        return []
+    try:
+        with open(proc_locks, encoding="ascii", errors="replace") as f:
+            lines = f.readlines()
+    except OSError:
+        return None
+    pids = set()
+    for line in lines:
+        parts = line.split()
+        if "->" in parts:  # a waiter blocked on the lock: a user too
+            parts.remove("->")
+        # "<n>: POSIX ADVISORY READ <pid> <maj>:<min>:<inode> <start> <end>"
+        if len(parts) >= 6 and parts[1] in ("POSIX", "OFDLCK", "FLOCK") and parts[5].rsplit(":", 1)[-1] == str(ino):
+            try:
+                pid = int(parts[4])
+            except ValueError:
+                continue
+            if pid > 0:
+                pids.add(pid)
+    return sorted(pids)
+
+
 def quarantine(path: str | os.PathLike, reason: str) -> str | None:
     """Move a damaged disk-tier directory aside (``<path>.damaged-<UTC time>-<pid>``) with a note of why.
 
-    Returns the new path, or None when it could not be moved (the caller goes on without it either way).
-    Processes that still have the old index open keep their handles; the next open of ``path`` starts empty.
+    Returns the new path, or None when it was not moved (the caller goes on without it, or stops). It is
+    left in place while other processes have its index open (``index_users``): they keep serving from it,
+    and moving it under them would split the directory in two (they would go on writing into the moved
+    copy while new processes start an empty one). The check is not atomic with the move: a process that
+    opens the index in between keeps its handle on the moved copy, as before this check existed.
     """
     src = Path(path)
+    users = index_users(src)
+    if users:
+        log.error("disk tier %s: the index looks damaged (%s) but processes %s have it open; left in place. "
+                  "Stop them, then run `tiered-kv repair %s`", src, reason, ", ".join(map(str, users)), src)
+        return None
     dst = src.with_name(f"{src.name}.damaged-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}")
     try:
         os.rename(src, dst)
