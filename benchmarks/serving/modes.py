@@ -39,6 +39,9 @@ FAMILIES = ("none", "offloading", "simple", "tiered", "lmcache")
 TIERED_MODULE = "tiered_kv.connector.vllm"
 BLOCK_SIZE = 16  # vLLM's GPU block (tokens); our chunk = chunk_blocks of these
 
+#: the server environment of the ``-v1runner`` modes: vLLM's V1 model runner (0.26 runs dense models on V2)
+V1_RUNNER_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+
 #: name -> (family, settings over the family's defaults, has a disk tier)
 BUILTIN: dict[str, tuple[str, dict, bool]] = {
     "none": ("none", {}, False),
@@ -58,13 +61,12 @@ BUILTIN: dict[str, tuple[str, dict, bool]] = {
     # in-step loads on a Triton kernel (far less time on vLLM's thread per GiB), and vLLM's V1 model runner,
     # which hands over the cross-layer KV tensor (one copy run per block instead of one per layer)
     "tiered-smk": ("tiered", {"in_step_copy": "sm_kernel"}, False),
-    "tiered-v1runner": ("tiered", {"env": {"VLLM_USE_V2_MODEL_RUNNER": "0"}}, False),
-    "offloading-v1runner": ("offloading", {"env": {"VLLM_USE_V2_MODEL_RUNNER": "0"}}, False),
+    "tiered-v1runner": ("tiered", {"env": V1_RUNNER_ENV}, False),
+    "offloading-v1runner": ("offloading", {"env": V1_RUNNER_ENV}, False),
     # the V1 runner's own floor (it may prefill faster than V2), and our load modes on it
-    "none-resident-v1runner": ("none", {"gpu_resident": True, "env": {"VLLM_USE_V2_MODEL_RUNNER": "0"}}, False),
-    "tiered-async-v1runner": ("tiered", {"load_mode": "async", "env": {"VLLM_USE_V2_MODEL_RUNNER": "0"}}, False),
-    "tiered-adaptive-v1runner": ("tiered", {"load_mode": "adaptive", "env": {"VLLM_USE_V2_MODEL_RUNNER": "0"}},
-                                 False),
+    "none-resident-v1runner": ("none", {"gpu_resident": True, "env": V1_RUNNER_ENV}, False),
+    "tiered-async-v1runner": ("tiered", {"load_mode": "async", "env": V1_RUNNER_ENV}, False),
+    "tiered-adaptive-v1runner": ("tiered", {"load_mode": "adaptive", "env": V1_RUNNER_ENV}, False),
     "tiered-disk": ("tiered", {}, True),
     "tiered-disk-always": ("tiered", {"disk_load_policy": "always"}, True),
     "lmcache": ("lmcache", {}, False),

@@ -25,6 +25,9 @@ GOAL_TOKS_VS_PEER = 1.1
 #: name suffix of the modes on vLLM's V1 model runner (modes.py); they are compared with the same runner's
 #: floor and peers where those ran (``tiered-v1runner`` against ``offloading-v1runner``)
 RUNNER_SUFFIX = "-v1runner"
+#: the floor on each runner; their greedy outputs also stand in for ``none``'s where a call ran no ``none``
+#: (the same engine and prompts, only a larger GPU cache)
+FLOOR_MODES = (FLOOR, FLOOR + RUNNER_SUFFIX)
 
 
 def counterpart(summary: dict, mode: str, base: str) -> str | None:
@@ -62,11 +65,6 @@ def _greedy_index(starts: list[dict], modes: tuple[str, ...]) -> dict:
         for row in ph.get("rows", ()):
             idx[(s.get("workload_id"), rep["seed"], ph["name"], row[0], row[1])] = row[6]
     return idx
-
-
-#: the no-connector modes whose greedy outputs stand in for ``none``'s where a call ran no ``none``
-#: (the same engine and prompts, only a larger GPU cache)
-FLOOR_MODES = (FLOOR, FLOOR + RUNNER_SUFFIX)
 
 
 def summarize(starts: list[dict]) -> dict:
@@ -190,14 +188,13 @@ def table(summary: dict) -> str:
 def floor_rows(summary: dict) -> list[str]:
     """One row per (measured phase, mode other than a floor) against the floor on the same model runner."""
     rows = []
-    floors = {FLOOR, FLOOR + RUNNER_SUFFIX}
     for name in phase_order(summary):
         if name == "warm":
             continue
         for mode in mode_order(summary):
             fl_name = counterpart(summary, mode, FLOOR)
             o = summary[mode]["phases"].get(name)
-            if mode in floors or fl_name is None or o is None:
+            if mode in FLOOR_MODES or fl_name is None or o is None:
                 continue
             f = summary[fl_name]["phases"].get(name)
             t_f, k_f = (_med(f["ttft_p50_ms"]), _med(f["output_tok_s"])) if f else (None, None)

@@ -78,5 +78,6 @@ def line(mode: str, phase: str, s: dict) -> str:
             f"{i['bytes'] / 1e9:.2f} GB gpu p50 {i['gpu_ms'].get('p50')} ms | async {a['loads']} loads "
             f"{a['bytes'] / 1e9:.2f} GB gpu p50 {a['gpu_ms'].get('p50')} ms host p50 {a['host_ms'].get('p50')} ms | "
             f"start_load_kv p50 {h.get('p50')} max {h.get('max')} ms"
-            + (f" | steps >= 1 GB in-step: {s['big_step_hold_gbps']['n']}, held the thread for bytes / "
-               f"{s['big_step_hold_gbps']['p50']} GB/s (p50)" if s.get("big_step_hold_gbps", {}).get("n") else ""))
+            + (f" | steps >= {BIG_STEP_BYTES / 1e9:g} GB in-step: {s['big_step_hold_gbps']['n']}, held the thread "
+               f"for bytes / {s['big_step_hold_gbps']['p50']} GB/s (p50)" if s.get("big_step_hold_gbps", {}).get("n")
+               else ""))

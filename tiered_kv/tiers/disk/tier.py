@@ -97,7 +97,7 @@ def index_users(path: str | os.PathLike, proc_locks: str = PROC_LOCKS) -> list[i
     has it open (or there is no ``lock.mdb``), None when the list cannot be read (not Linux).
     """
     try:
-        ino = os.stat(Path(path) / "index" / "lock.mdb").st_ino
+        ino = str(os.stat(Path(path) / "index" / "lock.mdb").st_ino)
     except OSError:
         return []
     try:
@@ -111,7 +111,7 @@ def index_users(path: str | os.PathLike, proc_locks: str = PROC_LOCKS) -> list[i
         if "->" in parts:  # a waiter blocked on the lock: a user too
             parts.remove("->")
         # "<n>: POSIX ADVISORY READ <pid> <maj>:<min>:<inode> <start> <end>"
-        if len(parts) >= 6 and parts[1] in ("POSIX", "OFDLCK", "FLOCK") and parts[5].rsplit(":", 1)[-1] == str(ino):
+        if len(parts) >= 6 and parts[1] in ("POSIX", "OFDLCK", "FLOCK") and parts[5].rsplit(":", 1)[-1] == ino:
             try:
                 pid = int(parts[4])
             except ValueError:
