@@ -56,6 +56,9 @@ BUILTIN: dict[str, tuple[str, dict, bool]] = {
     # issue 14, bursts at c8/c32: where the CPU hits of a step load (docs/vllm.md, "Adaptive load admission")
     "tiered-async": ("tiered", {"load_mode": "async"}, False),
     "tiered-adaptive": ("tiered", {"load_mode": "adaptive"}, False),
+    # in-step layer groups all submitted before the forward (the default until 2026-11-28); the default
+    # "pipelined" submits the later ones between the forward's layers
+    "tiered-upfront": ("tiered", {"load_submit": "upfront"}, False),
     "tiered-staged": ("tiered", {"in_step_copy": "staged"}, False),
     "tiered-adaptive-staged": ("tiered", {"load_mode": "adaptive", "in_step_copy": "staged"}, False),
     # in-step loads on a Triton kernel (far less time on vLLM's thread per GiB), and vLLM's V1 model runner,

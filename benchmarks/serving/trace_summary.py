@@ -68,6 +68,8 @@ def summarize_phase(lines: list[dict], t_start: float, t_end: float) -> dict:
     out["big_step_hold_gbps"] = _dist([x["in_step"]["bytes"] / x["start_load_ms"] / 1e6 for x in loading
                                        if x["in_step"]["bytes"] >= BIG_STEP_BYTES and x["start_load_ms"] > 0])
     out["fence_ms"] = _dist([x["fence_ms"] for x in loading if x.get("fence_ms")])
+    # load_submit pipelined: vLLM's thread in wait_for_layer_load submitting later layer groups (older traces: none)
+    out["forward_submit_ms"] = _dist([x["forward_submit_ms"] for x in loading if "forward_submit_ms" in x])
     return out
 
 
@@ -78,6 +80,8 @@ def line(mode: str, phase: str, s: dict) -> str:
             f"{i['bytes'] / 1e9:.2f} GB gpu p50 {i['gpu_ms'].get('p50')} ms | async {a['loads']} loads "
             f"{a['bytes'] / 1e9:.2f} GB gpu p50 {a['gpu_ms'].get('p50')} ms host p50 {a['host_ms'].get('p50')} ms | "
             f"start_load_kv p50 {h.get('p50')} max {h.get('max')} ms"
+            + (f" | between layers p50 {s['forward_submit_ms'].get('p50')} max {s['forward_submit_ms'].get('max')} ms"
+               if s.get("forward_submit_ms", {}).get("n") else "")
             + (f" | steps >= {BIG_STEP_BYTES / 1e9:g} GB in-step: {s['big_step_hold_gbps']['n']}, held the thread "
                f"for bytes / {s['big_step_hold_gbps']['p50']} GB/s (p50)" if s.get("big_step_hold_gbps", {}).get("n")
                else ""))

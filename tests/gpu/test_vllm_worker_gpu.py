@@ -9,19 +9,24 @@ from __future__ import annotations
 import pytest
 
 from tests.connector.vllm.test_worker_in_step import run_in_step_load
-from tiered_kv.connector.vllm.in_step import MAX_AUTO_GROUPS, MIN_GROUP_BYTES
+from tiered_kv.connector.vllm.in_step import MAX_AUTO_GROUPS, MAX_AUTO_GROUPS_PIPELINED, MIN_GROUP_BYTES
 
 
+@pytest.mark.parametrize("load_submit", ["pipelined", "upfront"])
 @pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "whole"])
-def test_in_step_load_layer_by_layer_on_cuda(layerwise):
-    # 8 layers x 8 heads x 128 dims: 512 KiB a block; 96 chunks of 4 blocks (one held locally) = 191.5 MiB
+def test_in_step_load_layer_by_layer_on_cuda(layerwise, load_submit):
+    # 8 layers x 8 heads x 128 dims: 512 KiB a block; 96 chunks of 4 blocks (one held locally) = 191.5 MiB.
+    # pipelined: groups after the first are submitted from wait_layer, ordered only behind the first
+    # (which waited for the busy stream): a layer read before its group landed sees zeros
     stats = run_in_step_load("cuda", layers=8, heads=8, head_dim=128, chunks=96, layerwise=layerwise,
-                             slow_stream=True)
+                             slow_stream=True, load_submit=load_submit)
     assert stats["sync_loads"] == 1 and stats["failed_items"] == 0
     nbytes = (96 * 4 - 1) * 8 * 8 * 16 * 256 * 2
     assert stats["bytes_loaded"] == nbytes
-    # layer by layer: MAX_AUTO_GROUPS groups (the load is >= 4 x MIN_GROUP_BYTES); whole: one group, merged runs
-    assert nbytes // MIN_GROUP_BYTES >= 4 and stats["sync_load_groups"] == (MAX_AUTO_GROUPS if layerwise else 1)
+    # layer by layer: the automatic count (the load is 5 x MIN_GROUP_BYTES); whole: one group, merged runs
+    most = MAX_AUTO_GROUPS_PIPELINED if load_submit == "pipelined" else MAX_AUTO_GROUPS
+    assert nbytes // MIN_GROUP_BYTES == 5
+    assert stats["sync_load_groups"] == (min(most, 5) if layerwise else 1)
 
 
 @pytest.mark.parametrize("cross_layer", [False, True], ids=["per-layer", "cross-layer"])
@@ -33,4 +38,4 @@ def test_in_step_load_groups_on_cuda(cross_layer, groups, copy):
                              slow_stream=True, cross_layer=cross_layer, load_groups=groups, in_step_copy=copy)
     nbytes = (192 * 4 - 1) * 32 * 2 * 16 * 256 * 2
     assert stats["bytes_loaded"] == nbytes and nbytes // MIN_GROUP_BYTES == 11
-    assert stats["sync_load_groups"] == (groups or MAX_AUTO_GROUPS)
+    assert stats["sync_load_groups"] == (groups or MAX_AUTO_GROUPS_PIPELINED)  # load_submit: pipelined

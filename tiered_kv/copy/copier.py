@@ -172,6 +172,7 @@ class BlockCopier:
         *,
         stream: torch.cuda.Stream | None = None,
         mechanism: Mechanism | str | None = None,
+        ordered: bool = True,
     ) -> list[CopyResult]:
         """Copy slots into blocks one group of tensors at a time, in order; one result per group.
 
@@ -182,6 +183,10 @@ class BlockCopier:
         while later ones are still moving. Validation and planning happen on the caller's thread
         (a few vectorised ops), so a submitter thread only makes driver calls and records events.
         Copy-engine 1-D runs or the SM kernel (never 2-D copies: those span all tensors).
+
+        ``ordered=False`` skips waiting for the work on ``stream``: the copy is ordered only after this
+        copier's earlier loads (its load side stream runs them in call order). For the later parts of a
+        load whose first part was ordered, submitted while the forward that reads them is on ``stream``.
         """
         ids, slots = self._indices(gpu_block_ids, cpu_slots, False)
         spans = _check_groups(groups, len(self.layout.tensors))
@@ -189,7 +194,7 @@ class BlockCopier:
         sizes = [sum(m.nbytes for m in self.layout.maps[a:b]) for a, b in spans]
         forced = Mechanism(mechanism) if mechanism is not None else self._fixed
         if forced is Mechanism.STAGED:
-            return self._staged_grouped(ids, slots, spans, sizes, stream)
+            return self._staged_grouped(ids, slots, spans, sizes, stream, ordered)
         if not self._on_cuda:
             if forced not in (None, Mechanism.CPU):
                 raise BackendUnavailableError(f"mechanism {forced.value} needs CUDA tensors")
@@ -214,7 +219,7 @@ class BlockCopier:
 
             self._gpu.submit_groups(mech, planned, side, landed)
 
-        return self._launch_load(stream, results, body)
+        return self._launch_load(stream, results, body, ordered)
 
     def cpu_to_gpu_many(
         self,
@@ -288,7 +293,7 @@ class BlockCopier:
         return self._launch_load(stream, results, body)
 
     def _staged_grouped(self, ids: torch.Tensor, slots: torch.Tensor, spans: list[tuple[int, int]], sizes: list[int],
-                        stream: torch.cuda.Stream | None) -> list[CopyResult]:
+                        stream: torch.cuda.Stream | None, ordered: bool = True) -> list[CopyResult]:
         """A ``Mechanism.STAGED`` load of ``spans``: one result per group, submitted like the other mechanisms.
 
         The staging buffer is reserved where the load runs (the submitter thread of a threaded copier),
@@ -317,7 +322,7 @@ class BlockCopier:
                 self._staging_failed(exc)
                 self._submit_unstaged(ids, slots, spans, results, side, landed)
 
-        return self._launch_load(stream, results, body)
+        return self._launch_load(stream, results, body, ordered)
 
     def _submit_unstaged(self, ids: torch.Tensor, slots: torch.Tensor, spans: list[tuple[int, int]],
                          results: list[CopyResult], side: torch.cuda.Stream,
@@ -340,17 +345,21 @@ class BlockCopier:
             log.warning("staged loads fall back to the other mechanisms: %s", exc)
 
     def _launch_load(self, stream: torch.cuda.Stream | None, results: list[CopyResult],
-                     body: Callable[[torch.cuda.Stream], None]) -> list[CopyResult]:
+                     body: Callable[[torch.cuda.Stream], None], ordered: bool = True) -> list[CopyResult]:
         """Run ``body(side)`` for a load on the load direction's side stream, after the work queued so far
-        on ``stream`` (the caller's; default the current one), on the submitter thread when there is one.
-        An error finishes every result ``body`` had not finished with it. Returns ``results``."""
-        caller = torch.cuda.Event()
-        caller.record(stream if stream is not None else torch.cuda.current_stream(self.layout.device))
+        on ``stream`` (the caller's; default the current one; not with ``ordered=False``), on the submitter
+        thread when there is one. An error finishes every result ``body`` had not finished with it.
+        Returns ``results``."""
+        caller = None
+        if ordered:
+            caller = torch.cuda.Event()
+            caller.record(stream if stream is not None else torch.cuda.current_stream(self.layout.device))
         side = self._side_stream(False)
 
         def job() -> None:
             try:
-                side.wait_event(caller)
+                if caller is not None:
+                    side.wait_event(caller)
                 body(side)
             except Exception as exc:  # noqa: BLE001 - reported through every unfinished result
                 # part of a failed load may already be queued on ``side``: its result turns done only once

@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 STORE_POLICIES = ("eager", "on_finish", "none")
 LOAD_MODES = ("layerwise", "sync", "async", "adaptive")
 IN_STEP_COPIES = ("copy_engine", "sm_kernel", "staged")
+LOAD_SUBMITS = ("pipelined", "upfront")
 SWA_STORES = ("window", "all")
 
 
@@ -61,6 +62,7 @@ class ConnectorConfig(RemoteKeys):
     load_gbps: float = 25.0  # load_mode adaptive: starting estimate of the H2D rate per rank (GB/s)
     trace_path: str | None = None  # per-step load trace (JSON lines), one file per worker rank (trace.py)
     load_groups: int = 0
+    load_submit: str = "pipelined"  # in-step layer groups: the first before the forward, the rest between layers
     in_step_copy: str = "copy_engine"
     load_staging_bytes: int = 256 << 20
     cross_layer_blocks: bool = True
@@ -96,6 +98,7 @@ class ConnectorConfig(RemoteKeys):
         _choice(self.disk_load_policy, "disk_load_policy", DISK_LOAD_POLICIES)
         _choice(self.load_mode, "load_mode", LOAD_MODES)
         _choice(self.in_step_copy, "in_step_copy", IN_STEP_COPIES)
+        _choice(self.load_submit, "load_submit", LOAD_SUBMITS)
         _choice(self.compression, "compression", CODECS)
         _choice(self.swa_store, "swa_store", SWA_STORES)
         _choice(self.disk_budget, "disk_budget", ("namespace", "shared"))

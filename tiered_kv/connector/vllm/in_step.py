@@ -4,18 +4,32 @@
 (job events, GPU block lists, counters, reports to the planner) and hands this class only the
 copy of each in-step load (``StepPlan.sync``):
 
-- ``start`` (from ``before_forward``: vLLM's ``start_load_kv``) submits the load on vLLM's own
-  thread, ordered after the work already on the engine's current stream (vLLM's block zeroing),
-  in layer groups with one CUDA event each. Where vLLM runs attention eagerly and ``load_mode``
-  is "layerwise" (or "adaptive"), each layer's group is kept for ``wait_layer``; otherwise (a
-  full CUDA graph may replay, no per-layer calls) the engine's stream waits for the whole load now.
+- ``start`` (from ``before_forward``: vLLM's ``start_load_kv``) takes one load; ``submit``, once
+  per step after the step's last ``start``, merges the step's loads into one copy per KV cache
+  group (every load's blocks, layer group by layer group) and submits it on vLLM's own thread,
+  ordered after the work already on the engine's current stream (vLLM's block zeroing). Merged,
+  the first layer group of *every* load lands first: per load, a step of 30 loads had layer 0
+  wait behind 29 loads' later layers. Where vLLM runs attention eagerly and ``load_mode`` is
+  "layerwise" (or "adaptive"), each layer group is kept for ``wait_layer``; otherwise (a full
+  CUDA graph may replay, no per-layer calls) the engine's stream waits for the whole load now.
+- ``load_submit`` "pipelined" (default): ``submit`` hands only the first layer group to the
+  driver; each later group is submitted from ``wait_layer`` of the last layer of the group before
+  it, once that group's layers are launched. The driver call blocks while the copy queue is full
+  (bytes / the PCIe rate for a large load), so a load submitted whole before the forward holds
+  the forward's launch until nearly every byte has landed and nothing overlaps; pipelined, group
+  k's layers compute while group k+1 crosses PCIe. "upfront": every group before the forward. A
+  step that also starts asynchronous loads (``adaptive``) submits upfront: those are ordered
+  after the in-step copies, which must exist by then.
 - ``wait_layer`` (vLLM's ``wait_for_layer_load``) makes the engine's stream wait, on the GPU,
-  for that layer's group: no host wait, so layer 0 computes while later layers still cross PCIe.
-- ``finish`` (from ``poll``: vLLM's ``get_finished`` of the same step) waits for the bytes and
-  returns each load's ``Completion``, so a failed load reaches vLLM in the step that read it.
+  for that layer's group (no host wait for the bytes), then submits the next group when this
+  layer is the last of its group.
+- ``finish`` (from ``poll``: vLLM's ``get_finished`` of the same step) submits any group vLLM
+  never asked for, waits for the bytes and returns each load's ``Completion``, so a failed load
+  reaches vLLM in the step that read it. A merged copy that fails fails every load in it.
 
 Why on vLLM's thread, and why few groups: docs/vllm.md, "In-step loads". Everything here runs
 before the forward is launched or between its layers, so it does no work a step does not need.
+On CPU tensors every copy is synchronous, at the same points (what CI checks of the schedule).
 
 Hybrid models: one ``KVLayout``, CPU plane and copier per KV cache group; a load submits each
 group's part (in the model order of the groups' first layers), and each attention layer waits
@@ -33,7 +47,7 @@ import logging
 import re
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -46,35 +60,61 @@ log = logging.getLogger(__name__)
 #: An in-step load is cut into layer groups of at least this many bytes: each group costs a
 #: driver call and an event (~50-100 us of submitter time), so a small load goes in one piece.
 MIN_GROUP_BYTES = 32 << 20
-#: At most this many layer groups by default (``load_groups`` = 0). The load is submitted on vLLM's
-#: thread before the forward is launched, so every group's driver calls and event delay the launch;
-#: with few new tokens the forward's GPU work after the last group is small anyway. H200, vLLM 0.26
-#: (per-layer KV tensors, 16,384 64 KiB runs per 1 GiB load), turn-2 TTFT of benchmarks/vllm_ttft.py:
-#: 0.0343 / 0.0335 / 0.0649 / 0.0387 s with 1 / 2 / 8 / 32 groups (the call held vLLM's thread
-#: ~10 ms with 2 groups, ~13 ms with 32). More groups pay off when a step computes many new tokens.
+#: At most this many layer groups by default (``load_groups`` = 0) with ``load_submit: upfront``.
+#: The whole load is submitted on vLLM's thread before the forward is launched, so every group's
+#: driver calls and event delay the launch; with few new tokens the forward's GPU work after the
+#: last group is small anyway. H200, vLLM 0.26 (per-layer KV tensors, 16,384 64 KiB runs per 1 GiB
+#: load), turn-2 TTFT of benchmarks/vllm_ttft.py: 0.0343 / 0.0335 / 0.0649 / 0.0387 s with
+#: 1 / 2 / 8 / 32 groups (the call held vLLM's thread ~10 ms with 2 groups, ~13 ms with 32).
 MAX_AUTO_GROUPS = 2
+#: The same with ``load_submit: pipelined``: only the first group delays the forward's launch, and
+#: the forward's GPU work not overlapped with the load is about 1/groups of it.
+MAX_AUTO_GROUPS_PIPELINED = 8
 #: What a copier call raises when an in-step load cannot start (the load is then retried or failed)
 _START_ERRORS = (BackendUnavailableError, CopyLaunchError, ValueError)
 
 
 @dataclass
 class _InStepLoad:
-    """An in-step load: its job, the per-group copy results and when it started."""
+    """An in-step load: its job, its (GPU blocks, plane rows) per KV cache group, the copy results its
+    bytes are in (shared with the step's other loads) and when it started."""
 
     job: TransferJob
-    results: list[CopyResult]
+    parts: Sequence[tuple[list[int], list[int]]]
     nbytes: int
     started: float
+    results: list[CopyResult] = field(default_factory=list)
     error: BaseException | None = None
     marks: tuple | None = None  # debug log or trace: CUDA timing events (submission point, landed)
+    open_copies: int = 0  # merged copies with layer groups not submitted yet
+    submitted: bool = False
+
+
+@dataclass
+class _StepCopy:
+    """One KV cache group's part of a step's in-step loads, merged: every load's blocks, by layer group.
+
+    ``done`` groups of ``spans`` are submitted; ``span_of`` (layer name -> its group) and ``trigger``
+    (layer name -> the group its ``wait_layer`` submits) are filled for a pipelined copy only.
+    """
+
+    g: int
+    rows: list[int]
+    gpu: list[int]
+    loads: list[_InStepLoad]
+    spans: list[tuple[int, int]]
+    mechanism: Mechanism | None
+    done: int = 0
+    span_of: dict[str, int] = field(default_factory=dict)
+    trigger: dict[str, int] = field(default_factory=dict)
 
 
 class InStepLoader:
-    """One TP rank's in-step loads: submit by layer group, per-layer GPU waits, completion in the same step.
+    """One TP rank's in-step loads: merged per step, submitted by layer group, per-layer GPU waits.
 
-    ``loads`` (loads started and not finished) and ``layer_waits`` (layer name -> copy results
-    that layer's forward waits for) are empty between steps; the runtime reads them to skip a
-    call when there is nothing to do.
+    ``loads`` (loads started and not finished), ``layer_waits`` (layer name -> copy results that
+    layer's forward waits for) and the pipelined copies still open are empty between steps;
+    ``busy`` says whether ``wait_layer`` has anything to do.
     """
 
     def __init__(self, parts: Sequence[tuple[KVLayout, torch.Tensor, Sequence[str]]], cfg: ConnectorConfig,
@@ -86,16 +126,19 @@ class InStepLoader:
         self.kv = self.kvs[0]
         self.rank = rank
         self._cuda = self.kv.device.type == "cuda"
-        # In-step loads plan and submit on vLLM's own thread, before the forward is launched: from
-        # a submitter thread they fought vLLM's eager forward for the GIL and the H200 load took
-        # 31-64 ms instead of ~21 (turn-2 TTFT 0.043-0.048 s against 0.034-0.039 s).
+        # In-step loads plan and submit on vLLM's own thread, before the forward is launched or between
+        # its layers: from a submitter thread they fought vLLM's eager forward for the GIL and the H200
+        # load took 31-64 ms instead of ~21 (turn-2 TTFT 0.043-0.048 s against 0.034-0.039 s).
         self.copiers = [BlockCopier(kv, rows, threaded_submit=False, staging_bytes=cfg.load_staging_bytes)
                         for kv, rows, _ in parts]
         self.copier = self.copiers[0]
         self._layerwise = cfg.load_mode in ("layerwise", "adaptive")  # adaptive: layerwise within its budget
+        self._pipelined = cfg.load_submit == "pipelined"
         self._groups_wanted = cfg.load_groups
         self._plain_fallback = plain_fallback
         self.plain_copies = 0
+        # host time spent in ``wait_layer`` submitting later layer groups (pipelined), since last read
+        self.forward_submit_ms = 0.0
         # ``in_step_copy``: the SM kernel where asked for and on CUDA, the staged load (CPU too), else
         # what the movers use
         self._forced = {"sm_kernel": Mechanism.SM_KERNEL if self._cuda else None,
@@ -113,112 +156,184 @@ class InStepLoader:
         self._timing_stream = torch.cuda.Stream(self.kv.device) if self._debug or (timing and self._cuda) else None
         self.loads: list[_InStepLoad] = []
         self.layer_waits: dict[str, list[CopyResult]] = {}
+        self._open: list[_StepCopy] = []  # pipelined copies with groups not submitted yet
+        self._stream = None  # the engine's stream of this step's ``submit`` (CUDA)
 
-    def start(self, job: TransferJob, parts: Sequence[tuple[list[int], list[int]]], layerwise_ok: bool,
-              mechanism: Mechanism | None) -> int:
-        """Start one in-step load: ``parts[g]`` = (GPU blocks, plane rows) of group g; layer groups in order.
+    @property
+    def busy(self) -> bool:
+        """True while ``wait_layer`` has layer waits to enqueue or layer groups to submit."""
+        return bool(self.layer_waits or self._open)
+
+    def start(self, job: TransferJob, parts: Sequence[tuple[list[int], list[int]]]) -> None:
+        """Take one in-step load of this step: ``parts[g]`` = (GPU blocks, plane rows) of KV cache group g.
+
+        Nothing is copied until ``submit``, which merges the step's loads.
+        """
+        nbytes = sum(len(gpu) * kv.block_nbytes for (gpu, _), kv in zip(parts, self.kvs))
+        self.loads.append(_InStepLoad(job, parts, nbytes, time.perf_counter()))
+
+    def submit(self, layerwise_ok: bool, mechanism: Mechanism | None, pipelined: bool = True) -> tuple[int, int]:
+        """Submit the loads ``start`` took since the last call, merged per KV cache group.
 
         ``layerwise_ok``: vLLM will call ``wait_layer`` for every attention layer of this step's
         forward. ``mechanism``: what the movers use now (None: the copier chooses), unless
-        ``in_step_copy`` forces the SM kernel or the staged load. Returns the number of layer groups submitted; 0 when
-        nothing was (no blocks, or the load could not start: ``finish`` then reports it failed).
+        ``in_step_copy`` forces the SM kernel or the staged load. ``pipelined``: False submits every
+        layer group now even with ``load_submit: pipelined`` (the caller orders more copies after
+        these). Returns (loads started, layer groups planned); a load that could not start is
+        counted in neither and ``finish`` reports it failed.
         """
-        load = _InStepLoad(job, [], sum(len(gpu) * kv.block_nbytes for (gpu, _), kv in zip(parts, self.kvs)),
-                           time.perf_counter())
-        self.loads.append(load)
-        if not load.nbytes:
-            return 0
+        pending = [load for load in self.loads if not load.submitted]
+        if not pending:
+            return 0, 0
+        t0 = time.perf_counter()
+        for load in pending:
+            load.submitted = True
         cuda = self._cuda
-        layerwise = layerwise_ok and self._layerwise
-        stream = torch.cuda.current_stream(self.kv.device) if cuda else None
+        split = layerwise_ok and self._layerwise
+        lazy = split and pipelined and self._pipelined
+        self._stream = stream = torch.cuda.current_stream(self.kv.device) if cuda else None
         if self._timing_stream is not None:
-            load.marks = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            load.marks[0].record(stream)
+            for load in pending:
+                if load.nbytes:
+                    load.marks = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                    load.marks[0].record(stream)
         if self._forced is not None:
             mechanism = self._forced
-        submitted = 0
-        split = layerwise and cuda
+        planned = 0
+        most = MAX_AUTO_GROUPS_PIPELINED if lazy else MAX_AUTO_GROUPS
         for g in self._order:
-            gpu, rows = parts[g]
-            if not gpu:
+            members = [load for load in pending if load.parts[g][0]]
+            if not members:
                 continue
-            kv, copier = self.kvs[g], self.copiers[g]
-            # one group when the forward waits for the whole load: block-major runs, merged across layers
+            rows = [r for load in members for r in load.parts[g][1]]
+            gpu = [b for load in members for b in load.parts[g][0]]
+            kv = self.kvs[g]
             spans = ([(0, len(kv.tensors))] if not split
-                     else layer_groups(kv, len(gpu) * kv.block_nbytes, self._groups_wanted))
-            results = self._submit(load, g, rows, gpu, spans, stream, mechanism)
-            if load.error is not None:
-                return 0
-            if results is None:  # copied with plain torch ops on the engine's stream: nothing to wait for
-                submitted += 1
-                continue
-            if len(results) == 1:
-                spans = [(0, len(kv.tensors))]
-            submitted += len(results)
-            load.results.extend(results)
-            if split and len(results) > 1:
+                     else layer_groups(kv, len(gpu) * kv.block_nbytes, self._groups_wanted, most))
+            copy = _StepCopy(g, rows, gpu, members, spans, mechanism)
+            for load in members:
+                load.open_copies += 1
+            planned += len(spans)
+            if lazy and len(spans) > 1:
                 names = self._names[g]
-                for (a, b), res in zip(spans, results):
+                for s, (a, b) in enumerate(spans):
                     for name in names[a:b]:
-                        self.layer_waits.setdefault(name, []).append(res)
-            elif cuda:
-                _wait_all_results(load, results, stream)
+                        copy.span_of.setdefault(name, s)
+                    if s + 1 < len(spans):
+                        copy.trigger[names[b - 1]] = s + 1
+                self._open.append(copy)
+                self._submit_spans(copy, 1)
+            else:
+                self._submit_spans(copy, len(spans))
+        started = sum(1 for load in pending if load.nbytes and load.error is None)
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("rank %d job %d in-step load started: %d bytes in %d groups, layerwise=%s, call %.2f ms",
-                      self.rank, job.job_id, load.nbytes, submitted, layerwise,
-                      (time.perf_counter() - load.started) * 1e3)
-        if cuda and load.marks is not None and load.results:
-            _stream_waits(load.results[-1:], self._timing_stream)
-            load.marks[1].record(self._timing_stream)
-        return submitted
+            log.debug("rank %d: %d in-step loads submitted, %d bytes in %d layer groups (layerwise=%s, pipelined=%s), "
+                      "call %.2f ms", self.rank, len(pending), sum(load.nbytes for load in pending), planned, split,
+                      lazy, (time.perf_counter() - t0) * 1e3)
+        return started, (planned if started else 0)
 
-    def _submit(self, load: _InStepLoad, g: int, rows: list[int], gpu: list[int], spans: list[tuple[int, int]],
-                stream, mechanism: Mechanism | None) -> list[CopyResult] | None:
-        """Submit group g's part in ``spans``; once more as one copy if that cannot start; then (several
-        KV cache groups) as a plain copy (returns None). Sets ``load.error`` when all of it failed."""
-        copier = self.copiers[g]
+    def _submit_spans(self, copy: _StepCopy, upto: int) -> None:
+        """Submit ``copy``'s layer groups ``copy.done .. upto-1``; register their layer waits or make the
+        engine's stream wait now; close the copy once its last group is submitted."""
+        first = copy.done == 0
+        spans = copy.spans[copy.done:upto]
+        copy.done = upto
+        if any(load.error is None for load in copy.loads):
+            results = self._submit(copy, spans, first)
+            if results:
+                for load in copy.loads:
+                    load.results.extend(results)
+                if len(copy.spans) > 1 and len(results) == len(spans) and self._cuda:
+                    names = self._names[copy.g]
+                    for (a, b), res in zip(spans, results):
+                        for name in names[a:b]:
+                            self.layer_waits.setdefault(name, []).append(res)
+                elif self._cuda:  # one piece the forward waits for whole (a small load, a retry, no layerwise)
+                    _stream_waits(results, torch.cuda.current_stream(self.kv.device))
+        if copy.done < len(copy.spans):
+            return
+        if copy in self._open:
+            self._open.remove(copy)
+        for load in copy.loads:
+            load.open_copies -= 1
+            if not load.open_copies and load.marks is not None and load.results:
+                _stream_waits(load.results, self._timing_stream)
+                load.marks[1].record(self._timing_stream)
+
+    def _submit(self, copy: _StepCopy, spans: list[tuple[int, int]], first: bool) -> list[CopyResult] | None:
+        """Submit ``spans`` of ``copy``; once more as one copy if that cannot start; then (several KV cache
+        groups) as a plain copy (returns None). Sets ``error`` on the copy's loads when all of it failed.
+
+        ``first``: the copy's first submission, ordered after the engine's stream; later ones (from
+        ``wait_layer``) are ordered only after the earlier groups, on the copier's side stream.
+        """
+        copier = self.copiers[copy.g]
+        whole = spans == [(0, len(self.kvs[copy.g].tensors))]
+        stream = self._stream
         try:
-            results = copier.cpu_to_gpu_grouped(rows, gpu, spans, stream=stream, mechanism=mechanism)
+            results = copier.cpu_to_gpu_grouped(copy.rows, copy.gpu, spans, stream=stream, mechanism=copy.mechanism,
+                                                ordered=first)
             _raise_failed_start(results)
             return results
         except _START_ERRORS as exc:
-            # once more as one whole copy (the forward then waits for all of it): a load that cannot
-            # start at all is reported failed in this step's poll and vLLM recomputes its blocks
-            log.warning("TieredKVConnector rank %d: layer-by-layer load of job %d failed to start (%s); "
-                        "retrying as one copy", self.rank, load.job.job_id, exc)
+            # once more as one copy (the forward then waits for all of it); a load that cannot start at
+            # all is reported failed in this step's poll and vLLM recomputes its blocks
+            log.warning("TieredKVConnector rank %d: in-step load of %d blocks (jobs %s) failed to start (%s); "
+                        "retrying as one copy", self.rank, len(copy.gpu), _job_ids(copy), exc)
         try:
-            results = [copier.cpu_to_gpu(rows, gpu, stream=stream, mechanism=mechanism)]
+            if first and (whole or copy.done == len(copy.spans)):
+                results = [copier.cpu_to_gpu(copy.rows, copy.gpu, stream=stream, mechanism=copy.mechanism)]
+            else:  # part of a pipelined copy: these tensors only, the copier's choice of mechanism
+                results = copier.cpu_to_gpu_grouped(copy.rows, copy.gpu, [(spans[0][0], spans[-1][1])],
+                                                    stream=stream, ordered=first)
             _raise_failed_start(results)
             return results
         except _START_ERRORS as exc2:
             if not self._plain_fallback:
-                load.error = exc2
-                log.warning("TieredKVConnector rank %d: in-step load of job %d failed: %s", self.rank,
-                            load.job.job_id, exc2)
+                for load in copy.loads:
+                    load.error = exc2
+                log.warning("TieredKVConnector rank %d: in-step load of jobs %s failed: %s", self.rank, _job_ids(copy),
+                            exc2)
                 return []
-            log.warning("TieredKVConnector rank %d: in-step load of job %d could not start (%s); copying group %d "
-                        "with plain torch ops", self.rank, load.job.job_id, exc2, g)
-        copier.copy_plain(gpu, rows, to_cpu=False)  # on the engine's current stream: before the forward
+            log.warning("TieredKVConnector rank %d: in-step load of jobs %s could not start (%s); copying group %d "
+                        "with plain torch ops", self.rank, _job_ids(copy), exc2, copy.g)
+        copier.copy_plain(copy.gpu, copy.rows, to_cpu=False)  # on the engine's current stream: before what reads it
         self.plain_copies += 1
         return None
 
     def wait_layer(self, layer_name: str) -> None:
-        """``wait_for_layer_load``: the engine's stream waits (on the GPU) for this layer's in-step loads."""
+        """``wait_for_layer_load``: the engine's stream waits (on the GPU) for this layer's in-step loads,
+        then (pipelined) the next layer group goes to the driver when this layer is its group's last."""
+        for copy in self._open[:]:  # a layer of a group not submitted yet (its trigger was skipped)
+            s = copy.span_of.get(layer_name)
+            if s is not None and s >= copy.done:
+                self._timed_submit(copy, s + 1)
         waits = self.layer_waits.pop(layer_name, None)
-        if not waits:
-            return
+        if waits:
+            _stream_waits(waits, torch.cuda.current_stream(self.kv.device))
+        for copy in self._open[:]:
+            s = copy.trigger.get(layer_name)
+            if s is not None and s >= copy.done:
+                self._timed_submit(copy, s + 1)
+
+    def _timed_submit(self, copy: _StepCopy, upto: int) -> None:
         t0 = time.perf_counter()
-        _stream_waits(waits, torch.cuda.current_stream(self.kv.device))
-        if log.isEnabledFor(logging.DEBUG) and not self.layer_waits:
-            log.debug("rank %d layer %s: forward waits for its in-step load (host waited %.2f ms for submission)",
-                      self.rank, layer_name, (time.perf_counter() - t0) * 1e3)
+        self._submit_spans(copy, upto)
+        self.forward_submit_ms += (time.perf_counter() - t0) * 1e3
 
     def finish(self) -> list[tuple[TransferJob, Completion]]:
         """Wait for the loads started this step to land; return each one's job and ``Completion``.
 
         The forward already waits for these bytes on the GPU, so waiting here costs the host at
         most the rest of the forward; it lets a failure reach vLLM in the step that read the blocks.
+        Layer groups vLLM never reached through ``wait_layer`` are submitted here first.
         """
+        if any(not load.submitted for load in self.loads):  # ``start`` without ``submit``: submit as one piece
+            self.submit(False, None)
+        for copy in self._open[:]:
+            log.warning("TieredKVConnector rank %d: vLLM did not wait for layer groups %d.. of in-step load of jobs "
+                        "%s; submitting them after the forward", self.rank, copy.done, _job_ids(copy))
+            self._submit_spans(copy, len(copy.spans))
         loads, self.loads = self.loads, []
         forward_done = None
         if self._debug and any(load.marks is not None for load in loads):  # the debug log waits for the forward
@@ -258,6 +373,11 @@ class InStepLoader:
         return out
 
 
+def _job_ids(copy: _StepCopy) -> str:
+    """The job ids of a merged copy, for log lines."""
+    return ",".join(str(load.job.job_id) for load in copy.loads)
+
+
 def _layer_number(name: str) -> int:
     """The layer index in a vLLM layer name such as ``model.layers.12.self_attn.attn`` (0 if none)."""
     m = re.search(r"\.(\d+)(?:\.|$)", name)
@@ -271,14 +391,6 @@ def _raise_failed_start(results: list[CopyResult]) -> None:
             raise CopyLaunchError(f"copy of {res.num_blocks} blocks failed: {res.error}") from res.error
 
 
-def _wait_all_results(load: _InStepLoad, results: list[CopyResult], stream) -> None:
-    """Make ``stream`` wait for every group of one KV cache group's copy (they land in order: the last suffices)."""
-    try:
-        results[-1].wait_on(stream)
-    except CopyLaunchError as exc:
-        load.error = exc
-
-
 def _stream_waits(results: list[CopyResult], stream) -> None:
     """Make ``stream`` wait for each copy; a copy that failed to start is skipped here (the load
     carries the same error on its last result, and ``finish`` reports the load as failed)."""
@@ -289,16 +401,16 @@ def _stream_waits(results: list[CopyResult], stream) -> None:
             pass
 
 
-def layer_groups(kv: KVLayout, nbytes: int, wanted: int = 0) -> list[tuple[int, int]]:
+def layer_groups(kv: KVLayout, nbytes: int, wanted: int = 0, most: int = MAX_AUTO_GROUPS) -> list[tuple[int, int]]:
     """Consecutive tensor groups for an in-step load of ``nbytes``.
 
     ``wanted`` (the ``load_groups`` key) > 0 fixes the count (at most one group per tensor);
-    0 takes as many as ``MIN_GROUP_BYTES`` allows, at most ``MAX_AUTO_GROUPS``.
+    0 takes as many as ``MIN_GROUP_BYTES`` allows, at most ``most``.
     """
     layers = len(kv.tensors)
     if wanted > 0:
         count = min(layers, wanted)
     else:
-        count = max(1, min(layers, nbytes // MIN_GROUP_BYTES, MAX_AUTO_GROUPS))
+        count = max(1, min(layers, nbytes // MIN_GROUP_BYTES, most))
     per = -(-layers // count)
     return [(a, min(layers, a + per)) for a in range(0, layers, per)]

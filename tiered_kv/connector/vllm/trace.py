@@ -7,7 +7,9 @@ neither, e.g. plain decode steps, write nothing), with
 - ``step`` (the scheduler's step number), ``t`` (wall clock, seconds since the epoch, at the step's
   ``get_finished``), ``in_step`` / ``async`` (loads started this step and their bytes on this rank),
   ``start_load_ms`` (how long ``start_load_kv`` held vLLM's thread submitting them), ``fence_ms``
-  (of that, waiting for fenced copies), ``async_in_flight`` (asynchronous loads not landed yet);
+  (of that, waiting for fenced copies), ``forward_submit_ms`` (``load_submit: pipelined``: how long
+  ``wait_for_layer_load`` held it submitting later layer groups, between the forward's layers),
+  ``async_in_flight`` (asynchronous loads not landed yet);
 - ``landed``: the loads whose timings resolved since the previous line, each ``{"job", "kind"
   ("in_step" | "async"), "step" (when submitted), "bytes", "gpu_ms", "host_ms"}``. ``gpu_ms`` comes
   from CUDA timing events read back without blocking, one or more steps later (in-step: from the
@@ -49,6 +51,7 @@ class _Step:
     async_: list[int] = field(default_factory=lambda: [0, 0])
     start_load_ms: float = 0.0
     fence_ms: float = 0.0
+    forward_submit_ms: float = 0.0
 
 
 class LoadTrace:
@@ -73,6 +76,10 @@ class LoadTrace:
         """``start_load_kv`` of this step held vLLM's thread this long (of which ``fence_ms`` in fences)."""
         self._step.start_load_ms += start_load_ms
         self._step.fence_ms += fence_ms
+
+    def held_in_forward(self, ms: float) -> None:
+        """``wait_for_layer_load`` of this step held vLLM's thread this long submitting layer groups."""
+        self._step.forward_submit_ms += ms
 
     def started(self, kind: str, job: int, nbytes: int, marks: tuple | None = None) -> None:
         """A load of ``kind`` ("in_step" | "async") started in this step; ``marks``: its timing events, if any."""
@@ -120,10 +127,12 @@ class LoadTrace:
                 "in_step": {"loads": st.in_step[0], "bytes": st.in_step[1]},
                 "async": {"loads": st.async_[0], "bytes": st.async_[1]},
                 "start_load_ms": round(st.start_load_ms, 3), "fence_ms": round(st.fence_ms, 3),
+                "forward_submit_ms": round(st.forward_submit_ms, 3),
                 "async_in_flight": async_in_flight, "landed": self._landed}
         self._f.write(json.dumps(line, separators=(",", ":")) + "\n")
         self._landed = []
         st.in_step, st.async_, st.start_load_ms, st.fence_ms = [0, 0], [0, 0], 0.0, 0.0
+        st.forward_submit_ms = 0.0
 
     def close(self) -> None:
         """Write what is left and close the file."""

@@ -167,6 +167,11 @@ class WorkerCounters:
     acked_for_rank0: int = 0  # replicated caches: jobs rank 0 runs for every rank, acknowledged here
 
 
+def _async_load(job: TransferJob) -> bool:
+    """A job the ``AsyncLoader`` copies (a CPU-tier load vLLM waits for between steps), not the movers."""
+    return job.kind is JobKind.EGRESS and job.src_tier == CPU
+
+
 def open_disk_tier(make):
     """``make()`` a rank's DiskTier; a damaged index is moved aside (loudly) and the rank starts an empty one.
 
@@ -407,18 +412,21 @@ class WorkerRuntime:
         if plan.sync:
             sync = set(plan.sync)
             in_step, c = self.in_step, self.counters
+            first = len(in_step.loads)
             for job in early:
                 if job.job_id in sync:  # a job like any other; only its copy is the loader's
                     with self._lock:
                         self._events[job.job_id] = threading.Event()
-                    groups = in_step.start(job, self._flat(job, job.src_slots), layerwise_ok, self._mechanism)
-                    if groups:
-                        c.sync_loads += 1
-                        c.sync_load_groups += groups
-                    if trace is not None:
-                        load = in_step.loads[-1]
-                        trace.started("in_step", job.job_id, load.nbytes, load.marks)
+                    in_step.start(job, self._flat(job, job.src_slots))
             early = [j for j in early if j.job_id not in sync]
+            # asynchronous loads of this step are ordered after the in-step copies: those must all exist
+            pipelined = not (self.async_loads is not None and any(_async_load(j) for j in early))
+            loads, groups = in_step.submit(layerwise_ok, self._mechanism, pipelined)
+            c.sync_loads += loads
+            c.sync_load_groups += groups
+            if trace is not None:
+                for load in in_step.loads[first:]:
+                    trace.started("in_step", load.job.job_id, load.nbytes, load.marks)
         if self.async_loads is not None and plan.loads:
             early = self._start_async(early)
         self._submit(early)
@@ -430,7 +438,7 @@ class WorkerRuntime:
         in-step loads); returns the other jobs (for the movers)."""
         batch, rest = [], []
         for job in jobs:
-            if job.kind is JobKind.EGRESS and job.src_tier == CPU:
+            if _async_load(job):
                 (gpu, rows), = self._flat(job, job.src_slots)
                 batch.append((job, gpu, rows))
                 with self._lock:
@@ -459,7 +467,7 @@ class WorkerRuntime:
     def wait_layer(self, layer_name: str) -> None:
         """``wait_for_layer_load``: vLLM's stream waits (on the GPU) for this layer's in-step loads."""
         in_step = self.in_step
-        if in_step is not None and in_step.layer_waits:  # checked here: vLLM calls this for every layer
+        if in_step is not None and in_step.busy:  # checked here: vLLM calls this for every layer
             in_step.wait_layer(layer_name)
 
     def after_forward(self) -> None:
@@ -535,7 +543,11 @@ class WorkerRuntime:
 
     def _finish_in_step(self, in_step: InStepLoader) -> None:
         """Wait for this step's in-step loads to land; count and queue their completions for ``poll``."""
-        for job, done in in_step.finish():
+        finished = in_step.finish()
+        if self.trace is not None:
+            self.trace.held_in_forward(in_step.forward_submit_ms)
+        in_step.forward_submit_ms = 0.0
+        for job, done in finished:
             self._count(job, done.nbytes, done.seconds, done.ok, done.corrupt)
             self._on_done(job, done)
             if self.trace is not None:  # CUDA: the timing events given at start; CPU: the load's wall time
