@@ -9,24 +9,25 @@ from __future__ import annotations
 import pytest
 
 from tests.connector.vllm.test_worker_in_step import run_in_step_load
-from tiered_kv.connector.vllm.in_step import MAX_AUTO_GROUPS, MAX_AUTO_GROUPS_PIPELINED, MIN_GROUP_BYTES
+from tiered_kv.connector.vllm.in_step import MAX_AUTO_GROUPS, MIN_GROUP_BYTES
 
 
 @pytest.mark.parametrize("load_submit", ["pipelined", "upfront"])
 @pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "whole"])
 def test_in_step_load_layer_by_layer_on_cuda(layerwise, load_submit):
     # 8 layers x 8 heads x 128 dims: 512 KiB a block; 96 chunks of 4 blocks (one held locally) = 191.5 MiB.
-    # pipelined: groups after the first are submitted from wait_layer, ordered only behind the first
-    # (which waited for the busy stream): a layer read before its group landed sees zeros
+    # pipelined with 64 MiB ahead: groups after the first are submitted from wait_layer, ordered only
+    # behind the first (which waited for the busy stream): a layer read before its group landed sees zeros
     stats = run_in_step_load("cuda", layers=8, heads=8, head_dim=128, chunks=96, layerwise=layerwise,
-                             slow_stream=True, load_submit=load_submit)
+                             slow_stream=True, load_submit=load_submit, load_ahead_bytes="64MiB")
     assert stats["sync_loads"] == 1 and stats["failed_items"] == 0
     nbytes = (96 * 4 - 1) * 8 * 8 * 16 * 256 * 2
     assert stats["bytes_loaded"] == nbytes
-    # layer by layer: the automatic count (the load is 5 x MIN_GROUP_BYTES); whole: one group, merged runs
-    most = MAX_AUTO_GROUPS_PIPELINED if load_submit == "pipelined" else MAX_AUTO_GROUPS
+    # layer by layer: pipelined, groups of <= 32 MiB (half of load_ahead_bytes): 6 wanted, 4 of 2 layers;
+    # upfront, MAX_AUTO_GROUPS (the load is >= 4 x MIN_GROUP_BYTES); whole: one group, merged runs
     assert nbytes // MIN_GROUP_BYTES == 5
-    assert stats["sync_load_groups"] == (min(most, 5) if layerwise else 1)
+    want = (4 if load_submit == "pipelined" else MAX_AUTO_GROUPS) if layerwise else 1
+    assert stats["sync_load_groups"] == want
 
 
 @pytest.mark.parametrize("cross_layer", [False, True], ids=["per-layer", "cross-layer"])
@@ -38,4 +39,5 @@ def test_in_step_load_groups_on_cuda(cross_layer, groups, copy):
                              slow_stream=True, cross_layer=cross_layer, load_groups=groups, in_step_copy=copy)
     nbytes = (192 * 4 - 1) * 32 * 2 * 16 * 256 * 2
     assert stats["bytes_loaded"] == nbytes and nbytes // MIN_GROUP_BYTES == 11
-    assert stats["sync_load_groups"] == (groups or MAX_AUTO_GROUPS_PIPELINED)  # load_submit: pipelined
+    # load_submit pipelined, 383.5 MiB > load_ahead_bytes (256 MiB): groups of <= 128 MiB, 3 of 11/11/10 layers
+    assert stats["sync_load_groups"] == (groups or 3)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tiered_kv.connector.vllm.config import ConnectorConfig
-from tiered_kv.connector.vllm.in_step import MAX_AUTO_GROUPS_PIPELINED, layer_groups
+from tiered_kv.connector.vllm.in_step import MAX_AUTO_GROUPS, layer_groups
 from tiered_kv.connector.vllm.scheduler import CPU, StepPlan
 from tiered_kv.errors import ConfigError
 from tiered_kv.values.jobs import EXT, JobKind, TransferJob
@@ -19,14 +19,20 @@ from tiered_kv.values.jobs import EXT, JobKind, TransferJob
 from tests.connector.vllm.test_worker_in_step import K, make_runtime
 
 LAYERS = 8
+#: one layer of one block: 1 head x 16 tokens x 16 (K and V of 8 dims) x 2 bytes
+LAYER_BLOCK = 16 * 16 * 2
+#: a layer group of the tests' 2 loads (one chunk each) with 4 groups: 2 layers x 2 x K blocks
+GROUP = 2 * 2 * K * LAYER_BLOCK
 
 
-def _step(load_submit: str, groups: int = 4, loads: int = 2, mode: str = "layerwise", async_load: bool = False):
+def _step(load_submit: str, groups: int = 4, loads: int = 2, mode: str = "layerwise", async_load: bool = False,
+          ahead: int = GROUP):
     """A runtime with ``loads`` in-step loads of one chunk each planned for one step (and, with
     ``async_load``, one asynchronous load of another request); returns
     (runtime, kv tensors, layer names, [(job, slot, gpu blocks)] of the in-step loads)."""
     rt, kv, names = make_runtime("cpu", layers=LAYERS, heads=1, head_dim=8, num_blocks=K * (loads + 1) + 2,
-                                 cpu_chunks=loads + 2, load_mode=mode, load_groups=groups, load_submit=load_submit)
+                                 cpu_chunks=loads + 2, load_mode=mode, load_groups=groups, load_submit=load_submit,
+                                 load_ahead_bytes=ahead)
     gen = torch.Generator().manual_seed(11)
     slab = rt.cpu.slab
     jobs, items = [], []
@@ -61,22 +67,59 @@ def _layer_ok(rt, kv, names, items, li: int) -> bool:
     return True
 
 
-def test_pipelined_submits_later_groups_between_layers_and_every_layer_reads_its_bytes():
-    rt, kv, names, items = _step("pipelined", groups=4)
+def _loaded(rt, kv, names, items) -> list[bool]:
+    return [_layer_ok(rt, kv, names, items, li) for li in range(LAYERS)]
+
+
+def test_pipelined_keeps_load_ahead_bytes_in_flight_and_every_layer_reads_its_bytes():
+    """``load_ahead_bytes`` = one group: one group before the forward, one more per layer as the
+    previous lands (on CPU a copy has landed when its call returns)."""
+    rt, kv, names, items = _step("pipelined", groups=4, ahead=GROUP)
     try:
         rt.before_forward(layerwise_ok=True)
         # before the forward: only the first layer group (layers 0-1) of *both* loads is in
-        assert [_layer_ok(rt, kv, names, items, li) for li in range(LAYERS)] == [True] * 2 + [False] * 6
-        for li, name in enumerate(names):
+        assert _loaded(rt, kv, names, items) == [True] * 2 + [False] * 6
+        rt.wait_layer(names[0])
+        assert _loaded(rt, kv, names, items) == [True] * 4 + [False] * 4
+        for li, name in enumerate(names[1:], 1):
+            rt.wait_layer(name)
             assert _layer_ok(rt, kv, names, items, li), f"layer {li} read before its group was submitted"
-            rt.wait_layer(name)  # the last layer of a group submits the next one
-            if li == 1:
-                assert _layer_ok(rt, kv, names, items, 2) and not _layer_ok(rt, kv, names, items, 4)
         result = rt.poll()
         assert all(result.reports[j.job_id].ok == [True] for j, _, _ in items)
         stats = rt.stats()
         assert stats["sync_loads"] == 2 and stats["sync_load_groups"] == 4  # one merged copy, 4 groups
         assert rt.in_step is not None and not rt.in_step.busy and rt.idle()
+    finally:
+        rt.close()
+
+
+def test_pipelined_submits_a_group_at_its_first_layer_at_the_latest():
+    """``load_ahead_bytes`` below one group: nothing goes ahead; each group at the first layer that reads it."""
+    rt, kv, names, items = _step("pipelined", groups=4, ahead=GROUP // 2)
+    try:
+        rt.before_forward(layerwise_ok=True)
+        assert _loaded(rt, kv, names, items) == [True] * 2 + [False] * 6  # at least one group goes before
+        rt.wait_layer(names[0])
+        rt.wait_layer(names[1])
+        assert _loaded(rt, kv, names, items) == [True] * 2 + [False] * 6
+        rt.wait_layer(names[2])
+        assert _loaded(rt, kv, names, items) == [True] * 4 + [False] * 4
+        for name in names[3:]:
+            rt.wait_layer(name)
+        assert all(r.ok == [True] for r in rt.poll().reports.values())
+    finally:
+        rt.close()
+
+
+def test_a_load_within_load_ahead_bytes_goes_whole_before_the_forward():
+    rt, kv, names, items = _step("pipelined", groups=0, ahead=256 << 20)
+    try:
+        rt.before_forward(layerwise_ok=True)
+        assert all(_loaded(rt, kv, names, items)) and not rt.in_step.busy
+        for name in names:
+            rt.wait_layer(name)
+        assert all(r.ok == [True] for r in rt.poll().reports.values())
+        assert rt.stats()["sync_load_groups"] == 1  # 32 KiB: one group, as upfront
     finally:
         rt.close()
 
@@ -107,7 +150,7 @@ def test_without_per_layer_waits_the_load_goes_whole_before_the_forward():
 
 
 def test_a_skipped_layer_wait_still_submits_its_group_before_the_layer_and_finish_submits_the_rest():
-    rt, kv, names, items = _step("pipelined", groups=4)
+    rt, kv, names, items = _step("pipelined", groups=4, ahead=1)
     try:
         rt.before_forward(layerwise_ok=True)
         rt.wait_layer(names[4])  # layers 0-3 never waited (their triggers skipped): layer 4's group goes now
@@ -137,15 +180,37 @@ def test_a_step_with_asynchronous_loads_submits_its_in_step_copies_upfront():
         rt.close()
 
 
-def test_auto_groups_pipelined_and_the_key():
-    rt, _, _ = make_runtime("cpu", layers=32, heads=1, head_dim=8, num_blocks=4, cpu_chunks=1)
+def test_auto_groups_pipelined_and_the_keys():
+    """Past ``load_ahead_bytes``, a copy is cut into groups of about half of it, at most one per layer."""
+    rt, kv, names, items = _step("pipelined", groups=0, ahead=GROUP)  # 32 KiB in groups of <= 4 KiB: 8
     try:
-        big = 1000 * (32 << 20)
-        assert len(layer_groups(rt.kv, big, most=MAX_AUTO_GROUPS_PIPELINED)) == MAX_AUTO_GROUPS_PIPELINED
-        assert layer_groups(rt.kv, 3 * (32 << 20), most=MAX_AUTO_GROUPS_PIPELINED) == [(0, 11), (11, 22), (22, 32)]
+        rt.before_forward(layerwise_ok=True)
+        for name in names:
+            rt.wait_layer(name)
+        rt.poll()
+        assert rt.stats()["sync_load_groups"] == LAYERS
     finally:
         rt.close()
-    assert ConnectorConfig().load_submit == "pipelined"
-    assert ConnectorConfig(load_submit="upfront").load_submit == "upfront"
+    rt, kv, names, items = _step("pipelined", groups=0, ahead=4 * GROUP // 2)  # 32 KiB in groups of 8 KiB: 4
+    try:
+        rt.before_forward(layerwise_ok=True)
+        for name in names:
+            rt.wait_layer(name)
+        rt.poll()
+        assert rt.stats()["sync_load_groups"] == 4
+    finally:
+        rt.close()
+    assert MAX_AUTO_GROUPS == 2 and len(layer_groups(kv_layout(), 1 << 40)) == MAX_AUTO_GROUPS
+    assert ConnectorConfig().load_submit == "pipelined" and ConnectorConfig().load_ahead_bytes == 256 << 20
+    assert ConnectorConfig(load_submit="upfront", load_ahead_bytes="1GiB").load_ahead_bytes == 1 << 30
     with pytest.raises(ConfigError, match="load_submit: unknown value 'lazy'"):
         ConnectorConfig(load_submit="lazy")
+    with pytest.raises(ConfigError, match="load_ahead_bytes: must be > 0"):
+        ConnectorConfig(load_ahead_bytes=0)
+
+
+def kv_layout():
+    """A 32-layer per-layer layout (for ``layer_groups``)."""
+    rt, _, _ = make_runtime("cpu", layers=32, heads=1, head_dim=8, num_blocks=4, cpu_chunks=1)
+    rt.close()
+    return rt.kv

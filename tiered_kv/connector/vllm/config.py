@@ -63,6 +63,7 @@ class ConnectorConfig(RemoteKeys):
     trace_path: str | None = None  # per-step load trace (JSON lines), one file per worker rank (trace.py)
     load_groups: int = 0
     load_submit: str = "pipelined"  # in-step layer groups: the first before the forward, the rest between layers
+    load_ahead_bytes: int | str = 256 << 20  # load_submit pipelined: in-step bytes submitted and not landed
     in_step_copy: str = "copy_engine"
     load_staging_bytes: int = 256 << 20
     cross_layer_blocks: bool = True
@@ -85,7 +86,7 @@ class ConnectorConfig(RemoteKeys):
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
-        for key in ("cpu_bytes", "disk_bytes", "load_staging_bytes"):
+        for key in ("cpu_bytes", "disk_bytes", "load_staging_bytes", "load_ahead_bytes"):
             set_(key, parse_size(getattr(self, key), key))
         if self.step_load_bytes != "auto":
             set_("step_load_bytes", parse_size(self.step_load_bytes, "step_load_bytes"))
@@ -134,6 +135,9 @@ class ConnectorConfig(RemoteKeys):
             if not isinstance(self.disk_path, (str, os.PathLike)) or not str(self.disk_path):
                 raise ConfigError(f"disk_path: expected a directory path or null, got {self.disk_path!r}")
             set_("disk_path", str(self.disk_path))
+        if self.load_ahead_bytes < 1:
+            raise ConfigError(f"load_ahead_bytes: must be > 0 (in-step load bytes submitted ahead of the forward's "
+                              f"layers with load_submit: pipelined); got {self.load_ahead_bytes}")
         if self.load_staging_bytes < 1:
             raise ConfigError(f"load_staging_bytes: must be > 0 (the device buffer of in_step_copy: staged); "
                               f"got {self.load_staging_bytes}")

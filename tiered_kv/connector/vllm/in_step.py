@@ -12,17 +12,19 @@ copy of each in-step load (``StepPlan.sync``):
   wait behind 29 loads' later layers. Where vLLM runs attention eagerly and ``load_mode`` is
   "layerwise" (or "adaptive"), each layer group is kept for ``wait_layer``; otherwise (a full
   CUDA graph may replay, no per-layer calls) the engine's stream waits for the whole load now.
-- ``load_submit`` "pipelined" (default): ``submit`` hands only the first layer group to the
-  driver; each later group is submitted from ``wait_layer`` of the last layer of the group before
-  it, once that group's layers are launched. The driver call blocks while the copy queue is full
-  (bytes / the PCIe rate for a large load), so a load submitted whole before the forward holds
-  the forward's launch until nearly every byte has landed and nothing overlaps; pipelined, group
-  k's layers compute while group k+1 crosses PCIe. "upfront": every group before the forward. A
-  step that also starts asynchronous loads (``adaptive``) submits upfront: those are ordered
-  after the in-step copies, which must exist by then.
-- ``wait_layer`` (vLLM's ``wait_for_layer_load``) makes the engine's stream wait, on the GPU,
-  for that layer's group (no host wait for the bytes), then submits the next group when this
-  layer is the last of its group.
+- ``load_submit`` "pipelined" (default): a copy of at most ``load_ahead_bytes`` goes whole before
+  the forward, as with "upfront". A larger one is cut into finer layer groups; ``submit`` hands
+  the driver the leading groups that fit in ``load_ahead_bytes``, and ``wait_layer`` the rest:
+  at every layer, the next groups while the bytes submitted and not landed stay within
+  ``load_ahead_bytes``, and at the latest at the first layer that reads a group. Submitting costs
+  vLLM's thread about 1 us per descriptor (H200, vLLM 0.26: a 4.7 GB step of 64 KiB runs held it
+  68 ms, bytes / 69 GB/s), so a large load submitted whole before the forward delays the launch of
+  every layer (and every decode in the batch) by about its PCIe time; pipelined, the first layers
+  compute while later groups are still being submitted and crossing PCIe. "upfront": every group
+  before the forward. A step that also starts asynchronous loads (``adaptive``) submits upfront:
+  those are ordered after the in-step copies, which must exist by then.
+- ``wait_layer`` (vLLM's ``wait_for_layer_load``) submits what is due (above), then makes the
+  engine's stream wait, on the GPU, for that layer's group (no host wait for the bytes).
 - ``finish`` (from ``poll``: vLLM's ``get_finished`` of the same step) submits any group vLLM
   never asked for, waits for the bytes and returns each load's ``Completion``, so a failed load
   reaches vLLM in the step that read it. A merged copy that fails fails every load in it.
@@ -67,9 +69,10 @@ MIN_GROUP_BYTES = 32 << 20
 #: load), turn-2 TTFT of benchmarks/vllm_ttft.py: 0.0343 / 0.0335 / 0.0649 / 0.0387 s with
 #: 1 / 2 / 8 / 32 groups (the call held vLLM's thread ~10 ms with 2 groups, ~13 ms with 32).
 MAX_AUTO_GROUPS = 2
-#: The same with ``load_submit: pipelined``: only the first group delays the forward's launch, and
-#: the forward's GPU work not overlapped with the load is about 1/groups of it.
-MAX_AUTO_GROUPS_PIPELINED = 8
+#: ``load_submit: pipelined``, a copy larger than ``load_ahead_bytes``: layer groups of about this
+#: fraction of ``load_ahead_bytes`` (automatic count; at most one group per layer), so the bytes in
+#: flight can be topped up a group at a time between layers.
+PIPELINED_GROUP_FRACTION = 2
 #: What a copier call raises when an in-step load cannot start (the load is then retried or failed)
 _START_ERRORS = (BackendUnavailableError, CopyLaunchError, ValueError)
 
@@ -94,8 +97,8 @@ class _InStepLoad:
 class _StepCopy:
     """One KV cache group's part of a step's in-step loads, merged: every load's blocks, by layer group.
 
-    ``done`` groups of ``spans`` are submitted; ``span_of`` (layer name -> its group) and ``trigger``
-    (layer name -> the group its ``wait_layer`` submits) are filled for a pipelined copy only.
+    ``done`` groups of ``spans`` are submitted (their results in ``results``, of which the first
+    ``landed`` have landed); ``span_of`` (layer name -> its group) is filled for a pipelined copy only.
     """
 
     g: int
@@ -106,7 +109,15 @@ class _StepCopy:
     mechanism: Mechanism | None
     done: int = 0
     span_of: dict[str, int] = field(default_factory=dict)
-    trigger: dict[str, int] = field(default_factory=dict)
+    sizes: list[int] = field(default_factory=list)  # bytes of each group
+    results: list[CopyResult] = field(default_factory=list)  # what was submitted, in order (pipelined)
+    landed: int = 0
+
+    def in_flight(self) -> int:
+        """Bytes of submitted groups not landed yet (groups land in order; never blocks)."""
+        while self.landed < len(self.results) and self.results[self.landed].done():
+            self.landed += 1
+        return sum(res.nbytes for res in self.results[self.landed:])
 
 
 class InStepLoader:
@@ -134,6 +145,7 @@ class InStepLoader:
         self.copier = self.copiers[0]
         self._layerwise = cfg.load_mode in ("layerwise", "adaptive")  # adaptive: layerwise within its budget
         self._pipelined = cfg.load_submit == "pipelined"
+        self._ahead = cfg.load_ahead_bytes
         self._groups_wanted = cfg.load_groups
         self._plain_fallback = plain_fallback
         self.plain_copies = 0
@@ -200,7 +212,6 @@ class InStepLoader:
         if self._forced is not None:
             mechanism = self._forced
         planned = 0
-        most = MAX_AUTO_GROUPS_PIPELINED if lazy else MAX_AUTO_GROUPS
         for g in self._order:
             members = [load for load in pending if load.parts[g][0]]
             if not members:
@@ -208,21 +219,30 @@ class InStepLoader:
             rows = [r for load in members for r in load.parts[g][1]]
             gpu = [b for load in members for b in load.parts[g][0]]
             kv = self.kvs[g]
-            spans = ([(0, len(kv.tensors))] if not split
-                     else layer_groups(kv, len(gpu) * kv.block_nbytes, self._groups_wanted, most))
+            nbytes = len(gpu) * kv.block_nbytes
+            ahead = lazy and nbytes > self._ahead
+            if not split:
+                spans = [(0, len(kv.tensors))]
+            elif ahead:
+                wanted = self._groups_wanted or -(-nbytes * PIPELINED_GROUP_FRACTION // self._ahead)
+                spans = layer_groups(kv, nbytes, wanted)
+            else:
+                spans = layer_groups(kv, nbytes, self._groups_wanted)
             copy = _StepCopy(g, rows, gpu, members, spans, mechanism)
             for load in members:
                 load.open_copies += 1
             planned += len(spans)
-            if lazy and len(spans) > 1:
+            if ahead and len(spans) > 1:
                 names = self._names[g]
                 for s, (a, b) in enumerate(spans):
                     for name in names[a:b]:
                         copy.span_of.setdefault(name, s)
-                    if s + 1 < len(spans):
-                        copy.trigger[names[b - 1]] = s + 1
+                copy.sizes = [len(gpu) * sum(m.nbytes for m in kv.maps[a:b]) for a, b in spans]
                 self._open.append(copy)
-                self._submit_spans(copy, 1)
+                first = 1
+                while first < len(spans) and sum(copy.sizes[:first + 1]) <= self._ahead:
+                    first += 1
+                self._submit_spans(copy, first)
             else:
                 self._submit_spans(copy, len(spans))
         started = sum(1 for load in pending if load.nbytes and load.error is None)
@@ -241,6 +261,8 @@ class InStepLoader:
         if any(load.error is None for load in copy.loads):
             results = self._submit(copy, spans, first)
             if results:
+                if copy.span_of:
+                    copy.results.extend(results)
                 for load in copy.loads:
                     load.results.extend(results)
                 if len(copy.spans) > 1 and len(results) == len(spans) and self._cuda:
@@ -302,24 +324,24 @@ class InStepLoader:
         return None
 
     def wait_layer(self, layer_name: str) -> None:
-        """``wait_for_layer_load``: the engine's stream waits (on the GPU) for this layer's in-step loads,
-        then (pipelined) the next layer group goes to the driver when this layer is its group's last."""
-        for copy in self._open[:]:  # a layer of a group not submitted yet (its trigger was skipped)
-            s = copy.span_of.get(layer_name)
-            if s is not None and s >= copy.done:
-                self._timed_submit(copy, s + 1)
+        """``wait_for_layer_load``: (pipelined) hand the driver this layer's group if it is not yet, and
+        more groups while the bytes in flight allow; then the engine's stream waits (on the GPU) for this
+        layer's in-step loads."""
+        if self._open:
+            t0 = time.perf_counter()
+            for copy in self._open[:]:
+                s = copy.span_of.get(layer_name)
+                upto = s + 1 if s is not None and s >= copy.done else copy.done
+                in_flight = copy.in_flight() + sum(copy.sizes[copy.done:upto])
+                while upto < len(copy.spans) and in_flight + copy.sizes[upto] <= self._ahead:
+                    in_flight += copy.sizes[upto]
+                    upto += 1
+                if upto > copy.done:
+                    self._submit_spans(copy, upto)
+            self.forward_submit_ms += (time.perf_counter() - t0) * 1e3
         waits = self.layer_waits.pop(layer_name, None)
         if waits:
             _stream_waits(waits, torch.cuda.current_stream(self.kv.device))
-        for copy in self._open[:]:
-            s = copy.trigger.get(layer_name)
-            if s is not None and s >= copy.done:
-                self._timed_submit(copy, s + 1)
-
-    def _timed_submit(self, copy: _StepCopy, upto: int) -> None:
-        t0 = time.perf_counter()
-        self._submit_spans(copy, upto)
-        self.forward_submit_ms += (time.perf_counter() - t0) * 1e3
 
     def finish(self) -> list[tuple[TransferJob, Completion]]:
         """Wait for the loads started this step to land; return each one's job and ``Completion``.
@@ -401,16 +423,16 @@ def _stream_waits(results: list[CopyResult], stream) -> None:
             pass
 
 
-def layer_groups(kv: KVLayout, nbytes: int, wanted: int = 0, most: int = MAX_AUTO_GROUPS) -> list[tuple[int, int]]:
+def layer_groups(kv: KVLayout, nbytes: int, wanted: int = 0) -> list[tuple[int, int]]:
     """Consecutive tensor groups for an in-step load of ``nbytes``.
 
-    ``wanted`` (the ``load_groups`` key) > 0 fixes the count (at most one group per tensor);
-    0 takes as many as ``MIN_GROUP_BYTES`` allows, at most ``most``.
+    ``wanted`` (the ``load_groups`` key, or the pipelined count) > 0 fixes the count (at most one
+    group per tensor); 0 takes as many as ``MIN_GROUP_BYTES`` allows, at most ``MAX_AUTO_GROUPS``.
     """
     layers = len(kv.tensors)
     if wanted > 0:
         count = min(layers, wanted)
     else:
-        count = max(1, min(layers, nbytes // MIN_GROUP_BYTES, most))
+        count = max(1, min(layers, nbytes // MIN_GROUP_BYTES, MAX_AUTO_GROUPS))
     per = -(-layers // count)
     return [(a, min(layers, a + per)) for a in range(0, layers, per)]
