@@ -28,6 +28,9 @@ RUNNER_SUFFIX = "-v1runner"
 #: the floor on each runner; their greedy outputs also stand in for ``none``'s where a call ran no ``none``
 #: (the same engine and prompts, only a larger GPU cache)
 FLOOR_MODES = (FLOOR, FLOOR + RUNNER_SUFFIX)
+#: where a call ran neither ``none`` nor the floor, greedy outputs are compared with this peer's of the
+#: same call (vLLM's own connector: its outputs matched ``none``'s wherever both ran), labelled as such
+GREEDY_PEER = "offloading"
 
 
 def counterpart(summary: dict, mode: str, base: str) -> str | None:
@@ -71,8 +74,10 @@ def summarize(starts: list[dict]) -> dict:
     """``{mode: {"startup_s": spread, "failed": n, "phases": {phase: numbers}}}`` over all starts."""
     base = _greedy_index(starts, ("none",))
     floor_base = _greedy_index(starts, FLOOR_MODES)
+    peer_base = _greedy_index(starts, (GREEDY_PEER,))
     acc: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
     greedy: dict = defaultdict(lambda: defaultdict(lambda: [0, 0]))
+    greedy_peer: dict = defaultdict(lambda: defaultdict(lambda: [0, 0]))
     concurrency: dict = {}
     for mode, s, rep, ph in _phase_samples(starts):
         if ph.get("truncated"):
@@ -99,6 +104,10 @@ def summarize(starts: list[dict]) -> dict:
                 if ref is not None:
                     g[0] += 1
                     g[1] += int(ref == row[6])
+                elif mode not in FLOOR_MODES and mode != GREEDY_PEER and key in peer_base:
+                    gp = greedy_peer[mode][ph["name"]]
+                    gp[0] += 1
+                    gp[1] += int(peer_base[key] == row[6])
     out = {}
     for mode in mode_order(dict.fromkeys(s["mode"] for s in starts)):
         ms = [s for s in starts if s["mode"] == mode]
@@ -109,6 +118,9 @@ def summarize(starts: list[dict]) -> dict:
             if mode != "none":
                 cmp_, eq = greedy[mode][name]
                 phases[name]["greedy_vs_none"] = {"compared": cmp_, "equal": eq}
+                cmp_, eq = greedy_peer[mode][name]
+                if cmp_:  # outputs no `none` or floor start shares (calls that ran neither)
+                    phases[name]["greedy_vs_peer"] = {"peer": GREEDY_PEER, "compared": cmp_, "equal": eq}
         out[mode] = {"startup_s": spread([s.get("startup_s") for s in ms if s.get("status") == "ok"]),
                      "starts_ok": sum(s.get("status") == "ok" for s in ms),
                      "failed": sum(s.get("status") == "failed" for s in ms),
@@ -157,8 +169,11 @@ def table(summary: dict) -> str:
             if ph is None:
                 continue
             tiers = ", ".join(f"{k[5:]} {_k(v)}" for k, v in ph.items() if k.startswith("tier_")) or "-"
-            g = ph.get("greedy_vs_none")
+            g, gp = ph.get("greedy_vs_none"), ph.get("greedy_vs_peer")
             greedy = "-" if not g or not g["compared"] else f"{g['equal']}/{g['compared']}"
+            if gp:
+                more = f"{gp['equal']}/{gp['compared']} vs {gp['peer']}"
+                greedy = more if greedy == "-" else f"{greedy}; {more}"
             n = f"{(ph['ttft_p50_ms'] or {}).get('n', 0)}" + (f" ({ph['errors']} failed requests)" if ph["errors"] else "")
             label = f"{name} (cold)" if name == "warm" else name
             rows.append(f"| {label} | {mode} | {n} | {_fmt(ph['ttft_p50_ms'])} | {_fmt(ph['ttft_p90_ms'])} "

@@ -354,6 +354,19 @@ def test_greedy_outputs_are_checked_against_the_floor_when_a_call_ran_no_none():
     s2 = report.summarize([_start("none", 100.0, 1000.0, {0: "a", 1: "x"})] + starts)
     assert s2["tiered"]["phases"]["c8"]["greedy_vs_none"] == {"compared": 2, "equal": 2}
     assert s2["none-resident"]["phases"]["c8"]["greedy_vs_none"] == {"compared": 2, "equal": 1}
+    assert "greedy_vs_peer" not in s2["tiered"]["phases"]["c8"]  # a reference without a connector was there
+
+
+def test_greedy_outputs_fall_back_to_vllms_connector_when_a_call_ran_neither_none_nor_the_floor():
+    starts = [_start("tiered", 50.0, 1300.0, {0: "a", 1: "x"}), _start("offloading", 80.0, 1100.0, {0: "a", 1: "b"}),
+              _start("lmcache", 90.0, 1000.0, {0: "a", 1: "b"})]
+    s = report.summarize(starts)
+    ph = s["tiered"]["phases"]["c8"]
+    assert ph["greedy_vs_none"] == {"compared": 0, "equal": 0}
+    assert ph["greedy_vs_peer"] == {"peer": "offloading", "compared": 2, "equal": 1}  # user 1 differs
+    assert s["lmcache"]["phases"]["c8"]["greedy_vs_peer"]["equal"] == 2
+    assert "greedy_vs_peer" not in s["offloading"]["phases"]["c8"]  # not with itself
+    assert any("| c8 | tiered |" in r and "| 1/2 vs offloading |" in r for r in report.table(s).splitlines())
 
 
 def test_resident_floor_mode_gets_a_gpu_cache_for_the_whole_history(tmp_path, monkeypatch):
