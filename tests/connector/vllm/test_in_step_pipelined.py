@@ -111,40 +111,20 @@ def test_pipelined_submits_a_group_at_its_first_layer_at_the_latest():
         rt.close()
 
 
-def test_a_load_within_load_ahead_bytes_goes_whole_before_the_forward():
-    rt, kv, names, items = _step("pipelined", groups=0, ahead=256 << 20)
+@pytest.mark.parametrize("load_submit,groups,ahead,layerwise_ok,want_groups", [
+    ("pipelined", 0, 256 << 20, True, 1),  # 32 KiB, within load_ahead_bytes: one group, as upfront
+    ("upfront", 4, GROUP, True, 4),  # every group before the forward whatever its size
+    ("pipelined", 4, GROUP, False, 1),  # a full CUDA graph may replay: nothing may be left for wait_layer
+], ids=["within-ahead", "upfront", "no-layer-waits"])
+def test_the_whole_copy_goes_before_the_forward(load_submit, groups, ahead, layerwise_ok, want_groups):
+    rt, kv, names, items = _step(load_submit, groups=groups, ahead=ahead)
     try:
-        rt.before_forward(layerwise_ok=True)
+        rt.before_forward(layerwise_ok=layerwise_ok)
         assert all(_loaded(rt, kv, names, items)) and not rt.in_step.busy
         for name in names:
             rt.wait_layer(name)
         assert all(r.ok == [True] for r in rt.poll().reports.values())
-        assert rt.stats()["sync_load_groups"] == 1  # 32 KiB: one group, as upfront
-    finally:
-        rt.close()
-
-
-def test_upfront_submits_every_group_before_the_forward():
-    rt, kv, names, items = _step("upfront", groups=4)
-    try:
-        rt.before_forward(layerwise_ok=True)
-        assert all(_layer_ok(rt, kv, names, items, li) for li in range(LAYERS))
-        for name in names:
-            rt.wait_layer(name)
-        assert all(r.ok == [True] for r in rt.poll().reports.values())
-    finally:
-        rt.close()
-
-
-def test_without_per_layer_waits_the_load_goes_whole_before_the_forward():
-    """A full CUDA graph may replay (``layerwise_ok`` False): nothing may be left for ``wait_layer``."""
-    rt, kv, names, items = _step("pipelined", groups=4)
-    try:
-        rt.before_forward(layerwise_ok=False)
-        assert all(_layer_ok(rt, kv, names, items, li) for li in range(LAYERS))
-        assert not rt.in_step.busy
-        assert all(r.ok == [True] for r in rt.poll().reports.values())
-        assert rt.stats()["sync_load_groups"] == 1
+        assert rt.stats()["sync_load_groups"] == want_groups
     finally:
         rt.close()
 
@@ -153,7 +133,7 @@ def test_a_skipped_layer_wait_still_submits_its_group_before_the_layer_and_finis
     rt, kv, names, items = _step("pipelined", groups=4, ahead=1)
     try:
         rt.before_forward(layerwise_ok=True)
-        rt.wait_layer(names[4])  # layers 0-3 never waited (their triggers skipped): layer 4's group goes now
+        rt.wait_layer(names[4])  # layers 0-3 never waited: layer 4's group (and all before it) goes now
         assert all(_layer_ok(rt, kv, names, items, li) for li in range(6))
         assert not _layer_ok(rt, kv, names, items, 6)
         result = rt.poll()  # vLLM never reached layers 5-7: finish submits group 3 before waiting
