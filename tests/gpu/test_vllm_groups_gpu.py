@@ -21,6 +21,13 @@ def test_group_round_trip_staged_on_cuda():
     assert stats["sync_loads"] == 1 and stats["failed_items"] == 0 and stats["plain_copy_fallbacks"] == 0
 
 
+def test_group_round_trip_pipelined_on_cuda():
+    # every layer group after the first submitted from wait_layer, ordered only behind the first
+    stats = run_group_round_trip("cuda", heads=8, head_dim=128, chunks=24, slow_stream=True,
+                                 load_ahead_bytes="1MiB", load_groups=3)
+    assert stats["failed_items"] == 0 and stats["sync_load_groups"] == 5
+
+
 def test_group_plain_copy_fallback_on_cuda():
     stats = run_group_round_trip("cuda", heads=8, head_dim=128, chunks=6, slow_stream=True, break_copies=True)
     assert stats["sync_loads"] == 1 and stats["failed_items"] == 0

@@ -172,6 +172,16 @@ def test_group_in_step_load_that_cannot_start_is_copied_plainly():
     assert stats["failed_items"] == 0 and stats["sync_loads"] == 1
 
 
+@pytest.mark.parametrize("extra", [{}, {"in_step_copy": "staged"}, {"break_copies": True}],
+                         ids=["copy-engine", "staged", "plain-fallback"])
+def test_group_in_step_loads_pipelined_layer_group_by_layer_group(extra):
+    """``load_submit: pipelined`` past ``load_ahead_bytes``: each KV cache group's copy is submitted a
+    layer at a time from ``wait_layer`` (every layer is checked as it is read), the plain fallback too."""
+    stats = run_group_round_trip("cpu", load_ahead_bytes=1, load_groups=3, **extra)
+    assert stats["failed_items"] == 0 and stats["sync_loads"] == 1
+    assert stats["sync_load_groups"] == 2 + 3  # one group per layer: window 2 layers, full 3
+
+
 def test_planes_of_one_group_are_the_slab_rows():
     slab = torch.arange(3 * 8, dtype=torch.uint8).view(3, 8)
     (plane,) = slab_planes(slab, [(4, 2)])

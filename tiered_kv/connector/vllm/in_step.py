@@ -260,7 +260,9 @@ class InStepLoader:
         copy.done = upto
         if any(load.error is None for load in copy.loads):
             results = self._submit(copy, spans, first)
-            if results:
+            if results is None:  # a plain copy of every tensor of the group: nothing left to submit
+                copy.done = len(copy.spans)
+            elif results:
                 if copy.span_of:
                     copy.results.extend(results)
                 for load in copy.loads:
