@@ -10,9 +10,10 @@ GPU time and host latency (submission to ``get_finished``) p50/p90 with the GB/s
 
 ``big_step_hold_gbps``: for each step that loaded at least ``BIG_STEP_BYTES`` in-step, its in-step bytes
 over the time ``start_load_kv`` held vLLM's thread. Near the PCIe rate it says the submission itself
-lasted as long as the transfer (the batched memcpy blocks while the copy queue is full), so the forward
-launched only after the bytes had (nearly) landed: no layer-by-layer overlap in that step (H200,
-2026-11-28: 46-50 GB/s per start on per-layer tensors, docs/benchmarks.md).
+lasted about as long as the transfer (the driver spends ~1 us of the calling thread per descriptor), so
+the forward launched only after the bytes had (nearly) landed: no layer-by-layer overlap in that step
+(H200, 2026-11-28: 46-70 GB/s per start on per-layer tensors with every group submitted before the
+forward, docs/benchmarks.md).
 
 Threading contract: plain functions, no state.
 """

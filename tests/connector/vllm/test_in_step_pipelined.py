@@ -7,11 +7,12 @@ for ordering by ``tests/gpu/test_vllm_worker_gpu.py`` (a layer read before its b
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from tiered_kv.connector.vllm.config import ConnectorConfig
-from tiered_kv.connector.vllm.in_step import MAX_AUTO_GROUPS, layer_groups
 from tiered_kv.connector.vllm.scheduler import CPU, StepPlan
 from tiered_kv.errors import ConfigError
 from tiered_kv.values.jobs import EXT, JobKind, TransferJob
@@ -26,13 +27,13 @@ GROUP = 2 * 2 * K * LAYER_BLOCK
 
 
 def _step(load_submit: str, groups: int = 4, loads: int = 2, mode: str = "layerwise", async_load: bool = False,
-          ahead: int = GROUP):
+          ahead: int = GROUP, **extra):
     """A runtime with ``loads`` in-step loads of one chunk each planned for one step (and, with
     ``async_load``, one asynchronous load of another request); returns
     (runtime, kv tensors, layer names, [(job, slot, gpu blocks)] of the in-step loads)."""
     rt, kv, names = make_runtime("cpu", layers=LAYERS, heads=1, head_dim=8, num_blocks=K * (loads + 1) + 2,
                                  cpu_chunks=loads + 2, load_mode=mode, load_groups=groups, load_submit=load_submit,
-                                 load_ahead_bytes=ahead)
+                                 load_ahead_bytes=ahead, **extra)
     gen = torch.Generator().manual_seed(11)
     slab = rt.cpu.slab
     jobs, items = [], []
@@ -160,27 +161,21 @@ def test_a_step_with_asynchronous_loads_submits_its_in_step_copies_upfront():
         rt.close()
 
 
-def test_auto_groups_pipelined_and_the_keys():
-    """Past ``load_ahead_bytes``, a copy is cut into groups of about half of it, at most one per layer."""
-    rt, kv, names, items = _step("pipelined", groups=0, ahead=GROUP)  # 32 KiB in groups of <= 4 KiB: 8
+@pytest.mark.parametrize("ahead,want", [(GROUP, LAYERS), (2 * GROUP, 4)], ids=["groups-of-4KiB", "groups-of-8KiB"])
+def test_auto_groups_pipelined(ahead, want):
+    """Past ``load_ahead_bytes``, a copy (32 KiB here) is cut into groups of about half of it, at most one per layer."""
+    rt, kv, names, items = _step("pipelined", groups=0, ahead=ahead)
     try:
         rt.before_forward(layerwise_ok=True)
         for name in names:
             rt.wait_layer(name)
         rt.poll()
-        assert rt.stats()["sync_load_groups"] == LAYERS
+        assert rt.stats()["sync_load_groups"] == want
     finally:
         rt.close()
-    rt, kv, names, items = _step("pipelined", groups=0, ahead=4 * GROUP // 2)  # 32 KiB in groups of 8 KiB: 4
-    try:
-        rt.before_forward(layerwise_ok=True)
-        for name in names:
-            rt.wait_layer(name)
-        rt.poll()
-        assert rt.stats()["sync_load_groups"] == 4
-    finally:
-        rt.close()
-    assert MAX_AUTO_GROUPS == 2 and len(layer_groups(kv_layout(), 1 << 40)) == MAX_AUTO_GROUPS
+
+
+def test_load_submit_keys():
     assert ConnectorConfig().load_submit == "pipelined" and ConnectorConfig().load_ahead_bytes == 256 << 20
     assert ConnectorConfig(load_submit="upfront", load_ahead_bytes="1GiB").load_ahead_bytes == 1 << 30
     with pytest.raises(ConfigError, match="load_submit: unknown value 'lazy'"):
@@ -189,8 +184,15 @@ def test_auto_groups_pipelined_and_the_keys():
         ConnectorConfig(load_ahead_bytes=0)
 
 
-def kv_layout():
-    """A 32-layer per-layer layout (for ``layer_groups``)."""
-    rt, _, _ = make_runtime("cpu", layers=32, heads=1, head_dim=8, num_blocks=4, cpu_chunks=1)
-    rt.close()
-    return rt.kv
+def test_the_trace_records_the_time_spent_submitting_between_layers(tmp_path):
+    rt, kv, names, items = _step("pipelined", groups=4, ahead=1, trace_path=str(tmp_path / "t"))
+    try:
+        rt.before_forward(layerwise_ok=True)
+        for name in names:
+            rt.wait_layer(name)
+        rt.poll()
+    finally:
+        rt.close()
+    lines = [json.loads(x) for x in open(tmp_path / "t.rank0.jsonl")]
+    assert len(lines) == 1 and lines[0]["in_step"] == {"loads": 2, "bytes": 4 * GROUP}
+    assert lines[0]["forward_submit_ms"] > 0 and lines[0]["start_load_ms"] > 0

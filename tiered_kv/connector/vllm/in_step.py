@@ -110,7 +110,7 @@ class _StepCopy:
     done: int = 0
     span_of: dict[str, int] = field(default_factory=dict)
     sizes: list[int] = field(default_factory=list)  # bytes of each group
-    results: list[CopyResult] = field(default_factory=list)  # what was submitted, in order (pipelined)
+    results: list[CopyResult] = field(default_factory=list)  # what was submitted, in order
     landed: int = 0
 
     def in_flight(self) -> int:
@@ -263,8 +263,7 @@ class InStepLoader:
             if results is None:  # a plain copy of every tensor of the group: nothing left to submit
                 copy.done = len(copy.spans)
             elif results:
-                if copy.span_of:
-                    copy.results.extend(results)
+                copy.results.extend(results)
                 for load in copy.loads:
                     load.results.extend(results)
                 if len(copy.spans) > 1 and len(results) == len(spans) and self._cuda:
@@ -344,6 +343,11 @@ class InStepLoader:
         waits = self.layer_waits.pop(layer_name, None)
         if waits:
             _stream_waits(waits, torch.cuda.current_stream(self.kv.device))
+
+    def take_forward_submit_ms(self) -> float:
+        """Host ms ``wait_layer`` spent submitting layer groups since the last call (the trace's per-step figure)."""
+        ms, self.forward_submit_ms = self.forward_submit_ms, 0.0
+        return ms
 
     def finish(self) -> list[tuple[TransferJob, Completion]]:
         """Wait for the loads started this step to land; return each one's job and ``Completion``.

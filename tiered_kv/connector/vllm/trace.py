@@ -131,8 +131,7 @@ class LoadTrace:
                 "async_in_flight": async_in_flight, "landed": self._landed}
         self._f.write(json.dumps(line, separators=(",", ":")) + "\n")
         self._landed = []
-        st.in_step, st.async_, st.start_load_ms, st.fence_ms = [0, 0], [0, 0], 0.0, 0.0
-        st.forward_submit_ms = 0.0
+        self._step = _Step(st.step)
 
     def close(self) -> None:
         """Write what is left and close the file."""

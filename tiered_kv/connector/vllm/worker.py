@@ -544,9 +544,9 @@ class WorkerRuntime:
     def _finish_in_step(self, in_step: InStepLoader) -> None:
         """Wait for this step's in-step loads to land; count and queue their completions for ``poll``."""
         finished = in_step.finish()
+        submit_ms = in_step.take_forward_submit_ms()
         if self.trace is not None:
-            self.trace.held_in_forward(in_step.forward_submit_ms)
-        in_step.forward_submit_ms = 0.0
+            self.trace.held_in_forward(submit_ms)
         for job, done in finished:
             self._count(job, done.nbytes, done.seconds, done.ok, done.corrupt)
             self._on_done(job, done)
