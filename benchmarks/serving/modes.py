@@ -12,8 +12,8 @@ Families and the connector each one configures (vLLM 0.26 on the GPU machine):
 - ``tiered``      ours: ``TieredKVConnector`` from ``tiered_kv.connector.vllm`` (the repo must be
                   on the server's PYTHONPATH; it is added); ``metrics_port`` exposes per-tier
                   counters; ``tiered-disk`` = a small CPU tier + the disk tier; ``tiered-async``,
-                  ``tiered-adaptive``, ``tiered-staged``, ``tiered-adaptive-staged``: ``load_mode`` /
-                  ``in_step_copy`` variants
+                  ``tiered-adaptive``, ``tiered-staged``, ``tiered-copyengine``,
+                  ``tiered-adaptive-staged``: ``load_mode`` / ``in_step_copy`` variants
 - ``lmcache``     ``LMCacheConnectorV1`` (LMCache 0.5.3's adapter), configured by ``LMCACHE_*``
                   environment variables; ``lmcache-disk`` adds its local disk backend
 
@@ -60,6 +60,8 @@ BUILTIN: dict[str, tuple[str, dict, bool]] = {
     # "pipelined" submits the later ones between the forward's layers
     "tiered-upfront": ("tiered", {"load_submit": "upfront"}, False),
     "tiered-staged": ("tiered", {"in_step_copy": "staged"}, False),
+    # every in-step copy on the copy engine (the default until in_step_copy "auto", 2026-11-28)
+    "tiered-copyengine": ("tiered", {"in_step_copy": "copy_engine"}, False),
     "tiered-adaptive-staged": ("tiered", {"load_mode": "adaptive", "in_step_copy": "staged"}, False),
     # in-step loads on a Triton kernel (far less time on vLLM's thread per GiB), and vLLM's V1 model runner,
     # which hands over the cross-layer KV tensor (one copy run per block instead of one per layer)

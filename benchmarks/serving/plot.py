@@ -9,7 +9,8 @@ Files of the same shape are merged (every engine start of every call counts), as
 ``serve_bench.py --plot-from`` does; each panel shows, per mode, the median over starts of the
 phase's TTFT p50 with bars from the smallest to the largest start. Our modes (``tiered*``) are
 drawn thicker, the engine's floor (``none-resident``) dashed. By default only the modes a reader
-compares (``DEFAULT_MODES``: no connector, the floor, the two peers, our default and ``adaptive``)
+compares (``DEFAULT_MODES``: no connector, the floor, the two peers, our default, its two in-step copy
+mechanisms and ``adaptive``)
 are drawn; ``--modes all`` or a comma list draws others. Prints what it drew.
 
 Threading contract: a script; main thread only.
@@ -32,7 +33,8 @@ DEFAULT_OUT = "docs/img/serve_ttft_vs_concurrency.png"
 #: panel order: the issue's shapes first, anything else after
 SHAPE_ORDER = ("llama3-8b", "qwen2.5-7b", "qwen2.5-32b")
 #: the modes drawn unless ``--modes`` says otherwise, each with its own colour in every panel
-DEFAULT_MODES = ("none", "none-resident", "offloading", "lmcache", "tiered", "tiered-adaptive")
+DEFAULT_MODES = ("none", "none-resident", "offloading", "lmcache", "tiered", "tiered-copyengine", "tiered-staged",
+                 "tiered-adaptive")
 
 
 def curves(summary: dict) -> dict[str, list[tuple[int, float, float, float]]]:

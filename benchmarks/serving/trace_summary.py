@@ -71,6 +71,8 @@ def summarize_phase(lines: list[dict], t_start: float, t_end: float) -> dict:
     out["fence_ms"] = _dist([x["fence_ms"] for x in loading if x.get("fence_ms")])
     # load_submit pipelined: vLLM's thread in wait_for_layer_load submitting later layer groups (older traces: none)
     out["forward_submit_ms"] = _dist([x["forward_submit_ms"] for x in loading if "forward_submit_ms" in x])
+    # in_step_copy staged / auto: steps whose in-step copy went through the staging buffer (older traces: none)
+    out["staged_steps"] = sum(1 for x in loading if x["in_step"].get("staged"))
     return out
 
 
@@ -83,6 +85,7 @@ def line(mode: str, phase: str, s: dict) -> str:
             f"start_load_kv p50 {h.get('p50')} max {h.get('max')} ms"
             + (f" | between layers p50 {s['forward_submit_ms'].get('p50')} max {s['forward_submit_ms'].get('max')} ms"
                if s.get("forward_submit_ms", {}).get("n") else "")
+            + (f" | staged in {s['staged_steps']} steps" if s.get("staged_steps") else "")
             + (f" | steps >= {BIG_STEP_BYTES / 1e9:g} GB in-step: {s['big_step_hold_gbps']['n']}, held the thread "
                f"for bytes / {s['big_step_hold_gbps']['p50']} GB/s (p50)" if s.get("big_step_hold_gbps", {}).get("n")
                else ""))

@@ -645,6 +645,7 @@ def test_burst_modes_and_trace_path_in_the_commands():
     ours = lambda m: _kv(_argv(m)[0])["kv_connector_extra_config"]  # noqa: E731
     assert ours("tiered-async")["load_mode"] == "async" and ours("tiered-adaptive")["load_mode"] == "adaptive"
     assert ours("tiered-staged")["in_step_copy"] == "staged" and "load_mode" not in ours("tiered-staged")
+    assert ours("tiered-copyengine")["in_step_copy"] == "copy_engine" and "in_step_copy" not in ours("tiered")
     both = ours("tiered-adaptive-staged")
     assert both["load_mode"] == "adaptive" and both["in_step_copy"] == "staged"
     from serving.modes import with_trace
@@ -685,6 +686,10 @@ def test_trace_summary_per_phase(tmp_path):
     b = trace_summary.summarize_phase(big, 29.9, 30.3)
     assert b["big_step_hold_gbps"]["n"] == 2 and b["big_step_hold_gbps"]["p50"] == 50.0
     assert "held the thread for bytes / 50.0 GB/s" in trace_summary.line("tiered", "c32", b)
+    assert b["staged_steps"] == 0 and "staged in" not in trace_summary.line("tiered", "c32", b)
+    big[0]["in_step"]["staged"] = 1  # in_step_copy staged / auto: that step's copy went through the staging buffer
+    b = trace_summary.summarize_phase(big, 29.9, 30.3)
+    assert b["staged_steps"] == 1 and "staged in 1 steps" in trace_summary.line("tiered", "c32", b)
 
 
 def test_trace_flag_collects_each_start_and_summarises_its_phases(tmp_path):

@@ -16,7 +16,8 @@ def test_curves_are_the_summaries_ttft_medians_by_concurrency():
     by_shape = plot.load(RESULTS)
     assert {"llama3-8b", "qwen2.5-7b"} <= set(by_shape)
     cur = plot.curves(by_shape["llama3-8b"]["summary"])
-    assert set(cur) >= {"none", "offloading", "tiered"}
+    # ours: the files' starts of the copy-engine default (``tiered`` = in_step_copy auto has none yet)
+    assert set(cur) >= {"none", "offloading", "tiered-copyengine"}
     for mode, pts in cur.items():
         assert [c for c, *_ in pts] == [1, 8, 32], (mode, pts)  # warm left out, sorted by concurrency
         for _, med, lo, hi in pts:
@@ -24,7 +25,7 @@ def test_curves_are_the_summaries_ttft_medians_by_concurrency():
     # every point is the median over the file's engine starts of that phase's TTFT p50, recomputed here from
     # the raw starts (so the test follows whichever H200 run docs/results holds)
     starts = by_shape["llama3-8b"]["starts"]
-    for mode in ("tiered", "offloading"):
+    for mode in ("tiered-copyengine", "offloading"):
         raw = [ph["ttft_ms"]["p50"] for st in starts if st["mode"] == mode and st.get("status") == "ok"
                for rep in st["repeats"] for ph in rep["phases"] if ph["name"] == "c32" and not ph.get("truncated")]
         assert raw, mode
@@ -47,7 +48,7 @@ def test_one_png_with_a_panel_per_shape(tmp_path, capsys):
 def test_default_modes_are_the_ones_a_reader_compares():
     by_shape = plot.load(RESULTS)
     default = plot.drawn_modes(by_shape, plot.DEFAULT_MODES)
-    assert {"none", "offloading", "tiered"} <= set(default) <= set(plot.DEFAULT_MODES)
+    assert {"none", "offloading", "tiered-copyengine", "tiered-staged"} <= set(default) <= set(plot.DEFAULT_MODES)
     everything = plot.drawn_modes(by_shape, None)
     assert set(default) < set(everything)  # the result files hold variants (tiered-staged, -v1runner, ...)
-    assert plot.drawn_modes(by_shape, ("tiered",)) == ["tiered"]
+    assert plot.drawn_modes(by_shape, ("tiered-staged",)) == ["tiered-staged"]

@@ -28,11 +28,13 @@ def test_in_step_load_layer_by_layer_on_cuda(layerwise, load_submit):
     assert nbytes // MIN_GROUP_BYTES == 5
     want = (4 if load_submit == "pipelined" else MAX_AUTO_GROUPS) if layerwise else 1
     assert stats["sync_load_groups"] == want
+    # in_step_copy auto (default): 64 KiB layer-blocks, 3,064 descriptors: the copy engine, not staged
+    assert stats["sync_staged_copies"] == 0
 
 
 @pytest.mark.parametrize("cross_layer", [False, True], ids=["per-layer", "cross-layer"])
 @pytest.mark.parametrize("groups", [0, 11], ids=["auto", "11-groups"])
-@pytest.mark.parametrize("copy", ["copy_engine", "sm_kernel", "staged"])
+@pytest.mark.parametrize("copy", ["copy_engine", "sm_kernel", "staged", "auto"])
 def test_in_step_load_groups_on_cuda(cross_layer, groups, copy):
     # 32 layers x 2 heads x 128 dims: 512 KiB a block; 192 chunks of 4 blocks (one held locally) = 383.5 MiB
     stats = run_in_step_load("cuda", layers=32, heads=2, head_dim=128, chunks=192, layerwise=True,
@@ -41,3 +43,6 @@ def test_in_step_load_groups_on_cuda(cross_layer, groups, copy):
     assert stats["bytes_loaded"] == nbytes and nbytes // MIN_GROUP_BYTES == 11
     # load_submit pipelined, 383.5 MiB > load_ahead_bytes (256 MiB): groups of <= 128 MiB, 3 of 11/11/10 layers
     assert stats["sync_load_groups"] == (groups or 3)
+    # auto: 16 KiB layer-blocks (2 heads) are descriptor-bound on the copy engine: staged; a cross-layer
+    # tensor's block is one 512 KiB run: the copy engine
+    assert stats["sync_staged_copies"] == (1 if copy == "staged" or (copy == "auto" and not cross_layer) else 0)

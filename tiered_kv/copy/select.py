@@ -26,7 +26,9 @@ class Mechanism(str, enum.Enum):
     """How bytes move: DMA copy engine, a Triton kernel on the SMs, torch on the CPU, or (loads) staged.
 
     ``STAGED``: whole slot rows DMA'd into a device staging buffer, then scattered on the device
-    (``staged.py``); only when named (``in_step_copy: staged``), never by the automatic rule yet.
+    (``staged.py``); only when named: the copier's automatic rule never picks it, vLLM's connector does
+    (``in_step_copy: staged`` for in-step and asynchronous loads, ``auto`` for in-step copies where the copy
+    engine is descriptor-bound).
     """
 
     COPY_ENGINE = "copy_engine"

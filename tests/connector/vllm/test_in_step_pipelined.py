@@ -14,6 +14,7 @@ import torch
 
 from tiered_kv.connector.vllm.config import ConnectorConfig
 from tiered_kv.connector.vllm.scheduler import CPU, StepPlan
+from tiered_kv.copy import Mechanism
 from tiered_kv.errors import ConfigError
 from tiered_kv.values.jobs import EXT, JobKind, TransferJob
 
@@ -194,5 +195,65 @@ def test_the_trace_records_the_time_spent_submitting_between_layers(tmp_path):
     finally:
         rt.close()
     lines = [json.loads(x) for x in open(tmp_path / "t.rank0.jsonl")]
-    assert len(lines) == 1 and lines[0]["in_step"] == {"loads": 2, "bytes": 4 * GROUP}
+    assert len(lines) == 1 and lines[0]["in_step"] == {"loads": 2, "bytes": 4 * GROUP, "staged": 0}
     assert lines[0]["forward_submit_ms"] > 0 and lines[0]["start_load_ms"] > 0
+
+
+def test_the_trace_counts_staged_copies(tmp_path):
+    rt, kv, names, items = _step("pipelined", groups=4, ahead=1, trace_path=str(tmp_path / "t"), in_step_copy="staged")
+    try:
+        rt.before_forward(layerwise_ok=True)
+        for li, name in enumerate(names):
+            rt.wait_layer(name)
+            assert _layer_ok(rt, kv, names, items, li), f"layer {li} read before its staged group landed"
+        rt.poll()
+        assert rt.stats()["sync_staged_copies"] == 1  # the step's two loads, merged: one copy (one KV cache group)
+    finally:
+        rt.close()
+    lines = [json.loads(x) for x in open(tmp_path / "t.rank0.jsonl")]
+    assert len(lines) == 1 and lines[0]["in_step"]["staged"] == 1
+
+
+def test_finish_copies_loads_that_were_started_but_never_submitted():
+    """``start`` without ``submit`` (a caller that never reached the step's submission): ``finish`` submits
+    them as one piece before it waits, so every layer holds its bytes and every load reports success."""
+    rt, kv, names, items = _step("pipelined", groups=4, ahead=1)
+    try:
+        loader = rt.in_step
+        for job, slot, gpu in items:
+            loader.start(job, rt._flat(job, job.src_slots))
+        assert not any(_loaded(rt, kv, names, items)) and not loader.busy  # nothing copied yet
+        done = loader.finish()
+        assert sorted(job.job_id for job, _ in done) == sorted(job.job_id for job, _, _ in items)
+        assert all(c.ok == [True] for _, c in done)
+        assert _loaded(rt, kv, names, items) == [True] * LAYERS
+        assert not loader.loads and not loader.busy
+    finally:
+        rt.close()
+
+
+def test_auto_stages_the_copies_its_rule_picks(monkeypatch):
+    """``in_step_copy: auto`` (default) takes ``auto_copy``'s choice per copy. On CPU tensors the rule never
+    stages (no descriptor cost), so here it is made to decide as on CUDA: these 8-layer, 256 B layer-blocks
+    are descriptor-bound, so the merged copy goes through the staging buffer, layer group by layer group."""
+    import tiered_kv.connector.vllm.in_step as in_step_mod
+
+    calls = []
+
+    def as_on_cuda(kv, blocks, runs=None):
+        calls.append((blocks, runs))
+        return Mechanism.STAGED if in_step_mod.descriptor_bound(kv, blocks, runs) else None
+
+    monkeypatch.setattr(in_step_mod, "auto_copy", as_on_cuda)
+    rt, kv, names, items = _step("pipelined", groups=4, ahead=GROUP)
+    try:
+        rt.before_forward(layerwise_ok=True)
+        assert _loaded(rt, kv, names, items) == [True] * 2 + [False] * 6  # pipelined as before: one group ahead
+        for li, name in enumerate(names):
+            rt.wait_layer(name)
+            assert _layer_ok(rt, kv, names, items, li), f"layer {li} read before its staged group landed"
+        rt.poll()
+        assert rt.stats()["sync_staged_copies"] == 1
+        assert calls == [(2 * K, LAYERS)]  # one decision per merged copy: both loads' blocks, 8 runs a block
+    finally:
+        rt.close()

@@ -13,7 +13,10 @@ import torch
 
 from tiered_kv.connector.vllm.config import ConnectorConfig, Geometry
 from tiered_kv.connector.vllm.scheduler import CPU, StepPlan
-from tiered_kv.connector.vllm.in_step import MAX_AUTO_GROUPS, MIN_GROUP_BYTES, layer_groups
+from tiered_kv.connector.vllm.in_step import (AUTO_STAGED_MAX_CHUNK, AUTO_STAGED_MIN_DESCRIPTORS, MAX_AUTO_GROUPS,
+                                               MIN_GROUP_BYTES, auto_copy, descriptor_bound, layer_groups,
+                                               runs_per_block)
+from tiered_kv.copy import KVLayout
 from tiered_kv.connector.vllm.worker import WorkerRuntime
 from tiered_kv.values.keys import Namespace
 from tiered_kv.values.jobs import EXT, JobKind, TransferJob
@@ -93,11 +96,34 @@ def run_in_step_load(device: str, layers: int = 4, heads: int = 2, head_dim: int
         rt.close()
 
 
-@pytest.mark.parametrize("in_step_copy", ["copy_engine", "staged"])
+@pytest.mark.parametrize("in_step_copy", ["auto", "copy_engine", "staged"])
 @pytest.mark.parametrize("cross_layer", [False, True], ids=["per-layer", "cross-layer"])
 def test_in_step_load_on_cpu_is_bit_exact_and_reported(cross_layer, in_step_copy):
     stats = run_in_step_load("cpu", layerwise=False, cross_layer=cross_layer, in_step_copy=in_step_copy)
     assert stats["sync_loads"] == 1 and stats["bytes_loaded"] == (3 * K - 1) * 4 * 2 * BS * 128 * 2
+    # "auto" stages only on CUDA (the copy engine's per-descriptor cost); on CPU tensors the copier's own path
+    assert stats["sync_staged_copies"] == (1 if in_step_copy == "staged" else 0)
+
+
+def test_auto_in_step_copy_is_the_default_and_its_rule():
+    """``in_step_copy: auto``: staged where the copy engine would be descriptor-bound (layer-blocks of at most
+    32 KiB, or at least 32,768 of them in one copy), only on CUDA."""
+    assert ConnectorConfig().in_step_copy == "auto"
+
+    def layout(heads: int, layers: int = 28) -> KVLayout:
+        return KVLayout(tuple(torch.zeros((4, heads, BS, 2 * 128), dtype=torch.bfloat16) for _ in range(layers)))
+
+    small, large = layout(4), layout(8)  # 16 tokens x (K, V) x 128 dims x 2 B: 32 KiB and 64 KiB layer-blocks
+    assert small.block_nbytes == 28 * AUTO_STAGED_MAX_CHUNK and large.block_nbytes == 28 * 2 * AUTO_STAGED_MAX_CHUNK
+    assert descriptor_bound(small, 1) and descriptor_bound(small, 0)
+    edge = -(-AUTO_STAGED_MIN_DESCRIPTORS // 28)  # the fewest 64 KiB blocks with >= 32,768 descriptors
+    assert not descriptor_bound(large, edge - 1) and descriptor_bound(large, edge)
+    assert auto_copy(small, 1) is None and auto_copy(large, edge) is None  # CPU tensors: the copier chooses
+    # the layers of a cross-layer tensor are adjacent in a block: one 896 KiB run, not 28 small ones
+    whole = torch.zeros((4, 28, 4, BS, 2 * 128), dtype=torch.bfloat16)
+    cross = KVLayout(tuple(whole[:, i] for i in range(28)))
+    assert small.num_chunks == cross.num_chunks == 28 and runs_per_block(small) == 28 and runs_per_block(cross) == 1
+    assert not descriptor_bound(cross, 1) and descriptor_bound(cross, AUTO_STAGED_MIN_DESCRIPTORS)
 
 
 def test_async_load_mode_has_no_in_step_loader():

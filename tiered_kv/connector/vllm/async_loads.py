@@ -51,7 +51,8 @@ class AsyncLoader:
 
     def __init__(self, copier: BlockCopier, mechanism: Mechanism | None = None) -> None:
         """``copier``: the rank's (threaded) copier of its one KV cache group; ``mechanism``: forced
-        (``Mechanism.STAGED`` with ``in_step_copy: staged``) or None (the copier chooses)."""
+        (``Mechanism.STAGED`` with ``in_step_copy: staged``; ``auto`` stages only in-step copies) or None
+        (the copier chooses)."""
         self.copier = copier
         self.mechanism = mechanism
         self._cuda = copier.layout.device.type == "cuda"

@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 STORE_POLICIES = ("eager", "on_finish", "none")
 LOAD_MODES = ("layerwise", "sync", "async", "adaptive")
-IN_STEP_COPIES = ("copy_engine", "sm_kernel", "staged")
+IN_STEP_COPIES = ("auto", "copy_engine", "sm_kernel", "staged")
 LOAD_SUBMITS = ("pipelined", "upfront")
 SWA_STORES = ("window", "all")
 
@@ -64,7 +64,7 @@ class ConnectorConfig(RemoteKeys):
     load_groups: int = 0
     load_submit: str = "pipelined"  # in-step layer groups: the first before the forward, the rest between layers
     load_ahead_bytes: int | str = 256 << 20  # load_submit pipelined: in-step bytes submitted and not landed
-    in_step_copy: str = "copy_engine"
+    in_step_copy: str = "auto"  # per KV cache group and step: staged where the copy engine is descriptor-bound
     load_staging_bytes: int = 256 << 20
     cross_layer_blocks: bool = True
     disk_load_policy: str = "auto"
@@ -139,8 +139,8 @@ class ConnectorConfig(RemoteKeys):
             raise ConfigError(f"load_ahead_bytes: must be > 0 (in-step load bytes submitted ahead of the forward's "
                               f"layers with load_submit: pipelined); got {self.load_ahead_bytes}")
         if self.load_staging_bytes < 1:
-            raise ConfigError(f"load_staging_bytes: must be > 0 (the device buffer of in_step_copy: staged); "
-                              f"got {self.load_staging_bytes}")
+            raise ConfigError(f"load_staging_bytes: must be > 0 (the device buffer of in_step_copy staged, or auto "
+                              f"where it stages); got {self.load_staging_bytes}")
         if self.cpu_bytes == 0:
             raise ConfigError("cpu_bytes: must be > 0 (the CPU tier stages every load and store); got 0")
         if isinstance(self.remote_feed_interval_s, bool) or not isinstance(self.remote_feed_interval_s, (int, float)) \

@@ -23,6 +23,9 @@ copy of each in-step load (``StepPlan.sync``):
   compute while later groups are still being submitted and crossing PCIe. "upfront": every group
   before the forward. A step that also starts asynchronous loads (``adaptive``) submits upfront:
   those are ordered after the in-step copies, which must exist by then.
+- ``in_step_copy`` "auto" (default) picks the mechanism per KV cache group and step (``auto_copy``):
+  the staged load where the copy engine is descriptor-bound (small layer-blocks, or a step of very
+  many), the copier's choice otherwise.
 - ``wait_layer`` (vLLM's ``wait_for_layer_load``) submits what is due (above), then makes the
   engine's stream wait, on the GPU, for that layer's group (no host wait for the bytes).
 - ``finish`` (from ``poll``: vLLM's ``get_finished`` of the same step) submits any group vLLM
@@ -62,6 +65,17 @@ log = logging.getLogger(__name__)
 #: An in-step load is cut into layer groups of at least this many bytes: each group costs a
 #: driver call and an event (~50-100 us of submitter time), so a small load goes in one piece.
 MIN_GROUP_BYTES = 32 << 20
+#: ``in_step_copy: auto`` stages a KV cache group's in-step copy (``Mechanism.STAGED``: one DMA per run of
+#: adjacent CPU slots into a device buffer, then a scatter on the device) where the copy engine is bound by
+#: its ~1 us of driver time per descriptor (one per layer and block for vLLM's per-layer tensors): when the
+#: group's layer-blocks are at most this many bytes (4-KV-head models: 32 KiB; MLA: 18 KiB) ...
+AUTO_STAGED_MAX_CHUNK = 32 << 10
+#: ... or when the step's copy of the group needs at least this many descriptors (64 KiB layer-blocks:
+#: a 2 GiB step). H200, vLLM 0.26, ``benchmarks/serve_bench.py`` (2026-11-28, docs/benchmarks.md
+#: "Staged in-step copies under load"): staged won every phase on the 32 KiB shape (c8 TTFT p50 63.7 against
+#: 86.2 ms) and on the 64-layer shape (c8 188 against 219 ms: ~2.4 GB steps), and the 8B shape's c32 waves
+#: (4.7 GB steps: 225.7 against 241.6 ms), but lost the 8B shape's c8 (1.2 GB steps: 99.5 against 80.3 ms).
+AUTO_STAGED_MIN_DESCRIPTORS = 1 << 15
 #: At most this many layer groups by default (``load_groups`` = 0) with ``load_submit: upfront``.
 #: The whole load is submitted on vLLM's thread before the forward is launched, so every group's
 #: driver calls and event delay the launch; with few new tokens the forward's GPU work after the
@@ -151,10 +165,13 @@ class InStepLoader:
         self.plain_copies = 0
         # host time spent in ``wait_layer`` submitting later layer groups (pipelined), since last read
         self.forward_submit_ms = 0.0
-        # ``in_step_copy``: the SM kernel where asked for and on CUDA, the staged load (CPU too), else
-        # what the movers use
+        # ``in_step_copy``: the SM kernel where asked for and on CUDA, the staged load (CPU too), ``auto``'s
+        # choice per group and step (``auto_copy``), else what the movers use
         self._forced = {"sm_kernel": Mechanism.SM_KERNEL if self._cuda else None,
                         "staged": Mechanism.STAGED}.get(cfg.in_step_copy)
+        self._auto = cfg.in_step_copy == "auto"
+        self._runs = [runs_per_block(kv) for kv in self.kvs]  # ``auto``'s rule, per KV cache group
+        self.staged_copies = 0  # merged group copies that went through the staging buffer (forced or ``auto``)
         # tensor i of group g belongs to layer _names[g][i] (a layer with several state tensors repeats)
         self._names = []
         for kv, _, names in parts:
@@ -189,7 +206,8 @@ class InStepLoader:
 
         ``layerwise_ok``: vLLM will call ``wait_layer`` for every attention layer of this step's
         forward. ``mechanism``: what the movers use now (None: the copier chooses), unless
-        ``in_step_copy`` forces the SM kernel or the staged load. ``pipelined``: False submits every
+        ``in_step_copy`` forces the SM kernel or the staged load, or (``auto``) ``auto_copy`` stages a
+        group's copy. ``pipelined``: False submits every
         layer group now even with ``load_submit: pipelined`` (the caller orders more copies after
         these). Returns (loads started, layer groups planned); a load that could not start is
         counted in neither and ``finish`` reports it failed.
@@ -212,6 +230,7 @@ class InStepLoader:
         if self._forced is not None:
             mechanism = self._forced
         planned = 0
+        default = mechanism
         for g in self._order:
             members = [load for load in pending if load.parts[g][0]]
             if not members:
@@ -221,6 +240,11 @@ class InStepLoader:
             kv = self.kvs[g]
             nbytes = len(gpu) * kv.block_nbytes
             ahead = lazy and nbytes > self._ahead
+            mechanism = default
+            # auto: not over the SM kernel the worker fell back to (a staged layer group needs cuda-python too)
+            if self._auto and default in (None, Mechanism.COPY_ENGINE) and \
+                    auto_copy(kv, len(gpu), self._runs[g]) is Mechanism.STAGED:
+                mechanism = Mechanism.STAGED
             if not split:
                 spans = [(0, len(kv.tensors))]
             elif ahead:
@@ -263,6 +287,8 @@ class InStepLoader:
             if results is None:  # a plain copy of every tensor of the group: nothing left to submit
                 copy.done = len(copy.spans)
             elif results:
+                if first and results[0].mechanism is Mechanism.STAGED:  # not when the copier had no staging memory
+                    self.staged_copies += 1
                 copy.results.extend(results)
                 for load in copy.loads:
                     load.results.extend(results)
@@ -427,6 +453,37 @@ def _stream_waits(results: list[CopyResult], stream) -> None:
             res.wait_on(stream)
         except CopyLaunchError:
             pass
+
+
+def auto_copy(kv: KVLayout, blocks: int, runs: int | None = None) -> Mechanism | None:
+    """``in_step_copy: auto`` for one KV cache group's copy of ``blocks`` blocks: ``Mechanism.STAGED`` on CUDA
+    where the copy engine is descriptor-bound (layer-blocks of at most ``AUTO_STAGED_MAX_CHUNK`` bytes, or at
+    least ``AUTO_STAGED_MIN_DESCRIPTORS`` of them in this copy), else None (the copier's choice). On CPU
+    tensors always None: there is no descriptor cost, and staging would only add a copy. ``runs``:
+    ``runs_per_block(kv)`` if the caller keeps it. Pure function, like the two below: any thread."""
+    return Mechanism.STAGED if kv.device.type == "cuda" and descriptor_bound(kv, blocks, runs) else None
+
+
+def descriptor_bound(kv: KVLayout, blocks: int, runs: int | None = None) -> bool:
+    """Whether a copy of ``blocks`` blocks of ``kv`` on the copy engine is bound by its per-descriptor cost
+    (``auto_copy``'s rule, whatever the device): small runs per block, or very many of them. A block's
+    chunks that are adjacent on the device (the layers of a cross-layer KV tensor) count as one run (an
+    upper bound on descriptors: the copier may merge runs across blocks too)."""
+    runs = runs_per_block(kv) if runs is None else runs
+    return kv.block_nbytes <= AUTO_STAGED_MAX_CHUNK * runs or blocks * runs >= AUTO_STAGED_MIN_DESCRIPTORS
+
+
+def runs_per_block(kv: KVLayout) -> int:
+    """Contiguous device byte runs of one block of ``kv`` (its chunks in slot order, adjacent ones merged;
+    chunks adjacent in block 0 with the same block stride are adjacent in every block)."""
+    runs, end, stride = 0, None, None
+    for m in kv.maps:
+        for off, size in zip(m.chunk_offsets, m.chunk_sizes):
+            start = m.base_ptr + off
+            if start != end or m.block_stride != stride:
+                runs += 1
+            end, stride = start + size, m.block_stride
+    return runs
 
 
 def layer_groups(kv: KVLayout, nbytes: int, wanted: int = 0) -> list[tuple[int, int]]:

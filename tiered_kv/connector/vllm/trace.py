@@ -5,7 +5,8 @@ Off by default. With ``trace_path: /some/file`` each worker rank appends JSON li
 neither, e.g. plain decode steps, write nothing), with
 
 - ``step`` (the scheduler's step number), ``t`` (wall clock, seconds since the epoch, at the step's
-  ``get_finished``), ``in_step`` / ``async`` (loads started this step and their bytes on this rank),
+  ``get_finished``), ``in_step`` / ``async`` (loads started this step and their bytes on this rank;
+  ``in_step.staged``: how many of its merged copies, one per KV cache group, went through the staging buffer),
   ``start_load_ms`` (how long ``start_load_kv`` held vLLM's thread submitting them), ``fence_ms``
   (of that, waiting for fenced copies), ``forward_submit_ms`` (``load_submit: pipelined``: how long
   ``wait_for_layer_load`` held it submitting later layer groups, between the forward's layers),
@@ -48,6 +49,7 @@ class _Pending:
 class _Step:
     step: int = -1
     in_step: list[int] = field(default_factory=lambda: [0, 0])  # loads, bytes
+    staged: int = 0  # in-step merged copies (one per KV cache group) that went staged
     async_: list[int] = field(default_factory=lambda: [0, 0])
     start_load_ms: float = 0.0
     fence_ms: float = 0.0
@@ -80,6 +82,10 @@ class LoadTrace:
     def held_in_forward(self, ms: float) -> None:
         """``wait_for_layer_load`` of this step held vLLM's thread this long submitting layer groups."""
         self._step.forward_submit_ms += ms
+
+    def staged(self, copies: int) -> None:
+        """This step's in-step loads went as ``copies`` staged merged copies (``in_step_copy`` staged or auto)."""
+        self._step.staged += copies
 
     def started(self, kind: str, job: int, nbytes: int, marks: tuple | None = None) -> None:
         """A load of ``kind`` ("in_step" | "async") started in this step; ``marks``: its timing events, if any."""
@@ -124,7 +130,7 @@ class LoadTrace:
         if not (st.in_step[0] or st.async_[0] or self._landed):
             return
         line = {"step": st.step, "t": round(time.time(), 4),
-                "in_step": {"loads": st.in_step[0], "bytes": st.in_step[1]},
+                "in_step": {"loads": st.in_step[0], "bytes": st.in_step[1], "staged": st.staged},
                 "async": {"loads": st.async_[0], "bytes": st.async_[1]},
                 "start_load_ms": round(st.start_load_ms, 3), "fence_ms": round(st.fence_ms, 3),
                 "forward_submit_ms": round(st.forward_submit_ms, 3),

@@ -161,6 +161,7 @@ class WorkerCounters:
     stores_cancelled: int = 0
     sync_loads: int = 0
     sync_load_groups: int = 0
+    sync_staged_copies: int = 0  # in-step merged copies (one per KV cache group and step) that went staged
     async_loads: int = 0  # asynchronous CPU-tier loads submitted through the AsyncLoader
     async_batches: int = 0  # steps that submitted such loads (one submission each)
     plain_copy_fallbacks: int = 0  # several groups: batched copies retried as plain torch copies
@@ -301,6 +302,7 @@ class WorkerRuntime:
                                         plain_fallback=not self.geo.block_level_errors,
                                         timing=self.trace is not None)
         if self.geo.block_level_errors:
+            # staged only when named: ``auto`` picks it for in-step copies (measured under load), not for these
             self.async_loads = AsyncLoader(self.copier, Mechanism.STAGED if self.cfg.in_step_copy == "staged" else None)
         staging = allocate_slab(self.cfg.staging_chunks, self.geo.rank_chunk_nbytes, pin=self._cuda)
         self._staging_planes = slab_planes(staging, self.sections)
@@ -421,10 +423,15 @@ class WorkerRuntime:
             early = [j for j in early if j.job_id not in sync]
             # asynchronous loads of this step are ordered after the in-step copies: those must all exist
             pipelined = not (self.async_loads is not None and any(_async_load(j) for j in early))
+            staged = in_step.staged_copies
             loads, groups = in_step.submit(layerwise_ok, self._mechanism, pipelined)
             c.sync_loads += loads
             c.sync_load_groups += groups
+            staged = in_step.staged_copies - staged
+            c.sync_staged_copies += staged
             if trace is not None:
+                if staged:
+                    trace.staged(staged)
                 for load in in_step.loads[first:]:
                     trace.started("in_step", load.job.job_id, load.nbytes, load.marks)
         if self.async_loads is not None and plan.loads:
