@@ -218,3 +218,24 @@ def test_threaded_staged_buffer_is_grown_on_the_submitter_only(monkeypatch):
     assert first.mechanism is Mechanism.STAGED and second.mechanism is Mechanism.STAGED
     _check_storages_equal(gpu, cpu)
     copier.close()
+
+
+def test_loads_run_on_a_higher_priority_stream_than_stores():
+    """The load side stream outranks the store one (and the default), so a staged scatter or SM-kernel
+    load is not queued behind the forward's pending blocks; copies on it stay exact."""
+    layout = vllm_layer_layout(vllm026_tensors("NHD", QWEN, torch.bfloat16, "cuda"))
+    gen = torch.Generator().manual_seed(17)
+    src = _random_slab(64, layout.block_nbytes, gen)
+    copier = BlockCopier(layout, src, mechanism="staged", threaded_submit=False)
+    load, store = copier._side_stream(False), copier._side_stream(True)
+    least, greatest = load.priority_range()  # (0, -N) on CUDA; equal on a device without priorities
+    assert store.priority == 0
+    if least != greatest:  # a device with stream priorities
+        assert load.priority < store.priority == torch.cuda.current_stream().priority
+    blocks = torch.arange(200, 264)
+    copier.cpu_to_gpu(torch.arange(64), blocks).wait()
+    row = layout.maps[0].nbytes
+    for li, t in enumerate(layout.tensors):
+        got = t[blocks.cuda()].contiguous().view(torch.uint8).reshape(64, -1).cpu()
+        assert torch.equal(got, src[:, li * row:(li + 1) * row]), f"layer {li}"
+    copier.close()

@@ -56,6 +56,15 @@ from tiered_kv.copy.submit import CopyResult, Submitter
 
 log = logging.getLogger(__name__)
 
+#: Stream priority of the load (host -> device) side stream; stores keep the default (0). A lower number is
+#: a higher priority; torch maps it to the device's range. Loads are what the engine's forward waits for,
+#: layer by layer, and the staged load's scatter and the SM kernel are kernels: at the default priority
+#: they queue behind every pending block of the forward's kernels and hold the next DMA of the same
+#: stream back. (H200, 2026-11-28: a c32 wave's staged in-step copy, 4.68 GB in 32 layer groups, took
+#: 116-118 ms under the prefill, 40 GB/s against the 55 GB/s PCIe ceiling; this priority is the first
+#: remedy, not yet measured: docs/benchmarks.md "Next GPU session".)
+LOAD_STREAM_PRIORITY = -1
+
 
 def allocate_slab(num_slots: int, block_nbytes: int, pin: bool | None = None) -> torch.Tensor:
     """A ``(num_slots, block_nbytes)`` uint8 CPU slab; pinned when ``pin`` (default: CUDA is available).
@@ -84,7 +93,8 @@ class BlockCopier:
     driver; for callers that already run copies on their own mover thread).
     ``staging_bytes`` caps the device staging buffer of ``Mechanism.STAGED``
     loads (allocated at the first such load, at the size it needs; a larger
-    load goes in pieces).
+    load goes in pieces). ``load_priority``: the CUDA stream priority of the
+    loads' side stream (lower is higher; default ``LOAD_STREAM_PRIORITY``).
 
     Use as a context manager or call ``close()`` to stop the submitter threads.
     """
@@ -102,6 +112,7 @@ class BlockCopier:
         threaded_submit: bool = True,
         rect_copies: bool | None = None,
         staging_bytes: int = DEFAULT_STAGING_BYTES,
+        load_priority: int = LOAD_STREAM_PRIORITY,
     ) -> None:
         """Validate the slab against the layout; CUDA resources are created on first use."""
         _check_slab(slab, layout)
@@ -121,6 +132,7 @@ class BlockCopier:
         )
         self._threaded = threaded_submit
         self._staging_bytes = staging_bytes
+        self._load_priority = int(load_priority)
         self._staged: StagedLoader | None = None
         self._staged_warned = False
         self._streams: dict[bool, torch.cuda.Stream] = {}
@@ -476,8 +488,10 @@ class BlockCopier:
         result._finish(done, descriptors=descriptors)
 
     def _side_stream(self, to_cpu: bool) -> torch.cuda.Stream:
+        """The stream of one direction's copies (created at first use): loads at ``load_priority``."""
         if to_cpu not in self._streams:
-            self._streams[to_cpu] = torch.cuda.Stream(device=self.layout.device)
+            self._streams[to_cpu] = torch.cuda.Stream(device=self.layout.device,
+                                                      priority=0 if to_cpu else self._load_priority)
         return self._streams[to_cpu]
 
     def _submitter(self, to_cpu: bool) -> Submitter:

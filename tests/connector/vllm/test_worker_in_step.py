@@ -168,6 +168,10 @@ def test_load_groups_and_in_step_copy_keys_are_validated():
         ConnectorConfig(load_staging_bytes=0)
     with pytest.raises(Exception, match="in_step_copy"):
         ConnectorConfig(in_step_copy="dma")
+    assert ConnectorConfig().load_stream_priority == -1 and ConnectorConfig(load_stream_priority=0).load_stream_priority == 0
+    for bad in (1, -17, "high", True):
+        with pytest.raises(Exception, match="load_stream_priority"):
+            ConnectorConfig(load_stream_priority=bad)
 
 
 @pytest.mark.parametrize("mode", ["layerwise", "sync", "async", "eager"])
@@ -222,4 +226,15 @@ def test_fence_cancels_a_queued_store_and_waits_for_a_started_one():
         assert rt.idle()
     finally:
         release.set()
+        rt.close()
+
+
+@pytest.mark.parametrize("priority", [-1, 0])
+def test_load_stream_priority_reaches_every_load_copier(priority):
+    """``load_stream_priority`` sets the load side stream of the in-step and the movers' copiers (CUDA only
+    creates the stream; tests/gpu/test_staged_gpu.py checks the priority a stream gets)."""
+    rt, _, _ = make_runtime("cpu", 2, 1, 8, 8, 2, load_mode="layerwise", load_stream_priority=priority)
+    try:
+        assert [c._load_priority for c in rt.in_step.copiers + rt.copiers] == [priority] * 2
+    finally:
         rt.close()

@@ -66,6 +66,7 @@ class ConnectorConfig(RemoteKeys):
     load_ahead_bytes: int | str = 256 << 20  # load_submit pipelined: in-step bytes submitted and not landed
     in_step_copy: str = "auto"  # per KV cache group and step: staged where the copy engine is descriptor-bound
     load_staging_bytes: int = 256 << 20
+    load_stream_priority: int = -1  # CUDA priority of the loads' side stream (0 = the default priority)
     cross_layer_blocks: bool = True
     disk_load_policy: str = "auto"
     disk_read_gbps: float = 3.0
@@ -104,6 +105,7 @@ class ConnectorConfig(RemoteKeys):
         _choice(self.swa_store, "swa_store", SWA_STORES)
         _choice(self.disk_budget, "disk_budget", ("namespace", "shared"))
         _int(self.disk_weight, "disk_weight", 1, 1 << 20)
+        _int(self.load_stream_priority, "load_stream_priority", -16, 0)
         for key in ("promote_on_hit", "store_decode_tokens", "disk_sync", "cross_layer_blocks", "mla_store_once",
                     "tail_chunks"):
             if not isinstance(getattr(self, key), bool):

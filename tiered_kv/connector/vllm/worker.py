@@ -293,7 +293,8 @@ class WorkerRuntime:
             self.cpu.wait_pinned()  # the copy path needs page-locked rows
         # The copiers address blocks: each group's plane holds its block rows.
         # one staging cap for every staged load (in-step and asynchronous ones): load_staging_bytes
-        self.copiers = [BlockCopier(kv, plane, staging_bytes=self.cfg.load_staging_bytes)
+        self.copiers = [BlockCopier(kv, plane, staging_bytes=self.cfg.load_staging_bytes,
+                                    load_priority=self.cfg.load_stream_priority)
                         for kv, plane in zip(kvs, self.planes)]
         self.copier = self.copiers[0]
         if self.cfg.load_mode != "async":
