@@ -31,7 +31,7 @@ import torch
 
 from tiered_kv.copy.errors import BackendUnavailableError
 from tiered_kv.copy.layouts import KVLayout
-from tiered_kv.copy.segments import ChunkTable, RectTable, Runs, merge_runs, plan_rects, plan_runs
+from tiered_kv.copy.segments import ChunkTable, RectTable, Runs, block_runs, merge_runs, plan_rects, plan_runs
 from tiered_kv.copy.select import Mechanism, SelectionPolicy, choose_mechanism
 
 if TYPE_CHECKING:
@@ -72,8 +72,7 @@ class GpuDispatcher:
             rows.append(rows[-1] + len(m.chunk_offsets))
         self._tensor_rows = rows  # chunk-table rows of tensor t: [rows[t], rows[t+1])
         self.rect_table = RectTable.from_chunks(self.table)
-        zero = torch.zeros(1, dtype=torch.int64)
-        self.runs_per_block = plan_runs(self.table, zero, zero, slab.data_ptr(), slab.stride(0), True).count
+        self.runs_per_block = block_runs(self.table)
         self._prefer_overlap = prefer_overlap
         self._max_runs = max_runs_per_call
         self._sm_programs = sm_programs

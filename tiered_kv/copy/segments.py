@@ -135,6 +135,16 @@ def plan_runs(
     return merge_runs(Runs(src, dst, size)) if merge else Runs(src, dst, size)
 
 
+def block_runs(table: ChunkTable) -> int:
+    """Byte runs one block of ``table`` takes to copy (its chunks in slot order, adjacent ones merged).
+
+    Counted on block 0 into slot 0: chunks adjacent there (the layers of a cross-layer KV tensor)
+    are taken to be adjacent in every block, as they are when they share a block stride.
+    """
+    zero = torch.zeros(1, dtype=torch.int64)
+    return plan_runs(table, zero, zero, 0, 0, True).count
+
+
 def merge_runs(runs: Runs) -> Runs:
     """Merge each run into its predecessor when both its source and destination follow on."""
     n = runs.count

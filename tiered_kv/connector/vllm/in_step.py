@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tiered_kv.copy import BackendUnavailableError, BlockCopier, CopyLaunchError, CopyResult, KVLayout, Mechanism
+from tiered_kv.copy.segments import ChunkTable, block_runs
 from tiered_kv.values.jobs import Completion, TransferJob
 from tiered_kv.connector.vllm.config import ConnectorConfig
 
@@ -230,8 +231,9 @@ class InStepLoader:
                     load.marks[0].record(stream)
         if self._forced is not None:
             mechanism = self._forced
+        # auto: not over the SM kernel the worker fell back to (a staged layer group needs cuda-python too)
+        auto = self._auto and mechanism in (None, Mechanism.COPY_ENGINE)
         planned = 0
-        default = mechanism
         for g in self._order:
             members = [load for load in pending if load.parts[g][0]]
             if not members:
@@ -241,11 +243,7 @@ class InStepLoader:
             kv = self.kvs[g]
             nbytes = len(gpu) * kv.block_nbytes
             ahead = lazy and nbytes > self._ahead
-            mechanism = default
-            # auto: not over the SM kernel the worker fell back to (a staged layer group needs cuda-python too)
-            if self._auto and default in (None, Mechanism.COPY_ENGINE) and \
-                    auto_copy(kv, len(gpu), self._runs[g]) is Mechanism.STAGED:
-                mechanism = Mechanism.STAGED
+            staged = auto and auto_copy(kv, len(gpu), self._runs[g]) is Mechanism.STAGED
             if not split:
                 spans = [(0, len(kv.tensors))]
             elif ahead:
@@ -253,7 +251,7 @@ class InStepLoader:
                 spans = layer_groups(kv, nbytes, wanted)
             else:
                 spans = layer_groups(kv, nbytes, self._groups_wanted)
-            copy = _StepCopy(g, rows, gpu, members, spans, mechanism)
+            copy = _StepCopy(g, rows, gpu, members, spans, Mechanism.STAGED if staged else mechanism)
             for load in members:
                 load.open_copies += 1
             planned += len(spans)
@@ -475,16 +473,9 @@ def descriptor_bound(kv: KVLayout, blocks: int, runs: int | None = None) -> bool
 
 
 def runs_per_block(kv: KVLayout) -> int:
-    """Contiguous device byte runs of one block of ``kv`` (its chunks in slot order, adjacent ones merged;
-    chunks adjacent in block 0 with the same block stride are adjacent in every block)."""
-    runs, end, stride = 0, None, None
-    for m in kv.maps:
-        for off, size in zip(m.chunk_offsets, m.chunk_sizes):
-            start = m.base_ptr + off
-            if start != end or m.block_stride != stride:
-                runs += 1
-            end, stride = start + size, m.block_stride
-    return runs
+    """Byte runs one block of ``kv`` takes on the copy engine: the count the copier's dispatcher plans
+    with (``segments.block_runs``)."""
+    return block_runs(ChunkTable.from_layout(kv))
 
 
 def layer_groups(kv: KVLayout, nbytes: int, wanted: int = 0) -> list[tuple[int, int]]:
