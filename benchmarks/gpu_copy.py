@@ -14,7 +14,7 @@ head_dim 64: 512 KiB a block), with blocks and slots chosen at random:
   full rate, per mechanism;
 - ``--staged-only`` (issue 12): loads of 512 blocks from chunk runs of 16 adjacent slots into
   small per-layer blocks (DeepSeek-V2-Lite MLA: 27 layers x 18 KiB; Qwen2.5-7B: 28 layers x
-  32 KiB), copy engine (one descriptor per layer-block) vs the staged load (one DMA per slot
+  32 KiB; and Llama-3-8B's 32 x 64 KiB, which the serving runs stage in big steps), copy engine (one descriptor per layer-block) vs the staged load (one DMA per slot
   run into a device buffer, then an on-device scatter; whole, and in 2 layer groups) vs the
   contiguous pinned copy of the same bytes, plus the matmul slowdown under each.
 
@@ -346,6 +346,8 @@ STAGED_SHAPES = {
     # vLLM 0.26 separate per-layer tensors: one chunk per (layer, block)
     "dsv2-lite-mla": (Shape(layers=27, heads=1, block_size=16, head_dim=576, num_blocks=1100), True),
     "qwen2.5-7b": (Shape(layers=28, heads=4, block_size=16, head_dim=128, num_blocks=1100), False),
+    # 64 KiB layer-blocks: the serving benchmark's c32 steps stage these (issue 14)
+    "llama3-8b": (Shape(layers=32, heads=8, block_size=16, head_dim=128, num_blocks=1100), False),
 }
 
 
@@ -375,6 +377,9 @@ def staged_rows(bench: Bench, label: str, layout: KVLayout, n: int = 512, chunk:
         ("staged", Mechanism.STAGED, slots, None, {}),
         ("staged 2 groups", Mechanism.STAGED, slots, [(0, half), (half, len(layout.tensors))], {}),
         ("staged 64MiB buf", Mechanism.STAGED, slots, None, {"staging_bytes": 64 << 20}),
+        # two halves of the cap: the next piece's DMA beside the last piece's scatter (load_staging_buffers 2)
+        ("staged 2 halves", Mechanism.STAGED, slots, None, {"staging_buffers": 2}),
+        ("staged 64MiB 2 halves", Mechanism.STAGED, slots, None, {"staging_bytes": 64 << 20, "staging_buffers": 2}),
         ("staged scattered", Mechanism.STAGED, scattered, None, {}),
         ("copy_engine scattered", Mechanism.COPY_ENGINE, scattered, None, {}),
         # as the in-step loader calls them: on the caller's thread ("call" = time the caller is held)
@@ -382,6 +387,8 @@ def staged_rows(bench: Bench, label: str, layout: KVLayout, n: int = 512, chunk:
         ("staged inline", Mechanism.STAGED, slots, None, {"threaded_submit": False}),
         ("staged inline 2 groups", Mechanism.STAGED, slots, [(0, half), (half, len(layout.tensors))],
          {"threaded_submit": False}),
+        ("staged inline 2 groups 2 halves", Mechanism.STAGED, slots, [(0, half), (half, len(layout.tensors))],
+         {"threaded_submit": False, "staging_buffers": 2}),
     ]
     print(f"{label}: {n} blocks x {len(layout.tensors)} layers x {layout.maps[0].nbytes // 1024} KiB = "
           f"{nbytes / 1e9:.3f} GB, contiguous pinned h2d {base:.2f} GB/s", flush=True)
@@ -406,7 +413,7 @@ def staged_rows(bench: Bench, label: str, layout: KVLayout, n: int = 512, chunk:
                    ratio=round(rate / base, 3), ops_per_call=ops, call_ms=round(submit * 1e3, 3),
                    total_ms=round(seconds * 1e3, 3))
         bench.records.append(rec)
-        print(f"  {name:<22} {rate:7.2f} GB/s  ratio {rate / base:5.3f}  ops {ops:>6}  call {submit * 1e3:7.2f} ms"
+        print(f"  {name:<32} {rate:7.2f} GB/s  ratio {rate / base:5.3f}  ops {ops:>6}  call {submit * 1e3:7.2f} ms"
               f"  landed {seconds * 1e3:7.2f} ms", flush=True)
         copier.close()
 

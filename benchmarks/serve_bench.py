@@ -287,7 +287,7 @@ class Bench:
         suffix = f"_{a.tag}" if a.tag else ""
         self.path = os.path.join(a.out_dir, f"serve_bench_{a.shape}{suffix}.json")
         self.doc = {"schema": "serve_bench/1", "shape": a.shape, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                    "device": server.device_name(), "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+                    "device": server.device_name(), "gpu_share": server.gpu_share(), "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
                     "workload": {**self.wp.__dict__, "id": self.wid}, "sizes": sizes(self.wp, kv_bytes_per_token(a.shape), a.gpu_blocks),
                     "tiers_gib": self.sizes.__dict__, "starts": []}
 

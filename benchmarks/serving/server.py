@@ -128,11 +128,20 @@ def stop_all() -> None:
         _LIVE.discard(s)
 
 
+def visible_gpu_args() -> list[str]:
+    """nvidia-smi's ``--id`` for the GPUs this process may use (``CUDA_VISIBLE_DEVICES``), else none.
+
+    With several engines on one machine (``scripts/gpu/on_each_gpu.sh``: one GPU each, numbered in
+    PCI order as nvidia-smi numbers them) a start must not wait for its neighbours' memory."""
+    vis = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    return ["--id=" + vis] if vis and vis != "all" else []
+
+
 def gpu_memory_used_mib() -> list[int] | None:
-    """Used memory of each GPU (nvidia-smi), or None without one."""
+    """Used memory of each visible GPU (nvidia-smi), or None without one."""
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=10)
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
+                              *visible_gpu_args()], capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return None
     if out.returncode:
@@ -151,11 +160,22 @@ def wait_gpu_free(limit_mib: int = 2048, timeout_s: float = 30.0) -> float:
     return time.monotonic() - t0
 
 
+def gpu_share() -> dict:
+    """Which GPU of how many on this machine the run used (``visible`` None: all of them). A run beside
+    others on one host (``scripts/gpu/on_each_gpu.sh``) says so in its JSON."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--list-gpus"], capture_output=True, text=True, timeout=10)
+        host = len(out.stdout.splitlines()) if out.returncode == 0 else 0
+    except (OSError, subprocess.TimeoutExpired):
+        host = 0
+    return {"visible": os.environ.get("CUDA_VISIBLE_DEVICES") or None, "host_gpus": host}
+
+
 def device_name() -> str:
     """The GPU's name and driver (nvidia-smi), or a plain description without one."""
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=10)
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader",
+                              *visible_gpu_args()], capture_output=True, text=True, timeout=10)
         if out.returncode == 0 and out.stdout.strip():
             return out.stdout.strip().splitlines()[0]
     except (OSError, subprocess.TimeoutExpired):

@@ -707,3 +707,46 @@ def test_trace_flag_collects_each_start_and_summarises_its_phases(tmp_path):
     assert all(ph["trace"]["in_step"]["loads"] == ph["trace"]["loading_steps"] for ph in phases)
     assert phases[0]["trace"]["loading_steps"] > 0 and phases[0]["trace"]["start_load_ms"]["p50"] == 1.5
     assert "trace_path" not in none and all("trace" not in ph for ph in none["repeats"][0]["phases"])
+
+
+# ============================================================================ several engines on one host
+def test_a_run_on_one_gpu_of_several_asks_nvidia_smi_only_about_its_own(monkeypatch, tmp_path):
+    """``on_each_gpu.sh`` gives each run one GPU: its wait for the last engine's memory and the device it
+    records must read that GPU, not its neighbours' (busy with their own engines)."""
+    from serving import server
+    log = tmp_path / "argv"
+    fake = tmp_path / "nvidia-smi"
+    # a stand-in for nvidia-smi (none on this CPU machine): records its arguments, reports two GPUs
+    fake.write_text(f"#!/bin/sh\necho \"$@\" >> {log}\ncase \"$*\" in *--list-gpus*) printf 'GPU 0\\nGPU 1\\n';; "
+                    "*memory.used*) echo 100;; *) echo 'NVIDIA H200, 580';; esac\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert server.gpu_memory_used_mib() == [100]
+    assert server.device_name() == "NVIDIA H200, 580"
+    assert server.gpu_share() == {"visible": "1", "host_gpus": 2}
+    calls = log.read_text().splitlines()
+    assert all("--id=1" in c for c in calls if "--list-gpus" not in c), calls
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    server.gpu_memory_used_mib()
+    assert "--id" not in log.read_text().splitlines()[-1]
+    assert server.gpu_share() == {"visible": None, "host_gpus": 2}
+
+
+def test_on_each_gpu_refuses_more_commands_than_gpus(tmp_path):
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H200'\n")
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
+           "STAGGER_S": "0"}
+    script = str(ROOT / "scripts" / "gpu" / "on_each_gpu.sh")
+    r = subprocess.run(["bash", script, "true", "true"], env=env, capture_output=True, text=True)
+    assert r.returncode == 2 and "2 commands but 1 GPU" in r.stderr
+    r = subprocess.run(["bash", script, 'echo "gpu=$CUDA_VISIBLE_DEVICES out=$OUT"; exit 3'], env=env,
+                       capture_output=True, text=True)
+    assert r.returncode == 3
+    assert f"gpu=0 out={tmp_path / 'out' / 'g0'}" in r.stdout
+    import tarfile
+    with tarfile.open(tmp_path / "out" / "gpus.tgz") as tar:  # packed: the device tool returns 8 files a call
+        assert "g0/log.txt" in tar.getnames()
+    assert not (tmp_path / "out" / "g0").exists()

@@ -281,3 +281,55 @@ def test_two_threads_never_swap_the_staging_buffer_under_a_load(monkeypatch):
         assert steps and all(s is steps[0] for s in steps), f"{name}: the staging buffer was swapped mid-load"
     assert used["batch"][0].numel() > used["in-step"][0].numel() and loader.allocations == 2
     assert blocked == ["batch"]  # the batch waited for the in-step load instead of growing the buffer under it
+
+
+# ============================================================================ two halves (staging_buffers=2)
+def test_two_halves_only_when_a_load_has_several_pieces_and_they_fit_the_cap():
+    """``plan``: one buffer for a one-piece load or with ``buffers=1``; two halves, each within half the cap and
+    the second aligned, when the load has several pieces (rows past half the cap, or several layer groups)."""
+    layout = vllm_layer_layout(vllm026_tensors("NHD", SHAPE, torch.bfloat16, "cpu"))
+    slab = allocate_slab(SLOTS, layout.block_nbytes, pin=False)
+    nb, t = layout.block_nbytes, len(layout.tensors)
+    whole = [(0, t)]
+    cap = 8 * nb
+    one, two = StagedLoader(layout, slab, cap, buffers=1), StagedLoader(layout, slab, cap, buffers=2)
+    assert one.plan(6, whole) == (1, [8], 0, 6 * nb)
+    assert two.plan(3, whole) == (1, [8], 0, 3 * nb)  # fits one half and the whole cap: one piece, no halves
+    halves, per, second, need = two.plan(6, whole)  # 6 rows > half the cap (4): 2 pieces
+    assert (halves, per) == (2, [cap // 2 // nb])
+    assert second % 256 == 0 and second >= per[0] * nb and need == second + per[0] * nb <= cap
+    groups = [(0, 1), (1, t)]  # several groups, each one piece: still alternates
+    halves, per, second, need = two.plan(2, groups)
+    assert halves == 2 and need <= cap and second >= 2 * layout.maps[0].nbytes
+    assert two.need(6, whole) == two.plan(6, whole)[3] and two.need(0, whole) == 0
+    # a half that cannot hold one row falls back to one buffer
+    assert StagedLoader(layout, slab, nb, buffers=2).plan(6, whole)[0] == 1
+    with pytest.raises(BackendUnavailableError, match="buffers=3"):
+        StagedLoader(layout, slab, cap, buffers=3)
+    with pytest.raises(BackendUnavailableError, match="staging_buffers=0"):
+        BlockCopier(layout, slab, staging_buffers=0)
+
+
+@pytest.mark.parametrize("pattern", sorted(SLOT_PATTERNS))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_two_halves_bit_exact_in_many_pieces_and_groups(case, pattern):
+    """Pieces of one row alternate the halves (the second at an aligned offset): the bytes equal the reference,
+    whole and in layer groups, with slab rows wider than a block."""
+    gen, layout, _ = _setup(case, torch.bfloat16, 21)
+    wide = allocate_slab(SLOTS, layout.block_nbytes + 40, pin=False)
+    wide.copy_(torch.randint(0, 256, wide.shape, dtype=torch.uint8, generator=gen))
+    slots = SLOT_PATTERNS[pattern]
+    blocks = torch.randperm(SHAPE.num_blocks, generator=gen)[:len(slots)].tolist()
+    expected = _expected(layout, wide, blocks, slots)
+    copier = BlockCopier(layout, wide, mechanism="staged", staging_bytes=2 * layout.block_nbytes + 256,
+                         staging_buffers=2)
+    assert copier._staged_loader().plan(len(slots), [(0, len(layout.tensors))])[:2] == (2, [1])
+    copier.cpu_to_gpu(slots, blocks).wait()
+    _assert_equal(layout, expected)
+    t = len(layout.tensors)
+    if t > 1:
+        fill_random(layout, gen)
+        expected = _expected(layout, wide, blocks, slots)
+        results = copier.cpu_to_gpu_grouped(slots, blocks, [(0, 1), (1, t)], mechanism=Mechanism.STAGED)
+        assert [r.mechanism for r in results] == [Mechanism.STAGED] * 2
+        _assert_equal(layout, expected)

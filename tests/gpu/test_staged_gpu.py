@@ -43,6 +43,16 @@ def _check_storages_equal(a, b):
         assert torch.equal(x.cpu(), y.cpu())
 
 
+def _twin_layer_caches(shape, mla=False):
+    """Two vLLM 0.26 per-layer caches on the GPU holding the same random bytes (one per mechanism compared)."""
+    a = vllm_layer_layout(vllm026_tensors("NHD", shape, torch.bfloat16, "cuda", mla=mla))
+    b = vllm_layer_layout(vllm026_tensors("NHD", shape, torch.bfloat16, "cuda", mla=mla))
+    for x, y in zip(storages(a), storages(b)):
+        x.random_(0, 256)
+        y.copy_(x)
+    return a, b
+
+
 def _chunk_slots(n: int, chunk: int, num_slots: int, gen) -> torch.Tensor:
     """``n`` slots as runs of ``chunk`` adjacent rows, the runs in random order (how chunk slots lie)."""
     starts = torch.randperm(num_slots // chunk, generator=gen)[: -(-n // chunk)] * chunk
@@ -64,25 +74,25 @@ def test_staged_load_bit_exact_every_layout(case, dtype):
     _check_storages_equal(gpu, cpu)
 
 
+@pytest.mark.parametrize("buffers", [1, 2], ids=["one-buffer", "two-halves"])
 @pytest.mark.parametrize("shape", [MLA, QWEN], ids=["dsv2-mla-18KiB", "qwen7b-32KiB"])
 @pytest.mark.parametrize("staging_mib", [256, 40], ids=["one-piece", "pieces"])
-def test_staged_matches_copy_engine_at_model_size(shape, staging_mib):
-    """512 blocks from chunk runs of 16 slots: staged and copy engine write the same bytes (dest poisoned alike)."""
+def test_staged_matches_copy_engine_at_model_size(shape, staging_mib, buffers):
+    """512 blocks from chunk runs of 16 slots: staged and copy engine write the same bytes (dest poisoned alike);
+    with two halves, the pieces' DMAs run on a second stream beside the scatters."""
     gen = torch.Generator().manual_seed(11)
     mla = shape is MLA
-    a = vllm_layer_layout(vllm026_tensors("NHD", shape, torch.bfloat16, "cuda", mla=mla))
-    b = vllm_layer_layout(vllm026_tensors("NHD", shape, torch.bfloat16, "cuda", mla=mla))
+    a, b = _twin_layer_caches(shape, mla)
     assert a.maps[0].nbytes == (18 if mla else 32) * 1024
-    for x, y in zip(storages(a), storages(b)):
-        x.random_(0, 256)
-        y.copy_(x)
     src = _random_slab(1024, a.block_nbytes, gen)
     slots = _chunk_slots(512, 16, 1024, gen)
     blocks = torch.randperm(shape.num_blocks, generator=gen)[:512]
     ce = BlockCopier(a, src, mechanism="copy_engine").cpu_to_gpu(slots, blocks)
-    st = BlockCopier(b, src, mechanism="staged", staging_bytes=staging_mib << 20).cpu_to_gpu(slots, blocks)
+    staged = BlockCopier(b, src, mechanism="staged", staging_bytes=staging_mib << 20, staging_buffers=buffers)
+    st = staged.cpu_to_gpu(slots, blocks)
     ce.wait()
     st.wait()
+    assert bool(staged._staged._dma_streams) == (buffers == 2)  # 512 blocks never fit one half of either cap
     assert st.num_runs < ce.num_runs / 20  # <= 32 DMAs + 27/28 scatters per piece vs ~13.8k/14.3k descriptors
     _check_storages_equal(a, b)
 
@@ -222,20 +232,45 @@ def test_threaded_staged_buffer_is_grown_on_the_submitter_only(monkeypatch):
 
 def test_loads_run_on_a_higher_priority_stream_than_stores():
     """The load side stream outranks the store one (and the default), so a staged scatter or SM-kernel
-    load is not queued behind the forward's pending blocks; copies on it stay exact."""
-    layout = vllm_layer_layout(vllm026_tensors("NHD", QWEN, torch.bfloat16, "cuda"))
+    load is not queued behind the forward's pending blocks; copies on it stay exact (the same bytes as
+    a copy-engine load of the same slots into a twin cache)."""
+    a, b = _twin_layer_caches(QWEN)
     gen = torch.Generator().manual_seed(17)
-    src = _random_slab(64, layout.block_nbytes, gen)
-    copier = BlockCopier(layout, src, mechanism="staged", threaded_submit=False)
+    src = _random_slab(64, a.block_nbytes, gen)
+    copier = BlockCopier(b, src, mechanism="staged", threaded_submit=False)
     load, store = copier._side_stream(False), copier._side_stream(True)
     least, greatest = load.priority_range()  # (0, -N) on CUDA; equal on a device without priorities
     assert store.priority == 0
     if least != greatest:  # a device with stream priorities
         assert load.priority < store.priority == torch.cuda.current_stream().priority
-    blocks = torch.arange(200, 264)
-    copier.cpu_to_gpu(torch.arange(64), blocks).wait()
-    row = layout.maps[0].nbytes
-    for li, t in enumerate(layout.tensors):
-        got = t[blocks.cuda()].contiguous().view(torch.uint8).reshape(64, -1).cpu()
-        assert torch.equal(got, src[:, li * row:(li + 1) * row]), f"layer {li}"
+    slots, blocks = torch.randperm(64, generator=gen), torch.arange(200, 264)
+    BlockCopier(a, src, mechanism="copy_engine").cpu_to_gpu(slots, blocks).wait()
+    res = copier.cpu_to_gpu(slots, blocks)
+    res.wait()
+    assert res.mechanism is Mechanism.STAGED
+    _check_storages_equal(a, b)
+    copier.close()
+
+
+def test_two_halves_never_overtake_work_queued_before_the_load():
+    """A two-half load's DMAs run on a second stream; they start only after what the caller queued before the
+    load. Here the caller's stream sleeps, then writes new bytes into the slab rows the load reads: the load
+    must deliver the new bytes (the same as a copy-engine load of the rows afterwards), not the old ones."""
+    a, b = _twin_layer_caches(QWEN)
+    gen = torch.Generator().manual_seed(23)
+    src = _random_slab(64, a.block_nbytes, gen)
+    fresh = torch.randint(0, 256, tuple(src.shape), dtype=torch.uint8, generator=gen).cuda()
+    # 8 MiB: halves of 4 MiB hold 4 rows of 896 KiB, so 64 rows go in 16 pieces over both halves
+    copier = BlockCopier(b, src, mechanism="staged", staging_bytes=8 << 20, staging_buffers=2, threaded_submit=False)
+    assert copier._staged_loader().plan(64, [(0, len(b.tensors))])[0] == 2
+    slots, blocks = torch.randperm(64, generator=gen), torch.arange(300, 364)
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time on the caller's stream
+    src.copy_(fresh, non_blocking=True)  # then the new bytes land in the pinned rows
+    res = copier.cpu_to_gpu(slots, blocks)
+    res.wait()
+    assert res.mechanism is Mechanism.STAGED
+    torch.cuda.synchronize()
+    assert torch.equal(src, fresh.cpu())
+    BlockCopier(a, src, mechanism="copy_engine").cpu_to_gpu(slots, blocks).wait()
+    _check_storages_equal(a, b)
     copier.close()

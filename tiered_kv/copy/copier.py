@@ -93,7 +93,9 @@ class BlockCopier:
     driver; for callers that already run copies on their own mover thread).
     ``staging_bytes`` caps the device staging buffer of ``Mechanism.STAGED``
     loads (allocated at the first such load, at the size it needs; a larger
-    load goes in pieces). ``load_priority``: the CUDA stream priority of the
+    load goes in pieces); ``staging_buffers`` 2 alternates two halves of it so
+    that a load's next piece crosses PCIe while the last one scatters
+    (``staged.StagedLoader``). ``load_priority``: the CUDA stream priority of the
     loads' side stream (lower is higher; default ``LOAD_STREAM_PRIORITY``).
 
     Use as a context manager or call ``close()`` to stop the submitter threads.
@@ -112,6 +114,7 @@ class BlockCopier:
         threaded_submit: bool = True,
         rect_copies: bool | None = None,
         staging_bytes: int = DEFAULT_STAGING_BYTES,
+        staging_buffers: int = 1,
         load_priority: int = LOAD_STREAM_PRIORITY,
     ) -> None:
         """Validate the slab against the layout; CUDA resources are created on first use."""
@@ -131,7 +134,11 @@ class BlockCopier:
             else None
         )
         self._threaded = threaded_submit
+        if staging_buffers not in (1, 2):
+            raise BackendUnavailableError(f"staging_buffers={staging_buffers!r}: use 1 (DMA, then scatter, in turn) or 2 "
+                                          f"(two halves of staging_bytes, the next piece's DMA beside the last scatter)")
         self._staging_bytes = staging_bytes
+        self._staging_buffers = staging_buffers
         self._load_priority = int(load_priority)
         self._staged: StagedLoader | None = None
         self._staged_warned = False
@@ -391,7 +398,7 @@ class BlockCopier:
 
     def _staged_loader(self) -> StagedLoader:
         if self._staged is None:
-            self._staged = StagedLoader(self.layout, self.slab, self._staging_bytes)
+            self._staged = StagedLoader(self.layout, self.slab, self._staging_bytes, self._staging_buffers)
         return self._staged
 
     def copy_plain(self, gpu_block_ids: BlockIds, cpu_slots: BlockIds, *, to_cpu: bool) -> None:

@@ -16,11 +16,19 @@ adjacent rows of the slab, so the load moves as:
    engine tensor's storage, indexed by the block ids (on the device). Elements are the widest
    word (8, 4, 2 or 1 bytes) that every offset, stride and width divides.
 
-Both steps run in order on one stream (the copier's side stream): the staging buffer is reused
-by the next piece or call only after the previous scatter read it, by stream order alone. A
-call larger than the buffer is cut into pieces of whole rows. On CPU tensors the same code
-runs with a CPU staging buffer and torch copies in place of the DMA (CI checks it bit-exact
-against the other mechanisms).
+With one buffer (``buffers=1``, the default) both steps run in order on one stream (the copier's
+side stream): the staging buffer is reused by the next piece or call only after the previous
+scatter read it, by stream order alone, so the DMA engine idles while each piece scatters. A call
+larger than the buffer is cut into pieces of whole rows. With ``buffers=2`` a load of more than
+one piece (several pieces, or several layer groups) splits the same cap into two halves and
+alternates between them: the DMAs run on a second stream of the same priority, each scatter waits
+for its piece's DMA (an event), and each DMA into a half waits for the scatter that last read that
+half (an event), so piece ``k+1`` crosses PCIe while piece ``k`` scatters. The second stream first
+waits for everything already queued on the load stream, so a call's DMAs never overtake work the
+caller ordered before it (nor the previous call's scatters), and the caller's completion events,
+recorded on the load stream after the last scatter, still cover every DMA. On CPU tensors the same
+code runs with a CPU staging buffer and torch copies in place of the DMA, halves included (CI
+checks it bit-exact against the other mechanisms).
 
 The buffer is allocated at the start of a load, before anything of it is queued, at the size
 the load needs (rounded up to 16 MiB), and grows up to ``staging_bytes``. It is replaced only
@@ -35,7 +43,8 @@ of the load is queued, so the caller may copy it another way.
 Threading: one lock per loader serialises ``load`` and ``reserve``. ``BlockCopier`` calls them
 only from the thread that runs its loads (the h2d submitter thread; the caller's thread with
 ``threaded_submit=False``), never from the caller of a threaded copier; the lock keeps the
-buffer consistent should two threads share a loader anyway.
+buffer consistent should two threads share a loader anyway. The second (DMA) stream of a two-half
+load is created and used under the same lock.
 """
 
 from __future__ import annotations
@@ -53,6 +62,8 @@ from tiered_kv.copy.layouts import KVLayout
 GROW_STEP = 16 << 20
 #: Default cap on the staging buffer (``BlockCopier(staging_bytes=...)``).
 DEFAULT_STAGING_BYTES = 256 << 20
+#: With two buffers, the second half starts at a multiple of this (the scatter's word width stays the widest).
+HALF_ALIGN = 256
 _WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
@@ -119,15 +130,22 @@ def _word(*values: int) -> int:
 class StagedLoader:
     """Slab -> blocks through a device staging buffer: one DMA per run of adjacent slots, one scatter per rectangle."""
 
-    def __init__(self, layout: KVLayout, slab: torch.Tensor, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
-        """Bind the layout and slab; the staging buffer is allocated at the first call."""
+    def __init__(self, layout: KVLayout, slab: torch.Tensor, staging_bytes: int = DEFAULT_STAGING_BYTES,
+                 buffers: int = 1) -> None:
+        """Bind the layout and slab; the staging buffer is allocated at the first call. ``buffers``: 1 (DMA and
+        scatter in turn on one stream) or 2 (a load of several pieces alternates two halves of the cap, its
+        DMAs on a second stream overlapping the scatters: see the module text)."""
         if staging_bytes < layout.block_nbytes:
             raise BackendUnavailableError(
                 f"staging_bytes={staging_bytes} cannot hold one block of {layout.block_nbytes} bytes; "
                 f"raise it to at least {layout.block_nbytes} (a few hundred MiB lets a whole load go in one piece)")
+        if buffers not in (1, 2):
+            raise BackendUnavailableError(f"staging buffers={buffers!r}: use 1 (DMA, then scatter) or 2 (alternate halves)")
         self.layout = layout
         self.slab = slab
         self.staging_bytes = int(staging_bytes)
+        self.buffers = buffers
+        self._dma_streams: dict[int, torch.cuda.Stream] = {}  # CUDA, two buffers: load stream priority -> DMA stream
         self._on_cuda = layout.device.type == "cuda"
         self._staging: torch.Tensor | None = None
         self._staging_stream: int | None = None  # CUDA: the stream the buffer was allocated on (its handle)
@@ -144,14 +162,30 @@ class StagedLoader:
             self._rects[key] = layout_rects(self.layout, first, end)
         return self._rects[key]
 
+    def _width(self, a: int, b: int) -> int:
+        """Bytes of a slot row that tensors ``a..b-1`` take (their column range)."""
+        maps = self.layout.maps
+        return maps[b - 1].slot_offset + maps[b - 1].nbytes - maps[a].slot_offset
+
+    def plan(self, n: int, groups: list[tuple[int, int]]) -> tuple[int, list[int], int, int]:
+        """How a load of ``n`` items in ``groups`` uses the buffer: ``(halves, rows per piece of each group,
+        offset of the second half, staging bytes)``. Two halves only with ``buffers=2``, when the load has more
+        than one piece and each half holds a row of every group; else one buffer of up to ``staging_bytes``."""
+        widths = [self._width(a, b) for a, b in groups]
+        half = self.staging_bytes // 2 // HALF_ALIGN * HALF_ALIGN
+        two = (self.buffers == 2 and n > 0 and all(half >= w for w in widths)
+               and sum(-(-n // (half // w)) for w in widths) > 1)
+        cap = half if two else self.staging_bytes
+        per = [max(1, cap // w) for w in widths]
+        piece = max((min(n, p) * w for p, w in zip(per, widths)), default=0)
+        if not two:
+            return 1, per, 0, piece
+        second = -(-piece // HALF_ALIGN) * HALF_ALIGN
+        return 2, per, second, second + piece
+
     def need(self, n: int, groups: list[tuple[int, int]]) -> int:
         """Staging bytes a load of ``n`` items in ``groups`` uses (at most ``staging_bytes``)."""
-        out = 0
-        maps = self.layout.maps
-        for a, b in groups:
-            width = maps[b - 1].slot_offset + maps[b - 1].nbytes - maps[a].slot_offset
-            out = max(out, min(n, max(1, self.staging_bytes // width)) * width)
-        return out
+        return self.plan(n, groups)[3]
 
     def reserve(self, n: int, groups: list[tuple[int, int]], stream: torch.cuda.Stream | None = None) -> None:
         """Allocate (or grow) the buffer for a load of ``n`` items in ``groups`` now, on ``stream`` (CUDA; the
@@ -176,32 +210,60 @@ class StagedLoader:
             for g in range(len(groups)):
                 on_group(g, 0)
             return 0
+        halves, per, second, need = self.plan(n, groups)
         with self._lock, self._stream_ctx(stream):
             # the whole load's buffer first: one buffer from the first DMA to the last scatter
-            staging = self._buffer(self.need(n, groups))
+            staging = self._buffer(need)
+            current = dma = None
             if self._on_cuda:
                 current = torch.cuda.current_stream(self.layout.device)
                 if current.cuda_stream != self._staging_stream:  # its memory is reused only after this stream's use
                     staging.record_stream(current)
+                if halves == 2:
+                    dma = self._dma_stream(current)
+                    dma.wait_stream(current)  # after all the caller queued before (and the last call's scatters)
+                    staging.record_stream(dma)
             # pinned, so the upload is queued on the stream (a pageable one would synchronise it)
             dev_ids = ids.pin_memory().to(self.layout.device, non_blocking=True) if self._on_cuda else ids
             # runs of adjacent slots: item i .. j-1 come from slots s, s+1, ...
             starts = torch.ones(n, dtype=torch.bool)
             starts[1:] = slots[1:] != slots[:-1] + 1
             run_first = starts.nonzero().reshape(-1).tolist() + [n]
+            read: list = [None, None]  # two halves on CUDA: the event after the scatter that last read each half
+            k = 0  # pieces so far (over all groups): piece k uses half k % 2
             for g, (a, b) in enumerate(groups):
                 ops = 0
                 c0 = self.layout.maps[a].slot_offset
-                c1 = self.layout.maps[b - 1].slot_offset + self.layout.maps[b - 1].nbytes
-                width = c1 - c0
-                per_piece = max(1, self.staging_bytes // width)
-                for i0 in range(0, n, per_piece):
-                    i1 = min(n, i0 + per_piece)
-                    ops += self._dma(staging, slots, run_first, i0, i1, c0, c1)
-                    ops += self._scatter(staging, dev_ids[i0:i1], i1 - i0, a, b, c0, width)
+                width = self._width(a, b)
+                for i0 in range(0, n, per[g]):
+                    i1 = min(n, i0 + per[g])
+                    h = k % halves
+                    buf = staging[second:] if h else staging
+                    if dma is None:
+                        ops += self._dma(buf, slots, run_first, i0, i1, c0, c0 + width)
+                    else:
+                        with torch.cuda.stream(dma):
+                            if read[h] is not None:
+                                dma.wait_event(read[h])  # the half's previous scatter has read it
+                            ops += self._dma(buf, slots, run_first, i0, i1, c0, c0 + width)
+                            landed = torch.cuda.Event()
+                            landed.record(dma)
+                        current.wait_event(landed)
+                    ops += self._scatter(buf, dev_ids[i0:i1], i1 - i0, a, b, c0, width)
+                    if dma is not None:
+                        read[h] = torch.cuda.Event()
+                        read[h].record(current)
+                    k += 1
                 total += ops
                 on_group(g, ops)
         return total
+
+    def _dma_stream(self, load: torch.cuda.Stream) -> torch.cuda.Stream:
+        """The second stream of a two-half load: same device, same priority as the load stream (cached)."""
+        prio = int(load.priority)
+        if prio not in self._dma_streams:
+            self._dma_streams[prio] = torch.cuda.Stream(device=self.layout.device, priority=prio)
+        return self._dma_streams[prio]
 
     def _stream_ctx(self, stream: torch.cuda.Stream | None):
         """``torch.cuda.stream(stream)`` on CUDA with a stream, else a no-op context."""
@@ -252,8 +314,9 @@ class StagedLoader:
                       self._flat(r.tensor).data_ptr())
             dst = _words(self._flat(r.tensor), w).as_strided(
                 (num_blocks, r.height, r.width // w), (r.block_stride // w, r.pitch // w, 1), r.offset // w)
+            # as_strided's offset counts from the storage's start, not the view's: add the view's own (a half)
             src = _words(staging, w).as_strided((rows, r.height, r.width // w), (width // w, r.width // w, 1),
-                                              src_off // w)
+                                              (staging.storage_offset() + src_off) // w)
             dst.index_put_((dev_ids,), src)
             kernels += 1
         return kernels

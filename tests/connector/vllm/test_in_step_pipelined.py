@@ -199,8 +199,16 @@ def test_the_trace_records_the_time_spent_submitting_between_layers(tmp_path):
     assert lines[0]["forward_submit_ms"] > 0 and lines[0]["start_load_ms"] > 0
 
 
-def test_the_trace_counts_staged_copies(tmp_path):
-    rt, kv, names, items = _step("pipelined", groups=4, ahead=1, trace_path=str(tmp_path / "t"), in_step_copy="staged")
+@pytest.mark.parametrize("buffers", [1, 2])
+def test_the_trace_counts_staged_copies(tmp_path, buffers):
+    """Staged in-step copies, layer group by group; with ``load_staging_buffers: 2`` and a 4 KiB cap each group
+    goes in pieces that alternate the two halves (the bytes are checked layer by layer all the same)."""
+    rt, kv, names, items = _step("pipelined", groups=4, ahead=1, trace_path=str(tmp_path / "t"), in_step_copy="staged",
+                                 load_staging_buffers=buffers, load_staging_bytes=4096)
+    if buffers == 2:
+        loader = rt.in_step.copiers[0]._staged_loader()
+        n = sum(len(g) for _, _, g in items)
+        assert loader.plan(n, [(0, 2), (2, 4)])[0] == 2  # this load is cut in pieces over two halves
     try:
         rt.before_forward(layerwise_ok=True)
         for li, name in enumerate(names):

@@ -172,6 +172,10 @@ def test_load_groups_and_in_step_copy_keys_are_validated():
     for bad in (1, -17, "high", True):
         with pytest.raises(Exception, match="load_stream_priority"):
             ConnectorConfig(load_stream_priority=bad)
+    assert ConnectorConfig().load_staging_buffers == 1 and ConnectorConfig(load_staging_buffers=2).load_staging_buffers == 2
+    for bad in (0, 3, "2", True):
+        with pytest.raises(Exception, match="load_staging_buffers"):
+            ConnectorConfig(load_staging_buffers=bad)
 
 
 @pytest.mark.parametrize("mode", ["layerwise", "sync", "async", "eager"])
@@ -233,8 +237,11 @@ def test_fence_cancels_a_queued_store_and_waits_for_a_started_one():
 def test_load_stream_priority_reaches_every_load_copier(priority):
     """``load_stream_priority`` sets the load side stream of the in-step and the movers' copiers (CUDA only
     creates the stream; tests/gpu/test_staged_gpu.py checks the priority a stream gets)."""
-    rt, _, _ = make_runtime("cpu", 2, 1, 8, 8, 2, load_mode="layerwise", load_stream_priority=priority)
+    rt, _, _ = make_runtime("cpu", 2, 1, 8, 8, 2, load_mode="layerwise", load_stream_priority=priority,
+                            load_staging_buffers=2 if priority else 1)
     try:
         assert [c._load_priority for c in rt.in_step.copiers + rt.copiers] == [priority] * 2
+        # load_staging_buffers travels the same way (one test: both are copier settings from the config)
+        assert [c._staging_buffers for c in rt.in_step.copiers + rt.copiers] == [2 if priority else 1] * 2
     finally:
         rt.close()

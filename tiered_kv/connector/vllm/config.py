@@ -66,6 +66,7 @@ class ConnectorConfig(RemoteKeys):
     load_ahead_bytes: int | str = 256 << 20  # load_submit pipelined: in-step bytes submitted and not landed
     in_step_copy: str = "auto"  # per KV cache group and step: staged where the copy engine is descriptor-bound
     load_staging_bytes: int = 256 << 20
+    load_staging_buffers: int = 1  # 2: staged loads alternate two halves, the next piece's DMA beside the last scatter
     load_stream_priority: int = -1  # CUDA priority of the loads' side stream (0 = the default priority)
     cross_layer_blocks: bool = True
     disk_load_policy: str = "auto"
@@ -143,6 +144,10 @@ class ConnectorConfig(RemoteKeys):
         if self.load_staging_bytes < 1:
             raise ConfigError(f"load_staging_bytes: must be > 0 (the device buffer of in_step_copy staged, or auto "
                               f"where it stages); got {self.load_staging_bytes}")
+        if isinstance(self.load_staging_buffers, bool) or self.load_staging_buffers not in (1, 2):
+            raise ConfigError(f"load_staging_buffers: expected 1 (a staged load's DMA and scatter in turn) or 2 (two "
+                              f"halves of load_staging_bytes, the next piece's DMA beside the last scatter); "
+                              f"got {self.load_staging_buffers!r}")
         if self.cpu_bytes == 0:
             raise ConfigError("cpu_bytes: must be > 0 (the CPU tier stages every load and store); got 0")
         if isinstance(self.remote_feed_interval_s, bool) or not isinstance(self.remote_feed_interval_s, (int, float)) \
