@@ -231,31 +231,35 @@ class StagedLoader:
             run_first = starts.nonzero().reshape(-1).tolist() + [n]
             read: list = [None, None]  # two halves on CUDA: the event after the scatter that last read each half
             k = 0  # pieces so far (over all groups): piece k uses half k % 2
-            for g, (a, b) in enumerate(groups):
-                ops = 0
-                c0 = self.layout.maps[a].slot_offset
-                width = self._width(a, b)
-                for i0 in range(0, n, per[g]):
-                    i1 = min(n, i0 + per[g])
-                    h = k % halves
-                    buf = staging[second:] if h else staging
-                    if dma is None:
-                        ops += self._dma(buf, slots, run_first, i0, i1, c0, c0 + width)
-                    else:
-                        with torch.cuda.stream(dma):
-                            if read[h] is not None:
-                                dma.wait_event(read[h])  # the half's previous scatter has read it
+            try:
+                for g, (a, b) in enumerate(groups):
+                    ops = 0
+                    c0 = self.layout.maps[a].slot_offset
+                    width = self._width(a, b)
+                    for i0 in range(0, n, per[g]):
+                        i1 = min(n, i0 + per[g])
+                        h = k % halves
+                        buf = staging[second:] if h else staging
+                        if dma is None:
                             ops += self._dma(buf, slots, run_first, i0, i1, c0, c0 + width)
-                            landed = torch.cuda.Event()
-                            landed.record(dma)
-                        current.wait_event(landed)
-                    ops += self._scatter(buf, dev_ids[i0:i1], i1 - i0, a, b, c0, width)
-                    if dma is not None:
-                        read[h] = torch.cuda.Event()
-                        read[h].record(current)
-                    k += 1
-                total += ops
-                on_group(g, ops)
+                        else:
+                            with torch.cuda.stream(dma):
+                                if read[h] is not None:
+                                    dma.wait_event(read[h])  # the half's previous scatter has read it
+                                ops += self._dma(buf, slots, run_first, i0, i1, c0, c0 + width)
+                                landed = torch.cuda.Event()
+                                landed.record(dma)
+                            current.wait_event(landed)
+                        ops += self._scatter(buf, dev_ids[i0:i1], i1 - i0, a, b, c0, width)
+                        if dma is not None:
+                            read[h] = torch.cuda.Event()
+                            read[h].record(current)
+                        k += 1
+                    total += ops
+                    on_group(g, ops)
+            finally:
+                if dma is not None:  # an error mid-load: what follows on the load stream waits for every DMA queued
+                    current.wait_stream(dma)
         return total
 
     def _dma_stream(self, load: torch.cuda.Stream) -> torch.cuda.Stream:
