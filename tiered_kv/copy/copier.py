@@ -51,7 +51,7 @@ from tiered_kv.copy.errors import BackendUnavailableError, BlockIndexError, Layo
 from tiered_kv.copy.layouts import KVLayout
 from tiered_kv.copy.segments import BlockIds, ChunkTable, Runs, as_index_tensor, check_indices, plan_runs
 from tiered_kv.copy.select import Mechanism, SelectionPolicy
-from tiered_kv.copy.staged import DEFAULT_STAGING_BYTES, StagedLoader, StagingMemoryError
+from tiered_kv.copy.staged import DEFAULT_STAGING_BYTES, StagedLoader, StagingMemoryError, check_buffers
 from tiered_kv.copy.submit import CopyResult, Submitter
 
 log = logging.getLogger(__name__)
@@ -134,11 +134,8 @@ class BlockCopier:
             else None
         )
         self._threaded = threaded_submit
-        if staging_buffers not in (1, 2):
-            raise BackendUnavailableError(f"staging_buffers={staging_buffers!r}: use 1 (DMA, then scatter, in turn) or 2 "
-                                          f"(two halves of staging_bytes, the next piece's DMA beside the last scatter)")
         self._staging_bytes = staging_bytes
-        self._staging_buffers = staging_buffers
+        self._staging_buffers = check_buffers(staging_buffers)  # checked now: the staged loader comes at first use
         self._load_priority = int(load_priority)
         self._staged: StagedLoader | None = None
         self._staged_warned = False

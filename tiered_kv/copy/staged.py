@@ -67,6 +67,15 @@ HALF_ALIGN = 256
 _WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
+def check_buffers(buffers: object) -> int:
+    """``buffers`` if it is 1 or 2 (the staging modes ``StagedLoader`` knows), else ``BackendUnavailableError``.
+    ``BlockCopier`` checks its ``staging_buffers`` with this at construction (its loader comes later)."""
+    if buffers not in (1, 2):
+        raise BackendUnavailableError(f"staging_buffers={buffers!r}: use 1 (DMA, then scatter, in turn) or 2 (two "
+                                      f"halves of staging_bytes, the next piece's DMA beside the last scatter)")
+    return buffers
+
+
 class StagingMemoryError(BackendUnavailableError):
     """The device has no memory for the staging buffer a load needs; nothing of that load was queued."""
 
@@ -139,12 +148,10 @@ class StagedLoader:
             raise BackendUnavailableError(
                 f"staging_bytes={staging_bytes} cannot hold one block of {layout.block_nbytes} bytes; "
                 f"raise it to at least {layout.block_nbytes} (a few hundred MiB lets a whole load go in one piece)")
-        if buffers not in (1, 2):
-            raise BackendUnavailableError(f"staging buffers={buffers!r}: use 1 (DMA, then scatter) or 2 (alternate halves)")
         self.layout = layout
         self.slab = slab
         self.staging_bytes = int(staging_bytes)
-        self.buffers = buffers
+        self.buffers = check_buffers(buffers)
         self._dma_streams: dict[int, torch.cuda.Stream] = {}  # CUDA, two buffers: load stream priority -> DMA stream
         self._on_cuda = layout.device.type == "cuda"
         self._staging: torch.Tensor | None = None
