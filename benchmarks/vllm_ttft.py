@@ -144,6 +144,17 @@ GEMMA3_4B = {
     "hidden_activation": "gelu_pytorch_tanh", "attn_logit_softcapping": None, "final_logit_softcapping": None,
     "attention_bias": False, "torch_dtype": "bfloat16", "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0,
 }
+#: Gemma-2-9B's shape (issue 28's cliff): 42 layers alternating a 4,096-token window and full attention, 8 KV heads
+#: of 256 (2 KV cache groups); max_position_embeddings raised from 8,192 so 12k-token prompts fit
+GEMMA2_9B = {
+    "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2",
+    "hidden_size": 3584, "intermediate_size": 14336, "num_hidden_layers": 42,
+    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256, "sliding_window": 4096,
+    "layer_types": ["sliding_attention", "full_attention"] * 21, "query_pre_attn_scalar": 256,
+    "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 16384, "vocab_size": 256000, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    "attention_bias": False, "torch_dtype": "bfloat16", "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0,
+}
 GPTOSS_20B = {
     "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
     "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": 24,
@@ -183,7 +194,7 @@ QWEN25_7B = {
 #: the 64-layer shape of issue 14 (Qwen2.5-32B: 8 KV heads x 128, hidden 5,120, 40 query heads, MLP 27,648,
 #: vocabulary 152,064; ~65.5 GB of bf16 weights): the serving benchmark's copy, so both run the same model
 QWEN25_32B = dict(_SERVE_SHAPES["qwen2.5-32b"])
-MODELS = {"llama3-8b": LLAMA3_8B, "gemma3": GEMMA3_4B, "gpt-oss": GPTOSS_20B, "dsv2-lite": DSV2_LITE,
+MODELS = {"llama3-8b": LLAMA3_8B, "gemma3": GEMMA3_4B, "gemma2": GEMMA2_9B, "gpt-oss": GPTOSS_20B, "dsv2-lite": DSV2_LITE,
           "qwen2.5-7b": QWEN25_7B, "qwen2.5-32b": QWEN25_32B}
 DEFAULT_MODES = {
     "llama3-8b": ("none", "offloading", "simple", "tiered-cpu", "tiered-disk"),

@@ -26,7 +26,7 @@ under its lock; the vLLM scheduler thread in the connector).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from tiered_kv.errors import ConfigError, InvalidInputError
 from tiered_kv.planner.counters import ChainCounters, TierCounters
@@ -288,6 +288,18 @@ class TierChain:
         self._maybe_finish(handle, h)
         return n, jobs
 
+    def touch(self, keys: Iterable[bytes], tier: int = 0) -> None:
+        """Order ``keys``' copies in ``tier`` as used now, in order: the last key becomes the most recently used
+        (for a recency policy; this is no access, so frequency counts do not change).
+
+        A caller whose keys form a prefix (block i needs blocks 0..i-1 to be of use) passes them deepest
+        first, so that eviction takes a prefix from its end: a prefix that lost its first block is lost
+        whole, one that lost its last blocks still hits the rest. Keys without a resident copy there
+        (absent, still being written) are skipped."""
+        reorder = self.policies[tier].reorder
+        for key in keys:
+            reorder(key)
+
     def delete(self, keys: Sequence[bytes]) -> Jobs:
         """Drop every copy of ``keys`` (copies being read or written go once their job ends)."""
         jobs: Jobs = []
@@ -373,6 +385,8 @@ class TierChain:
                 self.events.append((True, dst, key))
             self.tier_counters[dst].blocks_in += 1
             self.policies[dst].insert(key)
+            if kind is JobKind.PROMOTE:  # moved up for a reader: an access (S3-FIFO keeps it past one-time blocks)
+                self.policies[dst].access(key)
             if kind is JobKind.INGRESS and self.placement.copy_to:
                 jobs += self._copy_to(key, dst)  # before kick: a waiter's eviction must not take it uncopied
                 if c is None:  # it added a copy below: the record is an Entry now
@@ -444,6 +458,8 @@ class TierChain:
         if src is None:
             src = None if e is None else e.best()
         if src is not None and src <= target:
+            if src == target:  # already there: the reader comes for it with the rest, keep it past one-time blocks
+                self.policies[src].access(key)
             self._item_done(handle, item, True)
             return []
         c = None if (e is None or src is None) else e.copies.get(src)

@@ -42,6 +42,10 @@ class EvictionPolicy:
         """A block left the tier (evicted, deleted or failed). Unknown keys are ignored."""
         raise NotImplementedError
 
+    def reorder(self, key: bytes) -> None:
+        """The caller orders blocks it knows belong together (``TierChain.touch``): a recency policy moves
+        ``key`` to the most recently used end; an access it is not (no frequency counts). Default: nothing."""
+
     def victims(self, n: int, evictable: Callable[[bytes], bool]) -> list[bytes]:
         """Up to ``n`` keys to evict, in policy order, skipping keys for which ``evictable`` is False.
 
@@ -70,6 +74,8 @@ class LRUPolicy(EvictionPolicy):
         """Mark as most recently used."""
         if key in self._order:
             self._order.move_to_end(key)
+
+    reorder = access
 
     def remove(self, key: bytes) -> None:
         """Forget ``key``."""
@@ -118,6 +124,13 @@ class S3FIFOPolicy(EvictionPolicy):
         """Bump the key's frequency (saturating at 3)."""
         if key in self._freq:
             self._freq[key] = min(self._freq[key] + 1, 3)
+
+    def reorder(self, key: bytes) -> None:
+        """Move the key to the new end of whichever queue holds it; its frequency stays."""
+        if key in self._small:
+            self._small.move_to_end(key)
+        elif key in self._main:
+            self._main.move_to_end(key)
 
     def remove(self, key: bytes) -> None:
         """Forget ``key``; a key leaving from the small queue is remembered in the ghost list."""

@@ -475,7 +475,7 @@ def test_counted_asynchronous_loads_set_the_rate_by_bytes_per_rank(model_dir, tp
     try:
         _async_burst(eng, 4)
         st = eng.connector.stats()
-        per_rank = eng.connector.planner._rank_bytes(2 * K * BS)
+        per_rank = eng.connector.geo.hit_nbytes(2 * K * BS)
         assert per_rank * tp == sum(w.connector.worker.kv.block_nbytes for w in eng.workers) * 2 * K
         assert [n for n, _ in seen] == [per_rank] * 4, seen
         assert all(s > 0 for _, s in seen)

@@ -168,20 +168,30 @@ def _spec(kind: str, **kw):
     return vllm_spec.FullAttentionSpec(**common)
 
 
-def test_hybrid_geometry_stores_the_window_tail_and_tags_every_group():
+def test_hybrid_geometry_keeps_one_part_per_group_and_tags_every_group():
     from tiered_kv.connector.vllm.config import geometry
 
     geo = geometry(_vllm_config(), _groups(_spec("swa", window=128), _spec("full")), chunk_blocks=16)
     swa, full = geo.groups
-    assert (swa.kind, swa.chunk_blocks, swa.stored, swa.needed, swa.first_stored) == ("swa", 16, 8, 8, 8)
-    assert (full.kind, full.stored, full.needed) == ("full", 16, 16)
+    assert (swa.kind, swa.chunk_blocks, swa.stored, swa.window_blocks, swa.window_chunks) == ("swa", 16, 16, 8, 1)
+    assert (full.kind, full.stored, full.window_blocks) == ("full", 16, 0)
     page = 16 * 2 * 64 * 2 * 2
-    assert geo.rank_chunk_nbytes == (8 + 16) * 2 * page and geo.slot_blocks == 24 and not geo.block_level_errors
-    assert "swa:SlidingWindowSpec" in geo.tag and "stored=8" in geo.tag and geo.tag.endswith("|chunk=16")
-    every = geometry(_vllm_config(), _groups(_spec("swa", window=128), _spec("full")), 16, swa_store="all")
-    assert every.groups[0].stored == 16 and every.groups[0].needed == 8 and every.tag != geo.tag
+    # a slot holds one group's part: 16 blocks of 2 layers, whichever group
+    assert geo.parts and geo.rank_chunk_nbytes == 16 * 2 * page and geo.slot_blocks == 32
+    assert geo.plane_rows == [16, 16] and not geo.block_level_errors
+    assert "swa:SlidingWindowSpec" in geo.tag and "part=16" in geo.tag and geo.tag.startswith("vllm|parts|")
     wide = geometry(_vllm_config(), _groups(_spec("swa", window=1024), _spec("full")), chunk_blocks=16)
-    assert wide.groups[0].stored == 16  # the window reaches past a chunk: every block is needed
+    assert (wide.groups[0].window_blocks, wide.groups[0].window_chunks) == (64, 4)  # a window of 4 chunks
+    # a hit's bytes: full attention for every token, the window's blocks only
+    assert geo.hit_nbytes(4096) == 256 * 2 * page + 8 * 2 * page
+
+
+def test_parts_slot_fits_every_groups_blocks():
+    from tiered_kv.connector.vllm.config import GroupGeo, parts_slot_nbytes
+
+    groups = (GroupGeo("full", 16, ("a",) * 5, 5 * 100, 4, 4), GroupGeo("swa", 16, ("b",) * 4, 4 * 100, 4, 4, 8))
+    slot = parts_slot_nbytes(groups)
+    assert slot == 2000 and slot % 500 == 0 and slot % 400 == 0  # 4 blocks of 5 layers = 5 blocks of 4
 
 
 def test_one_full_attention_group_keeps_the_single_group_geometry():

@@ -8,8 +8,10 @@ recurrent state of a Mamba layer, on every rank. A wrong byte from a load fails 
 with several groups the connector may never report a block as a load error, so ``discarded_reads``
 must stay 0.
 
-Shapes (``models.py``): ``gptoss`` (2 groups; a chunk of 4 blocks stores 2 window blocks),
-``gemma3`` (6 groups; 3 of 4 window blocks), ``mamba`` (Mamba "align" + full attention).
+Shapes (``models.py``): ``gptoss`` (2 groups; a 4-block chunk, a 2-block window), ``gemma3`` (6 groups;
+a 3-block window), ``mamba`` (Mamba "align" + full attention). Each group's share of a chunk is a record
+of its own (a part, one slot): full attention for every chunk, a window only before a stored prefix's
+end, a Mamba state only where one was kept.
 """
 from __future__ import annotations
 
@@ -32,9 +34,19 @@ mamba_032 = pytest.mark.skipif(not VLLM_032,
 
 K = 4  # blocks per chunk
 NUM_BLOCKS = {"gptoss": 96, "gemma3": 200, "mamba": 96}
-#: bytes of one chunk's record: gptoss 2 window blocks + 4 full blocks of 2 layers x 2048 B;
-#: gemma3 5 groups x 3 window blocks + 4 full blocks of one 2048 B layer
-CHUNK_BYTES = {"gptoss": (2 + 4) * 4096, "gemma3": (5 * 3 + 4) * 2048}
+#: bytes of one slot (any group's part of a chunk): gptoss 4 blocks of 2 layers x 2048 B; gemma3 4 blocks of
+#: one 2048 B layer
+SLOT_BYTES = {"gptoss": 4 * 4096, "gemma3": 4 * 2048}
+#: a hit's (and a prefix's stored) bytes beyond its full-attention blocks: the window at its end
+WINDOW_BYTES = {"gptoss": 2 * 4096, "gemma3": 5 * 3 * 2048}
+#: parts a prefix of whole chunks keeps beside its full-attention ones: the windows' chunks at its end
+WINDOW_PARTS = {"gptoss": 1, "gemma3": 5}
+FULL_BLOCK = {"gptoss": 4096, "gemma3": 2048}
+
+
+def prefix_bytes(shape: str, chunks: int) -> int:
+    """Bytes a stored prefix of ``chunks`` whole chunks takes (and a hit on it loads)."""
+    return chunks * K * FULL_BLOCK[shape] + WINDOW_BYTES[shape]
 
 
 def cfg(**kw) -> dict:
@@ -89,18 +101,29 @@ def assert_clean(eng: Engine) -> None:
     assert chain.used[0] == chain.resident(0)
 
 
-def test_geometry_stores_only_what_a_chunk_boundary_hit_reads(model_dirs):
+def test_geometry_keeps_one_part_per_group(model_dirs):
     eng = make(model_dirs, "gptoss", cfg())
     try:
         geo = eng.connector.geo
-        assert [(g.kind, g.chunk_blocks, g.stored, g.needed) for g in geo.groups] == [("swa", 4, 2, 2),
-                                                                                      ("full", 4, 4, 4)]
-        assert geo.rank_chunk_nbytes == CHUNK_BYTES["gptoss"] and not geo.block_level_errors
+        assert geo.parts and [(g.kind, g.chunk_blocks, g.stored, g.window_blocks) for g in geo.groups] == [
+            ("swa", 4, 4, 2), ("full", 4, 4, 0)]
+        assert geo.rank_chunk_nbytes == SLOT_BYTES["gptoss"] and not geo.block_level_errors
+        assert geo.slot_blocks == 8 and geo.plane_rows == [4, 4]
     finally:
         eng.close()
-    eng = make(model_dirs, "gptoss", cfg(swa_store="all"))
+
+
+@pytest.mark.parametrize("swa_store,window_parts", [("window", 1), ("all", 5)])
+def test_window_parts_are_kept_at_the_prefix_end_or_everywhere(model_dirs, swa_store, window_parts):
+    """``window``: the window's part only for the last chunk (the window is 2 blocks); ``all``: every chunk's."""
+    eng = make(model_dirs, "gptoss", cfg(swa_store=swa_store))
     try:
-        assert [g.stored for g in eng.connector.geo.groups] == [4, 4]
+        eng.add("a", prompt(30, 20 * BS + 5), max_tokens=2)
+        eng.run()
+        eng.settle()
+        st = eng.connector.stats()
+        assert st["resident_cpu"] == 5 + window_parts, st
+        assert st["sched_bytes_stored"] == 5 * K * 4096 + window_parts * 2 * 4096  # the window's 2 blocks a chunk
     finally:
         eng.close()
 
@@ -129,7 +152,8 @@ def _multiturn(model_dirs, shape: str, extra: dict, async_sched: bool) -> Engine
         eng.run()
         eng.settle()
         st = eng.connector.stats()
-        assert st["resident_cpu"] == 3 and st["sched_bytes_stored"] == 3 * CHUNK_BYTES[shape], st
+        assert st["resident_cpu"] == 3 + WINDOW_PARTS[shape], st
+        assert st["sched_bytes_stored"] == prefix_bytes(shape, 3), st
         assert eng.sched.reset_prefix_cache()  # the GPU forgets turn 1
         verified = eng.verified_blocks
         b = eng.add("t2", turn2(a), max_tokens=2)
@@ -141,8 +165,9 @@ def _multiturn(model_dirs, shape: str, extra: dict, async_sched: bool) -> Engine
         assert eng.verified_blocks - verified >= 12
         geo = eng.connector.geo
         # bytes per hit: every full-attention block, and each window group's window at the boundary only
-        window = sum(g.needed * g.block_nbytes for g in geo.groups if g.kind == "swa")
+        window = sum(g.window_blocks * g.block_nbytes for g in geo.groups if g.kind == "swa")
         full = sum(g.chunk_blocks * g.block_nbytes for g in geo.groups if g.kind == "full")
+        assert window == WINDOW_BYTES[shape]
         assert eng.workers[0].connector.stats()["bytes_loaded"] == 3 * full + window
         assert b.is_finished()
         assert_clean(eng)
@@ -178,7 +203,8 @@ def test_full_prompt_hit_leaves_one_token(model_dirs):
         eng.add("a", prompt(3, 8 * BS), max_tokens=1)
         eng.run()
         eng.settle()
-        assert eng.connector.stats()["resident_cpu"] == 2
+        # 2 full-attention parts; the windows before both possible hit ends (2, and 1 for a re-sent prompt)
+        assert eng.connector.stats()["resident_cpu"] == 2 + 2 * 5
         assert eng.sched.reset_prefix_cache()
         eng.add("b", prompt(3, 8 * BS), max_tokens=2)
         eng.run()
@@ -214,8 +240,8 @@ def test_local_prefix_hit_extends_with_loaded_chunks(model_dirs):
         eng.close()
 
 
-def _disk_engine(model_dirs, tmp_path, shape="gptoss", cpu_chunks=2, **kw):
-    extra = cfg(cpu_bytes=cpu_chunks * CHUNK_BYTES[shape], disk_path=str(tmp_path / "kv"), disk_bytes="4MiB",
+def _disk_engine(model_dirs, tmp_path, shape="gptoss", cpu_slots=3, **kw):
+    extra = cfg(cpu_bytes=cpu_slots * SLOT_BYTES[shape], disk_path=str(tmp_path / "kv"), disk_bytes="4MiB",
                 disk_load_policy="always")
     extra.update(kw.pop("extra", {}))
     return make(model_dirs, shape, extra, max_batched=64, **kw)
@@ -225,13 +251,16 @@ def _disk_engine(model_dirs, tmp_path, shape="gptoss", cpu_chunks=2, **kw):
 def test_disk_hits_are_promoted_to_cpu_then_loaded(model_dirs, tmp_path, shape):
     """With several groups a disk hit moves up to the CPU tier first (vLLM is told to ask again), then
     loads from there: a bad disk record can only shorten the hit, never fail a load."""
-    eng = _disk_engine(model_dirs, tmp_path, shape)
+    parts = 5 + WINDOW_PARTS[shape]  # a 5-chunk prefix
+    eng = _disk_engine(model_dirs, tmp_path, shape, cpu_slots=parts + 2)
     try:
         a = eng.add("big", prompt(6, 20 * BS + 5), max_tokens=2)
         eng.run()
+        eng.add("filler", prompt(7, 20 * BS + 5), max_tokens=2)  # pushes most of big's parts down to disk
+        eng.run()
         eng.settle()
         st = eng.connector.stats()
-        assert st["resident_cpu"] <= 2 and st["resident_disk"] >= 3, st
+        assert st["resident_cpu"] == parts + 2 and st["resident_disk"] >= parts, st
         assert eng.sched.reset_prefix_cache()
         verified = eng.verified_blocks
         b = eng.add("big-2", turn2(a), max_tokens=2)
@@ -239,17 +268,38 @@ def test_disk_hits_are_promoted_to_cpu_then_loaded(model_dirs, tmp_path, shape):
         eng.settle()
         st = eng.connector.stats()
         assert st["sched_promotions"] == 1, st
-        # no disk->GPU load; at most what the CPU tier holds at once (2 chunks) is promoted and loaded
-        assert st["sched_hit_tokens_disk"] == 0 and st["sched_hit_tokens_cpu"] == 2 * K * BS, st
-        assert eng.workers[0].connector.stats()["bytes_from_disk"] == 2 * CHUNK_BYTES[shape]  # the promotions
-        assert eng.verified_blocks - verified >= 8 and b.is_finished()
+        # no disk->GPU load: the whole hit moved up, then loaded from the CPU tier
+        assert st["sched_hit_tokens_disk"] == 0 and st["sched_hit_tokens_cpu"] == 20 * BS, sorted(st.items())
+        assert eng.workers[0].connector.stats()["bytes_from_disk"] > 0  # the promotions
+        assert eng.verified_blocks - verified >= 20 and b.is_finished()
+        assert_clean(eng)
+    finally:
+        eng.close()
+
+
+def test_a_hit_larger_than_the_cpu_tier_is_no_hit(model_dirs, tmp_path):
+    """Several groups load only from the CPU tier, and a hit ends only where its window was kept: a disk hit
+    with more parts than the CPU tier holds is recomputed (promoting its first parts would buy nothing)."""
+    eng = _disk_engine(model_dirs, tmp_path, "gptoss", cpu_slots=3)
+    try:
+        a = eng.add("big", prompt(6, 20 * BS + 5), max_tokens=2)
+        eng.run()
+        eng.settle()
+        assert eng.connector.stats()["resident_disk"] >= 3
+        assert eng.sched.reset_prefix_cache()
+        b = eng.add("big-2", turn2(a), max_tokens=2)
+        eng.run()
+        eng.settle()
+        st = eng.connector.stats()
+        assert st["sched_promotions"] == 0 and st["sched_hit_tokens_cpu"] == 0, st
+        assert b.is_finished()
         assert_clean(eng)
     finally:
         eng.close()
 
 
 def test_corrupt_disk_record_is_a_miss_not_a_load_error(model_dirs, tmp_path):
-    eng = _disk_engine(model_dirs, tmp_path, extra={"write_policy": "write_through"})
+    eng = _disk_engine(model_dirs, tmp_path, cpu_slots=5, extra={"write_policy": "write_through"})
     try:
         a = eng.add("victim", prompt(7, 12 * BS + 1), max_tokens=2)
         eng.run()
@@ -276,18 +326,18 @@ def test_corrupt_disk_record_is_a_miss_not_a_load_error(model_dirs, tmp_path):
 def test_restart_hits_chunks_written_by_the_previous_engine(model_dirs, tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONHASHSEED", "0")
     extra = {"write_policy": "write_through"}
-    first = _disk_engine(model_dirs, tmp_path, "gemma3", cpu_chunks=4, extra=extra)
+    first = _disk_engine(model_dirs, tmp_path, "gemma3", cpu_slots=19, extra=extra)
     try:
         a = first.add("old", prompt(9, 12 * BS + 3), max_tokens=2)
         first.run()
         first.settle()
-        assert first.connector.stats()["resident_disk"] == 3
+        assert first.connector.stats()["resident_disk"] == 3 + WINDOW_PARTS["gemma3"]
         conv = turn2(a)
     finally:
         first.close()
-    second = _disk_engine(model_dirs, tmp_path, "gemma3", cpu_chunks=4, extra=extra)  # same disk path
+    second = _disk_engine(model_dirs, tmp_path, "gemma3", cpu_slots=19, extra=extra)  # same disk path
     try:
-        assert second.connector.stats()["resident_disk"] == 3  # adopted at start-up
+        assert second.connector.stats()["resident_disk"] == 3 + WINDOW_PARTS["gemma3"]  # adopted at start-up
         second.add("new", conv, max_tokens=2)
         second.run()
         second.settle()
@@ -318,11 +368,14 @@ def test_window_blocks_freed_mid_request_are_never_stored_after_reuse(model_dirs
         eng.settle()
         st = eng.connector.stats()
         ws = eng.workers[0].connector.stats()
-        # every chunk is stored, or its store was dropped (blocks handed on before it was handed out)
+        # every part is stored, or its store was dropped (blocks handed on before it was handed out)
         # or cancelled by a fence (still queued when vLLM handed a block on): a shorter prefix, never wrong KV
-        assert st["resident_cpu"] + st["sched_stores_dropped_reused"] + ws["stores_cancelled"] == 10, (st, ws)
-        if gated:
-            assert gate.fenced  # a window block was handed on while a store still had to read it
+        parts = 2 * (5 + (5 if swa_store == "all" else 1))
+        assert st["resident_cpu"] + st["sched_stores_dropped_reused"] + ws["stores_cancelled"] == parts, (st, ws)
+        if gated and swa_store == "all":
+            # a window block was handed on while a store still had to read it (with "window" the stores read only
+            # the window at the prompt's end, which the request holds until it finishes)
+            assert gate.fenced
         if swa_store == "all" and VLLM_032:  # (0.26 hands the freed blocks on later in this workload)
             assert st["sched_stale_blocks_dropped"] > 0, st  # re-used window blocks were taken out of the tables
         assert eng.sched.reset_prefix_cache()
@@ -331,7 +384,7 @@ def test_window_blocks_freed_mid_request_are_never_stored_after_reuse(model_dirs
             eng.add(r.request_id + "-2", turn2(r), max_tokens=2)
             eng.run()
             eng.settle()
-        if st["resident_cpu"] == 10:
+        if st["resident_cpu"] == parts:
             assert eng.connector.stats()["sched_hit_tokens_cpu"] == 2 * 20 * BS
         assert eng.verified_blocks - verified >= 2 * 20
         assert_clean(eng)
@@ -401,21 +454,21 @@ def test_abort_mid_store_then_block_reuse_is_fenced(model_dirs):
         eng.close()
 
 
-def test_on_finish_stores_only_chunks_whose_window_is_still_held(model_dirs):
-    """``on_finish``: vLLM hands back 0 for window blocks it freed; a chunk missing blocks a hit needs
-    is not stored (the eager default stores every chunk)."""
+def test_on_finish_stores_the_window_vllm_still_holds(model_dirs):
+    """``on_finish``: vLLM hands back 0 for window blocks it freed; the window before the prompt's end is
+    still held when the request finishes (it is the one its decode reads), so the prefix is stored whole."""
     eng = make(model_dirs, "gptoss", cfg(store_policy="on_finish"))
     try:
         a = eng.add("f1", prompt(16, 12 * BS + 3), max_tokens=2)
         eng.run()
         eng.settle()
         st = eng.connector.stats()
-        assert st["resident_cpu"] == 1 and st["sched_chunks_not_storable"] == 2, st  # only the last chunk
+        assert st["resident_cpu"] == 3 + 1 and st["sched_chunks_not_storable"] == 0, st
         assert eng.sched.reset_prefix_cache()
         eng.add("f2", turn2(a), max_tokens=2)
         eng.run()
         eng.settle()
-        assert eng.connector.stats()["sched_hit_tokens_cpu"] == 0  # no chunk 0: no prefix to hit
+        assert eng.connector.stats()["sched_hit_tokens_cpu"] == 12 * BS
         assert_clean(eng)
     finally:
         eng.close()
@@ -469,7 +522,7 @@ def test_mamba_align_hits_end_where_a_state_was_kept(model_dirs):
         st = eng.connector.stats()
         state_bytes = 2 * models.state_nbytes()
         # 12 chunks of full attention; the state only at 192 (where the step ended)
-        assert st["resident_cpu"] == 12 and st["sched_bytes_stored"] == 12 * 4096 + state_bytes, st
+        assert st["resident_cpu"] == 12 + 1 and st["sched_bytes_stored"] == 12 * 4096 + state_bytes, st
         assert eng.sched.reset_prefix_cache()
         verified = eng.verified_blocks
         b = eng.add("m2", turn2(a), max_tokens=2)
@@ -493,11 +546,11 @@ def test_mamba_without_a_state_at_a_chunk_end_is_no_hit(model_dirs):
         eng.run()
         eng.settle()
         assert eng.sched.reset_prefix_cache()
-        from tiered_kv.connector.vllm.scheduler import _Req
-
         planner = eng.connector.planner
-        # drop the record that holds the state: the attention chunks alone cannot serve a hit
-        planner._route(planner.chain.delete([planner._state_key(_Req(a), 11)]))
+        parts = planner._parts
+        chunk_key = planner.key(bytes(a.block_hashes[11]))
+        # drop the part that holds the state: the attention chunks alone cannot serve a hit
+        planner._route(planner.chain.delete([parts.part_key(a.block_hashes, 11, parts.mamba[0], chunk_key)]))
         eng.settle()
         eng.add("m2", turn2(a), max_tokens=2)
         eng.run()

@@ -49,7 +49,7 @@ class ConnectorConfig(RemoteKeys):
     disk_bytes: int = 64 << 30
     disk_budget: str = "namespace"  # "shared": one budget for every engine on disk_path (docs/reliability.md)
     disk_weight: int = 1
-    eviction: str = "lru"
+    eviction: str = "s3fifo"  # scan-resistant: prompts seen once go before prefixes that were hit (issue 28)
     write_policy: str = "write_back"
     promote_on_hit: bool = True
     store_policy: str = "eager"
@@ -229,12 +229,14 @@ GROUP_KINDS = ("full", "mla", "swa", "mamba")
 
 @dataclass(frozen=True)
 class GroupGeo:
-    """One vLLM KV cache group as the tiers see it: which of a chunk's blocks its record holds.
+    """One vLLM KV cache group as the tiers see it.
 
-    A chunk spans ``chunk_blocks`` blocks of the group. A hit always ends at a chunk boundary, so
-    a group needs only the chunk's last ``needed`` blocks (full attention and MLA: all of them;
-    sliding window: the blocks the window before a boundary reaches; Mamba: the state block at
-    the boundary); its record holds the last ``stored`` (>= ``needed``) blocks.
+    One full-attention (or MLA) group: a chunk's record holds all ``chunk_blocks`` of its blocks
+    (``stored``). Several groups (hybrid models, ``Geometry.parts``): each group's share of a chunk
+    is a record of its own, a *part* of ``stored`` blocks (full attention and MLA: the chunk's
+    blocks; sliding window: the chunk's blocks, kept only for chunks inside the window before a
+    stored prefix's end; Mamba: the state block at the chunk's end). ``window_blocks`` (sliding
+    window only): the blocks before a hit boundary the window reads.
     """
 
     kind: str
@@ -243,19 +245,14 @@ class GroupGeo:
     block_nbytes: int  # one block over the group's layers, on one rank
     chunk_blocks: int
     stored: int
-    needed: int
+    window_blocks: int = 0
     desc: str = ""
     index: int = 0  # the group's index in vLLM's kv_cache_groups (its place in every block-id tuple)
 
     @property
-    def first_stored(self) -> int:
-        """Index in the chunk of the first block the record holds."""
-        return self.chunk_blocks - self.stored
-
-    @property
-    def first_needed(self) -> int:
-        """Index in the chunk of the first block a hit at a chunk boundary reads."""
-        return self.chunk_blocks - self.needed
+    def window_chunks(self) -> int:
+        """Sliding window: the chunks before a hit boundary whose parts a hit reads (0 for other kinds)."""
+        return -(-self.window_blocks // self.chunk_blocks) if self.window_blocks else 0
 
 
 @dataclass(frozen=True)
@@ -263,11 +260,15 @@ class Geometry:
     """What both sides agree on: block and chunk size, per-rank bytes, TP, groups, tags.
 
     The tiers hold *chunks* of ``chunk_blocks`` consecutive scheduler blocks (one key, one CPU
-    slot, one disk record each): per-chunk planner work is what keeps the scheduler cheap. A
-    chunk's record holds, group after group, the blocks of each group listed in ``groups``
-    (``GroupGeo.stored`` per group; one group of all blocks for a full-attention model, which is
-    what the positional fields describe). ``replicated``: every TP rank holds the same bytes
-    (MLA), so one copy serves all ranks.
+    slot, one disk record each): per-chunk planner work is what keeps the scheduler cheap. One
+    full-attention or MLA group (the positional fields describe it): a chunk's record holds its
+    blocks. Several groups (``parts``): a record holds one group's part of a chunk, so a tier
+    spends bytes only on what a later hit reads (a sliding window's blocks only near a stored
+    prefix's end, a Mamba state only where one was kept). Every part takes one slot of
+    ``rank_chunk_nbytes`` (the largest part, rounded up to a whole number of every group's
+    blocks); in the slot a part's blocks start at row 0 of its group's plane (the planes of all
+    groups overlay the slab). ``replicated``: every TP rank holds the same bytes (MLA), so one
+    copy serves all ranks.
     """
 
     block_size: int  # the scheduler's block size (the LCM of the groups' block sizes)
@@ -284,7 +285,7 @@ class Geometry:
         if not self.groups:
             k = self.chunk_blocks
             object.__setattr__(self, "groups", (GroupGeo("full", self.block_size, tuple(self.layer_names),
-                                                          self.rank_block_nbytes, k, k, k),))
+                                                          self.rank_block_nbytes, k, k),))
         if not self.hash_block_size:
             object.__setattr__(self, "hash_block_size", self.block_size)
 
@@ -294,8 +295,21 @@ class Geometry:
         return self.block_size * self.chunk_blocks
 
     @property
+    def parts(self) -> bool:
+        """Records are parts (one group's share of a chunk): every model but one full-attention or MLA group."""
+        return len(self.groups) > 1 or self.groups[0].kind not in ("full", "mla")
+
+    @property
+    def part_blocks(self) -> int:
+        """GPU ids one group's share of a job item carries (the largest part; the whole record with one group)."""
+        return max(g.stored for g in self.groups)
+
+    @property
     def slot_blocks(self) -> int:
-        """Blocks in one chunk's record, over all groups (the GPU ids a job carries per item)."""
+        """GPU ids per job item: each group's ``part_blocks`` in group order (parts: only the item's group
+        holds ids, the others -1), or the record's blocks over all groups."""
+        if self.parts:
+            return len(self.groups) * self.part_blocks
         return sum(g.stored for g in self.groups)
 
     @property
@@ -311,19 +325,46 @@ class Geometry:
 
     @property
     def rank_chunk_nbytes(self) -> int:
-        """Bytes of one chunk's record on one rank (a CPU slot, a disk record)."""
+        """Bytes of one record on one rank (a CPU slot, a disk record): a chunk, or with ``parts`` one slot
+        that holds any group's part."""
+        if self.parts:
+            return parts_slot_nbytes(self.groups)
         return sum(g.stored * g.block_nbytes for g in self.groups)
 
     @property
     def chunk_nbytes(self) -> int:
-        """Bytes of one chunk summed over the copies kept (what the byte budgets are divided by):
+        """Bytes of one record summed over the copies kept (what the byte budgets are divided by):
         one per TP rank, or one in all when ``replicated``."""
         return self.rank_chunk_nbytes * (1 if self.replicated else self.tp_size)
 
     @property
     def sections(self) -> list[tuple[int, int]]:
-        """``(blocks, bytes per block)`` of each group's part of a record, in group order."""
+        """``(GPU ids per item, bytes per block)`` of each group, in group order."""
+        if self.parts:
+            p = self.part_blocks
+            return [(p, g.block_nbytes) for g in self.groups]
         return [(g.stored, g.block_nbytes) for g in self.groups]
+
+    @property
+    def plane_rows(self) -> list[int]:
+        """Block rows per slot in each group's plane of the slab (the planes overlay the whole slot)."""
+        slot = self.rank_chunk_nbytes
+        return [slot // g.block_nbytes for g in self.groups]
+
+    def hit_nbytes(self, tokens: int) -> int:
+        """About the bytes a hit of ``tokens`` moves into one rank's GPU (full attention: every block;
+        sliding window: the window; Mamba: one state)."""
+        if not self.parts:
+            return -(-tokens // self.block_size) * self.rank_chunk_nbytes // self.chunk_blocks
+        total = 0
+        for g in self.groups:
+            blocks = -(-tokens // g.block_size)
+            if g.kind == "swa":
+                blocks = min(blocks, g.window_blocks)
+            elif g.kind == "mamba":
+                blocks = 1
+            total += blocks * g.block_nbytes
+        return total
 
     def rank_layout(self, rank: int) -> BlockLayout:
         """The ``BlockLayout`` of one rank's slab rows and disk records (one chunk each)."""
@@ -331,14 +372,20 @@ class Geometry:
         return BlockLayout((self.rank_chunk_nbytes,), "uint8", f"{self.tag}|{who}")
 
 
+def parts_slot_nbytes(groups: tuple[GroupGeo, ...]) -> int:
+    """One slot for any group's part: the largest part, rounded up to a whole number of every group's blocks
+    (each group's plane addresses the slot in its own block rows)."""
+    unit = math.lcm(*(g.block_nbytes for g in groups))
+    largest = max(g.stored * g.block_nbytes for g in groups)
+    return -(-largest // unit) * unit
 
-def geometry(vllm_config, kv_cache_config, chunk_blocks: int = 1, swa_store: str = "window",
-             mla_store_once: bool = True) -> Geometry:
+
+def geometry(vllm_config, kv_cache_config, chunk_blocks: int = 1, mla_store_once: bool = True) -> Geometry:
     """Block geometry from vLLM's configs; ConfigError for models this connector cannot serve.
 
     One full-attention (or MLA) group keeps the geometry, tag and record bytes of the
     single-group connector, so its existing disk caches stay valid. Several groups (hybrid
-    models: sliding window + full attention, Mamba + attention) get one section per group.
+    models: sliding window + full attention, Mamba + attention) store one part per group and chunk.
     """
     from vllm.v1.kv_cache_interface import MLAAttentionSpec  # noqa: PLC0415 (vllm only inside connector/)
 
@@ -359,14 +406,13 @@ def geometry(vllm_config, kv_cache_config, chunk_blocks: int = 1, swa_store: str
         replicated = (mla_store_once and isinstance(spec, MLAAttentionSpec)
                       and _mla_replicated(vllm_config, kv_cache_config, spec))
         bs, nbytes, k = int(spec.block_size), int(spec.page_size_bytes) * len(layers), chunk_blocks
-        group = GroupGeo(kinds[0], bs, layers, nbytes, k, k, k, index=vllm_index[id(groups[0])])
+        group = GroupGeo(kinds[0], bs, layers, nbytes, k, k, index=vllm_index[id(groups[0])])
         return Geometry(bs, k, layers, nbytes, tp, tag, (group,), replicated=replicated)
-    return _hybrid_geometry(vllm_config, kv_cache_config, groups, kinds, chunk_blocks, swa_store, layout_name, tp,
-                            vllm_index)
+    return _hybrid_geometry(vllm_config, kv_cache_config, groups, kinds, chunk_blocks, layout_name, tp, vllm_index)
 
 
-def _hybrid_geometry(vllm_config, kv_cache_config, groups, kinds, chunk_blocks, swa_store, layout_name,
-                     tp, vllm_index) -> Geometry:
+def _hybrid_geometry(vllm_config, kv_cache_config, groups, kinds, chunk_blocks, layout_name, tp,
+                     vllm_index) -> Geometry:
     pc = vllm_config.parallel_config
     cp = [int(vars(pc).get(name, 1) or 1) for name in ("decode_context_parallel_size", "prefill_context_parallel_size")]
     if cp != [1, 1]:
@@ -391,21 +437,18 @@ def _hybrid_geometry(vllm_config, kv_cache_config, groups, kinds, chunk_blocks, 
         spec = g.kv_cache_spec
         bs = int(spec.block_size)
         k = chunk_tokens // bs
+        window = 0
         if kind == "swa":
             # tokens before a boundary the window still reads (0.32 keeps extra_retained_tokens more)
             reach = int(spec.sliding_window) - 1 + int(vars(spec).get("extra_retained_tokens", 0) or 0)
-            needed = max(1, min(k, -(-reach // bs)))
-            stored = needed if swa_store == "window" else k
-        elif kind == "mamba":
-            needed = stored = 1  # the state block at the chunk's end
-        else:
-            needed = stored = k
+            window = max(1, -(-reach // bs))
+        stored = 1 if kind == "mamba" else k  # a Mamba part is the state block at the chunk's end
         layers = tuple(g.layer_names)
         fields_ = ",".join(f"{a}={b}" for a, b in sorted(_spec_fields(spec).items()))
-        desc = f"{kind}:{type(spec).__name__}:{fields_}:layers={len(layers)}:stored={stored}"
-        out.append(GroupGeo(kind, bs, layers, _real_page_nbytes(spec) * len(layers), k, stored, needed, desc,
+        desc = f"{kind}:{type(spec).__name__}:{fields_}:layers={len(layers)}:part={stored}"
+        out.append(GroupGeo(kind, bs, layers, _real_page_nbytes(spec) * len(layers), k, stored, window, desc,
                             index=vllm_index[id(g)]))
-    tag = "vllm|groups|" + "+".join(gg.desc for gg in out) + f"|layout={layout_name}|chunk={chunk_blocks}"
+    tag = "vllm|parts|" + "+".join(gg.desc for gg in out) + f"|layout={layout_name}|chunk={chunk_blocks}"
     return Geometry(sched_bs, chunk_blocks, tuple(n for gg in out for n in gg.layer_names),
                     sum(gg.block_nbytes * (sched_bs // gg.block_size) for gg in out), tp, tag, tuple(out), hash_bs)
 

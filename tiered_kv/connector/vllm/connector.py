@@ -170,8 +170,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         if kv_cache_config is None:
             raise ConfigError("TieredKVConnector needs vLLM's kv_cache_config (vLLM >= 0.26)")
         self.cfg = ConnectorConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
-        self.geo = geometry(vllm_config, kv_cache_config, self.cfg.chunk_blocks, self.cfg.swa_store,
-                            self.cfg.mla_store_once)
+        self.geo = geometry(vllm_config, kv_cache_config, self.cfg.chunk_blocks, self.cfg.mla_store_once)
         self.ident = hash_identity(str(vllm_config.cache_config.prefix_caching_hash_algo))
         if not self.ident.stable:
             if self.cfg.disk_path is not None:

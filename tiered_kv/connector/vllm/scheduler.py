@@ -22,16 +22,16 @@ GPU source blocks are protected without delaying vLLM's frees: a store job is on
 out if none of its blocks was re-allocated since the store was planned, and a block that is
 re-allocated while a job still reads or writes it puts that job in the next plan's fences.
 
-Hybrid models (several KV cache groups, ``Geometry.groups``): a chunk is still one key, named
-by the block hash at its last token (which chains the whole prefix, so it covers every group);
-its record holds, per group, the blocks a hit at a chunk boundary reads (full attention and
-MLA: all; sliding window: the window's tail; Mamba: the state at the boundary). A job's GPU
-ids per item are the groups' stored blocks in group order (``Geometry.slot_blocks``), -1 for
-a block to leave alone. vLLM frees a running request's out-of-window blocks without telling
-the connector, so table entries re-allocated since are zeroed before any store reads them.
-With several groups vLLM takes no per-block load errors, so every load comes from a ready
-CPU copy (disk hits are promoted to the CPU tier first; ``match`` answers "ask again" while
-they move) and the worker falls back to a plain copy rather than report a block.
+Hybrid models (several KV cache groups, ``Geometry.parts``): each group's share of a chunk is a
+record of its own (a *part*), and ``parts.PartPlanner`` decides which parts a hit reads and a store
+writes (full attention: every chunk; a sliding window: only the window before a stored prefix's end;
+Mamba: the state where one was kept), so a tier's bytes hold what later hits can use. A job's GPU ids
+per item are ``Geometry.slot_blocks`` (the item's group's blocks in its section, -1 elsewhere). vLLM
+frees a running request's out-of-window blocks without telling the connector, so table entries
+re-allocated since are zeroed before any store reads them. With several groups vLLM takes no
+per-block load errors, so every load comes from a ready CPU copy (disk hits are promoted to the CPU
+tier first; ``match`` answers "ask again" while they move) and the worker falls back to a plain copy
+rather than report a block.
 
 Tail pieces (``tail_chunks``, one full-attention or MLA group): a prompt rarely ends on a chunk
 boundary, so the full blocks after its last whole chunk are stored too, once its prefill is
@@ -63,6 +63,7 @@ from tiered_kv.planner.policy import PlacementPolicy
 from tiered_kv.values.jobs import Completion, JobKind, TransferJob
 from tiered_kv.connector.vllm.admission import StepLoadBudget
 from tiered_kv.connector.vllm.config import ConnectorConfig, Geometry
+from tiered_kv.connector.vllm.parts import PartHit, PartPlanner
 
 
 class PresenceSource(Protocol):
@@ -145,7 +146,7 @@ class _Req:
     and on vLLM's scheduler thread that run lands inside a step."""
 
     __slots__ = ("request", "keys", "tables", "stored", "lookup", "hit_keys", "hit_tail", "tail_done", "seen_tail",
-                 "sync", "promoting", "promoted")
+                 "sync", "promoting", "promoted", "parts", "owned")
 
     def __init__(self, request) -> None:
         self.request = request  # vllm.v1.request.Request
@@ -160,6 +161,8 @@ class _Req:
         self.sync = False  # the last match is loaded inside the step (all chunks in the CPU tier)
         self.promoting = 0  # handle of a disk->CPU promotion this request waits for (several groups)
         self.promoted = False  # its promotion ran: take what the CPU tier holds now
+        self.parts: PartHit | None = None  # hybrid models: the parts the last match would load
+        self.owned: list[bytes] = []  # hybrid models: the part keys it loaded or stored, in chunk order
 
 
 class _Put:
@@ -214,9 +217,9 @@ class SchedulerPlanner:
         self.chunk = geo.chunk_tokens
         self._hashes_per_chunk = geo.chunk_tokens // geo.hash_block_size
         self._groups = geo.groups
-        # one full-attention (or MLA) group: the single-group code paths, unchanged
-        self._single = len(geo.groups) == 1 and geo.groups[0].kind in ("full", "mla")
-        self._mamba = geo.has_mamba
+        # one full-attention (or MLA) group: a record is a chunk; else a record is one group's part of a chunk
+        self._single = not geo.parts
+        self._parts = PartPlanner(geo, ns.key, cfg.swa_store) if geo.parts else None
         # sliding-window groups lose blocks mid-request: watch table entries for re-allocation
         self._swa = [i for i, g in enumerate(geo.groups) if g.kind == "swa"]
         specs = [TierSpec("cpu", cpu_chunks)]
@@ -309,10 +312,6 @@ class SchedulerPlanner:
             keys += self._keys(hashes[len(keys) * m + m - 1:upto * m:m])  # only the chunks not named yet
         return keys
 
-    def _state_key(self, st: _Req, c: int) -> bytes:
-        """Mamba hybrids: the key of chunk c's record when it also holds the recurrent state at the chunk's end."""
-        return self.key(bytes(st.request.block_hashes[(c + 1) * self._hashes_per_chunk - 1]) + b"|state")
-
     def _tables(self, block_ids) -> list[list[int]]:
         """Our groups' block-id lists out of one of vLLM's per-group tuples (copies: we extend them)."""
         if self._single:
@@ -320,63 +319,14 @@ class SchedulerPlanner:
         return [list(block_ids[g.index]) for g in self._groups]
 
     def _load_ids(self, tables: list[list[int]], c0: int, n: int, local: int) -> list[int]:
-        """GPU ids a load of chunks ``[c0, c0+n)`` fills, ``slot_blocks`` per chunk; -1: leave alone.
-
-        ``local``: tokens vLLM holds already. Several groups: a block is filled only where a hit
-        at the boundary ``(c0+n)`` reads it (the window's tail, the state at the end); vLLM
-        allocates nothing else there (null blocks), which is checked.
-        """
-        if self._single:
-            k = self.k
-            out = list(tables[0][c0 * k:(c0 + n) * k])
-            skip = local // self.bs - c0 * k
-            if skip > 0 and out:
-                out[:skip] = [-1] * skip
-            return out
-        out: list[int] = []
-        last = c0 + n - 1
-        for c in range(c0, c0 + n):
-            for g, table in zip(self._groups, tables):
-                k, bs = g.chunk_blocks, g.block_size
-                for j in range(k):
-                    pos = c * k + j
-                    b = table[pos] if pos < len(table) else 0
-                    fresh = b != 0 and (pos + 1) * bs > local
-                    wanted = j >= g.first_needed and (g.kind != "mamba" or c == last)
-                    if fresh and not wanted:
-                        raise RuntimeError(
-                            f"TieredKVConnector: vLLM allocated block {b} of KV cache group {g.index} ({g.kind}) at "
-                            f"position {pos} for an external hit ending at token {(last + 1) * self.chunk}, where "
-                            f"the stored chunks hold nothing for it; this vLLM version allocates hits differently")
-                    if j >= g.first_stored:
-                        out.append(b if fresh else -1)
+        """One group: GPU ids a load of chunks ``[c0, c0+n)`` fills, ``chunk_blocks`` per chunk; -1 for the
+        blocks vLLM holds already (``local`` tokens)."""
+        k = self.k
+        out = list(tables[0][c0 * k:(c0 + n) * k])
+        skip = local // self.bs - c0 * k
+        if skip > 0 and out:
+            out[:skip] = [-1] * skip
         return out
-
-    def _store_ids(self, tables: list[list[int]], c: int, state: bool) -> tuple[list[int], bool, bool]:
-        """GPU ids a store of chunk c reads (``slot_blocks``; -1 = none), whether every block a hit
-        needs is there, and whether the Mamba state at the chunk's end is among them (``state``:
-        a step ended exactly there, so the state block holds it)."""
-        out: list[int] = []
-        complete = True
-        states: list[int] = []  # positions in ``out`` of the Mamba state blocks
-        for g, table in zip(self._groups, tables):
-            k = g.chunk_blocks
-            for j in range(g.first_stored, k):
-                b = table[c * k + j]
-                if g.kind == "mamba":
-                    if state and b:
-                        states.append(len(out))
-                    out.append(b if state and b else -1)
-                elif b:
-                    out.append(b)
-                else:
-                    out.append(-1)
-                    complete = complete and j < g.first_needed
-        has_state = bool(states) and len(states) == sum(1 for g in self._groups if g.kind == "mamba")
-        if not has_state:
-            for i in states:
-                out[i] = -1
-        return out, complete, has_state
 
     # ------------------------------------------------------------------ lookups and loads
     def match(self, request, num_computed_tokens: int) -> int | None:
@@ -399,6 +349,8 @@ class SchedulerPlanner:
         st.hit_tail = 0
         if st.promoting:
             return None  # its disk chunks are still moving up to the CPU tier
+        if self._parts is not None:
+            return self._match_parts(st, c0, usable, num_computed_tokens)
         keys, where = self._walk(st, c0, usable)
         tail = 0
         if self._tails:
@@ -411,18 +363,8 @@ class SchedulerPlanner:
         n = self._worth_loading(where)
         if tail and n < len(where):
             tail = 0  # the tail's tier was declined (or a chunk before it was)
-        if self._mamba:
-            n = self._end_at_state(st, keys, where, c0, n)
         log.debug("match %s: computed %d, %d of %d chunks held %s, %d worth loading", request.request_id,
                   num_computed_tokens, len(where), usable, where[:4], n)
-        if n and not self.geo.block_level_errors and any(t != CPU for t in where[:n]):
-            if not st.promoted:  # several groups: load only from the CPU tier, so a bad disk record is a plain miss
-                # no more than the CPU tier holds, or the last promotions would evict the first
-                self._promote(st, keys[:min(n, self.chain.specs[CPU].capacity)])
-                return None
-            n = next(i for i, t in enumerate(where) if t != CPU)
-            if self._mamba:
-                n = self._end_at_state(st, keys, where, c0, n)
         whole = n - (1 if tail else 0)
         tokens = (c0 + whole) * chunk + tail * bs - num_computed_tokens
         if n == 0 or tokens // bs < self.cfg.min_hit_blocks:
@@ -433,12 +375,55 @@ class SchedulerPlanner:
         st.sync = (self.cfg.load_mode != "async" and tokens <= self.cfg.sync_max_tokens
                    and all(t == CPU for t in where[:n]))
         if st.sync and self._budget is not None:
-            st.sync = self._budget.admit(self._rank_bytes(tokens))
+            st.sync = self._budget.admit(self.geo.hit_nbytes(tokens))
         return tokens
 
-    def _rank_bytes(self, tokens: int) -> int:
-        """The bytes a hit of ``tokens`` moves into one rank's GPU (about: whole blocks, every group)."""
-        return -(-tokens // self.bs) * self.geo.rank_chunk_nbytes // self.k
+    def _match_parts(self, st: _Req, c0: int, usable: int, computed: int) -> int | None:
+        """``match`` for hybrid models: the longest hit over parts, its disk parts promoted to the CPU tier first."""
+        parts, hashes = self._parts, st.request.block_hashes
+
+        def chunk_key(c: int) -> bytes:
+            return self._chunk_keys(st, c + 1)[c]
+
+        hit = parts.find(hashes, chunk_key, c0, usable, self._best)
+        if hit is not None:
+            n = self._worth_loading(hit.chunk_tiers(c0))
+            if n < hit.end - c0:  # disk chunks declined: a shorter hit needs its own window and state
+                hit = parts.find(hashes, chunk_key, c0, n, self._best) if n else None
+        if hit is not None and any(t != CPU for t in hit.tiers):
+            if not st.promoted:  # load only from the CPU tier, so a bad disk record is a plain miss
+                if len(hit.keys) > self.chain.specs[CPU].capacity:
+                    # its last promotions would evict its first, and a shorter hit lacks the window it ends at
+                    log.debug("match %s: a hit of %d parts exceeds the CPU tier", st.request.request_id,
+                              len(hit.keys))
+                    return 0
+                self._promote(st, hit.keys)
+                return None
+            n = next(i for i, t in enumerate(hit.chunk_tiers(c0)) if t != CPU)
+            hit = parts.find(hashes, chunk_key, c0, n, self._best) if n else None
+            if hit is not None and any(t != CPU for t in hit.tiers):
+                hit = None
+        if hit is None:
+            log.debug("match %s: computed %d, no hit over parts", st.request.request_id, computed)
+            return 0
+        tokens = hit.end * self.chunk - computed
+        if tokens // self.bs < self.cfg.min_hit_blocks:
+            return 0
+        st.lookup = (c0, hit.end - c0, computed)
+        st.hit_keys = hit.keys
+        st.parts = hit
+        st.sync = self.cfg.load_mode != "async" and tokens <= self.cfg.sync_max_tokens
+        if st.sync and self._budget is not None:
+            st.sync = self._budget.admit(self.geo.hit_nbytes(tokens))
+        return tokens
+
+    def _best(self, key: bytes) -> int | None:
+        """The fastest tier holding ``key``; a chunk the fleet announced is adopted here, when a lookup reaches it."""
+        best = self.chain.index.best(key)
+        known = self._remote_known
+        if best is None and known and key in known and key not in self.chain.index:
+            best = self._adopt_remote(key)
+        return best
 
     def _walk(self, st: _Req, c0: int, usable: int) -> tuple[list[bytes], list[int]]:
         """Keys and fastest tiers of the leading run of held chunks from c0 (keys made lazily: a miss stops)."""
@@ -451,13 +436,6 @@ class SchedulerPlanner:
             best = best_of(key)
             if best is None and known and key in known and key not in index:  # the fleet stored it: adopt it
                 best = self._adopt_remote(key)
-            if self._mamba:  # a chunk's record may exist with the state at its end, without it, or both
-                skey = self._state_key(st, c)
-                sbest = best_of(skey)
-                if sbest is None and skey in known and skey not in index:
-                    sbest = self._adopt_remote(skey)
-                if best is None or (sbest is not None and sbest <= best):
-                    key, best = skey, sbest
             if best is None:
                 break
             keys.append(key)
@@ -490,17 +468,6 @@ class SchedulerPlanner:
                 keys.append(key)
                 where.append(best)
                 return m
-        return 0
-
-    def _end_at_state(self, st: _Req, keys: list[bytes], where: list[int], c0: int, n: int) -> int:
-        """Mamba hybrids: cut a hit of n chunks back to the last chunk whose record holds the state at its
-        end, and name that chunk by its state key (earlier chunks may be either record)."""
-        best_of = self.chain.index.best
-        for i in range(n - 1, -1, -1):
-            best = best_of(self._state_key(st, c0 + i))
-            if best is not None:
-                keys[i], where[i] = self._state_key(st, c0 + i), best
-                return i + 1
         return 0
 
     def _promote(self, st: _Req, keys: list[bytes]) -> None:
@@ -536,6 +503,9 @@ class SchedulerPlanner:
         st = self._state(request)
         if num_external_tokens <= 0:
             return
+        if self._parts is not None:
+            self._allocated_parts(st, block_ids, num_external_tokens)
+            return
         c0, whole, local = st.lookup
         end_blocks = (local + num_external_tokens) // self.bs
         n = min(whole, end_blocks // self.k - c0)
@@ -559,29 +529,12 @@ class SchedulerPlanner:
         rid = request.request_id
         if got < items:  # a chunk vanished since the lookup: report its blocks, vLLM recomputes from there
             lost = [g for g in gpu[got * self.w:] if g >= 0]
-            if not self.geo.block_level_errors:  # vLLM calls match and this back to back: cannot happen
-                raise RuntimeError(f"TieredKVConnector: {items - got} chunk(s) of request {rid} vanished between "
-                                   f"the lookup and the load; with several KV cache groups vLLM takes no block "
-                                   f"errors")
             if st.sync:
                 self._sync_fail.extend(lost)
             else:
                 self._load_fail[rid] = lost
             self.counters.failed_load_blocks += len(lost)
-        loads = [j for j in jobs if j.kind is JobKind.EGRESS]
-        if st.sync:
-            # matched in this same schedule() call, so every chunk is still a READY CPU copy: one
-            # EGRESS job from the CPU tier, which the workers run before/alongside this step's forward
-            self._sync.extend(j.job_id for j in loads)
-            self.counters.sync_loads += len(loads)
-            st.sync = False
-            if self._budget is not None:
-                self._budget.charge(self._rank_bytes(num_external_tokens))
-        else:
-            self._loads.setdefault(rid, []).extend(j.job_id for j in loads)
-            if self._budget is not None:
-                self._async_cpu_loads.update(j.job_id for j in loads if j.src_tier == CPU)
-        self.counters.load_jobs += len(loads)
+        loads = self._plan_loads(st, jobs, num_external_tokens)
         chunk = self.chunk
         for j in loads:
             tokens = 0
@@ -597,6 +550,61 @@ class SchedulerPlanner:
             else:
                 self.counters.hit_tokens_disk += tokens
         st.stored = max(st.stored, c0 + min(got, n))
+        self._refresh(st)
+        self._route_loads(rid, jobs)
+
+    def _allocated_parts(self, st: _Req, block_ids, num_external_tokens: int) -> None:
+        """``allocated`` for hybrid models: load the parts the last match found, every one a ready CPU copy."""
+        c0, _, local = st.lookup
+        hit, rid = st.parts, st.request.request_id
+        if local + num_external_tokens != hit.end * self.chunk:
+            raise RuntimeError(f"TieredKVConnector: vLLM allocated {num_external_tokens} external tokens for request "
+                               f"{rid} after {local} local ones, but the hit over parts ends at token "
+                               f"{hit.end * self.chunk}; this vLLM version schedules hybrid hits differently")
+        gpu = self._parts.load_ids(self._tables(block_ids), hit, c0, local)
+        hid = next(self._handle_ids)
+        self._gets[hid] = gpu
+        got, jobs = self.chain.get(hit.keys, hid)
+        if got < len(hit.keys):  # vLLM calls match and this back to back: cannot happen
+            raise RuntimeError(f"TieredKVConnector: {len(hit.keys) - got} part(s) of request {rid} vanished between "
+                               f"the lookup and the load; with several KV cache groups vLLM takes no block errors")
+        self._plan_loads(st, jobs, num_external_tokens)
+        self.counters.hit_tokens_cpu += num_external_tokens  # several groups load only from the CPU tier
+        st.stored = max(st.stored, hit.end)
+        st.parts = None
+        st.owned += hit.keys
+        self._refresh(st)
+        self._route_loads(rid, jobs)
+
+    def _refresh(self, st: _Req) -> None:
+        """Order the request's prefix in the CPU tier's eviction policy deepest first (its first chunk the most
+        recently used): a full tier then evicts the least recently used prefix from its end, so it still
+        hits what is left. (In chunk order, eviction took each prefix's first chunk, which makes the rest
+        useless, and the next recompute evicted the next prefix's first chunk: under a cyclic workload
+        every lookup missed.)"""
+        keys = st.owned if self._parts is not None else st.keys[:st.stored]
+        if keys:
+            self.chain.touch(reversed(keys))
+
+    def _plan_loads(self, st: _Req, jobs: list[TransferJob], tokens: int) -> list[TransferJob]:
+        """Hand a hit's load jobs to this step (in-step) or to the request's asynchronous loads; returns them."""
+        loads = [j for j in jobs if j.kind is JobKind.EGRESS]
+        if st.sync:
+            # matched in this same schedule() call, so every chunk is still a READY CPU copy: one
+            # EGRESS job from the CPU tier, which the workers run before/alongside this step's forward
+            self._sync.extend(j.job_id for j in loads)
+            self.counters.sync_loads += len(loads)
+            st.sync = False
+            if self._budget is not None:
+                self._budget.charge(self.geo.hit_nbytes(tokens))
+        else:
+            self._loads.setdefault(st.request.request_id, []).extend(j.job_id for j in loads)
+            if self._budget is not None:
+                self._async_cpu_loads.update(j.job_id for j in loads if j.src_tier == CPU)
+        self.counters.load_jobs += len(loads)
+        return loads
+
+    def _route_loads(self, rid: str, jobs: list[TransferJob]) -> None:
         self._routing_req = rid  # the loads write blocks this request holds
         try:
             self._route(jobs)
@@ -845,23 +853,21 @@ class SchedulerPlanner:
 
     def _offer(self, st: _Req, c: int, key: bytes, state_at_end: bool, keys_out: list[bytes],
                gpu_out: list[int], tables: list[list[int]] | None = None) -> None:
-        """Several groups: add chunk c to a store if every block a hit needs is still there."""
-        ids, complete, has_state = self._store_ids(tables or st.tables, c, state_at_end)
-        index = self.chain.index
-        if self._mamba:
-            skey = self._state_key(st, c)
-            if has_state:
-                key = skey
-            elif skey in index:
-                return  # the record with the state serves this chunk too
-        if not complete:
-            if key not in index:
+        """Several groups: add chunk c's parts to a store (``PartPlanner.store`` says which); none when a
+        full-attention block of it is gone already."""
+        req = st.request
+        final = self._parts.final_boundaries(req.num_prompt_tokens, self.cfg.store_decode_tokens)
+        parts = self._parts.store(req.block_hashes, c, key, tables or st.tables, state_at_end, final)
+        if parts is None:
+            if key not in self.chain.index:
                 self.counters.chunks_not_storable += 1
             return
-        keys_out.append(key)
-        gpu_out.extend(ids)
-        if self._event_meta is not None:
-            self._remember(st, c, c + 1, key)
+        for part_key, ids in parts:
+            keys_out.append(part_key)
+            gpu_out.extend(ids)
+            st.owned.append(part_key)
+        if self._event_meta is not None and any(k is key for k, _ in parts):
+            self._remember(st, c, c + 1, key)  # the chunk's event rides on its main part
 
     def _valid_stores(self) -> list[TransferJob]:
         """Stores whose GPU source blocks were not re-allocated since planned; the rest fail now."""
@@ -1034,6 +1040,12 @@ class SchedulerPlanner:
             log.debug("job %d (%s) done: %d items, %d bytes", job_id, kind.name, len(rep.ok), rep.nbytes)
         self._route(self.chain.complete(Completion(job_id, rep.ok, rep.corrupt, rep.nbytes, rep.seconds,
                                                    missing=rep.missing, evicted=rep.evicted)))
+        if kind is JobKind.INGRESS:  # the stored keys are the most recently used now: put the prefix back in order
+            put = self._puts.get(job.handle)
+            for rid in put.reqs if put is not None else ():
+                st = self._reqs.get(rid)
+                if st is not None:
+                    self._refresh(st)
 
     # ------------------------------------------------------------------ lifecycle
     def finished(self, request, block_ids) -> None:

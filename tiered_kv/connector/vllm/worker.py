@@ -13,13 +13,14 @@ A completed job is reported once, in the next ``poll``: its per-item outcome goe
 planner (``JobReport``), a request whose loads all finished goes into ``finished_recving``,
 and GPU blocks a load could not fill go into the load-error set (vLLM then recomputes them).
 
-Hybrid models (several KV cache groups): each group has its own ``KVLayout`` over its layers and
-its own ``BlockCopier``; the CPU slab is split into one *plane* per group (plane g holds
-``stored_g`` block rows per chunk slot, ``slab_planes``), so a chunk slot is the group planes'
-rows and a disk record is those rows concatenated (``gather_records`` / ``scatter_records``).
-With one group plane 0 is the whole slab and a record is a slab row, as before. vLLM takes no
-per-block load errors with several groups: a load whose batched copy cannot start falls back
-to a plain torch copy, and one that still fails stops the worker rather than serve wrong KV.
+Hybrid models (several KV cache groups, ``Geometry.parts``): each group has its own ``KVLayout``
+over its layers and its own ``BlockCopier``; a slot (and a disk record) holds one group's part of a
+chunk, and each group's *plane* views the whole slab in that group's block rows (``slab_planes``),
+so a part starts at its slot's first byte whichever group it belongs to. A job item's GPU ids are
+``part_blocks`` per group in group order, -1 outside the item's group. With one group plane 0 is
+the slab in block rows. Either way a record is a slab row. vLLM takes no per-block load errors
+with several groups: a load whose batched copy cannot start falls back to a plain torch copy, and
+one that still fails stops the worker rather than serve wrong KV.
 
 Replicated caches (MLA with TP, ``Geometry.replicated``): one ``SharedSlab`` and one disk
 directory serve every rank; rank 0 runs every job that writes a host or disk copy (stores,
@@ -99,34 +100,12 @@ _COPY_ERRORS = (BackendUnavailableError, CopyLaunchError, RuntimeError)
 
 
 def slab_planes(slab: torch.Tensor, sections: list[tuple[int, int]]) -> list[torch.Tensor]:
-    """Split a ``(slots, row_bytes)`` slab into one block-row plane per group.
-
-    ``sections[g] = (blocks, block_bytes)``: plane g is ``(slots * blocks, block_bytes)``, block j
-    of slot s at row ``s * blocks + j``. One group: plane 0 is the slab viewed as block rows.
-    """
+    """One block-row plane per group over a ``(slots, row_bytes)`` slab: plane g views the whole slab in
+    rows of group g's block bytes (``sections[g] = (ids per item, block bytes)``), so block j of slot s is
+    row ``s * row_bytes // block_bytes + j``. A slot holds one group's part from its first byte (several
+    groups, ``Geometry.parts``) or the one group's chunk."""
     flat = slab.view(-1)
-    slots = slab.shape[0]
-    planes, off = [], 0
-    for blocks, nbytes in sections:
-        size = slots * blocks * nbytes
-        planes.append(flat[off:off + size].view(slots * blocks, nbytes))
-        off += size
-    return planes
-
-
-def gather_records(planes: list[torch.Tensor], sections: list[tuple[int, int]], slots) -> torch.Tensor:
-    """The records of slab slots ``slots``: each group's rows of a slot, concatenated, one row per slot."""
-    if len(planes) == 1:
-        return planes[0].view(-1, sections[0][0] * sections[0][1])[slots]
-    return torch.cat([p.view(-1, b * n)[slots] for p, (b, n) in zip(planes, sections)], dim=1)
-
-
-def scatter_records(planes: list[torch.Tensor], sections: list[tuple[int, int]], slots, rows: torch.Tensor) -> None:
-    """Write records ``rows`` (one per slot) into slab slots ``slots``, group by group."""
-    off = 0
-    for p, (b, n) in zip(planes, sections):
-        p.view(-1, b * n)[slots] = rows[:, off:off + b * n]
-        off += b * n
+    return [flat.view(-1, nbytes) for _, nbytes in sections]
 
 
 def _layer_tensors(kv) -> list[torch.Tensor]:
@@ -220,6 +199,7 @@ class WorkerRuntime:
         else:
             self.cpu = CpuTier(self.layout, cpu_chunks * geo.rank_chunk_nbytes)
         self.sections = geo.sections
+        self.plane_rows = geo.plane_rows  # block rows per slot in each group's plane
         self.planes = slab_planes(self.cpu.slab, self.sections)
         self.disk: DiskTier | None = None
         path = rank_disk_dir(cfg, ns, rank, geo.tp_size, geo.replicated)
@@ -608,14 +588,13 @@ class WorkerRuntime:
         elif kind is JobKind.EGRESS:
             ok, corrupt, missing, nbytes = self._disk_to_gpu(job, src)
         elif job.src_tier == CPU and dst is not None:  # DEMOTE, COPY_DOWN (to disk or remote)
-            ok, evicted = dst.write_ex(job.keys, job.dst_slots, gather_records(self.planes, self.sections,
-                                                                               job.src_slots))
+            ok, evicted = dst.write_ex(job.keys, job.dst_slots, self.cpu.slab[job.src_slots])
         elif src is not None:  # PROMOTE to the CPU tier, or a move between two keyed tiers
             rows = torch.empty((n, self.layout.nbytes), dtype=torch.uint8)
             ok, corrupt, missing = src.read_ex(job.keys, job.src_slots, rows)
             good = [i for i in range(n) if ok[i]]
             if good and job.dst_tier == CPU:
-                scatter_records(self.planes, self.sections, [job.dst_slots[i] for i in good], rows[good])
+                self.cpu.slab[[job.dst_slots[i] for i in good]] = rows[good]
             elif good and dst is not None:
                 written, evicted = dst.write_ex([job.keys[i] for i in good], [job.dst_slots[i] for i in good],
                                                 rows[good])
@@ -650,10 +629,12 @@ class WorkerRuntime:
                         rows.append(base + j)
             return [(gpu, rows)]
         out: list[tuple[list[int], list[int]]] = [([], []) for _ in sections]
+        rows_per_slot = self.plane_rows
         for i in (range(len(job)) if items is None else items):
             pos = i * k
-            for (gpu, rows), (blocks, _) in zip(out, sections):
-                base = chunk_slots[i] * blocks
+            slot = chunk_slots[i]
+            for (gpu, rows), (blocks, _), per_slot in zip(out, sections, rows_per_slot):
+                base = slot * per_slot
                 for j, g in enumerate(ext[pos:pos + blocks]):
                     if g >= 0:
                         gpu.append(g)
@@ -729,18 +710,13 @@ class WorkerRuntime:
         rows = self._staging_rows
         step = rows.shape[0]
         nbytes = 0
-        one_group = len(self.sections) == 1
         for lo in range(0, n, step):
             hi = min(n, lo + step)
-            # one group: a record is a staging row; several: records are split into the groups' planes
-            into = rows[:hi - lo] if one_group else torch.empty((hi - lo, rows.shape[1]), dtype=torch.uint8)
+            into = rows[:hi - lo]  # a record is a staging row
             part_ok, part_bad, part_gone = tier.read_ex(job.keys[lo:hi], job.src_slots[lo:hi], into)
             ok[lo:hi], corrupt[lo:hi], missing[lo:hi] = part_ok, part_bad, part_gone
             good = [lo + i for i in range(hi - lo) if part_ok[i]]
             if good:
-                if not one_group:
-                    rows_read = [i - lo for i in good]
-                    scatter_records(self._staging_planes, self.sections, rows_read, into[rows_read])
                 local = list(range(-lo, n - lo))  # staging row of item i is i - lo
                 nbytes += self._copy(self._staging_copiers, job, self._flat(job, local, good), to_cpu=False)
         return ok, corrupt, missing, nbytes

@@ -1,0 +1,451 @@
+"""The performance envelope (issue 28): model shapes x workloads x modes, pass or fail against the promise.
+
+The promise: with tiered_kv on, a request is never slower than without it and never slower than vLLM's own
+connector. The rule, per cell: ours <= 1.05x of no connector and <= 1.05x of ``OffloadingConnector`` (the
+median over engine starts of the cell's value: a turn-2 TTFT p50, or a batch's wall time), and greedy outputs
+identical to no connector's. A cell within 10% of a bound wants 3 starts (the table says so).
+
+Shapes (dummy weights; ``--shapes``): llama3-8b, qwen2.5-7b (4 KV heads), qwen2.5-32b (64 layers), gpt-oss
+(20b: 24 layers alternating a 128-token window and full attention), gemma3 (4B text: 5 window layers per full
+one), gemma2 (9B: 42 layers alternating a 4,096-token window and full attention, 8 KV heads of 256), dsv2-lite
+(MLA), and mamba: on vLLM 0.26 no Mamba / linear-attention hybrid can run with a KV connector that stores
+prefixes, see ``NOT_RUNNABLE``.
+
+Workloads, all run by one engine start per (shape, mode, GPU cache), one after the other:
+  turn2    N conversations of PREFIX tokens; turn 1 of each one at a time, then turn 2 of each one at a time
+           (the prefix + FOLLOW new tokens): TTFT p50 (``generate(max_tokens=1)`` wall time; the first two
+           conversations generate 4 tokens, compared across modes, and are left out of the p50)
+  batch    then U unrelated PREFIX-token prompts (pressure), then turn 3 of all N in one ``generate`` call
+           (4 tokens each, compared across modes): its wall time. The GPU KV cache holds about GPU_FIT
+           requests of the batch's length, so its prefixes can only come from a CPU tier.
+  disk     (mode ``tiered-disk`` only, compared with none and with OffloadingConnector at the same small CPU
+           tier) turn 2 whose prefix sits in our disk tier on this machine's disk: TTFT p50
+  serving  multi-turn serving at concurrency 8 and 32: ``benchmarks/serve_bench.py`` (``vllm serve``); its
+           result files are folded in with ``--serving FILE``.
+GPU caches (``--gpu``): ``tight`` holds 1.8 requests of the batch's length, ``roomy`` about 4; the turn-2 cell
+runs in every start (reported per GPU cache).
+
+Modes: ``none`` (no connector), ``offloading`` (vLLM's OffloadingConnector, CPU_GIB), ``tiered`` (ours, CPU_GIB,
+defaults otherwise), ``tiered-disk`` (ours, DISK_CPU_GIB of CPU tier + a disk tier at DISK_PATH; its
+comparison ``offloading-small`` has the same small CPU tier).
+
+For ours, each start also records: the batch's loads from our connector's counters and its load trace
+(``trace_path``: steps that loaded, bytes, GB/s), the bytes stored per conversation beside what a later hit
+can use (full-attention layers x the prefix + sliding-window layers x the window) and conversations held per
+GiB of CPU tier. A PCIe probe (contiguous pinned 1 GiB copies) runs first in every call: the batch's load rate
+is reported against that ceiling.
+
+Usage (GPU machine; vLLM on PYTHONPATH):
+  python benchmarks/envelope.py --shapes gemma2 --modes none,offloading,tiered --starts 3 --deadline-s 560
+  python benchmarks/envelope.py --shapes gpt-oss,llama3-8b --deadline-s 560
+  python benchmarks/envelope.py --merge a/envelope.json b/envelope.json --out docs/results/envelope_<date>_h200.json
+  python benchmarks/envelope.py --table docs/results/envelope_2026-11-28_h200.json
+  python benchmarks/envelope.py --dry-run --shapes gemma2     # CPU: the plan, GPU cache sizes, nothing run
+Environment: N_CONV (10), U_UNRELATED (3), PREFIX (gemma2 12288, else 8192), CPU_GIB (40), DISK_CPU_GIB (2),
+DISK_PATH (/tmp/tkv-envelope-disk), DISK_GIB (48), OUT (directory for the JSON and logs), PYTHONHASHSEED (0).
+Threading: a script; the main thread only (each engine start and the PCIe probe run in child processes).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from vllm_ttft import (  # noqa: E402
+    MODELS,
+    _result_line,
+    _tiered_counters,
+    pcie_probe,
+    run_child,
+)
+
+FOLLOW = 64
+BOUND = 1.05  # ours / none and ours / offloading, per cell
+NEAR = 1.10  # a cell whose ratio is within 10% of a bound wants 3 starts
+GPU_FIT = {"tight": 1.8, "roomy": 4.0}
+SHAPES = ("llama3-8b", "qwen2.5-7b", "qwen2.5-32b", "gpt-oss", "gemma3", "gemma2", "dsv2-lite")
+MODES = ("none", "offloading", "tiered", "tiered-disk", "offloading-small")
+#: shapes the matrix names that cannot run here, and why (printed as cells that did not run)
+NOT_RUNNABLE = {
+    "mamba": "vLLM 0.26 hands a KV connector the longest local hit of any KV cache group for Mamba hybrids "
+             "(0.32 added supports_divergent_local_hybrid_hits), so a stored prefix could resume on a stale "
+             "recurrent state: TieredKVConnector refuses them on 0.26 (tests/connector/vllm/test_hybrid.py "
+             "test_mamba_on_vllm_026_is_refused); vLLM 0.26's OffloadingConnector has no Mamba support either. "
+             "Runs once the GPU machine has vLLM >= 0.32.",
+}
+DEFAULT_PREFIX = {"gemma2": 12288}
+DEFAULT_GPU_UTIL = {"qwen2.5-32b": 0.8}
+BLOCK = 16
+
+
+def knobs(shape: str) -> dict:
+    """The workload of one shape (environment overrides the defaults)."""
+    env = os.environ
+    prefix = int(env.get("PREFIX", DEFAULT_PREFIX.get(shape, 8192)))
+    return {"n_conv": int(env.get("N_CONV", "10")), "unrelated": int(env.get("U_UNRELATED", "3")),
+            "prefix": prefix, "cpu_gib": int(env.get("CPU_GIB", "40")),
+            "disk_cpu_gib": int(env.get("DISK_CPU_GIB", "2")),
+            "disk_path": env.get("DISK_PATH", "/tmp/tkv-envelope-disk"), "disk_gib": int(env.get("DISK_GIB", "48")),
+            "gpu_util": float(env.get("GPU_UTIL", DEFAULT_GPU_UTIL.get(shape, 0.6))),
+            "max_len": prefix + 4 * FOLLOW + 64}
+
+
+def kv_groups(shape: str) -> int:
+    """KV cache groups vLLM's hybrid manager makes (one per ``group_size`` layers of a kind; full attention
+    and MLA: one)."""
+    types = MODELS[shape].get("layer_types")
+    if not types:
+        return 1
+    full = sum(1 for t in types if t == "full_attention")
+    window = len(types) - full
+    if not full or not window:
+        return 1
+    size = min(full, window)
+    return -(-full // size) + -(-window // size)
+
+
+def gpu_blocks(shape: str, fit: float, max_len: int) -> int:
+    """GPU KV cache blocks holding ``fit`` requests of ``max_len`` tokens, as vLLM counts them (a token takes a
+    block in every KV cache group)."""
+    return int(fit * kv_groups(shape) * -(-max_len // BLOCK))
+
+
+def engine_kwargs(shape: str, mode: str, gpu: str, w: dict, model_dir: str, trace_path: str | None) -> dict:
+    """``LLM(...)`` arguments of one start; only the connector differs between modes."""
+    kw = dict(model=model_dir, load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
+              gpu_memory_utilization=w["gpu_util"], max_model_len=w["max_len"], seed=0,
+              num_gpu_blocks_override=gpu_blocks(shape, GPU_FIT[gpu], w["max_len"]), enable_prefix_caching=True,
+              max_num_batched_tokens=w["prefix"] + 512)
+    if mode in ("offloading", "offloading-small"):
+        kw.update(kv_offloading_size=w["cpu_gib"] if mode == "offloading" else w["disk_cpu_gib"],
+                  kv_offloading_backend="native")
+    elif mode in ("tiered", "tiered-disk"):
+        from vllm.config import KVTransferConfig
+
+        extra: dict = {"cpu_bytes": f"{w['cpu_gib']}GiB"}
+        if mode == "tiered-disk":
+            path = os.path.join(w["disk_path"], "run")
+            shutil.rmtree(path, ignore_errors=True)  # a cold disk tier: its hits come from this start
+            extra.update(cpu_bytes=f"{w['disk_cpu_gib']}GiB", disk_path=path, disk_bytes=f"{w['disk_gib']}GiB")
+        if trace_path:
+            extra["trace_path"] = trace_path
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="TieredKVConnector", kv_connector_module_path="tiered_kv.connector.vllm",
+            kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
+    elif mode != "none":
+        raise SystemExit(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
+    return kw
+
+
+def _stored_per_conversation(llm, prefix: int) -> dict:
+    """Our geometry's bytes for one stored prefix: what a later hit can use (full-attention layers x the prefix's
+    whole chunks + sliding-window layers x the window) and what the parts take in slots."""
+    try:
+        geo = llm.llm_engine.engine_core.engine_core.scheduler.connector.geo
+    except AttributeError:
+        return {}
+    chunks = prefix // geo.chunk_tokens
+    usable = 0
+    for g in geo.groups:
+        if g.kind == "swa":
+            usable += g.window_blocks * g.block_nbytes
+        elif g.kind != "mamba":
+            usable += chunks * g.chunk_blocks * g.block_nbytes
+    return {"usable_bytes_per_conversation": usable * geo.tp_size, "slot_bytes": geo.chunk_nbytes,
+            "chunk_tokens": geo.chunk_tokens}
+
+
+def run_one(shape: str, mode: str, gpu: str) -> dict:
+    """One engine start in this process: every workload of ``mode`` in turn; returns the result record."""
+    import torch
+    from vllm import LLM, SamplingParams
+
+    w = knobs(shape)
+    model_dir = tempfile.mkdtemp(prefix=f"{shape}-shape-")
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        json.dump(MODELS[shape], f)
+    trace = os.path.join(os.environ.get("OUT", "."), f"trace_{shape}_{mode}_{gpu}") if mode == "tiered" else None
+    t0 = time.perf_counter()
+    llm = LLM(**engine_kwargs(shape, mode, gpu, w, model_dir, trace))
+    startup = time.perf_counter() - t0
+    rng = random.Random(0)
+    vocab = min(120000, MODELS[shape]["vocab_size"] - 1)
+    toks = lambda n: [rng.randrange(1000, vocab) for _ in range(n)]  # noqa: E731
+    convs = [toks(w["prefix"]) for _ in range(w["n_conv"])]
+    follows = [toks(FOLLOW) for _ in range(w["n_conv"])]
+    thirds = [toks(FOLLOW) for _ in range(w["n_conv"])]
+    unrelated = [toks(w["prefix"]) for _ in range(w["unrelated"])]
+    sp = {n: SamplingParams(max_tokens=n, temperature=0.0, detokenize=False, ignore_eos=True) for n in (1, 2, 4)}
+
+    def generate(prompts, n):
+        t = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp[n], use_tqdm=False)
+        return time.perf_counter() - t, outs
+
+    generate([convs[0][:512]], 1)  # warm-up
+    ours = mode.startswith("tiered")
+    c0 = _tiered_counters(llm) if ours else {}
+    turn1 = [generate([c], 2)[1][0] for c in convs]
+    time.sleep(2.0)  # stores land
+    c1 = _tiered_counters(llm) if ours else {}
+    turn2_s, first_tokens, cached = [], [], []
+    seconds = []
+    for i, (out1, f) in enumerate(zip(turn1, follows)):
+        prompt = list(out1.prompt_token_ids) + list(out1.outputs[0].token_ids) + f
+        dt, outs = generate([prompt], 4 if i < 2 else 1)
+        turn2_s.append(dt)
+        cached.append(int(outs[0].num_cached_tokens or 0))
+        if i < 2:
+            first_tokens.append(list(outs[0].outputs[0].token_ids))
+        seconds.append(prompt + list(outs[0].outputs[0].token_ids))
+    rec: dict = {"shape": shape, "mode": mode, "gpu": gpu, "device": torch.cuda.get_device_name(0),
+                 "startup_s": round(startup, 1), "knobs": w,
+                 "gpu_blocks": gpu_blocks(shape, GPU_FIT[gpu], w["max_len"]),
+                 "turn2_p50_s": round(statistics.median(turn2_s[2:]), 4), "turn2_s": [round(x, 4) for x in turn2_s],
+                 "turn2_cached_tokens": cached, "turn2_tokens": first_tokens}
+    if mode in ("tiered-disk", "offloading-small"):
+        return _finish(rec, llm, c0, c1, None, None, None)
+    for p in unrelated:
+        generate([p], 2)
+    time.sleep(2.0)
+    c2 = _tiered_counters(llm) if ours else {}
+    batch = [s + t for s, t in zip(seconds, thirds)]
+    t_batch = time.time()
+    dt, outs = generate(batch, 4)
+    rec.update(batch_s=round(dt, 4), batch_tokens=[list(o.outputs[0].token_ids) for o in outs],
+               batch_cached_tokens=[int(o.num_cached_tokens or 0) for o in outs])
+    time.sleep(1.0)
+    return _finish(rec, llm, c0, c1, c2, trace, (t_batch, t_batch + dt))
+
+
+def _finish(rec: dict, llm, c0: dict, c1: dict, c2: dict | None, trace: str | None,
+            window: tuple[float, float] | None) -> dict:
+    """Add our connector's counters (stores per conversation, the batch's loads, its trace) to ``rec``."""
+    if not c0:
+        return rec
+    c3 = _tiered_counters(llm)
+    d = lambda a, b, key: a.get(key, 0) - b.get(key, 0)  # noqa: E731
+    n = rec["knobs"]["n_conv"]
+    stored = d(c1, c0, "sched_bytes_stored") / n
+    rec.update(stored_bytes_per_conversation=round(stored), **_stored_per_conversation(llm, rec["knobs"]["prefix"]))
+    if rec.get("usable_bytes_per_conversation"):
+        rec["stored_vs_usable"] = round(stored / rec["usable_bytes_per_conversation"], 3)
+        rec["conversations_per_gib"] = round(2**30 / stored, 3) if stored else None
+    if c2 is not None:
+        rec.update(batch_hit_tokens=d(c3, c2, "sched_hit_tokens_cpu") + d(c3, c2, "sched_hit_tokens_disk"),
+                   batch_bytes_loaded=d(c3, c2, "sched_bytes_loaded"), batch_load_jobs=d(c3, c2, "sched_load_jobs"),
+                   cpu_evictions=c3.get("cpu_evictions", 0))
+    if trace and window:
+        from serving.trace_summary import read_lines, summarize_phase
+
+        rec["batch_trace"] = summarize_phase(read_lines(trace), *window)
+    rec["counters"] = {k: v for k, v in c3.items() if isinstance(v, (int, float)) and v}
+    return rec
+
+
+# ------------------------------------------------------------------------------------------ the matrix
+def plan(shapes: list[str], modes: list[str], gpus: list[str], starts: int) -> list[tuple[str, str, str, int]]:
+    """(shape, mode, gpu, start) in run order: per shape and GPU cache every mode once per start, the order rotated
+    by one mode per start, so no mode always runs first."""
+    out = []
+    for shape in shapes:
+        for gpu in gpus:
+            for s in range(starts):
+                k = s % len(modes)
+                out += [(shape, m, gpu, s) for m in modes[k:] + modes[:k]]
+    return out
+
+
+def run_matrix(shapes, modes, gpus, starts, deadline_s: float) -> dict:
+    """Every start of the plan in its own process; none begins unless its estimate fits the deadline."""
+    t_begin = time.monotonic()
+    left = lambda: deadline_s - 10 - (time.monotonic() - t_begin) if deadline_s else float("inf")  # noqa: E731
+    out_dir = os.environ.get("OUT", ".")
+    doc: dict = {"results": [], "skipped": [], "pcie": [], "not_runnable": NOT_RUNNABLE,
+                 "command": " ".join(["python", "benchmarks/envelope.py", *sys.argv[1:]]),
+                 "date": time.strftime("%Y-%m-%d"), "rule": {"bound": BOUND, "near": NEAR}}
+    doc["pcie"].append(pcie_probe("before", None if left() == float("inf") else left()))
+    walls: dict[str, float] = {}
+    for shape, mode, gpu, start in plan(shapes, modes, gpus, starts):
+        need = walls.get(shape, 90.0) * (1.2 if mode.startswith("tiered") else 1.0)
+        if left() < need:
+            doc["skipped"].append({"shape": shape, "mode": mode, "gpu": gpu, "start": start,
+                                   "reason": f"deadline: {left():.0f} s left, ~{need:.0f} s needed"})
+            print(f"[{shape} {mode} {gpu} #{start}] skipped ({left():.0f} s left)", flush=True)
+            continue
+        t0 = time.perf_counter()
+        env = dict(os.environ, PYTHONHASHSEED=os.environ.get("PYTHONHASHSEED", "0"), VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        rc, out, err = run_child([sys.executable, os.path.abspath(__file__), "--one", shape, mode, gpu], env,
+                                 None if left() == float("inf") else left())
+        wall = time.perf_counter() - t0
+        walls[shape] = max(walls.get(shape, 0.0), wall)
+        with open(os.path.join(out_dir, f"envelope_{shape}_{mode}_{gpu}_s{start}.log"), "w") as f:
+            f.write(out[-20000:] + "\n--- stderr ---\n" + err[-20000:])
+        r = _result_line(out)
+        if r is None:
+            r = {"shape": shape, "mode": mode, "gpu": gpu, "error": f"rc={rc}", "log_tail": (out + err)[-2000:]}
+            print(f"[{shape} {mode} {gpu} #{start}] FAILED rc={rc}\n{(out + err)[-1500:]}", flush=True)
+        else:
+            print(f"[{shape} {mode} {gpu} #{start}] {wall:.0f} s: turn-2 p50 {r['turn2_p50_s'] * 1e3:.1f} ms"
+                  + (f", batch {r['batch_s']:.3f} s" if "batch_s" in r else "")
+                  + (f", batch hit tokens {r['batch_hit_tokens']}" if "batch_hit_tokens" in r else ""), flush=True)
+        r.update(start=start, wall_s=round(wall, 1))
+        doc["results"].append(r)
+        with open(os.path.join(out_dir, "envelope_partial.json"), "w") as f:
+            json.dump(doc, f)
+    return doc
+
+
+# ------------------------------------------------------------------------------------------ the verdict
+CELLS = (("turn2", "turn2_p50_s", "turn2_tokens", ("none", "offloading", "tiered")),
+         ("batch", "batch_s", "batch_tokens", ("none", "offloading", "tiered")),
+         ("disk", "turn2_p50_s", "turn2_tokens", ("none", "offloading-small", "tiered-disk")))
+
+
+def verdict(results: list[dict]) -> list[dict]:
+    """One row per (shape, workload, GPU cache) that ran: medians over starts, ratios, greedy equality, pass/fail."""
+    ok = [r for r in results if "error" not in r]
+    rows = []
+    for shape in dict.fromkeys(r["shape"] for r in ok):
+        for gpu in dict.fromkeys(r["gpu"] for r in ok if r["shape"] == shape):
+            for work, key, tok_key, (none, peer, mine) in CELLS:
+                got = {m: [r for r in ok if r["shape"] == shape and r["gpu"] == gpu and r["mode"] == m and key in r]
+                       for m in (none, peer, mine)}
+                if not got[mine] or not (got[none] or got[peer]):
+                    continue
+                med = {m: statistics.median(r[key] for r in rs) for m, rs in got.items() if rs}
+                spread = {m: (min(r[key] for r in rs), max(r[key] for r in rs)) for m, rs in got.items() if rs}
+                ref = got[none][0][tok_key] if got[none] else None
+                equal = all(r[tok_key] == ref for r in got[mine] + got[peer]) if ref is not None else None
+                row = {"shape": shape, "workload": work, "gpu": gpu, "starts": {m: len(rs) for m, rs in got.items()},
+                       "median_s": med, "min_max_s": spread, "greedy_equal": equal}
+                fails = []
+                for m, name in ((none, "none"), (peer, "peer")):
+                    if m in med:
+                        ratio = med[mine] / med[m]
+                        row[f"vs_{name}"] = round(ratio, 3)
+                        if ratio > BOUND:
+                            fails.append(f"{ratio:.2f}x {m}")
+                        if ratio > BOUND / NEAR and min(len(got[mine]), len(got[m])) < 3:
+                            row.setdefault("wants_3_starts", True)
+                if equal is False:
+                    fails.append("greedy outputs differ")
+                row["pass"] = not fails
+                row["why"] = "; ".join(fails)
+                rows.append(row)
+    return rows
+
+
+def table(doc: dict) -> str:
+    """The envelope as markdown: one row per cell that ran, then the cells that did not."""
+    rows = verdict(doc["results"])
+    lines = ["| shape | workload | GPU cache | none | OffloadingConnector | ours | ours/none | ours/peer | greedy "
+             "equal | starts (ours) | verdict |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    peer = {"disk": "offloading-small"}
+    mine = {"disk": "tiered-disk"}
+    for r in rows:
+        p, m = peer.get(r["workload"], "offloading"), mine.get(r["workload"], "tiered")
+        cell = lambda mode: f"{r['median_s'][mode]:.3f}" if mode in r["median_s"] else "-"  # noqa: E731
+        verdict_ = "pass" if r["pass"] else f"FAIL ({r['why']})"
+        if r.get("wants_3_starts") and r["pass"]:
+            verdict_ += " (near a bound: wants 3 starts)"
+        eq = {True: "yes", False: "NO", None: "-"}[r["greedy_equal"]]
+        lines.append(f"| {r['shape']} | {r['workload']} | {r['gpu']} | {cell('none')} | {cell(p)} | {cell(m)} | "
+                     f"{r.get('vs_none', '-')} | {r.get('vs_peer', '-')} | {eq} | {r['starts'].get(m, 0)} | {verdict_} |")
+    for shape, why in doc.get("not_runnable", {}).items():
+        lines.append(f"| {shape} | all | - | - | - | - | - | - | - | 0 | not run: {why} |")
+    for s in doc.get("skipped", []):
+        lines.append(f"| {s['shape']} | start {s['start']} of {s['mode']} | {s['gpu']} | | | | | | | | skipped: "
+                     f"{s['reason']} |")
+    return "\n".join(lines)
+
+
+def stores_table(doc: dict) -> str:
+    """Bytes stored per conversation and conversations per GiB (ours), per shape."""
+    lines = ["| shape | stored per conversation (MB) | full layers x prefix + window layers x window (MB) | "
+             "ratio | conversations per GiB |", "|---|---|---|---|---|"]
+    seen = set()
+    for r in doc["results"]:
+        if r.get("mode") != "tiered" or "stored_vs_usable" not in r or r["shape"] in seen:
+            continue
+        seen.add(r["shape"])
+        lines.append(f"| {r['shape']} | {r['stored_bytes_per_conversation'] / 1e6:.1f} | "
+                     f"{r['usable_bytes_per_conversation'] / 1e6:.1f} | {r['stored_vs_usable']:.3f} | "
+                     f"{r['conversations_per_gib']:.3f} |")
+    return "\n".join(lines)
+
+
+def merge(paths: list[str]) -> dict:
+    """Combine several calls' documents (each start keeps its call's name)."""
+    out: dict = {"results": [], "skipped": [], "pcie": [], "not_runnable": NOT_RUNNABLE, "calls": []}
+    for p in paths:
+        with open(p) as f:
+            doc = json.load(f)
+        call = os.path.basename(os.path.dirname(os.path.abspath(p))) or p
+        out["calls"].append({"call": call, "command": doc.get("command"), "date": doc.get("date")})
+        for key in ("results", "skipped", "pcie"):
+            out[key] += [dict(x, call=call) for x in doc.get(key, [])]
+        out.setdefault("date", doc.get("date"))
+        out.setdefault("rule", doc.get("rule"))
+    out["command"] = "; ".join(c["command"] or "" for c in out["calls"])
+    out["device"] = next((r["device"] for r in out["results"] if "device" in r), "unknown")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default="gemma2")
+    ap.add_argument("--modes", default="none,offloading,tiered")
+    ap.add_argument("--gpu", default="tight", help="GPU caches: tight, roomy or both (comma-separated)")
+    ap.add_argument("--starts", type=int, default=1)
+    ap.add_argument("--deadline-s", type=float, default=0.0)
+    ap.add_argument("--one", nargs=3, metavar=("SHAPE", "MODE", "GPU"), help="one start in this process")
+    ap.add_argument("--merge", nargs="+")
+    ap.add_argument("--table")
+    ap.add_argument("--out")
+    ap.add_argument("--dry-run", action="store_true")
+    a = ap.parse_args()
+    if a.one:
+        print("RESULT " + json.dumps(run_one(*a.one)), flush=True)
+        return
+    if a.table or a.merge:
+        if a.merge:
+            doc = merge(a.merge)
+        else:
+            with open(a.table) as f:
+                doc = json.load(f)
+        doc["verdict"] = verdict(doc["results"])
+        print(table(doc) + "\n\n" + stores_table(doc))
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(doc, f, indent=1)
+        return
+    shapes, modes, gpus = a.shapes.split(","), a.modes.split(","), a.gpu.split(",")
+    for s in shapes:
+        if s not in MODELS and s not in NOT_RUNNABLE:
+            raise SystemExit(f"unknown shape {s!r}; valid: {', '.join(SHAPES)}, {', '.join(NOT_RUNNABLE)}")
+    runnable = [s for s in shapes if s in MODELS]
+    if a.dry_run:
+        for shape, mode, gpu, start in plan(runnable, modes, gpus, a.starts):
+            w = knobs(shape)
+            print(f"{shape} {mode} {gpu} #{start}: prefix {w['prefix']}, {kv_groups(shape)} KV cache group(s), "
+                  f"{gpu_blocks(shape, GPU_FIT[gpu], w['max_len'])} GPU blocks")
+        return
+    doc = run_matrix(runnable, modes, gpus, a.starts, a.deadline_s)
+    doc["verdict"] = verdict(doc["results"])
+    print(table(doc) + "\n\n" + stores_table(doc), flush=True)
+    out = a.out or os.path.join(os.environ.get("OUT", "."), "envelope.json")
+    with open(out, "w") as f:
+        json.dump(doc, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""benchmarks/envelope.py on the CPU: the plan, GPU cache sizes and the verdict on synthetic results."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+
+import envelope  # noqa: E402
+
+
+def _rec(shape, mode, start, turn2, batch=None, tokens=(1, 2), gpu="tight"):
+    r = {"shape": shape, "mode": mode, "gpu": gpu, "start": start, "turn2_p50_s": turn2,
+         "turn2_tokens": [list(tokens)]}
+    if batch is not None:
+        r.update(batch_s=batch, batch_tokens=[list(tokens)])
+    return r
+
+
+def test_kv_groups_and_gpu_blocks_follow_vllms_grouping():
+    assert envelope.kv_groups("llama3-8b") == 1 and envelope.kv_groups("dsv2-lite") == 1
+    assert envelope.kv_groups("gemma2") == 2 and envelope.kv_groups("gpt-oss") == 2
+    assert envelope.kv_groups("gemma3") == 7  # 5 full layers: 1 group, 29 window layers: 6 groups of 5
+    # Gemma-2 at 1.8 requests of 12,608 tokens: about the 3,000 blocks of the cliff's report
+    assert envelope.gpu_blocks("gemma2", 1.8, 12288 + 4 * 64 + 64) == 2836
+
+
+def test_plan_rotates_modes_per_start():
+    p = envelope.plan(["gemma2"], ["none", "offloading", "tiered"], ["tight"], 3)
+    assert [m for _, m, _, s in p if s == 0] == ["none", "offloading", "tiered"]
+    assert [m for _, m, _, s in p if s == 1] == ["offloading", "tiered", "none"]
+    assert len(p) == 9
+
+
+def test_verdict_passes_fails_and_wants_three_starts():
+    results = [_rec("gemma2", "none", 0, 0.5, 5.0), _rec("gemma2", "offloading", 0, 0.1, 1.8),
+               _rec("gemma2", "tiered", 0, 0.08, 1.2),
+               _rec("x", "none", 0, 0.2, 1.0), _rec("x", "offloading", 0, 0.2, 1.0),
+               _rec("x", "tiered", 0, 0.3, 0.99, tokens=(1, 3))]
+    rows = {(r["shape"], r["workload"]): r for r in envelope.verdict(results)}
+    g = rows[("gemma2", "batch")]
+    assert g["pass"] and g["vs_none"] == 0.24 and g["vs_peer"] == round(1.2 / 1.8, 3) and g["greedy_equal"]
+    x2 = rows[("x", "turn2")]
+    assert not x2["pass"] and "1.50x none" in x2["why"] and "greedy outputs differ" in x2["why"]
+    xb = rows[("x", "batch")]
+    assert not xb["pass"] and xb.get("wants_3_starts")  # 0.99 s vs 1.0: near the bound with one start
+    text = envelope.table({"results": results, "not_runnable": envelope.NOT_RUNNABLE, "skipped": []})
+    assert "| gemma2 | batch | tight | 5.000 | 1.800 | 1.200 | 0.24 |" in text
+    assert "mamba | all" in text and "supports_divergent_local_hybrid_hits" in text
+
+
+def test_disk_cells_compare_with_the_small_cpu_peer():
+    results = [_rec("llama3-8b", "none", 0, 0.22), _rec("llama3-8b", "offloading-small", 0, 0.22),
+               _rec("llama3-8b", "tiered-disk", 0, 0.2)]
+    (row,) = envelope.verdict(results)
+    assert row["workload"] == "disk" and row["pass"] and row["starts"]["tiered-disk"] == 1
+
+
+def test_merge_keeps_each_calls_name(tmp_path):
+    for name, t in (("a", 0.1), ("b", 0.2)):
+        (tmp_path / name).mkdir()
+        doc = {"results": [_rec("s", "tiered", 0, t)], "skipped": [], "pcie": [], "command": f"cmd {name}",
+               "date": "2026-11-28"}
+        (tmp_path / name / "envelope.json").write_text(json.dumps(doc))
+    out = envelope.merge([str(tmp_path / "a" / "envelope.json"), str(tmp_path / "b" / "envelope.json")])
+    assert [r["call"] for r in out["results"]] == ["a", "b"] and out["command"] == "cmd a; cmd b"
+
+
+def test_unknown_shape_is_refused_with_the_valid_ones(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["envelope.py", "--shapes", "nope", "--dry-run"])
+    with pytest.raises(SystemExit, match="unknown shape 'nope'.*gemma2"):
+        envelope.main()

@@ -1,0 +1,257 @@
+"""Hybrid models on the scheduler side: which parts of which chunks a hit reads and a store writes.
+
+With several KV cache groups (sliding window + full attention, Mamba + attention; ``Geometry.parts``)
+each group's share of a chunk is a record of its own, a *part*, so a tier spends its bytes on what a
+later hit can use:
+
+- a hit that ends at chunk boundary ``e`` (chunks ``[c0, e)`` loaded, vLLM holding those below ``c0``)
+  reads every full-attention (or MLA) group's parts of ``[c0, e)``, each sliding-window group's parts
+  of the chunks its window before ``e`` reaches, and each Mamba group's part of chunk ``e - 1`` (the
+  recurrent state at the boundary);
+- a store of chunk ``c`` writes every full-attention group's part; a sliding-window group's part only
+  when ``c`` lies in the window before the request's last stored boundary (the end of its prompt's
+  whole chunks, or one chunk earlier, where the n-1 rule puts a re-sent prompt's hit), or always with
+  ``swa_store: all``; a Mamba group's part only where the state at ``c``'s end was kept.
+
+So a conversation of P tokens costs full-attention layers x P plus sliding-window layers x the window,
+and the next turn, whose prompt extends this one, hits at exactly that boundary. A prefix another
+request shares only up to some earlier chunk is no hit for it (its window there was not kept) unless
+``swa_store`` is ``all``.
+
+Keys: the *main* group's part (the first full-attention or MLA group; else the first group) is named
+by the chunk's key, so chunk lookups, KV events and remote presence work as for one group; any other
+group's part by the namespace key of the chunk's last block hash, ``b"|part"`` and the group's
+position.
+
+Threading contract: vLLM's scheduler thread only (``SchedulerPlanner`` calls it); no I/O, no torch.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from tiered_kv.connector.vllm.config import Geometry
+
+#: the fastest tier holding a key, or None (the planner's lookup, which may adopt what the fleet stored)
+Best = Callable[[bytes], "int | None"]
+
+
+@dataclass(slots=True)
+class PartHit:
+    """A hit over parts: it ends at chunk boundary ``end``; ``keys[i]`` is part ``items[i]`` = (chunk, group
+    position), held fastest in tier ``tiers[i]``; items are in chunk order, groups in group order."""
+
+    end: int
+    keys: list[bytes]
+    items: list[tuple[int, int]]
+    tiers: list[int]
+
+    def chunk_tiers(self, c0: int) -> list[int]:
+        """The slowest tier among each chunk's parts, for chunks ``[c0, end)``."""
+        out = [0] * (self.end - c0)
+        for (c, _), t in zip(self.items, self.tiers):
+            if t > out[c - c0]:
+                out[c - c0] = t
+        return out
+
+
+class PartPlanner:
+    """The per-group rules of a hybrid model's hits and stores (pure planning over one ``Geometry``)."""
+
+    def __init__(self, geo: Geometry, key: Callable[[bytes], bytes], swa_store: str = "window") -> None:
+        self.groups = geo.groups
+        self.p = geo.part_blocks
+        self.width = geo.slot_blocks  # GPU ids per item: p per group
+        self.chunk = geo.chunk_tokens
+        self.hashes_per_chunk = geo.chunk_tokens // geo.hash_block_size
+        kinds = [g.kind for g in self.groups]
+        self.full = [i for i, k in enumerate(kinds) if k in ("full", "mla")]
+        self.main = self.full[0] if self.full else 0
+        self.swa = [i for i, k in enumerate(kinds) if k == "swa"]
+        self.mamba = [i for i, k in enumerate(kinds) if k == "mamba"]
+        self.every_window = swa_store == "all"
+        self._key = key
+        self._suffix = [b"|part" + str(i).encode() for i in range(len(self.groups))]
+
+    # ------------------------------------------------------------------ keys
+    def part_key(self, hashes: Sequence[bytes], c: int, i: int, chunk_key: bytes) -> bytes:
+        """Key of group position ``i``'s part of chunk ``c`` (``chunk_key``: the chunk's key, the main part's)."""
+        if i == self.main:
+            return chunk_key
+        return self._key(bytes(hashes[(c + 1) * self.hashes_per_chunk - 1]) + self._suffix[i])
+
+    # ------------------------------------------------------------------ hits
+    def find(self, hashes: Sequence[bytes], chunk_key: Callable[[int], bytes], c0: int, usable: int,
+             best: Best) -> PartHit | None:
+        """The longest hit from chunk ``c0`` within ``usable`` chunks, or None.
+
+        Full-attention parts must be held for every chunk; the end is then moved back until each
+        sliding-window group holds its window before it and each Mamba group its state at it. A window
+        part missing at chunk c rules out every end whose window reaches c, so the search jumps there.
+        """
+        tiers: dict[tuple[int, int], int] = {}
+        n = 0
+        for c in range(c0, c0 + usable):
+            ck = chunk_key(c)
+            held = True
+            for i in self.full:
+                t = best(self.part_key(hashes, c, i, ck))
+                if t is None:
+                    held = False
+                    break
+                tiers[(c, i)] = t
+            if not held:
+                break
+            n += 1
+        if not self.full:
+            n = usable  # no group reads every chunk: the windows and states alone decide
+        e = c0 + n
+        while e > c0:
+            stop = self._boundary_misses(hashes, chunk_key, c0, e, best, tiers)
+            if stop is None:
+                return self._hit(hashes, chunk_key, c0, e, tiers)
+            e = stop
+        return None
+
+    def _boundary_misses(self, hashes, chunk_key, c0: int, e: int, best: Best,
+                         tiers: dict[tuple[int, int], int]) -> int | None:
+        """None when every window and state part a hit ending at ``e`` reads is held (their tiers go into
+        ``tiers``); else the latest end that is still possible."""
+        for i in self.mamba:
+            t = best(self.part_key(hashes, e - 1, i, chunk_key(e - 1)))
+            if t is None:
+                return e - 1
+            tiers[(e - 1, i)] = t
+        for i in self.swa:
+            lo = max(c0, e - self.groups[i].window_chunks)
+            for c in range(e - 1, lo - 1, -1):  # the newest first: a miss there rules out the most ends
+                t = best(self.part_key(hashes, c, i, chunk_key(c)))
+                if t is None:
+                    return c
+                tiers[(c, i)] = t
+        return None
+
+    def _hit(self, hashes, chunk_key, c0: int, e: int, tiers: dict[tuple[int, int], int]) -> PartHit:
+        keys: list[bytes] = []
+        items: list[tuple[int, int]] = []
+        out_tiers: list[int] = []
+        for c in range(c0, e):
+            ck = chunk_key(c)
+            for i, g in enumerate(self.groups):
+                if self._read(g.kind, i, c, e):
+                    keys.append(self.part_key(hashes, c, i, ck))
+                    items.append((c, i))
+                    out_tiers.append(tiers[(c, i)])
+        return PartHit(e, keys, items, out_tiers)
+
+    def _read(self, kind: str, i: int, c: int, e: int) -> bool:
+        """Whether a hit ending at ``e`` reads group position ``i``'s part of chunk ``c``."""
+        if kind == "swa":
+            return c >= e - self.groups[i].window_chunks
+        if kind == "mamba":
+            return c == e - 1
+        return True
+
+    def load_ids(self, tables: Sequence[Sequence[int]], hit: PartHit, c0: int, local: int) -> list[int]:
+        """GPU ids a load of ``hit`` fills: ``width`` per item, the item's group's ``p`` ids in its section, -1
+        elsewhere and for blocks vLLM did not allocate (null) or already holds (below ``local`` tokens).
+
+        vLLM allocates for an external hit only what the hit reads (null blocks for a sliding window's
+        older blocks, one state block for Mamba); a block allocated where the stored parts hold nothing
+        would be computed on garbage, so it raises instead.
+        """
+        self._check_allocation(tables, c0, hit.end, local)
+        p, width = self.p, self.width
+        out: list[int] = []
+        for c, i in hit.items:
+            ids = [-1] * width
+            g = self.groups[i]
+            table = tables[i]
+            base = i * p
+            for j, pos in enumerate(self._positions(g.kind, g.chunk_blocks, c)):
+                b = table[pos] if pos < len(table) else 0
+                if b and (pos + 1) * g.block_size > local:
+                    ids[base + j] = b
+            out += ids
+        return out
+
+    def _check_allocation(self, tables, c0: int, e: int, local: int) -> None:
+        for i, g in enumerate(self.groups):
+            if g.kind not in ("swa", "mamba"):
+                continue
+            k, bs, table = g.chunk_blocks, g.block_size, tables[i]
+            # the first block a hit ending at e reads: the window's oldest block, or the state block
+            first = e * k - g.window_blocks if g.kind == "swa" else e * k - 1
+            for pos in range(c0 * k, min(first, len(table))):
+                if table[pos] and (pos + 1) * bs > local:
+                    raise RuntimeError(
+                        f"TieredKVConnector: vLLM allocated block {table[pos]} of KV cache group {g.index} "
+                        f"({g.kind}) at position {pos} for an external hit ending at token {e * self.chunk}, "
+                        f"where the stored parts hold nothing for it; this vLLM version allocates hits "
+                        f"differently")
+
+    @staticmethod
+    def _positions(kind: str, k: int, c: int) -> range:
+        """Block positions (in the group's table) that group's part of chunk ``c`` holds, in part order."""
+        if kind == "mamba":
+            return range((c + 1) * k - 1, (c + 1) * k)  # the state block at the chunk's end
+        return range(c * k, (c + 1) * k)
+
+    # ------------------------------------------------------------------ stores
+    def store(self, hashes: Sequence[bytes], c: int, chunk_key: bytes, tables: Sequence[Sequence[int]],
+              state_at_end: bool, final: tuple[int, int] | None) -> list[tuple[bytes, list[int]]] | None:
+        """The parts of chunk ``c`` to store, ``(key, GPU ids)`` each (-1: a block to leave alone), or None
+        when a full-attention block of it is gone (no hit could use the chunk).
+
+        ``final``: the request's last stored boundary and the one the n-1 rule may move a re-sent prompt's
+        hit to (sliding windows are kept before those); None stores every chunk's window parts.
+        ``state_at_end``: a step ended at the chunk's end, so a Mamba state block holds the state there.
+        """
+        out: list[tuple[bytes, list[int]]] = []
+        for i in self.full:
+            g = self.groups[i]
+            blocks = [tables[i][pos] for pos in self._positions(g.kind, g.chunk_blocks, c)]
+            if not all(blocks):
+                return None
+            out.append((self.part_key(hashes, c, i, chunk_key), self._ids(i, blocks)))
+        for i in self.swa:
+            ids = self._window_part(tables[i], self.groups[i], c, final)
+            if ids is not None:
+                out.append((self.part_key(hashes, c, i, chunk_key), self._ids(i, ids)))
+        if state_at_end:
+            for i in self.mamba:
+                g = self.groups[i]
+                b = tables[i][(c + 1) * g.chunk_blocks - 1]
+                if b:
+                    out.append((self.part_key(hashes, c, i, chunk_key), self._ids(i, [b])))
+        return out
+
+    def _ids(self, i: int, blocks: list[int]) -> list[int]:
+        p = self.p
+        ids = [-1] * self.width
+        ids[i * p:i * p + len(blocks)] = [b if b else -1 for b in blocks]
+        return ids
+
+    def _window_part(self, table: Sequence[int], g, c: int, final: tuple[int, int] | None) -> list[int] | None:
+        """A sliding-window group's blocks of chunk c that a hit at a kept boundary reads (0 for the others), or
+        None when the chunk is outside every kept window or such a block is gone already."""
+        k = g.chunk_blocks
+        if self.every_window or final is None:
+            ends = [c + 1]  # any later boundary may be a hit's; the nearest reads the most of chunk c
+        else:
+            ends = [e for e in set(final) if e - g.window_chunks <= c < e]
+            if not ends:
+                return None
+        first = min(e * k - g.window_blocks for e in ends)  # the oldest block any of those hits reads
+        blocks = [table[pos] if pos >= first else 0 for pos in range(c * k, (c + 1) * k)]
+        if any(not b for pos, b in zip(range(c * k, (c + 1) * k), blocks) if pos >= first):
+            return None
+        return blocks
+
+    def final_boundaries(self, prompt_tokens: int, store_decode_tokens: bool) -> tuple[int, int] | None:
+        """The boundaries a later hit on a request's stored prefix ends at: its prompt's whole chunks, and one
+        chunk earlier when the prompt ends on a chunk boundary (the n-1 rule); None when decode tokens are
+        stored too (the stored end keeps moving: every chunk keeps its window)."""
+        if store_decode_tokens:
+            return None
+        return prompt_tokens // self.chunk, (prompt_tokens - 1) // self.chunk
