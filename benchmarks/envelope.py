@@ -252,19 +252,20 @@ def _finish(rec: dict, llm, c0: dict, c1: dict, c2: dict | None, trace: str | No
 
 
 # ------------------------------------------------------------------------------------------ the matrix
-def plan(shapes: list[str], modes: list[str], gpus: list[str], starts: int) -> list[tuple[str, str, str, int]]:
+def plan(shapes: list[str], modes: list[str], gpus: list[str], starts: int,
+         offset: int = 0) -> list[tuple[str, str, str, int]]:
     """(shape, mode, gpu, start) in run order: per shape and GPU cache every mode once per start, the order rotated
-    by one mode per start, so no mode always runs first."""
+    by one mode per start, so no mode always runs first (``offset``: the first start's number, for a later call)."""
     out = []
     for shape in shapes:
         for gpu in gpus:
-            for s in range(starts):
+            for s in range(offset, offset + starts):
                 k = s % len(modes)
                 out += [(shape, m, gpu, s) for m in modes[k:] + modes[:k]]
     return out
 
 
-def run_matrix(shapes, modes, gpus, starts, deadline_s: float) -> dict:
+def run_matrix(shapes, modes, gpus, starts, deadline_s: float, offset: int = 0) -> dict:
     """Every start of the plan in its own process; none begins unless its estimate fits the deadline."""
     t_begin = time.monotonic()
     left = lambda: deadline_s - 10 - (time.monotonic() - t_begin) if deadline_s else float("inf")  # noqa: E731
@@ -274,7 +275,7 @@ def run_matrix(shapes, modes, gpus, starts, deadline_s: float) -> dict:
                  "date": time.strftime("%Y-%m-%d"), "rule": {"bound": BOUND, "near": NEAR}}
     doc["pcie"].append(pcie_probe("before", None if left() == float("inf") else left()))
     walls: dict[str, float] = {}
-    for shape, mode, gpu, start in plan(shapes, modes, gpus, starts):
+    for shape, mode, gpu, start in plan(shapes, modes, gpus, starts, offset):
         need = walls.get(shape, 90.0) * (1.2 if mode.startswith("tiered") else 1.0)
         if left() < need:
             doc["skipped"].append({"shape": shape, "mode": mode, "gpu": gpu, "start": start,
@@ -406,6 +407,7 @@ def main() -> None:
     ap.add_argument("--modes", default="none,offloading,tiered")
     ap.add_argument("--gpu", default="tight", help="GPU caches: tight, roomy or both (comma-separated)")
     ap.add_argument("--starts", type=int, default=1)
+    ap.add_argument("--start-offset", type=int, default=0, help="number of the first start (a later call goes on)")
     ap.add_argument("--deadline-s", type=float, default=0.0)
     ap.add_argument("--one", nargs=3, metavar=("SHAPE", "MODE", "GPU"), help="one start in this process")
     ap.add_argument("--merge", nargs="+")
@@ -434,12 +436,12 @@ def main() -> None:
             raise SystemExit(f"unknown shape {s!r}; valid: {', '.join(SHAPES)}, {', '.join(NOT_RUNNABLE)}")
     runnable = [s for s in shapes if s in MODELS]
     if a.dry_run:
-        for shape, mode, gpu, start in plan(runnable, modes, gpus, a.starts):
+        for shape, mode, gpu, start in plan(runnable, modes, gpus, a.starts, a.start_offset):
             w = knobs(shape)
             print(f"{shape} {mode} {gpu} #{start}: prefix {w['prefix']}, {kv_groups(shape)} KV cache group(s), "
                   f"{gpu_blocks(shape, GPU_FIT[gpu], w['max_len'])} GPU blocks")
         return
-    doc = run_matrix(runnable, modes, gpus, a.starts, a.deadline_s)
+    doc = run_matrix(runnable, modes, gpus, a.starts, a.deadline_s, a.start_offset)
     doc["verdict"] = verdict(doc["results"])
     print(table(doc) + "\n\n" + stores_table(doc), flush=True)
     out = a.out or os.path.join(os.environ.get("OUT", "."), "envelope.json")
