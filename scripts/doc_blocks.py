@@ -23,7 +23,7 @@ _BLOCK = re.compile(r"(?P<open><!-- generated:(?P<name>[\w.:-]+)(?: [^\n]*?)? --
                     r"(?P<close><!-- /generated:(?P=name) -->)", re.S)
 
 
-class BlockError(Exception):
+class BlockError(ValueError):
     """Markers and generated contents do not match up."""
 
 
