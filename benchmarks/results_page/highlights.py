@@ -22,6 +22,23 @@ def _latest(results: list[Result], pattern: str) -> Result | None:
     return hits[-1] if hits else None
 
 
+def from_latest(pattern: str) -> Callable[[Callable[[Result], Row]], Callable[[list[Result]], Row | None]]:
+    """A row drawn from the latest file matching ``pattern`` (no row without one)."""
+    def wrap(row: Callable[[Result], Row]) -> Callable[[list[Result]], Row | None]:
+        def pick(results: list[Result]) -> Row | None:
+            r = _latest(results, pattern)
+            return None if r is None else row(r)
+        pick.__name__ = row.__name__
+        return pick
+    return wrap
+
+
+def _with_mode(results: list[Result], pattern: str, mode: str) -> Result | None:
+    """The first file matching ``pattern`` whose ``results`` have a run of ``mode``."""
+    return next((r for r in results if fnmatch.fnmatch(r.name, pattern)
+                 and any(x["mode"] == mode for x in r.doc.get("results", ()))), None)
+
+
 def _where(rs: list[Result], extra: str = "") -> str:
     first = rs[0]
     files = ", ".join(f"[json](docs/results/{r.name})" for r in rs)
@@ -102,8 +119,11 @@ def vllm_item2(results: list[Result]) -> Row | None:
     rs = [r for r in results if fnmatch.fnmatch(r.name, "vllm_ttft_*.json") and "item2" in r.doc]
     if not rs:
         return None
-    part = lambda r, m: (f"{num(r.doc['item2']['modes'][m]['median_s'] * 1e3)} ms = "  # noqa: E731
-                         f"{r.doc['item2']['modes'][m]['ratio']:.2f}x (spread {r.doc['item2']['modes'][m]['spread']:.2f})")
+
+    def part(r: Result, mode: str) -> str:
+        m = r.doc["item2"]["modes"][mode]
+        return f"{num(m['median_s'] * 1e3)} ms = {m['ratio']:.2f}x (spread {m['spread']:.2f})"
+
     model = lambda r: SHAPES.get(r.doc["model"], r.doc["model"])  # noqa: E731
     return ["vLLM single-request turn-2 TTFT, CPU-tier hits of "
             f"{rs[0].doc['workload']['prefix']:,}-token prefixes, against their floor (hit bytes / PCIe rate + the "
@@ -128,10 +148,8 @@ def vllm_hybrid(results: list[Result]) -> Row | None:
             f"(floor) {' / '.join(ms(r, 'floor') for r in rs)} ms"]
 
 
-def gpu_copy(results: list[Result]) -> Row | None:
-    r = _latest(results, "gpu_copy_2*.json")
-    if not r:
-        return None
+@from_latest("gpu_copy_2*.json")
+def gpu_copy(r: Result) -> Row:
     pick = {(c["case"], c["direction"]): c for c in r.doc["copies"]
             if c["calls"] == 8 and c["mechanism"] == "copy_engine" and c["case"].startswith("llama3-8b")}
     layouts = list(dict.fromkeys(case for case, _ in pick))
@@ -147,10 +165,8 @@ def gpu_copy(results: list[Result]) -> Row | None:
                 f"{three(k, 'contiguous_gbps', 1)} GB/s (ratios {three(k, 'ratio', 2)})" for k in layouts)]
 
 
-def staged(results: list[Result]) -> Row | None:
-    r = _latest(results, "gpu_copy_staged_*.json")
-    if not r:
-        return None
+@from_latest("gpu_copy_staged_*.json")
+def staged(r: Result) -> Row:
     c = {(x["case"], x["variant"]): x for x in r.doc["copies"]}
     case = next(k for k, _ in c if "mla" in k)
     st, ce = c[(case, "staged")], c[(case, "copy_engine")]
@@ -163,24 +179,21 @@ def staged(results: list[Result]) -> Row | None:
             f"{num(ce['gbps'])} GB/s"]
 
 
-def sched(results: list[Result]) -> Row | None:
-    r = _latest(results, "sched_overhead_2*.json")
-    if not r:
-        return None
+@from_latest("sched_overhead_2*.json")
+def sched(r: Result) -> Row:
     notes = r.doc.get("set_notes", {})
     after = [s for s in r.doc["sets"] if notes.get(s["file"], "").startswith("after")]
     paired = sorted(s["modes"][TIERED]["paired_median_vs_none_pct"] for s in after)
     null = sorted(s["modes"][NULL]["paired_median_vs_none_pct"] for s in after if NULL in s["modes"])
     workload = r.doc["tool"].split("(", 1)[1].rstrip(")").split(", ")[1]
     return [f"vLLM scheduler step cost, {workload} (vLLM's real `Scheduler`, our connector's scheduler side)",
-            _where([r]), f"+{paired[0]:.1f}..+{paired[-1]:.1f}% over no connector (paired medians, {len(paired)} sets "
-            "of the latest code)", f"vLLM's connector plumbing alone (`NullConnector`) +{null[0]:.1f}..+{null[-1]:.1f}%"]
+            _where([r]), f"+{paired[0]:.1f}..+{paired[-1]:.1f}% over no connector (paired medians, {len(paired)} "
+            "sets of the latest code)",
+            f"vLLM's connector plumbing alone (`NullConnector`) +{null[0]:.1f}..+{null[-1]:.1f}%"]
 
 
-def sched_remote(results: list[Result]) -> Row | None:
-    r = _latest(results, "sched_overhead_remote_*.json")
-    if not r:
-        return None
+@from_latest("sched_overhead_remote_*.json")
+def sched_remote(r: Result) -> Row:
     last = [s for s in r.doc["sets"] if s["name"].startswith("merged")]
 
     def clock(s: dict) -> str:
@@ -195,8 +208,7 @@ def sched_remote(results: list[Result]) -> Row | None:
 
 
 def sglang_ttft(results: list[Result]) -> Row | None:
-    r = next((x for x in results if fnmatch.fnmatch(x.name, "sglang_ttft_*.json")
-              and any(y["mode"] == "file" for y in x.doc["results"])), None)
+    r = _with_mode(results, "sglang_ttft_*.json", "file")
     if not r:
         return None
     by = {x["mode"]: x for x in r.doc["results"]}
@@ -209,8 +221,7 @@ def sglang_ttft(results: list[Result]) -> Row | None:
 
 
 def sglang_restart(results: list[Result]) -> Row | None:
-    r = next((x for x in results if fnmatch.fnmatch(x.name, "sglang_ttft_*.json")
-              and any(y["mode"] == "restart" for y in x.doc["results"])), None)
+    r = _with_mode(results, "sglang_ttft_*.json", "restart")
     if not r:
         return None
     by = {x["mode"]: x for x in r.doc["results"]}
@@ -221,10 +232,8 @@ def sglang_restart(results: list[Result]) -> Row | None:
             f"{num(gated['turn2_median_s'], 3)} s", f"MLA no HiCache {num(none['turn2_median_s'], 3)} s"]
 
 
-def sglang_bench(results: list[Result]) -> Row | None:
-    r = _latest(results, "sglang_bench_*.json")
-    if not r:
-        return None
+@from_latest("sglang_bench_*.json")
+def sglang_bench(r: Result) -> Row:
     rows = {(x["path"].split()[0], x["layout"]): x for x in r.doc["summary"]}
     raw = [x for x in r.doc["summary"] if x["path"].startswith("raw")]
     sg = [rows[("batch_set_v1", "page_first")], rows[("batch_get_v1", "page_first")]]
@@ -235,10 +244,8 @@ def sglang_bench(results: list[Result]) -> Row | None:
             f"{sg[1]['ratio']:.2f})"]
 
 
-def remote(results: list[Result]) -> Row | None:
-    r = _latest(results, "remote_bench_*.json")
-    if not r:
-        return None
+@from_latest("remote_bench_*.json")
+def remote(r: Result) -> Row:
     d = r.doc
     return [f"remote tier on a Redis Cluster ({d['cluster']}), {num(d['block_mib'], 0)} MiB blocks, write / "
             "verified read", _where([r]),
@@ -247,10 +254,8 @@ def remote(results: list[Result]) -> Row | None:
             f"({d['tier_over_raw']['write_gbps']:.2f}x / {d['tier_over_raw']['read_gbps']:.2f}x)"]
 
 
-def disk(results: list[Result]) -> Row | None:
-    r = _latest(results, "disk_bench_*.json")
-    if not r:
-        return None
+@from_latest("disk_bench_*.json")
+def disk(r: Result) -> Row:
     d, t = r.doc, r.doc["tiered_disk_none"]
     return [f"disk tier, {d['block_bytes'] >> 20} MiB blocks, write (fsync incl.) / cold read", _where([r]),
             f"{num(t['write_GBps'], 2)} / {num(t['read_GBps'], 2)} GB/s",

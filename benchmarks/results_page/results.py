@@ -14,6 +14,7 @@ import re
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "docs" / "results"
@@ -154,3 +155,10 @@ def source(results: list[Result], prefix: str = "results/") -> str:
         return f"Source: {files}; {results[0].device}; `{results[0].command}`.\n"
     parts = [f"{link(r)} ({r.date}, {r.device}; `{r.command}`)" for r in results]
     return "Source: " + "; ".join(parts) + ".\n"
+
+
+def each(render_one: Callable[[Result], str]) -> Callable[[list[Result]], str]:
+    """A scenario renderer from a one-file one: each file's tables, then its source line."""
+    def render(results: list[Result]) -> str:
+        return "\n".join(render_one(r) + "\n" + source([r]) for r in results)
+    return render

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from benchmarks.results_page.results import Result, median, num, ratio, source, spread, table
+from benchmarks.results_page.results import Result, each, median, num, ratio, source, spread, table
 from benchmarks.serving import report as serve_report
 
 
@@ -177,48 +177,44 @@ def _pct(v: float | None) -> str:
     return "-" if v is None else f"{v:+.1f}%"
 
 
-def sched(results: list[Result]) -> str:
+def sched(r: Result) -> str:
     """One row per set: each mode's median us per step and its paired median over ``none``."""
-    out = ""
-    for r in results:
-        notes = r.doc.get("set_notes", {})
-        rows = []
-        for s in r.doc["sets"]:
-            header = s.get("header", "")
-            when = header.split()[0][11:16] if header else "?"
-            clock = next((w.split("=", 1)[1] for w in header.split() if w.startswith("clock=")), "?")
-            m = s["modes"]
-            cell = lambda k: (f"{num(m[k]['median_us_per_step'], 0)}, {_pct(m[k]['paired_median_vs_none_pct'])}"  # noqa: E731
-                              if k in m else "-")
-            rows.append([when, clock, notes.get(s["file"], ""), num(m["none"]["median_us_per_step"], 0),
-                         cell(NULL), cell(TIERED)])
-        head = ["set (UTC)", "clock", "code", "`none` us/step", "`NullConnector` us/step, paired vs none",
-                "ours us/step, **paired vs none**"]
-        hooks = r.doc.get("hooks_ab")
-        out += table(head, rows)
-        if hooks:
-            out += (f"\nOur hooks' own CPU time per step (`hook_clock.py`, median of {len(hooks['before'])} "
-                    f"alternating rounds): {num(median(hooks['before']))} us before, {num(median(hooks['after']))} "
-                    "us after.\n")
-        out += "\n" + source([r])
+    notes = r.doc.get("set_notes", {})
+    rows = []
+    for s in r.doc["sets"]:
+        header = s.get("header", "")
+        when = header.split()[0][11:16] if header else "?"
+        clock = next((w.split("=", 1)[1] for w in header.split() if w.startswith("clock=")), "?")
+        m = s["modes"]
+
+        def cell(k: str) -> str:
+            return f"{num(m[k]['median_us_per_step'], 0)}, {_pct(m[k]['paired_median_vs_none_pct'])}" if k in m else "-"
+
+        rows.append([when, clock, notes.get(s["file"], ""), num(m["none"]["median_us_per_step"], 0),
+                     cell(NULL), cell(TIERED)])
+    head = ["set (UTC)", "clock", "code", "`none` us/step", "`NullConnector` us/step, paired vs none",
+            "ours us/step, **paired vs none**"]
+    out = table(head, rows)
+    hooks = r.doc.get("hooks_ab")
+    if hooks:
+        out += (f"\nOur hooks' own CPU time per step (`hook_clock.py`, median of {len(hooks['before'])} "
+                f"alternating rounds): {num(median(hooks['before']))} us before, {num(median(hooks['after']))} "
+                "us after.\n")
     return out
 
 
-def sched_remote(results: list[Result]) -> str:
+def sched_remote(r: Result) -> str:
     """One row per set: paired medians over ``none`` of the NullConnector, ours, ours with the remote tier."""
-    out = ""
-    for r in results:
-        rows = []
-        for s in r.doc["sets"]:
-            sm = s["summary"]
-            paired = lambda k: _pct(sm[k].get("paired_vs_none_pct")) if k in sm else "-"  # noqa: E731
-            rows.append([s["name"], s["started_utc"][11:16], s["commit"], s["clock"],
-                         num(sm["none"]["median_us_per_step"], 0), paired(NULL), paired(TIERED),
-                         f"**{paired(REMOTE)}**", _pct(sm.get("remote_over_ours_per_round_pct"))])
-        head = ["set", "UTC", "code", "clock", "`none` us/step", "`NullConnector`", "ours", "ours + remote tier",
-                "remote over ours, per round"]
-        out += table(head, rows) + "\n" + source([r])
-    return out
+    rows = []
+    for s in r.doc["sets"]:
+        sm = s["summary"]
+        paired = lambda k: _pct(sm[k].get("paired_vs_none_pct")) if k in sm else "-"  # noqa: E731
+        rows.append([s["name"], s["started_utc"][11:16], s["commit"], s["clock"],
+                     num(sm["none"]["median_us_per_step"], 0), paired(NULL), paired(TIERED),
+                     f"**{paired(REMOTE)}**", _pct(sm.get("remote_over_ours_per_round_pct"))])
+    head = ["set", "UTC", "code", "clock", "`none` us/step", "`NullConnector`", "ours", "ours + remote tier",
+            "remote over ours, per round"]
+    return table(head, rows)
 
 
 # ------------------------------------------------------------------------------------ GPU <-> CPU copies
@@ -226,124 +222,99 @@ def _gbps(row: dict | None) -> str:
     return "-" if row is None else f"{num(row['gbps'])} ({row['ratio']:.2f})"
 
 
-def gpu_copy(results: list[Result]) -> str:
+def gpu_copy(r: Result) -> str:
     """256 random blocks per call: one call, and 8 calls back to back, per mechanism; GB/s (ratio to contiguous)."""
-    out = ""
-    for r in results:
-        rows, extra = [], []
-        every = r.doc["copies"] + r.doc.get("rect_streamed", [])
-        pick = {}
-        for c in every:
-            variant = "2d" if c["opts"].get("rect_copies") else c["mechanism"]
-            pick.setdefault((c["case"], c["direction"], c["calls"], c["blocks"], variant), c)
-        for c in r.doc.get("rect_streamed", []):
-            if not c["opts"].get("rect_copies"):
-                extra.append(f"{c['case']} {c['direction']}, {c['calls']} calls of {c['blocks']:,} blocks: "
-                             f"{_gbps(c)}")
-        for case in dict.fromkeys(c["case"] for c in r.doc["copies"]):
-            for d in ("d2h", "h2d", "both"):
-                k = lambda calls, v: pick.get((case, d, calls, 256, v))  # noqa: E731
-                eight = k(8, "copy_engine")
-                rows.append([case, d, num(eight and eight["contiguous_gbps"]), _gbps(k(1, "copy_engine")),
-                             _gbps(eight), _gbps(k(8, "sm_kernel")), _gbps(k(8, "2d"))])
-        head = ["model / layout", "direction", "contiguous pinned, same bytes", "one call: copy engine",
-                "8 calls: **copy engine**", "8 calls: SM kernel", "8 calls: 2-D copies"]
-        out += table(head, rows)
-        if extra:
-            out += "\nAlso in the file (second samples): " + "; ".join(extra) + ".\n"
-        out += "\n" + source([r])
+    rows, extra, pick = [], [], {}
+    for c in r.doc["copies"] + r.doc.get("rect_streamed", []):
+        variant = "2d" if c["opts"].get("rect_copies") else c["mechanism"]
+        pick.setdefault((c["case"], c["direction"], c["calls"], c["blocks"], variant), c)
+    for c in r.doc.get("rect_streamed", []):
+        if not c["opts"].get("rect_copies"):
+            extra.append(f"{c['case']} {c['direction']}, {c['calls']} calls of {c['blocks']:,} blocks: {_gbps(c)}")
+    for case in dict.fromkeys(c["case"] for c in r.doc["copies"]):
+        for d in ("d2h", "h2d", "both"):
+            k = lambda calls, v: pick.get((case, d, calls, 256, v))  # noqa: E731
+            eight = k(8, "copy_engine")
+            rows.append([case, d, num(eight and eight["contiguous_gbps"]), _gbps(k(1, "copy_engine")),
+                         _gbps(eight), _gbps(k(8, "sm_kernel")), _gbps(k(8, "2d"))])
+    head = ["model / layout", "direction", "contiguous pinned, same bytes", "one call: copy engine",
+            "8 calls: **copy engine**", "8 calls: SM kernel", "8 calls: 2-D copies"]
+    out = table(head, rows)
+    if extra:
+        out += "\nAlso in the file (second samples): " + "; ".join(extra) + ".\n"
     return out
 
 
 STAGED_VARIANTS = ("copy_engine", "sm_kernel", "staged", "staged 2 groups", "staged scattered", "staged inline")
 
 
-def gpu_copy_staged(results: list[Result]) -> str:
+def gpu_copy_staged(r: Result) -> str:
     """512-block loads into per-layer blocks, per mechanism: GB/s (ratio to contiguous), ms."""
-    out = ""
-    for r in results:
-        by = {(c["case"], c["variant"]): c for c in r.doc["copies"]}
-        rows = []
-        for case in dict.fromkeys(c["case"] for c in r.doc["copies"]):
-            any_ = by[(case, "copy_engine")]
-            label = (f"{case}, {any_['blocks']} blocks x {any_['layers']} layers x "
-                     f"{any_['layer_block_bytes'] // 1024} KiB")
-            rows.append([label] + [_gbps(by.get((case, v))) + (f", {num(by[(case, v)]['total_ms'])} ms"
-                                                               if (case, v) in by else "") for v in STAGED_VARIANTS])
-        out += table(["shape (h2d)", *STAGED_VARIANTS], rows)
-        mm = "; ".join(f"{m['mechanism']} {m['slowdown_pct']:+.2f}%" for m in r.doc.get("matmul", []))
-        if mm:
-            out += f"\nA bf16 matmul beside the copies, slowdown: {mm}.\n"
-        out += "\n" + source([r])
+    by = {(c["case"], c["variant"]): c for c in r.doc["copies"]}
+    rows = []
+    for case in dict.fromkeys(c["case"] for c in r.doc["copies"]):
+        any_ = by[(case, "copy_engine")]
+        label = f"{case}, {any_['blocks']} blocks x {any_['layers']} layers x {any_['layer_block_bytes'] // 1024} KiB"
+        rows.append([label] + [_gbps(by.get((case, v))) + (f", {num(by[(case, v)]['total_ms'])} ms"
+                                                           if (case, v) in by else "") for v in STAGED_VARIANTS])
+    out = table(["shape (h2d)", *STAGED_VARIANTS], rows)
+    mm = "; ".join(f"{m['mechanism']} {m['slowdown_pct']:+.2f}%" for m in r.doc.get("matmul", []))
+    if mm:
+        out += f"\nA bf16 matmul beside the copies, slowdown: {mm}.\n"
     return out
 
 
-def copy_probe(results: list[Result]) -> str:
+def copy_probe(r: Result) -> str:
     """Where a 256-block call's time goes (ms), and 8 calls back to back (GB/s)."""
     cols = (("engine_ms", "copy engine alone"), ("contig_ms", "contiguous alone"), ("call_ms_default", "one call"),
             ("contig_call_ms", "contiguous call"), ("call_ms_inline_submit", "one call, caller's thread"),
             ("call_ms_one_driver_call", "one call, one driver call"), ("stream_gbps", "8 calls GB/s"),
             ("contig_stream_gbps", "8 contiguous GB/s"))
-    out = ""
-    for r in results:
-        rows = [[f"`{x['layout']}` {x['direction']} ({x['runs']:,} runs)"] + [num(x[k], 2) for k, _ in cols]
-                for x in r.doc["rows"]]
-        out += table(["layout, direction", *(c for _, c in cols)], rows) + "\n" + source([r])
-    return out
+    rows = [[f"`{x['layout']}` {x['direction']} ({x['runs']:,} runs)"] + [num(x[k], 2) for k, _ in cols]
+            for x in r.doc["rows"]]
+    return table(["layout, direction", *(c for _, c in cols)], rows)
 
 
-def in_step_probe(results: list[Result]) -> str:
+def in_step_probe(r: Result) -> str:
     """A 1 GiB in-step load: host time of the call and GPU time until it landed, per layer-group count."""
-    out = ""
-    for r in results:
-        by = {(x["kv"], x["groups"], x["mechanism"]): x for x in r.doc["rows"]}
-        rows = []
-        for kv, groups in dict.fromkeys((x["kv"], x["groups"]) for x in r.doc["rows"]):
-            cell = lambda m: (f"{num(by[(kv, groups, m)]['call_ms'])} / {num(by[(kv, groups, m)]['landed_ms'])} "  # noqa: E731
-                              f"({num(by[(kv, groups, m)]['gbps'])})" if (kv, groups, m) in by else "-")
-            rows.append([kv, groups, cell("copy_engine"), cell("sm_kernel")])
-        head = ["KV tensors", "groups", "copy engine: call / landed ms (GB/s)", "SM kernel: call / landed ms (GB/s)"]
-        out += table(head, rows) + "\n" + source([r])
-    return out
+    by = {(x["kv"], x["groups"], x["mechanism"]): x for x in r.doc["rows"]}
+
+    def cell(key: tuple) -> str:
+        x = by.get(key)
+        return "-" if x is None else f"{num(x['call_ms'])} / {num(x['landed_ms'])} ({num(x['gbps'])})"
+
+    rows = [[kv, g, cell((kv, g, "copy_engine")), cell((kv, g, "sm_kernel"))]
+            for kv, g in dict.fromkeys((x["kv"], x["groups"]) for x in r.doc["rows"])]
+    head = ["KV tensors", "groups", "copy engine: call / landed ms (GB/s)", "SM kernel: call / landed ms (GB/s)"]
+    return table(head, rows)
 
 
 HOST_MEMORY = {"torch_pinned": "torch `pin_memory=True`", "tier_4k": "our CPU tier (`cudaHostRegister`)",
                "tier_thp": "our CPU tier, transparent huge pages"}
 
 
-def host_memory(results: list[Result]) -> str:
-    out = ""
-    for r in results:
-        rows = [[HOST_MEMORY.get(x["kind"], x["kind"]), f"{num(x['pin_s'], 2)} s",
-                 *(f"{num(x[f'{k}_h2d_gbps'])} / {num(x[f'{k}_d2h_gbps'])}" for k in ("contig", "BLHNC", "LBNHC"))]
-                for x in r.doc["rows"]]
-        head = ["host memory", f"pinning {r.doc['rows'][0]['slab_gib']} GiB", "contiguous h2d / d2h GB/s",
-                "`BLHNC` runs h2d / d2h", "`LBNHC` runs h2d / d2h"]
-        out += table(head, rows) + "\n" + source([r])
-    return out
+def host_memory(r: Result) -> str:
+    rows = [[HOST_MEMORY.get(x["kind"], x["kind"]), f"{num(x['pin_s'], 2)} s",
+             *(f"{num(x[f'{k}_h2d_gbps'])} / {num(x[f'{k}_d2h_gbps'])}" for k in ("contig", "BLHNC", "LBNHC"))]
+            for x in r.doc["rows"]]
+    head = ["host memory", f"pinning {r.doc['rows'][0]['slab_gib']} GiB", "contiguous h2d / d2h GB/s",
+            "`BLHNC` runs h2d / d2h", "`LBNHC` runs h2d / d2h"]
+    return table(head, rows)
 
 
 def gpu_probes(results: list[Result]) -> str:
     """The copy-path probes, each file by its own renderer (by name)."""
     parts = {"copy_probe": copy_probe, "in_step_probe": in_step_probe, "host_memory_probe": host_memory}
-    out = []
-    for prefix, render in parts.items():
-        mine = [r for r in results if r.name.startswith(prefix + "_")]
-        if mine:
-            out.append(render(mine))
-    return "\n".join(out)
+    return "\n".join(each(render)([r for r in results if r.name.startswith(prefix + "_")])
+                     for prefix, render in parts.items() if any(r.name.startswith(prefix + "_") for r in results))
 
 
-def neighbor(results: list[Result]) -> str:
+def neighbor(r: Result) -> str:
     """Each GPU's pinned copies alone and with every GPU of the host copying at once."""
-    out = ""
-    for r in results:
-        rows = [[x["gpu"], num(x["h2d_alone"], 2), num(x["h2d_together"], 2), num(x.get("h2d_ratio"), 2),
-                 num(x["d2h_alone"], 2), num(x["d2h_together"], 2), num(x.get("d2h_ratio"), 2)]
-                for x in r.doc["rows"]]
-        head = ["GPU", "H2D alone GB/s", "H2D all at once", "ratio", "D2H alone", "D2H all at once", "ratio"]
-        out += table(head, rows) + "\n" + source([r])
-    return out
+    rows = [[x["gpu"], num(x["h2d_alone"], 2), num(x["h2d_together"], 2), num(x.get("h2d_ratio"), 2),
+             num(x["d2h_alone"], 2), num(x["d2h_together"], 2), num(x.get("d2h_ratio"), 2)] for x in r.doc["rows"]]
+    head = ["GPU", "H2D alone GB/s", "H2D all at once", "ratio", "D2H alone", "D2H all at once", "ratio"]
+    return table(head, rows)
 
 
 # ---------------------------------------------------------------------------------------------- SGLang
@@ -372,14 +343,10 @@ def sglang_ttft(results: list[Result]) -> str:
     return table(head, rows) + "\nCalibration: " + "; ".join(cal) + ".\n\n" + source(results)
 
 
-def sglang_bench(results: list[Result]) -> str:
-    out = ""
-    for r in results:
-        rows = [[x["path"], x["layout"], num(x["pages_s"], 0), num(x["gbps"], 2),
-                 f"{num(x['gbps_min'], 2)}-{num(x['gbps_max'], 2)}", num(x["ratio"], 2)] for x in r.doc["summary"]]
-        head = ["path", "layout", "pages/s", "GB/s, median", "min-max", "ratio to raw (same repeat)"]
-        out += table(head, rows) + "\n" + source([r])
-    return out
+def sglang_bench(r: Result) -> str:
+    rows = [[x["path"], x["layout"], num(x["pages_s"], 0), num(x["gbps"], 2),
+             f"{num(x['gbps_min'], 2)}-{num(x['gbps_max'], 2)}", num(x["ratio"], 2)] for x in r.doc["summary"]]
+    return table(["path", "layout", "pages/s", "GB/s, median", "min-max", "ratio to raw (same repeat)"], rows)
 
 
 # ------------------------------------------------------------------------------------ disk and remote
@@ -387,90 +354,71 @@ DISK_PATHS = {"raw_odirect": "raw O_DIRECT (ceiling)", "lmdb_values": "LMDB, 2 M
               "tiered_disk_none": "**tiered_kv disk tier**", "tiered_disk_zstd": "tiered_kv disk tier + zstd"}
 
 
-def disk(results: list[Result]) -> str:
-    out = ""
-    for r in results:
-        rows = []
-        for k, label in DISK_PATHS.items():
-            x = r.doc[k]
-            rounds = lambda what: " / ".join(num(rd[what], 2) for rd in x["rounds"])  # noqa: E731
-            rows.append([label, f"{num(x['write_GBps'], 2)} ({rounds('write_GBps')})",
-                         f"{num(x['read_GBps'], 2)} ({rounds('read_GBps')})", num(x.get("write_ratio", 1.0), 2),
-                         num(x.get("read_ratio", 1.0), 2)])
-        head = ["path", "write GB/s, median (rounds)", "cold read GB/s, median (rounds)", "write / raw", "read / raw"]
-        saved = r.doc["tiered_disk_zstd"].get("bytes_saved_ratio")
-        out += table(head, rows)
-        if saved is not None:
-            out += f"\nzstd level 1 saved {saved:.1%} of the payload bytes.\n"
-        out += "\n" + source([r])
+def disk(r: Result) -> str:
+    rows = []
+    for k, label in DISK_PATHS.items():
+        x = r.doc[k]
+        rounds = lambda what: " / ".join(num(rd[what], 2) for rd in x["rounds"])  # noqa: E731
+        rows.append([label, f"{num(x['write_GBps'], 2)} ({rounds('write_GBps')})",
+                     f"{num(x['read_GBps'], 2)} ({rounds('read_GBps')})", num(x.get("write_ratio", 1.0), 2),
+                     num(x.get("read_ratio", 1.0), 2)])
+    out = table(["path", "write GB/s, median (rounds)", "cold read GB/s, median (rounds)", "write / raw",
+                 "read / raw"], rows)
+    saved = r.doc["tiered_disk_zstd"].get("bytes_saved_ratio")
+    if saved is not None:
+        out += f"\nzstd level 1 saved {saved:.1%} of the payload bytes.\n"
     return out
 
 
-def disk_sharing(results: list[Result]) -> str:
-    out = ""
-    for r in results:
-        d = r.doc
-        out += table(["records", "index MiB", "integrity check s", "open with check s"],
-                     [[f"{x['records']:,}", num(x["index_mib"]), num(x["check_s"], 2), num(x["open_with_check_s"], 2)]
-                      for x in d["integrity_check"]])
-        out += "\n" + table(["read batch", "lease + unlease us", "headers only us", "us per block"],
-                            [[x["batch"], num(x["lease_unlease_us"], 0), num(x["headers_only_us"], 0),
-                              num(x["per_block_us"], 0)] for x in d["leases"]])
-        out += "\n" + table(["processes", "budget slots", "puts/s", "evictions/s", "MiB/s", "slots held at the end"],
-                            [[x["processes"], x["budget_slots"], f"{x['puts_per_s']:,}", f"{x['evictions_per_s']:,}",
-                              num(x["mib_per_s"]), ", ".join(f"{k} {v}" for k, v in sorted(x["per_namespace_used"].items()))]
-                             for x in d["eviction"]])
-        out += "\n" + source([r])
-    return out
+def disk_sharing(r: Result) -> str:
+    d = r.doc
+    check = [[f"{x['records']:,}", num(x["index_mib"]), num(x["check_s"], 2), num(x["open_with_check_s"], 2)]
+             for x in d["integrity_check"]]
+    leases = [[x["batch"], num(x["lease_unlease_us"], 0), num(x["headers_only_us"], 0), num(x["per_block_us"], 0)]
+              for x in d["leases"]]
+    evict = [[x["processes"], x["budget_slots"], f"{x['puts_per_s']:,}", f"{x['evictions_per_s']:,}",
+              num(x["mib_per_s"]), ", ".join(f"{k} {v}" for k, v in sorted(x["per_namespace_used"].items()))]
+             for x in d["eviction"]]
+    return "\n".join([table(["records", "index MiB", "integrity check s", "open with check s"], check),
+                      table(["read batch", "lease + unlease us", "headers only us", "us per block"], leases),
+                      table(["processes", "budget slots", "puts/s", "evictions/s", "MiB/s", "slots held at the end"],
+                            evict)])
 
 
-def remote(results: list[Result]) -> str:
-    out = ""
-    for r in results:
-        d = r.doc
-        rows = [["raw redis-py cluster pipeline", num(d["raw"]["write_gbps"], 3), num(d["raw"]["read_gbps"], 3)],
-                ["`RemoteTier` (checked records)", num(d["tier"]["write_gbps"], 3), num(d["tier"]["read_gbps"], 3)],
-                ["tier / raw", f"**{num(d['tier_over_raw']['write_gbps'], 2)}**",
-                 f"**{num(d['tier_over_raw']['read_gbps'], 2)}**"]]
-        p = d["presence"]
-        out += table(["path", "write GB/s", "read GB/s"], rows)
-        out += (f"\nPresence: a block one client wrote reaches another client's feed in {p['feed_latency_ms_median']} "
-                f"ms (median; max {p['feed_latency_ms_max']}); adopting 1,000 announced keys takes "
-                f"{num(p['adopt_us_per_1000_keys'] / 1000, 1)} us each; a 64-key lookup with 100,000 remote keys "
-                f"known {num(p['lookup_us_64_keys_100k_known'])} us.\n\n")
-        out += source([r])
-    return out
+def remote(r: Result) -> str:
+    d, p = r.doc, r.doc["presence"]
+    rows = [["raw redis-py cluster pipeline", num(d["raw"]["write_gbps"], 3), num(d["raw"]["read_gbps"], 3)],
+            ["`RemoteTier` (checked records)", num(d["tier"]["write_gbps"], 3), num(d["tier"]["read_gbps"], 3)],
+            ["tier / raw", f"**{num(d['tier_over_raw']['write_gbps'], 2)}**",
+             f"**{num(d['tier_over_raw']['read_gbps'], 2)}**"]]
+    return (table(["path", "write GB/s", "read GB/s"], rows)
+            + f"\nPresence: a block one client wrote reaches another client's feed in {p['feed_latency_ms_median']} "
+            f"ms (median; max {p['feed_latency_ms_max']}); adopting 1,000 announced keys takes "
+            f"{num(p['adopt_us_per_1000_keys'] / 1000, 1)} us each; a 64-key lookup with 100,000 remote keys "
+            f"known {num(p['lookup_us_64_keys_100k_known'])} us.\n")
 
 
 # --------------------------------------------------------------------------------- CPU models of a GPU run
-def burst_sim(results: list[Result]) -> str:
-    out = ""
-    for r in results:
-        rows = []
-        for wave in ("c8", "c32"):
-            w = r.doc.get(wave)
-            if not w:
-                continue
-            for mode, x in w["results"].items():
-                rows.append([f"{w['model']['users']}-wave", mode, num(x["ttft_ms_p50"]), num(x["ttft_ms_p90"]),
-                             num(x["wave_ms_mean"]), x["prefill_steps"], x["in_step_loads"], x["async_loads"],
-                             num(x["budget_mb"], 0)])
-        head = ["wave", "mode", "TTFT p50 ms", "TTFT p90 ms", "wave ms", "prefill steps", "in-step loads",
-                "async loads", "budget MB"]
-        out += table(head, rows) + "\n" + source([r])
-    return out
+def burst_sim(r: Result) -> str:
+    rows = []
+    for wave in ("c8", "c32"):
+        w = r.doc.get(wave)
+        for mode, x in (w["results"].items() if w else ()):
+            rows.append([f"{w['model']['users']}-wave", mode, num(x["ttft_ms_p50"]), num(x["ttft_ms_p90"]),
+                         num(x["wave_ms_mean"]), x["prefill_steps"], x["in_step_loads"], x["async_loads"],
+                         num(x["budget_mb"], 0)])
+    head = ["wave", "mode", "TTFT p50 ms", "TTFT p90 ms", "wave ms", "prefill steps", "in-step loads",
+            "async loads", "budget MB"]
+    return table(head, rows)
 
 
-def tail_sim(results: list[Result]) -> str:
-    out = ""
-    for r in results:
-        rows = [[mode.replace("tail_chunks ", ""), f"{x['prompt_tokens']:,}", f"{x['computed_tokens']:,}",
-                 f"{x['connector_hit_tokens']:,}", f"{x['tail_hit_tokens']:,}", x["tail_stores"],
-                 x["resident_cpu_chunks"]] for mode, x in r.doc["modes"].items()]
-        head = ["`tail_chunks`", "prompt tokens", "computed", "from the connector", "of it tail pieces",
-                "tail pieces stored", "CPU slots at the end"]
-        out += table(head, rows) + "\n" + source([r])
-    return out
+def tail_sim(r: Result) -> str:
+    rows = [[mode.replace("tail_chunks ", ""), f"{x['prompt_tokens']:,}", f"{x['computed_tokens']:,}",
+             f"{x['connector_hit_tokens']:,}", f"{x['tail_hit_tokens']:,}", x["tail_stores"],
+             x["resident_cpu_chunks"]] for mode, x in r.doc["modes"].items()]
+    head = ["`tail_chunks`", "prompt tokens", "computed", "from the connector", "of it tail pieces",
+            "tail pieces stored", "CPU slots at the end"]
+    return table(head, rows)
 
 
 #: the probes' README: their answers, from the same files
@@ -479,19 +427,19 @@ PROBES = "benchmarks/probes/README.md"
 SCENARIOS: tuple[Scenario, ...] = (
     Scenario("serve", ("serve_bench_*_h200.json",), serve),
     Scenario("serve-shared-host", ("serve_bench_*_h200x4-shared.json",), serve_shared),
-    Scenario("neighbor", ("neighbor_probe_*.json",), neighbor),
+    Scenario("neighbor", ("neighbor_probe_*.json",), each(neighbor)),
     Scenario("vllm-ttft", ("vllm_ttft_*.json",), vllm_ttft),
-    Scenario("sched", ("sched_overhead_2*.json",), sched),
-    Scenario("sched-remote", ("sched_overhead_remote_*.json",), sched_remote),
-    Scenario("gpu-copy", ("gpu_copy_2*.json",), gpu_copy),
-    Scenario("gpu-copy-staged", ("gpu_copy_staged_*.json",), gpu_copy_staged),
+    Scenario("sched", ("sched_overhead_2*.json",), each(sched)),
+    Scenario("sched-remote", ("sched_overhead_remote_*.json",), each(sched_remote)),
+    Scenario("gpu-copy", ("gpu_copy_2*.json",), each(gpu_copy)),
+    Scenario("gpu-copy-staged", ("gpu_copy_staged_*.json",), each(gpu_copy_staged)),
     Scenario("gpu-probes", ("copy_probe_*.json", "in_step_probe_*.json", "host_memory_probe_*.json"), gpu_probes,
              PROBES),
     Scenario("sglang-ttft", ("sglang_ttft_*.json",), sglang_ttft),
-    Scenario("sglang-bench", ("sglang_bench_*.json",), sglang_bench),
-    Scenario("disk", ("disk_bench_*.json",), disk),
-    Scenario("disk-sharing", ("disk_sharing_bench_*.json",), disk_sharing),
-    Scenario("remote", ("remote_bench_*.json",), remote),
-    Scenario("burst-sim", ("burst_sim_*.json",), burst_sim, PROBES),
-    Scenario("tail-sim", ("tail_sim_*.json",), tail_sim, PROBES),
+    Scenario("sglang-bench", ("sglang_bench_*.json",), each(sglang_bench)),
+    Scenario("disk", ("disk_bench_*.json",), each(disk)),
+    Scenario("disk-sharing", ("disk_sharing_bench_*.json",), each(disk_sharing)),
+    Scenario("remote", ("remote_bench_*.json",), each(remote)),
+    Scenario("burst-sim", ("burst_sim_*.json",), each(burst_sim), PROBES),
+    Scenario("tail-sim", ("tail_sim_*.json",), each(tail_sim), PROBES),
 )

@@ -66,7 +66,8 @@ def key_rows(cls: type, names: list[str] | None = None) -> list[KeyRow]:
     for f in _fields(cls, names):
         default = _default(f)
         unit = f.metadata.get(UNIT, "")
-        rows.append(KeyRow(f"`{f.name}`", _type(str(f.type), unit, default), _show(default, unit),
+        annotation = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+        rows.append(KeyRow(f"`{f.name}`", _type(annotation, unit, default), _show(default, unit),
                            unit or "-", " ".join(f.metadata[DOC].split())))
     return rows
 
