@@ -3,7 +3,7 @@
 #   make test   set up .venv (+ vLLM 0.32) and .venv-sglang (+ SGLang 0.5.23) and run every test suite
 SHELL := /bin/bash
 .ONESHELL:
-.PHONY: demo test test-core test-sglang setup bench gpu-test clean
+.PHONY: demo test test-core test-sglang setup bench gpu-test docs clean
 
 demo:
 	scripts/setup_venvs.sh core
@@ -23,6 +23,12 @@ test-core:
 bench:
 	scripts/setup_venvs.sh core
 	.venv/bin/python benchmarks/disk_bench.py
+
+# The generated tables: config keys (from the config dataclasses) and results (from docs/results/*.json).
+docs:
+	scripts/setup_venvs.sh core
+	.venv/bin/python scripts/config_docs.py
+	.venv/bin/python benchmarks/report_page.py
 
 clean:
 	rm -rf .venv .venv-sglang .pytest_cache

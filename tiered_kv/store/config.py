@@ -19,6 +19,7 @@ from tiered_kv.errors import ConfigError
 from tiered_kv.values.layout import normalize_dtype
 from tiered_kv.planner.policy import POLICIES, WRITE_POLICIES
 from tiered_kv.tiers.remote.settings import RemoteKeys
+from tiered_kv.values.config_keys import config_key
 from tiered_kv.values.record import CODECS
 from tiered_kv.values.units import parse_size
 
@@ -31,32 +32,45 @@ DISK_BUDGETS = ("namespace", "shared")  # docs/reliability.md, "Sharing one dire
 
 @dataclass(frozen=True)
 class StoreConfig(RemoteKeys):
-    """Everything a ``TieredStore`` needs. See the README's configuration table for each key."""
+    """Everything a ``TieredStore`` needs, one ``config_key`` each (the README's table is generated from them)."""
 
-    block_shape: tuple[int, ...] = (2, 16, 8, 64)
-    dtype: str = "bfloat16"
-    page_size: int = 16
-    layout_tag: str = ""
-    model: str = ""
-    tenant_salt: str = ""
-    gpu_bytes: int = 0
-    device: str = "auto"
-    cpu_bytes: int = 1 << 30
-    pin_memory: bool | None = None
-    disk_path: str | None = None
-    disk_bytes: int = 10 << 30
-    compression: str = "none"
-    zstd_level: int = 1
-    disk_sync: bool = False
-    disk_workers: int = 2
-    disk_role: str = "writer"
-    disk_budget: str = "namespace"
-    disk_weight: int = 1
-    namespace_extra: dict = field(default_factory=dict)
-    eviction: str = "lru"
-    write_policy: str = "write_back"
-    promote_on_hit: bool = True
-    metrics_port: int | None = None
+    block_shape: tuple[int, ...] = config_key((2, 16, 8, 64), "shape of one block (all layers of `page_size` tokens)")
+    dtype: str = config_key("bfloat16", "element type of a block: `float32`, `float16`, `bfloat16`, `float8_e4m3fn`, "
+                                        "`float8_e5m2`, `uint8`, ...")
+    page_size: int = config_key(16, "tokens per block, for `keys_for_tokens` / `match_prefix`", "tokens")
+    layout_tag: str = config_key("", "extra layout fact folded into the layout fingerprint (e.g. `vllm:LBNHC`)")
+    model: str = config_key("", "model name in the key namespace: two models never read each other's blocks")
+    tenant_salt: str = config_key("", "tenant salt in the key namespace: two salts never read each other's blocks")
+    gpu_bytes: int = config_key(0, "GPU slab size (0 = no GPU tier); on a machine without CUDA it is a CPU tensor",
+                                   "bytes")
+    device: str = config_key("auto", "`auto`, `cuda`, `cuda:N` or `cpu` for the GPU tier")
+    cpu_bytes: int = config_key(1 << 30, "host slab, pinned (one `cudaHostRegister`) in the background when CUDA is "
+                                         "present", "bytes")
+    pin_memory: bool | None = config_key(None, "`null` = pin when CUDA exists; `false` = never")
+    disk_path: str | None = config_key(None, "directory of the disk tier (created 0700; `..` and symlinks refused); "
+                                             "`null`: no disk tier")
+    disk_bytes: int = config_key(10 << 30, "disk budget (slots of the block size rounded up to 4 KiB)", "bytes")
+    compression: str = config_key("none", "`none` or `zstd` (kept per record only when smaller)")
+    zstd_level: int = config_key(1, "zstd level")
+    disk_sync: bool = config_key(False, "`true`: fdatasync each batch and sync LMDB commits (power-loss safe); "
+                                        "`false`: crash safe, `flush()` for power loss")
+    disk_workers: int = config_key(2, "threads of the CPU↔disk mover", "threads")
+    disk_role: str = config_key("writer", "`reader`: never writes or deletes records in a directory another process "
+                                          "writes (damaged records aside); pick up its new blocks with "
+                                          "`store.refresh(keys)`")
+    disk_budget: str = config_key("namespace", "`namespace`: `disk_bytes` is this namespace's quota in `disk_path`, "
+                                               "shared by every process of it; `shared`: `disk_bytes` is one budget "
+                                               "for every namespace on `disk_path`, split in fair shares by "
+                                               "`disk_weight` (docs/reliability.md, \"Sharing one directory\")")
+    disk_weight: int = config_key(1, "this namespace's weight in a `shared` budget: its fair share is `disk_bytes * "
+                                     "weight / sum(weights)`; a tenant below its share evicts the one furthest above "
+                                     "its share, never below it")
+    namespace_extra: dict = config_key({}, "more namespace parts, e.g. `{\"tp\": \"0of2\"}`")
+    eviction: str = config_key("lru", "`lru` or `s3fifo` (scan-resistant)")
+    write_policy: str = config_key("write_back", "`write_back` (copy down on eviction) or `write_through` (copy down "
+                                                 "at once)")
+    promote_on_hit: bool = config_key(True, "a hit in a lower tier also copies the block one tier up")
+    metrics_port: int | None = config_key(None, "serve Prometheus metrics on `127.0.0.1:PORT`")
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -19,6 +19,7 @@ from tiered_kv.connector.sglang.gate import check_gate_options
 from tiered_kv.connector.sglang.versions import check_supported, dp_rank, storage_writer
 from tiered_kv.planner.policy import POLICIES
 from tiered_kv.tiers.remote.settings import RemoteKeys
+from tiered_kv.values.config_keys import config_key
 from tiered_kv.values.record import CODECS
 from tiered_kv.values.units import parse_size
 
@@ -34,26 +35,52 @@ SGLANG_KEYS = frozenset({
 
 @dataclass(frozen=True)
 class SGLangBackendConfig(RemoteKeys):
-    """Our keys in ``--hicache-storage-backend-extra-config`` (see docs/sglang.md for the table)."""
+    """Our keys in ``--hicache-storage-backend-extra-config``, one ``config_key`` each (docs/sglang.md's table
+    is generated from them)."""
 
-    disk_path: str | None = None
-    disk_bytes: int = 64 << 30
-    disk_budget: str = "namespace"  # "shared": one budget for every namespace on disk_path (docs/reliability.md)
-    disk_weight: int = 1
-    cpu_bytes: int = 0
-    compression: str = "none"
-    eviction: str = "lru"
-    disk_sync: bool = False
-    disk_workers: int = 2
-    tenant_salt: str = ""
-    model: str = ""
-    reader_refresh_s: float = 0.0
-    radix_pages: int = 1 << 20
-    chunk_pages: int = 16
-    disk_load_policy: str = "auto"
-    disk_read_gbps: float = 3.0
-    disk_probe_every: int = 32
-    prefill_tokens_per_s: float = 30000.0
+    disk_path: str | None = config_key(None, "directory for the disk tier (LMDB index + payload file). Each "
+                                             "namespace (see below) gets its own sub-directory. Required unless "
+                                             "`cpu_bytes` or `remote_url` is set; with `remote_url` alone (no "
+                                             "`disk_path`, no `cpu_bytes`) pages live only in Redis")
+    disk_bytes: int = config_key(64 << 30, "disk capacity **per backend instance** (per TP rank for MHA; the "
+                                           "writer's for MLA). `4096`, `512MiB`, `1TiB`, `1.5GB`. A full disk evicts "
+                                           "by `eviction`", "bytes")
+    disk_budget: str = config_key("namespace", "`namespace`: one directory per namespace under `disk_path`; "
+                                               "`shared`: every model/tenant on `disk_path` writes "
+                                               "`<disk_path>/shared/<rank>` under one budget of `disk_bytes`, fair "
+                                               "shares by `disk_weight` (same page size needed; docs/reliability.md)")
+    disk_weight: int = config_key(1, "this backend's weight in a `shared` disk budget")
+    cpu_bytes: int = config_key(0, "optional CPU tier in front of the disk (our own, besides SGLang's host pool); "
+                                   "with it, a hit query also starts a disk->CPU prefetch of the hit pages. `0` = no "
+                                   "CPU tier", "bytes")
+    compression: str = config_key("none", "`none` or `zstd` (per record, kept only when smaller)")
+    eviction: str = config_key("lru", "eviction policy of the store (see the core README)")
+    disk_sync: bool = config_key(False, "`true`: fdatasync every write batch (power-loss safe, slower). `false`: "
+                                        "survives a process crash")
+    disk_workers: int = config_key(2, "disk mover threads", "threads")
+    tenant_salt: str = config_key("", "mixed into every key; two salts never read each other's pages")
+    model: str = config_key("", "overrides SGLang's served model name in the namespace (e.g. to share pages between "
+                                "two served names of one checkpoint)")
+    reader_refresh_s: float = config_key(0.0, "MLA reader ranks: on a miss they look the missing keys up in the "
+                                              "shared directory's index (one LMDB read transaction, no payload I/O); "
+                                              "this throttles it to once per so many seconds. `0` = on every miss. "
+                                              "(Since issue 17 the store itself asks the directory on every lookup "
+                                              "of keys it does not know, so reader ranks pick up the writer's pages "
+                                              "even between refreshes.)", "s")
+    radix_pages: int = config_key(1 << 20, "nodes of the prefix-key radix index; `0` turns it off", "nodes")
+    chunk_pages: int = config_key(16, "pages per store job inside one SGLang batch; two staging buffers of this many "
+                                      "pages per SGLang thread (2 x 16 x 8 MiB for an 8B model) let the copy of one "
+                                      "chunk overlap the disk I/O of the other", "pages")
+    disk_load_policy: str = config_key("auto", "which disk hits SGLang is told about (the load gate below): `auto` "
+                                               "(only while reading beats recomputing), `always`, `never` "
+                                               "(memory-tier pages only)")
+    disk_read_gbps: float = config_key(3.0, "the disk's read rate the gate starts from (GB/s); it then follows the "
+                                            "reads the backend times. Set it to your disk's cold read rate "
+                                            "(`tiered-kv bench --dir /nvme`)", "GB/s")
+    disk_probe_every: int = config_key(32, "`auto` reads every N-th declined hit anyway, so the estimate can rise "
+                                           "again (a faster disk, a warm page cache); `0` = never")
+    prefill_tokens_per_s: float = config_key(30000.0, "the prefill rate the gate compares with (tokens/s on your GPU "
+                                                      "and model; 30k ~ an 8B model on an H100/H200)", "tokens/s")
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)

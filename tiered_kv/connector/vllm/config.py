@@ -23,6 +23,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from tiered_kv.errors import ConfigError
+from tiered_kv.values.config_keys import config_key
 from tiered_kv.values.keys import Namespace
 from tiered_kv.values.layout import BlockLayout
 from tiered_kv.planner.policy import POLICIES, WRITE_POLICIES
@@ -42,49 +43,190 @@ SWA_STORES = ("window", "all")
 
 @dataclass(frozen=True)
 class ConnectorConfig(RemoteKeys):
-    """Every ``kv_connector_extra_config`` key the connector accepts (docs/vllm.md has the table)."""
+    """Every ``kv_connector_extra_config`` key the connector accepts, one ``config_key`` each (the table in
+    docs/vllm.md is generated from them: ``scripts/config_docs.py``)."""
 
-    cpu_bytes: int = 8 << 30
-    disk_path: str | None = None
-    disk_bytes: int = 64 << 30
-    disk_budget: str = "namespace"  # "shared": one budget for every engine on disk_path (docs/reliability.md)
-    disk_weight: int = 1
-    eviction: str = "s3fifo"  # scan-resistant: prompts seen once go before prefixes that were hit (issue 28)
-    write_policy: str = "write_back"
-    promote_on_hit: bool = True
-    store_policy: str = "eager"
-    store_decode_tokens: bool = False
-    tail_chunks: bool = True
-    min_hit_blocks: int = 1
-    load_mode: str = "layerwise"
-    sync_max_tokens: int = 65536
-    step_load_bytes: int | str = "auto"  # load_mode adaptive: in-step load bytes per step ("auto": measured)
-    load_gbps: float = 25.0  # load_mode adaptive: starting estimate of the H2D rate per rank (GB/s)
-    trace_path: str | None = None  # per-step load trace (JSON lines), one file per worker rank (trace.py)
-    load_groups: int = 0
-    load_submit: str = "pipelined"  # in-step layer groups: the first before the forward, the rest between layers
-    load_ahead_bytes: int | str = 256 << 20  # load_submit pipelined: in-step bytes submitted and not landed
-    in_step_copy: str = "auto"  # per KV cache group and step: staged where the copy engine is descriptor-bound
-    load_staging_bytes: int = 256 << 20
-    load_staging_buffers: int = 1  # 2: staged loads alternate two halves, the next piece's DMA beside the last scatter
-    load_stream_priority: int = -1  # CUDA priority of the loads' side stream (0 = the default priority)
-    cross_layer_blocks: bool = True
-    disk_load_policy: str = "auto"
-    disk_read_gbps: float = 3.0
-    disk_probe_every: int = 32
-    prefill_tokens_per_s: float = 30000.0
-    compression: str = "none"
-    zstd_level: int = 1
-    disk_sync: bool = False
-    disk_workers: int = 2
-    chunk_blocks: int = 16
-    swa_store: str = "window"
-    mla_store_once: bool = True
-    staging_chunks: int = 8
-    model_id: str = ""
-    tenant_salt: str = ""
-    metrics_port: int | None = None
-    remote_feed_interval_s: float = 0.1  # scheduler: the presence feed reads at most once per interval
+    cpu_bytes: int = config_key(8 << 30, "pinned host memory for the CPU tier, **summed over TP ranks** (like vLLM's "
+                                         "`kv_offloading_size`); each rank pins its share", "bytes")
+    disk_path: str | None = config_key(None, "directory of the disk tier; a sub-directory per namespace and per TP "
+                                             "rank is created inside; `null`: no disk tier")
+    disk_bytes: int = config_key(64 << 30, "disk budget summed over TP ranks (used only with `disk_path`)", "bytes")
+    disk_budget: str = config_key("namespace", "`namespace`: one directory per model/namespace under `disk_path`; "
+                                               "`shared`: every engine on `disk_path` writes "
+                                               "`<disk_path>/shared/rank{r}-of-{tp}` under one budget of "
+                                               "`disk_bytes`, fair shares by `disk_weight` (engines must share the "
+                                               "chunk geometry; docs/reliability.md)")
+    disk_weight: int = config_key(1, "this engine's weight in a `shared` disk budget")
+    eviction: str = config_key("s3fifo", "eviction policy of every tier: `s3fifo` (scan-resistant: blocks stored "
+                                         "once and never read again go before prefixes that were hit; each "
+                                         "request's prefix is kept in order, deepest chunk first to go) or `lru` "
+                                         "(least recently used; under a cyclic workload larger than the tier it "
+                                         "evicts the next conversation's prefix at every recompute: docs/vllm.md "
+                                         "\"Hybrid models\")")
+    write_policy: str = config_key("write_back", "`write_back`: a chunk goes to disk when the CPU tier evicts it; "
+                                                 "`write_through`: every stored chunk is also written to disk at "
+                                                 "once (what survives a restart: everything, not only evicted "
+                                                 "chunks). Hybrid models with a disk tier always use `write_through` "
+                                                 "(see \"Hybrid models\")")
+    promote_on_hit: bool = config_key(True, "a disk hit is also copied up into the CPU tier")
+    store_policy: str = config_key("eager", "`eager`: store each full chunk of the prompt in the step that computed "
+                                            "it; `on_finish`: store when the request finishes (only chunks whose GPU "
+                                            "blocks were not re-used by then); `none`: never store (read-only, e.g. "
+                                            "a warm disk)")
+    store_decode_tokens: bool = config_key(False, "also store chunks made of generated tokens")
+    tail_chunks: bool = config_key(True, "one full-attention or MLA KV cache group: also store the full blocks after "
+                                         "a prompt's last whole chunk (a *tail piece*: one CPU slot / disk record "
+                                         "whose first blocks hold them, keyed by vLLM's hash of its last block), "
+                                         "once the prefill is complete (`on_finish`: at the finish), and hit them "
+                                         "after the whole chunks. Without it a turn recomputes on average half a "
+                                         "chunk of its prefix (see \"Tail pieces\"). Hybrid models store whole "
+                                         "chunks only")
+    min_hit_blocks: int = config_key(1, "smallest external hit (in GPU blocks) worth a load", "GPU blocks")
+    load_mode: str = config_key("layerwise", "how CPU-tier hits load (disk hits always load asynchronously). "
+                                             "`layerwise`: inside the step vLLM schedules the request; the load is "
+                                             "submitted before the forward, one CUDA event per group of layers, and "
+                                             "each attention layer's stream waits (on the GPU) for its own layers "
+                                             "only. `sync`: inside the step, the forward waits for the whole load. "
+                                             "`async`: between steps (the request waits in `WAITING_FOR_REMOTE_KVS`, "
+                                             "other requests keep running). `adaptive`: `layerwise` while the step's "
+                                             "in-step bytes stay within `step_load_bytes`, asynchronous past it; a "
+                                             "step's first hit always loads in-step (see \"Adaptive load "
+                                             "admission\"). The default stays `layerwise` until a GPU serving run "
+                                             "picks one")
+    sync_max_tokens: int = config_key(65536, "largest CPU hit loaded inside a step; bigger hits load asynchronously "
+                                             "so one request cannot stall a whole batch for long", "tokens")
+    step_load_bytes: int | str = config_key("auto", "`load_mode: adaptive` only: the in-step load bytes (per rank) "
+                                                    "one scheduler step may take; the hits after the step's first "
+                                                    "that would pass it load asynchronously. `auto`: the measured "
+                                                    "H2D rate (bytes-weighted over the last 32 completed "
+                                                    "asynchronous CPU loads of 1 MiB or more, `load_gbps` counting "
+                                                    "as 64 MiB of them, clamped to 1-500 GB/s) x the engine's recent "
+                                                    "prefill-step time (steps that schedule more tokens than "
+                                                    "requests; the longest of the two step intervals after each, "
+                                                    "running average; until one is measured, all busy steps' "
+                                                    "interval; 2-250 ms)", "bytes")
+    load_gbps: float = config_key(25.0, "`load_mode: adaptive` with `step_load_bytes: auto`: the H2D rate per rank "
+                                        "(GB/s) assumed until asynchronous CPU loads were measured; it counts as a "
+                                        "64 MiB load in the measured rate until 64 MiB of measured loads are in its "
+                                        "window (clamped to 1-500 GB/s)", "GB/s")
+    trace_path: str | None = config_key(None, "a per-step load trace: each worker rank appends JSON lines to "
+                                              "`<trace_path>.rank<r>.jsonl`, one per step that started or landed "
+                                              "CPU-tier loads (in-step and asynchronous loads and bytes, how long "
+                                              "`start_load_kv` held vLLM's thread, and per load its GPU time from "
+                                              "CUDA timing events read back a step later without blocking); "
+                                              "`connector/vllm/trace.py` has the fields. Off by default; "
+                                              "`benchmarks/serve_bench.py --trace` sets it per engine start and "
+                                              "summarises it per phase")
+    load_groups: int = config_key(0, "`layerwise`/`adaptive` only: how many layer groups (one CUDA event each) a "
+                                     "step's in-step copy is cut into. `0` = automatic: a copy within "
+                                     "`load_ahead_bytes` one group per 32 MiB, at most 2 (it is submitted before the "
+                                     "forward is launched, so more groups delay the launch); a larger one "
+                                     "(`load_submit: pipelined`) groups of half of `load_ahead_bytes`, at most one "
+                                     "per layer")
+    load_submit: str = config_key("pipelined", "`layerwise`/`adaptive`: when a step's in-step copy goes to the "
+                                               "driver. `pipelined`: up to `load_ahead_bytes` before the forward, "
+                                               "the rest from `wait_for_layer_load` between the forward's layers "
+                                               "(the driver spends ~1 us of vLLM's thread per 64 KiB run, so a 4.7 "
+                                               "GB burst submitted whole delayed the forward's launch ~70 ms); "
+                                               "`upfront`: all of it before the forward (H200, Llama-3-8B, three "
+                                               "paired starts: c32 TTFT p50 276.7 vs 241.5 ms pipelined, c8 90.1 vs "
+                                               "78.6)")
+    load_ahead_bytes: int | str = config_key(256 << 20, "`load_submit: pipelined`: the most in-step bytes submitted "
+                                                        "and not yet landed; a step's copy within it goes whole "
+                                                        "before the forward. 64 MiB was slower at c8 (128.9 ms, one "
+                                                        "start): too little in flight between two layers of an eager "
+                                                        "forward", "bytes")
+    in_step_copy: str = config_key("auto", "how in-step loads move bytes: `auto` (per KV cache group and step: "
+                                           "`staged` on CUDA where the copy engine is bound by its ~1 us per "
+                                           "descriptor, that is layer-blocks of at most 32 KiB (4-KV-head models, "
+                                           "MLA) or a step's copy of 32,768 or more of them (a 2 GiB step of 64 KiB "
+                                           "layer-blocks); else `copy_engine`; a cross-layer KV tensor's block "
+                                           "counts as one run; chosen by the H200 serving runs of 2026-11-28, "
+                                           "docs/notes/2026-11-28-serving-load.md \"Staged in-step copies under "
+                                           "load\") or `copy_engine` (DMA, batched descriptors; leaves the SMs to "
+                                           "the forward) or `sm_kernel` (a Triton kernel reading pinned memory: far "
+                                           "less time on vLLM's thread for per-layer KV tensors, ~10% lower PCIe "
+                                           "rate, and it shares the SMs with the forward) or `staged` (one DMA per "
+                                           "run of adjacent CPU slots into a device staging buffer, then an "
+                                           "on-device scatter into the per-layer blocks: for small layer-blocks such "
+                                           "as MLA's 18 KiB, where the copy engine is bound by one descriptor per "
+                                           "layer and block; docs/gpu_copy.md, \"Staged loads\")")
+    load_staging_bytes: int = config_key(256 << 20, "`in_step_copy: staged` (or `auto` where it stages) only: the "
+                                                    "most device memory each staging buffer may take (allocated at "
+                                                    "the first staged load at the size it needs, grown up to this, "
+                                                    "on the thread that runs the loads); a larger load goes in "
+                                                    "pieces. In-step loads (`layerwise`, `sync`, `adaptive`) have "
+                                                    "one buffer per KV cache group, asynchronous CPU loads "
+                                                    "(`adaptive`, `async`; one group) one more of their own: the "
+                                                    "in-step ones run on vLLM's thread, the asynchronous ones on the "
+                                                    "copier's submitter thread, and neither thread ever resizes the "
+                                                    "other's buffer. vLLM sized its KV cache before the buffer "
+                                                    "exists, so keep it within the memory `gpu_memory_utilization` "
+                                                    "leaves free", "bytes")
+    load_staging_buffers: int = config_key(1, "staged loads only: `1` = each piece's DMA, then its scatter, in turn "
+                                              "on the load stream (the DMA engine idles while a piece scatters); `2` "
+                                              "= a load of several pieces (a load larger than half of "
+                                              "`load_staging_bytes`, or several layer groups in one call) alternates "
+                                              "two halves of `load_staging_bytes`, its DMAs on a second stream of "
+                                              "the same priority, so the next piece crosses PCIe while the last one "
+                                              "scatters (no more device memory: the same cap, halved). New on "
+                                              "2026-11-28, not yet measured on a GPU (its CUDA tests in "
+                                              "tests/gpu/test_staged_gpu.py have not run): the default stays `1` "
+                                              "until a serving run compares them")
+    load_stream_priority: int = config_key(-1, "CUDA stream priority of the loads' side stream (lower is higher; "
+                                               "torch maps it into the device's range; `0` = the default priority, "
+                                               "as stores keep). Loads are what the forward waits for layer by "
+                                               "layer; at a higher priority the staged load's scatter and the SM "
+                                               "kernel are not queued behind the forward's pending blocks (the DMA "
+                                               "after a scatter waits for it on the same stream). New on 2026-11-28, "
+                                               "not yet measured: `0` restores the earlier behaviour")
+    cross_layer_blocks: bool = config_key(True, "vLLM 0.26 with the NHD layout: ask for one KV tensor whose blocks "
+                                                "are contiguous across layers (a block is one copy run instead of "
+                                                "one per layer; same stored bytes). Only vLLM's V1 model runner "
+                                                "honours it: 0.26 runs dense models such as Llama on its V2 runner, "
+                                                "which always hands over per-layer tensors "
+                                                "(`VLLM_USE_V2_MODEL_RUNNER=0` selects V1). Set `false` to keep "
+                                                "per-layer tensors")
+    disk_load_policy: str = config_key("auto", "`auto`: load disk chunks only while the estimated read time beats "
+                                               "recomputing them (below); `always`; `never` (disk chunks are never "
+                                               "loaded, only CPU ones)")
+    disk_read_gbps: float = config_key(3.0, "starting estimate of disk read bandwidth (GB/s, all ranks together); "
+                                            "replaced by a running average of measured disk loads", "GB/s")
+    disk_probe_every: int = config_key(32, "with `auto`, every Nth declined disk hit is loaded anyway so the "
+                                           "bandwidth estimate keeps following the disk (`0`: never)")
+    prefill_tokens_per_s: float = config_key(30000.0, "the engine's prefill throughput, used to price a recompute",
+                                                      "tokens/s")
+    compression: str = config_key("none", "disk payload codec: `none` or `zstd`")
+    zstd_level: int = config_key(1, "zstd level (-7..22)")
+    disk_sync: bool = config_key(False, "fdatasync every disk batch (power-loss safety) instead of relying on the "
+                                        "page cache")
+    disk_workers: int = config_key(2, "threads per rank doing CPU<->disk transfers", "threads")
+    chunk_blocks: int = config_key(16, "GPU blocks per stored chunk (scheduler blocks: with several KV cache groups, "
+                                       "the LCM of their block sizes). A chunk is the unit of the tiers: one key, "
+                                       "one CPU slot, one disk record. Larger chunks mean less scheduler work and "
+                                       "larger disk I/O; the full blocks after a prompt's last whole chunk are "
+                                       "stored as a tail piece (`tail_chunks`). Mamba hybrids always use 1 (see "
+                                       "\"Hybrid models\")", "GPU blocks")
+    swa_store: str = config_key("window", "hybrid models, sliding-window groups: `window` keeps a chunk's window part "
+                                          "only inside the window before the end of a request's stored prefix (what "
+                                          "the next turn's hit reads: full-attention layers x the prefix + window "
+                                          "layers x the window); `all` keeps every chunk's, so a request that "
+                                          "shares only an earlier part of a prefix hits there too (more bytes)")
+    mla_store_once: bool = config_key(True, "MLA models with tensor parallelism: keep one copy of the latent KV for "
+                                            "all TP ranks (one shared-memory CPU slab, one disk directory) instead "
+                                            "of one per rank")
+    staging_chunks: int = config_key(8, "chunks of pinned staging memory per rank for disk->GPU loads", "chunks")
+    model_id: str = config_key("", "model name in the key namespace; empty: vLLM's `model` (set it when the same "
+                                   "weights are served from different paths)")
+    tenant_salt: str = config_key("", "extra namespace salt: engines with different salts never share blocks")
+    metrics_port: int | None = config_key(None, "serve Prometheus metrics (`tiered_kv_*`, the store families of "
+                                                "`tiered_kv.store.metrics`, refreshed once a second) from the "
+                                                "EngineCore process on `127.0.0.1:PORT`")
+    remote_feed_interval_s: float = config_key(0.1, "vLLM scheduler process: while the fleet writes, its presence "
+                                                    "feed reads the stream at most once per interval (a block stored "
+                                                    "elsewhere is known here within about that long; a shorter "
+                                                    "interval wakes the feed thread, and takes the GIL from the "
+                                                    "scheduler, more often). `0`: read as entries arrive", "s")
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)

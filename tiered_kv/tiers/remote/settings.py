@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from tiered_kv.errors import ConfigError
+from tiered_kv.values.config_keys import config_key
 
 REMOTE_WRITES = ("through", "evict")
 
@@ -107,16 +108,26 @@ class RemoteSettings:
 @dataclass(frozen=True)
 class RemoteKeys:
     """The ``remote_*`` config keys, shared by ``StoreConfig``, the vLLM connector's and the SGLang
-    backend's configs (each inherits them; docs/remote.md has each key)."""
+    backend's configs (each inherits them; each key's meaning is its ``config_key``)."""
 
-    remote_url: str | None = None
-    remote_password_env: str | None = None
-    remote_user: str | None = None
-    remote_tls_ca: str | None = None
-    remote_timeout_s: float = 2.0
-    remote_connect_timeout_s: float = 0.5
-    remote_write: str = "through"
-    remote_workers: int = 4
+    remote_url: str | None = config_key(None, "seed nodes of the Redis Cluster shared by the fleet, comma-separated "
+                                              "`redis://host:port` (`rediss://` for TLS): the remote tier, below "
+                                              "disk (below CPU without a disk tier); docs/remote.md. `null`: no "
+                                              "remote tier")
+    remote_password_env: str | None = config_key(None, "name of the environment variable holding the Redis password "
+                                                       "(never the password itself, which is never a config value "
+                                                       "and never logged)")
+    remote_user: str | None = config_key(None, "Redis ACL user (`null` = `default`)")
+    remote_tls_ca: str | None = config_key(None, "CA file for `rediss://` seeds")
+    remote_timeout_s: float = config_key(2.0, "bound on every Redis call; a node that failed is skipped (its reads "
+                                              "miss) for 1 s, then retried; also the longest a vLLM scheduler waits "
+                                              "at start-up for the presence feed to read the fleet's stream", "s")
+    remote_connect_timeout_s: float = config_key(0.5, "bound on every connect to a Redis node (a node that failed is "
+                                                      "skipped for 1 s, then retried)", "s")
+    remote_write: str = config_key("through", "`through`: every new block (a vLLM chunk, an SGLang page) is also "
+                                              "written to Redis at once (other hosts see it early); `evict`: only "
+                                              "blocks evicted from the tier above")
+    remote_workers: int = config_key(4, "threads of the mover into the remote tier (per TP rank under vLLM)", "threads")
 
     def check_remote_keys(self) -> None:
         """ConfigError naming a bad ``remote_*`` key (``remote_url`` and the timeouts too, when set)."""

@@ -1,0 +1,274 @@
+"""The README's highlights table: one row per headline result, every number read from docs/results/.
+
+A row function takes every ``Result`` and returns ``[what, machine and date, result, baseline]`` (or
+None when its files are missing); ``HIGHLIGHTS`` lists them in the README's order. Each row names
+its files, linked from the README.
+
+Threading contract: pure functions; main thread only.
+"""
+from __future__ import annotations
+
+import fnmatch
+from typing import Callable
+
+from benchmarks.results_page.results import Result, median, num, ratio, table
+from benchmarks.results_page.scenarios import NULL, REMOTE, SHAPES, TIERED, same_call
+
+Row = list[str]
+
+
+def _latest(results: list[Result], pattern: str) -> Result | None:
+    hits = [r for r in results if fnmatch.fnmatch(r.name, pattern)]
+    return hits[-1] if hits else None
+
+
+def from_latest(pattern: str) -> Callable[[Callable[[Result], Row]], Callable[[list[Result]], Row | None]]:
+    """A row drawn from the latest file matching ``pattern`` (no row without one)."""
+    def wrap(row: Callable[[Result], Row]) -> Callable[[list[Result]], Row | None]:
+        def pick(results: list[Result]) -> Row | None:
+            r = _latest(results, pattern)
+            return None if r is None else row(r)
+        pick.__name__ = row.__name__
+        return pick
+    return wrap
+
+
+def _with_mode(results: list[Result], pattern: str, mode: str) -> Result | None:
+    """The first file matching ``pattern`` whose ``results`` have a run of ``mode``."""
+    return next((r for r in results if fnmatch.fnmatch(r.name, pattern)
+                 and any(x["mode"] == mode for x in r.doc.get("results", ()))), None)
+
+
+def _where(rs: list[Result], extra: str = "") -> str:
+    first = rs[0]
+    files = ", ".join(f"[json](docs/results/{r.name})" for r in rs)
+    return f"{first.short_device}{extra}, {first.date} ({files})"
+
+
+def _vllm(doc: dict) -> str:
+    versions = sorted({s["vllm_version"] for s in doc.get("starts", ()) if s.get("vllm_version")})
+    return f", vLLM {'/'.join(versions)}" if versions else ""
+
+
+def _ttft(summary: dict, mode: str, phase: str, what: str = "ttft_p50_ms") -> float | None:
+    d = summary.get(mode, {}).get("phases", {}).get(phase, {}).get(what)
+    return None if d is None else d["median"]
+
+
+def _pair(summary: dict, mode: str, what: str = "ttft_p50_ms", digits: int = 1) -> str:
+    return f"{num(_ttft(summary, mode, 'c8', what), digits)} / {num(_ttft(summary, mode, 'c32', what), digits)}"
+
+
+def _ratios(summary: dict, peer: str, what: str = "ttft_p50_ms") -> str:
+    return " / ".join(ratio(_ttft(summary, "tiered", p, what), _ttft(summary, peer, p, what)) for p in ("c8", "c32"))
+
+
+def serve_lone(results: list[Result]) -> Row | None:
+    r = _latest(results, "serve_bench_llama3-8b_*_h200.json")
+    call = r and same_call(r.doc)
+    if not call:
+        return None
+    run, s = call
+    return ["`vllm serve`, multi-turn users, Llama-3-8B shape: TTFT p50 at concurrency 8 / 32 of our default "
+            "(`in_step_copy: auto`), one engine alone on the host",
+            _where([r], _vllm(r.doc)),
+            f"**{_pair(s, 'tiered')} ms** = **{_ratios(s, 'offloading')}** of `OffloadingConnector` with "
+            f"{_ratios(s, 'offloading', 'output_tok_s')} its output tok/s; {_ratios(s, 'lmcache')} of LMCache",
+            f"same call (run {run}): `OffloadingConnector` {_pair(s, 'offloading')} ms, LMCache {_pair(s, 'lmcache')},"
+            f" the engine's floor (every prefix in vLLM's GPU cache, nothing loaded) {_pair(s, 'none-resident')}"]
+
+
+def _by_mode(r: Result, modes: tuple[str, ...]) -> str:
+    s = r.doc["summary"]
+    return ", ".join(f"{label} ({s[m]['starts_ok']}) {_pair(s, m)}" for m, label in modes if m in s)
+
+
+def serve_every_start(results: list[Result]) -> Row | None:
+    rs = sorted((r for r in results if fnmatch.fnmatch(r.name, "serve_bench_*_h200.json")),
+                key=lambda r: list(SHAPES).index(r.doc["shape"]) if r.doc["shape"] in SHAPES else 99)
+    if not rs:
+        return None
+    ours = (("tiered-copyengine", "copy engine"), ("tiered-staged", "staged"))
+    peers = (("offloading", "`OffloadingConnector`"), ("lmcache", "LMCache"), ("none-resident", "floor"))
+    name = lambda r: SHAPES.get(r.doc["shape"], r.doc["shape"])  # noqa: E731
+    return ["the same, every lone-engine start per shape, ours with each in-step copy mechanism alone "
+            "(median over starts (n), c8 / c32 ms)", _where(rs, _vllm(rs[0].doc)),
+            "; ".join(f"{name(r)}: {_by_mode(r, ours)}" for r in rs),
+            "; ".join(f"{name(r)}: {_by_mode(r, peers)}" for r in rs)]
+
+
+def serve_shared(results: list[Result]) -> Row | None:
+    rs = [r for r in results if fnmatch.fnmatch(r.name, "serve_bench_*_h200x4-shared.json")]
+    rs = [r for r in rs if "tiered" in r.doc["summary"]]
+    probe = _latest(results, "neighbor_probe_*.json")
+    if not rs or not probe:
+        return None
+    gpus = [x for x in probe.doc["rows"] if x["gpu"] != "sum"]
+    h2d_all = median([x["h2d_together"] for x in gpus])
+    h2d_alone = median([x["h2d_alone"] for x in gpus])
+    name = lambda r: SHAPES.get(r.doc["shape"], r.doc["shape"])  # noqa: E731
+    mine = (("tiered", "ours `auto`"),)
+    peers = (("offloading", "`OffloadingConnector`"), ("lmcache", "LMCache"))
+    return [f"the same with one engine on each of the host's {len(gpus)} GPUs at once (the host link shared: "
+            f"{num(h2d_all)} GB/s H2D per GPU when all copy, {num(h2d_alone)} alone)", _where(rs + [probe]),
+            "; ".join(f"{name(r)}: {_by_mode(r, mine)}" for r in rs),
+            "; ".join(f"{name(r)}: {_by_mode(r, peers)}" for r in rs)]
+
+
+def vllm_item2(results: list[Result]) -> Row | None:
+    rs = [r for r in results if fnmatch.fnmatch(r.name, "vllm_ttft_*.json") and "item2" in r.doc]
+    if not rs:
+        return None
+
+    def part(r: Result, mode: str) -> str:
+        m = r.doc["item2"]["modes"][mode]
+        return f"{num(m['median_s'] * 1e3)} ms = {m['ratio']:.2f}x (spread {m['spread']:.2f})"
+
+    model = lambda r: SHAPES.get(r.doc["model"], r.doc["model"])  # noqa: E731
+    return ["vLLM single-request turn-2 TTFT, CPU-tier hits of "
+            f"{rs[0].doc['workload']['prefix']:,}-token prefixes, against their floor (hit bytes / PCIe rate + the "
+            f"prefill with the prefix GPU-cached), {rs[0].doc['item2']['modes']['tiered-cpu']['starts']} starts",
+            _where(rs), "; ".join(f"{model(r)} {part(r, 'tiered-cpu')}" for r in rs),
+            "`OffloadingConnector` " + "; ".join(f"{model(r)} {part(r, 'offloading')}" for r in rs)
+            + "; the floor mode's own spread " + " / ".join(f"{r.doc['item2']['modes']['floor']['spread']:.2f}"
+                                                           for r in rs)]
+
+
+def vllm_hybrid(results: list[Result]) -> Row | None:
+    rs = [r for r in results if fnmatch.fnmatch(r.name, "vllm_ttft_*.json") and "item2" not in r.doc]
+    if not rs:
+        return None
+    by = lambda r, m: next((x for x in r.doc["results"] if x["mode"] == m), None)  # noqa: E731
+    ms = lambda r, m: num(by(r, m)["turn2_median_s"] * 1e3) if by(r, m) else "-"  # noqa: E731
+    names = " / ".join(r.doc["model"] for r in rs)
+    return [f"vLLM hybrid and MLA models ({names}), turn-2 TTFT from the CPU tier, one start per mode",
+            _where(rs), f"**{' / '.join(ms(r, 'tiered-cpu') for r in rs)} ms**; bytes per hit token "
+            + " / ".join(num(by(r, "tiered-cpu")["bytes_per_hit_token"], 0) for r in rs),
+            f"`OffloadingConnector` {' / '.join(ms(r, 'offloading') for r in rs)} ms; prefix in vLLM's GPU cache "
+            f"(floor) {' / '.join(ms(r, 'floor') for r in rs)} ms"]
+
+
+@from_latest("gpu_copy_2*.json")
+def gpu_copy(r: Result) -> Row:
+    pick = {(c["case"], c["direction"]): c for c in r.doc["copies"]
+            if c["calls"] == 8 and c["mechanism"] == "copy_engine" and c["case"].startswith("llama3-8b")}
+    layouts = list(dict.fromkeys(case for case, _ in pick))
+
+    def three(case: str, what: str, digits: int) -> str:
+        return " / ".join(num(pick[(case, d)][what], digits) for d in ("d2h", "h2d", "both"))
+
+    blocks = r.doc["copies"][0]["blocks"]
+    return [f"GPU->CPU / CPU->GPU / both at once, Llama-3-8B blocks, 8 calls of {blocks} random blocks back to back, "
+            f"layouts {' / '.join('`' + k.split('/')[1] + '`' for k in layouts)}", _where([r]),
+            "; ".join(f"{three(k, 'gbps', 1)} GB/s" for k in layouts),
+            "contiguous pinned copies of the same bytes: " + "; ".join(
+                f"{three(k, 'contiguous_gbps', 1)} GB/s (ratios {three(k, 'ratio', 2)})" for k in layouts)]
+
+
+@from_latest("gpu_copy_staged_*.json")
+def staged(r: Result) -> Row:
+    c = {(x["case"], x["variant"]): x for x in r.doc["copies"]}
+    case = next(k for k, _ in c if "mla" in k)
+    st, ce = c[(case, "staged")], c[(case, "copy_engine")]
+    mm = {m["mechanism"]: m for m in r.doc.get("matmul", [])}
+    return [f"staged load (one DMA per run of slots + a GPU scatter), {st['blocks']} MLA blocks x {st['layers']} "
+            f"layers x {st['layer_block_bytes'] // 1024} KiB", _where([r]),
+            f"{num(st['gbps'])} GB/s ({num(st['total_ms'])} ms); a bf16 matmul beside it "
+            f"{mm['staged']['slowdown_pct']:+.2f}%" if "staged" in mm else f"{num(st['gbps'])} GB/s",
+            f"contiguous pinned {num(st['contiguous_gbps'])} GB/s ({st['ratio']:.2f}); per-descriptor copy engine "
+            f"{num(ce['gbps'])} GB/s"]
+
+
+@from_latest("sched_overhead_2*.json")
+def sched(r: Result) -> Row:
+    notes = r.doc.get("set_notes", {})
+    after = [s for s in r.doc["sets"] if notes.get(s["file"], "").startswith("after")]
+    paired = sorted(s["modes"][TIERED]["paired_median_vs_none_pct"] for s in after)
+    null = sorted(s["modes"][NULL]["paired_median_vs_none_pct"] for s in after if NULL in s["modes"])
+    workload = r.doc["tool"].split("(", 1)[1].rstrip(")").split(", ")[1]
+    return [f"vLLM scheduler step cost, {workload} (vLLM's real `Scheduler`, our connector's scheduler side)",
+            _where([r]), f"+{paired[0]:.1f}..+{paired[-1]:.1f}% over no connector (paired medians, {len(paired)} "
+            "sets of the latest code)",
+            f"vLLM's connector plumbing alone (`NullConnector`) +{null[0]:.1f}..+{null[-1]:.1f}%"]
+
+
+@from_latest("sched_overhead_remote_*.json")
+def sched_remote(r: Result) -> Row:
+    last = [s for s in r.doc["sets"] if s["name"].startswith("merged")]
+
+    def clock(s: dict) -> str:
+        what = "wall" if s["clock"].startswith("wall") else "thread CPU"
+        return what + (", vLLM's GC state" if "EngineCore" in s["gc"] else "")
+
+    cell = lambda k: ", ".join(f"{s['summary'][k]['paired_vs_none_pct']:+.1f}% ({clock(s)})"  # noqa: E731
+                               for s in last if k in s["summary"])
+    return [f"the same with the remote tier configured, a fleet announcing {r.doc['fleet_chunks_per_s']:,} "
+            "chunks/s", _where([r]), f"{cell(REMOTE)} over no connector (paired medians, the latest sets)",
+            f"the connector without the remote tier {cell(TIERED)}"]
+
+
+def sglang_ttft(results: list[Result]) -> Row | None:
+    r = _with_mode(results, "sglang_ttft_*.json", "file")
+    if not r:
+        return None
+    by = {x["mode"]: x for x in r.doc["results"]}
+    s = lambda m: num(by[m]["turn2_median_s"], 3)  # noqa: E731
+    return [f"SGLang {r.doc['versions']['sglang']} engine, HiCache L3 turn-2 TTFT, {r.doc['args']['prefix']:,}-token "
+            "prefix from disk", _where([r]),
+            f"every hit read {s('tiered-always')} s ({by['tiered-always']['vs_file']:.2f}x faster than `file`); "
+            f"gated (disk slower than recompute) {s('tiered')} s", f"SGLang `file` backend {s('file')} s; no HiCache "
+            f"{s('none')} s"]
+
+
+def sglang_restart(results: list[Result]) -> Row | None:
+    r = _with_mode(results, "sglang_ttft_*.json", "restart")
+    if not r:
+        return None
+    by = {x["mode"]: x for x in r.doc["results"]}
+    rs, gated, none = by["restart"], by.get("mla-gated"), by.get("mla-none")
+    return [f"SGLang {r.doc['versions']['sglang']}: restart (a new engine process, same `disk_path`) and MLA",
+            _where([r]), f"restart: {rs['l3_hit_tokens']:,} L3 hit tokens, greedy "
+            f"{'equal' if rs.get('greedy_equal_across_restart') else 'differs'}; MLA gated "
+            f"{num(gated['turn2_median_s'], 3)} s", f"MLA no HiCache {num(none['turn2_median_s'], 3)} s"]
+
+
+@from_latest("sglang_bench_*.json")
+def sglang_bench(r: Result) -> Row:
+    rows = {(x["path"].split()[0], x["layout"]): x for x in r.doc["summary"]}
+    raw = [x for x in r.doc["summary"] if x["path"].startswith("raw")]
+    sg = [rows[("batch_set_v1", "page_first")], rows[("batch_get_v1", "page_first")]]
+    mib = r.doc["model_shape"]["page_bytes"] >> 20
+    return [f"SGLang `batch_set_v1` / `batch_get_v1`, {mib} MiB pages, a real host pool", _where([r]),
+            f"{num(sg[0]['gbps'], 2)} / {num(sg[1]['gbps'], 2)} GB/s (`page_first`)",
+            f"raw O_DIRECT {num(raw[0]['gbps'], 2)} / {num(raw[1]['gbps'], 2)} GB/s ({sg[0]['ratio']:.2f} / "
+            f"{sg[1]['ratio']:.2f})"]
+
+
+@from_latest("remote_bench_*.json")
+def remote(r: Result) -> Row:
+    d = r.doc
+    return [f"remote tier on a Redis Cluster ({d['cluster']}), {num(d['block_mib'], 0)} MiB blocks, write / "
+            "verified read", _where([r]),
+            f"{num(d['tier']['write_gbps'], 2)} / {num(d['tier']['read_gbps'], 2)} GB/s",
+            f"raw redis-py cluster pipeline {num(d['raw']['write_gbps'], 2)} / {num(d['raw']['read_gbps'], 2)} GB/s "
+            f"({d['tier_over_raw']['write_gbps']:.2f}x / {d['tier_over_raw']['read_gbps']:.2f}x)"]
+
+
+@from_latest("disk_bench_*.json")
+def disk(r: Result) -> Row:
+    d, t = r.doc, r.doc["tiered_disk_none"]
+    return [f"disk tier, {d['block_bytes'] >> 20} MiB blocks, write (fsync incl.) / cold read", _where([r]),
+            f"{num(t['write_GBps'], 2)} / {num(t['read_GBps'], 2)} GB/s",
+            f"raw O_DIRECT {num(d['raw_odirect']['write_GBps'], 2)} / {num(d['raw_odirect']['read_GBps'], 2)} GB/s: "
+            f"write {t['write_ratio']:.2f} of raw (LMDB values: {d['lmdb_values']['write_ratio']:.2f})"]
+
+
+HIGHLIGHTS: tuple[Callable[[list[Result]], Row | None], ...] = (
+    serve_lone, serve_every_start, serve_shared, vllm_item2, vllm_hybrid, gpu_copy, staged, sched, sched_remote,
+    sglang_ttft, sglang_restart, sglang_bench, remote, disk)
+
+
+def render(results: list[Result]) -> str:
+    """The README's highlights table."""
+    rows = [row for f in HIGHLIGHTS if (row := f(results)) is not None]
+    return table(["what", "machine, date (results)", "result", "baseline (same run unless said)"], rows)

@@ -1,0 +1,445 @@
+"""The results page's scenarios: one renderer per kind of result file, and the registry ``SCENARIOS``.
+
+A renderer takes the ``Result``s its patterns matched (sorted by file name) and returns the Markdown
+that goes between ``<!-- generated:results:NAME -->`` and ``<!-- /generated:results:NAME -->`` in
+docs/benchmarks.md: one or more fixed-format tables, each followed by its ``source()`` line (file,
+date, device, command). Every number comes from the files; labels and column names are the only text.
+How to add one: ``benchmarks/report_page.py``'s docstring.
+
+Threading contract: pure functions; main thread only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from benchmarks.results_page.results import Result, each, median, num, ratio, source, spread, table
+from benchmarks.serving import report as serve_report
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A section's generated block: ``name`` in the markers, the result files it shows, how to draw them,
+    and the page it goes on (the one-time probes' answers go next to the probes)."""
+
+    name: str
+    patterns: tuple[str, ...]  # fnmatch globs over the file names in docs/results/
+    render: Callable[[list[Result]], str]
+    page: str = "docs/benchmarks.md"  # the file holding its markers, from the repo root
+
+
+# ------------------------------------------------------------------------------------ serving load
+SHAPES = {"llama3-8b": "Llama-3-8B", "qwen2.5-7b": "Qwen2.5-7B", "qwen2.5-32b": "Qwen2.5-32B"}
+#: the modes the serving table shows, in order, with their labels (the other modes stay in the files)
+SERVE_MODES = {"none": "no connector", "none-resident": "the floor (`none-resident`)",
+               "offloading": "`OffloadingConnector`", "lmcache": "LMCache", "tiered": "**ours, `auto` (default)**",
+               "tiered-copyengine": "ours, copy engine only", "tiered-staged": "ours, staged only"}
+#: what ours is compared with in the same call
+SERVE_PEERS = ("offloading", "lmcache", "none-resident")
+OURS = "tiered"
+
+
+def _shape_key(r: Result) -> tuple[int, str]:
+    order = list(SHAPES)
+    shape = r.doc.get("shape", "")
+    return (order.index(shape) if shape in order else len(order), shape)
+
+
+def _phase(summary: dict, mode: str, phase: str, what: str) -> dict | None:
+    return summary.get(mode, {}).get("phases", {}).get(phase, {}).get(what)
+
+
+def _med(summary: dict, mode: str, phase: str, what: str) -> float | None:
+    d = _phase(summary, mode, phase, what)
+    return None if d is None else d["median"]
+
+
+def serve_table(results: list[Result]) -> str:
+    """Per shape and mode: starts, TTFT p50 and output tok/s at c32 and c8, TTFT p50 at c1."""
+    rows = []
+    for r in sorted(results, key=_shape_key):
+        summary, first = r.doc["summary"], True
+        for mode, label in SERVE_MODES.items():
+            if mode not in summary:
+                continue
+            cell = lambda p, what, d=1: spread(_phase(summary, mode, p, what), d)  # noqa: E731
+            rows.append([SHAPES.get(r.doc["shape"], r.doc["shape"]) if first else "", label,
+                         summary[mode]["starts_ok"], cell("c32", "ttft_p50_ms"), cell("c32", "output_tok_s", 0),
+                         cell("c8", "ttft_p50_ms"), cell("c8", "output_tok_s", 0), cell("c1", "ttft_p50_ms")])
+            first = False
+    head = ["shape", "mode", "starts", "c32 TTFT p50 ms", "c32 tok/s", "c8 TTFT p50 ms", "c8 tok/s", "c1 TTFT p50 ms"]
+    return table(head, rows)
+
+
+def same_call(doc: dict, mode: str = OURS) -> tuple[int, dict] | None:
+    """The last call that started ``mode``: its run index and the summary of that call's starts alone."""
+    ours = [s for s in doc["starts"] if s["mode"] == mode and s.get("status") == "ok"]
+    if not ours:
+        return None
+    last = ours[-1]
+    starts = [s for s in doc["starts"] if s["run"] == last["run"] and s.get("code") == last.get("code")]
+    return last["run"], serve_report.summarize(starts)
+
+
+def same_call_table(results: list[Result]) -> str:
+    """Ours against each peer started in the same call (one start each): TTFT p50 and tok/s, c32 and c8."""
+    rows = []
+    for r in sorted(results, key=_shape_key):
+        call = same_call(r.doc)
+        if call is None:
+            continue
+        run, summary = call
+        for peer in SERVE_PEERS:
+            if peer not in summary:
+                continue
+            cells = []
+            for phase in ("c32", "c8"):
+                for what, d in (("ttft_p50_ms", 1), ("output_tok_s", 0)):
+                    a, b = _med(summary, OURS, phase, what), _med(summary, peer, phase, what)
+                    cells.append(f"{num(a, d)} vs {num(b, d)}: {ratio(a, b)}")
+            rows.append([SHAPES.get(r.doc["shape"], r.doc["shape"]), run, SERVE_MODES[peer], *cells])
+    head = ["shape", "run", "ours vs", "c32 TTFT p50 ms", "c32 tok/s", "c8 TTFT p50 ms", "c8 tok/s"]
+    return table(head, rows)
+
+
+def serve(results: list[Result]) -> str:
+    """The serving table, then ours against the peers of its last call."""
+    results = sorted(results, key=_shape_key)
+    return (serve_table(results) + "\n" + source(results) + "\nOurs (`auto`) against the peers started in the same "
+            "call (the last call with an `auto` start; one start each):\n\n" + same_call_table(results))
+
+
+def serve_shared(results: list[Result]) -> str:
+    """The serving table alone (calls of several engines at once pair nothing)."""
+    results = sorted(results, key=_shape_key)
+    return serve_table(results) + "\n" + source(results)
+
+
+# ------------------------------------------------------------------------ single-request turn-2 TTFT
+MODELS = {"llama3-8b": "Llama-3-8B", "qwen2.5-7b": "Qwen2.5-7B", "gpt-oss": "gpt-oss-20b shape",
+          "dsv2-lite": "DeepSeek-V2-Lite (MLA)", "gemma3": "Gemma-3-4B (7 KV cache groups)"}
+TTFT_MODES = ("none", "floor", "offloading", "simple", "tiered-cpu")
+
+
+def ttft_floor_table(results: list[Result]) -> str:
+    """Item 2: per model and mode, turn-2 TTFT over engine starts against floor_s (hit bytes / PCIe + floor)."""
+    rows = []
+    for r in results:
+        it = r.doc["item2"]
+        floor = (f"{num(it['copy_s'] * 1e3)} + {num(it['floor_ttft_s'] * 1e3)} = {num(it['floor_s'] * 1e3)} ms "
+                 f"({num(it['hit_bytes'] / 1e9, 3)} GB at {num(it['pcie_h2d_ceiling_gbps'], 2)} GB/s)")
+        for mode, m in it["modes"].items():
+            rows.append([MODELS.get(r.doc["model"], r.doc["model"]), floor, mode, m["starts"],
+                         " / ".join(num(m[k] * 1e3) for k in ("min_s", "median_s", "max_s")),
+                         f"{m['ratio']:.2f}" if "ratio" in m else "-", f"{m['spread']:.2f}"])
+            floor = ""
+    head = ["model", "floor_s = copy + floor mode", "mode", "starts", "turn-2 ms: min / median / max of starts",
+            "median / floor_s (goal <= 1.3)", "spread max/min (goal <= 1.2)"]
+    return table(head, rows)
+
+
+def ttft_modes_table(results: list[Result]) -> str:
+    """Per model: each mode's turn-2 median (one start each), ours over vLLM's connector, bytes per hit token."""
+    rows = []
+    for r in results:
+        by = {x["mode"]: x for x in r.doc["results"]}
+        cells = [num(by[m]["turn2_median_s"] * 1e3) if m in by else "-" for m in TTFT_MODES]
+        ours, peer = by.get("tiered-cpu"), by.get("offloading")
+        others = [f"{m} {num(x['turn2_median_s'] * 1e3)}" for m, x in by.items() if m not in TTFT_MODES]
+        later = r.doc.get("later_session")
+        if later:
+            others += [f"later session: {x['mode']} {num(x['turn2_median_s'] * 1e3)}" for x in later["results"]]
+        rows.append([MODELS.get(r.doc["model"], r.doc["model"]), *cells,
+                     ratio(ours and ours["turn2_median_s"], peer and peer["turn2_median_s"]),
+                     num(ours.get("bytes_per_hit_token"), 0) if ours else "-", "; ".join(others) or "-"])
+    head = ["model", *(f"{m} ms" for m in TTFT_MODES), "tiered-cpu / offloading", "B per hit token", "other modes, ms"]
+    return table(head, rows)
+
+
+def vllm_ttft(results: list[Result]) -> str:
+    floor = [r for r in results if "item2" in r.doc]
+    modes = [r for r in results if "item2" not in r.doc]
+    out = ""
+    if floor:
+        out += ttft_floor_table(floor) + "\n" + source(floor)
+    if modes:
+        out += ("\n" if out else "") + ttft_modes_table(modes) + "\n" + source(modes)
+    return out
+
+
+# --------------------------------------------------------------------------------- scheduler step cost
+NULL = "benchmarks.probes.null_connector:NullConnector"
+TIERED = "tiered_kv.connector.vllm:TieredKVConnector"
+REMOTE = "benchmarks.remote_sched_mode:ExtraFromEnvConnector"
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:+.1f}%"
+
+
+def sched(r: Result) -> str:
+    """One row per set: each mode's median us per step and its paired median over ``none``."""
+    notes = r.doc.get("set_notes", {})
+    rows = []
+    for s in r.doc["sets"]:
+        header = s.get("header", "")
+        when = header.split()[0][11:16] if header else "?"
+        clock = next((w.split("=", 1)[1] for w in header.split() if w.startswith("clock=")), "?")
+        m = s["modes"]
+
+        def cell(k: str) -> str:
+            return f"{num(m[k]['median_us_per_step'], 0)}, {_pct(m[k]['paired_median_vs_none_pct'])}" if k in m else "-"
+
+        rows.append([when, clock, notes.get(s["file"], ""), num(m["none"]["median_us_per_step"], 0),
+                     cell(NULL), cell(TIERED)])
+    head = ["set (UTC)", "clock", "code", "`none` us/step", "`NullConnector` us/step, paired vs none",
+            "ours us/step, **paired vs none**"]
+    out = table(head, rows)
+    hooks = r.doc.get("hooks_ab")
+    if hooks:
+        out += (f"\nOur hooks' own CPU time per step (`hook_clock.py`, median of {len(hooks['before'])} "
+                f"alternating rounds): {num(median(hooks['before']))} us before, {num(median(hooks['after']))} "
+                "us after.\n")
+    return out
+
+
+def sched_remote(r: Result) -> str:
+    """One row per set: paired medians over ``none`` of the NullConnector, ours, ours with the remote tier."""
+    rows = []
+    for s in r.doc["sets"]:
+        sm = s["summary"]
+        paired = lambda k: _pct(sm[k].get("paired_vs_none_pct")) if k in sm else "-"  # noqa: E731
+        rows.append([s["name"], s["started_utc"][11:16], s["commit"], s["clock"],
+                     num(sm["none"]["median_us_per_step"], 0), paired(NULL), paired(TIERED),
+                     f"**{paired(REMOTE)}**", _pct(sm.get("remote_over_ours_per_round_pct"))])
+    head = ["set", "UTC", "code", "clock", "`none` us/step", "`NullConnector`", "ours", "ours + remote tier",
+            "remote over ours, per round"]
+    return table(head, rows)
+
+
+# ------------------------------------------------------------------------------------ GPU <-> CPU copies
+def _gbps(row: dict | None) -> str:
+    return "-" if row is None else f"{num(row['gbps'])} ({row['ratio']:.2f})"
+
+
+def gpu_copy(r: Result) -> str:
+    """256 random blocks per call: one call, and 8 calls back to back, per mechanism; GB/s (ratio to contiguous)."""
+    rows, extra, pick = [], [], {}
+    for c in r.doc["copies"] + r.doc.get("rect_streamed", []):
+        variant = "2d" if c["opts"].get("rect_copies") else c["mechanism"]
+        pick.setdefault((c["case"], c["direction"], c["calls"], c["blocks"], variant), c)
+    for c in r.doc.get("rect_streamed", []):
+        if not c["opts"].get("rect_copies"):
+            extra.append(f"{c['case']} {c['direction']}, {c['calls']} calls of {c['blocks']:,} blocks: {_gbps(c)}")
+    for case in dict.fromkeys(c["case"] for c in r.doc["copies"]):
+        for d in ("d2h", "h2d", "both"):
+            k = lambda calls, v: pick.get((case, d, calls, 256, v))  # noqa: E731
+            eight = k(8, "copy_engine")
+            rows.append([case, d, num(eight and eight["contiguous_gbps"]), _gbps(k(1, "copy_engine")),
+                         _gbps(eight), _gbps(k(8, "sm_kernel")), _gbps(k(8, "2d"))])
+    head = ["model / layout", "direction", "contiguous pinned, same bytes", "one call: copy engine",
+            "8 calls: **copy engine**", "8 calls: SM kernel", "8 calls: 2-D copies"]
+    out = table(head, rows)
+    if extra:
+        out += "\nAlso in the file (second samples): " + "; ".join(extra) + ".\n"
+    return out
+
+
+STAGED_VARIANTS = ("copy_engine", "sm_kernel", "staged", "staged 2 groups", "staged scattered", "staged inline")
+
+
+def gpu_copy_staged(r: Result) -> str:
+    """512-block loads into per-layer blocks, per mechanism: GB/s (ratio to contiguous), ms."""
+    by = {(c["case"], c["variant"]): c for c in r.doc["copies"]}
+    rows = []
+    for case in dict.fromkeys(c["case"] for c in r.doc["copies"]):
+        any_ = by[(case, "copy_engine")]
+        label = f"{case}, {any_['blocks']} blocks x {any_['layers']} layers x {any_['layer_block_bytes'] // 1024} KiB"
+        rows.append([label] + [_gbps(by.get((case, v))) + (f", {num(by[(case, v)]['total_ms'])} ms"
+                                                           if (case, v) in by else "") for v in STAGED_VARIANTS])
+    out = table(["shape (h2d)", *STAGED_VARIANTS], rows)
+    mm = "; ".join(f"{m['mechanism']} {m['slowdown_pct']:+.2f}%" for m in r.doc.get("matmul", []))
+    if mm:
+        out += f"\nA bf16 matmul beside the copies, slowdown: {mm}.\n"
+    return out
+
+
+def copy_probe(r: Result) -> str:
+    """Where a 256-block call's time goes (ms), and 8 calls back to back (GB/s)."""
+    cols = (("engine_ms", "copy engine alone"), ("contig_ms", "contiguous alone"), ("call_ms_default", "one call"),
+            ("contig_call_ms", "contiguous call"), ("call_ms_inline_submit", "one call, caller's thread"),
+            ("call_ms_one_driver_call", "one call, one driver call"), ("stream_gbps", "8 calls GB/s"),
+            ("contig_stream_gbps", "8 contiguous GB/s"))
+    rows = [[f"`{x['layout']}` {x['direction']} ({x['runs']:,} runs)"] + [num(x[k], 2) for k, _ in cols]
+            for x in r.doc["rows"]]
+    return table(["layout, direction", *(c for _, c in cols)], rows)
+
+
+def in_step_probe(r: Result) -> str:
+    """A 1 GiB in-step load: host time of the call and GPU time until it landed, per layer-group count."""
+    by = {(x["kv"], x["groups"], x["mechanism"]): x for x in r.doc["rows"]}
+
+    def cell(key: tuple) -> str:
+        x = by.get(key)
+        return "-" if x is None else f"{num(x['call_ms'])} / {num(x['landed_ms'])} ({num(x['gbps'])})"
+
+    rows = [[kv, g, cell((kv, g, "copy_engine")), cell((kv, g, "sm_kernel"))]
+            for kv, g in dict.fromkeys((x["kv"], x["groups"]) for x in r.doc["rows"])]
+    head = ["KV tensors", "groups", "copy engine: call / landed ms (GB/s)", "SM kernel: call / landed ms (GB/s)"]
+    return table(head, rows)
+
+
+HOST_MEMORY = {"torch_pinned": "torch `pin_memory=True`", "tier_4k": "our CPU tier (`cudaHostRegister`)",
+               "tier_thp": "our CPU tier, transparent huge pages"}
+
+
+def host_memory(r: Result) -> str:
+    rows = [[HOST_MEMORY.get(x["kind"], x["kind"]), f"{num(x['pin_s'], 2)} s",
+             *(f"{num(x[f'{k}_h2d_gbps'])} / {num(x[f'{k}_d2h_gbps'])}" for k in ("contig", "BLHNC", "LBNHC"))]
+            for x in r.doc["rows"]]
+    head = ["host memory", f"pinning {r.doc['rows'][0]['slab_gib']} GiB", "contiguous h2d / d2h GB/s",
+            "`BLHNC` runs h2d / d2h", "`LBNHC` runs h2d / d2h"]
+    return table(head, rows)
+
+
+def gpu_probes(results: list[Result]) -> str:
+    """The copy-path probes, each file by its own renderer (by name)."""
+    parts = {"copy_probe": copy_probe, "in_step_probe": in_step_probe, "host_memory_probe": host_memory}
+    return "\n".join(each(render)([r for r in results if r.name.startswith(prefix + "_")])
+                     for prefix, render in parts.items() if any(r.name.startswith(prefix + "_") for r in results))
+
+
+def neighbor(r: Result) -> str:
+    """Each GPU's pinned copies alone and with every GPU of the host copying at once."""
+    rows = [[x["gpu"], num(x["h2d_alone"], 2), num(x["h2d_together"], 2), num(x.get("h2d_ratio"), 2),
+             num(x["d2h_alone"], 2), num(x["d2h_together"], 2), num(x.get("d2h_ratio"), 2)] for x in r.doc["rows"]]
+    head = ["GPU", "H2D alone GB/s", "H2D all at once", "ratio", "D2H alone", "D2H all at once", "ratio"]
+    return table(head, rows)
+
+
+# ---------------------------------------------------------------------------------------------- SGLang
+def sglang_ttft(results: list[Result]) -> str:
+    """Turn-2 TTFT in a real SGLang engine per mode, L3 hits, greedy equality."""
+    rows, cal = [], []
+    for r in results:
+        c = r.doc["calibration"]
+        rate = c.get("prefill_tokens_per_s") or c.get("prefill_tokens_per_s_mla")
+        cal.append(f"`{r.name}`: disk cold read {num(c['disk']['gbps'], 2)} GB/s, prefill {num(rate, 0)} tokens/s")
+        for x in r.doc["results"]:
+            if "before_restart" in x:
+                b = x["before_restart"]
+                rows.append(["restart, engine A (writes)", x["model"], num(b["turn2_median_s"], 4), "-", "-",
+                             f"{b['l3_hit_tokens']:,}", "-"])
+                greedy = "= engine A" if x.get("greedy_equal_across_restart") else "differs"
+                mode = "restart, engine B (new process)"
+            else:
+                greedy = "= none" if x.get("greedy_equal_none") else "differs"
+                mode = x["mode"]
+            rows.append([mode, x["model"], f"{num(x['turn2_median_s'], 4)} [{num(x['turn2_min_s'], 4)}-"
+                         f"{num(x['turn2_max_s'], 4)}]", f"{x['vs_none']:.2f}x" if "vs_none" in x else "-",
+                         f"{x['vs_file']:.2f}x" if "vs_file" in x else "-", f"{x['l3_hit_tokens']:,}", greedy])
+    head = ["mode", "model", "turn-2 median [min-max] s", "speed vs none", "speed vs file", "L3 hit tokens",
+            "greedy"]
+    return table(head, rows) + "\nCalibration: " + "; ".join(cal) + ".\n\n" + source(results)
+
+
+def sglang_bench(r: Result) -> str:
+    rows = [[x["path"], x["layout"], num(x["pages_s"], 0), num(x["gbps"], 2),
+             f"{num(x['gbps_min'], 2)}-{num(x['gbps_max'], 2)}", num(x["ratio"], 2)] for x in r.doc["summary"]]
+    return table(["path", "layout", "pages/s", "GB/s, median", "min-max", "ratio to raw (same repeat)"], rows)
+
+
+# ------------------------------------------------------------------------------------ disk and remote
+DISK_PATHS = {"raw_odirect": "raw O_DIRECT (ceiling)", "lmdb_values": "LMDB, 2 MiB values",
+              "tiered_disk_none": "**tiered_kv disk tier**", "tiered_disk_zstd": "tiered_kv disk tier + zstd"}
+
+
+def disk(r: Result) -> str:
+    rows = []
+    for k, label in DISK_PATHS.items():
+        x = r.doc[k]
+        rounds = lambda what: " / ".join(num(rd[what], 2) for rd in x["rounds"])  # noqa: E731
+        rows.append([label, f"{num(x['write_GBps'], 2)} ({rounds('write_GBps')})",
+                     f"{num(x['read_GBps'], 2)} ({rounds('read_GBps')})", num(x.get("write_ratio", 1.0), 2),
+                     num(x.get("read_ratio", 1.0), 2)])
+    out = table(["path", "write GB/s, median (rounds)", "cold read GB/s, median (rounds)", "write / raw",
+                 "read / raw"], rows)
+    saved = r.doc["tiered_disk_zstd"].get("bytes_saved_ratio")
+    if saved is not None:
+        out += f"\nzstd level 1 saved {saved:.1%} of the payload bytes.\n"
+    return out
+
+
+def disk_sharing(r: Result) -> str:
+    d = r.doc
+    check = [[f"{x['records']:,}", num(x["index_mib"]), num(x["check_s"], 2), num(x["open_with_check_s"], 2)]
+             for x in d["integrity_check"]]
+    leases = [[x["batch"], num(x["lease_unlease_us"], 0), num(x["headers_only_us"], 0), num(x["per_block_us"], 0)]
+              for x in d["leases"]]
+    evict = [[x["processes"], x["budget_slots"], f"{x['puts_per_s']:,}", f"{x['evictions_per_s']:,}",
+              num(x["mib_per_s"]), ", ".join(f"{k} {v}" for k, v in sorted(x["per_namespace_used"].items()))]
+             for x in d["eviction"]]
+    return "\n".join([table(["records", "index MiB", "integrity check s", "open with check s"], check),
+                      table(["read batch", "lease + unlease us", "headers only us", "us per block"], leases),
+                      table(["processes", "budget slots", "puts/s", "evictions/s", "MiB/s", "slots held at the end"],
+                            evict)])
+
+
+def remote(r: Result) -> str:
+    d, p = r.doc, r.doc["presence"]
+    rows = [["raw redis-py cluster pipeline", num(d["raw"]["write_gbps"], 3), num(d["raw"]["read_gbps"], 3)],
+            ["`RemoteTier` (checked records)", num(d["tier"]["write_gbps"], 3), num(d["tier"]["read_gbps"], 3)],
+            ["tier / raw", f"**{num(d['tier_over_raw']['write_gbps'], 2)}**",
+             f"**{num(d['tier_over_raw']['read_gbps'], 2)}**"]]
+    return (table(["path", "write GB/s", "read GB/s"], rows)
+            + f"\nPresence: a block one client wrote reaches another client's feed in {p['feed_latency_ms_median']} "
+            f"ms (median; max {p['feed_latency_ms_max']}); adopting 1,000 announced keys takes "
+            f"{num(p['adopt_us_per_1000_keys'] / 1000, 1)} us each; a 64-key lookup with 100,000 remote keys "
+            f"known {num(p['lookup_us_64_keys_100k_known'])} us.\n")
+
+
+# --------------------------------------------------------------------------------- CPU models of a GPU run
+def burst_sim(r: Result) -> str:
+    rows = []
+    for wave in ("c8", "c32"):
+        w = r.doc.get(wave)
+        for mode, x in (w["results"].items() if w else ()):
+            rows.append([f"{w['model']['users']}-wave", mode, num(x["ttft_ms_p50"]), num(x["ttft_ms_p90"]),
+                         num(x["wave_ms_mean"]), x["prefill_steps"], x["in_step_loads"], x["async_loads"],
+                         num(x["budget_mb"], 0)])
+    head = ["wave", "mode", "TTFT p50 ms", "TTFT p90 ms", "wave ms", "prefill steps", "in-step loads",
+            "async loads", "budget MB"]
+    return table(head, rows)
+
+
+def tail_sim(r: Result) -> str:
+    rows = [[mode.replace("tail_chunks ", ""), f"{x['prompt_tokens']:,}", f"{x['computed_tokens']:,}",
+             f"{x['connector_hit_tokens']:,}", f"{x['tail_hit_tokens']:,}", x["tail_stores"],
+             x["resident_cpu_chunks"]] for mode, x in r.doc["modes"].items()]
+    head = ["`tail_chunks`", "prompt tokens", "computed", "from the connector", "of it tail pieces",
+            "tail pieces stored", "CPU slots at the end"]
+    return table(head, rows)
+
+
+#: the probes' README: their answers, from the same files
+PROBES = "benchmarks/probes/README.md"
+#: every section's block, by the result files it shows; each file in docs/results/ must match exactly one
+SCENARIOS: tuple[Scenario, ...] = (
+    Scenario("serve", ("serve_bench_*_h200.json",), serve),
+    Scenario("serve-shared-host", ("serve_bench_*_h200x4-shared.json",), serve_shared),
+    Scenario("neighbor", ("neighbor_probe_*.json",), each(neighbor)),
+    Scenario("vllm-ttft", ("vllm_ttft_*.json",), vllm_ttft),
+    Scenario("sched", ("sched_overhead_2*.json",), each(sched)),
+    Scenario("sched-remote", ("sched_overhead_remote_*.json",), each(sched_remote)),
+    Scenario("gpu-copy", ("gpu_copy_2*.json",), each(gpu_copy)),
+    Scenario("gpu-copy-staged", ("gpu_copy_staged_*.json",), each(gpu_copy_staged)),
+    Scenario("gpu-probes", ("copy_probe_*.json", "in_step_probe_*.json", "host_memory_probe_*.json"), gpu_probes,
+             PROBES),
+    Scenario("sglang-ttft", ("sglang_ttft_*.json",), sglang_ttft),
+    Scenario("sglang-bench", ("sglang_bench_*.json",), each(sglang_bench)),
+    Scenario("disk", ("disk_bench_*.json",), each(disk)),
+    Scenario("disk-sharing", ("disk_sharing_bench_*.json",), each(disk_sharing)),
+    Scenario("remote", ("remote_bench_*.json",), each(remote)),
+    Scenario("burst-sim", ("burst_sim_*.json",), each(burst_sim), PROBES),
+    Scenario("tail-sim", ("tail_sim_*.json",), each(tail_sim), PROBES),
+)

@@ -1,0 +1,95 @@
+"""benchmarks/report_page.py: docs/benchmarks.md, benchmarks/probes/README.md and the README's highlights are
+what the generator writes from docs/results/*.json (no GPU, no engine), every results file belongs to one
+scenario, and the results page stays short."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from benchmarks import report_page
+from benchmarks.results_page import results as results_mod
+from benchmarks.results_page.results import Result, load
+from benchmarks.results_page.scenarios import SCENARIOS, Scenario
+from scripts.doc_blocks import names, sync
+
+ROOT = report_page.ROOT
+PAGE = ROOT / "docs" / "benchmarks.md"
+
+
+def test_regenerating_the_tables_and_highlights_changes_nothing(capsys):
+    assert report_page.main(["--check"]) == 0, capsys.readouterr().out
+
+
+def test_the_results_page_is_short_and_every_scenario_has_its_block():
+    text = PAGE.read_text()
+    assert len(text.splitlines()) < 400
+    pages = {s.page for s in SCENARIOS}
+    on_pages = {n for p in pages for n in names((ROOT / p).read_text())}
+    assert {report_page.PREFIX + s.name for s in SCENARIOS} <= on_pages
+    assert report_page.PREFIX + "highlights" in names((ROOT / "README.md").read_text())
+
+
+def test_every_generated_table_names_its_result_files():
+    text = PAGE.read_text()
+    for m in re.finditer(r"<!-- generated:(results:[\w-]+)[^\n]*-->\n(.*?)<!-- /generated", text, re.S):
+        assert "Source: [`" in m.group(2), m.group(1)
+        for name in re.findall(r"\]\(results/([^)]+\.json)\)", m.group(2)):
+            assert (ROOT / "docs" / "results" / name).is_file(), name
+
+
+def test_the_page_links_resolve():
+    text = PAGE.read_text()
+    for target in re.findall(r"\]\(([^)#]+?)(?:#[^)]*)?\)", text):
+        if "://" not in target:
+            assert (PAGE.parent / target).exists(), target
+
+
+def test_a_stale_table_is_found(tmp_path):
+    for rel in ("docs/benchmarks.md", "README.md", "benchmarks/probes/README.md"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / rel, tmp_path / rel)
+    page = tmp_path / "docs/benchmarks.md"
+    page.write_text(page.read_text().replace("| 1.33 (1.33 / 1.79 / 1.22) |", "| 1.40 (1.33 / 1.79 / 1.22) |"))
+    diffs = sync(report_page.wanted(root=tmp_path), report_page.PREFIX, check=True)
+    assert len(diffs) == 1 and "1.40" in diffs[0] and "docs/benchmarks.md" in diffs[0]
+
+
+def test_a_results_file_must_belong_to_exactly_one_scenario(tmp_path):
+    doc = {"date": "2026-12-01", "device": "NVIDIA H200", "command": "python3 benchmarks/envelope.py"}
+    stray = Result(tmp_path / "envelope_2026-12-01_h200.json", doc)
+    with pytest.raises(ValueError, match="envelope_2026-12-01_h200.json: no scenario"):
+        report_page.claims(load() + [stray])
+    twice = SCENARIOS + (Scenario("copy", ("disk_bench_*.json",), lambda rs: ""),)
+    with pytest.raises(ValueError, match="disk_bench_.*scenarios disk, copy"):
+        report_page.claims(load(), twice)
+
+
+def test_a_new_scenario_renders_from_its_file_alone(tmp_path):
+    """What the docstring's recipe builds: a renderer, a registry entry, a file; date, device and command
+    come from the JSON."""
+    path = tmp_path / "envelope_2026-12-01_h200.json"
+    path.write_text(json.dumps({"date": "2026-12-01T10:00:00Z", "device": "NVIDIA H200",
+                                "command": "python3 benchmarks/envelope.py", "cells": [["llama3-8b", "c8", "pass"]]}))
+
+    def envelope(rs: list[Result]) -> str:
+        rows = [c for r in rs for c in r.doc["cells"]]
+        return results_mod.table(["shape", "workload", "tiered"], rows) + "\n" + results_mod.source(rs)
+
+    (r,) = results_mod.load(tmp_path)
+    assert (r.date, r.device, r.command) == ("2026-12-01", "NVIDIA H200", "python3 benchmarks/envelope.py")
+    claimed = report_page.claims([r], (Scenario("envelope", ("envelope_*.json",), envelope),))
+    out = envelope(claimed["envelope"])
+    assert "| llama3-8b | c8 | pass |" in out and "(2026-12-01); NVIDIA H200; `python3 benchmarks/envelope.py`" in out
+
+
+def test_files_saved_without_their_facts_get_them_from_the_name_or_the_notes():
+    by = {r.name: r for r in load()}
+    disk = by["disk_bench_2026-11-22_cpu-box.json"]
+    assert (disk.date, disk.device) == ("2026-11-22", "2-core CPU box") and "disk_bench.py" in disk.command
+    assert "4 x H200" in by["neighbor_probe_2026-11-28_h200x4.json"].device
+    assert all(r.command != "?" and r.date != "?" for r in by.values()), [r.name for r in by.values()
+                                                                           if "?" in (r.command, r.date)]
