@@ -14,7 +14,9 @@ it when copies land or let go, the keeper asks the chain to issue its DEMOTE/DEL
 Rules it keeps, with its keeper (DESIGN invariants 1, 2, 5):
 - a copy is served only when READY; a key being written reads as a miss;
 - an evicted block is copied down first and its source freed only after the copy
-  committed; a failed copy frees the destination and keeps the source;
+  committed; a failed copy frees the destination and keeps the source, except a failed
+  demotion into a best-effort tier (disk, remote: ``TierSpec.best_effort``), which drops the
+  source (counted) so a sick medium below never stops puts into the tiers above;
 - capacity is a hard limit: a put that finds a full tier evicts by policy, waits for the
   eviction to commit, and is refused (False) if nothing can be evicted.
 

@@ -12,8 +12,11 @@ on (a DEMOTE or a DELETE), and ``lost`` when a copy that never arrived is remove
 fails the prefetches that were following it).
 
 Rules it keeps (DESIGN invariants 2, 5):
-- an evicted block is copied down first; its source is freed only after the copy committed,
-  and a failed copy keeps the source;
+- an evicted block is copied down first; its source is freed only after the copy committed.
+  A failed copy keeps the source when the tier below is a slab tier (GPU -> CPU); into a
+  best-effort tier (``TierSpec.best_effort``: disk, remote) it drops the source, counted in
+  ``demotions_dropped``: those tiers are a cache, and a block that cannot go down (a Redis node
+  down, a disk full or failing) must never wedge the tier above and stop its puts;
 - capacity is a hard limit: a full tier's waiters get room only as copies leave it, and a
   tier of capacity 0 refuses at once;
 - only READY, unpinned copies that are not already leaving are evicted, and a copy that a
@@ -53,6 +56,14 @@ class TierSpec:
     capacity: int
     slotted: bool = True
     governed: bool = False
+
+    @property
+    def best_effort(self) -> bool:
+        """Whether copies into this tier may fail for reasons that last (a Redis node down, a disk full or failing):
+        the keyed tiers, which sit below the slab tiers. A demotion into a best-effort tier that fails drops the
+        block from the tier above (a miss from then on, counted) instead of keeping it there: otherwise blocks that
+        cannot go down fill the tier above and every new put is refused while the medium below is sick."""
+        return not self.slotted
 
     def __post_init__(self) -> None:
         if not isinstance(self.capacity, int) or self.capacity < 0:
@@ -233,12 +244,18 @@ class RoomKeeper:
         return jobs
 
     def demote_done(self, key: bytes, src: int, ok: bool) -> Jobs:
-        """A demotion out of ``src`` ended (its source already unpinned): free the source, or keep it."""
+        """A demotion out of ``src`` ended (its source already unpinned): free the source, or keep it.
+
+        A failed demotion into a best-effort tier frees the source all the same (the block is lost to this
+        store, a miss later, counted in ``demotions_dropped``); into a slab tier it keeps the source."""
         e = self.index.get(key)
         c = None if e is None else e.copies.get(src)
         if c is None:  # deleted while moving: the source was freed when its last reader let go
             return self.kick(src)
         if ok:
+            return self.drop(key, src)
+        if self.specs[src + 1].best_effort:  # a cache below: let the block go rather than wedge this tier
+            self.tier_counters[src].demotions_dropped += 1
             return self.drop(key, src)
         c.leaving = False  # keep the source; try another victim for whoever waits
         self.leaving[src] -= 1
