@@ -190,7 +190,11 @@ class RedisCluster:
         out = []
         for line in text.splitlines():
             f = line.split()
-            port = int(f[1].split("@")[0].rsplit(":", 1)[1])
+            if len(f) < 8 or "@" not in f[1]:  # not a node line: an error ("LOADING ..." while a replica syncs)
+                continue
+            port = int(f[1].split("@")[0].rsplit(":", 1)[-1] or 0)
+            if port not in self.ports:  # a node whose address is not known yet (noaddr)
+                continue
             out.append({"index": self.ports.index(port), "id": f[0], "flags": set(f[2].split(",")),
                         "master": None if f[3] == "-" else f[3], "slots": f[8:]})
         return out
