@@ -140,3 +140,31 @@ def test_a_failed_demotion_out_of_disk_frees_disk_room_for_the_cpu_tier_s_demoti
     assert c.tier_counters[1].demotions_dropped == 6 and c.tier_counters[2].failed_transfers == 6
     assert c.tier_counters[0].demotions_dropped == 0 and c.resident(2) == 0
     assert c.waiting() == 0 and c.inflight() == 0 and c.pinned() == 0
+
+
+def test_a_copy_down_settles_before_its_source_can_be_evicted():
+    """A put waits for the CPU tier's only block while that block's write-through copy runs. When the copy ends,
+    its outcome is applied before the source is let go: a copy that landed lets the source drop for free; a copy
+    that failed leaves the block to be demoted (and, failing again, dropped and counted), never dropped on the
+    strength of a copy below that was still being written (found by the vLLM fault test)."""
+    from tiered_kv.planner.policy import PlacementPolicy
+
+    for landed in (True, False):
+        c = TierChain([TierSpec("cpu", 1), TierSpec("remote", 0, slotted=False, governed=True)],
+                      placement=PlacementPolicy("write_back", copy_to=(1,)))
+        (ingress,) = c.put([K(0)], 1)
+        (copy_down,) = c.complete(Completion(ingress.job_id, [True]))
+        assert copy_down.kind is JobKind.COPY_DOWN
+        assert c.put([K(1)], 2) == [] and c.waiting() == 1  # K(0) is pinned by its copy down: K(1) waits
+        jobs = c.complete(Completion(copy_down.job_id, [landed]))
+        if landed:
+            assert [j.kind for j in jobs] == [JobKind.INGRESS]  # K(0) dropped from the CPU: its copy is in Redis
+            assert c.locate([K(0)]) == [1]
+        else:
+            assert [j.kind for j in jobs] == [JobKind.DEMOTE]  # one more try to copy it down
+            jobs = c.complete(Completion(jobs[0].job_id, [False]))
+            assert [j.kind for j in jobs] == [JobKind.INGRESS]
+            assert c.locate([K(0)]) == [None] and c.tier_counters[0].demotions_dropped == 1
+        run_all(c, jobs)
+        assert dict(c.take_finished())[2] == [True] and c.locate([K(1)]) == [0]
+        assert c.waiting() == 0 and c.inflight() == 0 and c.pinned() == 0

@@ -353,12 +353,13 @@ class TierChain:
         if kind is JobKind.DELETE:
             return room.delete_done(key, src)
         if src != EXT:
-            jobs += self._source_done(key, src, corrupt, missing and not self.specs[src].slotted)
+            self._source_gone(key, src, corrupt, missing and not self.specs[src].slotted)
             if corrupt:
                 ok = False
         if not ok:
             self.tier_counters[dst if dst != EXT else src].failed_transfers += 0 if (corrupt or missing) else 1
         if kind is JobKind.EGRESS:
+            jobs += room.unpin(key, src)
             hid, item = ctx
             self._item_done(hid, item, ok)
             return jobs
@@ -386,6 +387,8 @@ class TierChain:
             jobs += room.kick(dst)
         else:
             jobs += room.remove(key, dst)
+        if src != EXT:  # only now, with the copy below settled: an eviction this starts must see how it ended
+            jobs += room.unpin(key, src)
         if ok:
             for follower in self._followers.pop((key, dst), ()):
                 jobs += self._prefetch_step(key, follower, dst)
@@ -540,17 +543,17 @@ class TierChain:
             jobs += refuse()
         return jobs
 
-    def _source_done(self, key: bytes, t: int, corrupt: bool, missing: bool = False) -> Jobs:
-        """A job finished reading ``key``'s copy in ``t``."""
-        e = self.index.get(key)
-        c = e.copies[t]
-        if corrupt or missing:  # the record is gone from the medium: forget it without a DELETE job
-            if corrupt:
-                self.tier_counters[t].corrupt_dropped += 1
-            else:
-                self.tier_counters[t].vanished += 1
-            c.deleting = True  # nothing left on the medium to delete
-            c.doomed = True
-            if not c.leaving:
-                self.policies[t].remove(key)
-        return self.room.unpin(key, t)
+    def _source_gone(self, key: bytes, t: int, corrupt: bool, missing: bool) -> None:
+        """A job that read ``key``'s copy in ``t`` found its record damaged or gone: forget it without a DELETE
+        job (the caller unpins the copy once the job's destination is settled)."""
+        if not (corrupt or missing):
+            return
+        c = self.index.get(key).copies[t]
+        if corrupt:
+            self.tier_counters[t].corrupt_dropped += 1
+        else:
+            self.tier_counters[t].vanished += 1
+        c.deleting = True  # nothing left on the medium to delete
+        c.doomed = True
+        if not c.leaving:
+            self.policies[t].remove(key)
