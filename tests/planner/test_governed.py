@@ -168,3 +168,11 @@ def test_a_copy_down_settles_before_its_source_can_be_evicted():
         run_all(c, jobs)
         assert dict(c.take_finished())[2] == [True] and c.locate([K(1)]) == [0]
         assert c.waiting() == 0 and c.inflight() == 0 and c.pinned() == 0
+
+
+def test_forget_unreadable_copies_is_not_counted_as_vanished():
+    c = chain(cpu=1)
+    run_all(c, c.put([K(0), K(1)], 1))
+    assert c.locate([K(0)]) == [1]
+    run_all(c, c.forget(1, [K(0)], unreadable=True))  # a node down: the owner chose to recompute instead
+    assert c.locate([K(0)]) == [None] and c.tier_counters[1].vanished == 0 and c.resident(1) == 0

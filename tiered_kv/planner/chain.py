@@ -319,14 +319,17 @@ class TierChain:
             added += 1
         return self.room.occupy(tier, added)
 
-    def forget(self, tier: int, keys: Sequence[bytes]) -> Jobs:
+    def forget(self, tier: int, keys: Sequence[bytes], unreadable: bool = False) -> Jobs:
         """The medium of ``tier`` dropped these records by itself (a governed tier evicting, another
-        process deleting): forget those copies. Keys the chain does not hold there are ignored."""
+        process deleting): forget those copies. Keys the chain does not hold there are ignored.
+
+        ``unreadable``: the records may still be there but could not be read (a node down), and the owner
+        would rather recompute than try again; forgotten all the same, but not counted in ``vanished``."""
         jobs: Jobs = []
         index, vanished = self.index, self.room.vanished
         for key in keys:
             if key in index:
-                jobs += vanished(key, tier)
+                jobs += vanished(key, tier, counted=not unreadable)
         return jobs
 
     # ------------------------------------------------------------------ completions

@@ -295,13 +295,14 @@ class RoomKeeper:
             return [self._job(JobKind.DELETE, t, t, key, NO_SLOT, NO_SLOT)]
         return self._free(key, t)
 
-    def vanished(self, key: bytes, t: int) -> Jobs:
+    def vanished(self, key: bytes, t: int, counted: bool = True) -> Jobs:
         """The medium of tier ``t`` dropped ``key``'s record by itself (a governed tier's own eviction, or
-        another process): forget the copy without a DELETE job, now or when its last reader lets go."""
+        another process): forget the copy without a DELETE job, now or when its last reader lets go.
+        ``counted``: add it to the tier's ``vanished`` counter."""
         c = self.index.get(key).copies.get(t)
         if c is None or c.state is not CopyState.READY or c.leaving or c.deleting:
             return []  # still being written, or already on its way out: that job's completion decides
-        self.tier_counters[t].vanished += 1
+        self.tier_counters[t].vanished += counted
         c.doomed = True
         c.deleting = True  # nothing left on the medium to delete
         self.policies[t].remove(key)
