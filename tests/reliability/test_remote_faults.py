@@ -49,6 +49,14 @@ def put_all(store: TieredStore, keys: list[bytes], data: torch.Tensor, batch: in
     assert store.drain(60)
 
 
+def put_new(store: TieredStore, tag: bytes, n: int, seed: int) -> tuple[list[bytes], torch.Tensor]:
+    """Put ``n`` new blocks (every put accepted, every copy down done): their keys and contents."""
+    keys = [store.key(tag + b"-%d" % i) for i in range(n)]
+    data = blocks(n, seed)
+    put_all(store, keys, data)
+    return keys, data
+
+
 @dataclass
 class Tally:
     """What a pass of reads found: per-key hits and misses, wrong blocks, the slowest ``get``."""
@@ -93,9 +101,7 @@ def test_one_master_of_three_down_without_replicas_never_stops_new_puts(redis_cl
     """Issue 29's scenario: >= 95% of 64 new puts accepted and readable while in the CPU tier (before: 14)."""
     cluster = redis_cluster
     with TieredStore(store_cfg(cluster)) as store:
-        keys = [store.key(b"old-%d" % i) for i in range(384)]
-        data = blocks(384, 1)
-        put_all(store, keys, data)
+        keys, data = put_new(store, b"old", 384, 1)
         before = read_pass(store, keys, data)
         assert before.hits == 384 and before.wrong == 0
         victim = cluster.serving()[0]
@@ -174,9 +180,7 @@ class Reader(threading.Thread):
 def test_a_master_killed_during_gets_fails_over_and_nothing_replicated_is_lost(replica_cluster):
     cluster = replica_cluster
     with TieredStore(store_cfg(cluster)) as store:
-        keys = [store.key(b"g-%d" % i) for i in range(384)]
-        data = blocks(384, 4)
-        put_all(store, keys, data)
+        keys, data = put_new(store, b"g", 384, 4)
         cluster.wait_replicated()  # every block has reached its master's replica
         victim = cluster.serving()[0]
         reader = Reader(store, keys, data)
@@ -299,9 +303,7 @@ def test_a_master_killed_during_a_burst_of_puts_loses_only_unreplicated_blocks(r
 def test_a_partitioned_master_sigstop_times_out_then_fails_over(replica_cluster):
     cluster = replica_cluster
     with TieredStore(store_cfg(cluster, remote_timeout_s=1.0, remote_connect_timeout_s=0.3)) as store:
-        keys = [store.key(b"p-%d" % i) for i in range(192)]
-        data = blocks(192, 5)
-        put_all(store, keys, data)
+        keys, data = put_new(store, b"p", 192, 5)
         cluster.wait_replicated()
         victim = cluster.serving()[0]
         t_cut = time.monotonic()
