@@ -264,7 +264,8 @@ class RoomKeeper:
         return self._refuse_one(src) + self._make_room(src)
 
     def _refuse_one(self, t: int) -> Jobs:
-        """A demotion out of ``t`` failed: refuse one waiter that counted on it (bounds retries on a bad medium)."""
+        """A demotion out of ``t`` into a slab tier failed: refuse one waiter that counted on it (bounds retries on a
+        bad medium)."""
         if len(self._waiters[t]) > self.leaving[t]:
             return self._waiters[t].pop().refuse()
         return []
