@@ -21,4 +21,4 @@ def small_cfg(tmp_path):
     return make
 
 
-from tests._redis import redis_cluster  # noqa: E402,F401 (the session's Redis Cluster, for every suite)
+from tests._redis import redis_cluster, redis_replicas, redis_tls, replica_cluster  # noqa: E402,F401 (the session's Redis Clusters, for every suite)

@@ -99,3 +99,80 @@ def test_copy_to_writes_new_blocks_straight_to_the_governed_tier():
     assert c.locate([K(0), K(1)]) == [0, 0] and c.resident(2) == 2 and c.resident(1) == 0
     with pytest.raises(ConfigError, match="copy_to"):
         PlacementPolicy(copy_to=(0,))
+
+
+def test_a_dead_remote_node_never_wedges_the_cpu_tier():
+    """Issue 29, planner side: every write to the keys of one "dead node" fails (write-through and demotion alike).
+    Before, those blocks could not leave the CPU tier, filled it, and then every put was refused; now a block whose
+    demotion failed is dropped (counted) and each new put is accepted."""
+    from tiered_kv.planner.policy import PlacementPolicy
+
+    c = TierChain([TierSpec("cpu", 8), TierSpec("remote", 0, slotted=False, governed=True)],
+                  placement=PlacementPolicy("write_back", copy_to=(1,)))
+    dead = {K(i) for i in range(200) if i % 3 == 0}  # a third of the keys live on the dead node
+
+    def fails(job):  # a job into the remote tier with a dead node's key fails (one key per job here)
+        return job.dst_tier == 1 and job.keys[0] in dead
+
+    accepted = []
+    for i in range(200):
+        run_all(c, c.put([K(i)], i + 1), fail=fails)
+        accepted += dict(c.take_finished())[i + 1]
+    assert all(accepted) and c.counters.puts_refused == 0
+    assert c.tier_counters[0].demotions_dropped == len(dead) - sum(1 for i in range(192, 200) if K(i) in dead)
+    assert c.locate([K(i) for i in range(192, 200)]) == [0] * 8  # the newest are in the CPU tier, readable
+    assert all(c.locate([k]) == [None] for k in dead if k not in {K(i) for i in range(192, 200)})  # lost: misses
+    assert c.waiting() == 0 and c.inflight() == 0 and c.pinned() == 0 and c.leaving == [0, 0]
+
+
+def test_a_failed_demotion_out_of_disk_frees_disk_room_for_the_cpu_tier_s_demotion():
+    """cpu -> disk (planner-managed, as with a remote tier below) -> remote: when disk -> remote fails, the disk
+    copy is deleted and its room goes to the CPU's waiting demotion; puts are accepted throughout."""
+    c = TierChain([TierSpec("cpu", 2), TierSpec("disk", 2, slotted=False),
+                   TierSpec("remote", 0, slotted=False, governed=True)])
+    accepted = []
+    for i in range(10):
+        jobs = run_all(c, c.put([K(i)], i + 1), fail=lambda j: j.dst_tier == 2)
+        accepted += dict(c.take_finished())[i + 1]
+        assert not any(j.kind is JobKind.DEMOTE and j.dst_tier == 2 and j.src_tier != 1 for j in jobs)
+    assert all(accepted)
+    assert c.locate([K(i) for i in range(10)]) == [None] * 6 + [1, 1, 0, 0]
+    assert c.tier_counters[1].demotions_dropped == 6 and c.tier_counters[2].failed_transfers == 6
+    assert c.tier_counters[0].demotions_dropped == 0 and c.resident(2) == 0
+    assert c.waiting() == 0 and c.inflight() == 0 and c.pinned() == 0
+
+
+def test_a_copy_down_settles_before_its_source_can_be_evicted():
+    """A put waits for the CPU tier's only block while that block's write-through copy runs. When the copy ends,
+    its outcome is applied before the source is let go: a copy that landed lets the source drop for free; a copy
+    that failed leaves the block to be demoted (and, failing again, dropped and counted), never dropped on the
+    strength of a copy below that was still being written (found by the vLLM fault test)."""
+    from tiered_kv.planner.policy import PlacementPolicy
+
+    for landed in (True, False):
+        c = TierChain([TierSpec("cpu", 1), TierSpec("remote", 0, slotted=False, governed=True)],
+                      placement=PlacementPolicy("write_back", copy_to=(1,)))
+        (ingress,) = c.put([K(0)], 1)
+        (copy_down,) = c.complete(Completion(ingress.job_id, [True]))
+        assert copy_down.kind is JobKind.COPY_DOWN
+        assert c.put([K(1)], 2) == [] and c.waiting() == 1  # K(0) is pinned by its copy down: K(1) waits
+        jobs = c.complete(Completion(copy_down.job_id, [landed]))
+        if landed:
+            assert [j.kind for j in jobs] == [JobKind.INGRESS]  # K(0) dropped from the CPU: its copy is in Redis
+            assert c.locate([K(0)]) == [1]
+        else:
+            assert [j.kind for j in jobs] == [JobKind.DEMOTE]  # one more try to copy it down
+            jobs = c.complete(Completion(jobs[0].job_id, [False]))
+            assert [j.kind for j in jobs] == [JobKind.INGRESS]
+            assert c.locate([K(0)]) == [None] and c.tier_counters[0].demotions_dropped == 1
+        run_all(c, jobs)
+        assert dict(c.take_finished())[2] == [True] and c.locate([K(1)]) == [0]
+        assert c.waiting() == 0 and c.inflight() == 0 and c.pinned() == 0
+
+
+def test_forget_unreadable_copies_is_not_counted_as_vanished():
+    c = chain(cpu=1)
+    run_all(c, c.put([K(0), K(1)], 1))
+    assert c.locate([K(0)]) == [1]
+    run_all(c, c.forget(1, [K(0)], unreadable=True))  # a node down: the owner chose to recompute instead
+    assert c.locate([K(0)]) == [None] and c.tier_counters[1].vanished == 0 and c.resident(1) == 0

@@ -150,8 +150,8 @@ def test_a_pinned_copy_is_evicted_once_its_reader_lets_go():
     assert w.granted == [c.slot] and K(0) not in k.index and k.room.pins == 0
 
 
-def test_a_failed_demotion_keeps_its_source_and_refuses_one_waiter():
-    k = Keeper(TierSpec("cpu", 1), TierSpec("disk", 2, slotted=False))
+def test_a_failed_demotion_into_a_slab_tier_keeps_its_source_and_refuses_one_waiter():
+    k = Keeper(TierSpec("gpu", 1), TierSpec("cpu", 2))
     src = k.land(K(0), 0)
     w = Waiter()
     _, _, jobs = k.room.reserve(0, w.grant, w.refuse)
@@ -164,6 +164,23 @@ def test_a_failed_demotion_keeps_its_source_and_refuses_one_waiter():
     assert w.refused == 1 and not w.granted and k.room.waiting() == 0
     assert not src.leaving and k.room.leaving == [0, 0] and k.index.get(K(0)).copies[0] is src
     assert k.policies[0].victims(1, lambda key: True) == [K(0)]  # evictable again
+    assert k.tier_counters[0].demotions_dropped == 0
+
+
+def test_a_failed_demotion_into_a_best_effort_tier_drops_its_source_and_grants_the_waiter():
+    assert TierSpec("disk", 2, slotted=False).best_effort and not TierSpec("cpu", 2).best_effort
+    k = Keeper(TierSpec("cpu", 1), TierSpec("disk", 2, slotted=False))
+    src = k.land(K(0), 0)
+    w = Waiter()
+    _, _, jobs = k.room.reserve(0, w.grant, w.refuse)
+    assert [j.kind for j in jobs] == [JobKind.DEMOTE]
+    k.room.unpin(K(0), 0)  # the copy down failed (a dead node, a full disk): as above ...
+    k.room.remove(K(0), 1)
+    assert k.room.demote_done(K(0), 0, False) == []
+    # ... but the block is let go: its room goes to the waiter, nothing is refused, the drop is counted
+    assert w.granted == [src.slot] and w.refused == 0 and k.room.waiting() == 0
+    assert K(0) not in k.index and k.room.leaving == [0, 0] and k.room.used == [1, 0]
+    assert k.tier_counters[0].demotions_dropped == 1 and k.counters.blocks_out == 1
 
 
 def test_dropping_a_keyed_copy_deletes_its_record_before_freeing_the_room():

@@ -14,7 +14,9 @@ it when copies land or let go, the keeper asks the chain to issue its DEMOTE/DEL
 Rules it keeps, with its keeper (DESIGN invariants 1, 2, 5):
 - a copy is served only when READY; a key being written reads as a miss;
 - an evicted block is copied down first and its source freed only after the copy
-  committed; a failed copy frees the destination and keeps the source;
+  committed; a failed copy frees the destination and keeps the source, except a failed
+  demotion into a best-effort tier (disk, remote: ``TierSpec.best_effort``), which drops the
+  source (counted) so a sick medium below never stops puts into the tiers above;
 - capacity is a hard limit: a put that finds a full tier evicts by policy, waits for the
   eviction to commit, and is refused (False) if nothing can be evicted.
 
@@ -329,14 +331,17 @@ class TierChain:
             added += 1
         return self.room.occupy(tier, added)
 
-    def forget(self, tier: int, keys: Sequence[bytes]) -> Jobs:
+    def forget(self, tier: int, keys: Sequence[bytes], unreadable: bool = False) -> Jobs:
         """The medium of ``tier`` dropped these records by itself (a governed tier evicting, another
-        process deleting): forget those copies. Keys the chain does not hold there are ignored."""
+        process deleting): forget those copies. Keys the chain does not hold there are ignored.
+
+        ``unreadable``: the records may still be there but could not be read (a node down), and the owner
+        would rather recompute than try again; forgotten all the same, but not counted in ``vanished``."""
         jobs: Jobs = []
         index, vanished = self.index, self.room.vanished
         for key in keys:
             if key in index:
-                jobs += vanished(key, tier)
+                jobs += vanished(key, tier, counted=not unreadable)
         return jobs
 
     # ------------------------------------------------------------------ completions
@@ -363,12 +368,13 @@ class TierChain:
         if kind is JobKind.DELETE:
             return room.delete_done(key, src)
         if src != EXT:
-            jobs += self._source_done(key, src, corrupt, missing and not self.specs[src].slotted)
+            self._source_gone(key, src, corrupt, missing and not self.specs[src].slotted)
             if corrupt:
                 ok = False
         if not ok:
             self.tier_counters[dst if dst != EXT else src].failed_transfers += 0 if (corrupt or missing) else 1
         if kind is JobKind.EGRESS:
+            jobs += room.unpin(key, src)
             hid, item = ctx
             self._item_done(hid, item, ok)
             return jobs
@@ -398,6 +404,8 @@ class TierChain:
             jobs += room.kick(dst)
         else:
             jobs += room.remove(key, dst)
+        if src != EXT:  # only now, with the copy below settled: an eviction this starts must see how it ended
+            jobs += room.unpin(key, src)
         if ok:
             for follower in self._followers.pop((key, dst), ()):
                 jobs += self._prefetch_step(key, follower, dst)
@@ -554,17 +562,17 @@ class TierChain:
             jobs += refuse()
         return jobs
 
-    def _source_done(self, key: bytes, t: int, corrupt: bool, missing: bool = False) -> Jobs:
-        """A job finished reading ``key``'s copy in ``t``."""
-        e = self.index.get(key)
-        c = e.copies[t]
-        if corrupt or missing:  # the record is gone from the medium: forget it without a DELETE job
-            if corrupt:
-                self.tier_counters[t].corrupt_dropped += 1
-            else:
-                self.tier_counters[t].vanished += 1
-            c.deleting = True  # nothing left on the medium to delete
-            c.doomed = True
-            if not c.leaving:
-                self.policies[t].remove(key)
-        return self.room.unpin(key, t)
+    def _source_gone(self, key: bytes, t: int, corrupt: bool, missing: bool) -> None:
+        """A job that read ``key``'s copy in ``t`` found its record damaged or gone: forget it without a DELETE
+        job (the caller unpins the copy once the job's destination is settled)."""
+        if not (corrupt or missing):
+            return
+        c = self.index.get(key).copies[t]
+        if corrupt:
+            self.tier_counters[t].corrupt_dropped += 1
+        else:
+            self.tier_counters[t].vanished += 1
+        c.deleting = True  # nothing left on the medium to delete
+        c.doomed = True
+        if not c.leaving:
+            self.policies[t].remove(key)

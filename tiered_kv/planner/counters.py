@@ -22,6 +22,7 @@ class TierCounters:
     corrupt_dropped: int = 0
     vanished: int = 0
     refused: int = 0
+    demotions_dropped: int = 0  # evicted from this tier, the copy down failed: dropped (a miss later), never kept
 
 
 @dataclass

@@ -12,8 +12,11 @@ on (a DEMOTE or a DELETE), and ``lost`` when a copy that never arrived is remove
 fails the prefetches that were following it).
 
 Rules it keeps (DESIGN invariants 2, 5):
-- an evicted block is copied down first; its source is freed only after the copy committed,
-  and a failed copy keeps the source;
+- an evicted block is copied down first; its source is freed only after the copy committed.
+  A failed copy keeps the source when the tier below is a slab tier (GPU -> CPU); into a
+  best-effort tier (``TierSpec.best_effort``: disk, remote) it drops the source, counted in
+  ``demotions_dropped``: those tiers are a cache, and a block that cannot go down (a Redis node
+  down, a disk full or failing) must never wedge the tier above and stop its puts;
 - capacity is a hard limit: a full tier's waiters get room only as copies leave it, and a
   tier of capacity 0 refuses at once;
 - only READY, unpinned copies that are not already leaving are evicted, and a copy that a
@@ -53,6 +56,14 @@ class TierSpec:
     capacity: int
     slotted: bool = True
     governed: bool = False
+
+    @property
+    def best_effort(self) -> bool:
+        """Whether copies into this tier may fail for reasons that last (a Redis node down, a disk full or failing):
+        the keyed tiers, which sit below the slab tiers. A demotion into a best-effort tier that fails drops the
+        block from the tier above (a miss from then on, counted) instead of keeping it there: otherwise blocks that
+        cannot go down fill the tier above and every new put is refused while the medium below is sick."""
+        return not self.slotted
 
     def __post_init__(self) -> None:
         if not isinstance(self.capacity, int) or self.capacity < 0:
@@ -233,12 +244,18 @@ class RoomKeeper:
         return jobs
 
     def demote_done(self, key: bytes, src: int, ok: bool) -> Jobs:
-        """A demotion out of ``src`` ended (its source already unpinned): free the source, or keep it."""
+        """A demotion out of ``src`` ended (its source already unpinned): free the source, or keep it.
+
+        A failed demotion into a best-effort tier frees the source all the same (the block is lost to this
+        store, a miss later, counted in ``demotions_dropped``); into a slab tier it keeps the source."""
         e = self.index.get(key)
         c = None if e is None else e.copies.get(src)
         if c is None:  # deleted while moving: the source was freed when its last reader let go
             return self.kick(src)
         if ok:
+            return self.drop(key, src)
+        if self.specs[src + 1].best_effort:  # a cache below: let the block go rather than wedge this tier
+            self.tier_counters[src].demotions_dropped += 1
             return self.drop(key, src)
         c.leaving = False  # keep the source; try another victim for whoever waits
         self.leaving[src] -= 1
@@ -247,7 +264,8 @@ class RoomKeeper:
         return self._refuse_one(src) + self._make_room(src)
 
     def _refuse_one(self, t: int) -> Jobs:
-        """A demotion out of ``t`` failed: refuse one waiter that counted on it (bounds retries on a bad medium)."""
+        """A demotion out of ``t`` into a slab tier failed: refuse one waiter that counted on it (bounds retries on a
+        bad medium)."""
         if len(self._waiters[t]) > self.leaving[t]:
             return self._waiters[t].pop().refuse()
         return []
@@ -278,13 +296,14 @@ class RoomKeeper:
             return [self._job(JobKind.DELETE, t, t, key, NO_SLOT, NO_SLOT)]
         return self._free(key, t)
 
-    def vanished(self, key: bytes, t: int) -> Jobs:
+    def vanished(self, key: bytes, t: int, counted: bool = True) -> Jobs:
         """The medium of tier ``t`` dropped ``key``'s record by itself (a governed tier's own eviction, or
-        another process): forget the copy without a DELETE job, now or when its last reader lets go."""
+        another process): forget the copy without a DELETE job, now or when its last reader lets go.
+        ``counted``: add it to the tier's ``vanished`` counter."""
         c = self.index.get(key).copies.get(t)
         if c is None or c.state is not CopyState.READY or c.leaving or c.deleting:
             return []  # still being written, or already on its way out: that job's completion decides
-        self.tier_counters[t].vanished += 1
+        self.tier_counters[t].vanished += counted
         c.doomed = True
         c.deleting = True  # nothing left on the medium to delete
         self.policies[t].remove(key)

@@ -494,7 +494,7 @@ class TieredStore:
                     "bytes_in": self._bytes[t.name][0], "bytes_out": self._bytes[t.name][1],
                     "evictions": tc.evictions, "failed_transfers": tc.failed_transfers,
                     "corrupt_dropped": tc.corrupt_dropped, "vanished": tc.vanished, "refused": tc.refused,
-                    "queue_depth": self.movers.depth(i),
+                    "demotions_dropped": tc.demotions_dropped, "queue_depth": self.movers.depth(i),
                 }
             return {
                 "lookups": c.lookups, "hits": c.hits, "misses": c.misses,

@@ -1016,6 +1016,7 @@ class SchedulerPlanner:
             # gone from Redis: never adopt it again
             self._remote_known.difference_update(
                 k for k, m, c in zip(job.keys, rep.missing or [False] * len(job), rep.corrupt) if m or c)
+        unreadable = self._unreadable_remote(job, rep)
         kind, src = job.kind, job.src_tier
         fenced = job_id in self._fenced_jobs
         self._fenced_jobs.discard(job_id)
@@ -1040,12 +1041,26 @@ class SchedulerPlanner:
             log.debug("job %d (%s) done: %d items, %d bytes", job_id, kind.name, len(rep.ok), rep.nbytes)
         self._route(self.chain.complete(Completion(job_id, rep.ok, rep.corrupt, rep.nbytes, rep.seconds,
                                                    missing=rep.missing, evicted=rep.evicted)))
+        if unreadable:
+            self._route(self.chain.forget(self.remote, unreadable, unreadable=True))
         if kind is JobKind.INGRESS:  # the stored keys are the most recently used now: put the prefix back in order
             put = self._puts.get(job.handle)
             for rid in put.reqs if put is not None else ():
                 st = self._reqs.get(rid)
                 if st is not None:
                     self._refresh(st)
+
+    def _unreadable_remote(self, job: TransferJob, rep: JobReport) -> list[bytes]:
+        """Chunks a load from the remote tier could not read although Redis may still hold them (their node down
+        or slow). vLLM recomputes them and would at once ask for the same load again, and again: forget those
+        copies and their announcements, so the next lookup misses and the recompute stores the chunk anew."""
+        if job.kind is not JobKind.EGRESS or job.src_tier != self.remote or all(rep.ok):
+            return []
+        n = len(job)
+        gone = [m or c for m, c in zip(rep.missing or [False] * n, rep.corrupt or [False] * n)]
+        keys = [k for k, ok, g in zip(job.keys, rep.ok, gone) if not (ok or g)]
+        self._remote_known.difference_update(keys)
+        return keys
 
     # ------------------------------------------------------------------ lifecycle
     def finished(self, request, block_ids) -> None:

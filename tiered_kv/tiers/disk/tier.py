@@ -47,10 +47,12 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import lmdb
 import torch
 
 from tiered_kv.errors import ConfigError, DamagedIndexError, RecordError, StoreClosedError
 from tiered_kv.tiers.base import Tier
+from tiered_kv.tiers.faults import FaultLog
 from tiered_kv.tiers.disk.budget import ANON
 from tiered_kv.tiers.disk.check import check_index
 from tiered_kv.tiers.disk.index import DiskIndex, env_open_here
@@ -195,6 +197,7 @@ class DiskTier(Tier):
         #: not); called outside the txn. Lets the planner's owner tell a stale snapshot from a live record.
         self.released: Callable[[list[bytes]], None] | None = None
         self._closed = False
+        self.faults = FaultLog(log, "disk tier")  # write faults (full, read-only, failing): one line per interval
         self.dropped_at_open = 0
         self.orphans_dropped = 0
         self.read_threads = read_threads
@@ -276,6 +279,9 @@ class DiskTier(Tier):
 
         try:
             fresh, claimed, evicted, foreign = self.index.claim_ex(keys, evict=self.evicts, keep=keep)
+        except lmdb.Error as exc:  # the index cannot take a write txn (file system full, I/O error): refused
+            self.faults.fault(str(self.path), f"claiming slots for {len(keys)} blocks failed: {exc}")
+            return [False] * len(keys), []
         finally:
             if going and self.released is not None:
                 self.released(going)
@@ -294,7 +300,7 @@ class DiskTier(Tier):
             try:
                 hdr = self.slots.write(slot, raw, fp)
             except OSError as exc:
-                log.warning("disk tier %s: write of slot %d failed: %s", self.path, slot, exc)
+                self.faults.fault(str(self.path), f"write of slot {slot} failed: {exc}")
                 ok[i] = False
                 failed_slots.append(slot)
                 continue

@@ -11,9 +11,12 @@ payload): no copy joins them.
 Failures never raise out of a data call and never wait long:
 - every socket has ``connect_timeout_s``/``op_timeout_s``; a node that failed (refused, timed
   out, reset) is skipped for ``retry_after_s`` (its keys are misses or failed writes at once), then
-  tried again: a reconnect;
-- a ``MOVED``/``ASK`` or ``CLUSTERDOWN`` answer (failover, resharding) marks the topology stale; the
-  next call refreshes it (bounded by the same timeouts) before grouping keys;
+  one call at a time tries it again (a reconnect) while the others go on skipping it: a node that
+  hangs (a partition, a stopped process) holds up one mover thread per try, not all of them;
+- a ``MOVED``/``ASK`` or ``CLUSTERDOWN`` answer (failover, resharding), or a failed node, marks the
+  topology stale; the next call refreshes it (bounded by the same timeouts; the failed node is asked
+  last) before grouping keys, and calls that come while a refresh runs use the map as it is;
+- failures are counted per node and logged at most once per node per ``FaultLog`` interval;
 - a wrong password or an unreachable cluster *at start-up* raises: ``ConfigError`` naming the user
   and the environment variable, ``RemoteUnavailableError`` naming the seeds. The password is never
   logged or put in a message.
@@ -29,6 +32,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from tiered_kv.errors import ConfigError, RemoteUnavailableError, TieredKVError
+from tiered_kv.tiers.faults import FaultLog
 from tiered_kv.tiers.remote.settings import RemoteSettings
 
 log = logging.getLogger(__name__)
@@ -48,6 +52,7 @@ class ClusterClient:
         self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
         self._response_error = redis.exceptions.ResponseError
         self._redis_error = RedisError
+        self._cluster_error = RedisClusterException  # redis-py's own (slot not covered, no seed answered)
         kwargs = login_kwargs(settings)
         try:
             self.rc = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in settings.seeds()],
@@ -56,32 +61,41 @@ class ClusterClient:
             self.rc.ping(target_nodes=RedisCluster.PRIMARIES)
         except (RedisClusterException, RedisError, OSError) as exc:
             raise startup_error(settings, exc) from None
-        self._lock = threading.Lock()
-        self._down: dict[str, float] = {}  # node name -> monotonic time until which it is skipped
+        self._lock = threading.Lock()  # one topology refresh at a time
+        self._down_lock = threading.Lock()
+        # node name -> monotonic time until which it is skipped; while one call probes it again, the end of that try
+        self._down: dict[str, float] = {}
+        self._probe_s = settings.connect_timeout_s + settings.op_timeout_s
         self._stale = False
+        self._last_failed: str | None = None  # asked last by the next topology refresh
         self._closed = False
+        self.faults = FaultLog(log, "remote tier: node")
         self.counters = {"node_failures": 0, "refreshes": 0, "skipped_down": 0, "redirects": 0}
 
     # ------------------------------------------------------------------ topology
     def _refresh_if_stale(self) -> None:
-        if not self._stale:
+        """Ask the cluster for its slot map again if it is stale. A call that finds a refresh running goes on with
+        the map as it is (a refresh may wait on a hung node for the timeouts; no other call should)."""
+        if not self._stale or not self._lock.acquire(blocking=False):
             return
-        with self._lock:
+        try:
             if not self._stale:
                 return
             self._stale = False
             self.counters["refreshes"] += 1
             try:
-                self.rc.nodes_manager.initialize()
-            except (self._redis_error, *self._errors) as exc:  # every seed down: keep the old map, retry later
+                self.rc.nodes_manager.initialize(last_failed_node_name=self._last_failed)
+            except (self._redis_error, self._cluster_error, *self._errors) as exc:  # no seed answered: keep the map
                 log.info("remote tier: topology refresh failed: %s", exc)
                 self._stale = True
+        finally:
+            self._lock.release()
 
     def _node_of(self, key: bytes):
         """The master owning ``key``'s slot, or None (slot not covered now)."""
         try:
             return self.rc.nodes_manager.get_node_from_slot(self.rc.keyslot(key))
-        except self._redis_error:
+        except (self._redis_error, self._cluster_error):  # not covered now (a master lost, no replica yet)
             self._stale = True
             return None
 
@@ -91,9 +105,12 @@ class ClusterClient:
         now = time.monotonic()
         groups: dict[str, tuple[object, list[int]]] = {}
         skipped: list[int] = []
+        usable: dict[str, bool] = {}
         for i, key in enumerate(keys):
             node = self._node_of(key)
-            if node is None or self._down.get(node.name, 0.0) > now:
+            if node is not None and node.name not in usable:
+                usable[node.name] = self._usable(node.name, now)
+            if node is None or not usable[node.name]:
                 skipped.append(i)
                 continue
             groups.setdefault(node.name, (node, []))[1].append(i)
@@ -101,12 +118,32 @@ class ClusterClient:
             self.counters["skipped_down"] += len(skipped)
         return groups, skipped
 
+    def _usable(self, name: str, now: float) -> bool:
+        """Whether this call may send to node ``name``: yes if it is not marked down; if its skip window ended,
+        yes for this call alone (it probes the node; others skip it until that try ends)."""
+        with self._down_lock:
+            until = self._down.get(name)
+            if until is None:
+                return True
+            if until > now:
+                return False
+            self._down[name] = now + self._probe_s
+            return True
+
+    def _node_answered(self, name: str) -> None:
+        """Node ``name`` answered a whole burst: it is up (again)."""
+        if name in self._down:
+            with self._down_lock:
+                self._down.pop(name, None)
+
     def _node_failed(self, node, exc: BaseException) -> None:
         self.counters["node_failures"] += 1
-        self._down[node.name] = time.monotonic() + self.settings.retry_after_s
+        with self._down_lock:
+            self._down[node.name] = time.monotonic() + self.settings.retry_after_s
+        self._last_failed = node.name
         self._stale = True  # a failover may have moved its slots
-        log.warning("remote tier: node %s failed (%s: %s); its keys are misses for %.1f s", node.name,
-                    type(exc).__name__, exc, self.settings.retry_after_s)
+        self.faults.fault(node.name, f"{type(exc).__name__}: {exc}; its keys are misses (reads) and refused "
+                                     f"(writes) for {self.settings.retry_after_s:.1f} s, then tried again")
 
     def _exchange(self, keys: Sequence[bytes], pack: Callable, default, on_item: Callable | None = None,
                   read: Callable | None = None) -> list:
@@ -147,6 +184,7 @@ class ClusterClient:
                         self.counters["redirects"] += 1
                         continue
                     out[i] = answer if on_item is None else on_item(i, answer)
+                self._node_answered(node.name)
             except self._errors as exc:
                 if wire is not None:
                     conn.disconnect()  # a half-read reply: this connection's stream is lost
@@ -312,22 +350,47 @@ def login_kwargs(settings: RemoteSettings) -> dict:
     return kwargs
 
 
+#: what OpenSSL says when a server's certificate does not verify against the CA file (text, lower case)
+_CERT_REFUSED = ("certificate verify failed", "certificate_verify_failed", "hostname mismatch",
+                 "doesn't match", "ip address mismatch")
+#: what a TLS client sees from a server that does not speak TLS on that port
+_NOT_TLS = ("wrong version number", "wrong_version_number", "record layer failure", "packet length too long",
+            "unexpected eof while reading", "eof occurred in violation of protocol")
+
+
 def startup_error(settings: RemoteSettings, exc: BaseException) -> TieredKVError:
     """The error to raise when the cluster cannot be used at start-up: ``ConfigError`` for refused credentials
-    (naming the user and the password's variable, never the password), else ``RemoteUnavailableError``."""
+    (naming the user and the password's variable, never the password) and for a TLS certificate that does not
+    verify (naming ``remote_tls_ca``), else ``RemoteUnavailableError``."""
     from redis.exceptions import AuthenticationError  # noqa: PLC0415
 
     who = f"user {settings.user or 'default'!r}" + (f", password from ${settings.password_env}"
                                                       if settings.password_env else ", no password")
     url = settings.describe()["url"]
-    text = str(exc)
-    if isinstance(exc, AuthenticationError) or any(w in text.lower() for w in ("auth", "password", "wrongpass")):
+    text = str(exc).rstrip(".")
+    low = text.lower()
+    if settings.tls and any(w in low for w in _CERT_REFUSED):
+        ca = f"remote_tls_ca={settings.tls_ca!r}" if settings.tls_ca else "the system's CAs (remote_tls_ca not set)"
+        return ConfigError(f"remote tier: the TLS certificate of the Redis Cluster at {url} did not verify against "
+                           f"{ca}: {text}. Set remote_tls_ca to the CA file that signed the nodes' certificates "
+                           f"(their tls-ca-cert-file), and make the certificates name the hosts of remote_url "
+                           f"(DNS or IP subject alternative names); see docs/remote.md (Security)")
+    if settings.tls and any(w in low for w in _NOT_TLS):
+        return ConfigError(f"remote tier: the seeds in remote_url ({url}) use rediss:// (TLS) but do not answer in "
+                           f"TLS ({text}). Give the nodes' tls-port in remote_url, or use redis:// for a cluster "
+                           f"without TLS")
+    if isinstance(exc, AuthenticationError) or any(w in low for w in ("auth", "password", "wrongpass")):
         return ConfigError(f"remote tier: the Redis Cluster at {url} refused the credentials ({who}): {text}. "
                            f"Check the password in that variable and the ACL user; see docs/remote.md")
+    hint = ""
+    if not settings.tls and any(w in low for w in ("reset by peer", "closed by server")):
+        hint = " (a cluster that speaks only TLS drops plain connections like this: then use rediss:// seeds)"
+    elif settings.tls and "timeout" in low:
+        hint = " (a node that does not speak TLS never answers a TLS handshake: then use redis:// seeds)"
     return RemoteUnavailableError(f"remote tier: cannot reach a Redis Cluster at {url} within "
-                                  f"{settings.connect_timeout_s} s ({type(exc).__name__}: {text}). Start the cluster, "
-                                  f"check remote_url and the firewall, or drop remote_url to run without the remote "
-                                  f"tier")
+                                  f"{settings.connect_timeout_s} s ({type(exc).__name__}: {text}){hint}. Start the "
+                                  f"cluster, check remote_url and the firewall, or drop remote_url to run without "
+                                  f"the remote tier")
 
 
 def key_node(settings: RemoteSettings, key: bytes, max_redirects: int = 3):

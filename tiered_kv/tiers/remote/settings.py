@@ -50,6 +50,17 @@ class RemoteSettings:
             raise ConfigError(f"remote key_prefix: expected a non-empty string without '{{', got {self.key_prefix!r}")
         if isinstance(self.stream_maxlen, bool) or not isinstance(self.stream_maxlen, int) or self.stream_maxlen < 1:
             raise ConfigError(f"remote stream_maxlen: expected an int >= 1, got {self.stream_maxlen!r}")
+        if self.tls_ca is not None:
+            self._check_tls_ca()
+
+    def _check_tls_ca(self) -> None:
+        """ConfigError unless ``tls_ca`` goes with ``rediss://`` seeds and names a readable file."""
+        if not self.tls:
+            raise ConfigError(f"remote_tls_ca is set ({self.tls_ca!r}) but remote_url uses redis:// (no TLS): use "
+                              f"rediss:// seeds for a TLS cluster, or drop remote_tls_ca")
+        if not os.path.isfile(self.tls_ca) or not os.access(self.tls_ca, os.R_OK):
+            raise ConfigError(f"remote_tls_ca: {self.tls_ca!r} is not a readable file; give the PEM file of the CA "
+                              f"that signed the Redis nodes' certificates")
 
     @property
     def tls(self) -> bool:
@@ -118,7 +129,8 @@ class RemoteKeys:
                                                        "(never the password itself, which is never a config value "
                                                        "and never logged)")
     remote_user: str | None = config_key(None, "Redis ACL user (`null` = `default`)")
-    remote_tls_ca: str | None = config_key(None, "CA file for `rediss://` seeds")
+    remote_tls_ca: str | None = config_key(None, "CA file (PEM) for `rediss://` seeds; a node certificate it does not "
+                                                 "verify fails start-up with `ConfigError`")
     remote_timeout_s: float = config_key(2.0, "bound on every Redis call; a node that failed is skipped (its reads "
                                               "miss) for 1 s, then retried; also the longest a vLLM scheduler waits "
                                               "at start-up for the presence feed to read the fleet's stream", "s")
