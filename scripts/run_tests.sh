@@ -25,7 +25,7 @@ run "core + vLLM connector + reliability" .venv/bin/python -q -rs -p no:cachepro
   $(for f in $sglang_tests; do echo --ignore="$f"; done)
 if [ -n "$sglang_tests" ]; then
   PYTHONPATH=scripts/cpu_stubs run "SGLang backend" .venv-sglang/bin/python -q -p no:cacheprovider $sglang_tests \
-    tests/connector/test_readme_commands.py
+    tests/connector/test_readme_commands.py tests/packaging/test_wheel.py
 else
   echo "!!! no SGLang tests found"; rc=1
 fi

@@ -36,7 +36,10 @@ if [ "$WHAT" = core ] || [ "$WHAT" = vllm ] || [ "$WHAT" = all ]; then
   V=.venv
   if [ -f "$V/.tkv-ready" ] && [ "$WHAT" != core ]; then
     log "$V ready"
-    "$V/bin/python" -c "import redis, hiredis, matplotlib" 2>/dev/null || pipq "$V/bin/pip" install -q -e ".[dev,bench]"  # new pins
+    # new pins, or an install from before the vllm.general_plugins entry point (the connector by name)
+    "$V/bin/python" -c "import redis, hiredis, matplotlib, importlib.metadata as m
+assert any(e.name == 'tiered_kv' for e in m.entry_points(group='vllm.general_plugins'))" 2>/dev/null \
+      || pipq "$V/bin/pip" install -q -e ".[dev,bench]"
   else
     t0=$SECONDS
     make_core "$V"

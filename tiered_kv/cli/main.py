@@ -154,7 +154,10 @@ def _bench(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``tiered-kv`` command."""
+    from tiered_kv import __version__
+
     ap = argparse.ArgumentParser(prog="tiered-kv", description="tiered KV-cache store: demo, inspect, repair, bench")
+    ap.add_argument("--version", action="version", version=f"tiered-kv {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="put -> cascade to disk -> get back, with a summary table")
     d.add_argument("--blocks", type=int, default=256)
