@@ -44,7 +44,7 @@ SHORT_FORM = {"kv_connector": "TieredKVConnector", "kv_role": "kv_both", "kv_con
 def _version() -> str:
     import ast
 
-    tree = ast.parse((ROOT / "tiered_kv" / "__init__.py").read_text())
+    tree = ast.parse((ROOT / "tiered_kv" / "version.py").read_text())
     return next(n.value.value for n in tree.body if isinstance(n, ast.Assign)
                 and any(getattr(t, "id", "") == "__version__" for t in n.targets))
 

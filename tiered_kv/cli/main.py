@@ -189,7 +189,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``tiered-kv`` command."""
-    from tiered_kv import __version__
+    from tiered_kv.version import __version__
 
     ap = argparse.ArgumentParser(prog="tiered-kv", description="tiered KV-cache store: demo, inspect, repair, bench, top")
     ap.add_argument("--version", action="version", version=f"tiered-kv {__version__}")
