@@ -16,7 +16,6 @@ import argparse
 import time
 import urllib.error
 import urllib.request
-from collections import defaultdict
 from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -103,9 +102,6 @@ def _fmt_rate(v: float | None, unit: str = "") -> str:
         return f"{format_size(int(v))}/s"
     return f"{v:,.1f}/s" if v < 100 else f"{v:,.0f}/s"
 
-
-def _fmt_count(v: float) -> str:
-    return f"{v:,.0f}"
 
 
 def _fmt_seconds(v: float | None) -> str:
