@@ -71,6 +71,11 @@ def _run(argv: list, cwd: Path, timeout: float = 300, env: dict | None = None) -
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     """The wheel built from a clean copy of the sources."""
+    from importlib.metadata import version
+
+    have = version("setuptools")
+    assert int(have.split(".")[0]) >= 77, (f"building the wheel needs setuptools >= 77 (PEP 639 license fields; torch "
+                                           f"requires it too), this venv has {have}: pip install -U setuptools")
     src = tmp_path_factory.mktemp("src")
     for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, src / name)
