@@ -21,14 +21,19 @@ make_core() {  # $1 = venv dir
   pipq "$V/bin/pip" install -q "torch==2.13.0"
 }
 
-# The remote tier's tests start a real Redis Cluster: Debian's redis-server (Redis 7) when missing.
-if ! command -v redis-server >/dev/null 2>&1 && [ "$WHAT" != core ]; then
+# The remote tier's tests start a real Redis Cluster: Debian's redis-server (Redis 7) when missing. The Grafana
+# dashboard's test checks its PromQL with promtool: Debian's prometheus package (no service is started).
+apt_missing=()
+command -v redis-server >/dev/null 2>&1 || apt_missing+=(redis-server)
+command -v promtool >/dev/null 2>&1 || apt_missing+=(prometheus)
+if [ ${#apt_missing[@]} -gt 0 ] && [ "$WHAT" != core ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    log "installing redis-server (apt)"
-    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server; } >/dev/null 2>&1 \
-      || log "apt-get install redis-server failed: the remote-tier tests will be skipped (failed under CI)"
+    log "installing ${apt_missing[*]} (apt)"
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+        "${apt_missing[@]}"; } >/dev/null 2>&1 \
+      || log "apt-get install ${apt_missing[*]} failed: the remote-tier and dashboard tests will fail under CI"
   else
-    log "redis-server missing and not root: install it (apt-get install redis-server) for the remote-tier tests"
+    log "${apt_missing[*]} missing and not root: apt-get install ${apt_missing[*]} (remote-tier and dashboard tests)"
   fi
 fi
 
@@ -36,7 +41,10 @@ if [ "$WHAT" = core ] || [ "$WHAT" = vllm ] || [ "$WHAT" = all ]; then
   V=.venv
   if [ -f "$V/.tkv-ready" ] && [ "$WHAT" != core ]; then
     log "$V ready"
-    "$V/bin/python" -c "import redis, hiredis, matplotlib" 2>/dev/null || pipq "$V/bin/pip" install -q -e ".[dev,bench]"  # new pins
+    # new pins, or an install from before the vllm.general_plugins entry point (the connector by name)
+    "$V/bin/python" -c "import redis, hiredis, matplotlib, importlib.metadata as m
+assert any(e.name == 'tiered_kv' for e in m.entry_points(group='vllm.general_plugins'))" 2>/dev/null \
+      || pipq "$V/bin/pip" install -q -e ".[dev,bench]"
   else
     t0=$SECONDS
     make_core "$V"

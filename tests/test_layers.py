@@ -2,7 +2,7 @@
 
 The layers, bottom to top (``tiered_kv/README.md`` draws them):
 
-0. ``errors``              every error type
+0. ``errors``, ``version``  every error type; the version
 1. ``values``              plain data shared by all
 2. ``planner``              what moves where (pure Python)
 3. ``tiers``, ``copy``      one medium each; the GPU edge's copy mechanism
@@ -24,7 +24,7 @@ import pytest
 PKG = Path(__file__).resolve().parents[1] / "tiered_kv"
 
 LAYERS = {  # first two name parts -> layer
-    "tiered_kv.errors": 0, "tiered_kv.values": 1,
+    "tiered_kv.errors": 0, "tiered_kv.version": 0, "tiered_kv.values": 1,
     "tiered_kv.planner": 2,
     "tiered_kv.tiers": 3, "tiered_kv.copy": 3,
     "tiered_kv.movers": 4,

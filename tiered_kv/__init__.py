@@ -12,7 +12,6 @@ from tiered_kv.values.keys import Namespace, chain_keys
 from tiered_kv.values.layout import BlockLayout
 from tiered_kv.store.handle import Handle
 from tiered_kv.store.tiered_store import TieredStore
-
-__version__ = "0.1.0"
+from tiered_kv.version import __version__
 __all__ = ["TieredStore", "StoreConfig", "Handle", "Namespace", "chain_keys", "BlockLayout", "TieredKVError",
            "ConfigError", "InvalidInputError", "StoreClosedError", "TransferTimeout"]

@@ -28,11 +28,19 @@ def test_readme_vllm_serve_command_is_valid():
 
     from tiered_kv.connector.vllm.config import ConnectorConfig
 
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from tiered_kv.connector.vllm.connector import TieredKVConnector
+    from tiered_kv.connector.vllm.plugin import register
+
     (block,) = _shell_blocks(README, "vllm serve")
     argv = shlex.split(block.strip())
     raw = json.loads(argv[argv.index("--kv-transfer-config") + 1])
     ktc = KVTransferConfig(**raw)
-    assert ktc.kv_connector == "TieredKVConnector" and ktc.kv_connector_module_path == "tiered_kv.connector.vllm"
+    # the short form: the name alone, which the installed package's vLLM plugin registers
+    assert ktc.kv_connector == "TieredKVConnector" and ktc.kv_connector_module_path is None
+    register()
+    assert KVConnectorFactory.get_connector_class(ktc) is TieredKVConnector
     cfg = ConnectorConfig.from_extra_config(ktc.kv_connector_extra_config)
     assert cfg.disk_path == "/nvme/kv"
 

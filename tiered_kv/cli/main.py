@@ -1,4 +1,4 @@
-"""The ``tiered-kv`` command line: ``demo``, ``inspect PATH``, ``repair PATH``, ``bench``.
+"""The ``tiered-kv`` command line: ``demo``, ``inspect PATH|redis://...``, ``repair PATH``, ``bench``, ``top URL``.
 
 Threading contract: a command-line entry point; runs on the main thread.
 """
@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from tiered_kv.cli.top import add_parser as add_top_parser, run_top
 from tiered_kv.values.units import format_size
 
 
@@ -72,6 +73,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    if args.path.startswith(("redis://", "rediss://")):
+        return _inspect_remote(args)
     from pathlib import Path
 
     from tiered_kv.errors import ConfigError
@@ -124,6 +127,38 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _inspect_remote(args: argparse.Namespace) -> int:
+    from tiered_kv.cli.fleet import fleet_report
+    from tiered_kv.errors import ConfigError, RemoteUnavailableError
+
+    con = Console()
+    try:
+        rep = fleet_report(args.path, args.password_env, args.user, args.tls_ca, args.key_prefix, args.max_keys)
+    except (ConfigError, RemoteUnavailableError) as exc:
+        con.print(f"[red]cannot inspect {args.path}: {exc}")
+        return 2
+    if args.json:
+        print(json.dumps(rep, indent=2))
+        return 0
+    nodes = Table(title=f"remote tier {rep['cluster']['url']} (key prefix {rep['cluster']['key_prefix']!r})")
+    for col in ("node", "keys", "used memory", "maxmemory", "policy", "evicted keys"):
+        nodes.add_column(col, justify="left" if col in ("node", "policy") else "right")
+    for n in rep["nodes"]:
+        nodes.add_row(n["node"], f"{n['keys']:,}", format_size(n["used_memory"]),
+                      format_size(n["maxmemory"]) if n["maxmemory"] else "no limit", n["policy"], f"{n['evicted_keys']:,}")
+    con.print(nodes)
+    spaces = Table(title="namespaces (what the fleet holds)")
+    for col in ("namespace", "blocks", "bytes", "presence entries", "layouts (sampled)"):
+        spaces.add_column(col, justify="left" if col in ("namespace", "layouts (sampled)") else "right")
+    for ns, sp in rep["namespaces"].items():
+        layouts = ", ".join(f"{fp} x{c}" for fp, c in sp["layouts_sampled"].items()) or "-"
+        spaces.add_row(ns, f"{sp['blocks']:,}", format_size(sp["bytes"]), f"{sp['presence_entries']:,}", layouts)
+    con.print(spaces)
+    if rep["partial"]:
+        con.print(f"[yellow]partial: stopped after --max-keys {args.max_keys} keys")
+    return 0
+
+
 def _repair(args: argparse.Namespace) -> int:
     from tiered_kv.errors import ConfigError
     from tiered_kv.tiers.disk.repair import repair
@@ -154,14 +189,23 @@ def _bench(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``tiered-kv`` command."""
-    ap = argparse.ArgumentParser(prog="tiered-kv", description="tiered KV-cache store: demo, inspect, repair, bench")
+    from tiered_kv.version import __version__
+
+    ap = argparse.ArgumentParser(prog="tiered-kv", description="tiered KV-cache store: demo, inspect, repair, bench, top")
+    ap.add_argument("--version", action="version", version=f"tiered-kv {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="put -> cascade to disk -> get back, with a summary table")
     d.add_argument("--blocks", type=int, default=256)
     d.add_argument("--dir", default=None, help="where to put the disk tier (default: a temp dir)")
-    i = sub.add_parser("inspect", help="open a disk tier read-only and show blocks, bytes, layouts, health")
-    i.add_argument("path")
+    i = sub.add_parser("inspect", help="a disk tier (PATH, opened read-only: blocks, bytes, layouts, health) or a "
+                       "remote tier (redis://HOST:PORT[,...]: nodes, and blocks and bytes per namespace)")
+    i.add_argument("path", help="a disk tier's directory, or the remote tier's seed nodes as remote_url takes them")
     i.add_argument("--json", action="store_true")
+    i.add_argument("--password-env", default=None, help="remote: environment variable holding the Redis password")
+    i.add_argument("--user", default=None, help="remote: Redis ACL user (default: default)")
+    i.add_argument("--tls-ca", default=None, help="remote: CA file for rediss:// seeds")
+    i.add_argument("--key-prefix", default="tkv:", help="remote: the fleet's key prefix (default tkv:)")
+    i.add_argument("--max-keys", type=int, default=None, help="remote: stop the scan after this many keys")
     r = sub.add_parser("repair", help="rebuild a damaged disk tier's index from the records that still verify")
     r.add_argument("path")
     r.add_argument("--json", action="store_true")
@@ -169,8 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--dir", default=None)
     b.add_argument("--total-mib", type=int, default=512)
     b.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "disk_bench.json"))
+    add_top_parser(sub)
     args = ap.parse_args(argv)
-    return {"demo": _demo, "inspect": _inspect, "repair": _repair, "bench": _bench}[args.cmd](args)
+    return {"demo": _demo, "inspect": _inspect, "repair": _repair, "bench": _bench, "top": run_top}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ import itertools
 from collections.abc import Iterable, Sequence
 
 from tiered_kv.errors import ConfigError, InvalidInputError
-from tiered_kv.planner.counters import ChainCounters, TierCounters
+from tiered_kv.planner.counters import ChainCounters, TierCounters, TransferCounters
 from tiered_kv.planner.index import BlockIndex, Copy, CopyState
 from tiered_kv.planner.policy import EvictionPolicy, PlacementPolicy, make_policy
 from tiered_kv.planner.room import RoomKeeper, TierSpec
@@ -88,6 +88,7 @@ class TierChain:
         self.tier_counters = [TierCounters() for _ in specs]
         self._followers: dict[tuple[bytes, int], list] = {}  # prefetches waiting on a copy in flight
         self.counters = ChainCounters()
+        self.transfers = TransferCounters(names)  # per edge and per load: for metrics only
         self.room = RoomKeeper(self.specs, self.index, self.policies, self.tier_counters, self.counters,
                                job=self._block_job, lost=self._abandon_followers)
         self.events: list[tuple[bool, int, bytes]] | None = None  # see record_events
@@ -350,6 +351,8 @@ class TierChain:
         job = self._jobs.pop(done.job_id)
         ctx = self._ctx.pop(done.job_id)
         whole = ctx.__class__ is int  # a bulk put's job: item i is item i of handle ``ctx``
+        if job.kind is not JobKind.DELETE:
+            self.transfers.record(job.src_tier, job.dst_tier, sum(map(bool, done.ok)), done.seconds, job.kind.is_load)
         jobs: Jobs = []
         for i, key in enumerate(job.keys):
             ok = bool(done.ok[i]) if i < len(done.ok) else False

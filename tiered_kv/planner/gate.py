@@ -23,6 +23,7 @@ EWMA_NEW = 0.2
 
 #: ``LoadGate.decide`` outcomes
 ALL_FAST, ALWAYS, BEATS, PROBE, DECLINED = "all_fast", "always", "beats", "probe", "declined"
+OUTCOMES = (ALL_FAST, ALWAYS, BEATS, PROBE, DECLINED)
 
 
 class LoadGate:
@@ -41,6 +42,8 @@ class LoadGate:
         self.unit_nbytes = int(unit_nbytes)
         self._gbps = float(disk_read_gbps)
         self._declined = 0
+        self._decisions = dict.fromkeys(OUTCOMES, 0)
+        self._declined_units = 0
         self._lock = threading.Lock()
 
     @property
@@ -59,7 +62,14 @@ class LoadGate:
 
     def decide(self, n_fast: int, n: int) -> tuple[int, str]:
         """Of ``n`` held leading units, the first ``n_fast`` in memory tiers: how many to load, and why
-        (``ALL_FAST``, ``ALWAYS``, ``BEATS``, ``PROBE`` or ``DECLINED``)."""
+        (``ALL_FAST``, ``ALWAYS``, ``BEATS``, ``PROBE`` or ``DECLINED``). Each outcome is counted (``report``)."""
+        hits, outcome = self._decide(n_fast, n)
+        with self._lock:
+            self._decisions[outcome] += 1
+            self._declined_units += n - hits
+        return hits, outcome
+
+    def _decide(self, n_fast: int, n: int) -> tuple[int, str]:
         if n_fast == n:
             return n, ALL_FAST
         if self.policy == "always":
@@ -73,6 +83,13 @@ class LoadGate:
             if probe:
                 return n, PROBE
         return n_fast, DECLINED
+
+    def report(self) -> dict:
+        """For metrics: ``decisions`` (count per outcome), ``declined_units`` (held slow-tier units not loaded, so
+        recomputed), ``read_gbps`` (the slow-tier rate estimate) and ``break_even_gbps``."""
+        with self._lock:
+            return {"decisions": dict(self._decisions), "declined_units": self._declined_units,
+                    "read_gbps": self._gbps, "break_even_gbps": self.break_even_gbps()}
 
     def observe(self, nbytes: int, seconds: float) -> None:
         """A slow-tier read moved ``nbytes`` in ``seconds``: fold its rate into the estimate."""

@@ -1,23 +1,47 @@
 """Prometheus metrics for a store, read from ``stats()`` at scrape time.
 
-A ``StoreCollector`` turns one store's ``stats()`` dict into metric families (per-tier
-hits, bytes in/out, evictions, failed transfers, corrupt records dropped, residency,
-queue depth), so counters are never updated twice and cost nothing between scrapes.
+A ``StoreCollector`` turns one ``stats()`` dict into metric families, so counters are never
+updated twice and cost nothing between scrapes. Every front end exports the same families under
+its ``store`` label (``default`` for the Python API, ``vllm`` for the vLLM connector, ``sglang`` for
+the SGLang backend); ``METRICS`` lists them, and ``deploy/grafana/tiered_kv.json`` queries them:
+
+- store: lookups, hits, misses, bytes in/out, resident bytes, jobs in flight;
+- per tier: hits, blocks/bytes in and out, evictions, failed transfers, corrupt records dropped,
+  refused puts, residency, capacity, queue depth;
+- per tier edge (``src``/``dst`` tier names, ``engine`` for the caller's side): blocks and bytes moved;
+- per source tier: a histogram of load-job seconds (loads toward the engine and promotions);
+- the load gate, where the front end has one (vLLM, SGLang): decisions by outcome, slow-tier blocks
+  declined (recomputed instead), the read-rate estimate and the break-even rate;
+- the remote tier, where this process holds its client (Python API, SGLang): errors by kind.
+
+Optional sections of ``stats()`` (``transfers``, ``gate``, ``remote``) yield their families only when present.
 
 Threading contract: ``collect()`` runs on the scraping thread (prometheus-client's HTTP
-server) and only calls ``stats()``, which takes the store's lock briefly.
+server) and only calls ``stats()``, which takes the store's lock briefly (or returns a snapshot).
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 _TIER_COUNTERS = ("hits", "blocks_in", "blocks_out", "bytes_in", "bytes_out", "evictions", "failed_transfers",
                   "corrupt_dropped", "refused")
 _TIER_GAUGES = ("resident_blocks", "capacity_blocks", "queue_depth")
 _STORE_COUNTERS = ("lookups", "hits", "misses", "bytes_in", "bytes_out", "puts_refused")
+#: Remote-tier counters that are errors (``RemoteTier.counters`` and its client's ``client_*``); the others
+#: (missing: evicted by Redis, foreign, redirects, refreshes) are normal life in a cluster.
+REMOTE_ERRORS = ("unavailable", "write_failed", "corrupt", "client_node_failures")
+
+#: Every family name a scrape can show (counters with their ``_total`` suffix, histograms by base name).
+METRICS = (
+    *(f"tiered_kv_{k}_total" for k in _STORE_COUNTERS), "tiered_kv_resident_bytes", "tiered_kv_inflight_jobs",
+    *(f"tiered_kv_tier_{k}_total" for k in _TIER_COUNTERS), *(f"tiered_kv_tier_{k}" for k in _TIER_GAUGES),
+    "tiered_kv_edge_blocks_total", "tiered_kv_edge_bytes_total", "tiered_kv_load_seconds",
+    "tiered_kv_gate_decisions_total", "tiered_kv_gate_declined_blocks_total", "tiered_kv_gate_read_gbps",
+    "tiered_kv_gate_break_even_gbps", "tiered_kv_remote_errors_total",
+)
 
 
 class StoreCollector:
@@ -28,28 +52,93 @@ class StoreCollector:
         self._name = store_name
 
     def collect(self) -> Iterator:
-        """Yield metric families for the current stats."""
+        """Yield metric families for the current stats (none while ``stats()`` is empty: nothing open yet)."""
         s = self._stats()
-        for key in _STORE_COUNTERS:
-            m = CounterMetricFamily(f"tiered_kv_{key}", f"tiered_kv store {key}", labels=["store"])
-            m.add_metric([self._name], s[key])
-            yield m
-        g = GaugeMetricFamily("tiered_kv_resident_bytes", "bytes of blocks held", labels=["store"])
-        g.add_metric([self._name], s["resident_bytes"])
+        if not s:
+            return
+        yield from _store_families(s, self._name)
+        yield from _tier_families(s["tiers"], self._name)
+        if "transfers" in s:
+            yield from _transfer_families(s["transfers"], self._name)
+        if s.get("gate") is not None:
+            yield from _gate_families(s["gate"], self._name)
+        if s.get("remote") is not None:
+            yield from _remote_families(s["remote"], self._name)
+
+
+def _store_families(s: dict, name: str) -> Iterator:
+    for key in _STORE_COUNTERS:
+        m = CounterMetricFamily(f"tiered_kv_{key}", f"tiered_kv store {key}", labels=["store"])
+        m.add_metric([name], s[key])
+        yield m
+    g = GaugeMetricFamily("tiered_kv_resident_bytes", "bytes of blocks held", labels=["store"])
+    g.add_metric([name], s["resident_bytes"])
+    yield g
+    g = GaugeMetricFamily("tiered_kv_inflight_jobs", "transfer jobs issued and not completed", labels=["store"])
+    g.add_metric([name], s["inflight_jobs"])
+    yield g
+
+
+def _tier_families(tiers: dict, name: str) -> Iterator:
+    for key in _TIER_COUNTERS:
+        m = CounterMetricFamily(f"tiered_kv_tier_{key}", f"per-tier {key}", labels=["store", "tier"])
+        for tier, t in tiers.items():
+            m.add_metric([name, tier], t[key])
+        yield m
+    for key in _TIER_GAUGES:
+        g = GaugeMetricFamily(f"tiered_kv_tier_{key}", f"per-tier {key}", labels=["store", "tier"])
+        for tier, t in tiers.items():
+            g.add_metric([name, tier], t[key])
         yield g
-        g = GaugeMetricFamily("tiered_kv_inflight_jobs", "transfer jobs issued and not completed", labels=["store"])
-        g.add_metric([self._name], s["inflight_jobs"])
+
+
+def _transfer_families(transfers: dict, name: str) -> Iterator:
+    labels = ["store", "src", "dst"]
+    blocks = CounterMetricFamily("tiered_kv_edge_blocks", "blocks moved from tier src to tier dst (engine: the "
+                                 "caller's side)", labels=labels)
+    nbytes = CounterMetricFamily("tiered_kv_edge_bytes", "bytes moved from tier src to tier dst (engine: the "
+                                 "caller's side)", labels=labels)
+    for e in transfers["edges"]:
+        blocks.add_metric([name, e["src"], e["dst"]], e["blocks"])
+        nbytes.add_metric([name, e["src"], e["dst"]], e["bytes"])
+    yield blocks
+    yield nbytes
+    h = HistogramMetricFamily("tiered_kv_load_seconds", "seconds a load job reading from this tier took on its "
+                              "mover (loads toward the engine, promotions)", labels=["store", "tier"])
+    for tier, snap in transfers["load_seconds"].items():
+        h.add_metric([name, tier], [(_le(le), n) for le, n in snap["buckets"]], snap["sum"])
+    yield h
+
+
+def _le(bound: float) -> str:
+    return "+Inf" if bound == float("inf") else repr(float(bound))
+
+
+def _gate_families(gate: dict, name: str) -> Iterator:
+    m = CounterMetricFamily("tiered_kv_gate_decisions", "load-gate decisions on hits: all_fast (memory tiers "
+                            "only), always/beats (slow-tier blocks loaded), probe (declined but read to re-measure), "
+                            "declined (slow-tier blocks recomputed)", labels=["store", "decision"])
+    for decision, n in gate["decisions"].items():
+        m.add_metric([name, decision], n)
+    yield m
+    m = CounterMetricFamily("tiered_kv_gate_declined_blocks", "held slow-tier blocks the gate did not load "
+                            "(recomputed instead)", labels=["store"])
+    m.add_metric([name], gate["declined_units"])
+    yield m
+    for key, doc in (("read_gbps", "the gate's slow-tier read-rate estimate (GB/s)"),
+                     ("break_even_gbps", "slow-tier read rate above which loading beats recomputing (GB/s)")):
+        g = GaugeMetricFamily(f"tiered_kv_gate_{key}", doc, labels=["store"])
+        g.add_metric([name], gate[key])
         yield g
-        for key in _TIER_COUNTERS:
-            m = CounterMetricFamily(f"tiered_kv_tier_{key}", f"per-tier {key}", labels=["store", "tier"])
-            for tier, t in s["tiers"].items():
-                m.add_metric([self._name, tier], t[key])
-            yield m
-        for key in _TIER_GAUGES:
-            g = GaugeMetricFamily(f"tiered_kv_tier_{key}", f"per-tier {key}", labels=["store", "tier"])
-            for tier, t in s["tiers"].items():
-                g.add_metric([self._name, tier], t[key])
-            yield g
+
+
+def _remote_families(remote: dict, name: str) -> Iterator:
+    m = CounterMetricFamily("tiered_kv_remote_errors", "remote-tier errors: unavailable (a read whose node was down "
+                            "or skipped), write_failed, corrupt (damaged records dropped), client_node_failures",
+                            labels=["store", "kind"])
+    for kind in REMOTE_ERRORS:
+        m.add_metric([name, kind], remote.get(kind, 0))
+    yield m
 
 
 def make_registry(stats: Callable[[], dict], store_name: str = "default") -> CollectorRegistry:

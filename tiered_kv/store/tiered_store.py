@@ -79,7 +79,7 @@ class TieredStore:
             for t in self.tiers:
                 t.close()
             raise
-        remote = next((i for i, t in enumerate(self.tiers) if isinstance(t, RemoteTier)), None)
+        remote = self._remote = next((i for i, t in enumerate(self.tiers) if isinstance(t, RemoteTier)), None)
         copy_to = (remote,) if remote and config.remote_write == "through" else ()
         self.chain = TierChain([TierSpec(t.name, t.capacity, t.slotted, t.governed) for t in self.tiers],
                                config.eviction, PlacementPolicy(config.write_policy, config.promote_on_hit,
@@ -110,7 +110,6 @@ class TieredStore:
             if keys:
                 log.info("tiered_kv: reopened %s with %d blocks", disk.path, len(keys))
         # the remote tier's presence feed: what the fleet stores, adopted as hints before each lookup
-        self._remote = remote
         self._feed: PresenceFeed | None = None if remote is None else self.tiers[remote].feed()
         # a store its owner never closed is closed before the interpreter kills our daemon threads (a thread
         # killed inside a torch copy aborts the process at exit)
@@ -481,7 +480,10 @@ class TieredStore:
             t.flush()
 
     def stats(self) -> dict:
-        """Counters and occupancy. Invariants: lookups = hits + misses; bytes_in = bytes_out + resident_bytes."""
+        """Counters and occupancy. Invariants: lookups = hits + misses; bytes_in = bytes_out + resident_bytes.
+
+        ``transfers``: blocks and bytes per tier edge and load-job seconds per tier (``TransferCounters``);
+        ``remote``: the remote tier's error counters (None without one)."""
         with self._lock:
             c = self.chain.counters
             nb = self.layout.nbytes
@@ -503,8 +505,15 @@ class TieredStore:
                 "puts_refused": c.puts_refused, "puts_deduplicated": c.puts_deduplicated,
                 "inflight_jobs": self.chain.inflight(), "pinned": self.chain.pinned(),
                 "waiting": self.chain.waiting(), "block_nbytes": nb, "tiers": tiers,
-                "disk_quarantined": self.disk_quarantined,
+                "disk_quarantined": self.disk_quarantined, "transfers": self.chain.transfers.snapshot(nb),
+                "remote": None if self._remote is None else self._remote_counters(),
             }
+
+    def _remote_counters(self) -> dict:
+        """The remote tier's counters and its client's (``client_*``): plain ints, read without their writers'
+        locks (a scrape may see one counter a job ahead of another)."""
+        tier = self.tiers[self._remote]
+        return {**tier.counters, **{f"client_{k}": v for k, v in tier.client.counters.items()}}
 
     def close(self) -> None:
         """Finish queued work, stop movers, close tiers. Idempotent."""

@@ -68,6 +68,7 @@ TINY_LLAMA = {
     "rms_norm_eps": 1e-5, "torch_dtype": "float16", "bos_token_id": 1, "eos_token_id": EOS,
 }
 LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+MODULE_PATH = "tiered_kv.connector.vllm"  # kv_connector_module_path, as the README's long form gives it
 _NONE_HASH_READY = False
 
 
@@ -81,8 +82,11 @@ def write_model_dir(path: str) -> str:
 
 def make_vllm_config(model_dir: str, extra: dict, async_sched: bool = False, max_model_len: int = 2048,
                      max_batched: int = 256, tp: int = 1, hash_algo: str = "sha256", hma: bool = False,
-                     dtype: str = "float16") -> VllmConfig:
+                     dtype: str = "float16", module_path: str | None = MODULE_PATH) -> VllmConfig:
     """VllmConfig with our connector loaded by module path, like ``--kv-transfer-config`` does.
+
+    ``module_path=None``: the connector named only, as vLLM finds it once the installed package's
+    plugin registered it (``tiered_kv.connector.vllm.plugin``).
 
     ``hma``: vLLM's hybrid KV cache manager on (what a GPU platform gives a SupportsHMA connector;
     vLLM's CPU platform turns it off).
@@ -92,7 +96,7 @@ def make_vllm_config(model_dir: str, extra: dict, async_sched: bool = False, max
                          enable_chunked_prefill=True, is_encoder_decoder=False, disable_hybrid_kv_cache_manager=True)
     cc = CacheConfig(block_size=BS, gpu_memory_utilization=0.9, enable_prefix_caching=True,
                      prefix_caching_hash_algo=hash_algo)
-    ktc = KVTransferConfig(kv_connector="TieredKVConnector", kv_connector_module_path="tiered_kv.connector.vllm",
+    ktc = KVTransferConfig(kv_connector="TieredKVConnector", kv_connector_module_path=module_path,
                            kv_role="kv_both", kv_connector_extra_config=dict(extra),
                            kv_load_failure_policy="recompute")
     cfg = VllmConfig(model_config=mc, cache_config=cc, scheduler_config=sc, kv_transfer_config=ktc,
@@ -291,13 +295,15 @@ class Engine:
     @classmethod
     def create(cls, model_dir: str, extra: dict, *, num_blocks: int = 64, async_sched: bool = False,
                tp: int = 1, max_batched: int = 256, hash_algo: str = "sha256", cross_layer: bool = False,
-               shape: str | None = None, max_model_len: int = 2048, tweak=None) -> "Engine":
+               shape: str | None = None, max_model_len: int = 2048, tweak=None,
+               module_path: str | None = MODULE_PATH) -> "Engine":
         """Build a scheduler (which builds the scheduler-role connector) and ``tp`` worker-role connectors.
 
         ``cross_layer``: register each worker the way vLLM 0.26 does when the connector prefers
         cross-layer blocks (one block-outermost tensor, ``register_cross_layers_kv_cache``).
         ``shape``: a hybrid or MLA model of ``models.py`` (``model_dir`` from ``models.write_model_dir``);
-        ``tweak(cfg)`` may adjust the VllmConfig before anything is built from it.
+        ``tweak(cfg)`` may adjust the VllmConfig before anything is built from it. ``module_path``: see
+        ``make_vllm_config`` (the tiny Llama only).
         """
         global _NONE_HASH_READY
         if not _NONE_HASH_READY:
@@ -307,7 +313,7 @@ class Engine:
             return cls._create_shaped(model_dir, extra, shape, num_blocks, async_sched, tp, max_batched, hash_algo,
                                       max_model_len, tweak)
         cfg = make_vllm_config(model_dir, extra, async_sched=async_sched, max_batched=max_batched, tp=tp,
-                               hash_algo=hash_algo, max_model_len=max_model_len)
+                               hash_algo=hash_algo, max_model_len=max_model_len, module_path=module_path)
         if tweak is not None:
             tweak(cfg)
         kvc = kv_cache_config(num_blocks)

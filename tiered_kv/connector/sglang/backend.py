@@ -39,6 +39,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 from sglang.srt.mem_cache.pool_host.base import HostKVCache
 
 from tiered_kv.store.config import REMOTE_KEYS, StoreConfig
+from tiered_kv.store.metrics import make_registry, serve
 from tiered_kv.errors import ConfigError, InvalidInputError, StoreClosedError
 from tiered_kv.values.keys import Namespace
 from tiered_kv.planner.radix import RadixIndex
@@ -75,6 +76,19 @@ class TieredHiCacheStorage(HiCacheStorage):
         self._radix_lock = threading.Lock()
         self._refresh_lock = threading.Lock()
         self._last_refresh = 0.0
+        if self.options.metrics_port is not None:
+            self._serve_metrics(self.options.metrics_port + self.scope.metrics_offset())
+
+    def _serve_metrics(self, port: int) -> None:
+        """Prometheus metrics (``tiered_kv.store.metrics``, store label ``sglang``) on 127.0.0.1:``port`` for the
+        backend's lifetime; a port in use is logged, not fatal (the engine runs without this rank's metrics)."""
+        try:
+            serve(make_registry(self.metrics_stats, "sglang"), port)
+        except OSError as exc:
+            log.warning("tiered_kv SGLang backend: cannot serve metrics on 127.0.0.1:%d (%s); set metrics_port to a "
+                        "free range of ports (one per TP rank)", port, exc)
+            return
+        log.info("tiered_kv SGLang backend: Prometheus metrics on 127.0.0.1:%d", port)
 
     # ------------------------------------------------------------------ setup
     def register_mem_pool_host(self, mem_pool_host: HostKVCache) -> None:
@@ -366,6 +380,16 @@ class TieredHiCacheStorage(HiCacheStorage):
         m = StorageMetrics()
         (m.prefetch_pgs, m.prefetch_bandwidth, m.backup_pgs, m.backup_bandwidth) = self.counters.drain_windows()
         return m
+
+    def metrics_stats(self) -> dict:
+        """The store's ``stats()`` plus the load gate's report, for Prometheus ({} until a host pool is registered).
+        On the scraping thread: the store and the gate are thread-safe."""
+        store, gate = self.store, self.gate
+        if store is None:
+            return {}
+        out = store.stats()
+        out["gate"] = gate.report() if gate is not None and self._gated else None
+        return out
 
     def stats(self) -> dict:
         """Our counters plus the store's ``stats()`` (for tests, logs and the CLI)."""

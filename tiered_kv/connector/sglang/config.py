@@ -81,6 +81,11 @@ class SGLangBackendConfig(RemoteKeys):
                                            "again (a faster disk, a warm page cache); `0` = never")
     prefill_tokens_per_s: float = config_key(30000.0, "the prefill rate the gate compares with (tokens/s on your GPU "
                                                       "and model; 30k ~ an 8B model on an H100/H200)", "tokens/s")
+    metrics_port: int | None = config_key(None, "serve Prometheus metrics (the store families of "
+                                                "`tiered_kv.store.metrics` plus the load gate's, store label `sglang`) "
+                                                "on `127.0.0.1`: TP rank r of pipeline stage p serves `metrics_port + p "
+                                                "* tp_size + r`; a port in use is logged and that rank serves none. "
+                                                "Dashboard and `tiered-kv top`: docs/observability.md")
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
@@ -116,6 +121,9 @@ class SGLangBackendConfig(RemoteKeys):
             raise ConfigError(f"reader_refresh_s: expected seconds in [0, 3600], got {r!r}")
         check_gate_options(self.disk_load_policy, self.disk_read_gbps, self.disk_probe_every,
                            self.prefill_tokens_per_s)
+        p = self.metrics_port
+        if p is not None and (isinstance(p, bool) or not isinstance(p, int) or not 1 <= p <= 65535):
+            raise ConfigError(f"metrics_port: expected a TCP port in [1, 65535] (or null for no metrics), got {p!r}")
 
     @classmethod
     def valid_keys(cls) -> list[str]:
@@ -161,6 +169,10 @@ class Scope:
         if self.dp_rank > 0:  # attention-DP groups: each writes its own directory (one writer per directory)
             out["dp"] = str(self.dp_rank)
         return out
+
+    def metrics_offset(self) -> int:
+        """This rank's offset from ``metrics_port``: each TP rank of each PP stage serves its own port."""
+        return self.pp_rank * self.tp_size + self.tp_rank
 
     def shared_dir_name(self) -> str:
         """Disk sub-directory under a shared budget: one per rank position, every namespace in it."""

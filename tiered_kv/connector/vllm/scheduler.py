@@ -1166,7 +1166,9 @@ class SchedulerPlanner:
     def store_stats(self) -> dict:
         """The planner's numbers in ``TieredStore.stats()``'s shape, for ``tiered_kv.store.metrics`` (Prometheus).
 
-        Block counts are chunks; bytes are whole-engine (all TP ranks).
+        Block counts are chunks; bytes are whole-engine (all TP ranks). Adds the load gate's ``report()``
+        (``gate``); the remote tier's own error counters live in the workers (failed remote transfers show in
+        ``tiers["remote"]``).
         """
         c, cc, nb = self.chain, self.chain.counters, self.geo.chunk_nbytes
         tiers = {}
@@ -1182,7 +1184,8 @@ class SchedulerPlanner:
         return {"lookups": cc.lookups, "hits": cc.hits, "misses": cc.misses, "puts_refused": cc.puts_refused,
                 "bytes_in": self.counters.bytes_stored, "bytes_out": self.counters.bytes_loaded,
                 "resident_bytes": sum(c.resident(i) for i in range(c.num_tiers)) * nb,
-                "inflight_jobs": c.inflight(), "tiers": tiers}
+                "inflight_jobs": c.inflight(), "tiers": tiers, "transfers": c.transfers.snapshot(nb),
+                "gate": self._gate.report()}
 
     def stats(self) -> dict:
         """Planner state for tests, logs and vLLM's connector stats (zero in flight when idle)."""
