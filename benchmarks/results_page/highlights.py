@@ -148,6 +148,25 @@ def vllm_hybrid(results: list[Result]) -> Row | None:
             f"(floor) {' / '.join(ms(r, 'floor') for r in rs)} ms"]
 
 
+@from_latest("envelope_*.json")
+def envelope(r: Result) -> Row:
+    from benchmarks import envelope as env
+
+    rows = env.verdict(r.doc["results"])
+    passed = sum(1 for x in rows if x["pass"])
+    gemma = next((x for x in rows if x["shape"] == "gemma2" and x["workload"] == "batch"), None)
+    cliff = ""
+    if gemma:
+        m = gemma["median_s"]
+        cliff = (f"; the Gemma-2 batch under GPU pressure **{num(m['tiered'], 2)} s** ({gemma['starts']['tiered']} "
+                 f"starts)")
+    fails = ", ".join(f"{x['shape']} {x['workload']} ({x['why']})" for x in rows if not x["pass"]) or "none"
+    base = (f"`OffloadingConnector` {num(gemma['median_s']['offloading'], 2)} s, no connector "
+            f"{num(gemma['median_s']['none'], 2)} s" if gemma else "")
+    return [f"The envelope: ours <= 1.05x of no connector and of `OffloadingConnector`, per shape and workload",
+            _where([r]), f"**{passed} of {len(rows)} cells pass**{cliff}; failing: {fails}", base]
+
+
 @from_latest("gpu_copy_2*.json")
 def gpu_copy(r: Result) -> Row:
     pick = {(c["case"], c["direction"]): c for c in r.doc["copies"]
@@ -264,7 +283,7 @@ def disk(r: Result) -> Row:
 
 
 HIGHLIGHTS: tuple[Callable[[list[Result]], Row | None], ...] = (
-    serve_lone, serve_every_start, serve_shared, vllm_item2, vllm_hybrid, gpu_copy, staged, sched, sched_remote,
+    serve_lone, serve_every_start, serve_shared, envelope, vllm_item2, vllm_hybrid, gpu_copy, staged, sched, sched_remote,
     sglang_ttft, sglang_restart, sglang_bench, remote, disk)
 
 

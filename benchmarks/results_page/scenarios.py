@@ -167,6 +167,44 @@ def vllm_ttft(results: list[Result]) -> str:
     return out
 
 
+# ------------------------------------------------------------------------------------------ the envelope
+ENVELOPE_WORK = {"turn2": "turn 2 TTFT p50", "batch": "batch of turn 3 (wall)", "disk": "turn 2 from disk"}
+
+
+def envelope(r: Result) -> str:
+    """The envelope's cells (shape x workload x GPU cache: none, the peer, ours, the ratios, the verdict), the
+    cells that did not run, and the bytes each shape stores per conversation."""
+    from benchmarks import envelope as env  # the verdict is the benchmark's own
+
+    rows = []
+    for v in env.verdict(r.doc["results"]):
+        peer, mine = ("offloading-small", "tiered-disk") if v["workload"] == "disk" else ("offloading", "tiered")
+        s = lambda m: num(v["median_s"][m], 3) if m in v["median_s"] else "-"  # noqa: E731
+        span = v["min_max_s"].get(mine)
+        verdict = "pass" if v["pass"] else f"**FAIL** ({v['why']})"
+        if v.get("wants_3_starts"):
+            verdict += ", near a bound"
+        rows.append([v["shape"], ENVELOPE_WORK[v["workload"]], v["gpu"], s("none"), s(peer),
+                     f"{s(mine)} [{num(span[0], 3)}-{num(span[1], 3)}]" if span else s(mine),
+                     v.get("vs_none", "-"), v.get("vs_peer", "-"),
+                     {True: "yes", False: "NO", None: "-"}[v["greedy_equal"]], v["starts"].get(mine, 0), verdict])
+    for shape, why in r.doc.get("not_runnable", {}).items():
+        rows.append([shape, "all", "-", "-", "-", "-", "-", "-", "-", 0, f"not run: {why}"])
+    out = table(["shape", "workload", "GPU cache", "none s", "`OffloadingConnector` s", "ours s [min-max]",
+                 "ours / none", "ours / peer", "greedy equal", "starts (ours)", "verdict (<= 1.05x both)"], rows)
+    stores = []
+    seen = set()
+    for x in r.doc["results"]:
+        if x.get("mode") == "tiered" and x.get("stored_vs_usable") and x["shape"] not in seen:
+            seen.add(x["shape"])
+            stores.append([x["shape"], num(x["stored_bytes_per_conversation"] / 1e6, 1),
+                           num(x["usable_bytes_per_conversation"] / 1e6, 1), num(x["stored_vs_usable"], 3),
+                           num(x["conversations_per_gib"], 3)])
+    out += "\n" + table(["shape", "stored per conversation MB", "full layers x prefix + window layers x window MB",
+                         "ratio (goal <= 1.1)", "conversations per GiB"], stores)
+    return out
+
+
 # --------------------------------------------------------------------------------- scheduler step cost
 NULL = "benchmarks.probes.null_connector:NullConnector"
 TIERED = "tiered_kv.connector.vllm:TieredKVConnector"
@@ -429,6 +467,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("serve-shared-host", ("serve_bench_*_h200x4-shared.json",), serve_shared),
     Scenario("neighbor", ("neighbor_probe_*.json",), each(neighbor)),
     Scenario("vllm-ttft", ("vllm_ttft_*.json",), vllm_ttft),
+    Scenario("envelope", ("envelope_*.json",), each(envelope)),
     Scenario("sched", ("sched_overhead_2*.json",), each(sched)),
     Scenario("sched-remote", ("sched_overhead_remote_*.json",), each(sched_remote)),
     Scenario("gpu-copy", ("gpu_copy_2*.json",), each(gpu_copy)),

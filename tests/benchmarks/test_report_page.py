@@ -59,9 +59,9 @@ def test_a_stale_table_is_found(tmp_path):
 
 
 def test_a_results_file_must_belong_to_exactly_one_scenario(tmp_path):
-    doc = {"date": "2026-12-01", "device": "NVIDIA H200", "command": "python3 benchmarks/envelope.py"}
-    stray = Result(tmp_path / "envelope_2026-12-01_h200.json", doc)
-    with pytest.raises(ValueError, match="envelope_2026-12-01_h200.json: no scenario"):
+    doc = {"date": "2026-12-01", "device": "NVIDIA H200", "command": "python3 benchmarks/newbench.py"}
+    stray = Result(tmp_path / "newbench_2026-12-01_h200.json", doc)
+    with pytest.raises(ValueError, match="newbench_2026-12-01_h200.json: no scenario"):
         report_page.claims(load() + [stray])
     twice = SCENARIOS + (Scenario("copy", ("disk_bench_*.json",), lambda rs: ""),)
     with pytest.raises(ValueError, match="disk_bench_.*scenarios disk, copy"):
@@ -71,19 +71,19 @@ def test_a_results_file_must_belong_to_exactly_one_scenario(tmp_path):
 def test_a_new_scenario_renders_from_its_file_alone(tmp_path):
     """What the docstring's recipe builds: a renderer, a registry entry, a file; date, device and command
     come from the JSON."""
-    path = tmp_path / "envelope_2026-12-01_h200.json"
+    path = tmp_path / "newbench_2026-12-01_h200.json"
     path.write_text(json.dumps({"date": "2026-12-01T10:00:00Z", "device": "NVIDIA H200",
-                                "command": "python3 benchmarks/envelope.py", "cells": [["llama3-8b", "c8", "pass"]]}))
+                                "command": "python3 benchmarks/newbench.py", "cells": [["llama3-8b", "c8", "pass"]]}))
 
-    def envelope(rs: list[Result]) -> str:
+    def newbench(rs: list[Result]) -> str:
         rows = [c for r in rs for c in r.doc["cells"]]
         return results_mod.table(["shape", "workload", "tiered"], rows) + "\n" + results_mod.source(rs)
 
     (r,) = results_mod.load(tmp_path)
-    assert (r.date, r.device, r.command) == ("2026-12-01", "NVIDIA H200", "python3 benchmarks/envelope.py")
-    claimed = report_page.claims([r], (Scenario("envelope", ("envelope_*.json",), envelope),))
-    out = envelope(claimed["envelope"])
-    assert "| llama3-8b | c8 | pass |" in out and "(2026-12-01); NVIDIA H200; `python3 benchmarks/envelope.py`" in out
+    assert (r.date, r.device, r.command) == ("2026-12-01", "NVIDIA H200", "python3 benchmarks/newbench.py")
+    claimed = report_page.claims([r], (Scenario("newbench", ("newbench_*.json",), newbench),))
+    out = newbench(claimed["newbench"])
+    assert "| llama3-8b | c8 | pass |" in out and "(2026-12-01); NVIDIA H200; `python3 benchmarks/newbench.py`" in out
 
 
 def test_files_saved_without_their_facts_get_them_from_the_name_or_the_notes():
