@@ -313,8 +313,50 @@ CELLS = (("turn2", "turn2_p50_s", "turn2_tokens", ("none", "offloading", "tiered
          ("disk", "turn2_p50_s", "turn2_tokens", ("none", "offloading-small", "tiered-disk")))
 
 
-def verdict(results: list[dict]) -> list[dict]:
-    """One row per (shape, workload, GPU cache) that ran: medians over starts, ratios, greedy equality, pass/fail."""
+def serving_cells(path: str) -> list[dict]:
+    """Cells of one ``serve_bench.py`` result file (its ``summary``: per mode and phase the TTFT p50 over starts):
+    workload ``serving c8`` / ``serving c32``, GPU cache ``serve``, greedy equality from its own comparison with
+    no connector (``greedy_vs_none``)."""
+    with open(path) as f:
+        doc = json.load(f)
+    out = []
+    summary = doc.get("summary", {})
+    for phase in ("c8", "c32"):
+        got = {m: summary.get(m, {}).get("phases", {}).get(phase) for m in ("none", "offloading", "tiered")}
+        if not got["tiered"]:
+            continue
+        med = {m: p["ttft_p50_ms"]["median"] / 1e3 for m, p in got.items() if p}
+        span = {m: (p["ttft_p50_ms"]["min"] / 1e3, p["ttft_p50_ms"]["max"] / 1e3) for m, p in got.items() if p}
+        g = got["tiered"].get("greedy_vs_none") or {}
+        out.append({"shape": doc.get("shape", "?"), "workload": f"serving {phase}", "gpu": "serve",
+                    "median_s": med, "min_max_s": span, "starts": {m: p["ttft_p50_ms"]["n"] for m, p in got.items() if p},
+                    "greedy_equal": (g.get("compared") == g.get("equal")) if g.get("compared") else None,
+                    "source": os.path.basename(path)})
+    return out
+
+
+def _judge(row: dict, none: str, peer: str, mine: str) -> dict:
+    """Ratios of ``mine`` over ``none`` and ``peer`` medians, the pass/fail verdict and the near-a-bound flag."""
+    med, starts = row["median_s"], row["starts"]
+    fails = []
+    for m, name in ((none, "none"), (peer, "peer")):
+        if m in med:
+            ratio = med[mine] / med[m]
+            row[f"vs_{name}"] = round(ratio, 3)
+            if ratio > BOUND:
+                fails.append(f"{ratio:.2f}x {m}")
+            if ratio > BOUND / NEAR and min(starts.get(mine, 0), starts.get(m, 0)) < 3:
+                row.setdefault("wants_3_starts", True)
+    if row["greedy_equal"] is False:
+        fails.append("greedy outputs differ")
+    row["pass"] = not fails
+    row["why"] = "; ".join(fails)
+    return row
+
+
+def verdict(results: list[dict], serving: list[dict] = ()) -> list[dict]:
+    """One row per (shape, workload, GPU cache) that ran: medians over starts, ratios, greedy equality, pass/fail
+    (``serving``: cells of ``serving_cells``, judged by the same rule)."""
     ok = [r for r in results if "error" not in r]
     rows = []
     for shape in dict.fromkeys(r["shape"] for r in ok):
@@ -330,26 +372,14 @@ def verdict(results: list[dict]) -> list[dict]:
                 equal = all(r[tok_key] == ref for r in got[mine] + got[peer]) if ref is not None else None
                 row = {"shape": shape, "workload": work, "gpu": gpu, "starts": {m: len(rs) for m, rs in got.items()},
                        "median_s": med, "min_max_s": spread, "greedy_equal": equal}
-                fails = []
-                for m, name in ((none, "none"), (peer, "peer")):
-                    if m in med:
-                        ratio = med[mine] / med[m]
-                        row[f"vs_{name}"] = round(ratio, 3)
-                        if ratio > BOUND:
-                            fails.append(f"{ratio:.2f}x {m}")
-                        if ratio > BOUND / NEAR and min(len(got[mine]), len(got[m])) < 3:
-                            row.setdefault("wants_3_starts", True)
-                if equal is False:
-                    fails.append("greedy outputs differ")
-                row["pass"] = not fails
-                row["why"] = "; ".join(fails)
-                rows.append(row)
+                rows.append(_judge(row, none, peer, mine))
+    rows += [_judge(dict(c), "none", "offloading", "tiered") for c in serving]
     return rows
 
 
 def table(doc: dict) -> str:
     """The envelope as markdown: one row per cell that ran, then the cells that did not."""
-    rows = verdict(doc["results"])
+    rows = verdict(doc["results"], doc.get("serving", ()))
     lines = ["| shape | workload | GPU cache | none | OffloadingConnector | ours | ours/none | ours/peer | greedy "
              "equal | starts (ours) | verdict |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     peer = {"disk": "offloading-small"}
@@ -416,6 +446,8 @@ def main() -> None:
     ap.add_argument("--deadline-s", type=float, default=0.0)
     ap.add_argument("--one", nargs=3, metavar=("SHAPE", "MODE", "GPU"), help="one start in this process")
     ap.add_argument("--merge", nargs="+")
+    ap.add_argument("--serving", nargs="+", default=[], help="serve_bench.py result files whose c8/c32 cells join "
+                    "the table (with --merge or --table)")
     ap.add_argument("--table")
     ap.add_argument("--out")
     ap.add_argument("--dry-run", action="store_true")
@@ -429,7 +461,9 @@ def main() -> None:
         else:
             with open(a.table) as f:
                 doc = json.load(f)
-        doc["verdict"] = verdict(doc["results"])
+        if a.serving:
+            doc["serving"] = [c for p in a.serving for c in serving_cells(p)]
+        doc["verdict"] = verdict(doc["results"], doc.get("serving", ()))
         print(table(doc) + "\n\n" + stores_table(doc))
         if a.out:
             with open(a.out, "w") as f:

@@ -152,7 +152,7 @@ def vllm_hybrid(results: list[Result]) -> Row | None:
 def envelope(r: Result) -> Row:
     from benchmarks import envelope as env
 
-    rows = env.verdict(r.doc["results"])
+    rows = env.verdict(r.doc["results"], r.doc.get("serving", ()))
     passed = sum(1 for x in rows if x["pass"])
     gemma = next((x for x in rows if x["shape"] == "gemma2" and x["workload"] == "batch"), None)
     cliff = ""

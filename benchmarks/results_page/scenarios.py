@@ -168,7 +168,8 @@ def vllm_ttft(results: list[Result]) -> str:
 
 
 # ------------------------------------------------------------------------------------------ the envelope
-ENVELOPE_WORK = {"turn2": "turn 2 TTFT p50", "batch": "batch of turn 3 (wall)", "disk": "turn 2 from disk"}
+ENVELOPE_WORK = {"turn2": "turn 2 TTFT p50", "batch": "batch of turn 3 (wall)", "disk": "turn 2 from disk",
+                 "serving c8": "serving, c8 TTFT p50", "serving c32": "serving, c32 TTFT p50"}
 
 
 def envelope(r: Result) -> str:
@@ -177,14 +178,14 @@ def envelope(r: Result) -> str:
     from benchmarks import envelope as env  # the verdict is the benchmark's own
 
     rows = []
-    for v in env.verdict(r.doc["results"]):
+    for v in env.verdict(r.doc["results"], r.doc.get("serving", ())):
         peer, mine = ("offloading-small", "tiered-disk") if v["workload"] == "disk" else ("offloading", "tiered")
         s = lambda m: num(v["median_s"][m], 3) if m in v["median_s"] else "-"  # noqa: E731
         span = v["min_max_s"].get(mine)
         verdict = "pass" if v["pass"] else f"**FAIL** ({v['why']})"
         if v.get("wants_3_starts"):
             verdict += ", near a bound"
-        rows.append([v["shape"], ENVELOPE_WORK[v["workload"]], v["gpu"], s("none"), s(peer),
+        rows.append([v["shape"], ENVELOPE_WORK.get(v["workload"], v["workload"]), v["gpu"], s("none"), s(peer),
                      f"{s(mine)} [{num(span[0], 3)}-{num(span[1], 3)}]" if span else s(mine),
                      v.get("vs_none", "-"), v.get("vs_peer", "-"),
                      {True: "yes", False: "NO", None: "-"}[v["greedy_equal"]], v["starts"].get(mine, 0), verdict])

@@ -73,3 +73,19 @@ def test_unknown_shape_is_refused_with_the_valid_ones(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["envelope.py", "--shapes", "nope", "--dry-run"])
     with pytest.raises(SystemExit, match="unknown shape 'nope'.*gemma2"):
         envelope.main()
+
+
+def test_serving_cells_are_judged_by_the_same_rule(tmp_path):
+    phase = lambda ms, n=1: {"ttft_p50_ms": {"min": ms, "median": ms, "max": ms, "n": n},  # noqa: E731
+                             "greedy_vs_none": {"compared": 4, "equal": 4}}
+    doc = {"shape": "llama3-8b", "summary": {
+        "none": {"phases": {"c8": phase(200.0), "c32": phase(500.0)}},
+        "offloading": {"phases": {"c8": phase(120.0), "c32": phase(300.0)}},
+        "tiered": {"phases": {"c8": phase(80.0, 3), "c32": phase(320.0, 3)}}}}
+    path = tmp_path / "serve_bench_llama3-8b.json"
+    path.write_text(json.dumps(doc))
+    cells = envelope.serving_cells(str(path))
+    rows = {r["workload"]: r for r in envelope.verdict([], cells)}
+    assert rows["serving c8"]["pass"] and rows["serving c8"]["vs_peer"] == round(80 / 120, 3)
+    assert not rows["serving c32"]["pass"] and "1.07x offloading" in rows["serving c32"]["why"]
+    assert rows["serving c8"]["greedy_equal"] is True
