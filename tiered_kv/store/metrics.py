@@ -123,13 +123,19 @@ def _le(bound: float) -> str:
     return "+Inf" if bound == float("inf") else repr(float(bound))
 
 
+def _by_label(family: type, metric: str, doc: str, name: str, label: str, values: dict):
+    """One family with a sample per ``values`` item, labelled ``store=name`` and ``label=key``."""
+    m = family(metric, doc, labels=["store", label])
+    for key, value in values.items():
+        m.add_metric([name, str(key)], value)
+    return m
+
+
 def _gate_families(gate: dict, name: str) -> Iterator:
-    m = CounterMetricFamily("tiered_kv_gate_decisions", "load-gate decisions on hits: all_fast (memory tiers "
-                            "only), always/beats (slow-tier blocks loaded), probe (declined but read to re-measure), "
-                            "declined (slow-tier blocks recomputed)", labels=["store", "decision"])
-    for decision, n in gate["decisions"].items():
-        m.add_metric([name, decision], n)
-    yield m
+    yield _by_label(CounterMetricFamily, "tiered_kv_gate_decisions", "load-gate decisions on hits: all_fast (memory "
+                    "tiers only), always/beats (slow-tier blocks loaded), split (some loaded, the rest recomputed), "
+                    "probe (declined but read to re-measure), declined (slow-tier blocks recomputed)", name, "decision",
+                    gate["decisions"])
     m = CounterMetricFamily("tiered_kv_gate_declined_blocks", "held slow-tier blocks the gate did not load "
                             "(recomputed instead)", labels=["store"])
     m.add_metric([name], gate["declined_units"])
@@ -148,11 +154,8 @@ def _split_families(split: dict, name: str) -> Iterator:
         for action in ("loaded", "recomputed"):
             m.add_metric([name, tier, action], t[action])
     yield m
-    g = GaugeMetricFamily("tiered_kv_split_read_gbps", "the split's read-rate estimate per tier (GB/s)",
-                          labels=["store", "tier"])
-    for tier, gbps in split["read_gbps"].items():
-        g.add_metric([name, tier], gbps)
-    yield g
+    yield _by_label(GaugeMetricFamily, "tiered_kv_split_read_gbps", "the split's read-rate estimate per tier (GB/s)",
+                    name, "tier", split["read_gbps"])
     prefill = split["prefill"]
     g = GaugeMetricFamily("tiered_kv_split_prefill_tokens_per_s", "the prefill model in use: tokens/s of a 2048-token "
                           "chunk after `context` cached tokens", labels=["store", "context", "source"])
@@ -163,12 +166,9 @@ def _split_families(split: dict, name: str) -> Iterator:
                             "configured model)", labels=["store"])
     m.add_metric([name], prefill["samples"])
     yield m
-    m = CounterMetricFamily("tiered_kv_split_estimated_seconds", "summed estimated seconds of the plans taken "
-                            "(plan=chosen), of recomputing every slow-tier token (recompute) and of loading every "
-                            "held token (load_all)", labels=["store", "plan"])
-    for plan, seconds in split["estimated_seconds"].items():
-        m.add_metric([name, plan], seconds)
-    yield m
+    yield _by_label(CounterMetricFamily, "tiered_kv_split_estimated_seconds", "summed estimated seconds of the plans "
+                    "taken (plan=chosen), of recomputing every slow-tier token (recompute) and of loading every held "
+                    "token (load_all)", name, "plan", split["estimated_seconds"])
 
 
 def _remote_families(remote: dict, name: str) -> Iterator:

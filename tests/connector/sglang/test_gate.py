@@ -160,11 +160,7 @@ def test_controller_memory_tier_pages_pass_a_slow_disk_gate(tmp_path):
     extra = extra_config(tmp_path, disk_read_gbps=1e-6, disk_probe_every=0, cpu_bytes=3 * page_bytes)
     with running_controller(pool, extra) as ctrl:
         be = ctrl.storage_backend
-        tokens = _tokens(700, 6)
-        hashes = _hashes(tokens)
-        fill_random(pool, seed=3)
-        src = pool.alloc(len(tokens))
-        expected = pages_bytes(pool, src, 6)
+        tokens, hashes, src, expected = _random_pages(pool, 700, 6, seed=3)
         # the tail first, then the head: the 3-page CPU tier keeps the head, the tail stays on disk only
         assert all(be.batch_set_v1(hashes[3:], src[3 * PAGE_SIZE:]))
         be.store.drain()
@@ -211,9 +207,8 @@ def test_controller_prefix_keys_price_the_recompute_by_its_context(tmp_path):
         expected = _stored(ctrl, pool, tokens, seed=5)
         hashes = _hashes(tokens)
         tail = tokens[8 * PAGE_SIZE:]
-        op = ctrl.prefetch("no-context", tail, last_hash=hashes[7], prefix_keys=None)
-        assert ctrl.prefetch_hit_queue.get(timeout=30) is op and op.storage_hit_count == 0
-        hit, loaded, dst = _prefetch_after(ctrl, pool, "context", tail, hashes[7], hashes[:8])
+        assert _prefetch(ctrl, pool, "no-context", tail, last_hash=hashes[7])[0] == 0  # prefix_keys [] : context 0
+        hit, loaded, dst = _prefetch(ctrl, pool, "context", tail, last_hash=hashes[7], prefix_keys=hashes[:8])
         assert hit == loaded == len(tail)
         assert all(torch.equal(a, b) for a, b in zip(pages_bytes(pool, dst, 4), expected[8:]))
         snap = ctrl.storage_backend.stats()["gate"]
@@ -232,11 +227,7 @@ def test_controller_cpu_then_disk_then_recompute_the_remote_part(tmp_path, redis
                          tenant_salt=f"split-{time.monotonic_ns()}")
     with running_controller(pool, extra) as ctrl:
         be = ctrl.storage_backend
-        tokens = _tokens(500, 9)
-        hashes = _hashes(tokens)
-        fill_random(pool, seed=6)
-        src = pool.alloc(len(tokens))
-        expected = pages_bytes(pool, src, 9)
+        tokens, hashes, src, expected = _random_pages(pool, 500, 9, seed=6)
         for lo in (6, 3, 0):  # the tail first: the CPU tier keeps the head, the disk the head and the middle
             assert all(be.batch_set_v1(hashes[lo:lo + 3], src[lo * PAGE_SIZE:(lo + 3) * PAGE_SIZE]))
             assert be.store.drain(30)
@@ -250,20 +241,12 @@ def test_controller_cpu_then_disk_then_recompute_the_remote_part(tmp_path, redis
         assert snap["gate_split_queries"] == 1
 
 
-def _prefetch_after(ctrl, pool, req, tokens, last_hash, prefix_keys):
-    """``_prefetch`` of a span that follows ``prefix_keys`` (SGLang with ``hicache_storage_pass_prefix_keys``)."""
-    op = ctrl.prefetch(req, tokens, last_hash=last_hash, prefix_keys=list(prefix_keys))
-    assert ctrl.prefetch_hit_queue.get(timeout=30) is op
-    hit = op.storage_hit_count
-    dst = pool.alloc(hit)
-    op.host_indices = dst
-    ctrl.prefetch_buffer.put(op)
-    loaded = 0
-    while True:
-        ack = ctrl.ack_prefetch_queue.get(timeout=30)
-        loaded = max(loaded, ack.completed_tokens or 0)
-        if ack.completed_req:
-            return hit, loaded, dst
+def _random_pages(pool, start, pages, seed):
+    """Tokens of ``pages`` pages from ``start``, their page hashes, host slots of random KV for them, and its bytes."""
+    tokens = _tokens(start, pages)
+    fill_random(pool, seed=seed)
+    src = pool.alloc(len(tokens))
+    return tokens, _hashes(tokens), src, pages_bytes(pool, src, pages)
 
 
 def _hashes(tokens):
