@@ -6,10 +6,10 @@
 with or without an in-step overlap of load and compute; it counts, per tier, the held tokens loaded
 and recomputed, and sums the estimated times of its plans against recompute-all and load-all.
 
-``LoadGate`` (the vLLM connector today) is the older rule, kept as it was for its caller. One rule for both engine adapters (the vLLM connector's scheduler per chunk, the SGLang backend per
-page): with ``disk_load_policy`` ``auto``, the leading units held in memory tiers always load; the
-units after them, held only in a slow tier, load while ``unit_nbytes / rate < unit_tokens /
-prefill_tokens_per_s``. The rate starts at ``disk_read_gbps`` and follows the reads the caller times
+``LoadGate`` (the vLLM connector today, per chunk; the SGLang backend per page before issue 32) is the
+older rule, kept as it was for its caller: with ``disk_load_policy`` ``auto``, the leading units held
+in memory tiers always load; the units after them, held only in a slow tier, load while
+``unit_nbytes / rate < unit_tokens / prefill_tokens_per_s``. The rate starts at ``disk_read_gbps`` and follows the reads the caller times
 (an exponential average, ``EWMA_NEW`` for the newest). A declined tier is never read, so its estimate
 would never change: every ``probe_every``-th declined decision takes the hit anyway (``0``: never).
 ``always`` loads every held unit; ``never`` only the memory-tier ones.

@@ -330,7 +330,7 @@ class TieredHiCacheStorage(HiCacheStorage):
 
     # ------------------------------------------------------------------ load gate
     def _slow_tiers(self, store: TieredStore, ks: list[bytes]) -> list[str | None]:
-        """Per key: the fastest tier holding it right now. Empty when the store has no slow tier (nothing to measure)."""
+        """Per key: the fastest tier holding it now. Empty when the store has no slow tier (nothing to measure)."""
         if not self._gated:
             return []
         return store.locate(ks)

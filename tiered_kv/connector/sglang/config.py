@@ -93,7 +93,8 @@ class SGLangBackendConfig(RemoteKeys):
                                                        "head_dim): 30k for Llama-3-8B, 5k for a 0.6B model, 50k "
                                                        "for 70B", "tokens")
     metrics_port: int | None = config_key(None, "serve Prometheus metrics (the store families of "
-                                                "`tiered_kv.store.metrics` plus the load gate's, store label `sglang`) "
+                                                "`tiered_kv.store.metrics` plus the load gate's and the split's, store "
+                                                "label `sglang`) "
                                                 "on `127.0.0.1`: TP rank r of pipeline stage p serves `metrics_port + p "
                                                 "* tp_size + r`; a port in use is logged and that rank serves none. "
                                                 "Dashboard and `tiered-kv top`: docs/observability.md")
