@@ -1,10 +1,12 @@
-"""The load gate shared by the vLLM connector and the SGLang backend (``tiered_kv.planner.gate``)."""
+"""The load gates (``tiered_kv.planner.gate``): ``LoadGate`` (the vLLM connector) and ``SplitGate`` (the SGLang
+backend; the vLLM connector next)."""
 from __future__ import annotations
 
 import pytest
 
-from tiered_kv.errors import ConfigError
-from tiered_kv.planner.gate import ALL_FAST, ALWAYS, BEATS, DECLINED, PROBE, LoadGate
+from tiered_kv.errors import ConfigError, InvalidInputError
+from tiered_kv.planner.gate import ALL_FAST, ALWAYS, BEATS, DECLINED, PROBE, SPLIT, LoadGate, SplitGate
+from tiered_kv.planner.rates import PrefillEstimator, PrefillModel, ReadRate
 
 MIB8 = 8 << 20  # one unit: 8 MiB for 64 tokens; break-even at 30k tokens/s = 3.93 GB/s
 
@@ -35,3 +37,69 @@ def test_bad_policy_and_unit_are_config_errors():
         LoadGate("sometimes", 1.0, 0, 30000, 64, MIB8)
     with pytest.raises(ConfigError, match="unit"):
         LoadGate("auto", 1.0, 0, 30000, 0, MIB8)
+
+
+# ---------------------------------------------------------------------------------------------- SplitGate
+
+KV = 128 << 10
+LLAMA = PrefillModel(0.0, 0.22 / 8192, 0.0)
+
+
+def _split_gate(policy="auto", probe=0, overlap=True, disk=2.15, remote=1.0):
+    rates = {"disk": ReadRate(disk), "remote": ReadRate(remote)}
+    return SplitGate(policy, probe, rates, PrefillEstimator(LLAMA, fixed=True), overlap=overlap, unit_tokens=256,
+                     unit_nbytes=256 * KV)
+
+
+def test_split_gate_outcomes():
+    g = _split_gate()
+    assert g.decide([("cpu", 1024)], 1, 0)[1] == ALL_FAST
+    plan, outcome = g.decide([("disk", 8192)], 0, 0)
+    assert outcome == SPLIT and 0 < plan.load_tokens < 8192
+    assert _split_gate(overlap=False).decide([("disk", 8192)], 0, 0)[1] == DECLINED
+    assert _split_gate(disk=50.0).decide([("disk", 8192)], 0, 0)[1] == BEATS
+    plan, outcome = _split_gate("always").decide([("cpu", 256), ("disk", 512)], 0, 0)
+    assert outcome == ALWAYS and plan.load_tokens == 768
+    plan, outcome = _split_gate("never", disk=50.0).decide([("cpu", 256), ("disk", 512)], 0, 0)
+    assert outcome == DECLINED and plan.load_tokens == 256
+
+
+def test_split_gate_probes_every_nth_plan_that_leaves_slow_tokens_out():
+    g = _split_gate(probe=2, overlap=False)
+    got = [g.decide([("disk", 8192)], 0, 0) for _ in range(4)]
+    assert [o for _, o in got] == [DECLINED, PROBE, DECLINED, PROBE]
+    assert [p.load_tokens for p, _ in got] == [0, 8192, 0, 8192]
+
+
+def test_split_gate_counts_tokens_per_tier_and_estimated_seconds():
+    g = _split_gate(overlap=False, disk=8.0, remote=1.0)
+    plan, _ = g.decide([("cpu", 512), ("disk", 1024), ("remote", 1024)], 256, 0)
+    assert plan.per_tier() == {"cpu": (512, 0), "disk": (1024, 0), "remote": (0, 1024)}
+    rep = g.report()
+    assert rep["decisions"][DECLINED] == 0 and rep["decisions"][SPLIT] == 1  # some slow tokens loaded, some not
+    assert rep["declined_units"] == 4 and rep["read_gbps"] == 8.0
+    split = rep["split"]
+    assert split["tokens"] == {"cpu": {"loaded": 512, "recomputed": 0}, "disk": {"loaded": 1024, "recomputed": 0},
+                               "remote": {"loaded": 0, "recomputed": 1024}}
+    assert split["estimated_seconds"]["chosen"] == pytest.approx(plan.seconds)
+    assert split["estimated_seconds"]["chosen"] < split["estimated_seconds"]["recompute"]
+    assert split["prefill"]["source"] == "fixed" and split["prefill"]["tokens_per_s"][0] == pytest.approx(8192 / 0.22)
+    assert rep["break_even_gbps"] == pytest.approx(KV * 8192 / 0.22 / 1e9)
+
+
+def test_split_gate_shares_a_mixed_read_between_its_slow_tiers_and_ignores_memory():
+    g = _split_gate(disk=4.0, remote=1.0)
+    # 1 GB from each slow tier (estimated 0.25 s + 1 s) and some CPU bytes, read in 2.5 s: both found 2x slower
+    g.observe_reads({"disk": 10**9, "remote": 10**9, "cpu": 10**9}, 2.5)
+    assert g.rates["disk"].gbps == pytest.approx(0.8 * 4.0 + 0.2 * 2.0)
+    assert g.rates["remote"].gbps == pytest.approx(0.8 * 1.0 + 0.2 * 0.5)
+    g.observe_reads({"cpu": 10**9}, 1.0)
+    g.observe_reads({"disk": 10**9}, 0.0)
+    assert g.rates["disk"].reads == 1
+
+
+def test_split_gate_needs_a_rate_for_every_slow_tier():
+    with pytest.raises(InvalidInputError, match="no read rate for tier 'nvmeof'"):
+        _split_gate().decide([("nvmeof", 256)], 0, 0)
+    with pytest.raises(ConfigError, match="disk_load_policy"):
+        _split_gate("sometimes")

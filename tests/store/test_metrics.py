@@ -44,3 +44,29 @@ def test_metrics_port_serves_on_loopback(small_cfg):
     with TieredStore(small_cfg(metrics_port=port)):
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     assert "tiered_kv_resident_bytes" in body and "tiered_kv_tier_capacity_blocks" in body
+
+
+def test_collector_reports_the_split_of_a_split_gate(small_cfg):
+    """A ``SplitGate``'s report under ``gate``: the gate families and the split's (tokens per tier and action, read
+    rates per tier, the prefill model in use, estimated seconds); every name is in ``METRICS``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tiered_kv.planner.gate import SplitGate
+    from tiered_kv.planner.rates import PrefillEstimator, PrefillModel, ReadRate
+    from tiered_kv.store.metrics import METRICS
+
+    gate = SplitGate("auto", 0, {"disk": ReadRate(2.15)}, PrefillEstimator(PrefillModel(0.0, 0.22 / 8192, 0.0)),
+                     overlap=True, unit_tokens=256, unit_nbytes=256 << 17)
+    plan, _ = gate.decide([("cpu", 512), ("disk", 8192)], 0, 0)
+    with TieredStore(small_cfg()) as s:
+        text = generate_latest(make_registry(lambda: {**s.stats(), "gate": gate.report()}, "t")).decode()
+    loaded = plan.load_tokens - 512
+    assert f'tiered_kv_split_tokens_total{{action="loaded",store="t",tier="disk"}} {float(loaded)}' in text
+    assert f'tiered_kv_split_tokens_total{{action="recomputed",store="t",tier="disk"}} {float(8192 - loaded)}' in text
+    assert 'tiered_kv_split_tokens_total{action="loaded",store="t",tier="cpu"} 512.0' in text
+    assert 'tiered_kv_split_read_gbps{store="t",tier="disk"} 2.15' in text
+    assert 'tiered_kv_split_prefill_tokens_per_s{context="32768",source="start",store="t"}' in text
+    assert 'tiered_kv_gate_decisions_total{decision="split",store="t"} 1.0' in text
+    assert 'tiered_kv_split_estimated_seconds_total{plan="chosen",store="t"}' in text
+    names = {s.name.removesuffix("_total") for fam in text_string_to_metric_families(text) for s in fam.samples}
+    assert {m.removesuffix("_total") for m in METRICS if m.startswith("tiered_kv_split_")} <= names

@@ -1,29 +1,46 @@
-"""The load gate: load a hit from a slow tier (disk, remote) only while reading it beats recomputing it.
+"""The load gates: of a hit below the memory tiers (disk, remote), what to load and what to recompute.
 
-One rule for both engine adapters (the vLLM connector's scheduler per chunk, the SGLang backend per
-page): with ``disk_load_policy`` ``auto``, the leading units held in memory tiers always load; the
-units after them, held only in a slow tier, load while ``unit_nbytes / rate < unit_tokens /
-prefill_tokens_per_s``. The rate starts at ``disk_read_gbps`` and follows the reads the caller times
+``SplitGate`` (the SGLang backend since issue 32; the vLLM connector's next step) decides per hit with
+``planner.split``: the held tokens as segments per tier, each read at its own measured rate
+(``planner.rates.ReadRate``), against the prefill model in use (``planner.rates.PrefillEstimator``),
+with or without an in-step overlap of load and compute; it counts, per tier, the held tokens loaded
+and recomputed, and sums the estimated times of its plans against recompute-all and load-all.
+
+``LoadGate`` (the vLLM connector today, per chunk; the SGLang backend per page before issue 32) is the
+older rule, kept as it was for its caller: with ``disk_load_policy`` ``auto``, the leading units held
+in memory tiers always load; the units after them, held only in a slow tier, load while
+``unit_nbytes / rate < unit_tokens / prefill_tokens_per_s``. The rate starts at ``disk_read_gbps`` and follows the reads the caller times
 (an exponential average, ``EWMA_NEW`` for the newest). A declined tier is never read, so its estimate
 would never change: every ``probe_every``-th declined decision takes the hit anyway (``0``: never).
 ``always`` loads every held unit; ``never`` only the memory-tier ones.
 
-Threading contract: ``decide`` and ``observe`` may run on different threads at once (SGLang's
-prefetch and prefetch-IO threads); both take the gate's lock.
+Threading contract: ``decide`` and ``observe`` (``observe_reads``) may run on different threads at
+once (SGLang's prefetch and prefetch-IO threads); both gates take their lock, the rates theirs.
 """
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping, Sequence
 
-from tiered_kv.errors import ConfigError
+from tiered_kv.errors import ConfigError, InvalidInputError
+from tiered_kv.planner.rates import EWMA_NEW, PrefillEstimator, ReadRate
+from tiered_kv.planner.split import MEMORY_TIERS, Segment, Split, forced_tokens, plan_split, split_at
 
 DISK_LOAD_POLICIES = ("auto", "always", "never")
-#: Weight of the newest read in the slow-tier rate average.
-EWMA_NEW = 0.2
+__all__ = ["EWMA_NEW", "LoadGate", "SplitGate", "DISK_LOAD_POLICIES", "OUTCOMES"]
 
-#: ``LoadGate.decide`` outcomes
-ALL_FAST, ALWAYS, BEATS, PROBE, DECLINED = "all_fast", "always", "beats", "probe", "declined"
+#: ``decide`` outcomes: memory tiers only; every held token loaded by policy, or because that is fastest; a split
+#: (some slow-tier tokens loaded, the rest recomputed: ``SplitGate`` only); a probe; no slow-tier token loaded.
+ALL_FAST, ALWAYS, BEATS, SPLIT, PROBE, DECLINED = "all_fast", "always", "beats", "split", "probe", "declined"
 OUTCOMES = (ALL_FAST, ALWAYS, BEATS, PROBE, DECLINED)
+SPLIT_OUTCOMES = (ALL_FAST, ALWAYS, BEATS, SPLIT, PROBE, DECLINED)
+#: The prefill rate is reported for a chunk of this many tokens after each of these contexts.
+REPORT_CHUNK, REPORT_CONTEXTS = 2048, (0, 8192, 32768)
+
+
+def _check_policy(policy: str) -> None:
+    if policy not in DISK_LOAD_POLICIES:
+        raise ConfigError(f"disk_load_policy: expected one of {list(DISK_LOAD_POLICIES)}, got {policy!r}")
 
 
 class LoadGate:
@@ -31,8 +48,7 @@ class LoadGate:
 
     def __init__(self, policy: str, disk_read_gbps: float, probe_every: int, prefill_tokens_per_s: float,
                  unit_tokens: int, unit_nbytes: int) -> None:
-        if policy not in DISK_LOAD_POLICIES:
-            raise ConfigError(f"disk_load_policy: expected one of {list(DISK_LOAD_POLICIES)}, got {policy!r}")
+        _check_policy(policy)
         if unit_tokens <= 0 or unit_nbytes <= 0:
             raise ConfigError(f"load gate: unit of {unit_tokens} tokens / {unit_nbytes} B; both must be > 0")
         self.policy = policy
@@ -40,7 +56,7 @@ class LoadGate:
         self.prefill_tokens_per_s = float(prefill_tokens_per_s)
         self.unit_tokens = int(unit_tokens)
         self.unit_nbytes = int(unit_nbytes)
-        self._gbps = float(disk_read_gbps)
+        self._rate = ReadRate(disk_read_gbps)
         self._declined = 0
         self._decisions = dict.fromkeys(OUTCOMES, 0)
         self._declined_units = 0
@@ -49,8 +65,7 @@ class LoadGate:
     @property
     def gbps(self) -> float:
         """The current slow-tier read-rate estimate (GB/s)."""
-        with self._lock:
-            return self._gbps
+        return self._rate.gbps
 
     def beats_recompute(self) -> bool:
         """Whether, at the current estimate, a slow-tier unit loads faster than it is recomputed."""
@@ -89,12 +104,138 @@ class LoadGate:
         recomputed), ``read_gbps`` (the slow-tier rate estimate) and ``break_even_gbps``."""
         with self._lock:
             return {"decisions": dict(self._decisions), "declined_units": self._declined_units,
-                    "read_gbps": self._gbps, "break_even_gbps": self.break_even_gbps()}
+                    "read_gbps": self.gbps, "break_even_gbps": self.break_even_gbps()}
 
     def observe(self, nbytes: int, seconds: float) -> None:
         """A slow-tier read moved ``nbytes`` in ``seconds``: fold its rate into the estimate."""
-        if nbytes <= 0 or seconds <= 0:
-            return
-        gbps = nbytes / seconds / 1e9
+        self._rate.observe(nbytes, seconds)
+
+
+class SplitGate:
+    """Per hit, how many leading held tokens to load (``planner.split``), under ``disk_load_policy``.
+
+    ``auto``: the fastest plan at the current estimates; every ``probe_every``-th plan that leaves held slow-tier
+    tokens unloaded loads them all instead (``PROBE``), so a tier that got faster (a warm page cache) is seen.
+    ``always``: every held token. ``never``: the memory-tier ones. ``rates`` holds one ``ReadRate`` per tier a
+    hit may come from; a memory tier without one reads for free (always loaded anyway; without overlap its time
+    is the same in every plan). ``unit_tokens``/``unit_nbytes``: one chunk or page. ``overlap``, ``layers`` and
+    ``extra_recompute``: ``planner.split.plan_split``'s.
+    """
+
+    def __init__(self, policy: str, probe_every: int, rates: Mapping[str, ReadRate], prefill: PrefillEstimator, *,
+                 overlap: bool, unit_tokens: int, unit_nbytes: int, layers: int = 0,
+                 extra_recompute: bool = False) -> None:
+        _check_policy(policy)
+        if unit_tokens <= 0 or unit_nbytes <= 0 or layers < 0:
+            raise ConfigError(f"split gate: unit of {unit_tokens} tokens / {unit_nbytes} B (both must be > 0), "
+                              f"layers {layers} (>= 0)")
+        self.policy, self.probe_every = policy, int(probe_every)
+        self.rates, self.prefill = dict(rates), prefill
+        self.overlap, self.layers, self.extra_recompute = bool(overlap), int(layers), bool(extra_recompute)
+        self.unit_tokens, self.unit_nbytes = int(unit_tokens), int(unit_nbytes)
+        self._lock = threading.Lock()
+        self._declined = 0
+        self._decisions = dict.fromkeys(SPLIT_OUTCOMES, 0)
+        self._tokens: dict[str, list[int]] = {}  # tier -> [held tokens loaded, held tokens recomputed]
+        self._seconds = {"chosen": 0.0, "recompute": 0.0, "load_all": 0.0}
+
+    # ------------------------------------------------------------------ the decision
+    def segments(self, runs: Sequence[tuple[str, int]]) -> list[Segment]:
+        """``runs`` ((tier, tokens) in prefix order) as segments at the current read estimates (equal tiers merged)."""
+        per_token = self.unit_nbytes / self.unit_tokens
+        out: list[Segment] = []
+        for tier, tokens in runs:
+            if out and out[-1].tier == tier:
+                tokens += out.pop().tokens
+            out.append(Segment(tier, tokens, per_token, self._gbps(tier)))
+        return out
+
+    def _gbps(self, tier: str) -> float:
+        rate = self.rates.get(tier)
+        if rate is not None:
+            return rate.gbps
+        if tier in MEMORY_TIERS:
+            return float("inf")
+        raise InvalidInputError(f"split gate: no read rate for tier {tier!r}; it has {sorted(self.rates)}")
+
+    def decide(self, runs: Sequence[tuple[str, int]], new_tokens: int, context: int) -> tuple[Split, str]:
+        """The plan for a hit held as ``runs`` ((tier, tokens) in prefix order, whole units), after ``context``
+        tokens the engine has, with ``new_tokens`` to compute after it; and why (an outcome). Counted in ``report``."""
+        segs = self.segments(runs)
+        split, outcome = self._plan(segs, new_tokens, context)
+        self._count(split, outcome)
+        return split, outcome
+
+    def _plan(self, segs: list[Segment], new_tokens: int, context: int) -> tuple[Split, str]:
+        model = self.prefill.model()
+        held, lo = sum(s.tokens for s in segs), forced_tokens(segs)
+
+        def at(m: int) -> Split:
+            return split_at(segs, m, new_tokens, context, model, overlap=self.overlap, layers=self.layers)
+
+        if lo == held:
+            return at(held), ALL_FAST
+        if self.policy != "auto":
+            return (at(held), ALWAYS) if self.policy == "always" else (at(lo), DECLINED)
+        best = plan_split(segs, new_tokens, context, model, overlap=self.overlap, unit_tokens=self.unit_tokens,
+                          layers=self.layers, extra_recompute=self.extra_recompute)
+        if best.load_tokens == held:
+            return best, BEATS
         with self._lock:
-            self._gbps = (1 - EWMA_NEW) * self._gbps + EWMA_NEW * gbps
+            self._declined += 1
+            probe = self.probe_every > 0 and self._declined % self.probe_every == 0
+        if probe:
+            return at(held), PROBE
+        return best, (DECLINED if best.load_tokens == lo else SPLIT)
+
+    def _count(self, split: Split, outcome: str) -> None:
+        with self._lock:
+            self._decisions[outcome] += 1
+            for tier, (loaded, recomputed) in split.per_tier().items():
+                t = self._tokens.setdefault(tier, [0, 0])
+                t[0] += loaded
+                t[1] += recomputed
+            s = self._seconds
+            s["chosen"] += split.seconds
+            s["recompute"] += split.seconds_recompute
+            s["load_all"] += split.seconds_load_all
+
+    # ------------------------------------------------------------------ measurements
+    def observe_reads(self, nbytes_by_tier: Mapping[str, int], seconds: float) -> None:
+        """One read moved ``nbytes_by_tier`` in ``seconds`` (its whole wall time). The time is charged to the slow
+        tiers in it (memory tiers' share ignored: conservative), shared by their estimated times when several."""
+        slow = {t: n for t, n in nbytes_by_tier.items() if n > 0 and t not in MEMORY_TIERS and t in self.rates}
+        if not slow or seconds <= 0:
+            return
+        est = {t: self.rates[t].seconds(n) for t, n in slow.items()}
+        total = sum(est.values())
+        for t, n in slow.items():
+            self.rates[t].observe(n, seconds * est[t] / total)
+
+    # ------------------------------------------------------------------ reporting
+    def break_even_gbps(self, tier_context: int = 0) -> float:
+        """The read rate above which loading one unit beats recomputing it (no overlap, after ``tier_context``)."""
+        m = self.prefill.model()
+        compute = m.seconds(self.unit_tokens, tier_context) - m.overhead_s
+        return self.unit_nbytes / compute / 1e9
+
+    def report(self) -> dict:
+        """For metrics, as ``LoadGate.report`` (``decisions``, ``declined_units``, ``read_gbps`` of the first slow
+        tier, ``break_even_gbps``) plus ``split``: held tokens loaded/recomputed per tier, every tier's read rate,
+        the prefill model in use (rates for a ``REPORT_CHUNK``-token chunk after each of ``REPORT_CONTEXTS``,
+        its source and samples), the summed estimated seconds of the plans taken, of recompute-all and of
+        load-all, and the mode (``overlap``)."""
+        prefill = self.prefill.report()
+        model = prefill["model"]
+        gbps = {t: r.gbps for t, r in self.rates.items()}
+        slow = [g for t, g in gbps.items() if t not in MEMORY_TIERS]
+        with self._lock:
+            tokens = {t: {"loaded": v[0], "recomputed": v[1]} for t, v in self._tokens.items()}
+            declined = sum(v["recomputed"] for v in tokens.values()) // self.unit_tokens
+            split = {"tokens": tokens, "read_gbps": gbps, "estimated_seconds": dict(self._seconds),
+                     "overlap": self.overlap,
+                     "prefill": {"source": prefill["source"], "samples": prefill["samples"],
+                                 "coefficients": model.coefficients(),
+                                 "tokens_per_s": {c: model.tokens_per_s(REPORT_CHUNK, c) for c in REPORT_CONTEXTS}}}
+            return {"decisions": dict(self._decisions), "declined_units": declined,
+                    "read_gbps": slow[0] if slow else 0.0, "break_even_gbps": self.break_even_gbps(), "split": split}

@@ -12,9 +12,14 @@ the SGLang backend); ``METRICS`` lists them, and ``deploy/grafana/tiered_kv.json
 - per source tier: a histogram of load-job seconds (loads toward the engine and promotions);
 - the load gate, where the front end has one (vLLM, SGLang): decisions by outcome, slow-tier blocks
   declined (recomputed instead), the read-rate estimate and the break-even rate;
+- the split, where the gate is a ``SplitGate`` (SGLang; vLLM once wired): held tokens loaded and
+  recomputed per tier, the read-rate estimate per tier, the prefill rate in use at a few contexts,
+  the prefill samples fitted, and the summed estimated seconds of the plans taken against
+  recompute-all and load-all;
 - the remote tier, where this process holds its client (Python API, SGLang): errors by kind.
 
-Optional sections of ``stats()`` (``transfers``, ``gate``, ``remote``) yield their families only when present.
+Optional sections of ``stats()`` (``transfers``, ``gate``, ``gate["split"]``, ``remote``) yield their families
+only when present.
 
 Threading contract: ``collect()`` runs on the scraping thread (prometheus-client's HTTP
 server) and only calls ``stats()``, which takes the store's lock briefly (or returns a snapshot).
@@ -41,6 +46,8 @@ METRICS = (
     "tiered_kv_edge_blocks_total", "tiered_kv_edge_bytes_total", "tiered_kv_load_seconds",
     "tiered_kv_gate_decisions_total", "tiered_kv_gate_declined_blocks_total", "tiered_kv_gate_read_gbps",
     "tiered_kv_gate_break_even_gbps", "tiered_kv_remote_errors_total",
+    "tiered_kv_split_tokens_total", "tiered_kv_split_read_gbps", "tiered_kv_split_prefill_tokens_per_s",
+    "tiered_kv_split_prefill_samples_total", "tiered_kv_split_estimated_seconds_total",
 )
 
 
@@ -62,6 +69,8 @@ class StoreCollector:
             yield from _transfer_families(s["transfers"], self._name)
         if s.get("gate") is not None:
             yield from _gate_families(s["gate"], self._name)
+            if "split" in s["gate"]:
+                yield from _split_families(s["gate"]["split"], self._name)
         if s.get("remote") is not None:
             yield from _remote_families(s["remote"], self._name)
 
@@ -114,13 +123,19 @@ def _le(bound: float) -> str:
     return "+Inf" if bound == float("inf") else repr(float(bound))
 
 
+def _by_label(family: type, metric: str, doc: str, name: str, label: str, values: dict):
+    """One family with a sample per ``values`` item, labelled ``store=name`` and ``label=key``."""
+    m = family(metric, doc, labels=["store", label])
+    for key, value in values.items():
+        m.add_metric([name, str(key)], value)
+    return m
+
+
 def _gate_families(gate: dict, name: str) -> Iterator:
-    m = CounterMetricFamily("tiered_kv_gate_decisions", "load-gate decisions on hits: all_fast (memory tiers "
-                            "only), always/beats (slow-tier blocks loaded), probe (declined but read to re-measure), "
-                            "declined (slow-tier blocks recomputed)", labels=["store", "decision"])
-    for decision, n in gate["decisions"].items():
-        m.add_metric([name, decision], n)
-    yield m
+    yield _by_label(CounterMetricFamily, "tiered_kv_gate_decisions", "load-gate decisions on hits: all_fast (memory "
+                    "tiers only), always/beats (slow-tier blocks loaded), split (some loaded, the rest recomputed), "
+                    "probe (declined but read to re-measure), declined (slow-tier blocks recomputed)", name, "decision",
+                    gate["decisions"])
     m = CounterMetricFamily("tiered_kv_gate_declined_blocks", "held slow-tier blocks the gate did not load "
                             "(recomputed instead)", labels=["store"])
     m.add_metric([name], gate["declined_units"])
@@ -130,6 +145,30 @@ def _gate_families(gate: dict, name: str) -> Iterator:
         g = GaugeMetricFamily(f"tiered_kv_gate_{key}", doc, labels=["store"])
         g.add_metric([name], gate[key])
         yield g
+
+
+def _split_families(split: dict, name: str) -> Iterator:
+    m = CounterMetricFamily("tiered_kv_split_tokens", "held tokens per tier the split loaded (action=loaded) or "
+                            "left to the engine to recompute (action=recomputed)", labels=["store", "tier", "action"])
+    for tier, t in split["tokens"].items():
+        for action in ("loaded", "recomputed"):
+            m.add_metric([name, tier, action], t[action])
+    yield m
+    yield _by_label(GaugeMetricFamily, "tiered_kv_split_read_gbps", "the split's read-rate estimate per tier (GB/s)",
+                    name, "tier", split["read_gbps"])
+    prefill = split["prefill"]
+    g = GaugeMetricFamily("tiered_kv_split_prefill_tokens_per_s", "the prefill model in use: tokens/s of a 2048-token "
+                          "chunk after `context` cached tokens", labels=["store", "context", "source"])
+    for context, rate in prefill["tokens_per_s"].items():
+        g.add_metric([name, str(context), prefill["source"]], rate)
+    yield g
+    m = CounterMetricFamily("tiered_kv_split_prefill_samples", "engine steps the prefill model was fitted to (0: the "
+                            "configured model)", labels=["store"])
+    m.add_metric([name], prefill["samples"])
+    yield m
+    yield _by_label(CounterMetricFamily, "tiered_kv_split_estimated_seconds", "summed estimated seconds of the plans "
+                    "taken (plan=chosen), of recomputing every slow-tier token (recompute) and of loading every held "
+                    "token (load_all)", name, "plan", split["estimated_seconds"])
 
 
 def _remote_families(remote: dict, name: str) -> Iterator:

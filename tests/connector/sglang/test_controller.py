@@ -42,9 +42,10 @@ def _wait_backup(ctrl, op_id):
     return ack.completed_tokens
 
 
-def _prefetch(ctrl, pool, req, tokens):
-    """Hit query, then host slots for the hit, then the IO thread; returns (hit tokens, loaded tokens, slots)."""
-    op = ctrl.prefetch(req, tokens, last_hash=None, prefix_keys=[])
+def _prefetch(ctrl, pool, req, tokens, last_hash=None, prefix_keys=()):
+    """Hit query, then host slots for the hit, then the IO thread; returns (hit tokens, loaded tokens, slots).
+    ``last_hash``/``prefix_keys``: the pages before ``tokens`` (SGLang with ``hicache_storage_pass_prefix_keys``)."""
+    op = ctrl.prefetch(req, tokens, last_hash=last_hash, prefix_keys=list(prefix_keys))
     assert ctrl.prefetch_hit_queue.get(timeout=TIMEOUT) is op
     hit = op.storage_hit_count
     if hit == 0:

@@ -1,13 +1,17 @@
-"""The load gate (``gate.py``): SGLang is told about a disk hit only while reading it beats recomputing it.
+"""The load gate (``gate.py``): which held pages ``batch_exists`` tells SGLang about; SGLang recomputes the rest.
 
-The rule on its own first, then through SGLang's real ``HiCacheController`` (backup thread, prefetch
-thread's hit query, IO thread), with our store on a real LMDB disk directory: a declined hit is a
-hit of 0 (SGLang recomputes), a reported one lands bit for bit.
+The rule on its own first (per tier, all or nothing: SGLang's L3 read never overlaps the request's forward),
+then through SGLang's real ``HiCacheController`` (backup thread, prefetch thread's hit query, IO thread), with
+our store on a real LMDB disk directory: a declined hit is a hit of 0 (SGLang recomputes), a reported one lands
+bit for bit, and the context SGLang's ``prefix_keys`` give prices the recompute.
 """
 from __future__ import annotations
 
+import time
+
 import pytest
 
+from tests._redis import PASSWORD_ENV
 from tests.connector.sglang.harness import (
     PAGE_SIZE, extra_config, fill_random, mha_pool, pages_bytes, running_controller,
 )
@@ -16,20 +20,23 @@ from tests.connector.sglang.test_controller import _backup, _prefetch, _tokens, 
 torch = pytest.importorskip("torch")
 
 from tiered_kv.connector.sglang.config import SGLangBackendConfig  # noqa: E402
-from tiered_kv.connector.sglang.gate import LoadGate  # noqa: E402
+from tiered_kv.connector.sglang.gate import PageGate  # noqa: E402
 from tiered_kv.errors import ConfigError  # noqa: E402
+from tiered_kv.planner.rates import PrefillModel  # noqa: E402
 
 MIB8 = 8 << 20  # one 64-token page of a Llama-3-8B shape (128 KiB per token)
 
 
-def _gate(policy="auto", gbps=3.0, probe=0, tps=30000.0):
-    return LoadGate(policy, gbps, probe, tps, 64, MIB8)
+def _gate(policy="auto", gbps=3.0, probe=0, tps=30000.0, remote=None, half=32768):
+    rates = {"disk": gbps} if remote is None else {"disk": gbps, "remote": remote}
+    return PageGate(policy, probe, rates, PrefillModel.from_rate(tps, half), 64, MIB8)
 
 
 def test_break_even_of_an_8b_page():
-    """64 tokens of 128 KiB at 30k tokens/s of prefill: a disk must read > 3.93 GB/s to beat recomputing."""
+    """64 tokens of 128 KiB at 30k tokens/s of prefill: a disk must read > 3.93 GB/s to beat recomputing a page at
+    a prompt's start (attention adds 0.1% there)."""
     snap = _gate().snapshot()
-    assert snap["break_even_gbps"] == pytest.approx(3.932, abs=1e-3)
+    assert snap["break_even_gbps"] == pytest.approx(3.928, abs=1e-3)
     assert not _gate(gbps=3.0).disk_beats_recompute()
     assert _gate(gbps=4.0).disk_beats_recompute()
 
@@ -40,14 +47,35 @@ def test_auto_keeps_memory_pages_and_declines_a_slow_disk():
     assert g.worth_loading(["disk", "cpu"]) == 0  # only a leading run counts
     assert g.worth_loading(["cpu", "gpu"]) == 2
     assert g.worth_loading([]) == 0
+    assert g.worth_loading(["cpu", None, "disk"]) == 1  # a page evicted since the lookup ends the run
     snap = g.snapshot()
     assert snap["gate_declined_pages"] == 4 and snap["gate_declined_queries"] == 2
+    assert snap["tokens"]["disk"] == {"loaded": 0, "recomputed": 3 * 64}
+    assert snap["tokens"]["cpu"] == {"loaded": 4 * 64, "recomputed": 64}  # a CPU page behind a declined disk page
 
 
 def test_auto_reports_a_fast_disk():
     g = _gate(gbps=8.0)
     assert g.worth_loading(["cpu", "disk", "disk"]) == 3
     assert g.snapshot()["gate_disk_pages_reported"] == 2
+
+
+def test_each_slow_tier_on_its_own_rate():
+    """CPU pages, then disk pages read faster than recomputed, then remote pages read slower: report CPU + disk."""
+    g = _gate(gbps=8.0, remote=1.0)
+    assert g.worth_loading(["cpu"] * 2 + ["disk"] * 3 + ["remote"] * 3) == 5
+    snap = g.snapshot()
+    assert snap["gate_split_queries"] == 1 and snap["gate_declined_pages"] == 3
+    assert snap["tokens"]["remote"] == {"loaded": 0, "recomputed": 3 * 64}
+    assert snap["read_gbps"] == {"disk": 8.0, "remote": 1.0}
+
+
+def test_a_page_deep_in_a_prompt_is_worth_more_than_one_at_its_start():
+    """Recomputing a page costs more the more tokens it attends to: a 3 GB/s disk loses at a prompt's start (break
+    even 3.93 GB/s) and wins after 32k tokens of context (break even ~2 GB/s)."""
+    g = _gate(gbps=3.0)
+    assert g.worth_loading(["disk"] * 4, context_pages=0) == 0
+    assert g.worth_loading(["disk"] * 4, context_pages=512) == 4
 
 
 def test_always_and_never():
@@ -61,15 +89,16 @@ def test_probe_every_nth_declined_query_then_the_estimate_follows_the_reads():
     assert got == [0, 0, 4, 0, 0, 4]
     assert g.snapshot()["gate_probes"] == 2
     for _ in range(12):  # the probes' reads ran at 20 GB/s: 8 MiB in 0.42 ms
-        g.observe_read(1, MIB8 / 20e9)
+        g.observe_read({"disk": 1}, MIB8 / 20e9)
     assert g.snapshot()["disk_gbps_estimate"] > 3.932
     assert g.worth_loading(["disk"] * 4) == 4
 
 
-def test_observe_ignores_empty_reads():
+def test_observe_ignores_empty_reads_and_memory_pages():
     g = _gate(gbps=1.0)
-    g.observe_read(0, 1.0)
-    g.observe_read(3, 0.0)
+    g.observe_read({"disk": 0}, 1.0)
+    g.observe_read({"disk": 3}, 0.0)
+    g.observe_read({"cpu": 3}, 1.0)
     assert g.snapshot()["disk_gbps_estimate"] == 1.0 and g.snapshot()["gate_reads_observed"] == 0
 
 
@@ -80,6 +109,8 @@ def test_observe_ignores_empty_reads():
     ({"prefill_tokens_per_s": -5}, "prefill_tokens_per_s"),
     ({"disk_probe_every": -1}, "disk_probe_every"),
     ({"disk_probe_every": 2.5}, "disk_probe_every"),
+    ({"remote_read_gbps": 0}, "remote_read_gbps"),
+    ({"prefill_half_rate_context": 0}, "prefill_half_rate_context"),
 ])
 def test_bad_gate_keys_name_themselves(extra, match):
     with pytest.raises(ConfigError, match=match):
@@ -129,11 +160,7 @@ def test_controller_memory_tier_pages_pass_a_slow_disk_gate(tmp_path):
     extra = extra_config(tmp_path, disk_read_gbps=1e-6, disk_probe_every=0, cpu_bytes=3 * page_bytes)
     with running_controller(pool, extra) as ctrl:
         be = ctrl.storage_backend
-        tokens = _tokens(700, 6)
-        hashes = _hashes(tokens)
-        fill_random(pool, seed=3)
-        src = pool.alloc(len(tokens))
-        expected = pages_bytes(pool, src, 6)
+        tokens, hashes, src, expected = _random_pages(pool, 700, 6, seed=3)
         # the tail first, then the head: the 3-page CPU tier keeps the head, the tail stays on disk only
         assert all(be.batch_set_v1(hashes[3:], src[3 * PAGE_SIZE:]))
         be.store.drain()
@@ -164,6 +191,62 @@ def test_controller_probe_measures_the_disk_and_then_reports_it(tmp_path):
         snap = ctrl.storage_backend.stats()["gate"]
         assert snap["gate_probes"] == 1 and snap["gate_reads_observed"] >= 1
         assert snap["disk_gbps_estimate"] > snap["break_even_gbps"]
+
+
+def test_controller_prefix_keys_price_the_recompute_by_its_context(tmp_path):
+    """SGLang passes the hashes before the queried span (``prefix_keys``): a 4-page tail after 8 pages costs more
+    to recompute than the same pages at a prompt's start, so a disk declined without context is reported with it.
+
+    Pages of 4 tokens and 512 B; prefill 10 tokens/s, halved at 32 tokens of context; disk 900 B/s: loading the
+    tail takes 2.28 s; recomputing it takes 2.03 s at context 0 and 3.63 s after 32 tokens."""
+    pool = mha_pool("page_first")
+    extra = extra_config(tmp_path, disk_read_gbps=0.9e-6, disk_probe_every=0, prefill_tokens_per_s=10,
+                         prefill_half_rate_context=32)
+    with running_controller(pool, extra) as ctrl:
+        tokens = _tokens(300, 12)
+        expected = _stored(ctrl, pool, tokens, seed=5)
+        hashes = _hashes(tokens)
+        tail = tokens[8 * PAGE_SIZE:]
+        assert _prefetch(ctrl, pool, "no-context", tail, last_hash=hashes[7])[0] == 0  # prefix_keys [] : context 0
+        hit, loaded, dst = _prefetch(ctrl, pool, "context", tail, last_hash=hashes[7], prefix_keys=hashes[:8])
+        assert hit == loaded == len(tail)
+        assert all(torch.equal(a, b) for a, b in zip(pages_bytes(pool, dst, 4), expected[8:]))
+        snap = ctrl.storage_backend.stats()["gate"]
+        assert snap["gate_declined_queries"] == 1 and snap["tokens"]["disk"]["loaded"] == len(tail)
+
+
+def test_controller_cpu_then_disk_then_recompute_the_remote_part(tmp_path, redis_cluster):
+    """A hit split over three tiers: the CPU pages and the disk pages (a disk faster than recompute) are reported and
+    land bit for bit; the remote-only pages (a fleet tier slower than recompute) are left to SGLang to recompute."""
+    pool = mha_pool("page_first")
+    page_bytes = pool.get_data_page(0, flat=True).numel() * 2
+    # 3 CPU pages, 6 disk slots of 4 KiB; every page is also written to Redis (remote_write: through)
+    extra = extra_config(tmp_path, cpu_bytes=3 * page_bytes, disk_bytes=6 * 4096, disk_read_gbps=100.0,
+                         remote_read_gbps=1e-9, disk_probe_every=0, prefill_tokens_per_s=10,
+                         remote_url=redis_cluster.url, remote_password_env=PASSWORD_ENV,
+                         tenant_salt=f"split-{time.monotonic_ns()}")
+    with running_controller(pool, extra) as ctrl:
+        be = ctrl.storage_backend
+        tokens, hashes, src, expected = _random_pages(pool, 500, 9, seed=6)
+        for lo in (6, 3, 0):  # the tail first: the CPU tier keeps the head, the disk the head and the middle
+            assert all(be.batch_set_v1(hashes[lo:lo + 3], src[lo * PAGE_SIZE:(lo + 3) * PAGE_SIZE]))
+            assert be.store.drain(30)
+        assert be.store.locate(be._keys(hashes)) == ["cpu"] * 3 + ["disk"] * 3 + ["remote"] * 3
+        hit, loaded, dst = _prefetch(ctrl, pool, "three-tiers", tokens)
+        assert hit == loaded == 6 * PAGE_SIZE
+        assert all(torch.equal(a, b) for a, b in zip(pages_bytes(pool, dst, 6), expected[:6]))
+        snap = be.stats()["gate"]
+        assert snap["tokens"] == {"cpu": {"loaded": 12, "recomputed": 0}, "disk": {"loaded": 12, "recomputed": 0},
+                                  "remote": {"loaded": 0, "recomputed": 12}}
+        assert snap["gate_split_queries"] == 1
+
+
+def _random_pages(pool, start, pages, seed):
+    """Tokens of ``pages`` pages from ``start``, their page hashes, host slots of random KV for them, and its bytes."""
+    tokens = _tokens(start, pages)
+    fill_random(pool, seed=seed)
+    src = pool.alloc(len(tokens))
+    return tokens, _hashes(tokens), src, pages_bytes(pool, src, pages)
 
 
 def _hashes(tokens):

@@ -1,5 +1,5 @@
-"""The SGLang backend's Prometheus endpoint (``metrics_port``): the store families and the load gate's, under the
-``sglang`` store label; every metric of the Grafana dashboard that is not vLLM- or remote-only is there."""
+"""The SGLang backend's Prometheus endpoint (``metrics_port``): the store families, the load gate's and the split's,
+under the ``sglang`` store label; every metric of the Grafana dashboard that is not vLLM- or remote-only is there."""
 from __future__ import annotations
 
 import pytest
@@ -8,6 +8,7 @@ from tests._metrics import COMMON_PREFIXES, dashboard_metrics, free_port, sample
 from tests.connector.sglang.harness import PAGE_SIZE, attached_backend, create_backend, extra_config, fill_random, mha_pool
 
 from tiered_kv.errors import ConfigError
+from tiered_kv.store.metrics import METRICS
 
 
 def test_backend_serves_store_and_gate_metrics(tmp_path):
@@ -32,7 +33,15 @@ def test_backend_serves_store_and_gate_metrics(tmp_path):
     assert 'tiered_kv_gate_decisions_total{decision="probe",store="sglang"} 1.0' in text
     assert 'tiered_kv_gate_declined_blocks_total{store="sglang"} 4.0' in text
     assert 'tiered_kv_edge_blocks_total{dst="disk",src="engine",store="sglang"} 4.0' in text
+    # the split: 4 pages of 4 tokens recomputed, then loaded by the probe; the estimates in use
+    assert 'tiered_kv_split_tokens_total{action="recomputed",store="sglang",tier="disk"} 16.0' in text
+    assert 'tiered_kv_split_tokens_total{action="loaded",store="sglang",tier="disk"} 16.0' in text
+    assert 'tiered_kv_split_prefill_tokens_per_s{context="0",source="fixed",store="sglang"}' in text
+    assert 'tiered_kv_split_prefill_samples_total{store="sglang"} 0.0' in text  # SGLang gives no step timing
+    assert 'tiered_kv_split_read_gbps{store="sglang",tier="disk"}' in text
+    assert "tiered_kv_split_estimated_seconds_total" in names
     wanted = {m for m in dashboard_metrics() if m.startswith(COMMON_PREFIXES) or m.startswith("tiered_kv_gate_")}
+    wanted |= {m for m in METRICS if m.startswith("tiered_kv_split_")}
     assert wanted <= names, sorted(wanted - names)
 
 

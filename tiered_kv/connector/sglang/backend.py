@@ -32,6 +32,7 @@ import logging
 import shutil
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -45,7 +46,7 @@ from tiered_kv.values.keys import Namespace
 from tiered_kv.planner.radix import RadixIndex
 from tiered_kv.store.tiered_store import TieredStore
 from tiered_kv.connector.sglang.config import SGLangBackendConfig, Scope, scope_from
-from tiered_kv.connector.sglang.gate import MEMORY_TIERS, LoadGate
+from tiered_kv.connector.sglang.gate import MEMORY_TIERS, PageGate
 from tiered_kv.connector.sglang.page_io import read_pages, write_pages
 from tiered_kv.connector.sglang.pages import HostPages
 from tiered_kv.connector.sglang.stats import BackendCounters
@@ -70,7 +71,7 @@ class TieredHiCacheStorage(HiCacheStorage):
         self.namespace: Namespace | None = None
         self.disk_dir: Path | None = None
         self.counters = BackendCounters()
-        self.gate: LoadGate | None = None
+        self.gate: PageGate | None = None
         self._gated = False  # True once the store has a tier slower than memory (disk, remote)
         self._radix = RadixIndex(1, max(1, self.options.radix_pages))
         self._radix_lock = threading.Lock()
@@ -125,10 +126,10 @@ class TieredHiCacheStorage(HiCacheStorage):
             raise ConfigError(f"store namespace {self.namespace} differs from the one the disk directory "
                               f"{disk_dir} was named for ({probe}); this is a tiered_kv bug, please report it")
         self.pages, self.store, self.disk_dir = pages, store, disk_dir
-        self._gated = any(t.name not in MEMORY_TIERS for t in store.tiers)
-        if self.gate is None or self.gate.page_nbytes != pages.page_nbytes:  # keep the disk estimate on re-attach
-            self.gate = LoadGate(o.disk_load_policy, o.disk_read_gbps, o.disk_probe_every, o.prefill_tokens_per_s,
-                                 pages.page_size, pages.page_nbytes)
+        tiers = [t.name for t in store.tiers]
+        self._gated = any(t not in MEMORY_TIERS for t in tiers)
+        if self.gate is None or self.gate.page_nbytes != pages.page_nbytes:  # keep the estimates on re-attach
+            self.gate = PageGate.for_tiers(o, tiers, pages.page_size, pages.page_nbytes)
         log.info("tiered_kv SGLang backend: %s, %d B/page, %s, tiers %s, %d pages held",
                  pages.layout.tag, pages.page_nbytes, "writer" if self.scope.is_writer else "reader",
                  [t.name for t in store.tiers], store.stats()["resident_blocks"])
@@ -146,7 +147,8 @@ class TieredHiCacheStorage(HiCacheStorage):
 
     # ------------------------------------------------------------------ queries
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
-        """Number of leading ``keys`` worth loading: held, and (``gate``) not slower to read than to recompute.
+        """Number of leading ``keys`` worth loading: held, and (``gate``) of the tiers whose pages load faster than
+        SGLang recomputes them. SGLang loads that many and recomputes the rest (``gate.py``).
 
         From the index only (no I/O). 0 on any failure.
         """
@@ -157,7 +159,7 @@ class TieredHiCacheStorage(HiCacheStorage):
             if hits < len(ks) and self._adopt_if_reader(ks[hits:]):
                 hits = store.lookup(ks)
             if hits and self._gated:
-                hits = self.gate.worth_loading(store.locate(ks[:hits]))
+                hits = self.gate.worth_loading(store.locate(ks[:hits]), _context_pages(extra_info))
             self.counters.add(exists_calls=1, exists_pages=len(ks), exists_hits=hits)
             if hits and self.options.cpu_bytes and self.options.disk_path is not None:
                 store.prefetch(ks[:hits], to=0)  # warm the CPU tier while SGLang allocates host slots
@@ -205,13 +207,13 @@ class TieredHiCacheStorage(HiCacheStorage):
             t0 = time.perf_counter()
             ks = self._chain_keys(keys, extra_info)
             page_ids = pages.page_ids(host_indices, n)
-            slow = self._slow_pages(store, ks)
+            tiers = self._slow_tiers(store, ks)
             got, zero_copy = read_pages(store, pages, ks, page_ids, self.options.chunk_pages)
             if got < n and self._adopt_if_reader(ks[got:]):
                 more, _ = read_pages(store, pages, ks[got:], page_ids[got:], self.options.chunk_pages)
                 got += more
             seconds = time.perf_counter() - t0
-            self._observe(slow, got, seconds)
+            self._observe(tiers, got, seconds)
             self.counters.transfer("get", got, n - got, got * pages.page_nbytes, seconds, zero_copy)
             result = [True] * got + [False] * (n - got)
             self._remember_chain(keys, ks, result, extra_info)
@@ -260,9 +262,9 @@ class TieredHiCacheStorage(HiCacheStorage):
             store, pages = self._ready()
             t0 = time.perf_counter()
             staging = torch.empty((n, *pages.page_shape), dtype=pages.torch_dtype)
-            slow = self._slow_pages(store, self._keys(keys))
+            tiers = self._slow_tiers(store, self._keys(keys))
             got = store.get(self._keys(keys), staging).wait()
-            self._observe(slow, got, time.perf_counter() - t0)
+            self._observe(tiers, got, time.perf_counter() - t0)
             if got == 0 and n and self._adopt_if_reader(self._keys(keys)):
                 got = store.get(self._keys(keys), staging).wait()
             for i in range(got):
@@ -327,17 +329,17 @@ class TieredHiCacheStorage(HiCacheStorage):
         return self.batch_set([key], None if value is None else [value])
 
     # ------------------------------------------------------------------ load gate
-    def _slow_pages(self, store: TieredStore, ks: list[bytes]) -> list[bool]:
-        """Per key: held only in a slow tier (disk, remote) right now. Empty when the store has no slow tier."""
+    def _slow_tiers(self, store: TieredStore, ks: list[bytes]) -> list[str | None]:
+        """Per key: the fastest tier holding it now. Empty when the store has no slow tier (nothing to measure)."""
         if not self._gated:
             return []
-        return [t is not None and t not in MEMORY_TIERS for t in store.locate(ks)]
+        return store.locate(ks)
 
-    def _observe(self, slow: list[bool], got: int, seconds: float) -> None:
-        """Feed the gate the read rate of the slow-tier pages among the ``got`` that landed."""
-        n_slow = sum(slow[:got])
-        if n_slow and self.gate is not None:
-            self.gate.observe_read(n_slow, seconds)
+    def _observe(self, tiers: list[str | None], got: int, seconds: float) -> None:
+        """Feed the gate the read rates of the slow tiers among the ``got`` pages that landed."""
+        slow = Counter(t for t in tiers[:got] if t is not None and t not in MEMORY_TIERS)
+        if slow and self.gate is not None:
+            self.gate.observe_read(slow, seconds)
 
     # ------------------------------------------------------------------ reader ranks
     def _adopt_if_reader(self, keys: list[bytes]) -> bool:
@@ -406,6 +408,12 @@ class TieredHiCacheStorage(HiCacheStorage):
         store, self.store = self.store, None
         if store is not None:
             store.close()
+
+
+def _context_pages(extra_info: HiCacheStorageExtraInfo | None) -> int:
+    """Pages before a query: SGLang's ``prefix_keys`` (with ``hicache_storage_pass_prefix_keys``), else 0."""
+    prefix = extra_info.prefix_keys if extra_info is not None else None
+    return 0 if prefix is None else len(prefix)
 
 
 def _hash_bytes(h: str) -> bytes:

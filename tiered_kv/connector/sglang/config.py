@@ -71,18 +71,30 @@ class SGLangBackendConfig(RemoteKeys):
     chunk_pages: int = config_key(16, "pages per store job inside one SGLang batch; two staging buffers of this many "
                                       "pages per SGLang thread (2 x 16 x 8 MiB for an 8B model) let the copy of one "
                                       "chunk overlap the disk I/O of the other", "pages")
-    disk_load_policy: str = config_key("auto", "which disk hits SGLang is told about (the load gate below): `auto` "
-                                               "(only while reading beats recomputing), `always`, `never` "
+    disk_load_policy: str = config_key("auto", "which held pages SGLang is told about (the load gate below): `auto` "
+                                               "(memory-tier pages, then each slower tier's pages while loading them "
+                                               "beats recomputing them), `always` (every page held), `never` "
                                                "(memory-tier pages only)")
-    disk_read_gbps: float = config_key(3.0, "the disk's read rate the gate starts from (GB/s); it then follows the "
+    disk_read_gbps: float = config_key(3.0, "the disk tier's read rate the gate starts from; it then follows the "
                                             "reads the backend times. Set it to your disk's cold read rate "
                                             "(`tiered-kv bench --dir /nvme`)", "GB/s")
-    disk_probe_every: int = config_key(32, "`auto` reads every N-th declined hit anyway, so the estimate can rise "
-                                           "again (a faster disk, a warm page cache); `0` = never")
-    prefill_tokens_per_s: float = config_key(30000.0, "the prefill rate the gate compares with (tokens/s on your GPU "
-                                                      "and model; 30k ~ an 8B model on an H100/H200)", "tokens/s")
+    remote_read_gbps: float | None = config_key(None, "the remote tier's read rate the gate starts from (then "
+                                                      "measured like the disk's); `null`: `disk_read_gbps`", "GB/s")
+    disk_probe_every: int = config_key(32, "`auto` reads every N-th hit it declined (wholly or in part) anyway, so "
+                                           "the estimates can rise again (a faster disk, a warm page cache); `0` = "
+                                           "never")
+    prefill_tokens_per_s: float = config_key(30000.0, "the prefill rate at short context the gate prices a recompute "
+                                                      "with (your GPU and model; 30k ~ an 8B model on an H100/H200). "
+                                                      "SGLang gives a storage backend no step timing, so this value "
+                                                      "is used as set, not learned", "tokens/s")
+    prefill_half_rate_context: int = config_key(32768, "the context at which attention halves the prefill rate "
+                                                       "(a token attending to that many costs twice a token at the "
+                                                       "start); about 2 x parameters / (4 x layers x heads x "
+                                                       "head_dim): 30k for Llama-3-8B, 5k for a 0.6B model, 50k "
+                                                       "for 70B", "tokens")
     metrics_port: int | None = config_key(None, "serve Prometheus metrics (the store families of "
-                                                "`tiered_kv.store.metrics` plus the load gate's, store label `sglang`) "
+                                                "`tiered_kv.store.metrics` plus the load gate's and the split's, store "
+                                                "label `sglang`) "
                                                 "on `127.0.0.1`: TP rank r of pipeline stage p serves `metrics_port + p "
                                                 "* tp_size + r`; a port in use is logged and that rank serves none. "
                                                 "Dashboard and `tiered-kv top`: docs/observability.md")
@@ -120,7 +132,7 @@ class SGLangBackendConfig(RemoteKeys):
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r <= 3600:
             raise ConfigError(f"reader_refresh_s: expected seconds in [0, 3600], got {r!r}")
         check_gate_options(self.disk_load_policy, self.disk_read_gbps, self.disk_probe_every,
-                           self.prefill_tokens_per_s)
+                           self.prefill_tokens_per_s, self.prefill_half_rate_context, self.remote_read_gbps)
         p = self.metrics_port
         if p is not None and (isinstance(p, bool) or not isinstance(p, int) or not 1 <= p <= 65535):
             raise ConfigError(f"metrics_port: expected a TCP port in [1, 65535] (or null for no metrics), got {p!r}")

@@ -1,0 +1,181 @@
+"""The online estimates (``tiered_kv.planner.rates``): a tier's read rate, the prefill model and its fit.
+
+The fit is checked against a synthetic truth: steps of a prefill chunk (512 to 8192 tokens after 0 to 32k cached
+ones) plus up to 20 other requests' decodes, timed by the truth with 5% log-normal noise, one step in ten an
+outlier (3x or 10x slower, or 5x faster). "Within 10%" means the predicted seconds of every point of ``GRID``
+(prefills from 512 tokens at context 0 to 8192 after 24k) are within 10% of the truth's.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tiered_kv.errors import ConfigError
+from tiered_kv.planner.rates import (DECODE_TOKENS, MIN_SAMPLES, PrefillEstimator, PrefillModel, ReadRate,
+                                     StepTimer, features)
+
+#: Llama-3-8B-like on one GPU: 4 ms a step, 40k tokens/s at short context, attention doubling the cost at 20k
+TRUTH = PrefillModel(0.004, 1 / 40000, 1 / 40000 / 20000, 2e-9)
+START = PrefillModel.from_rate(30000, 32768)  # the configured start: 25% slow, and attention's share off by 40%
+GRID = [(512, 0), (2048, 4096), (8192, 0), (8192, 24576), (4096, 16384)]
+
+
+def _worst_error(model: PrefillModel, truth: PrefillModel) -> float:
+    return max(abs(model.seconds(n, c) / truth.seconds(n, c) - 1) for n, c in GRID)
+
+
+def _step(rng: random.Random, truth: PrefillModel, outliers: float = 0.1,
+          noise: float = 0.05) -> tuple[list[tuple[int, int]], float]:
+    parts = [(rng.choice([512, 1024, 2048, 4096, 8192]), rng.randrange(0, 32768, 64))]
+    parts += [(1, rng.randrange(100, 20000)) for _ in range(rng.randrange(0, 20))]
+    seconds = truth.step_seconds(parts) * rng.lognormvariate(0, noise)
+    if rng.random() < outliers:
+        seconds *= rng.choice([3.0, 10.0, 0.2])
+    return parts, seconds
+
+
+def _feed(est: PrefillEstimator, rng: random.Random, truth: PrefillModel, n: int, outliers: float = 0.1,
+          noise: float = 0.05) -> None:
+    for _ in range(n):
+        est.observe_step(*_step(rng, truth, outliers, noise))
+
+
+# ---------------------------------------------------------------------------------------------- read rate
+
+def test_read_rate_starts_at_its_start_and_follows_reads():
+    r = ReadRate(1.0)
+    assert r.gbps == 1.0 and r.seconds(2e9) == pytest.approx(2.0)
+    for _ in range(20):
+        r.observe(10**9, 0.2)  # 5 GB/s
+    assert r.gbps == pytest.approx(5.0, rel=0.05) and r.reads == 20
+    r.observe(0, 1.0)
+    r.observe(10**9, 0.0)  # nothing moved / no time: ignored
+    assert r.reads == 20
+
+
+def test_fixed_read_rate_ignores_reads_and_a_bad_start_names_itself():
+    r = ReadRate(2.0, fixed=True)
+    r.observe(10**9, 0.01)
+    assert r.gbps == 2.0 and r.reads == 0
+    with pytest.raises(ConfigError, match="read rate"):
+        ReadRate(0)
+
+
+# ---------------------------------------------------------------------------------------------- the model
+
+def test_model_terms_by_hand():
+    m = PrefillModel(0.001, 1e-5, 1e-9, 1e-8)
+    # 100 tokens after 1000: pairs 100*1000 + 100*101/2 = 105050, reads 1100
+    assert m.seconds(100, 1000) == pytest.approx(0.001 + 100e-5 + 105050e-9 + 1100e-8)
+    assert m.seconds(0, 5000) == 0.0
+    assert features([(100, 1000), (1, 50), (0, 7)]) == (1.0, 101.0, 105050.0 + 51, 1100.0 + 51)
+    # a step's parts add up, the overhead once
+    assert m.step_seconds([(100, 1000), (1, 50)]) == pytest.approx(m.seconds(100, 1000) + m.seconds(1, 50) - 0.001)
+
+
+def test_from_rate_reads_as_its_two_numbers():
+    m = PrefillModel.from_rate(30000, 32768)
+    assert m.tokens_per_s(1, 0) == pytest.approx(30000, rel=1e-4)
+    assert m.tokens_per_s(1, 32767) == pytest.approx(15000, rel=1e-3)  # a token attending to 32768 costs twice
+
+
+@pytest.mark.parametrize("kw,match", [({"tokens_per_s": 0, "half_rate_context": 1}, "prefill_tokens_per_s"),
+                                      ({"tokens_per_s": 1, "half_rate_context": -3}, "prefill_half_rate_context")])
+def test_bad_start_values_name_themselves(kw, match):
+    with pytest.raises(ConfigError, match=match):
+        PrefillModel.from_rate(**kw)
+    with pytest.raises(ConfigError, match="s_per_pair"):
+        PrefillModel(0.0, 1e-5, -1.0)
+
+
+# ---------------------------------------------------------------------------------------------- the estimator
+
+def test_start_model_until_enough_samples_then_the_fit():
+    est = PrefillEstimator(START)
+    rng = random.Random(0)
+    _feed(est, rng, TRUTH, MIN_SAMPLES - 1, outliers=0)
+    assert est.model() is START and est.report()["source"] == "start"
+    _feed(est, rng, TRUTH, 1, outliers=0)
+    assert est.model() is not START and est.report()["source"] == "online"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_fit_converges_within_10_percent_of_the_truth_despite_noise_and_outliers(seed):
+    est = PrefillEstimator(START)
+    assert _worst_error(est.model(), TRUTH) > 0.2  # the start is well off
+    _feed(est, random.Random(seed), TRUTH, 200)
+    assert _worst_error(est.model(), TRUTH) < 0.10
+    assert est.report()["outliers"] > 0  # some steps got no weight
+
+
+def test_noise_free_fit_recovers_the_coefficients():
+    est = PrefillEstimator(START)
+    _feed(est, random.Random(3), TRUTH, 128, outliers=0, noise=0)
+    for got, want in zip(est.model().coefficients()[:3], TRUTH.coefficients()[:3]):
+        assert got == pytest.approx(want, rel=0.02)
+    assert _worst_error(est.model(), TRUTH) < 0.01
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_fit_follows_a_step_change(seed):
+    """The GPU gets 1.5x slower (a co-tenant, a lower clock): within 10% of the new truth after 96 steps."""
+    slower = PrefillModel(0.004, 1.5 / 40000, 1.5 / 40000 / 20000, 3e-9)
+    est = PrefillEstimator(START)
+    rng = random.Random(seed)
+    _feed(est, rng, TRUTH, 150)
+    assert _worst_error(est.model(), TRUTH) < 0.10 and _worst_error(est.model(), slower) > 0.25
+    _feed(est, rng, slower, 96)
+    assert _worst_error(est.model(), slower) < 0.10
+
+
+def test_decode_only_steps_are_skipped_and_mixed_steps_count():
+    est = PrefillEstimator(START)
+    est.observe_step([(1, 4000)] * 30 + [(DECODE_TOKENS, 100)], 0.01)  # decoding (and a speculative verify) only
+    est.observe_step([(DECODE_TOKENS + 1, 100)], 0.01)
+    rep = est.report()
+    assert rep["skipped_decode_steps"] == 1 and rep["samples"] == 1
+
+
+def test_fixed_estimator_keeps_the_start_model():
+    est = PrefillEstimator(START, fixed=True)
+    _feed(est, random.Random(4), TRUTH, 50, outliers=0)
+    assert est.model() is START and est.report() == {"source": "fixed", "model": START, "samples": 0,
+                                                      "skipped_decode_steps": 0, "outliers": 0}
+
+
+def test_one_prompt_shape_only_fits_that_shape_and_keeps_the_start_shape_elsewhere():
+    """All samples at one point (a benchmark of 8k prompts): that point is learned; elsewhere the start's shape
+    (scaled) stands, with no coefficient below 0."""
+    est = PrefillEstimator(START)
+    for _ in range(40):
+        est.observe(8192, 0, TRUTH.seconds(8192, 0))
+    m = est.model()
+    assert m.seconds(8192, 0) == pytest.approx(TRUTH.seconds(8192, 0), rel=0.01)
+    assert min(m.coefficients()) >= 0 and m.s_per_token > 0
+
+
+def test_bad_estimator_settings_are_config_errors():
+    with pytest.raises(ConfigError, match="window"):
+        PrefillEstimator(START, window=4, min_samples=8)
+
+
+# ---------------------------------------------------------------------------------------------- step timer
+
+def test_step_timer_sync_async_idle_and_lost_steps():
+    t = StepTimer()
+    t.scheduled(1, [(512, 0)], now=10.0)
+    assert t.finished(1, now=10.1) == ([(512, 0)], pytest.approx(0.1))
+    # async: step 3 is scheduled while step 2 runs; it starts when 2 ends
+    t.scheduled(2, [(1024, 512)], now=10.1)
+    t.scheduled(3, [(1, 1536)], now=10.15)
+    assert t.finished(2, now=10.3)[1] == pytest.approx(0.2)
+    assert t.finished(3, now=10.32)[1] == pytest.approx(0.02)
+    # idle engine: a step scheduled later than the last one ended starts when scheduled
+    t.scheduled(4, [(64, 0)], now=20.0)
+    assert t.finished(4, now=20.05)[1] == pytest.approx(0.05)
+    # a step whose output never came is forgotten once a later one finishes
+    t.scheduled(5, [(64, 0)], now=21.0)
+    t.scheduled(6, [(64, 0)], now=21.0)
+    assert t.finished(6, now=21.1) is not None and t.finished(5, now=21.2) is None
+    assert t.finished(99, now=22.0) is None

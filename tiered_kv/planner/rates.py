@@ -1,0 +1,353 @@
+"""Online estimates behind the disk-or-recompute decision: a tier's read rate and the engine's prefill time.
+
+``ReadRate`` is one tier's read rate (GB/s): a start value, then an exponential average of the reads
+the caller times (``EWMA_NEW`` for the newest), as the load gate has always done; ``fixed`` pins it.
+
+``PrefillModel`` is the time a forward takes to compute ``n`` tokens that follow ``c`` tokens already
+in the KV cache::
+
+    seconds(n, c) = overhead_s + s_per_token * n + s_per_pair * (n*c + n*(n+1)/2) + s_per_read * (c + n)
+
+Why these four terms (per layer, summed over layers; the coefficients absorb the constants):
+
+- ``overhead_s``, once per forward: launches, scheduling, sampling, and for a small batch the read
+  of the weights, which costs the same for 1 token as for 200;
+- ``s_per_token * n``: every linear layer (QKV, output, MLP) costs about 2 x parameters FLOPs per
+  token whatever the context; for an 8B model, 16 GFLOP a token, most of a short prefill;
+- ``s_per_pair * pairs``: causal attention multiplies each new query by every key before it, the
+  ``c`` cached ones and the new ones up to itself: ``n*c + n*(n+1)/2`` query-key pairs, about
+  ``4 * heads * head_dim`` FLOPs each (Llama-3-8B: 0.5 MFLOP a pair over 32 layers, so at 30k
+  tokens of average context attention costs as much as the rest of the model);
+- ``s_per_read * (c + n)``: attention reads every key and value at least once, so a decode token
+  (``n = 1``) costs the memory traffic of its whole context (bandwidth-bound: ~36x a prefill pair's
+  FLOP time on an H200 for Llama-3-8B); for a prefill of thousands of tokens this term is noise.
+
+The features add up over the requests of a batch, so one step that mixes a prefill chunk with other
+requests' decodes is one sample (``observe_step``); a per-context-band rate could not take such a
+step, and would need a band for every context a request may have. A rate "tokens/s at context c"
+is this model read at one point (``tokens_per_s``).
+
+``PrefillEstimator`` fits that model online to the steps the caller times: the last ``window``
+samples, newer ones weighing more (half weight every ``half_life`` samples, so a change is followed
+within a few half-lives), relative errors (a 5 ms step counts as much as a 500 ms one), robust to
+outliers (iteratively reweighted, Tukey's biweight on residuals scaled by their median absolute
+value, so a step slowed 3x by a GC pause or a swap gets no weight), no coefficient below 0, and a
+ridge toward the start model of 1e-3 of one sample's weight, so what the samples do not determine
+(all of one prompt length, say) keeps the start model's shape. Steps that computed only decode
+tokens (``DECODE_TOKENS`` or fewer per request) say nothing about prefill and are skipped, so
+decode steps do not push the prefill steps out of the window. With ``fixed`` (or no samples yet)
+the start model is the estimate.
+
+``StepTimer`` turns when a step was scheduled and when its output came back into the seconds the
+step ran, for engines that schedule the next step while one runs (vLLM's async scheduling).
+
+Threading contract: ``ReadRate`` and ``PrefillEstimator`` take their own lock in every method, so
+one thread may observe while another reads the estimate. ``StepTimer`` is not thread-safe: its
+owner (the engine's scheduler thread) calls it. ``PrefillModel`` is a frozen value.
+"""
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import astuple, dataclass
+
+from tiered_kv.errors import ConfigError
+
+#: Weight of the newest read in a tier's read-rate average.
+EWMA_NEW = 0.2
+#: A request that computes this many tokens or fewer in a step is decoding (speculative decoding: a few).
+DECODE_TOKENS = 16
+#: Steps the fit keeps, and the age (in samples) at which a sample weighs half as much as the newest.
+WINDOW, HALF_LIFE = 128, 32.0
+#: Samples before the fit replaces the start model; then it is refitted every ``REFIT_EVERY`` new samples
+#: (a fit costs a few ms of Python: at most one every 8 prefill steps on the caller's thread).
+MIN_SAMPLES, REFIT_EVERY = 8, 8
+#: Ridge weight toward the start model, per unit of (equilibrated) sample weight.
+RIDGE = 1e-3
+#: Tukey's biweight constant (95% efficiency under normal noise), the rounds of reweighting, and the
+#: smallest residual scale (relative): below 1% noise every sample is trusted as if it had 1%.
+TUKEY_C, ROUNDS, MIN_SCALE = 4.685, 4, 0.01
+
+
+def _positive(name: str, v: object) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+        raise ConfigError(f"{name}: expected a number > 0, got {v!r}")
+    return float(v)
+
+
+# ---------------------------------------------------------------------------------------------- read rate
+
+class ReadRate:
+    """One tier's read-rate estimate (GB/s): ``start``, then an exponential average of observed reads."""
+
+    def __init__(self, start_gbps: float, fixed: bool = False, weight: float = EWMA_NEW) -> None:
+        self._gbps = _positive("read rate (GB/s)", start_gbps)
+        self.fixed = bool(fixed)
+        self.weight = float(weight)
+        self._reads = 0
+        self._lock = threading.Lock()
+
+    @property
+    def gbps(self) -> float:
+        """The current estimate (GB/s)."""
+        with self._lock:
+            return self._gbps
+
+    @property
+    def reads(self) -> int:
+        """Reads folded in so far (0 while ``fixed``)."""
+        with self._lock:
+            return self._reads
+
+    def seconds(self, nbytes: float) -> float:
+        """Seconds to read ``nbytes`` at the current estimate."""
+        return nbytes / (self.gbps * 1e9)
+
+    def observe(self, nbytes: int, seconds: float) -> None:
+        """A read moved ``nbytes`` in ``seconds``: fold its rate in (ignored if either is not > 0, or ``fixed``)."""
+        if nbytes <= 0 or seconds <= 0 or self.fixed:
+            return
+        gbps = nbytes / seconds / 1e9
+        with self._lock:
+            self._gbps = (1 - self.weight) * self._gbps + self.weight * gbps
+            self._reads += 1
+
+
+# ---------------------------------------------------------------------------------------------- prefill model
+
+def features(parts: Iterable[tuple[int, int]]) -> tuple[float, float, float, float]:
+    """The model's features of one forward: ``(1, tokens, query-key pairs, KV entries read)`` summed over
+    ``parts``, each ``(tokens computed, context before them)`` of one request; parts with no tokens are skipped."""
+    n_tot = pairs = reads = 0
+    for n, c in parts:
+        if n > 0:
+            n_tot += n
+            pairs += n * c + n * (n + 1) // 2
+            reads += c + n
+    return 1.0, float(n_tot), float(pairs), float(reads)
+
+
+@dataclass(frozen=True)
+class PrefillModel:
+    """Seconds a forward takes: ``overhead_s + s_per_token*n + s_per_pair*pairs + s_per_read*reads`` (module doc)."""
+
+    overhead_s: float
+    s_per_token: float
+    s_per_pair: float
+    s_per_read: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name, v in zip(("overhead_s", "s_per_token", "s_per_pair", "s_per_read"), astuple(self)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+                raise ConfigError(f"prefill model: {name} must be a number >= 0, got {v!r}")
+        if self.s_per_token <= 0:
+            raise ConfigError(f"prefill model: s_per_token must be > 0, got {self.s_per_token!r}")
+
+    @classmethod
+    def from_rate(cls, tokens_per_s: float, half_rate_context: float, overhead_s: float = 0.0) -> "PrefillModel":
+        """A start model from two numbers a user knows: the prefill rate at short context (tokens/s), and the
+        context at which attention halves it (a token attending to that many others costs twice as much)."""
+        per_token = 1.0 / _positive("prefill_tokens_per_s", tokens_per_s)
+        return cls(float(overhead_s), per_token, per_token / _positive("prefill_half_rate_context", half_rate_context))
+
+    def coefficients(self) -> tuple[float, float, float, float]:
+        """``(overhead_s, s_per_token, s_per_pair, s_per_read)``, in the order of ``features``."""
+        return astuple(self)
+
+    def step_seconds(self, parts: Iterable[tuple[int, int]]) -> float:
+        """Seconds of one forward computing ``parts`` (``(tokens, context)`` per request); 0 if it computes none."""
+        x = features(parts)
+        if x[1] == 0:
+            return 0.0
+        return sum(a * b for a, b in zip(x, self.coefficients()))
+
+    def seconds(self, tokens: int, context: int) -> float:
+        """Seconds to compute ``tokens`` tokens after ``context`` cached ones, in one forward (0 for no tokens)."""
+        return self.step_seconds(((tokens, context),))
+
+    def tokens_per_s(self, tokens: int, context: int) -> float:
+        """The rate of a forward computing ``tokens`` after ``context`` (tokens/s)."""
+        return tokens / self.seconds(tokens, context)
+
+
+# ---------------------------------------------------------------------------------------------- estimator
+
+class PrefillEstimator:
+    """The prefill model in use: the start model, then a robust fit to the last steps timed (module doc)."""
+
+    def __init__(self, start: PrefillModel, fixed: bool = False, window: int = WINDOW,
+                 half_life: float = HALF_LIFE, min_samples: int = MIN_SAMPLES) -> None:
+        if window < min_samples or min_samples < 1 or half_life <= 0:
+            raise ConfigError(f"prefill estimator: window {window} must hold min_samples {min_samples} >= 1, "
+                              f"half_life {half_life} must be > 0")
+        self.start = start
+        self.fixed = bool(fixed)
+        self.half_life = float(half_life)
+        self.min_samples = int(min_samples)
+        self._samples: deque[tuple[tuple[float, ...], float]] = deque(maxlen=int(window))
+        self._model = start
+        self._pending = 0  # samples since the last fit
+        self._observed = self._skipped = self._outliers = 0
+        self._lock = threading.Lock()
+
+    def observe(self, tokens: int, context: int, seconds: float) -> None:
+        """One forward computed ``tokens`` tokens after ``context`` cached ones in ``seconds``."""
+        self.observe_step(((tokens, context),), seconds)
+
+    def observe_step(self, parts: Sequence[tuple[int, int]], seconds: float) -> None:
+        """One forward computed ``parts`` (``(tokens, context)`` per request) in ``seconds``. Skipped: ``fixed``,
+        no time, or only decode tokens (``DECODE_TOKENS`` or fewer per request)."""
+        if self.fixed or seconds <= 0:
+            return
+        if not any(n > DECODE_TOKENS for n, _ in parts):
+            with self._lock:
+                self._skipped += 1
+            return
+        x = features(parts)
+        with self._lock:
+            self._samples.append((x, float(seconds)))
+            self._observed += 1
+            self._pending += 1
+
+    def model(self) -> PrefillModel:
+        """The estimate in use: the start model while ``fixed`` or with fewer than ``min_samples``, else the fit
+        (refitted, under the lock, once ``REFIT_EVERY`` samples came since the last fit)."""
+        with self._lock:
+            held = len(self._samples)
+            if held >= self.min_samples and (self._pending >= REFIT_EVERY or self._model is self.start) \
+                    and self._pending:
+                self._model, self._outliers = _fit(list(self._samples), self.start, self.half_life)
+                self._pending = 0
+            return self._model
+
+    def report(self) -> dict:
+        """``source`` (``fixed``, ``start`` or ``online``), the model's coefficients, samples observed, decode-only
+        steps skipped, and the samples the last fit gave no weight (outliers)."""
+        m = self.model()
+        with self._lock:
+            source = "fixed" if self.fixed else ("online" if len(self._samples) >= self.min_samples else "start")
+            return {"source": source, "model": m, "samples": self._observed, "skipped_decode_steps": self._skipped,
+                    "outliers": self._outliers}
+
+
+def _fit(samples: list[tuple[tuple[float, ...], float]], start: PrefillModel,
+         half_life: float) -> tuple[PrefillModel, int]:
+    """Robust, recency-weighted, non-negative ridge fit of ``samples`` (features, seconds); and the outliers."""
+    n = len(samples)
+    recency = [0.5 ** ((n - 1 - i) / half_life) for i in range(n)]
+    theta = start.coefficients()
+    robust = [1.0] * n
+    for _ in range(ROUNDS):
+        # relative errors: weigh each sample by 1 / (its predicted time)^2, from the previous round's model
+        pred = [max(_dot(x, theta), 1e-12) for x, _ in samples]
+        w = [recency[i] * robust[i] / pred[i] ** 2 for i in range(n)]
+        theta = _ridge_nonneg(samples, w, start.coefficients())
+        rel = [(t - _dot(x, theta)) / max(_dot(x, theta), 1e-12) for x, t in samples]
+        scale = max(MIN_SCALE, 1.4826 * _weighted_median([abs(r) for r in rel], recency))
+        robust = [max(0.0, 1 - (r / (TUKEY_C * scale)) ** 2) ** 2 for r in rel]
+    theta = (theta[0], max(theta[1], start.s_per_token * 1e-6), theta[2], theta[3])  # a model needs a token cost
+    return PrefillModel(*theta), sum(1 for r in robust if r == 0.0)
+
+
+def _dot(a: Sequence[float], b: Sequence[float]) -> float:
+    return sum(x * y for x, y in zip(a, b))
+
+
+def _weighted_median(values: list[float], weights: list[float]) -> float:
+    pairs = sorted(zip(values, weights))
+    half, acc = sum(weights) / 2, 0.0
+    for v, w in pairs:
+        acc += w
+        if acc >= half:
+            return v
+    return pairs[-1][0] if pairs else 0.0
+
+
+def _ridge_nonneg(samples: list[tuple[tuple[float, ...], float]], w: list[float],
+                  prior: tuple[float, ...]) -> tuple[float, ...]:
+    """Weighted least squares with a small ridge toward ``prior`` (columns equilibrated), coefficients >= 0:
+    a coefficient that comes out negative is fixed at 0 and the rest refitted."""
+    k = len(prior)
+    active = [j for j in range(k) if any(x[j] for x, _ in samples)]
+    while True:
+        theta = _ridge(samples, w, prior, active)
+        neg = [j for j in active if theta[j] < 0]
+        if not neg:
+            return tuple(theta)
+        active.remove(min(neg, key=lambda j: theta[j]))
+
+
+def _ridge(samples, w, prior, active: list[int]) -> list[float]:
+    k = len(active)
+    a = [[0.0] * k for _ in range(k)]
+    b = [0.0] * k
+    for (x, t), wi in zip(samples, w):  # one pass: the normal equations of the active columns
+        xs = [x[j] for j in active]
+        for i in range(k):
+            wx = wi * xs[i]
+            b[i] += wx * t
+            row = a[i]
+            for j in range(i, k):
+                row[j] += wx * xs[j]
+    s = [a[i][i] ** 0.5 or 1.0 for i in range(k)]
+    # equilibrated (unit diagonal: u = s * theta), so RIDGE is a fraction of the samples' weight in each column
+    for i in range(k):
+        for j in range(i, k):
+            a[i][j] /= s[i] * s[j]
+            a[j][i] = a[i][j]
+        b[i] = b[i] / s[i] + RIDGE * prior[active[i]] * s[i]
+        a[i][i] += RIDGE
+    u = _solve(a, b)
+    theta = [0.0] * len(prior)
+    for i, j in enumerate(active):
+        theta[j] = u[i] / s[i]
+    return theta
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """Gaussian elimination with partial pivoting (a small, ridge-regularized, so non-singular, system)."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        piv = max(range(col, n), key=lambda r: abs(m[r][col]))
+        m[col], m[piv] = m[piv], m[col]
+        for r in range(col + 1, n):
+            f = m[r][col] / m[col][col]
+            for c in range(col, n + 1):
+                m[r][c] -= f * m[col][c]
+    out = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        out[r] = (m[r][n] - sum(m[r][c] * out[c] for c in range(r + 1, n))) / m[r][r]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- step timer
+
+class StepTimer:
+    """The seconds each step ran, from when it was scheduled and when its output arrived.
+
+    A step starts when it was scheduled or when the step before it finished, whichever is later (with
+    async scheduling the next step is scheduled while one runs; after an idle engine, it starts when
+    scheduled), and ends when its output arrives. Feed ``finished``'s answer to
+    ``PrefillEstimator.observe_step``.
+    """
+
+    def __init__(self) -> None:
+        self._pending: dict[int, tuple[float, list[tuple[int, int]]]] = {}
+        self._last_end = float("-inf")
+
+    def scheduled(self, step: int, parts: Sequence[tuple[int, int]], now: float) -> None:
+        """Step ``step`` was scheduled at ``now`` (monotonic seconds) to compute ``parts`` ((tokens, context) each)."""
+        self._pending[step] = (now, list(parts))
+
+    def finished(self, step: int, now: float) -> tuple[list[tuple[int, int]], float] | None:
+        """Step ``step``'s output arrived at ``now``: its parts and the seconds it ran (None for an unknown step)."""
+        got = self._pending.pop(step, None)
+        for old in [s for s in self._pending if s < step]:  # a step whose output never came (aborted): forget it
+            del self._pending[old]
+        if got is None:
+            return None
+        start = max(got[0], self._last_end)
+        self._last_end = now
+        return got[1], max(0.0, now - start)
