@@ -18,7 +18,9 @@ Rules it keeps, with its keeper (DESIGN invariants 1, 2, 5):
   demotion into a best-effort tier (disk, remote: ``TierSpec.best_effort``), which drops the
   source (counted) so a sick medium below never stops puts into the tiers above;
 - capacity is a hard limit: a put that finds a full tier evicts by policy, waits for the
-  eviction to commit, and is refused (False) if nothing can be evicted.
+  eviction to commit, and is refused (False) if nothing can be evicted;
+- a block that lands in a governed tier with a tier below it (a host pool above a disk) is copied
+  one tier down at once: the medium evicts by itself and cannot demote what it drops.
 
 Tiers are numbered 0 (fastest) .. n-1. ``EXT`` (-1) is the caller's side of a job.
 
@@ -428,6 +430,8 @@ class TierChain:
                     jobs += self._prefetch_step(key, ctx, dst)
                 else:
                     self._item_done(ctx[0], ctx[1], False)
+        if ok and self.specs[dst].governed:  # its medium may drop it any time and demotes nothing: keep one below
+            jobs += self._copy_down(key, dst)
         return jobs
 
     # ------------------------------------------------------------------ internals
