@@ -128,28 +128,18 @@ class IndexedTier(Tier):
         A key whose record another namespace owns is refused (False), never overwritten or shared.
         """
         ok, fresh, claimed, evicted = self._claim(keys)
-        written: list[tuple[bytes, int, bytes]] = []  # (key, slot, packed header)
-        written_items: list[int] = []
-        failed_slots: list[int] = []
+        headers: dict[int, RecordHeader | None] = {}
         fp = self.layout.fingerprint
         for i, slot in zip(fresh, claimed):
             row = rows[i]
-            raw = (row if row.device.type == "cpu" else row.cpu()).numpy()
             try:
-                hdr = self.slots.write(slot, raw, fp)
+                headers[i] = self.slots.write(slot, (row if row.device.type == "cpu" else row.cpu()).numpy(), fp)
             except OSError as exc:
                 self.faults.fault(self._source, f"write of slot {slot} failed: {exc}")
-                ok[i] = False
-                failed_slots.append(slot)
-                continue
-            written.append((keys[i], slot, hdr.pack(keys[i])))
-            written_items.append(i)
-        if self.sync and written:
+                headers[i] = None
+        if self.sync and any(h is not None for h in headers.values()):
             self.slots.datasync()  # payloads on stable storage before any header that points at them
-        if not self.index.commit(written, failed_slots):
-            for i in written_items:
-                ok[i] = False
-        return ok, evicted
+        return self._commit(keys, ok, list(zip(fresh, claimed)), headers), evicted
 
     def _claim(self, keys: Sequence[bytes]) -> tuple[list[bool], list[int], list[int], list[bytes]]:
         """Claim slots for the ``keys`` that have no record yet, in one write txn (evicting when ``evicts``).
@@ -185,6 +175,27 @@ class IndexedTier(Tier):
         for i in fresh[len(claimed):]:
             ok[i] = False  # no room within the budget (or the medium is full)
         return ok, fresh, claimed, evicted
+
+    def _commit(self, keys: Sequence[bytes], ok: list[bool], items: list[tuple[int, int]],
+                headers: dict[int, RecordHeader | None]) -> list[bool]:
+        """End the claims ``items`` (``(i, slot)``: ``keys[i]`` claimed ``slot``) in one write txn: a slot whose
+        ``headers[i]`` is a header becomes ``keys[i]``'s record, one whose header is None (its write failed)
+        goes back to the free list. Returns ``ok`` with every item that did not become a record set False."""
+        written: list[tuple[bytes, int, bytes]] = []  # (key, slot, packed header)
+        written_items: list[int] = []
+        failed_slots: list[int] = []
+        for i, slot in items:
+            hdr = headers.get(i)
+            if hdr is None:
+                ok[i] = False
+                failed_slots.append(slot)
+            else:
+                written.append((keys[i], slot, hdr.pack(keys[i])))
+                written_items.append(i)
+        if not self.index.commit(written, failed_slots):
+            for i in written_items:
+                ok[i] = False
+        return ok
 
     def _recover_if_due(self) -> None:
         """Every ``recover_every_s``: give dead writers' claims back and drop dead readers' leases."""
@@ -251,11 +262,16 @@ class IndexedTier(Tier):
             self.slots.read(hdr, dst)
             return True
         except (RecordError, OSError) as exc:
-            if not self.index.still_same(key, raw):
-                return None  # another process deleted it meanwhile: a plain miss
-            log.warning("%s: dropping damaged record %s: %s", self.where, key.hex()[:16], exc)
-            self.index.drop_damaged(key, self.slots.slot_count())
+            return False if self._drop_damaged(key, raw, exc) else None
+
+    def _drop_damaged(self, key: bytes, raw: bytes, exc: Exception) -> bool:
+        """``key``'s record (header ``raw``) failed its checks: drop it and say True, or say False when another
+        process deleted or replaced it meanwhile (a plain miss, not damage)."""
+        if not self.index.still_same(key, raw):
             return False
+        log.warning("%s: dropping damaged record %s: %s", self.where, key.hex()[:16], exc)
+        self.index.drop_damaged(key, self.slots.slot_count())
+        return True
 
     def header(self, key: bytes, raw: bytes) -> RecordHeader | None:
         """Parse ``key``'s stored header ``raw`` and check it fits this tier; None when it was written for another
