@@ -218,3 +218,16 @@ def test_a_governed_tier_at_the_bottom_copies_nothing():
     c = chain(cpu=1)
     jobs = run_all(c, c.put([K(0), K(1), K(2)], 1))
     assert not any(j.kind is JobKind.COPY_DOWN for j in jobs)
+
+
+def test_a_put_the_governed_tier_refuses_lands_in_the_tier_below():
+    """The pool had no room it may take (every slot read by other processes, or ours on their way down): the put
+    goes to the disk instead of being refused; refused only when the disk refuses too."""
+    c = pool_chain()
+    jobs = run_all(c, c.put([K(i) for i in range(4)], 1), fail=lambda j: j.kind is JobKind.INGRESS and j.dst_tier == 0)
+    assert dict(c.take_finished())[1] == [True] * 4 and c.counters.puts_refused == 0
+    assert [(j.dst_tier, len(j)) for j in jobs if j.kind is JobKind.INGRESS] == [(0, 4)] + [(1, 1)] * 4
+    assert c.locate([K(i) for i in range(4)]) == [1] * 4 and c.resident(0) == 0
+    run_all(c, c.put([K(9)], 2), fail=lambda j: j.kind is JobKind.INGRESS)
+    assert dict(c.take_finished())[2] == [False] and c.locate([K(9)]) == [None]
+    assert c.waiting() == 0 and c.inflight() == 0 and c.used == [0, 4]

@@ -258,6 +258,23 @@ class TieredStore:
             return len(fresh)
         return 0
 
+    def _forget_evicted(self, keys: list[bytes]) -> None:
+        """Before a read: forget the copies of ``keys`` that other processes evicted from a shared medium with a
+        tier below it (a host pool above a disk), so the read goes to the copy below instead of missing. One
+        read txn per such medium; an eviction between this and the read's lease is still a plain miss."""
+        for t in self._shared:
+            if not self.tiers[t].governed or t + 1 == len(self.tiers):
+                continue  # no evictions by others, or nothing below (a record gone is a miss either way)
+            with self._lock:
+                mine = [k for k, w in zip(keys, self.chain.locate(keys)) if w == t]
+            if not mine:
+                continue
+            gone = [k for k, held in zip(mine, self.tiers[t].has(mine)) if not held]
+            if gone:
+                with self._lock:
+                    jobs = self.chain.forget(t, gone)
+                self._submit(jobs)
+
     def _check_buffer(self, name: str, buf: torch.Tensor, n: int) -> torch.Tensor:
         if not isinstance(buf, torch.Tensor):
             raise InvalidInputError(f"{name} must be a torch.Tensor, got {type(buf).__name__}")
@@ -322,6 +339,7 @@ class TieredStore:
         self._sync_remote()
         rows = self._check_buffer("out", out, len(keys))
         self._discover(keys)
+        self._forget_evicted(keys)
         return self._start("get", keys, rows, lambda hid: self.chain.get(keys, hid)[::-1])
 
     def prefetch(self, keys: Sequence[bytes], to: str | int = 0) -> Handle:
@@ -331,6 +349,7 @@ class TieredStore:
         self._sync_remote()
         target = self.chain.tier_index(to)
         self._discover(keys)
+        self._forget_evicted(keys)
         return self._start("prefetch", keys, None, lambda hid: self.chain.prefetch(keys, target, hid)[::-1])
 
     def _start(self, kind: str, keys: list[bytes], rows: torch.Tensor | None, plan) -> Handle:

@@ -1,0 +1,35 @@
+"""Host pools for the tests: unique names in the real ``/dev/shm``, and a check that none is left behind.
+
+Pools live in ``/dev/shm/tiered_kv-<uid>/``, shared by every test run of this user on the machine (other
+engineers' runs too), so each test's pool name carries the pid and a counter: two runs never meet.
+``pool_spec(tag)`` makes such a name; ``pool_path(spec)`` is where it lives; ``assert_gone(spec)`` checks
+that the last close (or a test's cleanup) removed it.
+
+Threading contract: test code; ``pool_spec`` may be called from any thread (``itertools.count``).
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import re
+from pathlib import Path
+
+from tiered_kv.tiers.pool import SHM_DIR, pool_name
+
+_seq = itertools.count()
+
+
+def pool_spec(tag: str = "t") -> str:
+    """A ``cpu_pool`` value no other test (nor another run) uses: ``host:tkvtest-<tag>-<pid>-<n>``."""
+    tag = re.sub(r"[^A-Za-z0-9._-]", "-", tag)[:24]
+    return f"host:tkvtest-{tag}-{os.getpid()}-{next(_seq)}"
+
+
+def pool_path(spec: str) -> Path:
+    """The directory of pool ``spec``."""
+    return Path(SHM_DIR) / f"tiered_kv-{os.getuid()}" / pool_name(spec)
+
+
+def assert_gone(spec: str) -> None:
+    """The pool's directory (and so its memory) is gone."""
+    assert not pool_path(spec).exists(), f"{pool_path(spec)} was left behind"
