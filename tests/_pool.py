@@ -33,3 +33,23 @@ def pool_path(spec: str) -> Path:
 def assert_gone(spec: str) -> None:
     """The pool's directory (and so its memory) is gone."""
     assert not pool_path(spec).exists(), f"{pool_path(spec)} was left behind"
+
+
+def mapping_usage(path: Path, pid: int | str = "self") -> dict[str, int]:
+    """How process ``pid`` holds the mapping of file ``path`` (summed over its mappings), in bytes, from
+    ``/proc/<pid>/smaps``: ``Rss``, ``Pss``, ``Shared_Clean``, ``Shared_Dirty``, ``Private_Clean``,
+    ``Private_Dirty``, and ``mappings``. Shared pages count in every mapper's Rss and 1/n in its Pss."""
+    fields = ("Rss", "Pss", "Shared_Clean", "Shared_Dirty", "Private_Clean", "Private_Dirty")
+    out = dict.fromkeys(fields, 0)
+    out["mappings"] = 0
+    inside = False
+    target = str(path)
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):  # a mapping's first line
+                inside = len(head) >= 6 and head[5] == target
+                out["mappings"] += inside
+            elif inside and head and head[0].rstrip(":") in fields:
+                out[head[0].rstrip(":")] += int(head[1]) * 1024
+    return out

@@ -78,6 +78,13 @@ def disk_config(path, disk_bytes: int = 64 << 20, **over) -> dict:
     return cfg
 
 
+def pool_config(spec: str, blocks: int, model: str = "reliability", **over) -> dict:
+    """A store whose only tier is the host pool ``spec`` of ``blocks`` blocks (the same in every process)."""
+    cfg = {"block_shape": list(SHAPE), "dtype": DTYPE, "cpu_bytes": blocks * NBYTES, "cpu_pool": spec, "model": model}
+    cfg.update(over)
+    return cfg
+
+
 def child_env() -> dict:
     """Environment for child processes: the repo on sys.path, quiet logs, one torch thread."""
     env = dict(os.environ)
