@@ -109,6 +109,21 @@ def slope(xs, ys) -> float:
     return 0.0 if var == 0 else sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var
 
 
+def put_or_get(store, keys, st: dict, put: bool) -> None:
+    """One step of a worker sharing a budget: put ``keys`` (counting ``puts`` and ``put_ok`` in ``st``) or get them
+    back (counting ``gets``, and each block returned as ``served`` when bit-exact, else ``wrong``)."""
+    if put:
+        res = store.put(keys, blocks_of(keys)).wait(30)
+        st["puts"] += len(keys)
+        st["put_ok"] += sum(res)
+        return
+    out = torch.empty((len(keys), *SHAPE), dtype=TORCH_DTYPE)
+    n = store.get(keys, out).wait(30)
+    st["gets"] += len(keys)
+    for k, b in zip(keys[:n], out[:n]):
+        st["served" if matches(k, b) else "wrong"] += 1
+
+
 def read_all(store, keys, batch: int = 64):
     """Read every key that ``store.contains`` reports; returns (served, wrong, missing) key lists.
 

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests._pool import mapping_usage  # noqa: E402
 from tests.reliability._common import (NBYTES, SHAPE, TORCH_DTYPE, blocks_of, content_bytes, key_of,  # noqa: E402
-                                       matches, pool_config)
+                                       matches, pool_config, put_or_get)
 
 
 def say(line: str) -> None:
@@ -107,23 +107,16 @@ def budget(spec: str, blocks: str, model: str, wid: str, seconds: str, seed: str
     rng = random.Random(int(seed))
     store = open_store(spec, blocks, model)
     space, nkeys = model.encode(), 300
-    st = {"wid": int(wid), "model": model, "puts": 0, "put_ok": 0, "served": 0, "wrong": 0, "leased_reads": 0,
-          "vanished_mid_read": 0, "errors": []}
+    st = {"wid": int(wid), "model": model, "puts": 0, "put_ok": 0, "gets": 0, "served": 0, "wrong": 0,
+          "leased_reads": 0, "vanished_mid_read": 0, "errors": []}
     say("READY")
     deadline = time.monotonic() + float(seconds)
     while time.monotonic() < deadline:
         keys = [key_of(i, space) for i in rng.sample(range(nkeys), rng.randint(1, 8))]
         op = rng.random()
         try:
-            if op < 0.5:
-                res = store.put(keys, blocks_of(keys)).wait(30)
-                st["puts"] += len(keys)
-                st["put_ok"] += sum(res)
-            elif op < 0.85:
-                out = torch.empty((len(keys), *SHAPE), dtype=TORCH_DTYPE)
-                got = store.get(keys, out).wait(30)
-                for k, b in zip(keys[:got], out[:got]):
-                    st["served" if matches(k, b) else "wrong"] += 1
+            if op < 0.85:
+                put_or_get(store, keys, st, put=op < 0.5)
             else:  # a slow read of the shared pages under leases, while the others keep evicting
                 with store.pool.lease(keys) as held:
                     time.sleep(0.05)
