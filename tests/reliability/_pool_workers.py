@@ -18,7 +18,9 @@ unless a model is named), and says what it did in whole lines on stdout (a SIGKI
   every 20 samples and at the end.
 - ``claim_hang SPEC BLOCKS N``: reserves N slots (key space ``torn``), fills half of each, ``CLAIMED <slots>``,
   sleeps (SIGKILLed mid-write).
-- ``put_loop SPEC BLOCKS SEED``: puts batches at full speed; ``A <ids>`` after each acknowledged put.
+- ``put_loop SPEC BLOCKS SEED``: stores batches at full speed, one in five through ``put``, the others written
+  in place (``reserve``, the bytes made in the reserved slots, ``publish``: most of its time between claim and
+  commit, so a kill at a random moment is mostly mid-write); ``A <ids>`` after each acknowledged batch.
 - ``lease_hang SPEC BLOCKS N``: leases blocks ``0..N-1`` of key space ``held``, checks them,
   ``LEASED <hits>``, sleeps (SIGKILLed holding the leases).
 
@@ -168,6 +170,8 @@ def claim_hang(spec: str, blocks: str, n: str) -> None:
 
 
 def put_loop(spec: str, blocks: str, seed: str) -> None:
+    import torch
+
     rng = random.Random(int(seed))
     store = open_store(spec, blocks)
     say("READY")
@@ -176,7 +180,14 @@ def put_loop(spec: str, blocks: str, seed: str) -> None:
         ids = list(range(nxt, nxt + rng.randint(1, 16)))
         nxt = ids[-1] + 1
         keys = [key_of(i, b"loop") for i in ids]
-        res = store.put(keys, blocks_of(keys)).wait(60)
+        if rng.random() < 0.2:
+            res = store.put(keys, blocks_of(keys)).wait(60)
+        else:  # in place, as the GPU edge will: the bytes are made inside the reserved slots, then published
+            held = store.pool.reserve(keys)
+            for k, v in zip(keys, held.views):
+                if v is not None:
+                    v.copy_(torch.frombuffer(bytearray(content_bytes(k)), dtype=torch.uint8))
+            res = store.pool.publish(held)
         say("A " + " ".join(str(i) for i, r in zip(ids, res) if r))
 
 
