@@ -82,3 +82,18 @@ def test_a_store_asking_another_size_is_refused_and_leaks_nothing():
 def test_bad_pool_config_is_refused(over, match):
     with pytest.raises(ConfigError, match=match):
         TieredStore(cfg(pool_spec("bad"), 8, **over))
+
+
+def test_a_gpu_tier_demotes_into_the_pool_and_a_disk_below_gets_each_block(tmp_path):
+    """GPU slab (a CPU tensor without CUDA) -> host pool -> disk: blocks the GPU tier evicts go into the pool
+    (governed, never waited for) and on to the disk; all read back bit-exact."""
+    spec = pool_spec("gpu")
+    with TieredStore(cfg(spec, 4, gpu_bytes=2 * 1024, disk_path=str(tmp_path / "d"), disk_bytes=64 * 4096)) as s:
+        keys, data = s.keys_for_tokens(list(range(4 * 10))), blocks(10, seed=3)
+        assert s.put(keys, data).wait(30) == [True] * 10 and s.drain(30)
+        st = s.stats()["tiers"]
+        assert st["gpu"]["resident_blocks"] == 2 and st["disk"]["resident_blocks"] == 8
+        assert 1 <= st["cpu"]["resident_blocks"] <= 4
+        out = torch.zeros_like(data)
+        assert s.get(keys, out).wait(30) == 10 and torch.equal(out, data)
+    assert_gone(spec)
