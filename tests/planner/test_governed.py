@@ -176,3 +176,58 @@ def test_forget_unreadable_copies_is_not_counted_as_vanished():
     assert c.locate([K(0)]) == [1]
     run_all(c, c.forget(1, [K(0)], unreadable=True))  # a node down: the owner chose to recompute instead
     assert c.locate([K(0)]) == [None] and c.tier_counters[1].vanished == 0 and c.resident(1) == 0
+
+
+def pool_chain(*above: TierSpec) -> TierChain:
+    """``above`` (a GPU slab, or nothing) -> a governed host pool -> a disk the planner manages."""
+    return TierChain([*above, TierSpec("cpu", 2, slotted=False, governed=True), TierSpec("disk", 64, slotted=False)])
+
+
+def test_a_governed_tier_at_index_0_takes_every_put_and_copies_each_block_down_at_once():
+    """A host pool as the fastest tier (the Python API with ``cpu_pool`` and no GPU tier): its capacity is
+    informative (the pool is shared), puts never wait there, and every block that lands is copied to the disk
+    at once, so the pool's own evictions (``Completion.evicted``) lose nothing."""
+    c = pool_chain()
+    jobs = run_all(c, c.put([K(i) for i in range(6)], 1))
+    assert dict(c.take_finished())[1] == [True] * 6 and c.counters.puts_refused == 0
+    downs = [(j.src_tier, j.dst_tier, k) for j in jobs if j.kind is JobKind.COPY_DOWN for k in j.keys]
+    assert sorted(downs) == sorted((0, 1, K(i)) for i in range(6))
+    assert not any(j.kind in (JobKind.DEMOTE, JobKind.DELETE) for j in jobs)  # the pool evicts by itself
+    assert c.locate([K(i) for i in range(6)]) == [0] * 6 and c.resident(1) == 6
+    c.forget(0, [K(0), K(1)])  # the pool dropped two for another process's writes: the disk still has them
+    n, jobs = c.get([K(0), K(1), K(2)], 2)
+    assert n == 3 and c.locate([K(0)]) == [1]
+    jobs = run_all(c, jobs)
+    promoted = [k for j in jobs if j.kind is JobKind.PROMOTE and (j.src_tier, j.dst_tier) == (1, 0) for k in j.keys]
+    assert sorted(promoted) == sorted([K(0), K(1)])
+    assert not any(j.kind is JobKind.COPY_DOWN for j in jobs)  # promoted copies have theirs below already
+    assert c.locate([K(0), K(1)]) == [0, 0] and c.waiting() == 0 and c.inflight() == 0 and c.pinned() == 0
+
+
+def test_demotions_into_a_governed_middle_tier_are_copied_down_too():
+    """GPU slab -> host pool -> disk: a block the GPU tier demotes into the pool goes on to the disk."""
+    c = pool_chain(TierSpec("gpu", 1))
+    jobs = run_all(c, c.put([K(i) for i in range(3)], 1))
+    assert [(j.kind, j.src_tier, j.dst_tier) for j in jobs if j.kind is not JobKind.INGRESS].count(
+        (JobKind.COPY_DOWN, 1, 2)) == 2
+    assert c.locate([K(0), K(1), K(2)]) == [1, 1, 0] and c.resident(2) == 2
+    assert c.waiting() == 0 and c.inflight() == 0
+
+
+def test_a_governed_tier_at_the_bottom_copies_nothing():
+    c = chain(cpu=1)
+    jobs = run_all(c, c.put([K(0), K(1), K(2)], 1))
+    assert not any(j.kind is JobKind.COPY_DOWN for j in jobs)
+
+
+def test_a_put_the_governed_tier_refuses_lands_in_the_tier_below():
+    """The pool had no room it may take (every slot read by other processes, or ours on their way down): the put
+    goes to the disk instead of being refused; refused only when the disk refuses too."""
+    c = pool_chain()
+    jobs = run_all(c, c.put([K(i) for i in range(4)], 1), fail=lambda j: j.kind is JobKind.INGRESS and j.dst_tier == 0)
+    assert dict(c.take_finished())[1] == [True] * 4 and c.counters.puts_refused == 0
+    assert [(j.dst_tier, len(j)) for j in jobs if j.kind is JobKind.INGRESS] == [(0, 4)] + [(1, 1)] * 4
+    assert c.locate([K(i) for i in range(4)]) == [1] * 4 and c.resident(0) == 0
+    run_all(c, c.put([K(9)], 2), fail=lambda j: j.kind is JobKind.INGRESS)
+    assert dict(c.take_finished())[2] == [False] and c.locate([K(9)]) == [None]
+    assert c.waiting() == 0 and c.inflight() == 0 and c.used == [0, 4]

@@ -78,6 +78,13 @@ def disk_config(path, disk_bytes: int = 64 << 20, **over) -> dict:
     return cfg
 
 
+def pool_config(spec: str, blocks: int, model: str = "reliability", **over) -> dict:
+    """A store whose only tier is the host pool ``spec`` of ``blocks`` blocks (the same in every process)."""
+    cfg = {"block_shape": list(SHAPE), "dtype": DTYPE, "cpu_bytes": blocks * NBYTES, "cpu_pool": spec, "model": model}
+    cfg.update(over)
+    return cfg
+
+
 def child_env() -> dict:
     """Environment for child processes: the repo on sys.path, quiet logs, one torch thread."""
     env = dict(os.environ)
@@ -100,6 +107,21 @@ def slope(xs, ys) -> float:
     mx, my = sum(xs) / n, sum(ys) / n
     var = sum((x - mx) ** 2 for x in xs)
     return 0.0 if var == 0 else sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var
+
+
+def put_or_get(store, keys, st: dict, put: bool) -> None:
+    """One step of a worker sharing a budget: put ``keys`` (counting ``puts`` and ``put_ok`` in ``st``) or get them
+    back (counting ``gets``, and each block returned as ``served`` when bit-exact, else ``wrong``)."""
+    if put:
+        res = store.put(keys, blocks_of(keys)).wait(30)
+        st["puts"] += len(keys)
+        st["put_ok"] += sum(res)
+        return
+    out = torch.empty((len(keys), *SHAPE), dtype=TORCH_DTYPE)
+    n = store.get(keys, out).wait(30)
+    st["gets"] += len(keys)
+    for k, b in zip(keys[:n], out[:n]):
+        st["served" if matches(k, b) else "wrong"] += 1
 
 
 def read_all(store, keys, batch: int = 64):

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 from tests.reliability._common import (SHAPE, TORCH_DTYPE, blocks_of, disk_config, key_of,  # noqa: E402
-                                       matches)
+                                       matches, put_or_get)
 from tiered_kv.errors import TieredKVError  # noqa: E402
 from tiered_kv.store.tiered_store import TieredStore  # noqa: E402
 
@@ -146,16 +146,8 @@ def budget_worker(path: str, model: str, wid: str, seconds: str, seed: str, budg
         try:
             keys = [key_of(i, space) for i in rng.sample(range(nkeys), rng.randint(1, 8))]
             op = rng.random()
-            if op < 0.5:
-                res = store.put(keys, blocks_of(keys)).wait(30)
-                st["puts"] += len(keys)
-                st["put_ok"] += sum(res)
-            elif op < 0.85:
-                out = torch.empty((len(keys), *SHAPE), dtype=TORCH_DTYPE)
-                n = store.get(keys, out).wait(30)
-                st["gets"] += len(keys)
-                for k, b in zip(keys[:n], out[:n]):
-                    st["served" if matches(k, b) else "wrong"] += 1
+            if op < 0.85:
+                put_or_get(store, keys, st, put=op < 0.5)
             else:  # a slow read under leases, while the other processes keep evicting
                 raws, leases = disk.index.lease(keys)
                 try:

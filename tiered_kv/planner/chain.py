@@ -18,7 +18,10 @@ Rules it keeps, with its keeper (DESIGN invariants 1, 2, 5):
   demotion into a best-effort tier (disk, remote: ``TierSpec.best_effort``), which drops the
   source (counted) so a sick medium below never stops puts into the tiers above;
 - capacity is a hard limit: a put that finds a full tier evicts by policy, waits for the
-  eviction to commit, and is refused (False) if nothing can be evicted.
+  eviction to commit, and is refused (False) if nothing can be evicted;
+- a block that lands in a governed tier with a tier below it (a host pool above a disk) is copied
+  one tier down at once: the medium evicts by itself and cannot demote what it drops; a put such a
+  tier refuses (no room it may take) lands in the tier below instead.
 
 Tiers are numbered 0 (fastest) .. n-1. ``EXT`` (-1) is the caller's side of a job.
 
@@ -222,33 +225,44 @@ class TierChain:
             if e is not None:  # only doomed copies remain: let them go first
                 self._refuse_put(handle, i, t)
                 continue
-            self.counters.blocks_in += 1
-            slot = room.take(t)
-            if slot is not None:  # room now: the common case, no closures
-                index.add_new(key, t, slot, CopyState.WRITING)
-                batch.append((i, key, slot))
-                continue
-            self.index.add_copy(key, t, Copy(CopyState.QUEUED, NO_SLOT))
-
-            def grant(slot: int, key=key, i=i) -> Jobs:
-                c = self.index.get(key).copies[t]
-                c.state, c.slot = CopyState.WRITING, slot
-                return [self._job(JobKind.INGRESS, EXT, t, [key], [i], [slot], handle, [(handle, i)])]
-
-            def refuse(key=key, i=i) -> Jobs:
-                out = room.remove(key, t)
-                self._refuse_put(handle, i, t)
-                return out
-
-            status, _, more = room.reserve(t, grant, refuse)  # no room now: wait, or refused
-            jobs += more
-            if status == "refused":
-                jobs += refuse()
-        if batch:
-            jobs.append(self._job(JobKind.INGRESS, EXT, t, [k for _, k, _ in batch], [i for i, _, _ in batch],
-                                  [s for _, _, s in batch], handle, [(handle, i) for i, _, _ in batch]))
+            jobs += self._put_one(key, i, handle, t, batch)
+        jobs += self._ingress(t, handle, batch)
         self._maybe_finish(handle, h)
         return jobs
+
+    def _put_one(self, key: bytes, i: int, handle: int, t: int, batch: list[tuple[int, bytes, int]]) -> Jobs:
+        """Plan writing caller item ``i`` as ``key`` (held nowhere) into tier ``t``: into ``batch`` when ``t`` has room
+        now, else wait for room (the jobs returned are the evictions that make it) or refuse."""
+        room = self.room
+        self.counters.blocks_in += 1
+        slot = room.take(t)
+        if slot is not None:  # room now: the common case, no closures
+            self.index.add_new(key, t, slot, CopyState.WRITING)
+            batch.append((i, key, slot))
+            return []
+        self.index.add_copy(key, t, Copy(CopyState.QUEUED, NO_SLOT))
+
+        def grant(slot: int) -> Jobs:
+            c = self.index.get(key).copies[t]
+            c.state, c.slot = CopyState.WRITING, slot
+            return [self._job(JobKind.INGRESS, EXT, t, [key], [i], [slot], handle, [(handle, i)])]
+
+        def refuse() -> Jobs:
+            out = room.remove(key, t)
+            self._refuse_put(handle, i, t)
+            return out
+
+        status, _, jobs = room.reserve(t, grant, refuse)  # no room now: wait, or refused
+        if status == "refused":
+            jobs += refuse()
+        return jobs
+
+    def _ingress(self, t: int, handle: int, batch: list[tuple[int, bytes, int]]) -> Jobs:
+        """One INGRESS job into ``t`` for the ``(item, key, slot)`` of ``batch`` (none when it is empty)."""
+        if not batch:
+            return []
+        return [self._job(JobKind.INGRESS, EXT, t, [k for _, k, _ in batch], [i for i, _, _ in batch],
+                          [s for _, _, s in batch], handle, [(handle, i) for i, _, _ in batch])]
 
     def get(self, keys: Sequence[bytes], handle: int) -> tuple[int, Jobs]:
         """Plan reading the leading run of held keys into the caller's buffer (item i -> index i)."""
@@ -414,6 +428,8 @@ class TierChain:
                 jobs += self._prefetch_step(key, follower, dst)
         if kind is JobKind.INGRESS:
             hid, item = ctx
+            if not ok and self.specs[dst].governed and dst + 1 < self.num_tiers and key not in self.index:
+                return jobs + self._spill(key, item, hid, dst + 1)
             self._item_done(hid, item, ok)
             if ok and self.placement.write_policy == "write_through":
                 jobs += self._copy_down(key, dst)
@@ -428,6 +444,8 @@ class TierChain:
                     jobs += self._prefetch_step(key, ctx, dst)
                 else:
                     self._item_done(ctx[0], ctx[1], False)
+        if ok and self.specs[dst].governed:  # its medium may drop it any time and demotes nothing: keep one below
+            jobs += self._copy_down(key, dst)
         return jobs
 
     # ------------------------------------------------------------------ internals
@@ -456,6 +474,13 @@ class TierChain:
         else:
             result = next((i for i, ok in enumerate(done) if not ok), h.n)
         self._finished.append((handle, result))
+
+    def _spill(self, key: bytes, item: int, handle: int, t: int) -> Jobs:
+        """A governed tier refused caller item ``item`` (full of blocks other processes read, or of ours on their way
+        down): the put lands in tier ``t`` below it instead, as a put there would."""
+        batch: list[tuple[int, bytes, int]] = []
+        jobs = self._put_one(key, item, handle, t, batch)
+        return jobs + self._ingress(t, handle, batch)
 
     def _refuse_put(self, handle: int, item: int, tier: int) -> None:
         self.counters.puts_refused += 1

@@ -49,7 +49,9 @@ class TierSpec:
     directory shared by several processes, a Redis cluster). The planner then never counts room there,
     never waits for it and never picks victims; ``capacity`` is informative. Its copies are hints: the
     medium may drop one at any time, and says so through ``TierChain.forget`` or a read that finds the
-    record missing.
+    record missing. A governed tier may sit above others (a host pool shared by several processes, above
+    a disk): every block that lands there is then copied one tier down at once (``TierChain``), since the
+    medium's own evictions drop blocks rather than demote them.
     """
 
     name: str

@@ -18,6 +18,7 @@ import yaml
 from tiered_kv.errors import ConfigError
 from tiered_kv.values.layout import normalize_dtype
 from tiered_kv.planner.policy import POLICIES, WRITE_POLICIES
+from tiered_kv.tiers.pool import pool_name
 from tiered_kv.tiers.remote.settings import RemoteKeys
 from tiered_kv.values.config_keys import config_key
 from tiered_kv.values.record import CODECS
@@ -47,6 +48,13 @@ class StoreConfig(RemoteKeys):
     cpu_bytes: int = config_key(1 << 30, "host slab, pinned (one `cudaHostRegister`) in the background when CUDA is "
                                          "present", "bytes")
     pin_memory: bool | None = config_key(None, "`null` = pin when CUDA exists; `false` = never")
+    cpu_pool: str | None = config_key(None, "`host:<name>`: the CPU tier is the host pool `<name>`, one pinned pool in "
+                                            "`/dev/shm` shared by every process on the host that names it (its size "
+                                            "is `cpu_bytes`, the same in each; docs/reliability.md, \"One host pool, "
+                                            "many processes\"); `null`: a private CPU tier")
+    cpu_pool_weight: int = config_key(1, "this namespace's weight in the host pool's one budget: its fair share is "
+                                         "`cpu_bytes * weight / sum(weights)`, as `disk_weight` under a `shared` "
+                                         "disk budget")
     disk_path: str | None = config_key(None, "directory of the disk tier (created 0700; `..` and symlinks refused); "
                                              "`null`: no disk tier")
     disk_bytes: int = config_key(10 << 30, "disk budget (slots of the block size rounded up to 4 KiB)", "bytes")
@@ -100,6 +108,12 @@ class StoreConfig(RemoteKeys):
         _check_choice(self.disk_role, "disk_role", DISK_ROLES)
         _check_choice(self.disk_budget, "disk_budget", DISK_BUDGETS)
         _check_int(self.disk_weight, "disk_weight", 1, 1 << 20)
+        _check_int(self.cpu_pool_weight, "cpu_pool_weight", 1, 1 << 20)
+        if self.cpu_pool is not None:
+            pool_name(self.cpu_pool)
+            if self.cpu_bytes == 0:
+                raise ConfigError(f"cpu_pool={self.cpu_pool!r} needs cpu_bytes > 0: the pool's size (the same in every "
+                                  f"process of the pool)")
         extra = self.namespace_extra
         if not isinstance(extra, dict) or not all(isinstance(k, str) and isinstance(v, (str, int))
                                                   and not isinstance(v, bool) for k, v in extra.items()):

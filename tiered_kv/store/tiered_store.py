@@ -12,18 +12,22 @@ Buffers: ``put`` reads the caller's ``blocks`` and ``get`` writes the caller's `
 mover thread; keep them alive and unchanged until the handle is done (as with any
 non-blocking copy).
 
-Namespaces and a shared disk directory: the disk tier is *governed* (the directory keeps one budget
-and one eviction order for every process and namespace on it; the planner learns of evictions
-through ``Completion.evicted`` or a read that finds a record gone). Keys the planner does not know
-are looked up in the directory (another process of this namespace may have written them). A key
-that carries another namespace's prefix (one registered in the directory) is refused with
-``InvalidInputError``; a record another namespace owns is a miss whatever its key.
+Shared media: a disk directory and a host pool (``cpu_pool``, the CPU tier in shared memory) are
+``IndexedTier``s other processes and namespaces use at once. Each is *governed* (the medium keeps one
+budget and one eviction order for every process and namespace on it; the planner learns of evictions
+through ``Completion.evicted`` or a read that finds a record gone; a block landing in a governed tier
+with a tier below is copied down at once). Keys the planner does not know are looked up in each shared
+medium, fastest first (another process of this namespace may have written them), and adopted; a store
+adopts its namespace's blocks in each when it opens. A key that carries another namespace's prefix (one
+registered in a shared medium) is refused with ``InvalidInputError``; a record another namespace owns is a
+miss whatever its key.
 
 Threading contract: every public method may be called from any thread, concurrently.
 Handles may be waited on from any thread or awaited from any event loop.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -44,7 +48,9 @@ from tiered_kv.planner.radix import RadixIndex
 from tiered_kv.tiers.base import Tier
 from tiered_kv.tiers.cpu import CpuTier
 from tiered_kv.tiers.disk import DiskTier, quarantine
+from tiered_kv.tiers.disk.indexed import IndexedTier
 from tiered_kv.tiers.gpu import GpuTier
+from tiered_kv.tiers.pool import PoolTier
 from tiered_kv.tiers.remote import PresenceFeed, RemoteTier
 from tiered_kv.values.jobs import EXT, Completion, JobKind, TransferJob
 from tiered_kv.movers.edges import EdgeMovers
@@ -70,8 +76,7 @@ class TieredStore:
         self._edge_workers: list[int] = []  # [i]: mover threads between tier i and tier i+1
         self.disk_quarantined: dict | None = None  # set when the disk directory was damaged and moved aside
         self.disk: DiskTier | None = None
-        self._disk: int | None = None
-        self._evicting: dict[bytes, int] = {}  # disk records an eviction of ours is deleting right now
+        self._evicting: dict[tuple[int, bytes], int] = {}  # (tier, key): records an eviction of ours is deleting now
         self._evict_epoch = 0  # changes whenever an eviction of ours starts or ends (see _discover)
         try:
             self._open_tiers(config)
@@ -97,18 +102,11 @@ class TieredStore:
         self._metrics_server = None
         if config.metrics_port:
             self._metrics_server = serve(make_registry(self.stats), config.metrics_port)
-        self._disk = next((i for i, t in enumerate(self.tiers) if isinstance(t, DiskTier)), None)
-        disk = self.disk = None if self._disk is None else self.tiers[self._disk]
-        if disk is not None:
-            disk.keep = self._disk_copy_busy
-            disk.released = self._disk_evictions_ended
-            keys = disk.stored_keys()
-            with self._lock:
-                jobs = self.chain.adopt(self._disk, keys)
-                self.chain.tier_counters[self._disk].corrupt_dropped += disk.dropped_at_open
-            self._submit(jobs)
-            if keys:
-                log.info("tiered_kv: reopened %s with %d blocks", disk.path, len(keys))
+        self.disk = next((t for t in self.tiers if isinstance(t, DiskTier)), None)
+        self.pool: PoolTier | None = next((t for t in self.tiers if isinstance(t, PoolTier)), None)
+        self._shared = [i for i, t in enumerate(self.tiers) if isinstance(t, IndexedTier)]  # other processes use them
+        for i in self._shared:
+            self._join_shared(i)
         # the remote tier's presence feed: what the fleet stores, adopted as hints before each lookup
         self._feed: PresenceFeed | None = None if remote is None else self.tiers[remote].feed()
         # a store its owner never closed is closed before the interpreter kills our daemon threads (a thread
@@ -118,7 +116,10 @@ class TieredStore:
     def _open_tiers(self, c: StoreConfig) -> None:
         if c.gpu_bytes:
             self._add_tier(GpuTier(self.layout, c.gpu_bytes, c.device), 1)
-        if c.cpu_bytes:
+        if c.cpu_bytes and c.cpu_pool is not None:
+            self._add_tier(PoolTier(self.layout, c.cpu_pool, c.cpu_bytes, owner=self.namespace.prefix,
+                                    weight=c.cpu_pool_weight, pin=c.pin_memory), 1)
+        elif c.cpu_bytes:
             self._add_tier(CpuTier(self.layout, c.cpu_bytes, c.pin_memory), 1)
         if c.disk_path is not None:
             # Several threads on the edge into disk: each waits on its own reads and writes. The directory
@@ -164,80 +165,115 @@ class TieredStore:
         if isinstance(keys, (bytes, bytearray, str)) or not isinstance(keys, Sequence):
             raise InvalidInputError(f"keys must be a sequence of bytes keys, got {type(keys).__name__}")
         keys = [check_key(k, f"keys[{i}]") for i, k in enumerate(keys)]
-        if self.disk is not None:
+        if self._shared:
             self._check_namespace(keys)
         return keys
 
     def _check_namespace(self, keys: list[bytes]) -> None:
-        """Refuse keys carrying the prefix of another namespace registered in the disk directory."""
+        """Refuse keys carrying the prefix of another namespace registered in a shared medium."""
         own = self.namespace.prefix
         n = len(own)
         if all(k[:n] == own for k in keys):
             return
-        foreign = self.disk.foreign_namespaces()
-        for i, k in enumerate(keys):
-            if k[:n] != own and k[:n] in foreign:
-                raise InvalidInputError(f"keys[{i}] ({k.hex()[:16]}...) belongs to namespace {k[:n].hex()} of the "
-                                        f"shared disk directory, not this store's ({own.hex()}); make keys with "
-                                        f"store.key(...) or store.keys_for_tokens(...)")
+        for t in self._shared:
+            tier = self.tiers[t]
+            foreign = tier.foreign_namespaces()
+            for i, k in enumerate(keys):
+                if k[:n] != own and k[:n] in foreign:
+                    raise InvalidInputError(f"keys[{i}] ({k.hex()[:16]}...) belongs to namespace {k[:n].hex()} of "
+                                            f"the {tier.where}, not this store's ({own.hex()}); make keys with "
+                                            f"store.key(...) or store.keys_for_tokens(...)")
 
     def key(self, name: bytes) -> bytes:
         """This store's namespaced key for ``name`` (any bytes: an engine's block hash, a page id)."""
         return self.namespace.key(name)
 
-    def _disk_copy_busy(self, key: bytes) -> bool:
-        """The directory is about to evict ``key``'s record: True keeps it (the planner has a read of it planned
+    def _join_shared(self, t: int) -> None:
+        """Hook the shared medium ``t`` to the planner and adopt the blocks it holds for this namespace."""
+        tier = self.tiers[t]
+        tier.keep = functools.partial(self._copy_busy, t)
+        tier.released = functools.partial(self._evictions_ended, t)
+        keys = tier.stored_keys()
+        with self._lock:
+            jobs = self.chain.adopt(t, keys)
+            self.chain.tier_counters[t].corrupt_dropped += tier.dropped_at_open
+        self._submit(jobs)
+        if keys:
+            log.info("tiered_kv: %s holds %d blocks of this namespace", tier.where, len(keys))
+
+    def _copy_busy(self, t: int, key: bytes) -> bool:
+        """Shared medium ``t`` is about to evict ``key``'s record: True keeps it (the planner has a read of it planned
         or running); else the planner forgets the copy now, so no read is planned against a record on its way
-        out. Called by the disk tier inside its claim txn; no path holds this lock while waiting on LMDB."""
-        t = self._disk
+        out. Called by the tier inside its claim txn; no path holds this lock while waiting on LMDB."""
         with self._lock:
             e = self.chain.index.get(key)
             c = None if e is None else e.copies.get(t)
             if c is not None and (c.pins > 0 or c.wanted > 0):  # read, or waited for by a promotion
                 return True
             jobs = self.chain.forget(t, [key]) if c is not None else []
-            self._evicting[key] = self._evicting.get(key, 0) + 1
+            self._evicting[(t, key)] = self._evicting.get((t, key), 0) + 1
             self._evict_epoch += 1
         self._submit(jobs)
         return False
 
-    def _disk_evictions_ended(self, keys: list[bytes]) -> None:
-        """The claim txn that evicted ``keys`` ended: their records are gone (or, if it failed, still there)."""
+    def _evictions_ended(self, t: int, keys: list[bytes]) -> None:
+        """The claim txn that evicted ``keys`` from medium ``t`` ended: their records are gone (or, if it failed,
+        still there)."""
         with self._lock:
             for k in keys:
-                n = self._evicting.get(k, 0) - 1
+                n = self._evicting.get((t, k), 0) - 1
                 if n > 0:
-                    self._evicting[k] = n
+                    self._evicting[(t, k)] = n
                 else:
-                    self._evicting.pop(k, None)
+                    self._evicting.pop((t, k), None)
             self._evict_epoch += 1
 
     def _discover(self, keys: list[bytes]) -> int:
-        """Adopt keys the planner does not know but the disk directory holds for this namespace (written by
-        another process since this one opened it). One read txn, no payload I/O.
-
-        An eviction of ours forgets its victim before its txn commits, so a read txn may still see a record
-        on its way out: keys being evicted are skipped, and if an eviction started or ended while we looked,
-        we look again (up to 3 times; a hint not adopted is only a miss)."""
-        if self.disk is None or not keys:
+        """Adopt keys the planner does not know but a shared medium holds for this namespace (written by another
+        process since this one opened it), fastest medium first. One read txn per medium, no payload I/O."""
+        if not keys:
             return 0
+        return sum(self._discover_in(t, keys) for t in self._shared)
+
+    def _discover_in(self, t: int, keys: list[bytes]) -> int:
+        """``_discover`` in medium ``t``. An eviction of ours forgets its victim before its txn commits, so a read
+        txn may still see a record on its way out: keys being evicted are skipped, and if an eviction started or
+        ended while we looked, we look again (up to 3 times; a hint not adopted is only a miss)."""
+        tier = self.tiers[t]
         for _ in range(3):
             with self._lock:
-                unknown = [k for k in keys if k not in self.chain.index and k not in self._evicting]
+                unknown = [k for k in keys if k not in self.chain.index and (t, k) not in self._evicting]
                 epoch = self._evict_epoch
             if not unknown:
                 return 0
-            present = [k for k, held in zip(unknown, self.disk.has(unknown)) if held]
+            present = [k for k, held in zip(unknown, tier.has(unknown)) if held]
             if not present:
                 return 0
             with self._lock:
                 if self._evict_epoch != epoch:
                     continue
                 fresh = [k for k in present if k not in self.chain.index]
-                jobs = self.chain.adopt(self._disk, fresh)
+                jobs = self.chain.adopt(t, fresh)
             self._submit(jobs)
             return len(fresh)
         return 0
+
+    def _forget_evicted(self, keys: list[bytes]) -> None:
+        """Before a read: forget the copies of ``keys`` that other processes evicted from a shared medium with a
+        tier below it (a host pool above a disk), so the read goes to the copy below instead of missing. One
+        read txn per such medium; an eviction between this and the read's lease is still a plain miss."""
+        for t in self._shared:
+            if not self.tiers[t].governed or t + 1 == len(self.tiers):
+                continue  # no evictions by others, or nothing below (a record gone is a miss either way)
+            with self._lock:
+                mine = [k for k, w in zip(keys, self.chain.locate(keys)) if w == t]
+            if not mine:
+                continue
+            gone = [k for k, held in zip(mine, self.tiers[t].has(mine)) if not held]
+            if gone:
+                with self._lock:
+                    jobs = self.chain.forget(t, gone)
+                self._submit(jobs)
 
     def _check_buffer(self, name: str, buf: torch.Tensor, n: int) -> torch.Tensor:
         if not isinstance(buf, torch.Tensor):
@@ -303,6 +339,7 @@ class TieredStore:
         self._sync_remote()
         rows = self._check_buffer("out", out, len(keys))
         self._discover(keys)
+        self._forget_evicted(keys)
         return self._start("get", keys, rows, lambda hid: self.chain.get(keys, hid)[::-1])
 
     def prefetch(self, keys: Sequence[bytes], to: str | int = 0) -> Handle:
@@ -312,6 +349,7 @@ class TieredStore:
         self._sync_remote()
         target = self.chain.tier_index(to)
         self._discover(keys)
+        self._forget_evicted(keys)
         return self._start("prefetch", keys, None, lambda hid: self.chain.prefetch(keys, target, hid)[::-1])
 
     def _start(self, kind: str, keys: list[bytes], rows: torch.Tensor | None, plan) -> Handle:
@@ -384,10 +422,11 @@ class TieredStore:
         return done
 
     def refresh(self, keys: Sequence[bytes]) -> int:
-        """Adopt those of ``keys`` that another process committed to the disk directory since we opened it.
+        """Adopt those of ``keys`` that another process committed to a shared medium (a disk directory, a host
+        pool) since we opened it.
 
-        For stores sharing a directory (e.g. SGLang MLA: one writer rank, every rank reads). One
-        read transaction on the disk index, no payload I/O. Returns how many keys were adopted.
+        For stores sharing a directory (e.g. SGLang MLA: one writer rank, every rank reads). One read
+        transaction per shared medium, no payload I/O. Returns how many keys were adopted.
         """
         self._check_open()
         return self._discover(self._check_keys(keys))

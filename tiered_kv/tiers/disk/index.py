@@ -99,15 +99,17 @@ class DiskIndex:
     ``owner`` (an 8-byte namespace prefix), ``budget`` ("namespace" or "shared") and ``weight`` are this
     opener's place in the directory's shared budget (budget.py): a writable open registers them, with
     ``slots`` as the namespace's quota (namespace mode) or the directory's budget (shared mode).
+    ``label`` names the medium in log lines ("disk tier"; the host pool's index says "cpu pool").
 
     Public attributes for tools that read the index directly (``inspect``, tests):
     ``env`` and ``db_records``, ``db_free``, ``db_claims``, ``db_meta``.
     """
 
     def __init__(self, path: Path, slot_bytes: int, slots: int, readonly: bool = False, sync: bool = False,
-                 owner: bytes = ANON, budget: str = "namespace", weight: int = 1) -> None:
+                 owner: bytes = ANON, budget: str = "namespace", weight: int = 1, label: str = "disk tier") -> None:
         self.path = path
         self.root = path.parent  # the disk-tier directory, named in messages
+        self.label = label  # what messages call the medium ("disk tier", "cpu pool")
         self.slot_bytes = slot_bytes
         self.readonly = readonly
         if not readonly:
@@ -193,7 +195,7 @@ class DiskIndex:
             if want > limit:
                 txn.put(b"slots", _SLOT.pack(want), db=self.db_meta)
         if self.evicted_at_open:
-            log.info("disk tier %s: evicted %d records to fit the budget at open", self.root,
+            log.info("%s %s: evicted %d records to fit the budget at open", self.label, self.root,
                      len(self.evicted_at_open))
 
     @property
@@ -203,12 +205,14 @@ class DiskIndex:
             return _SLOT.unpack(txn.get(b"slots"))[0]
 
     def recover_claims(self) -> int:
-        """Return slots claimed by dead processes (crash between claim and commit) to the free list, and drop
-        read leases that expired or whose process is gone.
+        """Return slots claimed by dead processes (crash between claim and commit) to the free list, drop read
+        leases that expired or whose process is gone, and free LMDB's reader slots of dead processes (one killed
+        inside a read transaction keeps its slot in ``lock.mdb`` until then; 256 of them stop every reader).
 
         Returns how many slots came back.
         """
         freed = 0
+        self.env.reader_check()
         with self.env.begin(write=True) as txn:
             self.budget.drop_stale_leases(txn)
             cur = txn.cursor(db=self.db_claims)
@@ -219,7 +223,8 @@ class DiskIndex:
                 self.budget.release(txn, claim_owner(val), 1)
                 freed += 1
         if freed:
-            log.warning("disk tier %s: returned %d slots claimed by crashed writers to the free list", self.root, freed)
+            log.warning("%s %s: returned %d slots claimed by crashed writers to the free list", self.label, self.root,
+                        freed)
         return freed
 
     # ------------------------------------------------------------------ writing
@@ -319,7 +324,7 @@ class DiskIndex:
                 self.budget.release(txn, self.owner, len(failed_slots) + len(lost))
             return True
         except lmdb.Error as exc:
-            log.warning("disk tier %s: index commit of %d blocks failed: %s", self.root, len(records), exc)
+            log.warning("%s %s: index commit of %d blocks failed: %s", self.label, self.root, len(records), exc)
             self.release([slot for _, slot, _ in records] + list(failed_slots))
             return False
 
@@ -334,7 +339,7 @@ class DiskIndex:
                     txn.put(_SLOT.pack(slot), b"", db=self.db_free)
                 self.budget.release(txn, self.owner, n)
         except lmdb.Error as exc:
-            log.warning("disk tier %s: could not return %d claimed slots: %s", self.root, len(slots), exc)
+            log.warning("%s %s: could not return %d claimed slots: %s", self.label, self.root, len(slots), exc)
 
     def delete(self, keys: Sequence[bytes]) -> None:
         """Delete records and return their slots to the free list (one txn); keys with no record, and
@@ -372,7 +377,7 @@ class DiskIndex:
                 if slot is not None and slot < slot_limit:
                     txn.put(_SLOT.pack(slot), b"", db=self.db_free)
         except lmdb.Error as exc:
-            log.warning("disk tier %s: could not delete damaged record: %s", self.root, exc)
+            log.warning("%s %s: could not delete damaged record: %s", self.label, self.root, exc)
 
     # ------------------------------------------------------------------ reading
     def headers(self, keys: Sequence[bytes]) -> list[bytes | None]:
@@ -420,7 +425,7 @@ class DiskIndex:
                 self.budget.unlease(txn, leases)
                 self.budget.touch(txn, read)
         except lmdb.Error as exc:  # leases expire by themselves
-            log.warning("disk tier %s: could not end %d read leases: %s", self.root, len(leases), exc)
+            log.warning("%s %s: could not end %d read leases: %s", self.label, self.root, len(leases), exc)
 
     def owned_keys(self, layout_fp: int) -> tuple[list[bytes], list[bytes]]:
         """This namespace's keys whose records were written for ``layout_fp``, least recently used first.

@@ -6,7 +6,9 @@ speed, so LMDB keeps only what it is good at: a crash-safe, multi-process index 
 records (``record.RecordHeader`` under each key), the free-slot list and pending claims
 (``DiskIndex``, index.py). Payloads go to ``payload.bin`` at ``slot * slot_bytes`` with one
 ``pwrite``/``preadv`` (``SlotFile``, slots.py). ``DiskTier`` owns the directory (its path
-checks, its two entries) and composes the two behind the ``Tier`` protocol.
+checks, its two entries) and opens the two; the ``Tier`` protocol over them (claim, write,
+commit; lease, read, verify; list, delete) is ``IndexedTier``'s (indexed.py), which the host
+pool (``tiers/pool/``) shares with a payload in shared memory instead of a file.
 
 Crash safety: a write claims a free slot (LMDB txn 1), writes the payload, then commits
 the header (txn 2). A crash between the two leaves a claim whose owner process is dead;
@@ -41,24 +43,17 @@ from __future__ import annotations
 import logging
 import os
 import stat
-import threading
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import lmdb
-import torch
-
-from tiered_kv.errors import ConfigError, DamagedIndexError, RecordError, StoreClosedError
-from tiered_kv.tiers.base import Tier
-from tiered_kv.tiers.faults import FaultLog
+from tiered_kv.errors import ConfigError, DamagedIndexError
 from tiered_kv.tiers.disk.budget import ANON
 from tiered_kv.tiers.disk.check import check_index
 from tiered_kv.tiers.disk.index import DiskIndex, env_open_here
+from tiered_kv.tiers.disk.indexed import IndexedTier
 from tiered_kv.tiers.disk.slots import ALIGN, SlotFile
 from tiered_kv.values.layout import BlockLayout
-from tiered_kv.values.record import CODECS, RecordHeader
+from tiered_kv.values.record import CODECS
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +152,7 @@ def file_mode(path: str | os.PathLike) -> int:
     return stat.S_IMODE(os.stat(path).st_mode)
 
 
-class DiskTier(Tier):
+class DiskTier(IndexedTier):
     """Persistent tier on local disk: LMDB index (``self.index``) + slot file (``self.slots``).
 
     ``owner`` is the 8-byte namespace prefix whose records this tier reads, lists and writes;
@@ -166,10 +161,10 @@ class DiskTier(Tier):
     the directory's budget; ``evicts``: a write that finds no room evicts by the budget's rules (the
     planner then treats this tier as governed) instead of being refused. ``check``: walk an existing
     index in a child process before opening it (raises ``DamagedIndexError`` when damaged).
+    Reading, writing and listing are ``IndexedTier``'s (indexed.py).
     """
 
     name = "disk"
-    slotted = False
 
     def __init__(self, layout: BlockLayout, path: str | os.PathLike, capacity_bytes: int,
                  compression: str = "none", zstd_level: int = 1, sync: bool = False, readonly: bool = False,
@@ -179,30 +174,13 @@ class DiskTier(Tier):
         if compression not in CODECS:
             raise ConfigError(f"compression: unknown codec {compression!r}; valid: {sorted(CODECS)}")
         self.slot_bytes = -(-layout.nbytes // ALIGN) * ALIGN
-        super().__init__(layout, capacity_bytes // self.slot_bytes)
-        if capacity_bytes and self.capacity == 0 and not readonly:
+        capacity = capacity_bytes // self.slot_bytes
+        if capacity_bytes and capacity == 0 and not readonly:
             raise ConfigError(f"disk_bytes={capacity_bytes} is smaller than one block slot ({self.slot_bytes} bytes)")
         self.path = check_store_path(path)
-        self.sync = sync
-        self.readonly = readonly
-        self.writer = writer and not readonly  # a reader never writes or deletes records (damaged ones aside)
+        super().__init__(layout, capacity, "disk tier", str(self.path), owner, evicts, writer=writer,
+                         readonly=readonly, sync=sync, read_threads=read_threads)
         self.key_prefix = key_prefix
-        self.owner = owner
-        self.evicts = evicts
-        self.governed = evicts  # the planner neither counts room nor picks victims here (planner.room.TierSpec)
-        #: ``keep(key)`` -> True spares a record from this process's evictions (set by the owner of the
-        #: planner: a read of it is planned but has not taken its lease yet). Called inside a write txn.
-        self.keep: Callable[[bytes], bool] | None = None
-        #: ``released(keys)``: the claim txn that evicted ``keys`` (``keep`` said False) has ended (committed or
-        #: not); called outside the txn. Lets the planner's owner tell a stale snapshot from a live record.
-        self.released: Callable[[list[bytes]], None] | None = None
-        self._closed = False
-        self.faults = FaultLog(log, "disk tier")  # write faults (full, read-only, failing): one line per interval
-        self.dropped_at_open = 0
-        self.orphans_dropped = 0
-        self.read_threads = read_threads
-        self._executor: ThreadPoolExecutor | None = None
-        self._pool_lock = threading.Lock()
         if not readonly:
             self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
             os.chmod(self.path, 0o700)
@@ -248,173 +226,6 @@ class DiskTier(Tier):
         """Slots in the payload file, from the file size (cheap; no txn)."""
         return self.slots.slot_count()
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise StoreClosedError(f"disk tier {str(self.path)!r} is closed")
-
-    # ------------------------------------------------------------------ Tier API
-    def write(self, keys: Sequence[bytes], slots: Sequence[int], rows) -> list[bool]:
-        """Write ``rows[i]`` under ``keys[i]``; a key already stored is kept as is (blocks are immutable).
-
-        ``rows`` is a ``(n, block_nbytes)`` uint8 tensor or a list of ``n`` 1-D uint8 rows (views are
-        fine: a page-aligned CPU row is written to disk with no copy).
-        """
-        return self.write_ex(keys, slots, rows)[0]
-
-    def write_ex(self, keys: Sequence[bytes], slots: Sequence[int], rows) -> tuple[list[bool], list[bytes]]:
-        """``write``, plus the keys whose records the directory evicted to make room (any namespace's).
-
-        A key whose record another namespace owns is refused (False), never overwritten or shared.
-        """
-        self._check_open()
-        if not self.writer:
-            return [False] * len(keys), []
-        going: list[bytes] = []
-
-        def keep(key: bytes) -> bool:
-            if self.keep is not None and self.keep(key):
-                return True
-            going.append(key)
-            return False
-
-        try:
-            fresh, claimed, evicted, foreign = self.index.claim_ex(keys, evict=self.evicts, keep=keep)
-        except lmdb.Error as exc:  # the index cannot take a write txn (file system full, I/O error): refused
-            self.faults.fault(str(self.path), f"claiming slots for {len(keys)} blocks failed: {exc}")
-            return [False] * len(keys), []
-        finally:
-            if going and self.released is not None:
-                self.released(going)
-        ok = [True] * len(keys)
-        for i in foreign:
-            ok[i] = False  # another namespace's record: not ours to share
-        for i in fresh[len(claimed):]:
-            ok[i] = False  # no room within the budget (or the file is full)
-        written: list[tuple[bytes, int, bytes]] = []  # (key, slot, packed header)
-        written_items: list[int] = []
-        failed_slots: list[int] = []
-        fp = self.layout.fingerprint
-        for i, slot in zip(fresh, claimed):
-            row = rows[i]
-            raw = (row if row.device.type == "cpu" else row.cpu()).numpy()
-            try:
-                hdr = self.slots.write(slot, raw, fp)
-            except OSError as exc:
-                self.faults.fault(str(self.path), f"write of slot {slot} failed: {exc}")
-                ok[i] = False
-                failed_slots.append(slot)
-                continue
-            written.append((keys[i], slot, hdr.pack(keys[i])))
-            written_items.append(i)
-        if self.sync and written:
-            self.slots.datasync()  # payloads on stable storage before any header that points at them
-        if not self.index.commit(written, failed_slots):
-            for i in written_items:
-                ok[i] = False
-        return ok, evicted
-
-    def read(self, keys: Sequence[bytes], slots: Sequence[int], out) -> tuple[list[bool], list[bool]]:
-        """Read and verify each block into ``out[i]``; damaged records are deleted and reported corrupt."""
-        ok, corrupt, _ = self.read_ex(keys, slots, out)
-        return ok, corrupt
-
-    def read_ex(self, keys: Sequence[bytes], slots: Sequence[int], out) -> tuple[list[bool], list[bool], list[bool]]:
-        """``read`` plus ``missing[i]``: no record of ``keys[i]`` at all (deleted by another process, say).
-
-        ``out`` is a ``(n, block_nbytes)`` uint8 tensor or a list of 1-D rows, on any device. Only
-        verified bytes are reported ok; a row whose read failed holds undefined bytes.
-        """
-        self._check_open()
-        n = len(keys)
-        ok, corrupt, missing = [False] * n, [False] * n, [False] * n
-        if self.readonly:
-            raws, leases = self.index.headers(keys), []
-        else:
-            raws, leases = self.index.lease(keys)  # eviction skips leased records until we let go
-        index, slot_file = self.index, self.slots
-
-        def one(i: int) -> None:
-            key, raw = keys[i], raws[i]
-            if raw is None:
-                missing[i] = True
-                return
-            dst = out[i]
-            staging = dst if dst.device.type == "cpu" else torch.empty(dst.shape, dtype=torch.uint8)
-            try:
-                hdr = RecordHeader.unpack(key, raw)
-                if hdr.layout_fp != self.layout.fingerprint:
-                    return  # written for another layout: not ours to serve, not damage either
-                if hdr.raw_len != self.block_nbytes or hdr.slot >= slot_file.slot_count():
-                    raise RecordError(f"record of {hdr.raw_len} bytes at slot {hdr.slot} does not fit this tier")
-                slot_file.read(hdr, staging)
-                if staging is not dst:
-                    dst.copy_(staging)
-                ok[i] = True
-            except (RecordError, OSError) as exc:
-                if index.still_same(key, raw):  # else another process deleted it meanwhile: a plain miss
-                    log.warning("disk tier %s: dropping damaged record %s: %s", self.path, key.hex()[:16], exc)
-                    index.drop_damaged(key, slot_file.slot_count())
-                    corrupt[i] = True
-
-        try:
-            if n > 1 and self.read_threads > 1:  # several reads in flight: the disk works on a queue
-                list(self._pool().map(one, range(n)))
-            else:
-                for i in range(n):
-                    one(i)
-        finally:
-            if leases:
-                index.unlease(leases, [k for k, good in zip(keys, ok) if good])
-        return ok, corrupt, missing
-
-    def _pool(self) -> ThreadPoolExecutor:
-        with self._pool_lock:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(self.read_threads, thread_name_prefix="tkv-disk-read")
-            return self._executor
-
-    def delete(self, keys: Sequence[bytes]) -> None:
-        """Delete records and return their slots to the free list (one txn).
-
-        Idempotent: a key with no record is skipped, so a caller may send a DELETE for a key a
-        read already dropped as corrupt (e.g. on the other TP ranks of a connector).
-        """
-        self._check_open()
-        if not self.writer:
-            return
-        self.index.delete(keys)
-
-    def has(self, keys: Sequence[bytes]) -> list[bool]:
-        """Whether the directory holds a record of each key now (one read txn; no payload I/O)."""
-        self._check_open()
-        return self.index.has(keys)
-
-    def stored_keys(self) -> list[bytes]:
-        """Keys of this tier's namespace and layout (and key prefix, if set) stored in the directory,
-        least recently used first. Another namespace's records are never listed."""
-        keys, bad = self.index.owned_keys(self.layout.fingerprint)
-        if self.key_prefix:
-            keys = [k for k in keys if k.startswith(self.key_prefix)]
-            bad = [k for k in bad if k.startswith(self.key_prefix)]
-        if bad and not self.readonly:
-            log.warning("disk tier %s: dropping %d records with damaged headers", self.path, len(bad))
-            limit = self.slots.slot_count()
-            for key in bad:
-                self.index.drop_damaged(key, limit)
-        self.dropped_at_open = len(bad) + self.orphans_dropped
-        return keys
-
-    def foreign_namespaces(self) -> set[bytes]:
-        """Prefixes of the other namespaces registered in this directory (one read txn)."""
-        if not self.index.accounted:
-            return set()
-        with self.index.env.begin() as txn:
-            return {o for o in self.index.budget.spaces(txn) if o != self.owner}
-
-    def usage(self) -> dict:
-        """The directory's budget: mode, budget and per-namespace use (``DiskIndex.space_usage``)."""
-        return self.index.space_usage()
-
     def scan(self) -> dict:
         """Summary of the directory for ``tiered-kv inspect``: records, bytes, layouts, bad headers."""
         return {"path": str(self.path), **self.index.scan()}
@@ -432,19 +243,3 @@ class DiskTier(Tier):
         d.update(path=str(self.path), slot_bytes=self.slot_bytes,
                  compression=[k for k, v in CODECS.items() if v == self.slots.codec][0])
         return d
-
-    def close(self) -> None:
-        """Flush (when syncing), close the index and the payload file. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-        try:
-            if self.sync and not self.readonly:
-                self.slots.flush()
-        finally:
-            try:
-                self.slots.close()
-            finally:
-                self.index.close()
