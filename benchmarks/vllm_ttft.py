@@ -779,7 +779,7 @@ def store_probe(geo, cfg, chunks: int = 16, repeats: int = 5) -> dict:
     follows the bytes). Returns bytes and the median milliseconds per chunk."""
     import torch
 
-    from tiered_kv.connector.vllm.scheduler import CPU, StepPlan
+    from tiered_kv.connector.vllm.common import CPU, StepPlan
     from tiered_kv.connector.vllm.worker import WorkerRuntime
     from tiered_kv.values.jobs import EXT, JobKind, TransferJob
     from tiered_kv.values.keys import Namespace

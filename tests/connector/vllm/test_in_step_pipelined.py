@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tiered_kv.connector.vllm.config import ConnectorConfig
-from tiered_kv.connector.vllm.scheduler import CPU, StepPlan
+from tiered_kv.connector.vllm.common import CPU, StepPlan
 from tiered_kv.copy import Mechanism
 from tiered_kv.errors import ConfigError
 from tiered_kv.values.jobs import EXT, JobKind, TransferJob

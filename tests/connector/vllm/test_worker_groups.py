@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tiered_kv.connector.vllm.config import ConnectorConfig, Geometry, GroupGeo
-from tiered_kv.connector.vllm.scheduler import CPU, DISK, StepPlan
+from tiered_kv.connector.vllm.common import CPU, DISK, StepPlan
 from tiered_kv.connector.vllm.worker import WorkerRuntime, slab_planes
 from tiered_kv.copy import CopyLaunchError
 from tiered_kv.values.jobs import EXT, JobKind, TransferJob

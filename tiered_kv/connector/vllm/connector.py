@@ -50,7 +50,8 @@ from tiered_kv.connector.vllm.config import (
     namespace,
     rank_disk_dir,
 )
-from tiered_kv.connector.vllm.scheduler import JobReport, SchedulerPlanner, StepPlan
+from tiered_kv.connector.vllm.common import JobReport, StepPlan
+from tiered_kv.connector.vllm.scheduler import SchedulerPlanner
 from tiered_kv.connector.vllm.worker import WorkerRuntime
 
 log = logging.getLogger(__name__)

@@ -83,7 +83,7 @@ from tiered_kv.connector.vllm.config import (
 from tiered_kv.connector.vllm.async_loads import AsyncLoader
 from tiered_kv.connector.vllm.in_step import InStepLoader
 from tiered_kv.connector.vllm.trace import LoadTrace
-from tiered_kv.connector.vllm.scheduler import CPU, JobReport, StepPlan, tier_indices
+from tiered_kv.connector.vllm.common import CPU, JobReport, StepPlan, tier_indices
 from tiered_kv.connector.vllm.shared_slab import SharedSlab
 
 if TYPE_CHECKING:
