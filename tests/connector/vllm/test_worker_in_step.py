@@ -196,7 +196,7 @@ def test_fence_cancels_a_queued_store_and_waits_for_a_started_one():
 
     rt, kv, names = make_runtime("cpu", layers=2, heads=1, head_dim=8, num_blocks=16, cpu_chunks=4)
     release, entered = threading.Event(), threading.Event()
-    copy = rt._copy
+    copy = rt.runner._copy
 
     def held_copy(copiers, job, parts, to_cpu):  # the first store's copy waits until released
         if job.job_id == 1:
@@ -204,7 +204,7 @@ def test_fence_cancels_a_queued_store_and_waits_for_a_started_one():
             assert release.wait(10)
         return copy(copiers, job, parts, to_cpu)
 
-    rt._copy = held_copy
+    rt.runner._copy = held_copy
     try:
         for name in names:
             kv[name].copy_(torch.randint(-100, 100, kv[name].shape).to(kv[name].dtype))
