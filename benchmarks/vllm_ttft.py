@@ -716,7 +716,8 @@ def dry_run(model: str, modes: list[str]) -> dict:
     from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.core import kv_cache_utils as ku
 
-    from tiered_kv.connector.vllm.config import ConnectorConfig, geometry
+    from tiered_kv.connector.vllm.config import ConnectorConfig
+    from tiered_kv.connector.vllm.geometry import geometry
 
     w = workload(model)
     model_dir = write_model(model)

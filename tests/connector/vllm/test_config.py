@@ -8,13 +8,13 @@ import pytest
 
 from tiered_kv.connector.vllm.config import (
     ConnectorConfig,
-    Geometry,
     capacities,
     hash_identity,
     namespace,
     rank_disk_dir,
 )
 from tiered_kv.connector.vllm.common import CPU, DISK
+from tiered_kv.connector.vllm.geometry import Geometry
 from tiered_kv.connector.vllm.scheduler import SchedulerPlanner
 from tiered_kv.errors import ConfigError
 from tiered_kv.values.keys import KEY_LEN, PREFIX_LEN, Namespace
@@ -170,7 +170,7 @@ def _spec(kind: str, **kw):
 
 
 def test_hybrid_geometry_keeps_one_part_per_group_and_tags_every_group():
-    from tiered_kv.connector.vllm.config import geometry
+    from tiered_kv.connector.vllm.geometry import geometry
 
     geo = geometry(_vllm_config(), _groups(_spec("swa", window=128), _spec("full")), chunk_blocks=16)
     swa, full = geo.groups
@@ -188,7 +188,7 @@ def test_hybrid_geometry_keeps_one_part_per_group_and_tags_every_group():
 
 
 def test_parts_slot_fits_every_groups_blocks():
-    from tiered_kv.connector.vllm.config import GroupGeo, parts_slot_nbytes
+    from tiered_kv.connector.vllm.geometry import GroupGeo, parts_slot_nbytes
 
     groups = (GroupGeo("full", 16, ("a",) * 5, 5 * 100, 4, 4), GroupGeo("swa", 16, ("b",) * 4, 4 * 100, 4, 4, 8))
     slot = parts_slot_nbytes(groups)
@@ -196,7 +196,7 @@ def test_parts_slot_fits_every_groups_blocks():
 
 
 def test_one_full_attention_group_keeps_the_single_group_geometry():
-    from tiered_kv.connector.vllm.config import geometry
+    from tiered_kv.connector.vllm.geometry import geometry
 
     geo = geometry(_vllm_config(), _groups(_spec("full")), chunk_blocks=4)
     legacy = Geometry(16, 4, ("model.layers.0.attn", "model.layers.1.attn"), 2 * 16 * 2 * 64 * 2 * 2, 1, geo.tag)
@@ -209,21 +209,21 @@ def test_one_full_attention_group_keeps_the_single_group_geometry():
     (("local", "full"), "--disable-hybrid-kv-cache-manager"),
 ])
 def test_unsupported_groups_are_refused_with_what_to_do(specs, needle):
-    from tiered_kv.connector.vllm.config import geometry
+    from tiered_kv.connector.vllm.geometry import geometry
 
     with pytest.raises(ConfigError, match=needle):
         geometry(_vllm_config(), _groups(*(_spec(k) for k in specs)), 16)
 
 
 def test_sliding_window_with_speculative_decoding_is_refused():
-    from tiered_kv.connector.vllm.config import geometry
+    from tiered_kv.connector.vllm.geometry import geometry
 
     with pytest.raises(ConfigError, match="speculative decoding"):
         geometry(_vllm_config(spec_decode=object()), _groups(_spec("swa"), _spec("full")), 16)
 
 
 def test_mla_with_tp_is_stored_once_unless_turned_off_or_sharded():
-    from tiered_kv.connector.vllm.config import geometry
+    from tiered_kv.connector.vllm.geometry import geometry
 
     once = geometry(_vllm_config(tp=4), _groups(_spec("mla")), 16)
     assert once.replicated and once.chunk_nbytes == once.rank_chunk_nbytes

@@ -16,7 +16,8 @@ import time
 import pytest
 import torch
 
-from tiered_kv.connector.vllm.config import ConnectorConfig, Geometry, GroupGeo
+from tiered_kv.connector.vllm.config import ConnectorConfig
+from tiered_kv.connector.vllm.geometry import Geometry, GroupGeo
 from tiered_kv.connector.vllm.common import CPU, DISK, StepPlan
 from tiered_kv.connector.vllm.worker import WorkerRuntime, slab_planes
 from tiered_kv.copy import CopyLaunchError

@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tiered_kv.connector.vllm.config import ConnectorConfig, Geometry
+from tiered_kv.connector.vllm.config import ConnectorConfig
+from tiered_kv.connector.vllm.geometry import Geometry
 from tiered_kv.connector.vllm.common import CPU, StepPlan
 from tiered_kv.connector.vllm.in_step import (AUTO_STAGED_MAX_CHUNK, AUTO_STAGED_MIN_DESCRIPTORS, MAX_AUTO_GROUPS,
                                                MIN_GROUP_BYTES, auto_copy, descriptor_bound, layer_groups,

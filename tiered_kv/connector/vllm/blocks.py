@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from operator import itemgetter
 
-from tiered_kv.connector.vllm.config import Geometry
+from tiered_kv.connector.vllm.geometry import Geometry
 from tiered_kv.connector.vllm.state import PlannerCounters, RequestState
 
 

@@ -45,12 +45,12 @@ from tiered_kv.connector.vllm.config import (
     UNSTABLE_HASH_WARNING,
     ConnectorConfig,
     capacities,
-    geometry,
     hash_identity,
     namespace,
     rank_disk_dir,
 )
 from tiered_kv.connector.vllm.common import JobReport, StepPlan
+from tiered_kv.connector.vllm.geometry import geometry
 from tiered_kv.connector.vllm.scheduler import SchedulerPlanner
 from tiered_kv.connector.vllm.worker import WorkerRuntime
 

@@ -21,7 +21,7 @@ from tiered_kv.planner.gate import LoadGate
 from tiered_kv.values.jobs import JobKind, TransferJob
 from tiered_kv.connector.vllm.admission import StepLoadBudget
 from tiered_kv.connector.vllm.common import CPU, DISK, JobReport
-from tiered_kv.connector.vllm.config import Geometry
+from tiered_kv.connector.vllm.geometry import Geometry
 from tiered_kv.connector.vllm.parts import PartPlanner
 from tiered_kv.connector.vllm.routing import JobRouter
 from tiered_kv.connector.vllm.state import PlannerCounters, RequestState, RequestTable

@@ -29,7 +29,8 @@ from tiered_kv.planner.chain import TierChain
 from tiered_kv.planner.gate import DECLINED, PROBE, LoadGate
 from tiered_kv.connector.vllm.admission import StepLoadBudget
 from tiered_kv.connector.vllm.common import CPU
-from tiered_kv.connector.vllm.config import ConnectorConfig, Geometry
+from tiered_kv.connector.vllm.config import ConnectorConfig
+from tiered_kv.connector.vllm.geometry import Geometry
 from tiered_kv.connector.vllm.parts import PartPlanner
 from tiered_kv.connector.vllm.presence import RemotePresence
 from tiered_kv.connector.vllm.routing import JobRouter

@@ -37,7 +37,7 @@ from tiered_kv.errors import ConfigError
 from tiered_kv.values.jobs import Completion, JobKind, TransferJob
 from tiered_kv.values.layout import BlockLayout
 from tiered_kv.connector.vllm.common import CPU
-from tiered_kv.connector.vllm.config import Geometry
+from tiered_kv.connector.vllm.geometry import Geometry
 
 if TYPE_CHECKING:
     from tiered_kv.tiers.disk import DiskTier

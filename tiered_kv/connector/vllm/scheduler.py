@@ -74,7 +74,8 @@ from tiered_kv.values.jobs import Completion, JobKind
 from tiered_kv.connector.vllm.admission import StepLoadBudget
 from tiered_kv.connector.vllm.blocks import BlockTracker
 from tiered_kv.connector.vllm.common import CPU, DISK, JobReport, StepPlan, tier_indices
-from tiered_kv.connector.vllm.config import ConnectorConfig, Geometry
+from tiered_kv.connector.vllm.config import ConnectorConfig
+from tiered_kv.connector.vllm.geometry import Geometry
 from tiered_kv.connector.vllm.loads import LoadPlanner
 from tiered_kv.connector.vllm.lookup import LookupPlanner
 from tiered_kv.connector.vllm.parts import PartPlanner

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tiered_kv.values.keys import Namespace
-from tiered_kv.connector.vllm.config import Geometry
+from tiered_kv.connector.vllm.geometry import Geometry
 
 if TYPE_CHECKING:
     from tiered_kv.connector.vllm.parts import PartHit

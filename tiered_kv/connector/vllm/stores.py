@@ -23,7 +23,8 @@ from collections.abc import Sequence
 from tiered_kv.errors import ConfigError
 from tiered_kv.planner.chain import TierChain
 from tiered_kv.connector.vllm.blocks import BlockTracker
-from tiered_kv.connector.vllm.config import ConnectorConfig, Geometry
+from tiered_kv.connector.vllm.config import ConnectorConfig
+from tiered_kv.connector.vllm.geometry import Geometry
 from tiered_kv.connector.vllm.parts import PartPlanner
 from tiered_kv.connector.vllm.routing import JobRouter, PlannedPut
 from tiered_kv.connector.vllm.state import PlannerCounters, RequestState, RequestTable

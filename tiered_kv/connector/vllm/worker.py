@@ -70,12 +70,11 @@ from tiered_kv.values.jobs import Completion, JobKind, TransferJob
 from tiered_kv.movers.mover import Mover, close_at_exit
 from tiered_kv.connector.vllm.config import (
     ConnectorConfig,
-    Geometry,
-    GroupGeo,
     disk_slot_nbytes,
     rank_disk_dir,
     rank_remote_part,
 )
+from tiered_kv.connector.vllm.geometry import Geometry, GroupGeo
 from tiered_kv.connector.vllm.async_loads import AsyncLoader
 from tiered_kv.connector.vllm.in_step import InStepLoader
 from tiered_kv.connector.vllm.runner import JobRunner, WorkerCounters
