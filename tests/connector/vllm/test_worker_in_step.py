@@ -241,7 +241,7 @@ def test_load_stream_priority_reaches_every_load_copier(priority):
     rt, _, _ = make_runtime("cpu", 2, 1, 8, 8, 2, load_mode="layerwise", load_stream_priority=priority,
                             load_staging_buffers=2 if priority else 1)
     try:
-        assert [c._load_priority for c in rt.in_step.copiers + rt.copiers] == [priority] * 2
+        assert [c._lanes.load_priority for c in rt.in_step.copiers + rt.copiers] == [priority] * 2
         # load_staging_buffers travels the same way (one test: both are copier settings from the config)
         assert [c._staging_buffers for c in rt.in_step.copiers + rt.copiers] == [2 if priority else 1] * 2
     finally:
