@@ -44,7 +44,7 @@ class LookupPlanner:
 
     def __init__(self, cfg: ConnectorConfig, geo: Geometry, chain: TierChain, requests: RequestTable,
                  router: JobRouter, parts: PartPlanner | None, tails: bool, gate: LoadGate,
-                 budget: StepLoadBudget | None, remote: RemotePresence | None, counters: PlannerCounters) -> None:
+                 budget: StepLoadBudget | None, presence: RemotePresence | None, counters: PlannerCounters) -> None:
         self.cfg, self.geo = cfg, geo
         self.bs = geo.block_size
         self.k = geo.chunk_blocks
@@ -57,16 +57,16 @@ class LookupPlanner:
         self._tails = tails
         self._gate = gate
         self._budget = budget
-        self._remote = remote
-        self._known: set[bytes] = remote.known if remote is not None else set()  # announced, not adopted
+        self._presence = presence
+        self._known: set[bytes] = presence.known if presence is not None else set()  # announced, not adopted
         self.counters = counters
 
     def match(self, request, num_computed_tokens: int) -> int | None:
         """Tokens beyond ``num_computed_tokens`` that can be loaded (0 if none; None: ask again next step)."""
         self.counters.lookups += 1
-        remote = self._remote
-        if remote is not None and remote.pending():
-            remote.sync()  # what the fleet stored since the last step, before this lookup
+        presence = self._presence
+        if presence is not None and presence.pending():
+            presence.sync()  # what the fleet stored since the last step, before this lookup
         bs, chunk = self.bs, self.chunk
         if num_computed_tokens % bs:
             return 0
@@ -155,7 +155,7 @@ class LookupPlanner:
         best = self.chain.index.best(key)
         known = self._known
         if best is None and known and key in known and key not in self.chain.index:
-            best = self._remote.adopt(key)
+            best = self._presence.adopt(key)
         return best
 
     def _walk(self, st: RequestState, c0: int, usable: int) -> tuple[list[bytes], list[int]]:
@@ -168,7 +168,7 @@ class LookupPlanner:
             key = chunk_keys(st, c + 1)[c]
             best = best_of(key)
             if best is None and known and key in known and key not in index:  # the fleet stored it: adopt it
-                best = self._remote.adopt(key)
+                best = self._presence.adopt(key)
             if best is None:
                 break
             keys.append(key)

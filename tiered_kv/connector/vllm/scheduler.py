@@ -138,11 +138,11 @@ class SchedulerPlanner:
         self._requests = RequestTable(geo, ns)
         self._blocks = BlockTracker(geo, counters)
         self._router = JobRouter(self.chain, geo.slot_blocks, single, self._blocks, counters)
-        self._remote = (RemotePresence(presence, self.chain, self.remote, self._router, counters)
+        self._presence = (RemotePresence(presence, self.chain, self.remote, self._router, counters)
                         if presence is not None else None)
         self._events = ChunkEvents(geo, self.chain)
         self._lookup = LookupPlanner(cfg, geo, self.chain, self._requests, self._router, self._parts, self._tails,
-                                     self._gate, self._budget, self._remote, counters)
+                                     self._gate, self._budget, self._presence, counters)
         self._loads = LoadPlanner(geo, self.chain, self._requests, self._router, self._parts, self._gate,
                                   self._budget, counters)
         self._stores = StorePlanner(cfg, geo, self.chain, self._requests, self._blocks, self._router, self._parts,
@@ -164,8 +164,8 @@ class SchedulerPlanner:
             total = scheduler_output.total_num_scheduled_tokens
             # more tokens than requests: some request prefills (or verifies speculative tokens) in this step
             self._budget.next_step(total > 0, total > len(scheduler_output.num_scheduled_tokens))
-        if self._remote is not None and self._remote.pending():
-            self._remote.sync()
+        if self._presence is not None and self._presence.pending():
+            self._presence.sync()
         router, blocks = self._router, self._blocks
         fences: set[int] = set()
         # Stores planned in an earlier step (waiting for room, granted since, or planned at a
@@ -203,7 +203,7 @@ class SchedulerPlanner:
         if job is None:
             log.warning("TieredKVConnector: report for unknown job %d ignored", job_id)
             return
-        unreadable = self._remote.job_done(job, rep) if self._remote is not None else []
+        unreadable = self._presence.job_done(job, rep) if self._presence is not None else []
         kind = job.kind
         fenced = self._blocks.untrack(job_id)
         if kind is JobKind.EGRESS:
@@ -254,7 +254,7 @@ class SchedulerPlanner:
     # ------------------------------------------------------------------ remote tier and KV events
     def sync_remote(self) -> None:
         """Take what the presence feed reported since the last call (``RemotePresence.sync``)."""
-        self._remote.sync()
+        self._presence.sync()
 
     def enable_events(self) -> None:
         """Record what each chunk this engine stores names in vLLM's terms, for ``take_events``."""
@@ -303,7 +303,7 @@ class SchedulerPlanner:
             "resident_cpu": c.resident(CPU),
             "resident_disk": c.resident(DISK) if c.num_tiers > 1 and c.specs[DISK].name == "disk" else 0,
             "resident_remote": c.resident(self.remote) if self.remote is not None else 0,
-            "remote_known": len(self._remote.known) if self._remote is not None else 0,
+            "remote_known": len(self._presence.known) if self._presence is not None else 0,
             "disk_gbps_estimate": round(self._gate.gbps, 3),
         })
         if self._budget is not None:
