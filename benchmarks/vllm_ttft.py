@@ -716,7 +716,8 @@ def dry_run(model: str, modes: list[str]) -> dict:
     from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.core import kv_cache_utils as ku
 
-    from tiered_kv.connector.vllm.config import ConnectorConfig, geometry
+    from tiered_kv.connector.vllm.config import ConnectorConfig
+    from tiered_kv.connector.vllm.geometry import geometry
 
     w = workload(model)
     model_dir = write_model(model)
@@ -779,7 +780,7 @@ def store_probe(geo, cfg, chunks: int = 16, repeats: int = 5) -> dict:
     follows the bytes). Returns bytes and the median milliseconds per chunk."""
     import torch
 
-    from tiered_kv.connector.vllm.scheduler import CPU, StepPlan
+    from tiered_kv.connector.vllm.common import CPU, StepPlan
     from tiered_kv.connector.vllm.worker import WorkerRuntime
     from tiered_kv.values.jobs import EXT, JobKind, TransferJob
     from tiered_kv.values.keys import Namespace

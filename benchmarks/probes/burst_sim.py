@@ -105,7 +105,8 @@ def run_mode(model_dir: str, extra: dict, users: int, waves: int, hist: int, new
     if planner._budget is not None:
         planner._budget._clock = lambda: clock.t  # the budget's step time follows the modelled clock
         # and its hits are priced in the modelled model's bytes, not the tiny harness model's
-        planner._rank_bytes = lambda tokens: -(-tokens // BS) * BS * KV_BYTES_PER_TOKEN
+        # (the planner's parts share the connector's frozen Geometry: its method is shadowed on the instance)
+        object.__setattr__(eng.connector.geo, "hit_nbytes", lambda tokens: -(-tokens // BS) * BS * KV_BYTES_PER_TOKEN)
     w = eng.workers[0].connector.worker
     loader = w.async_loads
     start, landed = loader.start, loader.landed

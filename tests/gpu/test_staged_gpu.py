@@ -244,7 +244,7 @@ def test_loads_run_on_a_higher_priority_stream_than_stores():
     gen = torch.Generator().manual_seed(17)
     src = _random_slab(64, a.block_nbytes, gen)
     copier = BlockCopier(b, src, mechanism="staged", threaded_submit=False)
-    load, store = copier._side_stream(False), copier._side_stream(True)
+    load, store = copier._lanes.stream(False), copier._lanes.stream(True)
     least, greatest = load.priority_range()  # (0, -N) on CUDA; equal on a device without priorities
     assert store.priority == 0
     if least != greatest:  # a device with stream priorities

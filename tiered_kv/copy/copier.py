@@ -52,7 +52,7 @@ from tiered_kv.copy.layouts import KVLayout
 from tiered_kv.copy.segments import BlockIds, ChunkTable, Runs, as_index_tensor, check_indices, plan_runs
 from tiered_kv.copy.select import Mechanism, SelectionPolicy
 from tiered_kv.copy.staged import DEFAULT_STAGING_BYTES, StagedLoader, StagingMemoryError, check_buffers
-from tiered_kv.copy.submit import CopyResult, Submitter
+from tiered_kv.copy.submit import CopyResult, Lanes
 
 log = logging.getLogger(__name__)
 
@@ -133,14 +133,11 @@ class BlockCopier:
             if self._on_cuda
             else None
         )
-        self._threaded = threaded_submit
+        self._lanes = Lanes(layout.device, threaded_submit, load_priority)  # side streams, submitter threads
         self._staging_bytes = staging_bytes
         self._staging_buffers = check_buffers(staging_buffers)  # checked now: the staged loader comes at first use
-        self._load_priority = int(load_priority)
         self._staged: StagedLoader | None = None
         self._staged_warned = False
-        self._streams: dict[bool, torch.cuda.Stream] = {}
-        self._submitters: dict[bool, Submitter] = {}
 
     def __enter__(self) -> BlockCopier:
         return self
@@ -150,9 +147,7 @@ class BlockCopier:
 
     def close(self) -> None:
         """Let queued copies be submitted, then stop the submitter threads (results stay valid)."""
-        for sub in self._submitters.values():
-            sub.close()
-        self._submitters.clear()
+        self._lanes.close()
 
     @property
     def num_slots(self) -> int:
@@ -236,7 +231,7 @@ class BlockCopier:
 
             self._gpu.submit_groups(mech, planned, side, landed)
 
-        return self._launch_load(stream, results, body, ordered)
+        return self._lanes.launch_load(stream, results, body, ordered)
 
     def cpu_to_gpu_many(
         self,
@@ -307,7 +302,7 @@ class BlockCopier:
                 done.record(side)
                 res._finish(done, descriptors=ops)
 
-        return self._launch_load(stream, results, body)
+        return self._lanes.launch_load(stream, results, body)
 
     def _staged_grouped(self, ids: torch.Tensor, slots: torch.Tensor, spans: list[tuple[int, int]], sizes: list[int],
                         stream: torch.cuda.Stream | None, ordered: bool = True) -> list[CopyResult]:
@@ -339,7 +334,7 @@ class BlockCopier:
                 self._staging_failed(exc)
                 self._submit_unstaged(ids, slots, spans, results, side, landed)
 
-        return self._launch_load(stream, results, body, ordered)
+        return self._lanes.launch_load(stream, results, body, ordered)
 
     def _submit_unstaged(self, ids: torch.Tensor, slots: torch.Tensor, spans: list[tuple[int, int]],
                          results: list[CopyResult], side: torch.cuda.Stream,
@@ -360,38 +355,6 @@ class BlockCopier:
         if not self._staged_warned:
             self._staged_warned = True
             log.warning("staged loads fall back to the other mechanisms: %s", exc)
-
-    def _launch_load(self, stream: torch.cuda.Stream | None, results: list[CopyResult],
-                     body: Callable[[torch.cuda.Stream], None], ordered: bool = True) -> list[CopyResult]:
-        """Run ``body(side)`` for a load on the load direction's side stream, after the work queued so far
-        on ``stream`` (the caller's; default the current one; not with ``ordered=False``), on the submitter
-        thread when there is one. An error finishes every result ``body`` had not finished with it.
-        Returns ``results``."""
-        caller = None
-        if ordered:
-            caller = torch.cuda.Event()
-            caller.record(stream if stream is not None else torch.cuda.current_stream(self.layout.device))
-        side = self._side_stream(False)
-
-        def job() -> None:
-            try:
-                if caller is not None:
-                    side.wait_event(caller)
-                body(side)
-            except Exception as exc:  # noqa: BLE001 - reported through every unfinished result
-                # part of a failed load may already be queued on ``side``: its result turns done only once
-                # that part has landed, so its blocks are never handed back while a DMA still writes them
-                queued = torch.cuda.Event()
-                queued.record(side)
-                for res in results:
-                    if not res._submitted.is_set():
-                        res._finish(queued, exc)
-
-        if self._threaded:
-            self._submitter(False).put(job)
-        else:
-            job()
-        return results
 
     def _staged_loader(self) -> StagedLoader:
         if self._staged is None:
@@ -462,12 +425,9 @@ class BlockCopier:
         plan = self._gpu.decide(n, forced)
         caller = torch.cuda.Event()
         caller.record(stream if stream is not None else torch.cuda.current_stream(self.layout.device))
-        side = self._side_stream(to_cpu)
+        side = self._lanes.stream(to_cpu)
         result = CopyResult(plan.mechanism, to_cpu, n, nbytes, plan.descriptors)
-        if self._threaded:
-            self._submitter(to_cpu).put(lambda: self._submit(plan, ids, slots, caller, side, result))
-        else:
-            self._submit(plan, ids, slots, caller, side, result)
+        self._lanes.run(to_cpu, lambda: self._submit(plan, ids, slots, caller, side, result))
         return result
 
     def _submit(
@@ -490,19 +450,6 @@ class BlockCopier:
             result._finish(None, exc)
             return
         result._finish(done, descriptors=descriptors)
-
-    def _side_stream(self, to_cpu: bool) -> torch.cuda.Stream:
-        """The stream of one direction's copies (created at first use): loads at ``load_priority``."""
-        if to_cpu not in self._streams:
-            self._streams[to_cpu] = torch.cuda.Stream(device=self.layout.device,
-                                                      priority=0 if to_cpu else self._load_priority)
-        return self._streams[to_cpu]
-
-    def _submitter(self, to_cpu: bool) -> Submitter:
-        if to_cpu not in self._submitters:
-            name = f"tkv-copy-{'d2h' if to_cpu else 'h2d'}"
-            self._submitters[to_cpu] = Submitter(self.layout.device, name)
-        return self._submitters[to_cpu]
 
 
 def _check_groups(groups: Sequence[tuple[int, int]], num_tensors: int) -> list[tuple[int, int]]:

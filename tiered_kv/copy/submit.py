@@ -1,4 +1,4 @@
-"""Per-direction submitter thread and the result handle of one copy.
+"""Per-direction submitter thread and side stream (``Lanes``), and the result handle of one copy.
 
 Role: ``cuMemcpyBatchAsync`` holds the calling thread about 1 us per descriptor
 inside the driver (measured: a 4096-block, 131k-run store keeps the caller
@@ -6,12 +6,17 @@ inside the driver (measured: a 4096-block, 131k-run store keeps the caller
 caller's thread only plans and enqueues; the two directions never wait on each
 other, which is what lets stores and loads run at the same time.
 
+``Lanes`` are a copier's two directions: per direction one side stream (loads
+at a higher priority) and one submitter thread, and how a load is launched on
+them (after the caller's stream, its errors reported through its results).
+
 ``CopyResult`` is the handle a caller gets back at once: it turns ready when
 the submitter has enqueued the copy and recorded its CUDA event, and done when
 that event has fired.
 
 Threading: ``Submitter.put`` may be called from any thread; jobs run one at a
-time, in put order, on the submitter's thread. ``CopyResult`` methods are safe
+time, in put order, on the submitter's thread. ``Lanes`` belong to one copier
+(called from one thread at a time, like it). ``CopyResult`` methods are safe
 from any thread.
 """
 
@@ -119,3 +124,67 @@ class Submitter:
             if job is None:
                 return
             job()
+
+
+class Lanes:
+    """A copier's two directions (``to_cpu`` True: stores, False: loads): each has a side stream, made at
+    first use (loads at ``load_priority``, stores at the default 0), and, when ``threaded``, a submitter
+    thread that runs its jobs in order; without one a job runs on the caller's thread."""
+
+    def __init__(self, device: torch.device, threaded: bool, load_priority: int) -> None:
+        self.device = device
+        self.threaded = threaded
+        self.load_priority = int(load_priority)
+        self._streams: dict[bool, torch.cuda.Stream] = {}
+        self._submitters: dict[bool, Submitter] = {}
+
+    def stream(self, to_cpu: bool) -> torch.cuda.Stream:
+        """The stream of one direction's copies (created at first use): loads at ``load_priority``."""
+        if to_cpu not in self._streams:
+            self._streams[to_cpu] = torch.cuda.Stream(device=self.device,
+                                                      priority=0 if to_cpu else self.load_priority)
+        return self._streams[to_cpu]
+
+    def run(self, to_cpu: bool, job: Callable[[], None]) -> None:
+        """Run ``job`` on the direction's submitter thread (made at first use), or now when not threaded."""
+        if not self.threaded:
+            job()
+            return
+        if to_cpu not in self._submitters:
+            self._submitters[to_cpu] = Submitter(self.device, f"tkv-copy-{'d2h' if to_cpu else 'h2d'}")
+        self._submitters[to_cpu].put(job)
+
+    def launch_load(self, stream: torch.cuda.Stream | None, results: list[CopyResult],
+                    body: Callable[[torch.cuda.Stream], None], ordered: bool = True) -> list[CopyResult]:
+        """Run ``body(side)`` for a load on the load direction's side stream, after the work queued so far
+        on ``stream`` (the caller's; default the current one; not with ``ordered=False``), on the submitter
+        thread when there is one. An error finishes every result ``body`` had not finished with it.
+        Returns ``results``."""
+        caller = None
+        if ordered:
+            caller = torch.cuda.Event()
+            caller.record(stream if stream is not None else torch.cuda.current_stream(self.device))
+        side = self.stream(False)
+
+        def job() -> None:
+            try:
+                if caller is not None:
+                    side.wait_event(caller)
+                body(side)
+            except Exception as exc:  # noqa: BLE001 - reported through every unfinished result
+                # part of a failed load may already be queued on ``side``: its result turns done only once
+                # that part has landed, so its blocks are never handed back while a DMA still writes them
+                queued = torch.cuda.Event()
+                queued.record(side)
+                for res in results:
+                    if not res._submitted.is_set():
+                        res._finish(queued, exc)
+
+        self.run(False, job)
+        return results
+
+    def close(self) -> None:
+        """Let queued jobs be submitted, then stop the submitter threads."""
+        for sub in self._submitters.values():
+            sub.close()
+        self._submitters.clear()

@@ -10,6 +10,9 @@ Room-making is its ``RoomKeeper`` (``planner/room.py``): room and slots per tier
 for a full tier, eviction by policy, copies leaving. The two share the ``BlockIndex``, one
 ``EvictionPolicy`` per tier and the counters; the chain asks the keeper for room and tells
 it when copies land or let go, the keeper asks the chain to issue its DEMOTE/DELETE jobs.
+Its other parts: ``Handles`` (``planner/handles.py``: caller requests in flight, their
+results) and ``CopyPlanner`` (``planner/copies.py``: promotions, prefetch hops and
+write-through copies, which keep their source).
 
 Rules it keeps, with its keeper (DESIGN invariants 1, 2, 5):
 - a copy is served only when READY; a key being written reads as a miss;
@@ -34,8 +37,11 @@ import itertools
 from collections.abc import Iterable, Sequence
 
 from tiered_kv.errors import ConfigError, InvalidInputError
+from tiered_kv.planner.copies import CopyPlanner
+from tiered_kv.planner.puts import PutPlanner
 from tiered_kv.planner.counters import ChainCounters, TierCounters, TransferCounters
-from tiered_kv.planner.index import BlockIndex, Copy, CopyState
+from tiered_kv.planner.handles import Handles
+from tiered_kv.planner.index import BlockIndex, CopyState
 from tiered_kv.planner.policy import EvictionPolicy, PlacementPolicy, make_policy
 from tiered_kv.planner.room import RoomKeeper, TierSpec
 from tiered_kv.values.jobs import EXT, NO_SLOT, Completion, JobKind, TransferJob
@@ -44,16 +50,6 @@ from tiered_kv.values.jobs import EXT, NO_SLOT, Completion, JobKind, TransferJob
 __all__ = ["ChainCounters", "TierChain", "TierCounters", "TierSpec"]
 
 Jobs = list[TransferJob]
-
-
-class _Handle:
-    """One caller request's items still in flight; ``ok`` (per item) is made at the first item's outcome."""
-
-    __slots__ = ("kind", "n", "pending", "ok")
-
-    def __init__(self, kind: str, n: int) -> None:
-        self.kind, self.n, self.pending = kind, n, n
-        self.ok: list[bool] | None = None
 
 
 #: ``src_slots`` of a bulk put's one job (item i from caller index i), shared per length up to _ITEMS_MAX: immutable
@@ -86,14 +82,17 @@ class TierChain:
         self._jobs: dict[int, TransferJob] = {}
         self._ctx: dict[int, list | int] = {}
         self._job_ids = itertools.count(1)
-        self._handles: dict[int, _Handle] = {}
-        self._finished: list[tuple[int, object]] = []
+        self.handles = Handles()
+        self._item_done = self.handles.item_done  # bound once: it runs for every item that ends
         self.tier_counters = [TierCounters() for _ in specs]
-        self._followers: dict[tuple[bytes, int], list] = {}  # prefetches waiting on a copy in flight
         self.counters = ChainCounters()
         self.transfers = TransferCounters(names)  # per edge and per load: for metrics only
         self.room = RoomKeeper(self.specs, self.index, self.policies, self.tier_counters, self.counters,
-                               job=self._block_job, lost=self._abandon_followers)
+                               job=self._block_job, lost=self._lost)
+        self.copies = CopyPlanner(self.index, self.policies, self.room, n, self.placement.copy_to, self._job,
+                                  self._item_done)
+        self._followers = self.copies.followers  # the copy planner's: looked up for every copy that lands
+        self.puts = PutPlanner(self.index, self.room, self.counters, self.tier_counters, self._job, self._item_done)
         self.events: list[tuple[bool, int, bytes]] | None = None  # see record_events
 
     def record_events(self) -> None:
@@ -178,8 +177,7 @@ class TierChain:
         put -> list[bool] (accepted per key); get -> int (leading blocks delivered);
         prefetch -> int (leading blocks now at the target tier or faster).
         """
-        out, self._finished = self._finished, []
-        return out
+        return self.handles.take()
 
     # ------------------------------------------------------------------ requests
     def put(self, keys: Sequence[bytes], handle: int) -> Jobs:
@@ -188,7 +186,7 @@ class TierChain:
         A job may keep ``keys`` itself when it is a list: the caller must not change it afterwards."""
         t = self.placement.put_tier
         n = len(keys)
-        h = self._open(handle, "put", n)
+        h = self.handles.open(handle, "put", n)
         room = self.room
         # the common case (new prompt blocks, room for all): one job, no per-key calls; a list of keys is kept as
         # the job's (no copy), its items are a shared tuple, and its items' context is the handle id itself
@@ -223,46 +221,12 @@ class TierChain:
                 self._item_done(handle, i, True)
                 continue
             if e is not None:  # only doomed copies remain: let them go first
-                self._refuse_put(handle, i, t)
+                self.puts.refuse(handle, i, t)
                 continue
-            jobs += self._put_one(key, i, handle, t, batch)
-        jobs += self._ingress(t, handle, batch)
-        self._maybe_finish(handle, h)
+            jobs += self.puts.one(key, i, handle, t, batch)
+        jobs += self.puts.ingress(t, handle, batch)
+        self.handles.maybe_finish(handle, h)
         return jobs
-
-    def _put_one(self, key: bytes, i: int, handle: int, t: int, batch: list[tuple[int, bytes, int]]) -> Jobs:
-        """Plan writing caller item ``i`` as ``key`` (held nowhere) into tier ``t``: into ``batch`` when ``t`` has room
-        now, else wait for room (the jobs returned are the evictions that make it) or refuse."""
-        room = self.room
-        self.counters.blocks_in += 1
-        slot = room.take(t)
-        if slot is not None:  # room now: the common case, no closures
-            self.index.add_new(key, t, slot, CopyState.WRITING)
-            batch.append((i, key, slot))
-            return []
-        self.index.add_copy(key, t, Copy(CopyState.QUEUED, NO_SLOT))
-
-        def grant(slot: int) -> Jobs:
-            c = self.index.get(key).copies[t]
-            c.state, c.slot = CopyState.WRITING, slot
-            return [self._job(JobKind.INGRESS, EXT, t, [key], [i], [slot], handle, [(handle, i)])]
-
-        def refuse() -> Jobs:
-            out = room.remove(key, t)
-            self._refuse_put(handle, i, t)
-            return out
-
-        status, _, jobs = room.reserve(t, grant, refuse)  # no room now: wait, or refused
-        if status == "refused":
-            jobs += refuse()
-        return jobs
-
-    def _ingress(self, t: int, handle: int, batch: list[tuple[int, bytes, int]]) -> Jobs:
-        """One INGRESS job into ``t`` for the ``(item, key, slot)`` of ``batch`` (none when it is empty)."""
-        if not batch:
-            return []
-        return [self._job(JobKind.INGRESS, EXT, t, [k for _, k, _ in batch], [i for i, _, _ in batch],
-                          [s for _, _, s in batch], handle, [(handle, i) for i, _, _ in batch])]
 
     def get(self, keys: Sequence[bytes], handle: int) -> tuple[int, Jobs]:
         """Plan reading the leading run of held keys into the caller's buffer (item i -> index i)."""
@@ -270,7 +234,7 @@ class TierChain:
         self.counters.lookups += len(keys)
         self.counters.hits += n
         self.counters.misses += len(keys) - n
-        h = self._open(handle, "get", n)
+        h = self.handles.open(handle, "get", n)
         by_tier: dict[int, list[tuple[int, bytes, int]]] = {}
         jobs: Jobs = []
         for i, key in enumerate(keys[:n]):
@@ -288,21 +252,22 @@ class TierChain:
                 for _, key, _ in items:
                     e = self.index.get(key)
                     if t > 0 and (t - 1) not in e.copies and e.copies[t].readable:
-                        jobs += self._promote(key, t, t - 1, None)
+                        jobs += self.copies.promote(key, t, t - 1, None)
         for t, items in sorted(by_tier.items()):
             jobs.append(self._job(JobKind.EGRESS, t, EXT, [k for _, k, _ in items], [s for _, _, s in items],
                                   [i for i, _, _ in items], handle, [(handle, i) for i, _, _ in items]))
-        self._maybe_finish(handle, h)
+        self.handles.maybe_finish(handle, h)
         return n, jobs
 
     def prefetch(self, keys: Sequence[bytes], to: int, handle: int) -> tuple[int, Jobs]:
         """Plan moving the leading run of held keys up to tier ``to`` (one hop at a time)."""
         n = self.lookup(keys)
-        h = self._open(handle, "prefetch", n)
+        h = self.handles.open(handle, "prefetch", n)
         jobs: Jobs = []
+        prefetch_step = self.copies.prefetch_step
         for i, key in enumerate(keys[:n]):
-            jobs += self._prefetch_step(key, (handle, i, to))
-        self._maybe_finish(handle, h)
+            jobs += prefetch_step(key, (handle, i, to))
+        self.handles.maybe_finish(handle, h)
         return n, jobs
 
     def touch(self, keys: Iterable[bytes], tier: int = 0) -> None:
@@ -385,7 +350,7 @@ class TierChain:
         if kind is JobKind.DELETE:
             return room.delete_done(key, src)
         if src != EXT:
-            self._source_gone(key, src, corrupt, missing and not self.specs[src].slotted)
+            room.source_gone(key, src, corrupt, missing and not self.specs[src].slotted)
             if corrupt:
                 ok = False
         if not ok:
@@ -411,7 +376,7 @@ class TierChain:
             if kind is JobKind.PROMOTE:  # moved up for a reader: an access (S3-FIFO keeps it past one-time blocks)
                 self.policies[dst].access(key)
             if kind is JobKind.INGRESS and self.placement.copy_to:
-                jobs += self._copy_to(key, dst)  # before kick: a waiter's eviction must not take it uncopied
+                jobs += self.copies.copy_to(key, dst)  # before kick: a waiter's eviction must not take it uncopied
                 if c is None:  # it added a copy below: the record is an Entry now
                     e = self.index.get(key)
                     c = e.copies[dst]
@@ -425,94 +390,30 @@ class TierChain:
             jobs += room.unpin(key, src)
         if ok:
             for follower in self._followers.pop((key, dst), ()):
-                jobs += self._prefetch_step(key, follower, dst)
+                jobs += self.copies.prefetch_step(key, follower, dst)
         if kind is JobKind.INGRESS:
             hid, item = ctx
             if not ok and self.specs[dst].governed and dst + 1 < self.num_tiers and key not in self.index:
-                return jobs + self._spill(key, item, hid, dst + 1)
+                return jobs + self.puts.spill(key, item, hid, dst + 1)
             self._item_done(hid, item, ok)
             if ok and self.placement.write_policy == "write_through":
-                jobs += self._copy_down(key, dst)
+                jobs += self.copies.copy_down(key, dst)
         elif kind is JobKind.COPY_DOWN:
             if ok:
-                jobs += self._copy_down(key, dst)
+                jobs += self.copies.copy_down(key, dst)
         elif kind is JobKind.DEMOTE:
             jobs += room.demote_done(key, src, ok)
         elif kind is JobKind.PROMOTE:
             if ctx is not None:
                 if ok:  # one hop done; the copy counts as arrived even if evicted right after
-                    jobs += self._prefetch_step(key, ctx, dst)
+                    jobs += self.copies.prefetch_step(key, ctx, dst)
                 else:
                     self._item_done(ctx[0], ctx[1], False)
         if ok and self.specs[dst].governed:  # its medium may drop it any time and demotes nothing: keep one below
-            jobs += self._copy_down(key, dst)
+            jobs += self.copies.copy_down(key, dst)
         return jobs
 
     # ------------------------------------------------------------------ internals
-    def _open(self, handle: int, kind: str, n: int) -> _Handle:
-        h = _Handle(kind, n)
-        self._handles[handle] = h
-        return h
-
-    def _item_done(self, handle: int, item: int, ok: bool) -> None:
-        h = self._handles.get(handle)
-        if h is None:
-            return
-        if h.ok is None:
-            h.ok = [False] * h.n
-        h.ok[item] = ok
-        h.pending -= 1
-        self._maybe_finish(handle, h)
-
-    def _maybe_finish(self, handle: int, h: _Handle) -> None:
-        if h.pending > 0 or self._handles.get(handle) is not h:
-            return
-        del self._handles[handle]
-        done = h.ok if h.ok is not None else [False] * h.n  # (n == 0: no item ever reported)
-        if h.kind == "put":
-            result: object = list(done)
-        else:
-            result = next((i for i, ok in enumerate(done) if not ok), h.n)
-        self._finished.append((handle, result))
-
-    def _spill(self, key: bytes, item: int, handle: int, t: int) -> Jobs:
-        """A governed tier refused caller item ``item`` (full of blocks other processes read, or of ours on their way
-        down): the put lands in tier ``t`` below it instead, as a put there would."""
-        batch: list[tuple[int, bytes, int]] = []
-        jobs = self._put_one(key, item, handle, t, batch)
-        return jobs + self._ingress(t, handle, batch)
-
-    def _refuse_put(self, handle: int, item: int, tier: int) -> None:
-        self.counters.puts_refused += 1
-        self.tier_counters[tier].refused += 1
-        self._item_done(handle, item, False)
-
-    def _prefetch_step(self, key: bytes, ctx: tuple[int, int, int], src: int | None = None) -> Jobs:
-        """Move ``key`` one hop toward ``ctx``'s target tier (from ``src``, default its fastest copy), or finish."""
-        handle, item, target = ctx
-        e = self.index.get(key)
-        if src is None:
-            src = None if e is None else e.best()
-        if src is not None and src <= target:
-            if src == target:  # already there: the reader comes for it with the rest, keep it past one-time blocks
-                self.policies[src].access(key)
-            self._item_done(handle, item, True)
-            return []
-        c = None if (e is None or src is None) else e.copies.get(src)
-        if c is None or not c.readable:  # gone meanwhile
-            self._item_done(handle, item, False)
-            return []
-        above = e.copies.get(src - 1)
-        if above is not None:
-            if above.readable:
-                return self._prefetch_step(key, ctx, src - 1)
-            if above.state is not CopyState.READY:  # a copy up is on its way: follow it
-                self._followers.setdefault((key, src - 1), []).append(ctx)
-                return []
-            self._item_done(handle, item, False)  # the copy above is leaving: give up
-            return []
-        return self._promote(key, src, src - 1, ctx)
-
     def _job(self, kind: JobKind, src: int, dst: int, keys: list[bytes], src_slots: Sequence[int],
              dst_slots: list[int], handle: int, ctx: list | int) -> TransferJob:
         job = TransferJob(next(self._job_ids), kind, src, dst, keys, src_slots, dst_slots, handle)
@@ -524,83 +425,6 @@ class TierChain:
         """A one-block job no caller waits on: the room keeper's demotions and deletes."""
         return self._job(kind, src, dst, [key], [src_slot], [dst_slot], 0, [None])
 
-    def _abandon_followers(self, key: bytes, t: int) -> None:
-        """``key``'s copy in ``t`` will not arrive: fail the prefetches that waited for it."""
-        for follower in self._followers.pop((key, t), ()):
-            self._item_done(follower[0], follower[1], False)
-
-    def _copy_down(self, key: bytes, t: int) -> Jobs:
-        lower = t + 1
-        e = self.index.get(key)
-        # The copy may already be gone or leaving: a waiter's eviction can take it the moment it lands
-        # (its demotion then writes it below, so a write-through copy has nothing left to do).
-        c = None if e is None else e.copies.get(t)
-        if lower >= self.num_tiers or c is None or lower in e.copies or not c.readable or c.leaving:
-            return []
-        return self._copy_up_or_down(key, t, lower, JobKind.COPY_DOWN, None)
-
-    def _copy_to(self, key: bytes, t: int) -> Jobs:
-        """Write-through copies of a new block in ``t`` straight to each ``placement.copy_to`` tier lacking one."""
-        jobs: Jobs = []
-        for lower in self.placement.copy_to:
-            e = self.index.get(key)
-            c = None if e is None else e.copies.get(t)
-            if c is None or lower in e.copies or not c.readable:
-                continue
-            jobs += self._copy_up_or_down(key, t, lower, JobKind.COPY_DOWN, None)
-        return jobs
-
-    def _promote(self, key: bytes, src: int, dst: int, ctx) -> Jobs:
-        return self._copy_up_or_down(key, src, dst, JobKind.PROMOTE, ctx)
-
-    def _copy_up_or_down(self, key: bytes, src: int, dst: int, kind: JobKind, ctx) -> Jobs:
-        """Copy ``key`` from ``src`` to ``dst`` keeping the source; the source is pinned only once room is granted."""
-        self.index.add_copy(key, dst, Copy(CopyState.QUEUED, NO_SLOT))
-        self.index.get(key).copies[src].wanted += 1
-
-        def unwant() -> Copy | None:
-            c = self.index.get(key).copies.get(src)
-            if c is not None:
-                c.wanted -= 1
-            return c
-
-        def grant(slot: int) -> Jobs:
-            e = self.index.get(key)
-            d = e.copies[dst]
-            d.state, d.slot = CopyState.WRITING, slot
-            c = unwant()
-            if c is None or not c.readable:  # the source left while we waited: give the room back
-                if ctx is not None:
-                    self._item_done(ctx[0], ctx[1], False)
-                return self.room.remove(key, dst)
-            c.pins += 1
-            self.room.pins += 1
-            return [self._job(kind, src, dst, [key], [c.slot], [slot], 0, [ctx])]
-
-        def refuse() -> Jobs:
-            unwant()
-            if ctx is not None:
-                self._item_done(ctx[0], ctx[1], False)
-            return self.room.remove(key, dst)
-
-        status, slot, jobs = self.room.reserve(dst, grant, refuse)
-        if status == "now":
-            jobs += grant(slot)
-        elif status == "refused":
-            jobs += refuse()
-        return jobs
-
-    def _source_gone(self, key: bytes, t: int, corrupt: bool, missing: bool) -> None:
-        """A job that read ``key``'s copy in ``t`` found its record damaged or gone: forget it without a DELETE
-        job (the caller unpins the copy once the job's destination is settled)."""
-        if not (corrupt or missing):
-            return
-        c = self.index.get(key).copies[t]
-        if corrupt:
-            self.tier_counters[t].corrupt_dropped += 1
-        else:
-            self.tier_counters[t].vanished += 1
-        c.deleting = True  # nothing left on the medium to delete
-        c.doomed = True
-        if not c.leaving:
-            self.policies[t].remove(key)
+    def _lost(self, key: bytes, t: int) -> None:
+        """The room keeper removed ``key``'s copy in ``t`` before it arrived."""
+        self.copies.abandon_followers(key, t)

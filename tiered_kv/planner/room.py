@@ -8,8 +8,8 @@ it), and gives released room to the first waiter before putting it back in the p
 
 The two share the ``BlockIndex``, the per-tier policies and the counters. The keeper calls
 back into the chain for two things only: ``job`` to issue a one-block job no caller waits
-on (a DEMOTE or a DELETE), and ``lost`` when a copy that never arrived is removed (the chain
-fails the prefetches that were following it).
+on (a DEMOTE or a DELETE), and ``lost`` when a copy that never arrived is removed (the chain's
+``CopyPlanner`` fails the prefetches that were following it).
 
 Rules it keeps (DESIGN invariants 2, 5):
 - an evicted block is copied down first; its source is freed only after the copy committed.
@@ -310,6 +310,21 @@ class RoomKeeper:
         c.deleting = True  # nothing left on the medium to delete
         self.policies[t].remove(key)
         return self._free(key, t) if c.pins == 0 else []
+
+    def source_gone(self, key: bytes, t: int, corrupt: bool, missing: bool) -> None:
+        """A job that read ``key``'s copy in ``t`` found its record damaged or gone: forget it without a DELETE
+        job (the caller unpins the copy once the job's destination is settled)."""
+        if not (corrupt or missing):
+            return
+        c = self.index.get(key).copies[t]
+        if corrupt:
+            self.tier_counters[t].corrupt_dropped += 1
+        else:
+            self.tier_counters[t].vanished += 1
+        c.deleting = True  # nothing left on the medium to delete
+        c.doomed = True
+        if not c.leaving:
+            self.policies[t].remove(key)
 
     def delete_done(self, key: bytes, t: int) -> Jobs:
         """The DELETE job of ``key``'s record in keyed tier ``t`` ended: its room is free."""

@@ -21,13 +21,13 @@ medium, fastest first (another process of this namespace may have written them),
 adopts its namespace's blocks in each when it opens. A key that carries another namespace's prefix (one
 registered in a shared medium) is refused with ``InvalidInputError``; a record another namespace owns is a
 miss whatever its key.
+``SharedMedium`` (``shared_dir.py``) keeps the planner and each shared medium agreeing.
 
 Threading contract: every public method may be called from any thread, concurrently.
 Handles may be waited on from any thread or awaited from any event loop.
 """
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import threading
@@ -43,6 +43,7 @@ from tiered_kv.errors import DamagedIndexError, InvalidInputError, StoreClosedEr
 from tiered_kv.values.keys import Namespace, chain_keys, check_key
 from tiered_kv.values.layout import BlockLayout
 from tiered_kv.store.metrics import make_registry, serve
+from tiered_kv.store.shared_dir import SharedMedium
 from tiered_kv.planner.policy import PlacementPolicy
 from tiered_kv.planner.radix import RadixIndex
 from tiered_kv.tiers.base import Tier
@@ -72,18 +73,11 @@ class TieredStore:
                                    tuple(sorted(config.namespace_extra.items())))
         self._torch_dtype = self.layout.torch_dtype()
         self._closed = False
-        self.tiers: list[Tier] = []
-        self._edge_workers: list[int] = []  # [i]: mover threads between tier i and tier i+1
-        self.disk_quarantined: dict | None = None  # set when the disk directory was damaged and moved aside
+        # _edge_workers[i]: mover threads between tier i and tier i+1; disk_quarantined: set when the disk
+        # directory was damaged and moved aside
+        self.tiers, self._edge_workers, self.disk_quarantined = open_tiers(config, self.layout, self.namespace.prefix)
         self.disk: DiskTier | None = None
-        self._evicting: dict[tuple[int, bytes], int] = {}  # (tier, key): records an eviction of ours is deleting now
-        self._evict_epoch = 0  # changes whenever an eviction of ours starts or ends (see _discover)
-        try:
-            self._open_tiers(config)
-        except BaseException:
-            for t in self.tiers:
-                t.close()
-            raise
+        self._shared: list[SharedMedium] = []  # the shared media (disk directory, host pool), fastest first
         remote = self._remote = next((i for i, t in enumerate(self.tiers) if isinstance(t, RemoteTier)), None)
         copy_to = (remote,) if remote and config.remote_write == "through" else ()
         self.chain = TierChain([TierSpec(t.name, t.capacity, t.slotted, t.governed) for t in self.tiers],
@@ -104,50 +98,16 @@ class TieredStore:
             self._metrics_server = serve(make_registry(self.stats), config.metrics_port)
         self.disk = next((t for t in self.tiers if isinstance(t, DiskTier)), None)
         self.pool: PoolTier | None = next((t for t in self.tiers if isinstance(t, PoolTier)), None)
-        self._shared = [i for i, t in enumerate(self.tiers) if isinstance(t, IndexedTier)]  # other processes use them
-        for i in self._shared:
-            self._join_shared(i)
+        for i, t in enumerate(self.tiers):
+            if isinstance(t, IndexedTier):  # other processes use it: hook it to the planner, adopt its blocks
+                shared = SharedMedium(t, i, self.chain, self._lock, self._submit, self.namespace.prefix)
+                self._shared.append(shared)
+                shared.join()
         # the remote tier's presence feed: what the fleet stores, adopted as hints before each lookup
         self._feed: PresenceFeed | None = None if remote is None else self.tiers[remote].feed()
         # a store its owner never closed is closed before the interpreter kills our daemon threads (a thread
         # killed inside a torch copy aborts the process at exit)
         close_at_exit(self, "TieredStore")
-
-    def _open_tiers(self, c: StoreConfig) -> None:
-        if c.gpu_bytes:
-            self._add_tier(GpuTier(self.layout, c.gpu_bytes, c.device), 1)
-        if c.cpu_bytes and c.cpu_pool is not None:
-            self._add_tier(PoolTier(self.layout, c.cpu_pool, c.cpu_bytes, owner=self.namespace.prefix,
-                                    weight=c.cpu_pool_weight, pin=c.pin_memory), 1)
-        elif c.cpu_bytes:
-            self._add_tier(CpuTier(self.layout, c.cpu_bytes, c.pin_memory), 1)
-        if c.disk_path is not None:
-            # Several threads on the edge into disk: each waits on its own reads and writes. The directory
-            # governs its budget and evicts by itself, unless a remote tier below should receive the evictions
-            # (then the planner evicts and demotes, and the directory only refuses what exceeds its budget).
-            try:
-                disk = DiskTier(self.layout, c.disk_path, c.disk_bytes, c.compression, c.zstd_level, c.disk_sync,
-                                writer=c.disk_role == "writer", owner=self.namespace.prefix, budget=c.disk_budget,
-                                weight=c.disk_weight, evicts=c.remote_settings() is None)
-            except DamagedIndexError as exc:
-                moved = quarantine(c.disk_path, exc.reason)
-                self.disk_quarantined = {"path": c.disk_path, "moved_to": moved, "reason": exc.reason}
-                log.error("tiered_kv: DISK TIER OFF: the index of %s is damaged (%s); %s and running without the "
-                          "disk tier. `tiered-kv repair %s` salvages what it can.", c.disk_path, exc.reason,
-                          f"moved it to {moved}" if moved else "left it in place (see above)", moved or c.disk_path)
-            else:
-                self._add_tier(disk, c.disk_workers)
-        settings = c.remote_settings()
-        if settings is not None:  # below disk (or below CPU): Redis owns its capacity
-            self._add_tier(RemoteTier(self.layout, settings, self.namespace.prefix), c.remote_workers)
-        if not self.tiers:  # the only tier was a damaged disk: keep serving (every get a miss, every put refused)
-            self._add_tier(CpuTier(self.layout, 0, False), 1)
-
-    def _add_tier(self, tier: Tier, edge_workers: int) -> None:
-        """Append ``tier`` below the others; ``edge_workers`` threads move between it and the tier above."""
-        self.tiers.append(tier)
-        if len(self.tiers) > 1:
-            self._edge_workers.append(edge_workers)
 
     # ------------------------------------------------------------------ context manager
     def __enter__(self) -> "TieredStore":
@@ -165,111 +125,34 @@ class TieredStore:
         if isinstance(keys, (bytes, bytearray, str)) or not isinstance(keys, Sequence):
             raise InvalidInputError(f"keys must be a sequence of bytes keys, got {type(keys).__name__}")
         keys = [check_key(k, f"keys[{i}]") for i, k in enumerate(keys)]
-        if self._shared:
-            self._check_namespace(keys)
+        for shared in self._shared:
+            shared.check_namespace(keys)
         return keys
-
-    def _check_namespace(self, keys: list[bytes]) -> None:
-        """Refuse keys carrying the prefix of another namespace registered in a shared medium."""
-        own = self.namespace.prefix
-        n = len(own)
-        if all(k[:n] == own for k in keys):
-            return
-        for t in self._shared:
-            tier = self.tiers[t]
-            foreign = tier.foreign_namespaces()
-            for i, k in enumerate(keys):
-                if k[:n] != own and k[:n] in foreign:
-                    raise InvalidInputError(f"keys[{i}] ({k.hex()[:16]}...) belongs to namespace {k[:n].hex()} of "
-                                            f"the {tier.where}, not this store's ({own.hex()}); make keys with "
-                                            f"store.key(...) or store.keys_for_tokens(...)")
 
     def key(self, name: bytes) -> bytes:
         """This store's namespaced key for ``name`` (any bytes: an engine's block hash, a page id)."""
         return self.namespace.key(name)
 
-    def _join_shared(self, t: int) -> None:
-        """Hook the shared medium ``t`` to the planner and adopt the blocks it holds for this namespace."""
-        tier = self.tiers[t]
-        tier.keep = functools.partial(self._copy_busy, t)
-        tier.released = functools.partial(self._evictions_ended, t)
-        keys = tier.stored_keys()
-        with self._lock:
-            jobs = self.chain.adopt(t, keys)
-            self.chain.tier_counters[t].corrupt_dropped += tier.dropped_at_open
-        self._submit(jobs)
-        if keys:
-            log.info("tiered_kv: %s holds %d blocks of this namespace", tier.where, len(keys))
-
-    def _copy_busy(self, t: int, key: bytes) -> bool:
-        """Shared medium ``t`` is about to evict ``key``'s record: True keeps it (the planner has a read of it planned
-        or running); else the planner forgets the copy now, so no read is planned against a record on its way
-        out. Called by the tier inside its claim txn; no path holds this lock while waiting on LMDB."""
-        with self._lock:
-            e = self.chain.index.get(key)
-            c = None if e is None else e.copies.get(t)
-            if c is not None and (c.pins > 0 or c.wanted > 0):  # read, or waited for by a promotion
-                return True
-            jobs = self.chain.forget(t, [key]) if c is not None else []
-            self._evicting[(t, key)] = self._evicting.get((t, key), 0) + 1
-            self._evict_epoch += 1
-        self._submit(jobs)
-        return False
-
-    def _evictions_ended(self, t: int, keys: list[bytes]) -> None:
-        """The claim txn that evicted ``keys`` from medium ``t`` ended: their records are gone (or, if it failed,
-        still there)."""
-        with self._lock:
-            for k in keys:
-                n = self._evicting.get((t, k), 0) - 1
-                if n > 0:
-                    self._evicting[(t, k)] = n
-                else:
-                    self._evicting.pop((t, k), None)
-            self._evict_epoch += 1
-
     def _discover(self, keys: list[bytes]) -> int:
         """Adopt keys the planner does not know but a shared medium holds for this namespace (written by another
-        process since this one opened it), fastest medium first. One read txn per medium, no payload I/O."""
+        process since this one opened it), fastest medium first (``SharedMedium.discover``)."""
         if not keys:
             return 0
-        return sum(self._discover_in(t, keys) for t in self._shared)
-
-    def _discover_in(self, t: int, keys: list[bytes]) -> int:
-        """``_discover`` in medium ``t``. An eviction of ours forgets its victim before its txn commits, so a read
-        txn may still see a record on its way out: keys being evicted are skipped, and if an eviction started or
-        ended while we looked, we look again (up to 3 times; a hint not adopted is only a miss)."""
-        tier = self.tiers[t]
-        for _ in range(3):
-            with self._lock:
-                unknown = [k for k in keys if k not in self.chain.index and (t, k) not in self._evicting]
-                epoch = self._evict_epoch
-            if not unknown:
-                return 0
-            present = [k for k, held in zip(unknown, tier.has(unknown)) if held]
-            if not present:
-                return 0
-            with self._lock:
-                if self._evict_epoch != epoch:
-                    continue
-                fresh = [k for k in present if k not in self.chain.index]
-                jobs = self.chain.adopt(t, fresh)
-            self._submit(jobs)
-            return len(fresh)
-        return 0
+        return sum(shared.discover(keys) for shared in self._shared)
 
     def _forget_evicted(self, keys: list[bytes]) -> None:
         """Before a read: forget the copies of ``keys`` that other processes evicted from a shared medium with a
         tier below it (a host pool above a disk), so the read goes to the copy below instead of missing. One
         read txn per such medium; an eviction between this and the read's lease is still a plain miss."""
-        for t in self._shared:
-            if not self.tiers[t].governed or t + 1 == len(self.tiers):
+        for shared in self._shared:
+            t = shared.tier
+            if not shared.medium.governed or t + 1 == len(self.tiers):
                 continue  # no evictions by others, or nothing below (a record gone is a miss either way)
             with self._lock:
                 mine = [k for k, w in zip(keys, self.chain.locate(keys)) if w == t]
             if not mine:
                 continue
-            gone = [k for k, held in zip(mine, self.tiers[t].has(mine)) if not held]
+            gone = [k for k, held in zip(mine, shared.medium.has(mine)) if not held]
             if gone:
                 with self._lock:
                     jobs = self.chain.forget(t, gone)
@@ -566,3 +449,55 @@ class TieredStore:
             t.close()
         if self._metrics_server is not None:
             self._metrics_server[0].shutdown()
+
+
+def open_tiers(c: StoreConfig, layout: BlockLayout, owner: bytes) -> tuple[list[Tier], list[int], dict | None]:
+    """Open the tiers ``c`` configures, fastest first, for blocks of ``layout`` in namespace ``owner``.
+
+    Returns ``(tiers, edge_workers, quarantined)``: ``edge_workers[i]`` mover threads between tier i and
+    i+1, and what was done with a damaged disk directory (None when there was none); the store then runs
+    without the disk tier. If a tier fails to open, the ones opened before it are closed.
+    """
+    tiers: list[Tier] = []
+    edge_workers: list[int] = []
+    quarantined = None
+
+    def add(tier: Tier, workers: int) -> None:
+        """Append ``tier`` below the others; ``workers`` threads move between it and the tier above."""
+        tiers.append(tier)
+        if len(tiers) > 1:
+            edge_workers.append(workers)
+
+    try:
+        if c.gpu_bytes:
+            add(GpuTier(layout, c.gpu_bytes, c.device), 1)
+        if c.cpu_bytes and c.cpu_pool is not None:
+            add(PoolTier(layout, c.cpu_pool, c.cpu_bytes, owner=owner, weight=c.cpu_pool_weight, pin=c.pin_memory), 1)
+        elif c.cpu_bytes:
+            add(CpuTier(layout, c.cpu_bytes, c.pin_memory), 1)
+        if c.disk_path is not None:
+            # Several threads on the edge into disk: each waits on its own reads and writes. The directory
+            # governs its budget and evicts by itself, unless a remote tier below should receive the evictions
+            # (then the planner evicts and demotes, and the directory only refuses what exceeds its budget).
+            try:
+                disk = DiskTier(layout, c.disk_path, c.disk_bytes, c.compression, c.zstd_level, c.disk_sync,
+                                writer=c.disk_role == "writer", owner=owner, budget=c.disk_budget,
+                                weight=c.disk_weight, evicts=c.remote_settings() is None)
+            except DamagedIndexError as exc:
+                moved = quarantine(c.disk_path, exc.reason)
+                quarantined = {"path": c.disk_path, "moved_to": moved, "reason": exc.reason}
+                log.error("tiered_kv: DISK TIER OFF: the index of %s is damaged (%s); %s and running without the "
+                          "disk tier. `tiered-kv repair %s` salvages what it can.", c.disk_path, exc.reason,
+                          f"moved it to {moved}" if moved else "left it in place (see above)", moved or c.disk_path)
+            else:
+                add(disk, c.disk_workers)
+        settings = c.remote_settings()
+        if settings is not None:  # below disk (or below CPU): Redis owns its capacity
+            add(RemoteTier(layout, settings, owner), c.remote_workers)
+        if not tiers:  # the only tier was a damaged disk: keep serving (every get a miss, every put refused)
+            add(CpuTier(layout, 0, False), 1)
+    except BaseException:
+        for t in tiers:
+            t.close()
+        raise
+    return tiers, edge_workers, quarantined

@@ -52,7 +52,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 import tests.connector.vllm.models as shapes
 import tiered_kv.connector.vllm.connector as tkv_vllm
 from tiered_kv.connector.vllm.connector import TieredKVConnector
-from tiered_kv.connector.vllm.scheduler import _resumed_ids
+from tiered_kv.connector.vllm.stores import _resumed_ids
 
 BS = 16
 LAYERS = 2

@@ -8,13 +8,14 @@ import pytest
 
 from tiered_kv.connector.vllm.config import (
     ConnectorConfig,
-    Geometry,
     capacities,
     hash_identity,
     namespace,
     rank_disk_dir,
 )
-from tiered_kv.connector.vllm.scheduler import CPU, DISK, SchedulerPlanner
+from tiered_kv.connector.vllm.common import CPU, DISK
+from tiered_kv.connector.vllm.geometry import Geometry
+from tiered_kv.connector.vllm.scheduler import SchedulerPlanner
 from tiered_kv.errors import ConfigError
 from tiered_kv.values.keys import KEY_LEN, PREFIX_LEN, Namespace
 from tiered_kv.values.jobs import Completion
@@ -105,7 +106,7 @@ def test_disk_hits_are_taken_only_when_worth_it(policy, gbps, probe, expect_chun
     g = geo(k=4, block_bytes=128 << 10)
     planner = SchedulerPlanner(cfg, g, Namespace("m"), cpu_chunks=8, disk_chunks=8)
     req = _request(16 * 16 + 5)
-    keys = planner._chunk_keys(planner._state(req), 3)
+    keys = planner._requests.chunk_keys(planner._requests.state(req), 3)
     planner.chain.adopt(DISK, keys[1:])  # chunks 1 and 2 sit on disk (a reopened tier)
     _store(planner, keys[:1])  # chunk 0 in the CPU tier
     assert planner.chain.locate(keys) == [CPU, DISK, DISK]
@@ -116,7 +117,7 @@ def test_n_minus_one_rule_never_reports_the_whole_prompt():
     cfg = ConnectorConfig(chunk_blocks=1)
     planner = SchedulerPlanner(cfg, geo(k=1), Namespace("m"), cpu_chunks=64, disk_chunks=0)
     req = _request(4 * 16)
-    keys = planner._chunk_keys(planner._state(req), 4)
+    keys = planner._requests.chunk_keys(planner._requests.state(req), 4)
     _store(planner, keys)
     assert planner.match(req, 0) == 3 * 16  # 4 blocks held, the last one is recomputed
     assert planner.match(req, 16) == 2 * 16
@@ -128,15 +129,15 @@ def test_fence_check_names_only_published_jobs_on_the_blocks_handed_out():
     mix of both is answered from the published ones, and an ended job's blocks are no longer busy."""
     planner = SchedulerPlanner(ConnectorConfig(chunk_blocks=4), geo(k=4), Namespace("m"), cpu_chunks=8,
                                disk_chunks=0)
-    planner._job_gpu[7] = [3, 4, 9]
-    planner._publish(7, [3, 4, 9])
-    planner._job_gpu[8] = [5]
-    planner._publish(8, [5])
-    assert planner._busy_jobs([10, 11, 40]) == set()  # all past block 9: never published
-    assert planner._busy_jobs([40, 4, 5, 2]) == {7, 8}  # some past, some published
-    assert planner._busy_jobs([9]) == {7} and planner._busy_jobs([0, 1, 2, 6]) == set()
-    planner._untrack(7)
-    assert planner._busy_jobs([3, 4, 9, 5]) == {8}
+    planner._blocks.job_gpu[7] = [3, 4, 9]
+    planner._blocks.publish(7, [3, 4, 9])
+    planner._blocks.job_gpu[8] = [5]
+    planner._blocks.publish(8, [5])
+    assert planner._blocks.busy_jobs([10, 11, 40]) == set()  # all past block 9: never published
+    assert planner._blocks.busy_jobs([40, 4, 5, 2]) == {7, 8}  # some past, some published
+    assert planner._blocks.busy_jobs([9]) == {7} and planner._blocks.busy_jobs([0, 1, 2, 6]) == set()
+    planner._blocks.untrack(7)
+    assert planner._blocks.busy_jobs([3, 4, 9, 5]) == {8}
 
 
 # ---------------------------------------------------------------------------------- KV cache groups
@@ -169,7 +170,7 @@ def _spec(kind: str, **kw):
 
 
 def test_hybrid_geometry_keeps_one_part_per_group_and_tags_every_group():
-    from tiered_kv.connector.vllm.config import geometry
+    from tiered_kv.connector.vllm.geometry import geometry
 
     geo = geometry(_vllm_config(), _groups(_spec("swa", window=128), _spec("full")), chunk_blocks=16)
     swa, full = geo.groups
@@ -187,7 +188,7 @@ def test_hybrid_geometry_keeps_one_part_per_group_and_tags_every_group():
 
 
 def test_parts_slot_fits_every_groups_blocks():
-    from tiered_kv.connector.vllm.config import GroupGeo, parts_slot_nbytes
+    from tiered_kv.connector.vllm.geometry import GroupGeo, parts_slot_nbytes
 
     groups = (GroupGeo("full", 16, ("a",) * 5, 5 * 100, 4, 4), GroupGeo("swa", 16, ("b",) * 4, 4 * 100, 4, 4, 8))
     slot = parts_slot_nbytes(groups)
@@ -195,7 +196,7 @@ def test_parts_slot_fits_every_groups_blocks():
 
 
 def test_one_full_attention_group_keeps_the_single_group_geometry():
-    from tiered_kv.connector.vllm.config import geometry
+    from tiered_kv.connector.vllm.geometry import geometry
 
     geo = geometry(_vllm_config(), _groups(_spec("full")), chunk_blocks=4)
     legacy = Geometry(16, 4, ("model.layers.0.attn", "model.layers.1.attn"), 2 * 16 * 2 * 64 * 2 * 2, 1, geo.tag)
@@ -208,21 +209,21 @@ def test_one_full_attention_group_keeps_the_single_group_geometry():
     (("local", "full"), "--disable-hybrid-kv-cache-manager"),
 ])
 def test_unsupported_groups_are_refused_with_what_to_do(specs, needle):
-    from tiered_kv.connector.vllm.config import geometry
+    from tiered_kv.connector.vllm.geometry import geometry
 
     with pytest.raises(ConfigError, match=needle):
         geometry(_vllm_config(), _groups(*(_spec(k) for k in specs)), 16)
 
 
 def test_sliding_window_with_speculative_decoding_is_refused():
-    from tiered_kv.connector.vllm.config import geometry
+    from tiered_kv.connector.vllm.geometry import geometry
 
     with pytest.raises(ConfigError, match="speculative decoding"):
         geometry(_vllm_config(spec_decode=object()), _groups(_spec("swa"), _spec("full")), 16)
 
 
 def test_mla_with_tp_is_stored_once_unless_turned_off_or_sharded():
-    from tiered_kv.connector.vllm.config import geometry
+    from tiered_kv.connector.vllm.geometry import geometry
 
     once = geometry(_vllm_config(tp=4), _groups(_spec("mla")), 16)
     assert once.replicated and once.chunk_nbytes == once.rank_chunk_nbytes

@@ -550,7 +550,7 @@ def test_mamba_without_a_state_at_a_chunk_end_is_no_hit(model_dirs):
         parts = planner._parts
         chunk_key = planner.key(bytes(a.block_hashes[11]))
         # drop the part that holds the state: the attention chunks alone cannot serve a hit
-        planner._route(planner.chain.delete([parts.part_key(a.block_hashes, 11, parts.mamba[0], chunk_key)]))
+        planner._router.route(planner.chain.delete([parts.part_key(a.block_hashes, 11, parts.mamba[0], chunk_key)]))
         eng.settle()
         eng.add("m2", turn2(a), max_tokens=2)
         eng.run()

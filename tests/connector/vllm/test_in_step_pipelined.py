@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tiered_kv.connector.vllm.config import ConnectorConfig
-from tiered_kv.connector.vllm.scheduler import CPU, StepPlan
+from tiered_kv.connector.vllm.common import CPU, StepPlan
 from tiered_kv.copy import Mechanism
 from tiered_kv.errors import ConfigError
 from tiered_kv.values.jobs import EXT, JobKind, TransferJob
@@ -229,7 +229,7 @@ def test_finish_copies_loads_that_were_started_but_never_submitted():
     try:
         loader = rt.in_step
         for job, slot, gpu in items:
-            loader.start(job, rt._flat(job, job.src_slots))
+            loader.start(job, rt.runner.flat(job, job.src_slots))
         assert not any(_loaded(rt, kv, names, items)) and not loader.busy  # nothing copied yet
         done = loader.finish()
         assert sorted(job.job_id for job, _ in done) == sorted(job.job_id for job, _, _ in items)

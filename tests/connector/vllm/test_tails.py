@@ -19,7 +19,7 @@ from tests.connector.vllm.test_connector import (  # noqa: E402
     prompt,
     turn2,
 )
-from tiered_kv.connector.vllm.scheduler import TAIL_MARK  # noqa: E402
+from tiered_kv.connector.vllm.state import TAIL_MARK  # noqa: E402
 
 #: turn 1: two whole chunks, a 3-block tail and 4 tokens of a partial block
 TURN1 = 2 * K * BS + 3 * BS + 4

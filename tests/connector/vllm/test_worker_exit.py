@@ -20,7 +20,7 @@ CHILD = textwrap.dedent("""
     import torch
     sys.path.insert(0, {tests!r})
     from connector.vllm.test_worker_in_step import make_runtime, K
-    from tiered_kv.connector.vllm.scheduler import CPU, StepPlan
+    from tiered_kv.connector.vllm.common import CPU, StepPlan
     from tiered_kv.values.jobs import EXT, JobKind, TransferJob
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
     chunks = 24

@@ -16,8 +16,9 @@ import time
 import pytest
 import torch
 
-from tiered_kv.connector.vllm.config import ConnectorConfig, Geometry, GroupGeo
-from tiered_kv.connector.vllm.scheduler import CPU, DISK, StepPlan
+from tiered_kv.connector.vllm.config import ConnectorConfig
+from tiered_kv.connector.vllm.geometry import Geometry, GroupGeo
+from tiered_kv.connector.vllm.common import CPU, DISK, StepPlan
 from tiered_kv.connector.vllm.worker import WorkerRuntime, slab_planes
 from tiered_kv.copy import CopyLaunchError
 from tiered_kv.values.jobs import EXT, JobKind, TransferJob
@@ -209,7 +210,7 @@ def test_failed_load_with_several_groups_stops_rather_than_reports(rows):
 
         job = TransferJob(9, JobKind.EGRESS, CPU, EXT, [b"x"] * rows, list(range(rows)), list(range(rows)))
         rt.on_plan(StepPlan(1, ext={9: [1] * (rows * 2 * K)}))
-        rt._ext[9] = [1] * (rows * 2 * K)
+        rt.runner.ext[9] = [1] * (rows * 2 * K)
         rt._on_done(job, Completion(9, [False] * rows, [False] * rows, 0, 0.0))
         with pytest.raises(RuntimeError, match="cannot recompute blocks of a model with 2 KV cache groups"):
             rt.poll()

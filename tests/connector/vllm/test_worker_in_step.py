@@ -11,8 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tiered_kv.connector.vllm.config import ConnectorConfig, Geometry
-from tiered_kv.connector.vllm.scheduler import CPU, StepPlan
+from tiered_kv.connector.vllm.config import ConnectorConfig
+from tiered_kv.connector.vllm.geometry import Geometry
+from tiered_kv.connector.vllm.common import CPU, StepPlan
 from tiered_kv.connector.vllm.in_step import (AUTO_STAGED_MAX_CHUNK, AUTO_STAGED_MIN_DESCRIPTORS, MAX_AUTO_GROUPS,
                                                MIN_GROUP_BYTES, auto_copy, descriptor_bound, layer_groups,
                                                runs_per_block)
@@ -196,7 +197,7 @@ def test_fence_cancels_a_queued_store_and_waits_for_a_started_one():
 
     rt, kv, names = make_runtime("cpu", layers=2, heads=1, head_dim=8, num_blocks=16, cpu_chunks=4)
     release, entered = threading.Event(), threading.Event()
-    copy = rt._copy
+    copy = rt.runner._copy
 
     def held_copy(copiers, job, parts, to_cpu):  # the first store's copy waits until released
         if job.job_id == 1:
@@ -204,7 +205,7 @@ def test_fence_cancels_a_queued_store_and_waits_for_a_started_one():
             assert release.wait(10)
         return copy(copiers, job, parts, to_cpu)
 
-    rt._copy = held_copy
+    rt.runner._copy = held_copy
     try:
         for name in names:
             kv[name].copy_(torch.randint(-100, 100, kv[name].shape).to(kv[name].dtype))
@@ -240,7 +241,7 @@ def test_load_stream_priority_reaches_every_load_copier(priority):
     rt, _, _ = make_runtime("cpu", 2, 1, 8, 8, 2, load_mode="layerwise", load_stream_priority=priority,
                             load_staging_buffers=2 if priority else 1)
     try:
-        assert [c._load_priority for c in rt.in_step.copiers + rt.copiers] == [priority] * 2
+        assert [c._lanes.load_priority for c in rt.in_step.copiers + rt.copiers] == [priority] * 2
         # load_staging_buffers travels the same way (one test: both are copier settings from the config)
         assert [c._staging_buffers for c in rt.in_step.copiers + rt.copiers] == [2 if priority else 1] * 2
     finally:

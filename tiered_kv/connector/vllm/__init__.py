@@ -2,12 +2,16 @@
 
 ``kv_connector_module_path: tiered_kv.connector.vllm`` and ``kv_connector: TieredKVConnector``
 name this package; the class is imported on first access so that the config and planner modules
-(``config``, ``scheduler``) import in processes without vLLM.
+(``config``, ``geometry``, ``scheduler`` and its parts) import in processes without vLLM.
 
-Modules: ``connector`` (the vLLM-facing class), ``config`` (extra-config keys, geometry and KV
-cache groups), ``scheduler`` (the planner side, in vLLM's scheduler process), ``worker`` and
-``in_step`` (the byte side, in each GPU worker process), ``shared_slab`` (one CPU slab that every
-TP rank maps, for MLA stored once).
+Modules: ``connector`` (the vLLM-facing class, a facade over either side by role), ``config``
+(extra-config keys, namespace, capacities), ``geometry`` (block geometry and KV cache groups),
+``common`` (the messages each way); the scheduler side, in vLLM's scheduler process:
+``scheduler`` (``SchedulerPlanner``) and its parts ``lookup``, ``loads``, ``stores``, ``blocks``,
+``routing``, ``presence``, ``state``, ``parts``, ``admission``; the byte side, in each GPU worker
+process: ``worker`` (``WorkerRuntime``), ``runner`` (the mover threads' jobs), ``in_step``,
+``async_loads``, ``shared_slab`` (one CPU slab that every TP rank maps, for MLA stored once).
+``tiered_kv/README.md`` says what each holds.
 
 Threading contract: see each module.
 """

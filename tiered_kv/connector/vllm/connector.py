@@ -7,12 +7,12 @@ Load it with::
       "kv_connector_extra_config":{"cpu_bytes":"64GiB","disk_path":"/nvme/kv","disk_bytes":"1TiB"}}'
 
 The class is a thin adapter. In the scheduler role (vLLM's EngineCore process) it wraps a
-``SchedulerPlanner`` (``vllm_scheduler.py``): lookups, load and store planning, completions.
-In the worker role (one per GPU worker / TP rank) it wraps a ``WorkerRuntime``
-(``vllm_worker.py``): the rank's CPU slab and disk tiers and the movers that copy between
-them and vLLM's KV tensors. The two talk only through ``TieredKVMetadata`` (a ``StepPlan``,
-scheduler -> workers, pickled by vLLM every step) and ``TieredKVWorkerMeta`` (per-job reports,
-workers -> scheduler, merged over ranks by vLLM's ``KVOutputAggregator``).
+``SchedulerPlanner`` (``scheduler.py`` and its parts): lookups, load and store planning,
+completions. In the worker role (one per GPU worker / TP rank) it wraps a ``WorkerRuntime``
+(``worker.py``): the rank's CPU slab and disk tiers and the movers that copy between them and
+vLLM's KV tensors. The two talk only through ``TieredKVMetadata`` (a ``StepPlan``, scheduler ->
+workers, pickled by vLLM every step) and ``TieredKVWorkerMeta`` (per-job ``JobReport``s, workers
+-> scheduler, merged over ranks by vLLM's ``KVOutputAggregator``); both messages are ``common.py``'s.
 
 Version notes: only hooks present in both 0.26 and 0.33 are relied on (``get_finished``, not
 ``get_transfer_results``; ``start_load_kv(**kwargs)``; ``bind_gpu_block_pool`` is not used).
@@ -45,12 +45,13 @@ from tiered_kv.connector.vllm.config import (
     UNSTABLE_HASH_WARNING,
     ConnectorConfig,
     capacities,
-    geometry,
     hash_identity,
     namespace,
     rank_disk_dir,
 )
-from tiered_kv.connector.vllm.scheduler import JobReport, SchedulerPlanner, StepPlan
+from tiered_kv.connector.vllm.common import JobReport, StepPlan
+from tiered_kv.connector.vllm.geometry import geometry
+from tiered_kv.connector.vllm.scheduler import SchedulerPlanner
 from tiered_kv.connector.vllm.worker import WorkerRuntime
 
 log = logging.getLogger(__name__)

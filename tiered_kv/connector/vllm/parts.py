@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from tiered_kv.connector.vllm.config import Geometry
+from tiered_kv.connector.vllm.geometry import Geometry
 
 #: the fastest tier holding a key, or None (the planner's lookup, which may adopt what the fleet stored)
 Best = Callable[[bytes], "int | None"]

@@ -3,11 +3,13 @@
 ``WorkerRuntime`` holds one TP rank's CPU slab tier and (optionally) disk tier, and runs the
 jobs of each ``StepPlan`` the scheduler-side planner sends:
 
-- GPU edge (one "front" mover thread; every ``BlockCopier`` call happens on it): stores
-  (``INGRESS``: GPU blocks -> CPU slots) and loads (``EGRESS``: CPU slots or disk records ->
+- GPU edge (one "front" mover thread; every ``BlockCopier`` call of a mover job happens on it):
+  stores (``INGRESS``: GPU blocks -> CPU slots) and loads (``EGRESS``: CPU slots or disk records ->
   GPU blocks, disk reads staged through a small slab);
 - CPU<->disk edge (``disk_workers`` threads): demotions, write-through copies, promotions,
   deletes.
+
+The movers run each job through the rank's ``JobRunner`` (``runner.py``: the code of the mover threads).
 
 A completed job is reported once, in the next ``poll``: its per-item outcome goes back to the
 planner (``JobReport``), a request whose loads all finished goes into ``finished_recving``,
@@ -41,13 +43,14 @@ groups, keep the front mover.
 
 Ordering on CUDA: a store starts after an event recorded on the engine's current stream at
 ``after_forward`` (the KV it reads has been written); a load starts after an event recorded
-at ``before_forward``'s submission point (after vLLM's block zeroing). A fence waits on the
-CPU until the fenced job finished, so a re-allocated block is never overwritten under a copy.
+at ``before_forward``'s submission point (after vLLM's block zeroing); ``JobRunner`` makes its
+side stream wait for it. A fence waits on the CPU until the fenced job finished, so a
+re-allocated block is never overwritten under a copy.
 
 Threading contract: ``register``/``on_plan``/``before_forward``/``wait_layer``/``after_forward``/
 ``poll``/``stats``/``close`` run on vLLM's worker thread (the model runner), and so does all of
-``InStepLoader``. Mover threads only run ``_execute`` and ``_on_done``; the completed list and job
-events are shared under ``_lock``.
+``InStepLoader``. Mover threads only run ``JobRunner.execute`` and ``_on_done``; the completed list,
+the job events and the runner's job tables are shared under ``_lock``.
 """
 from __future__ import annotations
 
@@ -59,15 +62,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tiered_kv.copy import (
-    BackendUnavailableError,
-    BlockCopier,
-    CopyLaunchError,
-    KVLayout,
-    Mechanism,
-    allocate_slab,
-    vllm_layer_layout,
-)
+from tiered_kv.copy import BlockCopier, KVLayout, Mechanism, allocate_slab, vllm_layer_layout
 from tiered_kv.errors import ConfigError
 from tiered_kv.values.keys import Namespace
 from tiered_kv.tiers.cpu import CpuTier
@@ -75,15 +70,16 @@ from tiered_kv.values.jobs import Completion, JobKind, TransferJob
 from tiered_kv.movers.mover import Mover, close_at_exit
 from tiered_kv.connector.vllm.config import (
     ConnectorConfig,
-    Geometry,
     disk_slot_nbytes,
     rank_disk_dir,
     rank_remote_part,
 )
+from tiered_kv.connector.vllm.geometry import Geometry, GroupGeo
 from tiered_kv.connector.vllm.async_loads import AsyncLoader
 from tiered_kv.connector.vllm.in_step import InStepLoader
+from tiered_kv.connector.vllm.runner import JobRunner, WorkerCounters
 from tiered_kv.connector.vllm.trace import LoadTrace
-from tiered_kv.connector.vllm.scheduler import CPU, JobReport, StepPlan, tier_indices
+from tiered_kv.connector.vllm.common import CPU, JobReport, StepPlan, tier_indices
 from tiered_kv.connector.vllm.shared_slab import SharedSlab
 
 if TYPE_CHECKING:
@@ -95,8 +91,6 @@ log = logging.getLogger(__name__)
 _FRONT_KINDS = (JobKind.INGRESS, JobKind.EGRESS)
 #: How long a fence lets a queued store start before cancelling it (most are next in line).
 FENCE_PATIENCE_S = 0.002
-#: What a batched copy raises when it cannot start or finish (several groups: retried as a plain copy)
-_COPY_ERRORS = (BackendUnavailableError, CopyLaunchError, RuntimeError)
 
 
 def slab_planes(slab: torch.Tensor, sections: list[tuple[int, int]]) -> list[torch.Tensor]:
@@ -113,6 +107,25 @@ def _layer_tensors(kv) -> list[torch.Tensor]:
     return list(kv) if isinstance(kv, (list, tuple)) else [kv]
 
 
+def group_layout(g: GroupGeo, tensors: list[torch.Tensor], rank: int) -> KVLayout:
+    """The layout of one KV cache group's tensors on ``rank``, blocks indexed like vLLM's block table.
+
+    vLLM may cut each block into ``r`` kernel blocks for the attention backend (its tensors
+    then have ``r`` rows per block, adjacent in memory): ``r`` rows make one block here, so a
+    block's bytes (and a stored record) are the same as without the cut.
+    """
+    kv = vllm_layer_layout(tensors, name="vllm")
+    if kv.block_nbytes == g.block_nbytes:
+        return kv
+    ratio, rest = divmod(g.block_nbytes, kv.block_nbytes)
+    if ratio > 1 and not rest and all(t.shape[0] % ratio == 0 for t in tensors):
+        log.info("TieredKVConnector rank %d: KV cache group %d has %d kernel blocks per block", rank, g.index, ratio)
+        return KVLayout(tuple(tensors), block_dim=0, rows_per_block=ratio, name="vllm")
+    raise ConfigError(f"TieredKVConnector: a GPU block of KV cache group {g.index} ({g.kind}) is "
+                      f"{kv.block_nbytes} bytes on rank {rank} but the KV cache spec says "
+                      f"{g.block_nbytes}; unsupported KV layout")
+
+
 @dataclass
 class PollResult:
     """What one ``poll`` hands back to vLLM (through the connector) and to the planner."""
@@ -120,31 +133,6 @@ class PollResult:
     reports: dict[int, JobReport] = field(default_factory=dict)
     finished_recving: set[str] = field(default_factory=set)
     invalid_block_ids: set[int] = field(default_factory=set)
-
-
-@dataclass
-class WorkerCounters:
-    """Bytes and seconds moved by this rank since start (monotonic)."""
-
-    bytes_loaded: int = 0
-    bytes_stored: int = 0
-    bytes_to_disk: int = 0
-    bytes_from_disk: int = 0
-    bytes_to_remote: int = 0
-    bytes_from_remote: int = 0
-    load_seconds: float = 0.0
-    store_seconds: float = 0.0
-    failed_items: int = 0
-    corrupt_items: int = 0
-    fences_waited: int = 0
-    stores_cancelled: int = 0
-    sync_loads: int = 0
-    sync_load_groups: int = 0
-    sync_staged_copies: int = 0  # in-step merged copies (one per KV cache group and step) that went staged
-    async_loads: int = 0  # asynchronous CPU-tier loads submitted through the AsyncLoader
-    async_batches: int = 0  # steps that submitted such loads (one submission each)
-    plain_copy_fallbacks: int = 0  # several groups: batched copies retried as plain torch copies
-    acked_for_rank0: int = 0  # replicated caches: jobs rank 0 runs for every rank, acknowledged here
 
 
 def _async_load(job: TransferJob) -> bool:
@@ -187,7 +175,6 @@ class WorkerRuntime:
     def __init__(self, cfg: ConnectorConfig, geo: Geometry, ns: Namespace, rank: int,
                  cpu_chunks: int, disk_chunks: int, shared_name: str | None = None) -> None:
         self.cfg, self.geo, self.rank = cfg, geo, rank
-        self.k = geo.slot_blocks  # GPU ids per job item
         self.layout = geo.rank_layout(rank)  # one row = one chunk of this rank's share
         # replicated (MLA): one copy for every rank; rank 0 writes it, the others acknowledge
         self.shared = geo.replicated and geo.tp_size > 1
@@ -199,7 +186,6 @@ class WorkerRuntime:
         else:
             self.cpu = CpuTier(self.layout, cpu_chunks * geo.rank_chunk_nbytes)
         self.sections = geo.sections
-        self.plane_rows = geo.plane_rows  # block rows per slot in each group's plane
         self.planes = slab_planes(self.cpu.slab, self.sections)
         self.disk: DiskTier | None = None
         path = rank_disk_dir(cfg, ns, rank, geo.tp_size, geo.replicated)
@@ -226,10 +212,9 @@ class WorkerRuntime:
         self._lock = threading.Lock()
         self._completed: list[tuple[TransferJob, Completion]] = []
         self._events: dict[int, threading.Event] = {}
-        self._cuda_events: dict[int, object] = {}  # job id -> torch.cuda.Event the job must wait for
-        self._queued_stores: dict[int, int] = {}  # store job -> items, submitted, GPU read not started
-        self._cancelled: set[int] = set()  # queued store jobs a fence cancelled
-        self._ext: dict[int, list[int]] = {}  # job id -> its items' GPU block ids, k per item (-1 = skip)
+        # what the movers run, and the job tables they share with this thread (under _lock)
+        self.runner = JobRunner(geo, rank, self.layout, self.cpu, self.keyed, self.disk, self.writes_copies,
+                                self.counters, self._lock)
         self._load_reqs: dict[str, set[int]] = {}  # request -> load job ids not finished yet
         self._job_req: dict[int, str] = {}
         self._pending_fail: dict[str, list[int]] = {}
@@ -237,7 +222,6 @@ class WorkerRuntime:
         self._early_done = self._stores_done = self._fenced = True
         self.copier: BlockCopier | None = None  # group 0's (the only one for most models)
         self.copiers: list[BlockCopier] = []
-        self._staging_copiers: list[BlockCopier] = []
         # in-step loads, on vLLM's thread; None before ``register`` and with load_mode "async"
         # (the planner then plans none)
         self.in_step: InStepLoader | None = None
@@ -245,11 +229,9 @@ class WorkerRuntime:
         self.async_loads: AsyncLoader | None = None
         self.trace = LoadTrace(cfg.trace_path, rank) if cfg.trace_path else None  # per-step load trace (off)
         self._cuda = False
-        self._dep_stream = None
-        self._mechanism: Mechanism | None = None  # None: the copier chooses per call
-        self.front = Mover(f"vllm-gpu-r{rank}", self._execute, self._on_done, workers=1)
+        self.front = Mover(f"vllm-gpu-r{rank}", self.runner.execute, self._on_done, workers=1)
         workers = (cfg.disk_workers if self.disk is not None else 0) + (cfg.remote_workers if self.remote else 0)
-        self.back = (Mover(f"vllm-disk-r{rank}", self._execute, self._on_done, workers=workers)
+        self.back = (Mover(f"vllm-disk-r{rank}", self.runner.execute, self._on_done, workers=workers)
                      if self.keyed else None)
         self._closed = False
         # An engine that exits without shutting its connector down (e.g. ``LLM`` in-process) would leave our
@@ -264,7 +246,7 @@ class WorkerRuntime:
         if missing:
             raise ConfigError(f"TieredKVConnector: register_kv_caches lacks layers {missing[:4]} of the KV cache "
                               f"groups ({len(missing)} missing)")
-        kvs = [self._group_layout(g, [t for n in g.layer_names for t in _layer_tensors(kv_caches[n])])
+        kvs = [group_layout(g, [t for n in g.layer_names for t in _layer_tensors(kv_caches[n])], self.rank)
                for g in self.geo.groups]
         self.kvs = kvs
         self.kv = kvs[0]
@@ -286,33 +268,15 @@ class WorkerRuntime:
         if self.geo.block_level_errors:
             # staged only when named: ``auto`` picks it for in-step copies (measured under load), not for these
             self.async_loads = AsyncLoader(self.copier, Mechanism.STAGED if self.cfg.in_step_copy == "staged" else None)
+        # disk and remote loads read records into a small staging slab and copy from there
         staging = allocate_slab(self.cfg.staging_chunks, self.geo.rank_chunk_nbytes, pin=self._cuda)
-        self._staging_planes = slab_planes(staging, self.sections)
-        self._staging_copiers = [BlockCopier(kv, plane) for kv, plane in zip(kvs, self._staging_planes)]
-        self._staging_rows = staging
+        self.runner.bind(self.copiers, [BlockCopier(kv, plane) for kv, plane in zip(kvs, slab_planes(staging,
+                                                                                                   self.sections))],
+                         staging, self.kv.device if self._cuda else None)
         log.info("TieredKVConnector rank %d: %d group(s), %d layers, %d B per chunk, %d-block chunks, %d CPU chunk "
                  "slots%s, disk %s", self.rank, len(kvs), sum(len(kv.tensors) for kv in kvs),
                  self.geo.rank_chunk_nbytes, self.geo.chunk_blocks, self.cpu.capacity,
                  " (shared by all ranks)" if self.shared else "", self.disk.path if self.disk is not None else "off")
-
-    def _group_layout(self, g, tensors: list[torch.Tensor]) -> KVLayout:
-        """The layout of one group's KV tensors, blocks indexed like vLLM's block table.
-
-        vLLM may cut each block into ``r`` kernel blocks for the attention backend (its tensors
-        then have ``r`` rows per block, adjacent in memory): ``r`` rows make one block here, so a
-        block's bytes (and a stored record) are the same as without the cut.
-        """
-        kv = vllm_layer_layout(tensors, name="vllm")
-        if kv.block_nbytes == g.block_nbytes:
-            return kv
-        ratio, rest = divmod(g.block_nbytes, kv.block_nbytes)
-        if ratio > 1 and not rest and all(t.shape[0] % ratio == 0 for t in tensors):
-            log.info("TieredKVConnector rank %d: KV cache group %d has %d kernel blocks per block", self.rank,
-                     g.index, ratio)
-            return KVLayout(tuple(tensors), block_dim=0, rows_per_block=ratio, name="vllm")
-        raise ConfigError(f"TieredKVConnector: a GPU block of KV cache group {g.index} ({g.kind}) is "
-                          f"{kv.block_nbytes} bytes on rank {self.rank} but the KV cache spec says "
-                          f"{g.block_nbytes}; unsupported KV layout")
 
     # ------------------------------------------------------------------ per step
     def on_plan(self, plan: StepPlan) -> None:
@@ -320,7 +284,7 @@ class WorkerRuntime:
         if plan is self._plan:
             return
         with self._lock:
-            self._ext.update(plan.ext)
+            self.runner.ext.update(plan.ext)
         self._plan = plan
         self._early_done = self._stores_done = self._fenced = False
         if self.trace is not None:
@@ -346,7 +310,7 @@ class WorkerRuntime:
                 self._finish_async(loader.wait(held))
         with self._lock:
             fenced = [(job_id, ev) for job_id in plan.fences if (ev := self._events.get(job_id)) is not None]
-            queued = [(job_id, ev) for job_id, ev in fenced if job_id in self._queued_stores]
+            queued = [(job_id, ev) for job_id, ev in fenced if job_id in self.runner.queued_stores]
         pending = {job_id for job_id, ev in fenced if not ev.is_set()}
         t0 = time.perf_counter()
         deadline = t0 + FENCE_PATIENCE_S
@@ -355,9 +319,9 @@ class WorkerRuntime:
         waits = []
         with self._lock:
             for job_id, ev in fenced:
-                items = self._queued_stores.pop(job_id, None)
+                items = self.runner.queued_stores.pop(job_id, None)
                 if items is not None:
-                    self._cancelled.add(job_id)
+                    self.runner.cancelled.add(job_id)
                     pending.discard(job_id)
                     self.counters.stores_cancelled += items
                     log.debug("rank %d: fence cancelled queued store job %d", self.rank, job_id)
@@ -401,12 +365,12 @@ class WorkerRuntime:
                 if job.job_id in sync:  # a job like any other; only its copy is the loader's
                     with self._lock:
                         self._events[job.job_id] = threading.Event()
-                    in_step.start(job, self._flat(job, job.src_slots))
+                    in_step.start(job, self.runner.flat(job, job.src_slots))
             early = [j for j in early if j.job_id not in sync]
             # asynchronous loads of this step are ordered after the in-step copies: those must all exist
             pipelined = not (self.async_loads is not None and any(_async_load(j) for j in early))
             staged = in_step.staged_copies
-            loads, groups = in_step.submit(layerwise_ok, self._mechanism, pipelined)
+            loads, groups = in_step.submit(layerwise_ok, self.runner.mechanism, pipelined)
             c.sync_loads += loads
             c.sync_load_groups += groups
             staged = in_step.staged_copies - staged
@@ -428,7 +392,7 @@ class WorkerRuntime:
         batch, rest = [], []
         for job in jobs:
             if _async_load(job):
-                (gpu, rows), = self._flat(job, job.src_slots)
+                (gpu, rows), = self.runner.flat(job, job.src_slots)
                 batch.append((job, gpu, rows))
                 with self._lock:
                     self._events[job.job_id] = threading.Event()
@@ -437,7 +401,7 @@ class WorkerRuntime:
         if batch:
             in_step = self.in_step
             after = [load.results[-1] for load in in_step.loads if load.results] if in_step is not None else []
-            self.async_loads.start(batch, after=after, fallback=self._mechanism)
+            self.async_loads.start(batch, after=after, fallback=self.runner.mechanism)
             if self.trace is not None:
                 for p in self.async_loads.pending[-len(batch):]:
                     self.trace.started("async", p.job.job_id, p.result.nbytes)
@@ -448,7 +412,7 @@ class WorkerRuntime:
     def _finish_async(self, done: list[tuple[TransferJob, Completion]]) -> None:
         """Count and queue the completions of landed asynchronous loads for ``poll``."""
         for job, c in done:
-            self._count(job, c.nbytes, c.seconds, c.ok, c.corrupt)
+            self.runner.count(job, c.nbytes, c.seconds, c.ok, c.corrupt)
             self._on_done(job, c)
             if self.trace is not None:
                 self.trace.reported(job.job_id, cpu_ms=c.seconds * 1e3)  # its GPU time (CPU: the copy's)
@@ -478,9 +442,9 @@ class WorkerRuntime:
             with self._lock:
                 self._events[job.job_id] = threading.Event()
                 if ev is not None and job.kind in _FRONT_KINDS:
-                    self._cuda_events[job.job_id] = ev
+                    self.runner.cuda_events[job.job_id] = ev
                 if job.kind is JobKind.INGRESS:
-                    self._queued_stores[job.job_id] = len(job)
+                    self.runner.queued_stores[job.job_id] = len(job)
             if job.kind in _FRONT_KINDS or self.back is None:
                 self.front.submit(job)
             else:
@@ -504,7 +468,7 @@ class WorkerRuntime:
         for job, c in done:
             out.reports[job.job_id] = JobReport(1, list(c.ok), list(c.corrupt), c.nbytes, c.seconds, list(c.missing),
                                                 list(c.evicted))
-            ext = self._ext.pop(job.job_id, None)
+            ext = self.runner.ext.pop(job.job_id, None)
             if job.kind is JobKind.EGRESS and ext is not None and not all(c.ok):
                 if not self.geo.block_level_errors:
                     # vLLM takes no block errors with several KV cache groups (0.26 crashes on them, 0.32
@@ -513,7 +477,7 @@ class WorkerRuntime:
                     raise RuntimeError(f"TieredKVConnector rank {self.rank}: load job {job.job_id} failed "
                                        f"({len(c.ok) - sum(c.ok)} of {len(c.ok)} chunks) and vLLM cannot recompute "
                                        f"blocks of a model with {len(self.geo.groups)} KV cache groups")
-                k = self.k
+                k = self.geo.slot_blocks
                 out.invalid_block_ids.update(g for i, ok in enumerate(c.ok) if not ok
                                              for g in ext[i * k:(i + 1) * k] if g >= 0)
             rid = self._job_req.pop(job.job_id, None)
@@ -537,7 +501,7 @@ class WorkerRuntime:
         if self.trace is not None:
             self.trace.held_in_forward(submit_ms)
         for job, done in finished:
-            self._count(job, done.nbytes, done.seconds, done.ok, done.corrupt)
+            self.runner.count(job, done.nbytes, done.seconds, done.ok, done.corrupt)
             self._on_done(job, done)
             if self.trace is not None:  # CUDA: the timing events given at start; CPU: the load's wall time
                 self.trace.reported(job.job_id, cpu_ms=None if self._cuda else done.seconds * 1e3)
@@ -551,196 +515,10 @@ class WorkerRuntime:
     def _on_done(self, job: TransferJob, done: Completion) -> None:
         with self._lock:
             self._completed.append((job, done))
-            self._cuda_events.pop(job.job_id, None)
+            self.runner.cuda_events.pop(job.job_id, None)
             ev = self._events.get(job.job_id)
         if ev is not None:
             ev.set()
-
-    def _execute(self, job: TransferJob) -> Completion:
-        t0 = time.perf_counter()
-        n = len(job)
-        ok, corrupt = [True] * n, [False] * n
-        kind = job.kind
-        if kind is JobKind.INGRESS:
-            with self._lock:
-                cancelled = job.job_id in self._cancelled
-                self._cancelled.discard(job.job_id)
-                self._queued_stores.pop(job.job_id, None)  # from here on a fence waits for it
-            if cancelled:
-                return Completion(job.job_id, [False] * n, [False] * n, 0, time.perf_counter() - t0)
-        if not self.writes_copies and kind is not JobKind.EGRESS:
-            # replicated cache: rank 0 writes the one host/disk copy every rank reads; the planner
-            # completes the job when rank 0's report (with the real outcome) arrives too
-            with self._lock:
-                self.counters.acked_for_rank0 += 1
-            return Completion(job.job_id, ok, corrupt, 0, time.perf_counter() - t0)
-        nbytes = None
-        missing: list[bool] = []
-        evicted: list[bytes] = []  # a shared disk directory's evictions for this job's writes
-        src, dst = self.keyed.get(job.src_tier), self.keyed.get(job.dst_tier)
-        if kind is JobKind.DELETE:
-            src.delete(job.keys)
-            return Completion(job.job_id, ok, corrupt)
-        if kind is JobKind.INGRESS:
-            nbytes = self._copy(self.copiers, job, self._flat(job, job.dst_slots), to_cpu=True)
-        elif kind is JobKind.EGRESS and job.src_tier == CPU:
-            nbytes = self._copy(self.copiers, job, self._flat(job, job.src_slots), to_cpu=False)
-        elif kind is JobKind.EGRESS:
-            ok, corrupt, missing, nbytes = self._disk_to_gpu(job, src)
-        elif job.src_tier == CPU and dst is not None:  # DEMOTE, COPY_DOWN (to disk or remote)
-            ok, evicted = dst.write_ex(job.keys, job.dst_slots, self.cpu.slab[job.src_slots])
-        elif src is not None:  # PROMOTE to the CPU tier, or a move between two keyed tiers
-            rows = torch.empty((n, self.layout.nbytes), dtype=torch.uint8)
-            ok, corrupt, missing = src.read_ex(job.keys, job.src_slots, rows)
-            good = [i for i in range(n) if ok[i]]
-            if good and job.dst_tier == CPU:
-                self.cpu.slab[[job.dst_slots[i] for i in good]] = rows[good]
-            elif good and dst is not None:
-                written, evicted = dst.write_ex([job.keys[i] for i in good], [job.dst_slots[i] for i in good],
-                                                rows[good])
-                for i, w in zip(good, written):
-                    ok[i] = w
-            elif dst is None and job.dst_tier != CPU:
-                raise ConfigError(f"job {job.job_id}: unexpected {kind.name} to tier {job.dst_tier}")
-        else:
-            raise ConfigError(f"job {job.job_id}: unexpected {kind.name} from tier {job.src_tier} to {job.dst_tier}")
-        secs = time.perf_counter() - t0
-        if nbytes is None:  # a whole record per item
-            nbytes = sum(ok) * self.layout.nbytes
-        log.debug("rank %d job %d %s %d->%d: %d items in %.1f ms (%.1f GB/s)", self.rank, job.job_id, kind.name,
-                  job.src_tier, job.dst_tier, n, secs * 1e3, nbytes / secs / 1e9 if secs else 0.0)
-        self._count(job, nbytes, secs, ok, corrupt)
-        return Completion(job.job_id, ok, corrupt, nbytes, secs, missing=missing, evicted=evicted)
-
-    def _flat(self, job: TransferJob, chunk_slots: list[int], items=None) -> list[tuple[list[int], list[int]]]:
-        """Per group: GPU block ids and plane rows of ``job``'s items (all, or ``items``), skipping -1 blocks."""
-        with self._lock:
-            ext = self._ext[job.job_id]
-        k = self.k
-        sections = self.sections
-        if len(sections) == 1:
-            gpu: list[int] = []
-            rows: list[int] = []
-            for i in (range(len(job)) if items is None else items):
-                base = chunk_slots[i] * k
-                for j, g in enumerate(ext[i * k:(i + 1) * k]):
-                    if g >= 0:
-                        gpu.append(g)
-                        rows.append(base + j)
-            return [(gpu, rows)]
-        out: list[tuple[list[int], list[int]]] = [([], []) for _ in sections]
-        rows_per_slot = self.plane_rows
-        for i in (range(len(job)) if items is None else items):
-            pos = i * k
-            slot = chunk_slots[i]
-            for (gpu, rows), (blocks, _), per_slot in zip(out, sections, rows_per_slot):
-                base = slot * per_slot
-                for j, g in enumerate(ext[pos:pos + blocks]):
-                    if g >= 0:
-                        gpu.append(g)
-                        rows.append(base + j)
-                pos += blocks
-        return out
-
-    def _copy(self, copiers: list[BlockCopier], job: TransferJob, parts: list[tuple[list[int], list[int]]],
-              to_cpu: bool) -> int:
-        """Copy each group's blocks (``parts[g]`` = GPU ids, plane rows) and wait; returns the bytes moved."""
-        stream = self._wait_stream(job)
-        results = []
-        nbytes = 0
-        for copier, (gpu, rows) in zip(copiers, parts):
-            if not gpu:
-                continue
-            nbytes += len(gpu) * copier.layout.block_nbytes
-            src, dst = (gpu, rows) if to_cpu else (rows, gpu)
-            try:
-                results.append((copier, src, dst, self._start_copy(copier, src, dst, stream, to_cpu)))
-            except _COPY_ERRORS as exc:
-                if self.geo.block_level_errors:
-                    raise
-                self._plain_copy(copier, src, dst, to_cpu, exc)
-        for copier, src, dst, res in results:
-            try:
-                res.wait()
-            except _COPY_ERRORS as exc:
-                if self.geo.block_level_errors:
-                    raise
-                self._plain_copy(copier, src, dst, to_cpu, exc)
-        return nbytes
-
-    def _start_copy(self, copier: BlockCopier, src: list[int], dst: list[int], stream, to_cpu: bool):
-        copy = copier.gpu_to_cpu if to_cpu else copier.cpu_to_gpu
-        try:
-            return copy(src, dst, stream=stream, mechanism=self._mechanism)
-        except BackendUnavailableError as exc:
-            if self._mechanism is not None:
-                raise
-            # e.g. no cuda-python for the copy engine: the SM kernel (Triton, shipped with vLLM) still works
-            log.warning("TieredKVConnector rank %d: %s; using the SM-kernel copy from now on", self.rank, exc)
-            self._mechanism = Mechanism.SM_KERNEL
-            return copy(src, dst, stream=stream, mechanism=self._mechanism)
-
-    def _plain_copy(self, copier: BlockCopier, src: list[int], dst: list[int], to_cpu: bool, exc) -> None:
-        """Several groups: redo a batched copy that failed as a plain torch copy (no per-block errors there)."""
-        log.warning("TieredKVConnector rank %d: batched copy failed (%s); retrying it as a plain copy", self.rank, exc)
-        with self._lock:
-            self.counters.plain_copy_fallbacks += 1
-        if to_cpu:
-            copier.copy_plain(src, dst, to_cpu=True)
-        else:
-            copier.copy_plain(dst, src, to_cpu=False)
-
-    def _wait_stream(self, job: TransferJob):
-        if not self._cuda:
-            return None
-        with self._lock:
-            ev = self._cuda_events.get(job.job_id)
-        if self._dep_stream is None:  # only the front mover thread gets here
-            self._dep_stream = torch.cuda.Stream(device=self.kv.device)
-        stream = self._dep_stream
-        if ev is not None:
-            stream.wait_event(ev)
-        return stream
-
-    def _disk_to_gpu(self, job: TransferJob, tier) -> tuple[list[bool], list[bool], list[bool], int]:
-        """Read records of a keyed tier (disk or remote) into the staging slab a few chunks at a time and load each
-        batch into its GPU blocks; returns (ok, corrupt, missing, bytes)."""
-        n = len(job)
-        ok, corrupt, missing = [False] * n, [False] * n, [False] * n
-        rows = self._staging_rows
-        step = rows.shape[0]
-        nbytes = 0
-        for lo in range(0, n, step):
-            hi = min(n, lo + step)
-            into = rows[:hi - lo]  # a record is a staging row
-            part_ok, part_bad, part_gone = tier.read_ex(job.keys[lo:hi], job.src_slots[lo:hi], into)
-            ok[lo:hi], corrupt[lo:hi], missing[lo:hi] = part_ok, part_bad, part_gone
-            good = [lo + i for i in range(hi - lo) if part_ok[i]]
-            if good:
-                local = list(range(-lo, n - lo))  # staging row of item i is i - lo
-                nbytes += self._copy(self._staging_copiers, job, self._flat(job, local, good), to_cpu=False)
-        return ok, corrupt, missing, nbytes
-
-    def _count(self, job: TransferJob, nbytes: int, secs: float, ok: list[bool], corrupt: list[bool]) -> None:
-        c = self.counters
-        with self._lock:
-            c.failed_items += len(ok) - sum(ok)
-            c.corrupt_items += sum(corrupt)
-            if job.kind is JobKind.EGRESS:
-                c.bytes_loaded += nbytes
-                c.load_seconds += secs
-            elif job.kind is JobKind.INGRESS:
-                c.bytes_stored += nbytes
-                c.store_seconds += secs
-            dst, src = self.keyed.get(job.dst_tier), self.keyed.get(job.src_tier)
-            if dst is not None and dst is self.disk:
-                c.bytes_to_disk += nbytes
-            elif dst is not None:
-                c.bytes_to_remote += nbytes
-            if src is not None and src is self.disk:
-                c.bytes_from_disk += nbytes
-            elif src is not None:
-                c.bytes_from_remote += nbytes
 
     # ------------------------------------------------------------------ stats and shutdown
     def stats(self) -> dict:
@@ -766,7 +544,7 @@ class WorkerRuntime:
         self.front.close()
         if self.back is not None:
             self.back.close()
-        for copier in [*self.copiers, *self._staging_copiers,
+        for copier in [*self.copiers, *self.runner.staging_copiers,
                        *(self.in_step.copiers if self.in_step is not None else [])]:
             copier.close()
         if self.disk is not None:

@@ -84,6 +84,46 @@ def _close_env(env: lmdb.Environment) -> None:
     env.close()
 
 
+def _check_size(env: lmdb.Environment, path: Path) -> None:
+    """Refuse an index file shorter than its own meta page says (reading past EOF would SIGBUS)."""
+    data = path / "data.mdb"
+    need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+    have = data.stat().st_size
+    if have < need:
+        raise ConfigError(f"{str(data)!r} is truncated ({have} bytes, its meta page needs {need}); "
+                          f"move the directory aside to start empty")
+
+
+def _check_format(env: lmdb.Environment, db_meta, root: Path, slot_bytes: int, slots: int, readonly: bool) -> int:
+    """Write the format record of a new index, or check an existing one (and grow ``slots``); returns the slot
+    size (a read-only open adopts the directory's)."""
+    with env.begin(db=db_meta, write=not readonly) as txn:
+        raw = txn.get(b"format")
+        if raw is None:
+            if readonly:
+                raise ConfigError(f"{str(root)!r}: disk tier has no format record")
+            txn.put(b"format", json.dumps({"format": FORMAT, "slot_bytes": slot_bytes}).encode())
+            txn.put(b"slots", _SLOT.pack(slots))
+            txn.put(b"hwm", _SLOT.pack(0))
+            return slot_bytes
+        try:
+            fmt = json.loads(bytes(raw))
+            ok = isinstance(fmt, dict) and fmt.get("format") == FORMAT
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ConfigError(f"{str(root)!r}: unknown disk-tier format {bytes(raw)[:80]!r}; use an empty directory")
+        if readonly:
+            slot_bytes = int(fmt["slot_bytes"])
+        elif fmt.get("slot_bytes") != slot_bytes:
+            raise ConfigError(f"{str(root)!r} holds blocks of {fmt.get('slot_bytes')} bytes per slot but "
+                              f"this store's blocks need {slot_bytes}; use another disk_path per block size")
+        old = _SLOT.unpack(txn.get(b"slots"))[0]
+        if slots > old and not readonly:
+            txn.put(b"slots", _SLOT.pack(slots))
+    return slot_bytes
+
+
 _pid_alive = pid_alive
 
 
@@ -123,7 +163,7 @@ class DiskIndex:
             raise ConfigError(f"{str(path)!r}: cannot open the LMDB index ({type(exc).__name__}: {exc}); "
                               f"move the directory aside to start empty") from None
         try:
-            self._check_size()
+            _check_size(self.env, path)
             self.db_records = self.env.open_db(b"records", create=not readonly)
             self.db_free = self.env.open_db(b"free", create=not readonly)
             self.db_claims = self.env.open_db(b"claims", create=not readonly)
@@ -137,7 +177,7 @@ class DiskIndex:
                     self.accounted = False
             self.owner = owner
             self.budget = Budget(dbs, owner, budget, weight)
-            self._check_format(slots)
+            self.slot_bytes = _check_format(self.env, self.db_meta, self.root, slot_bytes, slots, readonly)
             self.evicted_at_open: list[bytes] = []
             if not readonly:
                 self._register(slots)
@@ -150,43 +190,6 @@ class DiskIndex:
             raise
 
     # ------------------------------------------------------------------ open
-    def _check_size(self) -> None:
-        """Refuse an index file shorter than its own meta page says (reading past EOF would SIGBUS)."""
-        data = self.path / "data.mdb"
-        need = (self.env.info()["last_pgno"] + 1) * self.env.stat()["psize"]
-        have = data.stat().st_size
-        if have < need:
-            raise ConfigError(f"{str(data)!r} is truncated ({have} bytes, its meta page needs {need}); "
-                              f"move the directory aside to start empty")
-
-    def _check_format(self, slots: int) -> None:
-        """Write the format record of a new index, or check an existing one (and grow ``slots``)."""
-        with self.env.begin(db=self.db_meta, write=not self.readonly) as txn:
-            raw = txn.get(b"format")
-            if raw is None:
-                if self.readonly:
-                    raise ConfigError(f"{str(self.root)!r}: disk tier has no format record")
-                txn.put(b"format", json.dumps({"format": FORMAT, "slot_bytes": self.slot_bytes}).encode())
-                txn.put(b"slots", _SLOT.pack(slots))
-                txn.put(b"hwm", _SLOT.pack(0))
-                return
-            try:
-                fmt = json.loads(bytes(raw))
-                ok = isinstance(fmt, dict) and fmt.get("format") == FORMAT
-            except ValueError:
-                ok = False
-            if not ok:
-                raise ConfigError(f"{str(self.root)!r}: unknown disk-tier format {bytes(raw)[:80]!r}; "
-                                  f"use an empty directory")
-            if self.readonly:
-                self.slot_bytes = int(fmt["slot_bytes"])
-            elif fmt.get("slot_bytes") != self.slot_bytes:
-                raise ConfigError(f"{str(self.root)!r} holds blocks of {fmt.get('slot_bytes')} bytes per slot but "
-                                  f"this store's blocks need {self.slot_bytes}; use another disk_path per block size")
-            old = _SLOT.unpack(txn.get(b"slots"))[0]
-            if slots > old and not self.readonly:
-                txn.put(b"slots", _SLOT.pack(slots))
-
     def _register(self, slots: int) -> None:
         """Register this opener in the directory's budget; grow the payload file's slot count to match."""
         with self.env.begin(write=True) as txn:

@@ -1,0 +1,179 @@
+"""Load planning on the vLLM scheduler side: a hit's chunks into the GPU blocks vLLM allocated for it.
+
+``LoadPlanner.allocated`` runs once vLLM allocated a request's blocks after a hit ``match`` reported: it
+asks the ``TierChain`` for the hit's keys (a ``get`` handle whose items' GPU ids are the blocks vLLM holds
+for them, -1 where vLLM holds the KV already) and hands the load jobs to this step (in-step loads,
+``StepPlan.sync``: every chunk a ready CPU copy, matched in this same ``schedule()`` call) or to the
+request's asynchronous loads (``StepPlan.loads``, reported in ``finished_recving``). A chunk that vanished
+since the lookup is reported as failed blocks, so vLLM recomputes from there (one group only: with several
+groups vLLM takes no block errors, and every load comes from a ready CPU copy). A tail piece loads into the
+first blocks of its slot.
+
+It also keeps each request's prefix in order in the CPU tier's eviction policy (``refresh``) and feeds what
+completed loads measured back to the load gate and the adaptive load budget (``load_done``).
+
+Threading contract: vLLM's scheduler thread only; no I/O, no torch.
+"""
+from __future__ import annotations
+
+from tiered_kv.planner.chain import TierChain
+from tiered_kv.planner.gate import LoadGate
+from tiered_kv.values.jobs import JobKind, TransferJob
+from tiered_kv.connector.vllm.admission import StepLoadBudget
+from tiered_kv.connector.vllm.common import CPU, DISK, JobReport
+from tiered_kv.connector.vllm.geometry import Geometry
+from tiered_kv.connector.vllm.parts import PartPlanner
+from tiered_kv.connector.vllm.routing import JobRouter
+from tiered_kv.connector.vllm.state import PlannerCounters, RequestState, RequestTable
+
+
+class LoadPlanner:
+    """``allocated``: plan the loads of the hit the last ``match`` found (see the module)."""
+
+    def __init__(self, geo: Geometry, chain: TierChain, requests: RequestTable, router: JobRouter,
+                 parts: PartPlanner | None, gate: LoadGate, budget: StepLoadBudget | None,
+                 counters: PlannerCounters) -> None:
+        self.geo = geo
+        self.bs = geo.block_size
+        self.k = geo.chunk_blocks
+        self.w = geo.slot_blocks  # GPU ids per item of a job
+        self.chunk = geo.chunk_tokens
+        self.chain = chain
+        self._requests = requests
+        self._router = router
+        self._parts = parts
+        self._gate = gate
+        self._budget = budget
+        self.counters = counters
+        self.async_cpu_loads: set[int] = set()  # adaptive: asynchronous CPU-tier loads (their rate feeds the budget)
+
+    def allocated(self, request, block_ids, num_external_tokens: int) -> None:
+        """vLLM allocated ``block_ids`` (all of the request's blocks, one list per KV cache group) after a
+        hit of ``num_external_tokens``."""
+        st = self._requests.state(request)
+        if num_external_tokens <= 0:
+            return
+        if self._parts is not None:
+            self._allocated_parts(st, block_ids, num_external_tokens)
+            return
+        c0, whole, local = st.lookup
+        end_blocks = (local + num_external_tokens) // self.bs
+        n = min(whole, end_blocks // self.k - c0)
+        tables = self._requests.tables(block_ids)
+        gpu = self._load_ids(tables, c0, n, local)
+        keys = st.hit_keys[:n]
+        tail = st.hit_tail if n == whole and end_blocks >= (c0 + n) * self.k + st.hit_tail else 0
+        if tail:  # the piece's m blocks, then -1 for the rest of its slot
+            base = (c0 + n) * self.k
+            piece = tables[0][base:base + tail]
+            skip = local // self.bs - base
+            if skip > 0:
+                piece[:skip] = [-1] * skip
+            gpu = gpu + piece + [-1] * (self.k - tail)
+            keys.append(st.hit_keys[n])
+            self.counters.tail_hits += 1
+        items = n + (1 if tail else 0)
+        router = self._router
+        hid = next(router.handle_ids)
+        router.gets[hid] = gpu
+        got, jobs = self.chain.get(keys, hid)
+        rid = request.request_id
+        if got < items:  # a chunk vanished since the lookup: report its blocks, vLLM recomputes from there
+            lost = [g for g in gpu[got * self.w:] if g >= 0]
+            if st.sync:
+                router.sync_fail.extend(lost)
+            else:
+                router.load_fail[rid] = lost
+            self.counters.failed_load_blocks += len(lost)
+        loads = self._plan_loads(st, jobs, num_external_tokens)
+        chunk = self.chunk
+        for j in loads:
+            tokens = 0
+            for i in j.dst_slots:
+                start = (c0 + i) * chunk
+                end = start + (chunk if i < n else tail * self.bs)
+                part = end - max(start, min(local, end))
+                tokens += part
+                if i >= n:
+                    self.counters.hit_tokens_tail += part
+            if j.src_tier == CPU:
+                self.counters.hit_tokens_cpu += tokens
+            else:
+                self.counters.hit_tokens_disk += tokens
+        st.stored = max(st.stored, c0 + min(got, n))
+        self.refresh(st)
+        router.route_loads(rid, jobs)
+
+    def _allocated_parts(self, st: RequestState, block_ids, num_external_tokens: int) -> None:
+        """``allocated`` for hybrid models: load the parts the last match found, every one a ready CPU copy."""
+        c0, _, local = st.lookup
+        hit, rid = st.parts, st.request.request_id
+        if local + num_external_tokens != hit.end * self.chunk:
+            raise RuntimeError(f"TieredKVConnector: vLLM allocated {num_external_tokens} external tokens for request "
+                               f"{rid} after {local} local ones, but the hit over parts ends at token "
+                               f"{hit.end * self.chunk}; this vLLM version schedules hybrid hits differently")
+        gpu = self._parts.load_ids(self._requests.tables(block_ids), hit, c0, local)
+        router = self._router
+        hid = next(router.handle_ids)
+        router.gets[hid] = gpu
+        got, jobs = self.chain.get(hit.keys, hid)
+        if got < len(hit.keys):  # vLLM calls match and this back to back: cannot happen
+            raise RuntimeError(f"TieredKVConnector: {len(hit.keys) - got} part(s) of request {rid} vanished between "
+                               f"the lookup and the load; with several KV cache groups vLLM takes no block errors")
+        self._plan_loads(st, jobs, num_external_tokens)
+        self.counters.hit_tokens_cpu += num_external_tokens  # several groups load only from the CPU tier
+        st.stored = max(st.stored, hit.end)
+        st.parts = None
+        st.owned += hit.keys
+        self.refresh(st)
+        router.route_loads(rid, jobs)
+
+    def _load_ids(self, tables: list[list[int]], c0: int, n: int, local: int) -> list[int]:
+        """One group: GPU ids a load of chunks ``[c0, c0+n)`` fills, ``chunk_blocks`` per chunk; -1 for the
+        blocks vLLM holds already (``local`` tokens)."""
+        k = self.k
+        out = list(tables[0][c0 * k:(c0 + n) * k])
+        skip = local // self.bs - c0 * k
+        if skip > 0 and out:
+            out[:skip] = [-1] * skip
+        return out
+
+    def _plan_loads(self, st: RequestState, jobs: list[TransferJob], tokens: int) -> list[TransferJob]:
+        """Hand a hit's load jobs to this step (in-step) or to the request's asynchronous loads; returns them."""
+        loads = [j for j in jobs if j.kind is JobKind.EGRESS]
+        router = self._router
+        if st.sync:
+            # matched in this same schedule() call, so every chunk is still a READY CPU copy: one
+            # EGRESS job from the CPU tier, which the workers run before/alongside this step's forward
+            router.sync.extend(j.job_id for j in loads)
+            self.counters.sync_loads += len(loads)
+            st.sync = False
+            if self._budget is not None:
+                self._budget.charge(self.geo.hit_nbytes(tokens))
+        else:
+            router.loads.setdefault(st.request.request_id, []).extend(j.job_id for j in loads)
+            if self._budget is not None:
+                self.async_cpu_loads.update(j.job_id for j in loads if j.src_tier == CPU)
+        self.counters.load_jobs += len(loads)
+        return loads
+
+    def refresh(self, st: RequestState) -> None:
+        """Order the request's prefix in the CPU tier's eviction policy deepest first (its first chunk the most
+        recently used): a full tier then evicts the least recently used prefix from its end, so it still
+        hits what is left. (In chunk order, eviction took each prefix's first chunk, which makes the rest
+        useless, and the next recompute evicted the next prefix's first chunk: under a cyclic workload
+        every lookup missed.)"""
+        keys = st.owned if self._parts is not None else st.keys[:st.stored]
+        if keys:
+            self.chain.touch(reversed(keys))
+
+    def load_done(self, job: TransferJob, rep: JobReport) -> None:
+        """A load job completed on every rank: count its bytes, and feed its rate to the budget and the gate."""
+        self.counters.bytes_loaded += rep.nbytes
+        job_id = job.job_id
+        if self.async_cpu_loads and job_id in self.async_cpu_loads:
+            self.async_cpu_loads.discard(job_id)
+            if all(rep.ok):  # the ranks loaded in parallel: per-rank bytes over the slowest rank's time
+                self._budget.observe(rep.nbytes // max(1, rep.count), rep.seconds)
+        if job.src_tier == DISK:
+            self._gate.observe(rep.nbytes, rep.seconds)  # ranks read their shares in parallel

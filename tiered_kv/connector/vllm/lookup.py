@@ -1,0 +1,232 @@
+"""Prefix lookups on the vLLM scheduler side: how many tokens beyond vLLM's own hit the tiers can load.
+
+``LookupPlanner.match`` walks a request's chunk keys from the first chunk vLLM does not hold, the fastest tier
+of each, until one misses (keys are made lazily: a miss stops the hashing too); a chunk the fleet announced
+in the remote tier is adopted when the walk reaches it (``RemotePresence``). Then:
+
+- n-1 rule: at least one prompt token is always left to compute; it caps the lookup itself, so a sliding
+  window or a Mamba state is only ever taken at the boundary it was stored for;
+- tail pieces (one full-attention or MLA group): where the walk over whole chunks stopped, the tail keys of
+  that chunk are probed, longest first;
+- the load gate: disk and remote chunks load only while reading them is estimated faster than recomputing
+  them (``planner.gate.LoadGate``, shared with SGLang's backend);
+- whether the load runs inside the step (every chunk in the CPU tier, at most ``sync_max_tokens``, and with
+  ``load_mode`` adaptive within the step's budget, ``admission.py``) or between steps;
+- hybrid models (``parts.PartPlanner``): the longest hit over parts; its disk parts are promoted to the CPU
+  tier first (``match`` answers None, "ask again", while they move), because vLLM takes no per-block load
+  errors with several KV cache groups.
+
+What a match found stays on the request's ``RequestState`` (``lookup``, ``hit_keys``, ``hit_tail``,
+``parts``, ``sync``) for ``LoadPlanner.allocated``.
+
+Threading contract: vLLM's scheduler thread only; no I/O, no torch.
+"""
+from __future__ import annotations
+
+import logging
+
+from tiered_kv.planner.chain import TierChain
+from tiered_kv.planner.gate import DECLINED, PROBE, LoadGate
+from tiered_kv.connector.vllm.admission import StepLoadBudget
+from tiered_kv.connector.vllm.common import CPU
+from tiered_kv.connector.vllm.config import ConnectorConfig
+from tiered_kv.connector.vllm.geometry import Geometry
+from tiered_kv.connector.vllm.parts import PartPlanner
+from tiered_kv.connector.vllm.presence import RemotePresence
+from tiered_kv.connector.vllm.routing import JobRouter
+from tiered_kv.connector.vllm.state import PlannerCounters, RequestState, RequestTable
+
+log = logging.getLogger(__name__)
+
+
+class LookupPlanner:
+    """``match``: the tokens a request can load from the tiers, and how (see the module)."""
+
+    def __init__(self, cfg: ConnectorConfig, geo: Geometry, chain: TierChain, requests: RequestTable,
+                 router: JobRouter, parts: PartPlanner | None, tails: bool, gate: LoadGate,
+                 budget: StepLoadBudget | None, presence: RemotePresence | None, counters: PlannerCounters) -> None:
+        self.cfg, self.geo = cfg, geo
+        self.bs = geo.block_size
+        self.k = geo.chunk_blocks
+        self.chunk = geo.chunk_tokens
+        self.chain = chain
+        self._requests = requests
+        self._chunk_keys = requests.chunk_keys
+        self._router = router
+        self._parts = parts
+        self._tails = tails
+        self._gate = gate
+        self._budget = budget
+        self._presence = presence
+        self._known: set[bytes] = presence.known if presence is not None else set()  # announced, not adopted
+        self.counters = counters
+
+    def match(self, request, num_computed_tokens: int) -> int | None:
+        """Tokens beyond ``num_computed_tokens`` that can be loaded (0 if none; None: ask again next step)."""
+        self.counters.lookups += 1
+        presence = self._presence
+        if presence is not None and presence.pending():
+            presence.sync()  # what the fleet stored since the last step, before this lookup
+        bs, chunk = self.bs, self.chunk
+        if num_computed_tokens % bs:
+            return 0
+        c0 = num_computed_tokens // chunk
+        # n-1 rule: leave at least one prompt token to compute. It caps the lookup itself (not the
+        # answer), so a sliding window or a Mamba state is only ever taken at the boundary it was stored for.
+        avail = min(len(request.block_hashes) * self.geo.hash_block_size, request.num_tokens - 1)
+        usable = avail // chunk - c0
+        if usable <= 0 and not (self._tails and avail // bs > num_computed_tokens // bs):
+            return 0
+        st = self._requests.state(request)
+        st.sync = False
+        st.hit_tail = 0
+        if st.promoting:
+            return None  # its disk chunks are still moving up to the CPU tier
+        if self._parts is not None:
+            return self._match_parts(st, c0, usable, num_computed_tokens)
+        keys, where = self._walk(st, c0, usable)
+        tail = 0
+        if self._tails:
+            tail = self._probe_tail(request, c0 + len(keys), avail // bs, num_computed_tokens // bs, keys, where)
+            if tail:  # dropped once this request stores past it (each turn would otherwise leave one behind)
+                st.seen_tail = (keys[-1], (c0 + len(keys) - 1) * self.k + tail)
+        if not where:  # nothing held (a new prompt's usual answer): none of what follows could find a hit
+            log.debug("match %s: computed %d, none of %d chunks held", request.request_id, num_computed_tokens, usable)
+            return 0
+        n = self._worth_loading(where)
+        if tail and n < len(where):
+            tail = 0  # the tail's tier was declined (or a chunk before it was)
+        log.debug("match %s: computed %d, %d of %d chunks held %s, %d worth loading", request.request_id,
+                  num_computed_tokens, len(where), usable, where[:4], n)
+        whole = n - (1 if tail else 0)
+        tokens = (c0 + whole) * chunk + tail * bs - num_computed_tokens
+        if n == 0 or tokens // bs < self.cfg.min_hit_blocks:
+            return 0
+        st.lookup = (c0, whole, num_computed_tokens)
+        st.hit_tail = tail
+        st.hit_keys = keys[:n]
+        st.sync = (self.cfg.load_mode != "async" and tokens <= self.cfg.sync_max_tokens
+                   and all(t == CPU for t in where[:n]))
+        if st.sync and self._budget is not None:
+            st.sync = self._budget.admit(self.geo.hit_nbytes(tokens))
+        return tokens
+
+    def _match_parts(self, st: RequestState, c0: int, usable: int, computed: int) -> int | None:
+        """``match`` for hybrid models: the longest hit over parts, its disk parts promoted to the CPU tier first."""
+        parts, hashes = self._parts, st.request.block_hashes
+
+        def chunk_key(c: int) -> bytes:
+            return self._chunk_keys(st, c + 1)[c]
+
+        hit = parts.find(hashes, chunk_key, c0, usable, self._best)
+        if hit is not None:
+            n = self._worth_loading(hit.chunk_tiers(c0))
+            if n < hit.end - c0:  # disk chunks declined: a shorter hit needs its own window and state
+                hit = parts.find(hashes, chunk_key, c0, n, self._best) if n else None
+        if hit is not None and any(t != CPU for t in hit.tiers):
+            if not st.promoted:  # load only from the CPU tier, so a bad disk record is a plain miss
+                if len(hit.keys) > self.chain.specs[CPU].capacity:
+                    # its last promotions would evict its first, and a shorter hit lacks the window it ends at
+                    log.debug("match %s: a hit of %d parts exceeds the CPU tier", st.request.request_id,
+                              len(hit.keys))
+                    return 0
+                self._promote(st, hit.keys)
+                return None
+            n = next(i for i, t in enumerate(hit.chunk_tiers(c0)) if t != CPU)
+            hit = parts.find(hashes, chunk_key, c0, n, self._best) if n else None
+            if hit is not None and any(t != CPU for t in hit.tiers):
+                hit = None
+        if hit is None:
+            log.debug("match %s: computed %d, no hit over parts", st.request.request_id, computed)
+            return 0
+        tokens = hit.end * self.chunk - computed
+        if tokens // self.bs < self.cfg.min_hit_blocks:
+            return 0
+        st.lookup = (c0, hit.end - c0, computed)
+        st.hit_keys = hit.keys
+        st.parts = hit
+        st.sync = self.cfg.load_mode != "async" and tokens <= self.cfg.sync_max_tokens
+        if st.sync and self._budget is not None:
+            st.sync = self._budget.admit(self.geo.hit_nbytes(tokens))
+        return tokens
+
+    def _best(self, key: bytes) -> int | None:
+        """The fastest tier holding ``key``; a chunk the fleet announced is adopted here, when a lookup reaches it."""
+        best = self.chain.index.best(key)
+        known = self._known
+        if best is None and known and key in known and key not in self.chain.index:
+            best = self._presence.adopt(key)
+        return best
+
+    def _walk(self, st: RequestState, c0: int, usable: int) -> tuple[list[bytes], list[int]]:
+        """Keys and fastest tiers of the leading run of held chunks from c0 (keys made lazily: a miss stops)."""
+        index = self.chain.index
+        best_of, known, chunk_keys = index.best, self._known, self._chunk_keys
+        keys: list[bytes] = []
+        where: list[int] = []
+        for c in range(c0, c0 + usable):
+            key = chunk_keys(st, c + 1)[c]
+            best = best_of(key)
+            if best is None and known and key in known and key not in index:  # the fleet stored it: adopt it
+                best = self._presence.adopt(key)
+            if best is None:
+                break
+            keys.append(key)
+            where.append(best)
+        return keys, where
+
+    def _probe_tail(self, request, c: int, avail_blocks: int, local_blocks: int, keys: list[bytes],
+                    where: list[int]) -> int:
+        """Look for a tail piece in chunk c (the first one not held whole), longest first; on a hit
+        append its key and tier to ``keys``/``where`` and return its blocks (0: none).
+
+        A piece of m blocks ends at block ``c*k + m - 1``: at most ``avail_blocks`` (the n-1 rule),
+        and past what vLLM already holds (``local_blocks``), or it would add nothing.
+        """
+        base = c * self.k
+        hi = min(self.k - 1, avail_blocks - base)
+        lo = max(1, local_blocks - base + 1)
+        if hi < lo:
+            return 0
+        prefix = self._requests.tail_prefix
+        index = self.chain.index
+        probes = [prefix + h for h in request.block_hashes[base + lo - 1:base + hi]]  # m = lo..hi
+        if index.holds_none_of(probes):  # the usual answer, in one C-speed pass
+            return 0
+        best_of = index.best
+        for m in range(hi, lo - 1, -1):
+            key = probes[m - lo]
+            best = best_of(key)
+            if best is not None:
+                keys.append(key)
+                where.append(best)
+                return m
+        return 0
+
+    def _promote(self, st: RequestState, keys: list[bytes]) -> None:
+        """Start moving a hit's disk chunks up to the CPU tier; ``match`` answers "ask again" until done."""
+        router = self._router
+        hid = next(router.handle_ids)
+        got, jobs = self.chain.prefetch(keys, CPU, hid)
+        st.promoting = hid
+        router.promotions[hid] = st
+        self.counters.promotions += 1
+        log.debug("request %s: promoting %d of %d chunks to the CPU tier before loading", st.request.request_id,
+                  sum(1 for j in jobs if j.dst_tier == CPU), got)
+        router.route(jobs)
+        router.drain_finished()
+
+    def _worth_loading(self, where: list[int]) -> int:
+        """Leading chunks worth loading: disk chunks only while reading beats recomputing."""
+        n_cpu = next((i for i, t in enumerate(where) if t != CPU), len(where))
+        hits, outcome = self._gate.decide(n_cpu, len(where))
+        if outcome == PROBE:  # a declined disk is read now and then, so the estimate follows it
+            self.counters.disk_probes += 1
+        elif outcome == DECLINED:
+            self.counters.disk_hits_declined += 1
+        return hits
+
+    def load_async(self, request) -> bool:
+        """Whether the hit the last ``match`` of ``request`` found loads between steps (else inside the step)."""
+        st = self._requests.reqs.get(request.request_id)
+        return st is None or not st.sync

@@ -1,0 +1,82 @@
+"""The remote tier on the vLLM scheduler side: what the fleet stored, adopted into the chain when a lookup reaches it.
+
+The presence feed (``tiers.remote.PresenceFeed``) reads on its own thread which chunks other engines stored
+in (or removed from) the shared Redis Cluster. ``RemotePresence`` takes that once per step or lookup (set
+work, no network I/O) and keeps the announced keys; a chunk is adopted into the ``TierChain`` as a copy in
+the remote tier only when a lookup reaches it, so an announcement costs a set insert on the scheduler
+thread. A load that finds a remote record missing or damaged forgets it; one that could not read it (its
+node down or slow) forgets it too, so the next lookup misses and the recompute stores the chunk anew.
+
+Threading contract: vLLM's scheduler thread only; no I/O (the feed did it), no torch.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+from tiered_kv.planner.chain import TierChain
+from tiered_kv.values.jobs import JobKind, TransferJob
+from tiered_kv.connector.vllm.common import JobReport
+from tiered_kv.connector.vllm.routing import JobRouter
+from tiered_kv.connector.vllm.state import PlannerCounters
+
+
+class PresenceSource(Protocol):
+    """What the planner needs of the remote tier's presence feed (``tiers.remote.PresenceFeed``)."""
+
+    def pending(self) -> bool: ...
+
+    def take(self) -> tuple[list[bytes], list[bytes]]: ...
+
+
+class RemotePresence:
+    """The chunks the fleet announced in remote tier ``tier`` and not yet adopted or forgotten (``known``)."""
+
+    def __init__(self, source: PresenceSource, chain: TierChain, tier: int, router: JobRouter,
+                 counters: PlannerCounters) -> None:
+        self._source = source
+        self.chain = chain
+        self.tier = tier
+        self._router = router
+        self.counters = counters
+        # chunks the fleet stored in the remote tier, adopted into the chain only when a lookup reaches one:
+        # a set insert per announced chunk keeps the feed's cost off the scheduler thread's steps
+        self.known: set[bytes] = set()
+
+    def pending(self) -> bool:
+        """Whether the feed brought anything since the last ``sync``."""
+        return self._source.pending()
+
+    def sync(self) -> None:
+        """Take what the presence feed reported since the last call: chunks the fleet stored in the remote tier
+        (remembered, adopted when a lookup reaches one) and removed (forgotten). Set work: the feed did the
+        network I/O on its own thread."""
+        stored, removed = self._source.take()
+        known = self.known
+        known.update(stored)
+        if removed:
+            known.difference_update(removed)
+            self._router.route(self.chain.forget(self.tier, removed))
+        self.counters.remote_announced += len(stored)
+
+    def adopt(self, key: bytes) -> int | None:
+        """Adopt one announced chunk as a copy in the remote tier; the fastest tier now holding it readable."""
+        self.counters.remote_adopted += 1
+        self._router.route(self.chain.adopt(self.tier, [key]))
+        return self.chain.index.best(key)
+
+    def job_done(self, job: TransferJob, rep: JobReport) -> list[bytes]:
+        """A job ended: never adopt again what it found gone from Redis; returns the chunks a load from the
+        remote tier could not read although Redis may still hold them (the caller forgets those copies once
+        the job is complete: vLLM recomputes them and would at once ask for the same load again)."""
+        if job.src_tier != self.tier:
+            return []
+        if self.known and (any(rep.missing) or any(rep.corrupt)):  # gone from Redis: never adopt it again
+            self.known.difference_update(
+                k for k, m, c in zip(job.keys, rep.missing or [False] * len(job), rep.corrupt) if m or c)
+        if job.kind is not JobKind.EGRESS or all(rep.ok):
+            return []
+        n = len(job)
+        gone = [m or c for m, c in zip(rep.missing or [False] * n, rep.corrupt or [False] * n)]
+        keys = [k for k, ok, g in zip(job.keys, rep.ok, gone) if not (ok or g)]
+        self.known.difference_update(keys)
+        return keys
