@@ -41,7 +41,8 @@ Usage (GPU machine; vLLM on PYTHONPATH):
   python benchmarks/envelope.py --merge a/envelope.json b/envelope.json --out docs/results/envelope_<date>_h200.json
   python benchmarks/envelope.py --table docs/results/envelope_2026-11-28_h200.json
   python benchmarks/envelope.py --dry-run --shapes gemma2     # CPU: the plan, GPU cache sizes, nothing run
-Environment: N_CONV (10), U_UNRELATED (3), PREFIX (gemma2 12288, else 8192), CPU_GIB (40), DISK_CPU_GIB (2),
+Environment: N_CONV (10), U_UNRELATED (3), PREFIX (gemma2 12288, else 8192), TP (1: tensor_parallel_size; each
+rank's load GB/s over turn 2 goes into ``turn2_rank_gbps``), CPU_GIB (40), DISK_CPU_GIB (2),
 DISK_PATH (/tmp/tkv-envelope-disk), DISK_GIB (48), OUT (directory for the JSON and logs), PYTHONHASHSEED (0).
 Threading: a script; the main thread only (each engine start and the PCIe probe run in child processes).
 """
@@ -95,7 +96,7 @@ def knobs(shape: str) -> dict:
             "disk_cpu_gib": int(env.get("DISK_CPU_GIB", "2")),
             "disk_path": env.get("DISK_PATH", "/tmp/tkv-envelope-disk"), "disk_gib": int(env.get("DISK_GIB", "48")),
             "gpu_util": float(env.get("GPU_UTIL", DEFAULT_GPU_UTIL.get(shape, 0.6))),
-            "max_len": prefix + 4 * FOLLOW + 64}
+            "max_len": prefix + 4 * FOLLOW + 64, "tp": int(env.get("TP", "1"))}
 
 
 def kv_groups(shape: str) -> int:
@@ -123,7 +124,7 @@ def engine_kwargs(shape: str, mode: str, gpu: str, w: dict, model_dir: str, trac
     kw = dict(model=model_dir, load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
               gpu_memory_utilization=w["gpu_util"], max_model_len=w["max_len"], seed=0,
               num_gpu_blocks_override=gpu_blocks(shape, GPU_FIT[gpu], w["max_len"]), enable_prefix_caching=True,
-              max_num_batched_tokens=w["prefix"] + 512)
+              max_num_batched_tokens=w["prefix"] + 512, tensor_parallel_size=w["tp"])
     if mode in ("offloading", "offloading-small"):
         kw.update(kv_offloading_size=w["cpu_gib"] if mode == "offloading" else w["disk_cpu_gib"],
                   kv_offloading_backend="native")
@@ -163,6 +164,30 @@ def _stored_per_conversation(llm, prefix: int) -> dict:
             "chunk_tokens": geo.chunk_tokens}
 
 
+def rank_rates(trace: str, t0: float, t1: float) -> dict[str, float]:
+    """Per TP rank: bytes its loads moved over their summed GPU time (GB/s), for trace lines in ``[t0, t1 + 1 s]``
+    (a rate only while one rank's loads do not overlap in time: turn 2 runs one request at a time)."""
+    import glob
+
+    out = {}
+    for path in sorted(glob.glob(glob.escape(trace) + ".rank*.jsonl")):
+        nbytes = ms = 0.0
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for raw in f:
+                try:
+                    line = json.loads(raw)
+                except ValueError:
+                    continue
+                if t0 <= line.get("t", 0) <= t1 + 1.0:
+                    for x in line.get("landed", ()):
+                        if x.get("gpu_ms"):
+                            nbytes += x["bytes"]
+                            ms += x["gpu_ms"]
+        rank = path.rsplit(".rank", 1)[1].split(".")[0]
+        out[rank] = round(nbytes / ms / 1e6, 2) if ms else 0.0
+    return out
+
+
 def run_one(shape: str, mode: str, gpu: str) -> dict:
     """One engine start in this process: every workload of ``mode`` in turn; returns the result record."""
     import torch
@@ -172,7 +197,7 @@ def run_one(shape: str, mode: str, gpu: str) -> dict:
     model_dir = tempfile.mkdtemp(prefix=f"{shape}-shape-")
     with open(os.path.join(model_dir, "config.json"), "w") as f:
         json.dump(MODELS[shape], f)
-    trace = os.path.join(os.environ.get("OUT", "."), f"trace_{shape}_{mode}_{gpu}") if mode == "tiered" else None
+    trace = os.path.join(os.environ.get("OUT", "."), f"trace_{shape}_{mode}_{gpu}") if mode.startswith("tiered") else None
     t0 = time.perf_counter()
     llm = LLM(**engine_kwargs(shape, mode, gpu, w, model_dir, trace))
     startup = time.perf_counter() - t0
@@ -200,6 +225,7 @@ def run_one(shape: str, mode: str, gpu: str) -> dict:
     c1 = _tiered_counters(llm) if ours else {}
     turn2_s, first_tokens, cached = [], [], []
     seconds = []
+    t_turn2 = time.time()
     for i, (out1, f) in enumerate(zip(turn1, follows)):
         prompt = list(out1.prompt_token_ids) + list(out1.outputs[0].token_ids) + f
         dt, outs = generate([prompt], 4 if i < 2 else 1)
@@ -213,6 +239,8 @@ def run_one(shape: str, mode: str, gpu: str) -> dict:
                  "gpu_blocks": gpu_blocks(shape, GPU_FIT[gpu], w["max_len"]),
                  "turn2_p50_s": round(statistics.median(turn2_s[2:]), 4), "turn2_s": [round(x, 4) for x in turn2_s],
                  "turn2_cached_tokens": cached, "turn2_tokens": first_tokens}
+    if trace:  # each TP rank's own load rate over turn 2 (its bytes over its loads' GPU time)
+        rec["turn2_rank_gbps"] = rank_rates(trace, t_turn2, time.time())
     if mode in ("tiered-disk", "offloading-small"):
         return _finish(rec, llm, c0, c1, None, None, None)
     for p in unrelated:

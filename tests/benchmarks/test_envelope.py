@@ -89,3 +89,12 @@ def test_serving_cells_are_judged_by_the_same_rule(tmp_path):
     assert rows["serving c8"]["pass"] and rows["serving c8"]["vs_peer"] == round(80 / 120, 3)
     assert not rows["serving c32"]["pass"] and "1.07x offloading" in rows["serving c32"]["why"]
     assert rows["serving c8"]["greedy_equal"] is True
+
+
+def test_rank_rates_read_each_ranks_trace_in_the_window(tmp_path):
+    base = str(tmp_path / "trace")
+    for rank, (b, ms) in enumerate(((2e9, 50.0), (2e9, 40.0))):
+        with open(f"{base}.rank{rank}.jsonl", "w") as f:
+            f.write(json.dumps({"t": 100.0, "landed": [{"bytes": b, "gpu_ms": ms}]}) + "\n")
+            f.write(json.dumps({"t": 500.0, "landed": [{"bytes": 9e9, "gpu_ms": 1.0}]}) + "\n")  # outside
+    assert envelope.rank_rates(base, 99.0, 101.0) == {"0": 40.0, "1": 50.0}
