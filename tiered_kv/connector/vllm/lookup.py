@@ -234,7 +234,7 @@ class LookupPlanner:
         the split's plan, kept on ``st`` until vLLM allocates the request (a hybrid hit's promotion keeps the plan
         that started it)."""
         chunk, names = self.chunk, self._tier_names
-        runs = [[names[t], sum(1 for _ in g) * chunk] for t, g in groupby(where)]  # (tier, tokens) per run
+        runs = [[names[t], len(list(g)) * chunk] for t, g in groupby(where)]  # (tier, tokens) per run
         local = computed - c0 * chunk  # the first chunk's blocks vLLM holds: neither loaded nor computed
         runs[0][1] -= local
         if tail:  # a tail piece holds its blocks, not a whole chunk

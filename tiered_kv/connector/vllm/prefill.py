@@ -35,11 +35,14 @@ and vLLM's handling of the output before it calls the connector (``update_from_o
 fitted ``overhead_s`` is the engine's per-step fixed cost, not the GPU's alone; with synchronous scheduling it
 also holds scheduler work no GPU overlaps. That is the time a recompute costs the engine.
 
-The fit (a few ms of Python every ``REFIT_EVERY`` prefill steps) and the features of each timed step (a pass over
-its requests) run on the meter's own daemon thread, started at the first fit, in slices of about 0.1-0.3 ms with
-a short sleep between them (``PAUSE_S``), so the GIL goes back to vLLM's scheduler thread within a slice whenever
-it wants it. vLLM's thread only appends the step's list to a queue and reads the last fit (``SplitGate.decide``
-calls ``PrefillEstimator.model``, which never fits here: ``fit_on_read=False``).
+The fit (2-4 ms of Python on the CPU box every ``REFIT_EVERY`` prefill steps: far over what vLLM's thread may spend)
+and the features of each timed step (a pass over its requests) run on the meter's own daemon thread, started at
+the first fit, in slices of ~30-150 us with a short sleep after each (``PAUSE_S``): the thread lets go of the GIL
+after every slice, so vLLM's scheduler thread waits for it one slice at most, whether it woke up during a slice
+or was busy when the fit thread, after CPython's 5 ms switch interval, took the GIL from it. Most of the fit
+runs while vLLM's thread waits for the GPU with the GIL released. vLLM's thread only builds the step's list, appends it to a
+queue and reads the last fit (``SplitGate.decide`` calls ``PrefillEstimator.model``, which never fits here:
+``fit_on_read=False``). Measured (``benchmarks/probes/split_cost.py``): docs/vllm.md, "Disk or recompute".
 
 Threading contract: ``scheduled``, ``finished`` and ``close`` on vLLM's scheduler thread; ``drain`` on the meter's
 thread (or on the caller's, in tests); the estimator takes its own lock.
