@@ -301,3 +301,18 @@ def test_worker_meta_carries_the_step_over_ranks():
     a, b = TieredKVWorkerMeta({}, 7), TieredKVWorkerMeta({}, 7)
     assert bool(a) and not bool(TieredKVWorkerMeta()) and a.aggregate(b).step == 7
     assert TieredKVWorkerMeta().aggregate(b).step == 7
+
+
+def test_step_meter_gives_up_when_no_output_carries_a_step_number(caplog):
+    """Something between the workers and the scheduler drops the worker metadata: the meter stops timing (no
+    pending steps pile up) and says so once; the start model stays."""
+    from tiered_kv.connector.vllm.prefill import UNANSWERED_STEPS
+
+    meter = StepMeter(PrefillEstimator(PrefillModel.from_rate(30000, 32768), fit_on_read=False), lambda: 0.0)
+    out = _output([("n", 256, 0)], [])
+    caplog.set_level("WARNING", logger="tiered_kv.connector")
+    for step in range(1, UNANSWERED_STEPS + 10):
+        meter.scheduled(step, out)
+    assert not meter.on and not meter._timer._pending
+    assert sum("no output came back" in r.message for r in caplog.records) == 1
+    assert meter.estimator.report()["source"] == "start"

@@ -67,6 +67,9 @@ log = logging.getLogger(__name__)
 
 #: The fit thread sleeps this long between slices of its work, so a waiting scheduler thread takes the GIL.
 PAUSE_S = 50e-6
+#: Steps scheduled with no output back carrying a step number before the meter gives up (no worker echoes them:
+#: something between the workers and the scheduler drops the worker metadata); the start model stays.
+UNANSWERED_STEPS = 1024
 
 
 def tier_names(chain: TierChain) -> list[str]:
@@ -124,17 +127,28 @@ class StepMeter:
         self._thread: threading.Thread | None = None
         self._busy = False
         self._closed = False
+        self._unanswered = 0  # steps scheduled since an output last came back with a step number
 
     # ------------------------------------------------------------------ vLLM's scheduler thread
     def scheduled(self, step: int, scheduler_output) -> None:
         """Step ``step`` was scheduled now (``build_connector_meta``)."""
-        if self.on:
-            self._timer.scheduled(step, step_parts(scheduler_output), self.clock())
+        if not self.on:
+            return
+        self._unanswered += 1
+        if self._unanswered > UNANSWERED_STEPS:
+            log.warning("TieredKVConnector: %d steps and no output came back with its step number; the prefill "
+                        "model stays the configured one (prefill_tokens_per_s, prefill_half_rate_context)",
+                        UNANSWERED_STEPS)
+            self.on = False
+            self._timer = StepTimer()
+            return
+        self._timer.scheduled(step, step_parts(scheduler_output), self.clock())
 
     def finished(self, step: int) -> None:
         """Step ``step``'s output reached the scheduler now (``update_connector_output``)."""
         if not self.on:
             return
+        self._unanswered = 0
         got = self._timer.finished(step, self.clock())
         if got is None:
             return
