@@ -12,8 +12,9 @@ Times, with ``time.perf_counter`` (medians of many calls; p99 where a tail matte
   busy main thread (work items of ~20 us back to back, i.e. never waiting for the GPU) sees while the thread fits
   without pause: its longest item against the same loop with no fit running.
 
-Usage: ``PYTHONPATH=. .venv/bin/python benchmarks/probes/split_cost.py`` (prints a table; with ``$OUT`` set also
-writes ``split_cost.json`` there). Threading contract: a script; the main thread plus the meter's fit thread.
+Usage: ``PYTHONPATH=. .venv/bin/python benchmarks/probes/split_cost.py`` (imports the vLLM test harness for its
+stand-in step outputs; prints a table; with ``$OUT`` set also writes ``split_cost.json`` there). Threading
+contract: a script; the main thread plus the meter's fit thread.
 """
 from __future__ import annotations
 
@@ -25,9 +26,9 @@ import threading
 import time
 from itertools import groupby
 from pathlib import Path
-from types import SimpleNamespace
 
-from tiered_kv.connector.vllm.prefill import PAUSE_S, StepMeter, step_parts
+from tests.connector.vllm.harness import step_output
+from tiered_kv.connector.vllm.prefill import PAUSE_S, StepMeter
 from tiered_kv.planner.gate import LoadGate, SplitGate
 from tiered_kv.planner.rates import PrefillEstimator, PrefillModel, ReadRate, _fit, features
 
@@ -47,12 +48,7 @@ def _p99(xs: list[float]) -> float:
 def _output(batch: int, prefill: bool, rng: random.Random):
     cached = [(f"d{i}", 1, rng.randrange(100, 8000)) for i in range(batch - (1 if prefill else 0))]
     new = [("p", 512, rng.randrange(0, 8192, 512))] if prefill else []
-    nst = {rid: n for rid, n, _ in new + cached}
-    return SimpleNamespace(
-        num_scheduled_tokens=nst, total_num_scheduled_tokens=sum(nst.values()),
-        scheduled_new_reqs=[SimpleNamespace(req_id=rid, num_computed_tokens=c) for rid, _, c in new],
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[rid for rid, _, _ in cached],
-                                              num_computed_tokens=[c for _, _, c in cached]))
+    return step_output(new, cached)
 
 
 def step_rows(steps: int = 2000) -> list[dict]:

@@ -38,6 +38,7 @@ import os
 import pickle
 import threading
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 from vllm import SamplingParams
@@ -184,6 +185,18 @@ def _layers_of(kvc) -> list[_Layer]:
             out.append(_Layer(name, int(name.split(".")[2]), gi, kind,
                               int(spec.sliding_window) if kind == "swa" else 0, int(spec.block_size)))
     return sorted(out, key=lambda x: x.index)
+
+
+def step_output(new: list[tuple[str, int, int]], cached: list[tuple[str, int, int]]) -> SimpleNamespace:
+    """The fields of a ``SchedulerOutput`` that the connector's step meter reads (``prefill.step_parts``), for
+    requests ``(id, tokens scheduled, tokens computed before)``: ``new`` scheduled for the first time, ``cached``
+    running on."""
+    nst = {rid: n for rid, n, _ in new + cached}
+    return SimpleNamespace(
+        num_scheduled_tokens=nst, total_num_scheduled_tokens=sum(nst.values()),
+        scheduled_new_reqs=[SimpleNamespace(req_id=rid, num_computed_tokens=c) for rid, _, c in new],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[rid for rid, _, _ in cached],
+                                              num_computed_tokens=[c for _, _, c in cached]))
 
 
 def prefix_hashes(token_ids: list[int], upto: int) -> torch.Tensor:

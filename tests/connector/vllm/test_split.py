@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import random
 import time
-from types import SimpleNamespace
 
 import pytest
 
 pytest.importorskip("vllm")
 
-from tests.connector.vllm.harness import BS, Engine, write_model_dir  # noqa: E402
+from tests.connector.vllm.harness import BS, Engine, step_output, write_model_dir  # noqa: E402
 from tiered_kv.connector.vllm.common import CPU, DISK  # noqa: E402
 from tiered_kv.connector.vllm.connector import TieredKVWorkerMeta  # noqa: E402
 from tiered_kv.connector.vllm.prefill import StepMeter, step_parts  # noqa: E402
@@ -257,30 +256,20 @@ def _record_echoed_steps(eng: Engine) -> list[int]:
 
 # ---------------------------------------------------------------------------------------------- without vLLM
 
-def _output(new: list[tuple[str, int, int]], cached: list[tuple[str, int, int]]):
-    """A SchedulerOutput's fields ``step_parts`` reads: (request id, tokens scheduled, tokens computed) each."""
-    nst = {rid: n for rid, n, _ in new + cached}
-    return SimpleNamespace(
-        num_scheduled_tokens=nst, total_num_scheduled_tokens=sum(nst.values()),
-        scheduled_new_reqs=[SimpleNamespace(req_id=rid, num_computed_tokens=c) for rid, _, c in new],
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[rid for rid, _, _ in cached],
-                                              num_computed_tokens=[c for _, _, c in cached]))
-
-
 def test_step_parts_of_prefill_and_decode_steps():
-    assert step_parts(_output([], [("a", 1, 900), ("b", 4, 50)])) == []  # decode (and a speculative verify) only
-    assert step_parts(_output([], [("a", 16, 900)] + [(f"d{i}", 1, 10) for i in range(40)])) == []
-    parts = step_parts(_output([("n", 256, 64)], [("a", 1, 900), ("b", 17, 20)]))
+    assert step_parts(step_output([], [("a", 1, 900), ("b", 4, 50)])) == []  # decode (and a speculative verify) only
+    assert step_parts(step_output([], [("a", 16, 900)] + [(f"d{i}", 1, 10) for i in range(40)])) == []
+    parts = step_parts(step_output([("n", 256, 64)], [("a", 1, 900), ("b", 17, 20)]))
     assert sorted(parts) == [(1, 900), (17, 20), (256, 64)]
-    assert step_parts(_output([], [])) == []
+    assert step_parts(step_output([], [])) == []
 
 
 def test_step_meter_times_steps_and_fits_on_its_thread():
     clock = [0.0]
     meter = StepMeter(PrefillEstimator(PrefillModel.from_rate(30000, 32768), fit_on_read=False), lambda: clock[0])
     for step in range(1, 4 * REFIT_EVERY + 1):
-        out = _output([(f"r{step}", 64 * (1 + step % 4), 128 * (step % 5))], [("d", 1, 1000)]) if step % 3 else \
-            _output([], [("d", 1, 1000)])
+        out = step_output([(f"r{step}", 64 * (1 + step % 4), 128 * (step % 5))], [("d", 1, 1000)]) if step % 3 else \
+            step_output([], [("d", 1, 1000)])
         meter.scheduled(step, out)
         clock[0] += TRUTH.step_seconds(step_parts(out) or [(1, 1000)])
         meter.finished(step)
@@ -309,7 +298,7 @@ def test_step_meter_gives_up_when_no_output_carries_a_step_number(caplog):
     from tiered_kv.connector.vllm.prefill import UNANSWERED_STEPS
 
     meter = StepMeter(PrefillEstimator(PrefillModel.from_rate(30000, 32768), fit_on_read=False), lambda: 0.0)
-    out = _output([("n", 256, 0)], [])
+    out = step_output([("n", 256, 0)], [])
     caplog.set_level("WARNING", logger="tiered_kv.connector")
     for step in range(1, UNANSWERED_STEPS + 10):
         meter.scheduled(step, out)
