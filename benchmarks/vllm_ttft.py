@@ -41,7 +41,8 @@ Modes (each in its own process):
 Per mode it reports: turn-2 median TTFT and speed-up over ``none``, turn-2 hit rate (vLLM's cached
 tokens), whether the greedy tokens equal ``none``'s, and for tiered_kv the bytes its loads moved
 per turn-2 hit (GB and bytes per hit token: with sliding windows only the window at the hit
-boundary moves) and the bytes and seconds its turn-1 stores took. The connector's counters are
+boundary moves), the bytes and seconds its turn-1 stores took, and (``prefill_model``) the prefill model
+the connector learned from the engine's steps against turn 1's measured time. The connector's counters are
 read from the engine core, which therefore runs in the benchmark's process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0; INPROC=0 keeps vLLM's separate engine-core process, as the
 2026-11-22 runs did, and reports no byte counts).
@@ -306,6 +307,22 @@ def _tiered_counters(llm) -> dict:
     return out
 
 
+def _prefill_check(llm, w: dict, turn1_s: float) -> dict:
+    """The prefill model the connector learned from this engine's steps against turn 1 timed directly (issue 32,
+    must-show 3): turn 1 is a cold prefill of the prefix plus one decode step, the model's prediction is
+    ``seconds(prefix, 0) + step_seconds([(1, prefix)])``. Empty when the engine core runs elsewhere."""
+    try:
+        est = llm.llm_engine.engine_core.engine_core.scheduler.connector.planner.steps.estimator
+    except AttributeError:
+        return {}
+    m, rep = est.model(), est.report()
+    pred = m.seconds(w["prefix"], 0) + m.step_seconds([(1, w["prefix"])])
+    return {"source": rep["source"], "samples": rep["samples"], "coefficients": list(m.coefficients()),
+            "turn1_predicted_s": round(pred, 4), "turn1_measured_s": round(turn1_s, 4),
+            "predicted_over_measured": round(pred / turn1_s, 3) if turn1_s else None,
+            "tokens_per_s_at_0": round(m.tokens_per_s(w["prefix"], 0))}
+
+
 def run_one(mode: str, model: str) -> dict:
     """Start an engine in this process, run the workload, return the result dict."""
     import torch
@@ -374,6 +391,7 @@ def run_one(mode: str, model: str) -> dict:
             "turn1_store_seconds": round(d("rank0_store_seconds", before2, before1), 4),
             "turn1_chunks_stored": d("sched_store_chunks", before2, before1),
             "connector_counters": {k: v for k, v in after2.items() if isinstance(v, (int, float)) and v},
+            "prefill_model": _prefill_check(llm, w, med(turn1)) if turn1 else {},
         })
     return result
 

@@ -87,6 +87,18 @@ def test_split_gate_counts_tokens_per_tier_and_estimated_seconds():
     assert rep["break_even_gbps"] == pytest.approx(KV * 8192 / 0.22 / 1e9)
 
 
+def test_split_gate_counts_a_plan_once_the_caller_says_it_was_taken():
+    """``decide(count=False)`` plans without counting (an engine may ask about the same request again); ``count``
+    adds the plan it took."""
+    g = _split_gate(overlap=False, disk=8.0)
+    for _ in range(3):
+        plan, outcome = g.decide([("cpu", 256), ("disk", 512)], 16, 0, count=False)
+    assert g.report()["decisions"][outcome] == 0 and g.report()["split"]["tokens"] == {}
+    g.count(plan, outcome)
+    rep = g.report()
+    assert rep["decisions"][outcome] == 1 and rep["split"]["tokens"]["disk"] == {"loaded": 512, "recomputed": 0}
+
+
 def test_split_gate_shares_a_mixed_read_between_its_slow_tiers_and_ignores_memory():
     g = _split_gate(disk=4.0, remote=1.0)
     # 1 GB from each slow tier (estimated 0.25 s + 1 s) and some CPU bytes, read in 2.5 s: both found 2x slower

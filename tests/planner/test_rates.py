@@ -144,6 +144,25 @@ def test_fixed_estimator_keeps_the_start_model():
                                                       "skipped_decode_steps": 0, "outliers": 0}
 
 
+def test_refit_off_the_reading_thread_with_pauses():
+    """``fit_on_read=False``: ``model`` never fits; ``refit`` does when due, outside the lock, calling ``pause``
+    between slices of the work; the fit equals the one ``model`` would have made."""
+    est, ref = PrefillEstimator(START, fit_on_read=False), PrefillEstimator(START)
+    rng = random.Random(5)
+    steps = [_step(rng, TRUTH) for _ in range(40)]
+    for parts, secs in steps:
+        est.observe_step(parts, secs)
+        ref.observe_step(parts, secs)
+    assert est.model() is START and est.report()["source"] == "start"
+    pauses = []
+    assert est.refit(pause=lambda: pauses.append(est.model()))  # readers get the old model while it fits
+    assert len(pauses) >= 4 * 3 and all(m is START for m in pauses)  # at least 3 a round, 4 rounds
+    assert est.model() == ref.model() and est.report()["source"] == "online"
+    assert not est.refit()  # nothing new since
+    est.observe_step(*steps[0])
+    assert not est.refit() and est.report()["samples"] == 41  # one new sample: not due before REFIT_EVERY
+
+
 def test_one_prompt_shape_only_fits_that_shape_and_keeps_the_start_shape_elsewhere():
     """All samples at one point (a benchmark of 8k prompts): that point is learned; elsewhere the start's shape
     (scaled) stands, with no coefficient below 0."""

@@ -1,13 +1,13 @@
 """The load gates: of a hit below the memory tiers (disk, remote), what to load and what to recompute.
 
-``SplitGate`` (the SGLang backend since issue 32; the vLLM connector's next step) decides per hit with
+``SplitGate`` (the SGLang backend and the vLLM connector since issue 32) decides per hit with
 ``planner.split``: the held tokens as segments per tier, each read at its own measured rate
 (``planner.rates.ReadRate``), against the prefill model in use (``planner.rates.PrefillEstimator``),
 with or without an in-step overlap of load and compute; it counts, per tier, the held tokens loaded
 and recomputed, and sums the estimated times of its plans against recompute-all and load-all.
 
-``LoadGate`` (the vLLM connector today, per chunk; the SGLang backend per page before issue 32) is the
-older rule, kept as it was for its caller: with ``disk_load_policy`` ``auto``, the leading units held
+``LoadGate`` (the vLLM connector per chunk and the SGLang backend per page before issue 32; no front end
+uses it now) is the older rule, kept as it was: with ``disk_load_policy`` ``auto``, the leading units held
 in memory tiers always load; the units after them, held only in a slow tier, load while
 ``unit_nbytes / rate < unit_tokens / prefill_tokens_per_s``. The rate starts at ``disk_read_gbps`` and follows the reads the caller times
 (an exponential average, ``EWMA_NEW`` for the newest). A declined tier is never read, so its estimate
@@ -158,12 +158,16 @@ class SplitGate:
             return float("inf")
         raise InvalidInputError(f"split gate: no read rate for tier {tier!r}; it has {sorted(self.rates)}")
 
-    def decide(self, runs: Sequence[tuple[str, int]], new_tokens: int, context: int) -> tuple[Split, str]:
+    def decide(self, runs: Sequence[tuple[str, int]], new_tokens: int, context: int,
+               count: bool = True) -> tuple[Split, str]:
         """The plan for a hit held as ``runs`` ((tier, tokens) in prefix order, whole units), after ``context``
-        tokens the engine has, with ``new_tokens`` to compute after it; and why (an outcome). Counted in ``report``."""
+        tokens the engine has, with ``new_tokens`` to compute after it; and why (an outcome). Counted in ``report``
+        (``count=False``: not yet; the caller passes it to ``count`` once the engine took the plan, so a hit
+        the engine asks about again is counted once)."""
         segs = self.segments(runs)
         split, outcome = self._plan(segs, new_tokens, context)
-        self._count(split, outcome)
+        if count:
+            self.count(split, outcome)
         return split, outcome
 
     def _plan(self, segs: list[Segment], new_tokens: int, context: int) -> tuple[Split, str]:
@@ -188,7 +192,9 @@ class SplitGate:
             return at(held), PROBE
         return best, (DECLINED if best.load_tokens == lo else SPLIT)
 
-    def _count(self, split: Split, outcome: str) -> None:
+    def count(self, split: Split, outcome: str) -> None:
+        """Count a plan ``decide`` made (with ``count=False``) in ``report``: its outcome, its tokens per tier, its
+        estimated seconds."""
         with self._lock:
             self._decisions[outcome] += 1
             for tier, (loaded, recomputed) in split.per_tier().items():

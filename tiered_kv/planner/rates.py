@@ -36,7 +36,10 @@ ridge toward the start model of 1e-3 of one sample's weight, so what the samples
 (all of one prompt length, say) keeps the start model's shape. Steps that computed only decode
 tokens (``DECODE_TOKENS`` or fewer per request) say nothing about prefill and are skipped, so
 decode steps do not push the prefill steps out of the window. With ``fixed`` (or no samples yet)
-the start model is the estimate.
+the start model is the estimate. The fit costs a few ms of Python (128 samples, 4 rounds): by default
+``model()`` runs it when due, on the reader's thread; with ``fit_on_read=False`` ``model()`` only
+reads the last fit and the owner calls ``refit`` from a thread of its own (the vLLM connector's
+``StepMeter``), passing a ``pause`` that lets go of the GIL between slices of the work.
 
 ``StepTimer`` turns when a step was scheduled and when its output came back into the seconds the
 step ran, for engines that schedule the next step while one runs (vLLM's async scheduling).
@@ -47,9 +50,10 @@ owner (the engine's scheduler thread) calls it. ``PrefillModel`` is a frozen val
 """
 from __future__ import annotations
 
+import operator
 import threading
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import astuple, dataclass
 
 from tiered_kv.errors import ConfigError
@@ -153,7 +157,7 @@ class PrefillModel:
 
     def coefficients(self) -> tuple[float, float, float, float]:
         """``(overhead_s, s_per_token, s_per_pair, s_per_read)``, in the order of ``features``."""
-        return astuple(self)
+        return self.overhead_s, self.s_per_token, self.s_per_pair, self.s_per_read  # not astuple: it deep-copies
 
     def step_seconds(self, parts: Iterable[tuple[int, int]]) -> float:
         """Seconds of one forward computing ``parts`` (``(tokens, context)`` per request); 0 if it computes none."""
@@ -163,8 +167,13 @@ class PrefillModel:
         return sum(a * b for a, b in zip(x, self.coefficients()))
 
     def seconds(self, tokens: int, context: int) -> float:
-        """Seconds to compute ``tokens`` tokens after ``context`` cached ones, in one forward (0 for no tokens)."""
-        return self.step_seconds(((tokens, context),))
+        """Seconds to compute ``tokens`` tokens after ``context`` cached ones, in one forward (0 for no tokens):
+        ``step_seconds`` of one part, written out (the split evaluates it for every plan it prices)."""
+        if tokens <= 0:
+            return 0.0
+        pairs = tokens * context + tokens * (tokens + 1) // 2
+        return (self.overhead_s + self.s_per_token * float(tokens) + self.s_per_pair * float(pairs)
+                + self.s_per_read * float(context + tokens))
 
     def tokens_per_s(self, tokens: int, context: int) -> float:
         """The rate of a forward computing ``tokens`` after ``context`` (tokens/s)."""
@@ -177,7 +186,7 @@ class PrefillEstimator:
     """The prefill model in use: the start model, then a robust fit to the last steps timed (module doc)."""
 
     def __init__(self, start: PrefillModel, fixed: bool = False, window: int = WINDOW,
-                 half_life: float = HALF_LIFE, min_samples: int = MIN_SAMPLES) -> None:
+                 half_life: float = HALF_LIFE, min_samples: int = MIN_SAMPLES, fit_on_read: bool = True) -> None:
         if window < min_samples or min_samples < 1 or half_life <= 0:
             raise ConfigError(f"prefill estimator: window {window} must hold min_samples {min_samples} >= 1, "
                               f"half_life {half_life} must be > 0")
@@ -185,6 +194,7 @@ class PrefillEstimator:
         self.fixed = bool(fixed)
         self.half_life = float(half_life)
         self.min_samples = int(min_samples)
+        self.fit_on_read = bool(fit_on_read)
         self._samples: deque[tuple[tuple[float, ...], float]] = deque(maxlen=int(window))
         self._model = start
         self._pending = 0  # samples since the last fit
@@ -212,28 +222,48 @@ class PrefillEstimator:
 
     def model(self) -> PrefillModel:
         """The estimate in use: the start model while ``fixed`` or with fewer than ``min_samples``, else the fit
-        (refitted, under the lock, once ``REFIT_EVERY`` samples came since the last fit)."""
+        (with ``fit_on_read``: refitted, under the lock, once ``REFIT_EVERY`` samples came since the last fit;
+        without: the last ``refit``'s)."""
         with self._lock:
-            held = len(self._samples)
-            if held >= self.min_samples and (self._pending >= REFIT_EVERY or self._model is self.start) \
-                    and self._pending:
+            if self.fit_on_read and self._due():
                 self._model, self._outliers = _fit(list(self._samples), self.start, self.half_life)
                 self._pending = 0
             return self._model
 
+    def _due(self) -> bool:
+        """A fit is due: ``min_samples`` held, and new samples since the last fit (``REFIT_EVERY`` after the first)."""
+        return len(self._samples) >= self.min_samples and self._pending > 0 and \
+            (self._pending >= REFIT_EVERY or self._model is self.start)
+
+    def refit(self, pause: Callable[[], None] | None = None) -> bool:
+        """Fit now if one is due (as ``model`` would), outside the lock: the samples are copied under it and the
+        new model replaces the old under it, so readers and observers never wait for a fit. ``pause`` is called
+        between slices of the work (one pass over the samples, or 16 samples of the normal equations: ~30-150 us
+        on the CPU box). Returns whether it fitted."""
+        with self._lock:
+            if not self._due():
+                return False
+            samples, self._pending = list(self._samples), 0
+        model, outliers = _fit(samples, self.start, self.half_life, pause)
+        with self._lock:
+            self._model, self._outliers = model, outliers
+        return True
+
     def report(self) -> dict:
-        """``source`` (``fixed``, ``start`` or ``online``), the model's coefficients, samples observed, decode-only
-        steps skipped, and the samples the last fit gave no weight (outliers)."""
+        """``source`` (``fixed``, ``start`` or ``online``: a fit is in use), the model's coefficients, samples
+        observed, decode-only steps skipped, and the samples the last fit gave no weight (outliers)."""
         m = self.model()
         with self._lock:
-            source = "fixed" if self.fixed else ("online" if len(self._samples) >= self.min_samples else "start")
+            source = "fixed" if self.fixed else ("start" if self._model is self.start else "online")
             return {"source": source, "model": m, "samples": self._observed, "skipped_decode_steps": self._skipped,
                     "outliers": self._outliers}
 
 
-def _fit(samples: list[tuple[tuple[float, ...], float]], start: PrefillModel,
-         half_life: float) -> tuple[PrefillModel, int]:
-    """Robust, recency-weighted, non-negative ridge fit of ``samples`` (features, seconds); and the outliers."""
+def _fit(samples: list[tuple[tuple[float, ...], float]], start: PrefillModel, half_life: float,
+         pause: Callable[[], None] | None = None) -> tuple[PrefillModel, int]:
+    """Robust, recency-weighted, non-negative ridge fit of ``samples`` (features, seconds); and the outliers.
+    ``pause`` (if any) is called between slices of the work."""
+    pause = pause or _no_pause
     n = len(samples)
     recency = [0.5 ** ((n - 1 - i) / half_life) for i in range(n)]
     theta = start.coefficients()
@@ -241,17 +271,23 @@ def _fit(samples: list[tuple[tuple[float, ...], float]], start: PrefillModel,
     for _ in range(ROUNDS):
         # relative errors: weigh each sample by 1 / (its predicted time)^2, from the previous round's model
         pred = [max(_dot(x, theta), 1e-12) for x, _ in samples]
+        pause()
         w = [recency[i] * robust[i] / pred[i] ** 2 for i in range(n)]
-        theta = _ridge_nonneg(samples, w, start.coefficients())
-        rel = [(t - _dot(x, theta)) / max(_dot(x, theta), 1e-12) for x, t in samples]
+        theta = _ridge_nonneg(samples, w, start.coefficients(), pause)
+        pause()
+        fitted = [_dot(x, theta) for x, _ in samples]
+        pause()
+        rel = [(t - p) / max(p, 1e-12) for (_, t), p in zip(samples, fitted)]
+        pause()
         scale = max(MIN_SCALE, 1.4826 * _weighted_median([abs(r) for r in rel], recency))
         robust = [max(0.0, 1 - (r / (TUKEY_C * scale)) ** 2) ** 2 for r in rel]
+        pause()
     theta = (theta[0], max(theta[1], start.s_per_token * 1e-6), theta[2], theta[3])  # a model needs a token cost
     return PrefillModel(*theta), sum(1 for r in robust if r == 0.0)
 
 
 def _dot(a: Sequence[float], b: Sequence[float]) -> float:
-    return sum(x * y for x, y in zip(a, b))
+    return sum(map(operator.mul, a, b))
 
 
 def _weighted_median(values: list[float], weights: list[float]) -> float:
@@ -264,25 +300,31 @@ def _weighted_median(values: list[float], weights: list[float]) -> float:
     return pairs[-1][0] if pairs else 0.0
 
 
+def _no_pause() -> None:
+    pass
+
+
 def _ridge_nonneg(samples: list[tuple[tuple[float, ...], float]], w: list[float],
-                  prior: tuple[float, ...]) -> tuple[float, ...]:
+                  prior: tuple[float, ...], pause: Callable[[], None] = _no_pause) -> tuple[float, ...]:
     """Weighted least squares with a small ridge toward ``prior`` (columns equilibrated), coefficients >= 0:
     a coefficient that comes out negative is fixed at 0 and the rest refitted."""
     k = len(prior)
     active = [j for j in range(k) if any(x[j] for x, _ in samples)]
     while True:
-        theta = _ridge(samples, w, prior, active)
+        theta = _ridge(samples, w, prior, active, pause)
         neg = [j for j in active if theta[j] < 0]
         if not neg:
             return tuple(theta)
         active.remove(min(neg, key=lambda j: theta[j]))
 
 
-def _ridge(samples, w, prior, active: list[int]) -> list[float]:
+def _ridge(samples, w, prior, active: list[int], pause: Callable[[], None] = _no_pause) -> list[float]:
     k = len(active)
     a = [[0.0] * k for _ in range(k)]
     b = [0.0] * k
-    for (x, t), wi in zip(samples, w):  # one pass: the normal equations of the active columns
+    for idx, ((x, t), wi) in enumerate(zip(samples, w)):  # one pass: the normal equations of the active columns
+        if idx & 15 == 15:
+            pause()
         xs = [x[j] for j in active]
         for i in range(k):
             wx = wi * xs[i]

@@ -139,7 +139,10 @@ def split_at(segments: Sequence[Segment], load_tokens: int, new_tokens: int, con
     if not 0 <= load_tokens <= held:
         raise InvalidInputError(f"split: load_tokens {load_tokens} outside 0..{held} held tokens")
     lo = forced_tokens(segs)
-    return Split(segs, load_tokens, new_tokens, timing.total(load_tokens), timing.total(lo), timing.total(held))
+    chosen = timing.total(load_tokens)
+    # the same plan priced once (an all-memory hit, a plan that loads all or only the memory tiers: the usual)
+    return Split(segs, load_tokens, new_tokens, chosen, chosen if lo == load_tokens else timing.total(lo),
+                 chosen if held == load_tokens else timing.total(held))
 
 
 def _checked(segments: Sequence[Segment], new_tokens: int, context: int, unit_tokens: int,

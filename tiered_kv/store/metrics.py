@@ -12,7 +12,7 @@ the SGLang backend); ``METRICS`` lists them, and ``deploy/grafana/tiered_kv.json
 - per source tier: a histogram of load-job seconds (loads toward the engine and promotions);
 - the load gate, where the front end has one (vLLM, SGLang): decisions by outcome, slow-tier blocks
   declined (recomputed instead), the read-rate estimate and the break-even rate;
-- the split, where the gate is a ``SplitGate`` (SGLang; vLLM once wired): held tokens loaded and
+- the split, where the gate is a ``SplitGate`` (SGLang, vLLM): held tokens loaded and
   recomputed per tier, the read-rate estimate per tier, the prefill rate in use at a few contexts,
   the prefill samples fitted, and the summed estimated seconds of the plans taken against
   recompute-all and load-all;

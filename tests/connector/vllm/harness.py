@@ -13,7 +13,11 @@
   that produced it. Before each forward, every block a request is about to read (all blocks
   below its ``num_computed_tokens``) is checked: a wrong byte from a load fails the test;
 - outputs go back through ``ModelRunnerOutput.kv_connector_output`` (merged over ranks with
-  vLLM's ``KVOutputAggregator``), one step late under async scheduling, like EngineCore.
+  vLLM's ``KVOutputAggregator``), one step late under async scheduling, like EngineCore;
+- the planner's step clock (``StepMeter.clock``, which times steps for the learned prefill model) is the
+  harness's ``step_clock``: each step advances it by ``step_truth``'s time for the step's tokens (by default
+  the configured start model, so the model learned equals the configured one and the split decides as
+  with ``prefill_learn: false``; a test sets another truth to see it learned).
 
 Hybrid and MLA models (``Engine.create(..., shape=...)``, shapes in ``models.py``): vLLM's
 hybrid KV cache manager is on, the ``KVCacheConfig`` comes from vLLM's own grouping code
@@ -34,6 +38,7 @@ import os
 import pickle
 import threading
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 from vllm import SamplingParams
@@ -52,6 +57,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 import tests.connector.vllm.models as shapes
 import tiered_kv.connector.vllm.connector as tkv_vllm
 from tiered_kv.connector.vllm.connector import TieredKVConnector
+from tiered_kv.planner.rates import PrefillModel
 from tiered_kv.connector.vllm.stores import _resumed_ids
 
 BS = 16
@@ -181,6 +187,18 @@ def _layers_of(kvc) -> list[_Layer]:
     return sorted(out, key=lambda x: x.index)
 
 
+def step_output(new: list[tuple[str, int, int]], cached: list[tuple[str, int, int]]) -> SimpleNamespace:
+    """The fields of a ``SchedulerOutput`` that the connector's step meter reads (``prefill.step_parts``), for
+    requests ``(id, tokens scheduled, tokens computed before)``: ``new`` scheduled for the first time, ``cached``
+    running on."""
+    nst = {rid: n for rid, n, _ in new + cached}
+    return SimpleNamespace(
+        num_scheduled_tokens=nst, total_num_scheduled_tokens=sum(nst.values()),
+        scheduled_new_reqs=[SimpleNamespace(req_id=rid, num_computed_tokens=c) for rid, _, c in new],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[rid for rid, _, _ in cached],
+                                              num_computed_tokens=[c for _, _, c in cached]))
+
+
 def prefix_hashes(token_ids: list[int], upto: int) -> torch.Tensor:
     """The rolling hash of every prefix ``token_ids[:p + 1]``, p < upto (int64)."""
     h = 0
@@ -288,6 +306,8 @@ class Engine:
     layers: list[_Layer] = field(default_factory=list)
     hash_block_size: int = BS
     kv_cache_config: KVCacheConfig | None = None  # the workers' (hybrid shapes)
+    step_truth: PrefillModel | None = None  # each step's synthetic time (None: the configured start model)
+    step_clock: float = 0.0  # the planner's step clock (seconds): advanced by step_truth's time of each step
     _prev: tuple | None = None
     _tables: dict[str, list[int]] = field(default_factory=dict)
     _aggregator: KVOutputAggregator | None = None
@@ -335,7 +355,7 @@ class Engine:
                 kv = {name: torch.zeros((num_blocks, HEADS, BS, 2 * HEAD), dtype=torch.float16) for name in LAYER_NAMES}
                 conn.register_kv_caches(kv)
             workers.append(Worker(conn, kv, rank))
-        return cls(cfg, sched, workers, num_blocks, async_sched)
+        return cls(cfg, sched, workers, num_blocks, async_sched)._with_step_clock()
 
     @classmethod
     def _create_shaped(cls, model_dir, extra, shape, num_blocks, async_sched, tp, max_batched, hash_algo,
@@ -367,7 +387,15 @@ class Engine:
             conn.register_kv_caches(kv)
             workers.append(Worker(conn, kv, rank))
         return cls(cfg, sched, workers, sched_kvc.num_blocks, async_sched, shape=shape, layers=_layers_of(kvc),
-                   hash_block_size=hbs, kv_cache_config=kvc)
+                   hash_block_size=hbs, kv_cache_config=kvc)._with_step_clock()
+
+    def _with_step_clock(self) -> "Engine":
+        """The planner's step clock reads ``step_clock`` (see the module)."""
+        planner = self.connector.planner
+        if self.step_truth is None:
+            self.step_truth = planner.steps.estimator.start
+        planner.steps.clock = lambda: self.step_clock
+        return self
 
     @property
     def connector(self) -> TieredKVConnector:
@@ -398,6 +426,10 @@ class Engine:
         if self.async_sched and self._prev is not None:
             self.sched.update_from_output(*self._prev)
             self._prev = None
+        parts = [(out.num_scheduled_tokens[n.req_id], n.num_computed_tokens) for n in out.scheduled_new_reqs]
+        c = out.scheduled_cached_reqs
+        parts += [(out.num_scheduled_tokens[rid], c.num_computed_tokens[i]) for i, rid in enumerate(c.req_ids)]
+        self.step_clock += self.step_truth.step_seconds(parts) + 1e-4  # the forward, and a step's fixed cost
         mro = self._run_workers(out)
         if self.async_sched:
             self._prev = (out, mro)

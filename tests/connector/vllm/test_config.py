@@ -37,6 +37,8 @@ def test_unknown_key_is_named_with_the_valid_ones():
     ("cpu_bytes", 0, "cpu_bytes"), ("remote_feed_interval_s", -0.1, "remote_feed_interval_s"),
     ("remote_feed_interval_s", "fast", "remote_feed_interval_s"),
     ("remote_feed_interval_s", True, "remote_feed_interval_s"),
+    ("remote_read_gbps", 0, "remote_read_gbps.*or null"), ("prefill_half_rate_context", 0, "prefill_half_rate_context"),
+    ("prefill_learn", "yes", "prefill_learn"), ("prefill_tokens_per_s", "fast", "prefill_tokens_per_s"),
 ])
 def test_bad_values_fail_naming_the_key(key, value, needle):
     with pytest.raises(ConfigError, match=needle):

@@ -184,15 +184,31 @@ class ConnectorConfig(RemoteKeys):
                                                 "which always hands over per-layer tensors "
                                                 "(`VLLM_USE_V2_MODEL_RUNNER=0` selects V1). Set `false` to keep "
                                                 "per-layer tensors")
-    disk_load_policy: str = config_key("auto", "`auto`: load disk chunks only while the estimated read time beats "
-                                               "recomputing them (below); `always`; `never` (disk chunks are never "
-                                               "loaded, only CPU ones)")
-    disk_read_gbps: float = config_key(3.0, "starting estimate of disk read bandwidth (GB/s, all ranks together); "
-                                            "replaced by a running average of measured disk loads", "GB/s")
-    disk_probe_every: int = config_key(32, "with `auto`, every Nth declined disk hit is loaded anyway so the "
-                                           "bandwidth estimate keeps following the disk (`0`: never)")
-    prefill_tokens_per_s: float = config_key(30000.0, "the engine's prefill throughput, used to price a recompute",
-                                                      "tokens/s")
+    disk_load_policy: str = config_key("auto", "which held chunks below the CPU tier a hit loads (CPU chunks always "
+                                               "load): `auto` the split per request (the disk part, then the remote "
+                                               "part, each loaded only while the estimated read time beats "
+                                               "recomputing it; see \"Disk or recompute\"); `always` every held "
+                                               "chunk; `never` only CPU chunks")
+    disk_read_gbps: float = config_key(3.0, "the disk tier's read rate (GB/s, all ranks together) the split starts "
+                                            "from; then a running average of the measured disk loads", "GB/s")
+    remote_read_gbps: float | None = config_key(None, "the remote tier's read rate (GB/s, all ranks together) the "
+                                                      "split starts from, then measured like the disk's; `null`: "
+                                                      "`disk_read_gbps`", "GB/s")
+    disk_probe_every: int = config_key(32, "with `auto`, every Nth hit that leaves held disk or remote chunks to "
+                                           "recompute loads them all anyway, so the read-rate estimates keep "
+                                           "following the tiers (`0`: never)")
+    prefill_tokens_per_s: float = config_key(30000.0, "the prefill rate at short context the split's start model "
+                                                      "prices a recompute with (30k ~ an 8B model on an H100/H200); "
+                                                      "learned from vLLM's steps from then on unless "
+                                                      "`prefill_learn` is false", "tokens/s")
+    prefill_half_rate_context: int = config_key(32768, "the context at which attention halves the start model's "
+                                                       "prefill rate (a token attending to that many costs twice a "
+                                                       "token at the start); about 2 x parameters / (4 x layers x "
+                                                       "heads x head_dim): 30k for Llama-3-8B, 5k for a 0.6B model, "
+                                                       "50k for 70B", "tokens")
+    prefill_learn: bool = config_key(True, "learn the prefill model from vLLM's steps (tokens scheduled and context "
+                                           "per request, the step's time; see \"Disk or recompute\"); `false` "
+                                           "pins it to `prefill_tokens_per_s` and `prefill_half_rate_context`")
     compression: str = config_key("none", "disk payload codec: `none` or `zstd`")
     zstd_level: int = config_key(1, "zstd level (-7..22)")
     disk_sync: bool = config_key(False, "fdatasync every disk batch (power-loss safety) instead of relying on the "
@@ -247,7 +263,7 @@ class ConnectorConfig(RemoteKeys):
         _int(self.disk_weight, "disk_weight", 1, 1 << 20)
         _int(self.load_stream_priority, "load_stream_priority", -16, 0)
         for key in ("promote_on_hit", "store_decode_tokens", "disk_sync", "cross_layer_blocks", "mla_store_once",
-                    "tail_chunks"):
+                    "tail_chunks", "prefill_learn"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"{key}: expected true or false, got {getattr(self, key)!r}")
         _int(self.min_hit_blocks, "min_hit_blocks", 1)
@@ -258,11 +274,15 @@ class ConnectorConfig(RemoteKeys):
         _int(self.disk_workers, "disk_workers", 1, 64)
         _int(self.chunk_blocks, "chunk_blocks", 1, 4096)
         _int(self.staging_chunks, "staging_chunks", 1, 4096)
-        for key in ("disk_read_gbps", "prefill_tokens_per_s", "load_gbps"):
+        for key in ("disk_read_gbps", "prefill_tokens_per_s", "load_gbps", "remote_read_gbps"):
             v = getattr(self, key)
+            if v is None and key == "remote_read_gbps":
+                continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-                raise ConfigError(f"{key}: expected a number > 0, got {v!r}")
+                also = " or null (disk_read_gbps)" if key == "remote_read_gbps" else ""
+                raise ConfigError(f"{key}: expected a number > 0{also}, got {v!r}")
             set_(key, float(v))
+        _int(self.prefill_half_rate_context, "prefill_half_rate_context", 1)
         if self.metrics_port is not None:
             _int(self.metrics_port, "metrics_port", 1, 65535)
         for key in ("model_id", "tenant_salt"):

@@ -68,17 +68,20 @@ class TieredKVMetadata(KVConnectorMetadata):
 
 @dataclass
 class TieredKVWorkerMeta(KVConnectorWorkerMetadata):
-    """Workers -> scheduler, once per step: outcomes of the jobs this rank finished."""
+    """Workers -> scheduler, once per step: outcomes of the jobs this rank finished, and the number of the step
+    (``StepPlan.step``) whose output carries it (-1: none; the planner times steps with it, ``prefill_learn``)."""
 
     reports: dict[int, JobReport] = field(default_factory=dict)
+    step: int = -1
 
     def __bool__(self) -> bool:
-        return bool(self.reports)
+        return bool(self.reports) or self.step >= 0
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "TieredKVWorkerMeta":
         """Merge another rank's reports (vLLM calls this across TP workers)."""
         if not isinstance(other, TieredKVWorkerMeta):
             raise ConfigError(f"cannot aggregate TieredKVWorkerMeta with {type(other).__name__}")
+        self.step = max(self.step, other.step)  # every rank ran the same step
         for job_id, rep in other.reports.items():
             mine = self.reports.get(job_id)
             if mine is None:
@@ -182,6 +185,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._stats_sent: dict[str, float] = {}
         self._out_reports: dict[int, JobReport] = {}
         self._out_invalid: set[int] = set()
+        self._bound_step = -1  # worker: the step of the plan bound now (echoed to time steps, prefill_learn)
         self.planner: SchedulerPlanner | None = None
         self.worker: WorkerRuntime | None = None
         self._prom_snapshot: dict = {}
@@ -277,18 +281,22 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.planner.allocated(request, ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
-        """This step's plan for the workers."""
+        """This step's plan for the workers; the step's clock starts (``StepMeter``)."""
         plan = self.planner.build(scheduler_output)
+        self.planner.steps.scheduled(plan.step, scheduler_output)
         if self.cfg.metrics_port is not None and time.monotonic() - self._prom_at > 1.0:
             self._prom_at = time.monotonic()
             self._prom_snapshot = self.planner.store_stats()
         return TieredKVMetadata(plan)
 
     def update_connector_output(self, connector_output) -> None:
-        """Apply the workers' job reports (merged over ranks by vLLM)."""
+        """A step's output arrived: stop its clock, and apply the workers' job reports (merged over ranks by vLLM)."""
         wm = connector_output.kv_connector_worker_meta
-        if isinstance(wm, TieredKVWorkerMeta) and wm.reports:
-            self.planner.apply_reports(wm.reports)
+        if isinstance(wm, TieredKVWorkerMeta):
+            if wm.step >= 0:
+                self.planner.steps.finished(wm.step)
+            if wm.reports:
+                self.planner.apply_reports(wm.reports)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         """Forget the request (vLLM's hybrid KV cache manager off: one group); never delays vLLM's frees."""
@@ -381,6 +389,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         """Take this step's plan."""
         super().bind_connector_metadata(connector_metadata)
         if isinstance(connector_metadata, TieredKVMetadata):
+            self._bound_step = connector_metadata.plan.step if self.cfg.prefill_learn else -1
             self.worker.on_plan(connector_metadata.plan)
 
     @_timed_hook
@@ -421,11 +430,13 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         return out
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        """This step's job reports for the planner."""
-        if not self._out_reports:
+        """This step's job reports for the planner, and the step's number (with ``prefill_learn``: every step's
+        output then calls the scheduler's ``update_connector_output``, which times the step)."""
+        step, self._bound_step = self._bound_step, -1
+        if not self._out_reports and step < 0:
             return None
         out, self._out_reports = self._out_reports, {}
-        return TieredKVWorkerMeta(out)
+        return TieredKVWorkerMeta(out, step)
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """Bytes and seconds moved since the last call (worker), or None (scheduler)."""
@@ -443,6 +454,8 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self._presence is not None:
             self._presence.close()
             self._presence = None
+        if self.planner is not None:
+            self.planner.steps.close()
 
 
 def _shared_slab_name(vllm_config, ns) -> str:

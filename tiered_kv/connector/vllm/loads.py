@@ -9,20 +9,23 @@ since the lookup is reported as failed blocks, so vLLM recomputes from there (on
 groups vLLM takes no block errors, and every load comes from a ready CPU copy). A tail piece loads into the
 first blocks of its slot.
 
-It also keeps each request's prefix in order in the CPU tier's eviction policy (``refresh``) and feeds what
-completed loads measured back to the load gate and the adaptive load budget (``load_done``).
+It also counts the split gate's plan for the hit once vLLM allocated the request (``RequestState.split``: the
+tokens loaded and recomputed per tier), keeps each request's prefix in order in the CPU tier's eviction policy
+(``refresh``), and feeds what completed loads measured back to the split's read rates per tier and the adaptive
+load budget (``load_done``).
 
 Threading contract: vLLM's scheduler thread only; no I/O, no torch.
 """
 from __future__ import annotations
 
 from tiered_kv.planner.chain import TierChain
-from tiered_kv.planner.gate import LoadGate
+from tiered_kv.planner.gate import SplitGate
 from tiered_kv.values.jobs import JobKind, TransferJob
 from tiered_kv.connector.vllm.admission import StepLoadBudget
-from tiered_kv.connector.vllm.common import CPU, DISK, JobReport
+from tiered_kv.connector.vllm.common import CPU, JobReport
 from tiered_kv.connector.vllm.geometry import Geometry
 from tiered_kv.connector.vllm.parts import PartPlanner
+from tiered_kv.connector.vllm.prefill import tier_names
 from tiered_kv.connector.vllm.routing import JobRouter
 from tiered_kv.connector.vllm.state import PlannerCounters, RequestState, RequestTable
 
@@ -31,7 +34,7 @@ class LoadPlanner:
     """``allocated``: plan the loads of the hit the last ``match`` found (see the module)."""
 
     def __init__(self, geo: Geometry, chain: TierChain, requests: RequestTable, router: JobRouter,
-                 parts: PartPlanner | None, gate: LoadGate, budget: StepLoadBudget | None,
+                 parts: PartPlanner | None, gate: SplitGate, budget: StepLoadBudget | None,
                  counters: PlannerCounters) -> None:
         self.geo = geo
         self.bs = geo.block_size
@@ -43,6 +46,7 @@ class LoadPlanner:
         self._router = router
         self._parts = parts
         self._gate = gate
+        self._tier_names = tier_names(chain)
         self._budget = budget
         self.counters = counters
         self.async_cpu_loads: set[int] = set()  # adaptive: asynchronous CPU-tier loads (their rate feeds the budget)
@@ -51,6 +55,9 @@ class LoadPlanner:
         """vLLM allocated ``block_ids`` (all of the request's blocks, one list per KV cache group) after a
         hit of ``num_external_tokens``."""
         st = self._requests.state(request)
+        if st.split is not None:  # the plan of the match vLLM took: count it once
+            self._gate.count(*st.split)
+            st.split = None
         if num_external_tokens <= 0:
             return
         if self._parts is not None:
@@ -168,12 +175,17 @@ class LoadPlanner:
             self.chain.touch(reversed(keys))
 
     def load_done(self, job: TransferJob, rep: JobReport) -> None:
-        """A load job completed on every rank: count its bytes, and feed its rate to the budget and the gate."""
-        self.counters.bytes_loaded += rep.nbytes
-        job_id = job.job_id
-        if self.async_cpu_loads and job_id in self.async_cpu_loads:
-            self.async_cpu_loads.discard(job_id)
-            if all(rep.ok):  # the ranks loaded in parallel: per-rank bytes over the slowest rank's time
-                self._budget.observe(rep.nbytes // max(1, rep.count), rep.seconds)
-        if job.src_tier == DISK:
-            self._gate.observe(rep.nbytes, rep.seconds)  # ranks read their shares in parallel
+        """A load job (``EGRESS``: into GPU blocks; ``PROMOTE``: up a tier) completed on every rank: count a GPU
+        load's bytes and feed its rate to the budget; feed a read from a disk or remote tier into the GPU or the
+        CPU tier to the split's rate of that tier (the ranks read their shares in parallel: every rank's bytes over
+        the slowest rank's seconds)."""
+        egress = job.kind is JobKind.EGRESS
+        if egress:
+            self.counters.bytes_loaded += rep.nbytes
+            job_id = job.job_id
+            if self.async_cpu_loads and job_id in self.async_cpu_loads:
+                self.async_cpu_loads.discard(job_id)
+                if all(rep.ok):  # the ranks loaded in parallel: per-rank bytes over the slowest rank's time
+                    self._budget.observe(rep.nbytes // max(1, rep.count), rep.seconds)
+        if job.src_tier != CPU and (egress or job.dst_tier == CPU):
+            self._gate.observe_reads({self._tier_names[job.src_tier]: rep.nbytes}, rep.seconds)

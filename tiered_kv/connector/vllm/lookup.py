@@ -8,8 +8,12 @@ in the remote tier is adopted when the walk reaches it (``RemotePresence``). The
   window or a Mamba state is only ever taken at the boundary it was stored for;
 - tail pieces (one full-attention or MLA group): where the walk over whole chunks stopped, the tail keys of
   that chunk are probed, longest first;
-- the load gate: disk and remote chunks load only while reading them is estimated faster than recomputing
-  them (``planner.gate.LoadGate``, shared with SGLang's backend);
+- the split (``planner.gate.SplitGate``, shared with SGLang's backend; built in ``prefill.py``): the held chunks
+  as runs per tier (CPU, then disk, then remote, as the walk found them), after the tokens vLLM holds, before
+  the request's tokens still to compute; CPU chunks always load, a disk or remote run loads only while reading
+  it is estimated faster than recomputing it (no overlap: per tier all or nothing). The plan waits on the
+  request's state until vLLM allocates it (``LoadPlanner.allocated`` counts it), so a request vLLM asks about
+  again is counted once;
 - whether the load runs inside the step (every chunk in the CPU tier, at most ``sync_max_tokens``, and with
   ``load_mode`` adaptive within the step's budget, ``admission.py``) or between steps;
 - hybrid models (``parts.PartPlanner``): the longest hit over parts; its disk parts are promoted to the CPU
@@ -17,21 +21,23 @@ in the remote tier is adopted when the walk reaches it (``RemotePresence``). The
   errors with several KV cache groups.
 
 What a match found stays on the request's ``RequestState`` (``lookup``, ``hit_keys``, ``hit_tail``,
-``parts``, ``sync``) for ``LoadPlanner.allocated``.
+``parts``, ``sync``, ``split``) for ``LoadPlanner.allocated``.
 
 Threading contract: vLLM's scheduler thread only; no I/O, no torch.
 """
 from __future__ import annotations
 
 import logging
+from itertools import groupby
 
 from tiered_kv.planner.chain import TierChain
-from tiered_kv.planner.gate import DECLINED, PROBE, LoadGate
+from tiered_kv.planner.gate import DECLINED, PROBE, SPLIT, SplitGate
 from tiered_kv.connector.vllm.admission import StepLoadBudget
 from tiered_kv.connector.vllm.common import CPU
 from tiered_kv.connector.vllm.config import ConnectorConfig
 from tiered_kv.connector.vllm.geometry import Geometry
 from tiered_kv.connector.vllm.parts import PartPlanner
+from tiered_kv.connector.vllm.prefill import tier_names
 from tiered_kv.connector.vllm.presence import RemotePresence
 from tiered_kv.connector.vllm.routing import JobRouter
 from tiered_kv.connector.vllm.state import PlannerCounters, RequestState, RequestTable
@@ -43,7 +49,7 @@ class LookupPlanner:
     """``match``: the tokens a request can load from the tiers, and how (see the module)."""
 
     def __init__(self, cfg: ConnectorConfig, geo: Geometry, chain: TierChain, requests: RequestTable,
-                 router: JobRouter, parts: PartPlanner | None, tails: bool, gate: LoadGate,
+                 router: JobRouter, parts: PartPlanner | None, tails: bool, gate: SplitGate,
                  budget: StepLoadBudget | None, presence: RemotePresence | None, counters: PlannerCounters) -> None:
         self.cfg, self.geo = cfg, geo
         self.bs = geo.block_size
@@ -56,6 +62,7 @@ class LookupPlanner:
         self._parts = parts
         self._tails = tails
         self._gate = gate
+        self._tier_names = tier_names(chain)
         self._budget = budget
         self._presence = presence
         self._known: set[bytes] = presence.known if presence is not None else set()  # announced, not adopted
@@ -80,6 +87,8 @@ class LookupPlanner:
         st = self._requests.state(request)
         st.sync = False
         st.hit_tail = 0
+        if not (st.promoting or st.promoted):  # a hybrid hit's promotion keeps the plan that started it
+            st.split = None
         if st.promoting:
             return None  # its disk chunks are still moving up to the CPU tier
         if self._parts is not None:
@@ -93,7 +102,7 @@ class LookupPlanner:
         if not where:  # nothing held (a new prompt's usual answer): none of what follows could find a hit
             log.debug("match %s: computed %d, none of %d chunks held", request.request_id, num_computed_tokens, usable)
             return 0
-        n = self._worth_loading(where)
+        n = self._worth_loading(st, where, tail, num_computed_tokens, c0)
         if tail and n < len(where):
             tail = 0  # the tail's tier was declined (or a chunk before it was)
         log.debug("match %s: computed %d, %d of %d chunks held %s, %d worth loading", request.request_id,
@@ -101,6 +110,8 @@ class LookupPlanner:
         whole = n - (1 if tail else 0)
         tokens = (c0 + whole) * chunk + tail * bs - num_computed_tokens
         if n == 0 or tokens // bs < self.cfg.min_hit_blocks:
+            if n:
+                st.split = None  # too small to load: not a plan vLLM takes
             return 0
         st.lookup = (c0, whole, num_computed_tokens)
         st.hit_tail = tail
@@ -120,7 +131,7 @@ class LookupPlanner:
 
         hit = parts.find(hashes, chunk_key, c0, usable, self._best)
         if hit is not None:
-            n = self._worth_loading(hit.chunk_tiers(c0))
+            n = self._worth_loading(st, hit.chunk_tiers(c0), 0, computed, c0)
             if n < hit.end - c0:  # disk chunks declined: a shorter hit needs its own window and state
                 hit = parts.find(hashes, chunk_key, c0, n, self._best) if n else None
         if hit is not None and any(t != CPU for t in hit.tiers):
@@ -141,6 +152,7 @@ class LookupPlanner:
             return 0
         tokens = hit.end * self.chunk - computed
         if tokens // self.bs < self.cfg.min_hit_blocks:
+            st.split = None
             return 0
         st.lookup = (c0, hit.end - c0, computed)
         st.hit_keys = hit.keys
@@ -216,15 +228,29 @@ class LookupPlanner:
         router.route(jobs)
         router.drain_finished()
 
-    def _worth_loading(self, where: list[int]) -> int:
-        """Leading chunks worth loading: disk chunks only while reading beats recomputing."""
-        n_cpu = next((i for i, t in enumerate(where) if t != CPU), len(where))
-        hits, outcome = self._gate.decide(n_cpu, len(where))
-        if outcome == PROBE:  # a declined disk is read now and then, so the estimate follows it
+    def _worth_loading(self, st: RequestState, where: list[int], tail: int, computed: int, c0: int) -> int:
+        """Leading entries of ``where`` worth loading (the fastest tier of each held chunk from chunk ``c0``; with
+        ``tail`` > 0 the last entry is a tail piece of that many blocks), after the ``computed`` tokens vLLM holds:
+        the split's plan, kept on ``st`` until vLLM allocates the request (a hybrid hit's promotion keeps the plan
+        that started it)."""
+        chunk, names = self.chunk, self._tier_names
+        runs = [[names[t], len(list(g)) * chunk] for t, g in groupby(where)]  # (tier, tokens) per run
+        local = computed - c0 * chunk  # the first chunk's blocks vLLM holds: neither loaded nor computed
+        runs[0][1] -= local
+        if tail:  # a tail piece holds its blocks, not a whole chunk
+            runs[-1][1] -= chunk - tail * self.bs
+        held = sum(t for _, t in runs)
+        split, outcome = self._gate.decide(runs, max(0, st.request.num_tokens - computed - held), computed,
+                                           count=False)
+        if st.split is None or not st.promoted:
+            st.split = (split, outcome)
+        if outcome == PROBE:  # a declined tier is read now and then, so its estimate follows it
             self.counters.disk_probes += 1
-        elif outcome == DECLINED:
+        elif outcome in (DECLINED, SPLIT):
             self.counters.disk_hits_declined += 1
-        return hits
+        if split.load_tokens == held:
+            return len(where)
+        return (split.load_tokens + local) // chunk  # without overlap a plan ends at a run's end: a whole chunk's
 
     def load_async(self, request) -> bool:
         """Whether the hit the last ``match`` of ``request`` found loads between steps (else inside the step)."""

@@ -47,7 +47,8 @@ The work is split by responsibility; ``SchedulerPlanner`` owns one of each part 
 to the part whose job it is (their state is their own; they share the ``TierChain``, the ``RequestTable``
 and the counters):
 
-- ``lookup.LookupPlanner``: ``match`` (walk, tail probes, hybrid parts, promotions, the load gate);
+- ``lookup.LookupPlanner``: ``match`` (walk, tail probes, hybrid parts, promotions, the split: load or recompute);
+- ``prefill``: the split gate and ``StepMeter`` (the prefill model learned from vLLM's steps, ``self.steps``);
 - ``loads.LoadPlanner``: ``allocated`` (the hit's loads, in-step or asynchronous), prefix order, load rates;
 - ``stores.StorePlanner``: each step's stores, tail pieces, ``on_finish`` stores; ``stores.ChunkEvents``;
 - ``blocks.BlockTracker``: block tables, sliding-window owners, re-allocation dates, in-flight jobs' blocks
@@ -67,7 +68,6 @@ import logging
 from collections.abc import Sequence
 
 from tiered_kv.planner.chain import TierChain, TierSpec
-from tiered_kv.planner.gate import LoadGate
 from tiered_kv.values.keys import Namespace
 from tiered_kv.planner.policy import PlacementPolicy
 from tiered_kv.values.jobs import Completion, JobKind
@@ -79,6 +79,7 @@ from tiered_kv.connector.vllm.geometry import Geometry
 from tiered_kv.connector.vllm.loads import LoadPlanner
 from tiered_kv.connector.vllm.lookup import LookupPlanner
 from tiered_kv.connector.vllm.parts import PartPlanner
+from tiered_kv.connector.vllm.prefill import StepMeter, split_gate, split_stats, tier_names
 from tiered_kv.connector.vllm.presence import PresenceSource, RemotePresence
 from tiered_kv.connector.vllm.routing import JobRouter
 from tiered_kv.connector.vllm.state import PlannerCounters, RequestTable
@@ -128,9 +129,10 @@ class SchedulerPlanner:
         self.counters = PlannerCounters()
         self._step = 0
         self._reports: dict[int, JobReport] = {}  # jobs some TP ranks reported, waiting for the others
-        # disk and remote chunks load only while reading them beats recomputing them (shared with SGLang's backend)
-        self._gate = LoadGate(cfg.disk_load_policy, cfg.disk_read_gbps, cfg.disk_probe_every,
-                              cfg.prefill_tokens_per_s, geo.chunk_tokens, geo.chunk_nbytes)
+        # disk and remote chunks load only while reading them beats recomputing them (shared with SGLang's backend);
+        # the prefill model is learned from vLLM's steps (the connector calls self.steps: prefill.py)
+        self._gate = split_gate(cfg, geo, tier_names(self.chain))
+        self.steps = StepMeter(self._gate.prefill)
         # load_mode adaptive: the in-step load bytes (per rank) each step may take; None in the other modes
         self._budget = (StepLoadBudget(None if cfg.step_load_bytes == "auto" else cfg.step_load_bytes, cfg.load_gbps)
                         if cfg.load_mode == "adaptive" else None)
@@ -206,7 +208,7 @@ class SchedulerPlanner:
         unreadable = self._presence.job_done(job, rep) if self._presence is not None else []
         kind = job.kind
         fenced = self._blocks.untrack(job_id)
-        if kind is JobKind.EGRESS:
+        if kind.is_load:  # into GPU blocks (EGRESS), or up to the CPU tier (PROMOTE)
             self._loads.load_done(job, rep)
         elif kind is JobKind.INGRESS:
             self.counters.bytes_stored += rep.nbytes
@@ -304,7 +306,7 @@ class SchedulerPlanner:
             "resident_disk": c.resident(DISK) if c.num_tiers > 1 and c.specs[DISK].name == "disk" else 0,
             "resident_remote": c.resident(self.remote) if self.remote is not None else 0,
             "remote_known": len(self._presence.known) if self._presence is not None else 0,
-            "disk_gbps_estimate": round(self._gate.gbps, 3),
+            "prefill_steps_timed": self.steps.timed, "prefill_fits": self.steps.fits, **split_stats(self._gate),
         })
         if self._budget is not None:
             out.update(self._budget.stats())

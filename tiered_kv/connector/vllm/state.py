@@ -21,6 +21,7 @@ from tiered_kv.connector.vllm.geometry import Geometry
 
 if TYPE_CHECKING:
     from tiered_kv.connector.vllm.parts import PartHit
+    from tiered_kv.planner.split import Split
 
 #: Tail keys are ``namespace prefix + TAIL_MARK + vLLM's block hash``: 8 + 1 + 16..32 bytes, never the 32 of a
 #: whole chunk's key. No keyed hash: a lookup probes up to ``chunk_blocks - 1`` of them.
@@ -33,7 +34,7 @@ class RequestState:
     and on vLLM's scheduler thread that run lands inside a step."""
 
     __slots__ = ("request", "keys", "tables", "stored", "lookup", "hit_keys", "hit_tail", "tail_done", "seen_tail",
-                 "sync", "promoting", "promoted", "parts", "owned")
+                 "sync", "promoting", "promoted", "parts", "owned", "split")
 
     def __init__(self, request) -> None:
         self.request = request  # vllm.v1.request.Request
@@ -50,6 +51,7 @@ class RequestState:
         self.promoted = False  # its promotion ran: take what the CPU tier holds now
         self.parts: PartHit | None = None  # hybrid models: the parts the last match would load
         self.owned: list[bytes] = []  # hybrid models: the part keys it loaded or stored, in chunk order
+        self.split: tuple[Split, str] | None = None  # the split gate's plan for the last match, counted once allocated
 
 
 class RequestTable:
@@ -94,8 +96,8 @@ class PlannerCounters:
     hit_tokens_cpu: int = 0
     hit_tokens_disk: int = 0
     sync_loads: int = 0
-    disk_hits_declined: int = 0
-    disk_probes: int = 0
+    disk_hits_declined: int = 0  # split decisions that left held disk or remote chunks to recompute (wholly or in part)
+    disk_probes: int = 0  # such decisions that loaded everything anyway, to re-measure the tiers (disk_probe_every)
     load_jobs: int = 0
     store_chunks: int = 0
     stores_dropped_reused: int = 0

@@ -1,0 +1,307 @@
+"""Load or recompute (issue 32) on vLLM's real Scheduler: the split per request, its counters, the prefill model.
+
+A disk hit is loaded or left to vLLM to recompute as the configured rates say; a hit held partly in the CPU tier
+and partly on disk always loads its CPU part and loads its disk part by the decision; the per-tier token counters
+and the ``tiered_kv_split_*`` metrics say what was loaded and what recomputed; the prefill model learned from the
+harness's steps (timed by a clock the test controls, ``Engine.step_truth``) converges on the truth, with vLLM's
+synchronous and asynchronous scheduler, and then drives the decision. The ``StepMeter`` pieces without vLLM too.
+"""
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from tests.connector.vllm.harness import BS, Engine, step_output, write_model_dir  # noqa: E402
+from tiered_kv.connector.vllm.common import CPU, DISK  # noqa: E402
+from tiered_kv.connector.vllm.connector import TieredKVWorkerMeta  # noqa: E402
+from tiered_kv.connector.vllm.prefill import StepMeter, step_parts  # noqa: E402
+from tiered_kv.planner.rates import REFIT_EVERY, PrefillEstimator, PrefillModel  # noqa: E402
+from tiered_kv.store.metrics import make_registry  # noqa: E402
+
+K = 4  # blocks per chunk
+CHUNK = K * BS  # tokens per chunk
+CHUNK_BYTES = K * 4096  # 2 layers x 2 heads x 16 tokens x 32 values x 2 bytes per block
+SLOW, FAST = 1e-4, 100.0  # GB/s: 16 KiB chunks read in 164 ms / 0.2 us; recomputing 64 tokens takes ~2 ms
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_model_dir(str(tmp_path_factory.mktemp("tiny-llama")))
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return [100 + (seed * 7919 + i * 31) % 800 for i in range(n)]
+
+
+def cfg(tmp_path, **kw) -> dict:
+    return {"chunk_blocks": K, "cpu_bytes": 16 * CHUNK_BYTES, "disk_path": str(tmp_path / "kv"), "disk_bytes": "4MiB",
+            "write_policy": "write_through", "disk_probe_every": 0, **kw}
+
+
+def chunk_keys(eng: Engine, req, n: int) -> list[bytes]:
+    """The keys of the first ``n`` chunks of ``req`` (the hash at each chunk's last block, namespaced)."""
+    return eng.connector.ns.keys(req.block_hashes[K - 1::K][:n])
+
+
+def hold_on_disk_only(eng: Engine, keys: list[bytes]) -> None:
+    """Forget the CPU copies of ``keys`` (write-through kept them on disk too), as a CPU tier's eviction would."""
+    planner = eng.connector.planner
+    planner._router.route(planner.chain.forget(CPU, keys))
+
+
+def split_samples(eng: Engine) -> dict[tuple[str, str], float]:
+    """``tiered_kv_split_tokens_total`` of the planner's stats as a scrape shows them: (tier, action) -> tokens."""
+    reg = make_registry(eng.connector.planner.store_stats, "vllm")
+    out = {}
+    for metric in reg.collect():
+        for s in metric.samples:
+            if s.name == "tiered_kv_split_tokens_total":
+                out[(s.labels["tier"], s.labels["action"])] = s.value
+    return out
+
+
+def _turn(eng: Engine, rid: str, tokens: list[int]):
+    req = eng.add(rid, tokens, max_tokens=1)
+    eng.run()
+    eng.settle()
+    eng.sched.reset_prefix_cache()  # the GPU forgets it: the next turn's hit comes from the tiers
+    return req
+
+
+@pytest.mark.parametrize("gbps,loaded", [(SLOW, False), (FAST, True)], ids=["recompute", "load"])
+def test_disk_hit_follows_the_configured_rates(model_dir, tmp_path, gbps, loaded):
+    """A prefix held only on disk: loaded when reading it beats recomputing it, else vLLM recomputes it."""
+    eng = Engine.create(model_dir, cfg(tmp_path, disk_read_gbps=gbps))
+    try:
+        tokens = prompt(1, 2 * CHUNK + 4)
+        a = _turn(eng, "a", tokens)
+        hold_on_disk_only(eng, chunk_keys(eng, a, 2))
+        assert eng.connector.planner.chain.locate(chunk_keys(eng, a, 2)) == [DISK, DISK]
+        _turn(eng, "a2", tokens)
+        assert eng.cached_at_start["a2"] == (2 * CHUNK if loaded else 0)
+        st = eng.connector.stats()
+        assert st["split_disk_loaded_tokens"] == (2 * CHUNK if loaded else 0), st
+        assert st["split_disk_recomputed_tokens"] == (0 if loaded else 2 * CHUNK), st
+        assert st["sched_disk_hits_declined"] == (0 if loaded else 1) and st["sched_hit_tokens_disk"] == (
+            2 * CHUNK if loaded else 0), st
+        decisions = eng.connector.planner.store_stats()["gate"]["decisions"]
+        assert decisions["beats" if loaded else "declined"] == 1, decisions
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("gbps,loaded", [(SLOW, False), (FAST, True)], ids=["recompute", "load"])
+@pytest.mark.parametrize("async_sched", [False, True], ids=["sync", "async"])
+def test_hit_split_across_tiers_loads_the_cpu_part_and_the_disk_part_by_the_decision(model_dir, tmp_path, gbps,
+                                                                                       loaded, async_sched):
+    """Chunks 0-1 in the CPU tier, 2-7 only on disk: the CPU part always loads; the disk part as the rates say.
+    The counters and the metrics say so per tier, each hit counted once."""
+    eng = Engine.create(model_dir, cfg(tmp_path, disk_read_gbps=gbps), async_sched=async_sched)
+    try:
+        tokens = prompt(2, 8 * CHUNK + 4)
+        a = _turn(eng, "a", tokens)
+        keys = chunk_keys(eng, a, 8)
+        hold_on_disk_only(eng, keys[2:])
+        assert eng.connector.planner.chain.locate(keys) == [CPU] * 2 + [DISK] * 6
+        before = split_samples(eng)
+        _turn(eng, "a2", tokens)
+        assert eng.cached_at_start["a2"] == (8 if loaded else 2) * CHUNK
+        got = {k: v - before.get(k, 0) for k, v in split_samples(eng).items()}
+        assert got[("cpu", "loaded")] == 2 * CHUNK and got[("cpu", "recomputed")] == 0, got
+        assert got[("disk", "loaded")] == (6 * CHUNK if loaded else 0), got
+        assert got[("disk", "recomputed")] == (0 if loaded else 6 * CHUNK), got
+        st = eng.connector.stats()
+        assert st["sched_hit_tokens_cpu"] == 2 * CHUNK, st
+        assert st["sched_hit_tokens_disk"] == (6 * CHUNK if loaded else 0), st
+        assert st["disk_gbps_estimate"] > 0 and st["prefill_source"] in ("start", "online"), st
+    finally:
+        eng.close()
+
+
+def test_cpu_tier_hits_always_load_even_when_recompute_looks_free(model_dir, tmp_path):
+    """A recompute priced at almost nothing (a huge prefill rate) never declines CPU-tier chunks."""
+    eng = Engine.create(model_dir, cfg(tmp_path, prefill_tokens_per_s=1e12, prefill_learn=False))
+    try:
+        tokens = prompt(3, 4 * CHUNK + 4)
+        _turn(eng, "a", tokens)
+        _turn(eng, "a2", tokens)
+        assert eng.cached_at_start["a2"] == 4 * CHUNK
+        st = eng.connector.stats()
+        assert st["split_cpu_loaded_tokens"] == 4 * CHUNK and st["prefill_steps_timed"] == 0, st
+    finally:
+        eng.close()
+
+
+# ---------------------------------------------------------------------------------------------- the learned model
+
+#: the harness's "GPU": 1 ms a step, 50k tokens/s at short context, attention doubling a token's cost at 3k
+TRUTH = PrefillModel(0.001, 1 / 50000, 1 / 50000 / 3000, 5e-9)
+#: GPU blocks: room for a few of the longest prompts at once
+NUM_BLOCKS = 512
+#: what the model is checked at: prefill chunks the harness's steps hold (256 tokens a step at most)
+GRID = [(256, 0), (256, 1024), (128, 1792), (64, 512), (256, 1536)]
+
+
+def _worst_error(model: PrefillModel) -> float:
+    return max(abs(model.seconds(n, c) / TRUTH.seconds(n, c) - 1) for n, c in GRID)
+
+
+def _serve_mixed_prompts(eng: Engine, n: int, seed: int) -> None:
+    """``n`` prompts of 40 to 1,900 tokens arriving a few steps apart: steps of a whole token budget (256) and of
+    less (a prompt's last chunk with others' decodes), at contexts up to 1.9k. (Had they all queued at once, every
+    step would hold 256 tokens, and a step's fixed cost could not be told from its per-token cost.)"""
+    rng = random.Random(seed)
+    for i in range(n):
+        eng.add(f"p{i}", prompt(1000 + i, rng.randrange(40, 1900)), max_tokens=rng.randrange(1, 6))
+        for _ in range(rng.randrange(2, 10)):
+            eng.step()
+    eng.run(timeout=120.0)
+
+
+def _wait_fitted(eng: Engine, timeout: float = 30.0) -> None:
+    meter = eng.connector.planner.steps
+    deadline = time.monotonic() + timeout
+    while not meter.idle() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert meter.idle(), "the fit thread did not catch up"
+
+
+@pytest.mark.parametrize("async_sched", [False, True], ids=["sync", "async"])
+def test_learned_prefill_rate_converges_on_the_harness_steps(model_dir, async_sched):
+    """Prompts of 80 to 1,900 tokens through vLLM's scheduler (chunked prefill, mixed with decodes), each step timed
+    by the truth on the test's clock: the fitted model is within 10% of the truth where the steps were (the start,
+    30k tokens/s and half rate at 32k, is 40-80% off), and the metrics show it online."""
+    eng = Engine.create(model_dir, {"chunk_blocks": K, "cpu_bytes": 16 * CHUNK_BYTES}, async_sched=async_sched,
+                        num_blocks=NUM_BLOCKS)
+    eng.step_truth = TRUTH
+    echoed = _record_echoed_steps(eng)
+    try:
+        planner = eng.connector.planner
+        assert _worst_error(planner.steps.estimator.model()) > 0.3
+        _serve_mixed_prompts(eng, 48, seed=5)
+        eng.flush()
+        assert echoed == list(range(1, planner._step + 1))  # every step's output came back with its number, in order
+        _wait_fitted(eng)
+        st = eng.connector.stats()
+        assert st["prefill_source"] == "online" and st["prefill_fits"] >= 1 and st["prefill_samples"] >= 64, st
+        assert st["prefill_steps_timed"] > st["prefill_samples"], st  # decode-only steps timed too, then skipped
+        model = planner.steps.estimator.model()
+        assert _worst_error(model) < 0.10, (model, TRUTH)
+        reg = make_registry(planner.store_stats, "vllm")
+        rate = reg.get_sample_value("tiered_kv_split_prefill_tokens_per_s",
+                                    {"store": "vllm", "context": "0", "source": "online"})
+        assert rate == pytest.approx(TRUTH.tokens_per_s(2048, 0), rel=0.10)
+        assert reg.get_sample_value("tiered_kv_split_prefill_samples_total", {"store": "vllm"}) >= 64
+    finally:
+        eng.close()
+    assert planner.steps._thread is not None and not planner.steps._thread.is_alive()  # shutdown stopped it
+
+
+def test_the_learned_model_drives_the_decision(model_dir, tmp_path):
+    """Configured as if recomputing were free (1e9 tokens/s), a disk hit at 0.05 GB/s is declined; once the model
+    has learned the engine's real (harness) rate, the same hit loads."""
+    eng = Engine.create(model_dir, cfg(tmp_path, disk_read_gbps=0.05, prefill_tokens_per_s=1e9, disk_bytes="16MiB"),
+                        num_blocks=NUM_BLOCKS)
+    eng.step_truth = TRUTH
+    try:
+        tokens = prompt(4, 4 * CHUNK + 4)
+        a = _turn(eng, "a", tokens)
+        keys = chunk_keys(eng, a, 4)
+        hold_on_disk_only(eng, keys)
+        _turn(eng, "a2", tokens)
+        assert eng.cached_at_start["a2"] == 0  # declined: recompute looked free
+        hold_on_disk_only(eng, keys)  # a2 stored them in the CPU tier again
+        _serve_mixed_prompts(eng, 24, seed=6)
+        _wait_fitted(eng)
+        hold_on_disk_only(eng, keys)
+        _turn(eng, "a3", tokens)
+        # 4 chunks of 16 KiB at 0.05 GB/s: 1.3 ms; recomputing 256 tokens at the truth: 6.3 ms
+        assert eng.cached_at_start["a3"] == 4 * CHUNK, eng.connector.stats()
+    finally:
+        eng.close()
+
+
+def test_prefill_learn_false_pins_the_model_and_sends_no_step_numbers(model_dir):
+    eng = Engine.create(model_dir, {"chunk_blocks": K, "cpu_bytes": 16 * CHUNK_BYTES, "prefill_learn": False},
+                        num_blocks=NUM_BLOCKS)
+    echoed = _record_echoed_steps(eng)
+    try:
+        _serve_mixed_prompts(eng, 8, seed=7)
+        st = eng.connector.stats()
+        assert st["prefill_steps_timed"] == 0 and st["prefill_source"] == "fixed", st
+        assert set(echoed) <= {-1}  # reports only, never a step number
+    finally:
+        eng.close()
+
+
+def _record_echoed_steps(eng: Engine) -> list[int]:
+    """The step numbers the workers' outputs carry, in the order the scheduler applies them."""
+    seen: list[int] = []
+    conn = eng.connector
+    original = conn.update_connector_output
+
+    def recording(output):
+        wm = output.kv_connector_worker_meta
+        if isinstance(wm, TieredKVWorkerMeta):
+            seen.append(wm.step)
+        original(output)
+
+    conn.update_connector_output = recording
+    return seen
+
+
+# ---------------------------------------------------------------------------------------------- without vLLM
+
+def test_step_parts_of_prefill_and_decode_steps():
+    assert step_parts(step_output([], [("a", 1, 900), ("b", 4, 50)])) == []  # decode (and a speculative verify) only
+    assert step_parts(step_output([], [("a", 16, 900)] + [(f"d{i}", 1, 10) for i in range(40)])) == []
+    parts = step_parts(step_output([("n", 256, 64)], [("a", 1, 900), ("b", 17, 20)]))
+    assert sorted(parts) == [(1, 900), (17, 20), (256, 64)]
+    assert step_parts(step_output([], [])) == []
+
+
+def test_step_meter_times_steps_and_fits_on_its_thread():
+    clock = [0.0]
+    meter = StepMeter(PrefillEstimator(PrefillModel.from_rate(30000, 32768), fit_on_read=False), lambda: clock[0])
+    for step in range(1, 4 * REFIT_EVERY + 1):
+        out = step_output([(f"r{step}", 64 * (1 + step % 4), 128 * (step % 5))], [("d", 1, 1000)]) if step % 3 else \
+            step_output([], [("d", 1, 1000)])
+        meter.scheduled(step, out)
+        clock[0] += TRUTH.step_seconds(step_parts(out) or [(1, 1000)])
+        meter.finished(step)
+    deadline = time.monotonic() + 10
+    while not meter.idle() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    meter.drain(pause=lambda: None)  # what the thread may not have reached yet
+    rep = meter.estimator.report()
+    decode_steps = sum(1 for step in range(1, 4 * REFIT_EVERY + 1) if step % 3 == 0)
+    assert meter.timed == 4 * REFIT_EVERY and rep["skipped_decode_steps"] == decode_steps, rep
+    assert meter.fits >= 1 and rep["source"] == "online", rep
+    assert meter.estimator.model().seconds(256, 256) == pytest.approx(TRUTH.seconds(256, 256), rel=0.05)
+    meter.close()
+    assert not meter._thread.is_alive()
+
+
+def test_worker_meta_carries_the_step_over_ranks():
+    a, b = TieredKVWorkerMeta({}, 7), TieredKVWorkerMeta({}, 7)
+    assert bool(a) and not bool(TieredKVWorkerMeta()) and a.aggregate(b).step == 7
+    assert TieredKVWorkerMeta().aggregate(b).step == 7
+
+
+def test_step_meter_gives_up_when_no_output_carries_a_step_number(caplog):
+    """Something between the workers and the scheduler drops the worker metadata: the meter stops timing (no
+    pending steps pile up) and says so once; the start model stays."""
+    from tiered_kv.connector.vllm.prefill import UNANSWERED_STEPS
+
+    meter = StepMeter(PrefillEstimator(PrefillModel.from_rate(30000, 32768), fit_on_read=False), lambda: 0.0)
+    out = step_output([("n", 256, 0)], [])
+    caplog.set_level("WARNING", logger="tiered_kv.connector")
+    for step in range(1, UNANSWERED_STEPS + 10):
+        meter.scheduled(step, out)
+    assert not meter.on and not meter._timer._pending
+    assert sum("no output came back" in r.message for r in caplog.records) == 1
+    assert meter.estimator.report()["source"] == "start"

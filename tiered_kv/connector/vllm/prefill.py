@@ -1,0 +1,222 @@
+"""Load or recompute on the vLLM scheduler side: the split gate, and the prefill model learned from vLLM's steps.
+
+``split_gate`` builds the ``planner.gate.SplitGate`` that ``lookup.LookupPlanner`` asks per hit (design:
+docs/design.md, "Load or recompute: the split"):
+
+- read rates per tier, whole-engine GB/s (the bytes of every TP rank's share over the slowest rank's time, as the
+  workers report a job): ``disk`` from ``disk_read_gbps``, ``remote`` from ``remote_read_gbps``, each then an
+  exponential average of the completed loads ``loads.LoadPlanner.load_done`` feeds it; ``cpu`` at ``load_gbps``
+  per rank, fixed (CPU-tier hits are always loaded; its time only enters the estimated seconds);
+- the prefill model: ``prefill_tokens_per_s`` and ``prefill_half_rate_context`` as the start, then fitted to
+  vLLM's steps (``StepMeter``) unless ``prefill_learn`` is false;
+- no overlap of load and compute (``overlap=False``): a disk or remote hit is loaded before the request's forward
+  runs. With one KV cache group its records go straight to the GPU blocks vLLM allocated, while the request waits
+  in ``WAITING_FOR_REMOTE_KVS``; hybrid models promote them to the CPU tier first and load from there. Nothing
+  reads a disk record layer by layer under the forward, so the best plan is per tier all or nothing (the split's
+  module doc): the CPU part, then the disk part or not, then the remote part or not;
+- units of one GPU block (``unit_tokens`` = the scheduler's block size; ``unit_nbytes`` = a block's bytes over
+  every rank and group a hit reads): without overlap the plan ends at a run's end anyway, and a tail piece (a few
+  blocks after a prompt's whole chunks) then counts its real tokens, not a chunk's.
+
+``StepMeter`` times vLLM's steps and feeds ``PrefillEstimator.observe_step``:
+
+- ``scheduled(step, scheduler_output)`` (``build_connector_meta``): the step's ``(tokens scheduled, tokens
+  computed before them)`` per request, when some request computes more than ``DECODE_TOKENS`` (else the step is
+  decode only: no list is built);
+- ``finished(step)`` (``update_connector_output``): the step's output reached the scheduler. The workers echo the
+  step's number in their worker metadata (``TieredKVWorkerMeta.step``) so every step's output calls the
+  connector back, and an output is matched to its step even with asynchronous scheduling (outputs one step late)
+  or a batch queue.
+
+What a step's time includes (``planner.rates.StepTimer``): from when it was scheduled, or when the previous
+step's output was applied if that is later (asynchronous scheduling schedules a step while the one before runs),
+to when its output is applied: sending the step to the workers, the forward and sampling, the output's way back,
+and vLLM's handling of the output before it calls the connector (``update_from_output``'s request loop). So the
+fitted ``overhead_s`` is the engine's per-step fixed cost, not the GPU's alone; with synchronous scheduling it
+also holds scheduler work no GPU overlaps. That is the time a recompute costs the engine.
+
+The fit (2-4 ms of Python on the CPU box every ``REFIT_EVERY`` prefill steps: far over what vLLM's thread may spend)
+and the features of each timed step (a pass over its requests) run on the meter's own daemon thread, started at
+the first fit, in slices of ~30-150 us with a short sleep after each (``PAUSE_S``): the thread lets go of the GIL
+after every slice, so vLLM's scheduler thread waits for it one slice at most, whether it woke up during a slice
+or was busy when the fit thread, after CPython's 5 ms switch interval, took the GIL from it. Most of the fit
+runs while vLLM's thread waits for the GPU with the GIL released. vLLM's thread only builds the step's list, appends it to a
+queue and reads the last fit (``SplitGate.decide`` calls ``PrefillEstimator.model``, which never fits here:
+``fit_on_read=False``). Measured (``benchmarks/probes/split_cost.py``): docs/vllm.md, "Disk or recompute".
+
+Threading contract: ``scheduled``, ``finished`` and ``close`` on vLLM's scheduler thread; ``drain`` on the meter's
+thread (or on the caller's, in tests); the estimator takes its own lock.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+
+from tiered_kv.planner.chain import TierChain
+from tiered_kv.planner.gate import SplitGate
+from tiered_kv.planner.rates import (DECODE_TOKENS, REFIT_EVERY, WINDOW, PrefillEstimator, PrefillModel, ReadRate,
+                                     StepTimer)
+from tiered_kv.planner.split import MEMORY_TIERS
+from tiered_kv.connector.vllm.config import ConnectorConfig
+from tiered_kv.connector.vllm.geometry import Geometry
+
+log = logging.getLogger(__name__)
+
+#: The fit thread sleeps this long between slices of its work, so a waiting scheduler thread takes the GIL.
+PAUSE_S = 50e-6
+#: Steps scheduled with no output back carrying a step number before the meter gives up (no worker echoes them:
+#: something between the workers and the scheduler drops the worker metadata); the start model stays.
+UNANSWERED_STEPS = 1024
+
+
+def tier_names(chain: TierChain) -> list[str]:
+    """The split's name of each chain tier, by index: ``cpu`` for the first (the CPU tier, a private slab or a host
+    pool: always loaded), then the chain's names (``disk``, ``remote``)."""
+    return ["cpu"] + [spec.name for spec in chain.specs[1:]]
+
+
+def split_gate(cfg: ConnectorConfig, geo: Geometry, tiers: Sequence[str]) -> SplitGate:
+    """The gate of an engine with these tiers (``tier_names``; see the module)."""
+    copies = 1 if geo.replicated else geo.tp_size
+    remote_gbps = cfg.remote_read_gbps if cfg.remote_read_gbps is not None else cfg.disk_read_gbps
+    rates = {}
+    for name in tiers:
+        if name in MEMORY_TIERS:
+            rates[name] = ReadRate(cfg.load_gbps * copies, fixed=True)
+        else:
+            rates[name] = ReadRate(remote_gbps if name == "remote" else cfg.disk_read_gbps)
+    start = PrefillModel.from_rate(cfg.prefill_tokens_per_s, cfg.prefill_half_rate_context)
+    estimator = PrefillEstimator(start, fixed=not cfg.prefill_learn, fit_on_read=False)
+    unit_nbytes = max(1, geo.hit_nbytes(geo.chunk_tokens) * copies // geo.chunk_blocks)
+    layers = len({name for g in geo.groups for name in g.layer_names})
+    return SplitGate(cfg.disk_load_policy, cfg.disk_probe_every, rates, estimator, overlap=False,
+                     unit_tokens=geo.block_size, unit_nbytes=unit_nbytes, layers=layers)
+
+
+def step_parts(scheduler_output) -> list[tuple[int, int]]:
+    """``(tokens scheduled, tokens computed before them)`` of every request of a step in which some request computes
+    more than ``DECODE_TOKENS`` tokens; ``[]`` for a decode-only step (no pass over its requests when the total
+    says so)."""
+    nst = scheduler_output.num_scheduled_tokens
+    if not nst or scheduler_output.total_num_scheduled_tokens - (len(nst) - 1) <= DECODE_TOKENS:
+        return []  # even if every other request took 1 token, none took more than DECODE_TOKENS
+    if max(nst.values()) <= DECODE_TOKENS:
+        return []
+    parts = [(nst[r.req_id], r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
+    cached = scheduler_output.scheduled_cached_reqs
+    parts += zip(map(nst.__getitem__, cached.req_ids), cached.num_computed_tokens)
+    return parts
+
+
+class StepMeter:
+    """Times vLLM's steps into the split gate's ``PrefillEstimator`` (see the module). ``clock``: monotonic seconds
+    (tests pass their own)."""
+
+    def __init__(self, estimator: PrefillEstimator, clock: Callable[[], float] = time.monotonic) -> None:
+        self.estimator = estimator
+        self.clock = clock
+        self.on = not estimator.fixed
+        self.timed = 0  # steps timed (decode-only ones too)
+        self.fits = 0  # fits the thread made
+        self._timer = StepTimer()
+        self._queue: deque[tuple[list[tuple[int, int]], float]] = deque(maxlen=WINDOW)  # timed prefill steps
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._busy = False
+        self._closed = False
+        self._unanswered = 0  # steps scheduled since an output last came back with a step number
+
+    # ------------------------------------------------------------------ vLLM's scheduler thread
+    def scheduled(self, step: int, scheduler_output) -> None:
+        """Step ``step`` was scheduled now (``build_connector_meta``)."""
+        if not self.on:
+            return
+        self._unanswered += 1
+        if self._unanswered > UNANSWERED_STEPS:
+            log.warning("TieredKVConnector: %d steps and no output came back with its step number; the prefill "
+                        "model stays the configured one (prefill_tokens_per_s, prefill_half_rate_context)",
+                        UNANSWERED_STEPS)
+            self.on = False
+            self._timer = StepTimer()
+            return
+        self._timer.scheduled(step, step_parts(scheduler_output), self.clock())
+
+    def finished(self, step: int) -> None:
+        """Step ``step``'s output reached the scheduler now (``update_connector_output``)."""
+        if not self.on:
+            return
+        self._unanswered = 0
+        got = self._timer.finished(step, self.clock())
+        if got is None:
+            return
+        parts, seconds = got
+        self.timed += 1
+        if not parts:
+            self.estimator.observe_step((), seconds)  # counted as a decode-only step, nothing else
+            return
+        self._queue.append((parts, seconds))
+        if len(self._queue) >= REFIT_EVERY and not self._closed:
+            self._wake_thread()
+
+    def close(self) -> None:
+        """Stop the fit thread (the connector's shutdown)."""
+        self._closed = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)
+
+    # ------------------------------------------------------------------ the fit thread
+    def _wake_thread(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="tiered_kv-prefill-fit", daemon=True)
+            self._thread.start()
+        self._wake.set()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            if self._closed:
+                return
+            self._busy = True  # before the event clears: ``idle`` never sees neither
+            self._wake.clear()
+            try:
+                self.drain()
+            except Exception:  # noqa: BLE001 - a fit must never take the engine down; the last model stays
+                log.exception("TieredKVConnector: the prefill fit failed; the split keeps the last model")
+
+    def drain(self, pause: Callable[[], None] | None = None) -> None:
+        """Fold the timed steps into the estimator and refit when due (the fit thread; tests call it directly with
+        no ``pause``)."""
+        pause = pause if pause is not None else (lambda: time.sleep(PAUSE_S))
+        self._busy = True
+        try:
+            while self._queue:
+                parts, seconds = self._queue.popleft()
+                self.estimator.observe_step(parts, seconds)
+                pause()
+            if self.estimator.refit(pause):
+                self.fits += 1
+        finally:
+            self._busy = False
+
+    def idle(self) -> bool:
+        """The fit thread has nothing to do (fewer than ``REFIT_EVERY`` timed steps may wait in its queue) and is not
+        fitting (tests)."""
+        return not self._wake.is_set() and not self._busy
+
+
+def split_stats(gate: SplitGate) -> dict:
+    """The split's estimates and counters for ``SchedulerPlanner.stats``: read rates per slow tier, the prefill rate
+    of a 2048-token chunk at context 0 and its source and samples, held tokens loaded and recomputed per tier."""
+    rep = gate.report()["split"]
+    out: dict = {f"{t}_gbps_estimate": float(f"{g:.4g}") for t, g in rep["read_gbps"].items() if t not in MEMORY_TIERS}
+    prefill = rep["prefill"]
+    out.update({"prefill_tokens_per_s": round(prefill["tokens_per_s"][0]), "prefill_source": prefill["source"],
+                "prefill_samples": prefill["samples"]})
+    for tier, t in rep["tokens"].items():
+        out[f"split_{tier}_loaded_tokens"] = t["loaded"]
+        out[f"split_{tier}_recomputed_tokens"] = t["recomputed"]
+    return out
