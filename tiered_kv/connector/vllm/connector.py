@@ -25,6 +25,7 @@ thread only (the worker's movers synchronize through ``WorkerRuntime``'s lock).
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import time
@@ -45,8 +46,11 @@ from tiered_kv.connector.vllm.config import (
     UNSTABLE_HASH_WARNING,
     ConnectorConfig,
     capacities,
+    check_pool,
     hash_identity,
     namespace,
+    namespace_layout,
+    pool_store_config,
     rank_disk_dir,
 )
 from tiered_kv.connector.vllm.common import JobReport, StepPlan
@@ -172,9 +176,10 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             raise ConfigError("TieredKVConnector needs vLLM's kv_cache_config (vLLM >= 0.26)")
         self.cfg = ConnectorConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
         self.geo = geometry(vllm_config, kv_cache_config, self.cfg.chunk_blocks, self.cfg.mla_store_once)
+        check_pool(self.cfg, self.geo)
         self.ident = hash_identity(str(vllm_config.cache_config.prefix_caching_hash_algo))
         if not self.ident.stable:
-            if self.cfg.disk_path is not None:
+            if self.cfg.disk_path is not None or self.cfg.cpu_pool is not None:
                 log.warning(UNSTABLE_HASH_WARNING, self.ident.algo)
             self.ident = type(self.ident)(self.ident.algo, "unstable", False)
         self.ns = namespace(self.cfg, self.geo, str(vllm_config.model_config.model), self.ident)
@@ -186,11 +191,13 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker: WorkerRuntime | None = None
         self._prom_snapshot: dict = {}
         self._prom_at = 0.0
-        self._presence = None
+        self._presence = self._pool = None
         if role == KVConnectorRole.SCHEDULER:
             self._presence = self._open_presence()  # a wrong password or no cluster fails here, at start-up
+            self._pool = self._open_pool()  # a pool of another geometry fails here, at start-up
             self.planner = SchedulerPlanner(self.cfg, self.geo, self.ns, cpu_chunks, disk_chunks,
-                                            self._adoptable_keys(disk_chunks), presence=self._presence)
+                                            self._adoptable_keys(disk_chunks), presence=self._presence,
+                                            pool=self._pool)
             if self._presence is not None:
                 self.planner.sync_remote()  # what the fleet stored before this start, read by _open_presence
             kv_events = vllm_config.kv_events_config
@@ -231,6 +238,26 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         log.info("TieredKVConnector: remote tier on %s (remote_write=%s)", settings.describe()["url"],
                  self.cfg.remote_write)
         return feed
+
+    def _open_pool(self):
+        """Scheduler role with ``cpu_pool``: join (or make) the host pool, unpinned (this process never reads its
+        pages), and watch this namespace's records in it from a thread; the planner takes what the watch found once
+        per step and before each lookup, without I/O. Its first listing (what the pool holds now) runs here."""
+        if self.cfg.cpu_pool is None:
+            return None
+        from tiered_kv.tiers.pool import PoolTier, PoolWatch  # lazily: needs lmdb
+
+        tier = PoolTier(namespace_layout(self.geo), self.cfg.cpu_pool, self.cfg.cpu_bytes, owner=self.ns.prefix,
+                        weight=self.cfg.cpu_pool_weight, pin=False)
+        try:
+            watch = PoolWatch(tier, self.cfg.cpu_pool_poll_s)
+        except BaseException:
+            tier.close()
+            raise
+        log.info("TieredKVConnector: CPU tier is the host pool %s (%d chunks of %d bytes); a Python API process shares "
+                 "this engine's chunks with TieredStore(%s)", self.cfg.cpu_pool, tier.capacity, tier.block_nbytes,
+                 json.dumps(pool_store_config(self.cfg, self.geo, self.ns)))
+        return watch
 
     def _adoptable_keys(self, disk_chunks: int) -> list[bytes]:
         """Keys every rank's disk directory holds from a previous engine (read-only open, after the integrity
@@ -443,6 +470,9 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self._presence is not None:
             self._presence.close()
             self._presence = None
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
 
 
 def _shared_slab_name(vllm_config, ns) -> str:

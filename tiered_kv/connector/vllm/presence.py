@@ -1,4 +1,7 @@
-"""The remote tier on the vLLM scheduler side: what the fleet stored, adopted into the chain when a lookup reaches it.
+"""Other processes' chunks on the vLLM scheduler side: the remote tier's (``RemotePresence``) and a host pool's
+(``PoolPresence``).
+
+The remote tier: what the fleet stored, adopted into the chain when a lookup reaches it.
 
 The presence feed (``tiers.remote.PresenceFeed``) reads on its own thread which chunks other engines stored
 in (or removed from) the shared Redis Cluster. ``RemotePresence`` takes that once per step or lookup (set
@@ -7,7 +10,13 @@ the remote tier only when a lookup reaches it, so an announcement costs a set in
 thread. A load that finds a remote record missing or damaged forgets it; one that could not read it (its
 node down or slow) forgets it too, so the next lookup misses and the recompute stores the chunk anew.
 
-Threading contract: vLLM's scheduler thread only; no I/O (the feed did it), no torch.
+A host pool (``cpu_pool``, the CPU tier itself, keyed and governed): a ``PoolWatch`` thread reads the pool's index
+for the chunks of this namespace other processes stored (or the pool dropped); ``PoolPresence`` takes that once per
+step and before each lookup, adopts the new chunks as CPU copies at once (a dictionary insert each: they are
+this model's, and the pool holds at most ``cpu_bytes`` of them) and forgets the removed ones. The evictions this
+engine's own stores make come back sooner, in their jobs' reports (``JobReport.evicted``).
+
+Threading contract: vLLM's scheduler thread only; no I/O (the feed and the watch did it), no torch.
 """
 from __future__ import annotations
 
@@ -80,3 +89,46 @@ class RemotePresence:
         keys = [k for k, ok, g in zip(job.keys, rep.ok, gone) if not (ok or g)]
         self.known.difference_update(keys)
         return keys
+
+
+class PoolPresence:
+    """The chunks other processes stored in (or the pool removed from) tier ``tier``, a host pool, taken from
+    ``source`` (a ``tiers.pool.PoolWatch``) into the chain. The first ``sync`` runs here: what the pool held when the
+    engine started."""
+
+    def __init__(self, source: PresenceSource, chain: TierChain, tier: int, router: JobRouter,
+                 counters: PlannerCounters) -> None:
+        self._source = source
+        self.chain = chain
+        self.tier = tier
+        self._router = router
+        self.counters = counters
+        self.sync()
+
+    def pending(self) -> bool:
+        """Whether the watch found anything since the last ``sync``."""
+        return self._source.pending()
+
+    def sync(self) -> None:
+        """Adopt the chunks stored since the last call that the chain does not hold, forget the removed ones."""
+        stored, removed = self._source.take()
+        chain = self.chain
+        if stored:
+            before = chain.resident(self.tier)
+            self._router.route(chain.adopt(self.tier, stored))  # held keys are skipped
+            self.counters.pool_adopted += chain.resident(self.tier) - before
+        if removed:
+            before = chain.resident(self.tier)
+            self._router.route(chain.forget(self.tier, removed))
+            self.counters.pool_forgotten += before - chain.resident(self.tier)
+
+    def before(self, match):
+        """``match`` that first takes what the watch found (a request arriving after an idle spell sees it)."""
+        pending, sync = self._source.pending, self.sync
+
+        def synced(request, num_computed_tokens: int) -> int | None:
+            if pending():
+                sync()
+            return match(request, num_computed_tokens)
+
+        return synced
