@@ -30,6 +30,15 @@ def cfg(spec: str, chunks: int = 64, **kw) -> dict:
     return {"chunk_blocks": K, "cpu_bytes": chunks * CHUNK_BYTES, "cpu_pool": spec, **kw}
 
 
+@pytest.fixture(autouse=True)
+def patient_fences(monkeypatch):
+    """Every store here should land: give a queued store a second to start before a fence cancels it (as
+    test_hybrid.py does; cancelling is tested elsewhere)."""
+    import tiered_kv.connector.vllm.worker as worker
+
+    monkeypatch.setattr(worker, "FENCE_PATIENCE_S", 1.0)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return write_model_dir(str(tmp_path_factory.mktemp("tiny-llama")))
@@ -88,7 +97,8 @@ def test_replica_b_hits_bit_exact_what_replica_a_stored(model_dir, load_mode, as
     try:
         first = serve(a, "conv-turn1", prompt(1, 8 * BS + 4), max_tokens=3)
         assert a.connector.stats()["resident_cpu"] == 2  # the prompt's two whole chunks, in the pool
-        wait_for(lambda: watch(b).pending(), "replica B's watch to see A's chunks")
+        theirs = chunk_keys(a, first, 2)
+        step_until(b, lambda: all(k in b.connector.planner.chain.index for k in theirs), "B to adopt A's chunks")
         verified = b.verified_blocks
         sync_steps = b.sync_steps
         second = serve(b, "conv-turn2", turn2(first))
@@ -110,4 +120,208 @@ def test_replica_b_hits_bit_exact_what_replica_a_stored(model_dir, load_mode, as
     finally:
         a.close()
         b.close()
+    assert_gone(spec)
+
+
+def chunk_keys(eng: Engine, req, n: int) -> list[bytes]:
+    """The keys of the first ``n`` whole chunks of ``req`` (vLLM's hash at each chunk's last block, namespaced)."""
+    return eng.connector.ns.keys(req.block_hashes[K - 1::K][:n])
+
+
+def held_in_pool(eng: Engine, keys: list[bytes]) -> list[bool]:
+    return eng.workers[0].connector.worker.cpu.has(keys)
+
+
+def view(eng: Engine) -> set[bytes]:
+    """The chunks the engine's planner lists in its CPU tier (the pool)."""
+    return set(eng.connector.planner.chain.index.keys())
+
+
+def pooled(eng: Engine) -> set[bytes]:
+    """The chunks of the engine's namespace the pool holds."""
+    return set(eng.workers[0].connector.worker.cpu.stored_keys())
+
+
+def step_until(eng: Engine, cond, what: str, timeout: float = 10.0) -> None:
+    """Idle engine steps (each takes what its pool watch found) until ``cond()``."""
+    wait_for(lambda: (eng.step(), cond())[1], what, timeout)
+
+
+def test_one_budget_the_pool_evicts_a_replicas_chunks_and_its_planner_learns_it(model_dir):
+    """Replicas of one model share one budget: B's stores evict A's oldest chunks from a full pool. B hears of those
+    evictions in its store job's report, A through its pool watch: A's planner stops listing them, so its next
+    turn misses them (a recompute, checked bit for bit) instead of planning a load of a chunk that is gone."""
+    spec = pool_spec("vllm-budget")
+    a = Engine.create(model_dir, cfg(spec, chunks=4), max_batched=64)
+    b = Engine.create(model_dir, cfg(spec, chunks=4), max_batched=64)
+    try:
+        first = serve(a, "a1", prompt(11, 12 * BS + 3))  # 3 chunks of the pool's 4
+        mine = chunk_keys(a, first, 3)
+        assert held_in_pool(a, mine) == [True] * 3
+        serve(b, "b1", prompt(12, 12 * BS + 3))  # 3 more: 1 free slot, then A's 2 oldest go
+        assert sum(held_in_pool(a, mine)) == 1
+        for eng in (a, b):  # each planner's view becomes the pool's: B's 3 chunks and A's last one
+            step_until(eng, lambda e=eng: view(e) == pooled(e), "the planner's view to match the pool")
+        assert len(view(a)) == 4 and sum(k in view(a) for k in mine) == 1
+        st = a.connector.stats()
+        assert st["sched_pool_forgotten"] == 2 and st["sched_pool_adopted"] == 3, st
+        verified = a.verified_blocks
+        serve(a, "a2", turn2(first))
+        assert a.verified_blocks > verified
+        ws = a.workers[0].connector.stats()
+        assert ws["failed_items"] == 0 and ws["pool_load_misses"] == 0, ws  # no load planned into a hole
+        for eng in (a, b):
+            assert_settled(eng)
+    finally:
+        a.close()
+        b.close()
+    assert_gone(spec)
+
+
+@pytest.mark.parametrize("load_mode", ["layerwise", "async"])
+def test_a_load_whose_chunks_another_replica_evicted_is_recomputed_not_served(model_dir, load_mode, monkeypatch):
+    """A's planner still lists chunks B's stores evicted (its watch has not listed the pool since): the load's lease
+    misses them, their GPU blocks are reported as load errors in the step that reads them (in-step) or with the
+    load (asynchronous), vLLM recomputes them (checked bit for bit), and A's planner forgets them."""
+    spec = pool_spec("vllm-stale")
+    a = Engine.create(model_dir, cfg(spec, chunks=4, load_mode=load_mode), max_batched=64)
+    b = Engine.create(model_dir, cfg(spec, chunks=4), max_batched=64)
+    try:
+        monkeypatch.setattr(watch(a), "_list_cost", 1e6)  # A's watch never lists the pool again: a stale view
+        first = serve(a, "a1", prompt(21, 12 * BS + 3))
+        mine = chunk_keys(a, first, 3)
+        serve(b, "b1", prompt(22, 12 * BS + 3))  # evicts 2 of A's 3 chunks
+        gone = 3 - sum(held_in_pool(a, mine))
+        assert gone == 2 and all(k in a.connector.planner.chain.index for k in mine)
+        assert a.sched.reset_prefix_cache()
+        verified = a.verified_blocks
+        second = serve(a, "a2", turn2(first))
+        assert a.verified_blocks > verified and second.is_finished()
+        ws = a.workers[0].connector.stats()
+        assert ws["pool_load_misses"] == gone, ws
+        st = a.connector.stats()
+        assert st["cpu_vanished"] >= gone, st  # forgotten when the load reported them missing (and A's re-stores evict)
+        assert [k in a.connector.planner.chain.index for k in mine] == held_in_pool(a, mine)
+        for eng in (a, b):
+            assert_settled(eng)
+    finally:
+        a.close()
+        b.close()
+    assert_gone(spec)
+
+
+def test_a_lease_held_across_an_eviction_attempt_keeps_the_block(model_dir):
+    """While A's asynchronous load holds its lease (its copy not landed: the worker's loader is gated), B's stores
+    into the full pool cannot evict the leased chunks (they take what is free and the rest is refused); once the
+    load lands, A's turn reads them bit-exact and the lease is gone."""
+    spec = pool_spec("vllm-lease")
+    a = Engine.create(model_dir, cfg(spec, chunks=4, load_mode="async"), max_batched=64)
+    b = Engine.create(model_dir, cfg(spec, chunks=4))  # 256 tokens a step: 4 chunks in one store job
+    gate = None
+    try:
+        first = serve(a, "a1", prompt(31, 8 * BS + 4))  # 2 chunks
+        mine = chunk_keys(a, first, 2)
+        assert a.sched.reset_prefix_cache()
+        gate = Gate(a.workers[0].connector.worker)
+        second = a.add("a2", turn2(first))
+        a.run(until=lambda: gate.started >= 1)  # the load started: its lease is held until it is seen landed
+        assert leases(a) == 2
+        serve(b, "b1", prompt(32, 16 * BS + 3))  # 4 chunks in one store into 2 free slots: 2 stored, 2 refused
+        assert held_in_pool(a, mine) == [True, True]
+        wst = b.workers[0].connector.stats()
+        assert wst["failed_items"] == 2, wst
+        gate.open()
+        verified = a.verified_blocks
+        a.run()
+        a.settle()
+        assert second.is_finished() and a.verified_blocks - verified >= 8
+        assert a.connector.stats()["sched_hit_tokens_cpu"] == 8 * BS
+        assert leases(a) == 0
+        last = serve(b, "b2", prompt(33, 16 * BS + 3))  # the lease gone, A's chunks go for a store of 4
+        assert held_in_pool(a, mine) == [False, False] and held_in_pool(b, chunk_keys(b, last, 4)) == [True] * 4
+        for eng in (a, b):
+            assert_settled(eng)
+    finally:
+        if gate is not None:
+            gate.open()  # a failed assertion above must not leave A's close waiting on the gate
+        a.close()
+        b.close()
+    assert_gone(spec)
+
+
+def test_an_engine_and_a_python_api_store_share_the_pool_bit_exact(model_dir):
+    """A ``TieredStore`` opened with ``pool_store_config`` is in the engine's namespace: it reads the chunks replica A
+    stored (equal to the bytes a private-CPU engine C made for the same tokens), and replica B hits, bit-exact,
+    chunks the store put (C's bytes for another prompt)."""
+    spec = pool_spec("vllm-api")
+    a = Engine.create(model_dir, cfg(spec))
+    b = Engine.create(model_dir, cfg(spec))
+    c = Engine.create(model_dir, {"chunk_blocks": K, "cpu_bytes": 64 * CHUNK_BYTES})  # a private CPU tier
+    store = None
+    try:
+        assert c.connector.ns == a.connector.ns  # cpu_pool is no part of the namespace
+        p, q = prompt(41, 8 * BS + 4), prompt(42, 8 * BS + 4)
+        on_a = serve(a, "p", p)
+        on_c, q_c = serve(c, "p", p), serve(c, "q", q)
+
+        def rows_of(req) -> torch.Tensor:  # C's CPU slab rows of a request's two chunks
+            index, slab = c.connector.planner.chain.index, c.workers[0].connector.worker.cpu.slab
+            return torch.stack([slab[index.entry(k).copies[0].slot] for k in chunk_keys(c, req, 2)])
+
+        conf = pool_store_config(a.connector.cfg, a.connector.geo, a.connector.ns)
+        store = TieredStore(conf)
+        assert store.namespace.prefix == a.connector.ns.prefix
+        keys = [store.key(h) for h in on_a.block_hashes[K - 1::K][:2]]
+        assert keys == chunk_keys(a, on_a, 2)
+        out = torch.zeros((2, conf["block_shape"][0]), dtype=torch.uint8)
+        assert store.get(keys, out).wait(30) == 2 and torch.equal(out, rows_of(on_c))
+        q_keys = chunk_keys(c, q_c, 2)
+        assert store.put(q_keys, rows_of(q_c)).wait(30) == [True, True]
+        step_until(b, lambda: all(k in b.connector.planner.chain.index for k in q_keys), "B to adopt the store's chunks")
+        verified = b.verified_blocks
+        serve(b, "q2", turn2(q_c))
+        st = b.connector.stats()
+        assert st["sched_hit_tokens_cpu"] == 8 * BS and b.verified_blocks - verified >= 8, st
+        assert_settled(b)
+    finally:
+        if store is not None:
+            store.close()
+        for eng in (a, b, c):
+            eng.close()
+    assert_gone(spec)
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({"cpu_pool": "shm:kv"}, "host:<name>"),
+    ({"disk_path": "/tmp/x"}, "disk_path"),
+    ({"remote_url": "redis://127.0.0.1:7000"}, "remote_url"),
+    ({"cpu_pool_weight": 0}, "cpu_pool_weight"),
+    ({"cpu_pool_poll_s": 0}, "cpu_pool_poll_s"),
+])
+def test_bad_pool_config_is_refused_naming_the_key(extra, match):
+    from tiered_kv.connector.vllm.config import ConnectorConfig
+
+    with pytest.raises(ConfigError, match=match):
+        ConnectorConfig.from_extra_config({"cpu_pool": "host:kv", **extra})
+
+
+def test_unsupported_engines_and_other_geometries_are_refused_at_start(model_dir, tmp_path):
+    """TP>1 and several KV cache groups are refused naming the setting; a replica whose chunks or pool size differ
+    from the pool's gets the pool's ConfigError naming both, and the pool serves on."""
+    spec = pool_spec("vllm-refuse")
+    with pytest.raises(ConfigError, match="tensor_parallel_size=2"):
+        Engine.create(model_dir, cfg(spec), tp=2)
+    with pytest.raises(ConfigError, match="KV cache groups"):
+        Engine.create(write_shaped_dir(str(tmp_path / "gemma3"), "gemma3"), cfg(spec), shape="gemma3", num_blocks=200,
+                      max_model_len=512)
+    a = Engine.create(model_dir, cfg(spec))
+    try:
+        with pytest.raises(ConfigError, match="same block shape"):
+            Engine.create(model_dir, cfg(spec, chunk_blocks=2))
+        with pytest.raises(ConfigError, match="same cpu_bytes"):
+            Engine.create(model_dir, cfg(spec, chunks=32))
+        serve(a, "after", prompt(51, 4 * BS + 1))
+        assert a.connector.stats()["resident_cpu"] == 1
+    finally:
+        a.close()
     assert_gone(spec)

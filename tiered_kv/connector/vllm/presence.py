@@ -91,12 +91,20 @@ class RemotePresence:
         return keys
 
 
-class PoolPresence:
-    """The chunks other processes stored in (or the pool removed from) tier ``tier``, a host pool, taken from
-    ``source`` (a ``tiers.pool.PoolWatch``) into the chain. The first ``sync`` runs here: what the pool held when the
-    engine started."""
+class PoolSource(Protocol):
+    """What the planner needs of a host pool's watch (``tiers.pool.PoolWatch``)."""
 
-    def __init__(self, source: PresenceSource, chain: TierChain, tier: int, router: JobRouter,
+    def pending(self) -> bool: ...
+
+    def take(self) -> tuple[list[bytes], set[bytes] | None]: ...
+
+
+class PoolPresence:
+    """The chunks other processes stored in (or the pool dropped from) tier ``tier``, a host pool, taken from
+    ``source`` (a ``tiers.pool.PoolWatch``) into the chain, whose only tier it is. The first ``sync`` runs here: what
+    the pool held when the engine started."""
+
+    def __init__(self, source: PoolSource, chain: TierChain, tier: int, router: JobRouter,
                  counters: PlannerCounters) -> None:
         self._source = source
         self.chain = chain
@@ -110,17 +118,23 @@ class PoolPresence:
         return self._source.pending()
 
     def sync(self) -> None:
-        """Adopt the chunks stored since the last call that the chain does not hold, forget the removed ones."""
-        stored, removed = self._source.take()
-        chain = self.chain
+        """Take what the watch found: after a full listing, forget the copies the pool no longer holds and adopt
+        the ones the chain lacks (two set differences at C speed, once per listing); then adopt what was stored
+        since (keys the chain holds are skipped)."""
+        stored, held = self._source.take()
+        chain, route, tier = self.chain, self._router.route, self.tier
+        before = chain.resident(tier)
+        if held is not None:
+            keys = chain.index.keys()
+            gone = list(keys - held)  # pool mode: every key of the chain is a copy in the pool (or on its way)
+            if gone:
+                route(chain.forget(tier, gone))  # copies still being written are left to their job
+                self.counters.pool_forgotten += before - chain.resident(tier)
+                before = chain.resident(tier)
+            stored = list(held - keys) + stored
         if stored:
-            before = chain.resident(self.tier)
-            self._router.route(chain.adopt(self.tier, stored))  # held keys are skipped
-            self.counters.pool_adopted += chain.resident(self.tier) - before
-        if removed:
-            before = chain.resident(self.tier)
-            self._router.route(chain.forget(self.tier, removed))
-            self.counters.pool_forgotten += before - chain.resident(self.tier)
+            route(chain.adopt(tier, stored))
+            self.counters.pool_adopted += chain.resident(tier) - before
 
     def before(self, match):
         """``match`` that first takes what the watch found (a request arriving after an idle spell sees it)."""

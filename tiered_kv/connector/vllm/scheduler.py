@@ -80,7 +80,7 @@ from tiered_kv.connector.vllm.geometry import Geometry
 from tiered_kv.connector.vllm.loads import LoadPlanner
 from tiered_kv.connector.vllm.lookup import LookupPlanner
 from tiered_kv.connector.vllm.parts import PartPlanner
-from tiered_kv.connector.vllm.presence import PoolPresence, PresenceSource, RemotePresence
+from tiered_kv.connector.vllm.presence import PoolPresence, PoolSource, PresenceSource, RemotePresence
 from tiered_kv.connector.vllm.routing import JobRouter
 from tiered_kv.connector.vllm.state import PlannerCounters, RequestTable
 from tiered_kv.connector.vllm.stores import ChunkEvents, StorePlanner
@@ -98,7 +98,7 @@ class SchedulerPlanner:
 
     def __init__(self, cfg: ConnectorConfig, geo: Geometry, ns: Namespace, cpu_chunks: int, disk_chunks: int,
                  adopted: Sequence[bytes] = (), presence: PresenceSource | None = None,
-                 pool: PresenceSource | None = None) -> None:
+                 pool: PoolSource | None = None) -> None:
         self.cfg, self.geo = cfg, geo
         # one full-attention (or MLA) group: a record is a chunk; else a record is one group's part of a chunk
         single = not geo.parts

@@ -11,11 +11,13 @@ pool's index every ``interval_s`` and queues what changed for its namespace; the
   value when nothing changed, and otherwise walks only the entries past the clock it saw last. A record read
   again is reported again: the owner skips what it holds (and so re-learns a record it forgot and another
   process stored anew).
-- *removed*: records of the namespace the pool dropped (evictions by any process's writes, deletes), found by
-  comparing a full listing with what was reported before. A listing walks every record of the namespace, so it
-  runs only when the namespace's eviction count moved (or every ``rescan_s``, for deletes), at most once per
-  ``MIN_RESCAN_S`` and never more than ``RESCAN_SHARE`` of the thread's time. Until then a record another
-  process evicted stays in the owner's view: a read of it misses (a failed load, recomputed), never wrong bytes.
+- *held*: a full listing of the namespace's records, from which the owner drops what it lists and the pool no
+  longer holds (evicted by any process's writes, deleted), and adds what it missed. A listing walks every
+  record of the namespace, so it runs only when the namespace's eviction count moved (or every ``rescan_s``,
+  for deletes), at most once per ``MIN_RESCAN_S`` and never more than ``RESCAN_SHARE`` of the thread's time.
+  Until then a record another process evicted stays in the owner's view: a read of it misses (a failed load,
+  recomputed), never wrong bytes. (Comparing listings on this thread would miss what was stored and evicted
+  between two polls: the owner knows what it stored itself, the watch does not.)
 
 The first poll (a full listing) runs in the constructor, so the owner adopts what the pool held at its start.
 
@@ -50,8 +52,7 @@ class PoolWatch:
         self._owner = tier.owner
         self._lock = threading.Lock()
         self._stored: list[bytes] = []
-        self._removed: list[bytes] = []
-        self._known: set[bytes] = set()  # what the owner was told is held (the last listing plus stored since)
+        self._held: set[bytes] | None = None  # the last listing, until taken
         self._clock = 0  # the pool's age clock at the last poll
         self._evictions = -1  # the namespace's eviction count at the last listing (-1: none yet)
         self._listed_at = 0.0
@@ -65,47 +66,44 @@ class PoolWatch:
 
     def pending(self) -> bool:
         """Whether anything changed since the last ``take``."""
-        return bool(self._stored or self._removed)
+        return bool(self._stored) or self._held is not None
 
-    def take(self) -> tuple[list[bytes], list[bytes]]:
-        """``(stored, removed)`` keys since the last call (a list swap)."""
+    def take(self) -> tuple[list[bytes], set[bytes] | None]:
+        """``(stored, held)`` since the last call: keys stored or read, and the last full listing (None: none since)
+        with what was stored after it in ``stored``. A list swap."""
         with self._lock:
-            out = self._stored, self._removed
-            self._stored, self._removed = [], []
+            out = self._stored, self._held
+            self._stored, self._held = [], None
         return out
 
     def poll(self) -> None:
-        """One look at the pool's index (one read txn): queue what was stored, and (when due) what was removed."""
+        """One look at the pool's index (one read txn): queue what was stored, or (when due) a full listing."""
         index = self.tier.index
         budget, owner = index.budget, self._owner
         now = time.monotonic()
-        removed: list[bytes] = []
         with index.env.begin(buffers=False) as txn:
             clock = budget.clock(txn)
             evictions = budget.evictions(txn, owner)
             gap = max(MIN_RESCAN_S, self._list_cost / RESCAN_SHARE)
             listing = self._evictions < 0 or ((evictions != self._evictions or now - self._listed_at >= self.rescan_s)
                                               and now - self._listed_at >= gap)
-            if clock == self._clock and not listing:
-                return
-            stored = budget.keys_since(txn, owner, self._clock) if clock != self._clock else []
             if listing:
                 t0 = time.perf_counter()
                 held = set(budget.keys_since(txn, owner))
-                removed = [k for k in self._known if k not in held]
-                stored += [k for k in held if k not in self._known]
-                self._known = held
                 self._evictions, self._listed_at = evictions, now
                 self._list_cost = time.perf_counter() - t0
                 self.listings += 1
+            elif clock != self._clock:
+                stored = budget.keys_since(txn, owner, self._clock)
             else:
-                self._known.update(stored)
+                return
         self._clock = clock
         self.polls += 1
-        if stored or removed:
-            with self._lock:
+        with self._lock:
+            if listing:  # what was queued before is in the listing (or gone)
+                self._stored, self._held = [], held
+            else:
                 self._stored += stored
-                self._removed += removed
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
