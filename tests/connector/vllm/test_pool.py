@@ -325,3 +325,16 @@ def test_unsupported_engines_and_other_geometries_are_refused_at_start(model_dir
     finally:
         a.close()
     assert_gone(spec)
+
+
+def test_unstable_block_hashes_on_a_pool_warn_at_start(model_dir, monkeypatch, caplog):
+    """Replicas must hash the same tokens alike to share chunks: xxhash without PYTHONHASHSEED does not, and says so."""
+    import logging
+
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    caplog.set_level(logging.WARNING, logger="tiered_kv.connector")
+    spec = pool_spec("vllm-hash")
+    eng = Engine.create(model_dir, cfg(spec), hash_algo="xxhash")
+    eng.close()
+    assert "never hit each other's chunks" in caplog.text and spec in caplog.text
+    assert_gone(spec)

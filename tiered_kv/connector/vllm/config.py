@@ -395,6 +395,11 @@ UNSTABLE_HASH_WARNING = (
     "restart. Set PYTHONHASHSEED to the same value for every start (e.g. PYTHONHASHSEED=0) "
     "to make the disk tier persistent.")
 
+POOL_UNSTABLE_HASH_WARNING = (
+    "TieredKVConnector: vLLM's block hashes differ in every process with this setup (hash algo %r, "
+    "PYTHONHASHSEED unset): replicas on cpu_pool %s will never hit each other's chunks. Set PYTHONHASHSEED to the "
+    "same value for every replica (e.g. PYTHONHASHSEED=0).")
+
 
 def namespace(cfg: ConnectorConfig, geo: Geometry, model: str, ident: HashIdentity) -> Namespace:
     """The key namespace: equal on every rank (the planner is shared); rank goes into the disk path.

@@ -8,9 +8,10 @@ Load it with::
 
 The class is a thin adapter. In the scheduler role (vLLM's EngineCore process) it wraps a
 ``SchedulerPlanner`` (``scheduler.py`` and its parts): lookups, load and store planning,
-completions. In the worker role (one per GPU worker / TP rank) it wraps a ``WorkerRuntime``
-(``worker.py``): the rank's CPU slab and disk tiers and the movers that copy between them and
-vLLM's KV tensors. The two talk only through ``TieredKVMetadata`` (a ``StepPlan``, scheduler ->
+completions; with ``cpu_pool`` it also joins the host pool and runs the ``PoolWatch`` thread that tells
+the planner what other processes stored there. In the worker role (one per GPU worker / TP rank) it
+wraps a ``WorkerRuntime`` (``worker.py``): the rank's CPU slab (or the host pool) and disk tiers and the
+movers that copy between them and vLLM's KV tensors. The two talk only through ``TieredKVMetadata`` (a ``StepPlan``, scheduler ->
 workers, pickled by vLLM every step) and ``TieredKVWorkerMeta`` (per-job ``JobReport``s, workers
 -> scheduler, merged over ranks by vLLM's ``KVOutputAggregator``); both messages are ``common.py``'s.
 
@@ -43,6 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from tiered_kv.errors import ConfigError
 from tiered_kv.store.metrics import make_registry, serve
 from tiered_kv.connector.vllm.config import (
+    POOL_UNSTABLE_HASH_WARNING,
     UNSTABLE_HASH_WARNING,
     ConnectorConfig,
     capacities,
@@ -179,8 +181,10 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         check_pool(self.cfg, self.geo)
         self.ident = hash_identity(str(vllm_config.cache_config.prefix_caching_hash_algo))
         if not self.ident.stable:
-            if self.cfg.disk_path is not None or self.cfg.cpu_pool is not None:
+            if self.cfg.disk_path is not None:
                 log.warning(UNSTABLE_HASH_WARNING, self.ident.algo)
+            if self.cfg.cpu_pool is not None:
+                log.warning(POOL_UNSTABLE_HASH_WARNING, self.ident.algo, self.cfg.cpu_pool)
             self.ident = type(self.ident)(self.ident.algo, "unstable", False)
         self.ns = namespace(self.cfg, self.geo, str(vllm_config.model_config.model), self.ident)
         cpu_chunks, disk_chunks = capacities(self.cfg, self.geo)
@@ -464,7 +468,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         return TieredKVStats(data=delta) if any(delta.values()) else None
 
     def shutdown(self) -> None:
-        """Finish queued jobs and close the tiers (worker); stop the presence feed (scheduler)."""
+        """Finish queued jobs and close the tiers (worker); stop the presence feed and the pool watch (scheduler)."""
         if self.worker is not None:
             self.worker.close()
         if self._presence is not None:
