@@ -6,6 +6,7 @@ block a request reads holds exactly the KV of its tokens, so a wrong byte from t
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -86,43 +87,6 @@ def leases(eng: Engine) -> int:
     return eng.workers[0].connector.worker.cpu.usage()["leases"]
 
 
-@pytest.mark.parametrize("load_mode", ["layerwise", "async"])
-@pytest.mark.parametrize("async_sched", [False, True], ids=["sync", "async"])
-def test_replica_b_hits_bit_exact_what_replica_a_stored(model_dir, load_mode, async_sched):
-    """A conversation's turn 1 on replica A, its turn 2 on replica B: B loads A's chunks from the pool (in the
-    step vLLM schedules it with ``layerwise``), every byte checked; the pool's memory exists once."""
-    spec = pool_spec("vllm-ab")
-    a = Engine.create(model_dir, cfg(spec, load_mode=load_mode), async_sched=async_sched)
-    b = Engine.create(model_dir, cfg(spec, load_mode=load_mode), async_sched=async_sched)
-    try:
-        first = serve(a, "conv-turn1", prompt(1, 8 * BS + 4), max_tokens=3)
-        assert a.connector.stats()["resident_cpu"] == 2  # the prompt's two whole chunks, in the pool
-        theirs = chunk_keys(a, first, 2)
-        step_until(b, lambda: all(k in b.connector.planner.chain.index for k in theirs), "B to adopt A's chunks")
-        verified = b.verified_blocks
-        sync_steps = b.sync_steps
-        second = serve(b, "conv-turn2", turn2(first))
-        st = b.connector.stats()
-        assert st["sched_pool_adopted"] == 2, st  # A's chunks, adopted as CPU copies
-        assert st["sched_hit_tokens_cpu"] == 8 * BS, st
-        assert st["sched_sync_loads"] == (1 if load_mode == "layerwise" else 0), st
-        assert (b.sync_steps > sync_steps) is (load_mode == "layerwise")
-        assert b.verified_blocks - verified >= 8 and second.is_finished()
-        ws = b.workers[0].connector.stats()
-        assert ws["bytes_loaded"] == 8 * BLOCK_BYTES and ws["pool_load_misses"] == 0, ws
-        assert ws["bytes_stored"] == 2 * BLOCK_BYTES, ws  # only B's own tail piece: A's chunks were not stored again
-        for eng in (a, b):
-            assert_settled(eng)
-        assert leases(a) == 0
-        pa, pb = (e.workers[0].connector.worker.cpu for e in (a, b))
-        assert pa.path == pb.path == pool_path(spec)  # one pool, mapped by both
-        assert (pool_path(spec) / "payload").stat().st_size == 64 * CHUNK_BYTES
-    finally:
-        a.close()
-        b.close()
-    assert_gone(spec)
-
-
 def chunk_keys(eng: Engine, req, n: int) -> list[bytes]:
     """The keys of the first ``n`` whole chunks of ``req`` (vLLM's hash at each chunk's last block, namespaced)."""
     return eng.connector.ns.keys(req.block_hashes[K - 1::K][:n])
@@ -147,14 +111,59 @@ def step_until(eng: Engine, cond, what: str, timeout: float = 10.0) -> None:
     wait_for(lambda: (eng.step(), cond())[1], what, timeout)
 
 
+@contextlib.contextmanager
+def replicas(model_dir: str, tag: str, *engines: tuple[dict, dict]):
+    """Engines on one new pool, each ``(cfg keys, Engine.create keys)``. Once the body ran through, each must have
+    settled (nothing in flight, every lease released); once they closed, the pool must be gone."""
+    spec = pool_spec(tag)
+    made: list[Engine] = []
+    try:
+        for keys, create in engines:
+            made.append(Engine.create(model_dir, cfg(spec, **keys), **create))
+        yield spec, made
+        for eng in made:
+            assert_settled(eng)
+    finally:
+        for eng in made:
+            eng.close()
+    assert_gone(spec)
+
+
+@pytest.mark.parametrize("load_mode", ["layerwise", "async"])
+@pytest.mark.parametrize("async_sched", [False, True], ids=["sync", "async"])
+def test_replica_b_hits_bit_exact_what_replica_a_stored(model_dir, load_mode, async_sched):
+    """A conversation's turn 1 on replica A, its turn 2 on replica B: B loads A's chunks from the pool (in the
+    step vLLM schedules it with ``layerwise``), every byte checked; the pool's memory exists once."""
+    one = ({"load_mode": load_mode}, {"async_sched": async_sched})
+    with replicas(model_dir, "vllm-ab", one, one) as (spec, (a, b)):
+        first = serve(a, "conv-turn1", prompt(1, 8 * BS + 4), max_tokens=3)
+        assert a.connector.stats()["resident_cpu"] == 2  # the prompt's two whole chunks, in the pool
+        theirs = chunk_keys(a, first, 2)
+        step_until(b, lambda: all(k in b.connector.planner.chain.index for k in theirs), "B to adopt A's chunks")
+        verified = b.verified_blocks
+        sync_steps = b.sync_steps
+        second = serve(b, "conv-turn2", turn2(first))
+        st = b.connector.stats()
+        assert st["sched_pool_adopted"] == 2, st  # A's chunks, adopted as CPU copies
+        assert st["sched_hit_tokens_cpu"] == 8 * BS, st
+        assert st["sched_sync_loads"] == (1 if load_mode == "layerwise" else 0), st
+        assert (b.sync_steps > sync_steps) is (load_mode == "layerwise")
+        assert b.verified_blocks - verified >= 8 and second.is_finished()
+        ws = b.workers[0].connector.stats()
+        assert ws["bytes_loaded"] == 8 * BLOCK_BYTES and ws["pool_load_misses"] == 0, ws
+        assert ws["bytes_stored"] == 2 * BLOCK_BYTES, ws  # only B's own tail piece: A's chunks were not stored again
+        assert leases(a) == 0
+        pa, pb = (e.workers[0].connector.worker.cpu for e in (a, b))
+        assert pa.path == pb.path == pool_path(spec)  # one pool, mapped by both
+        assert (pool_path(spec) / "payload").stat().st_size == 64 * CHUNK_BYTES
+
+
 def test_one_budget_the_pool_evicts_a_replicas_chunks_and_its_planner_learns_it(model_dir):
     """Replicas of one model share one budget: B's stores evict A's oldest chunks from a full pool. B hears of those
     evictions in its store job's report, A through its pool watch: A's planner stops listing them, so its next
     turn misses them (a recompute, checked bit for bit) instead of planning a load of a chunk that is gone."""
-    spec = pool_spec("vllm-budget")
-    a = Engine.create(model_dir, cfg(spec, chunks=4), max_batched=64)
-    b = Engine.create(model_dir, cfg(spec, chunks=4), max_batched=64)
-    try:
+    small = ({"chunks": 4}, {"max_batched": 64})  # 64 tokens a step: one chunk per store job
+    with replicas(model_dir, "vllm-budget", small, small) as (_, (a, b)):
         first = serve(a, "a1", prompt(11, 12 * BS + 3))  # 3 chunks of the pool's 4
         mine = chunk_keys(a, first, 3)
         assert held_in_pool(a, mine) == [True] * 3
@@ -170,12 +179,6 @@ def test_one_budget_the_pool_evicts_a_replicas_chunks_and_its_planner_learns_it(
         assert a.verified_blocks > verified
         ws = a.workers[0].connector.stats()
         assert ws["failed_items"] == 0 and ws["pool_load_misses"] == 0, ws  # no load planned into a hole
-        for eng in (a, b):
-            assert_settled(eng)
-    finally:
-        a.close()
-        b.close()
-    assert_gone(spec)
 
 
 @pytest.mark.parametrize("load_mode", ["layerwise", "async"])
@@ -183,10 +186,8 @@ def test_a_load_whose_chunks_another_replica_evicted_is_recomputed_not_served(mo
     """A's planner still lists chunks B's stores evicted (its watch has not listed the pool since): the load's lease
     misses them, their GPU blocks are reported as load errors in the step that reads them (in-step) or with the
     load (asynchronous), vLLM recomputes them (checked bit for bit), and A's planner forgets them."""
-    spec = pool_spec("vllm-stale")
-    a = Engine.create(model_dir, cfg(spec, chunks=4, load_mode=load_mode), max_batched=64)
-    b = Engine.create(model_dir, cfg(spec, chunks=4), max_batched=64)
-    try:
+    with replicas(model_dir, "vllm-stale", ({"chunks": 4, "load_mode": load_mode}, {"max_batched": 64}),
+                  ({"chunks": 4}, {"max_batched": 64})) as (_, (a, b)):
         monkeypatch.setattr(watch(a), "_list_cost", 1e6)  # A's watch never lists the pool again: a stale view
         first = serve(a, "a1", prompt(21, 12 * BS + 3))
         mine = chunk_keys(a, first, 3)
@@ -202,35 +203,28 @@ def test_a_load_whose_chunks_another_replica_evicted_is_recomputed_not_served(mo
         st = a.connector.stats()
         assert st["cpu_vanished"] >= gone, st  # forgotten when the load reported them missing (and A's re-stores evict)
         assert [k in a.connector.planner.chain.index for k in mine] == held_in_pool(a, mine)
-        for eng in (a, b):
-            assert_settled(eng)
-    finally:
-        a.close()
-        b.close()
-    assert_gone(spec)
 
 
 def test_a_lease_held_across_an_eviction_attempt_keeps_the_block(model_dir):
     """While A's asynchronous load holds its lease (its copy not landed: the worker's loader is gated), B's stores
     into the full pool cannot evict the leased chunks (they take what is free and the rest is refused); once the
     load lands, A's turn reads them bit-exact and the lease is gone."""
-    spec = pool_spec("vllm-lease")
-    a = Engine.create(model_dir, cfg(spec, chunks=4, load_mode="async"), max_batched=64)
-    b = Engine.create(model_dir, cfg(spec, chunks=4))  # 256 tokens a step: 4 chunks in one store job
-    gate = None
-    try:
+    with replicas(model_dir, "vllm-lease", ({"chunks": 4, "load_mode": "async"}, {"max_batched": 64}),
+                  ({"chunks": 4}, {})) as (_, (a, b)):  # B: 256 tokens a step, 4 chunks in one store job
         first = serve(a, "a1", prompt(31, 8 * BS + 4))  # 2 chunks
         mine = chunk_keys(a, first, 2)
         assert a.sched.reset_prefix_cache()
         gate = Gate(a.workers[0].connector.worker)
-        second = a.add("a2", turn2(first))
-        a.run(until=lambda: gate.started >= 1)  # the load started: its lease is held until it is seen landed
-        assert leases(a) == 2
-        serve(b, "b1", prompt(32, 16 * BS + 3))  # 4 chunks in one store into 2 free slots: 2 stored, 2 refused
-        assert held_in_pool(a, mine) == [True, True]
-        wst = b.workers[0].connector.stats()
-        assert wst["failed_items"] == 2, wst
-        gate.open()
+        try:
+            second = a.add("a2", turn2(first))
+            a.run(until=lambda: gate.started >= 1)  # the load started: its lease is held until it is seen landed
+            assert leases(a) == 2
+            serve(b, "b1", prompt(32, 16 * BS + 3))  # 4 chunks in one store into 2 free slots: 2 stored, 2 refused
+            assert held_in_pool(a, mine) == [True, True]
+            wst = b.workers[0].connector.stats()
+            assert wst["failed_items"] == 2, wst
+        finally:
+            gate.open()  # (a failed assertion must not leave A's close waiting on the gate)
         verified = a.verified_blocks
         a.run()
         a.settle()
@@ -239,37 +233,25 @@ def test_a_lease_held_across_an_eviction_attempt_keeps_the_block(model_dir):
         assert leases(a) == 0
         last = serve(b, "b2", prompt(33, 16 * BS + 3))  # the lease gone, A's chunks go for a store of 4
         assert held_in_pool(a, mine) == [False, False] and held_in_pool(b, chunk_keys(b, last, 4)) == [True] * 4
-        for eng in (a, b):
-            assert_settled(eng)
-    finally:
-        if gate is not None:
-            gate.open()  # a failed assertion above must not leave A's close waiting on the gate
-        a.close()
-        b.close()
-    assert_gone(spec)
 
 
 def test_an_engine_and_a_python_api_store_share_the_pool_bit_exact(model_dir):
     """A ``TieredStore`` opened with ``pool_store_config`` is in the engine's namespace: it reads the chunks replica A
     stored (equal to the bytes a private-CPU engine C made for the same tokens), and replica B hits, bit-exact,
     chunks the store put (C's bytes for another prompt)."""
-    spec = pool_spec("vllm-api")
-    a = Engine.create(model_dir, cfg(spec))
-    b = Engine.create(model_dir, cfg(spec))
-    c = Engine.create(model_dir, {"chunk_blocks": K, "cpu_bytes": 64 * CHUNK_BYTES})  # a private CPU tier
-    store = None
-    try:
+    with replicas(model_dir, "vllm-api", ({}, {}), ({}, {})) as (_, (a, b)), contextlib.ExitStack() as stack:
+        c = Engine.create(model_dir, {"chunk_blocks": K, "cpu_bytes": 64 * CHUNK_BYTES})  # a private CPU tier
+        stack.callback(c.close)
         assert c.connector.ns == a.connector.ns  # cpu_pool is no part of the namespace
-        p, q = prompt(41, 8 * BS + 4), prompt(42, 8 * BS + 4)
-        on_a = serve(a, "p", p)
-        on_c, q_c = serve(c, "p", p), serve(c, "q", q)
+        on_a = serve(a, "p", prompt(41, 8 * BS + 4))
+        on_c, q_c = serve(c, "p", prompt(41, 8 * BS + 4)), serve(c, "q", prompt(42, 8 * BS + 4))
 
         def rows_of(req) -> torch.Tensor:  # C's CPU slab rows of a request's two chunks
             index, slab = c.connector.planner.chain.index, c.workers[0].connector.worker.cpu.slab
             return torch.stack([slab[index.entry(k).copies[0].slot] for k in chunk_keys(c, req, 2)])
 
         conf = pool_store_config(a.connector.cfg, a.connector.geo, a.connector.ns)
-        store = TieredStore(conf)
+        store = stack.enter_context(TieredStore(conf))
         assert store.namespace.prefix == a.connector.ns.prefix
         keys = [store.key(h) for h in on_a.block_hashes[K - 1::K][:2]]
         assert keys == chunk_keys(a, on_a, 2)
@@ -282,13 +264,6 @@ def test_an_engine_and_a_python_api_store_share_the_pool_bit_exact(model_dir):
         serve(b, "q2", turn2(q_c))
         st = b.connector.stats()
         assert st["sched_hit_tokens_cpu"] == 8 * BS and b.verified_blocks - verified >= 8, st
-        assert_settled(b)
-    finally:
-        if store is not None:
-            store.close()
-        for eng in (a, b, c):
-            eng.close()
-    assert_gone(spec)
 
 
 @pytest.mark.parametrize("extra, match", [

@@ -37,23 +37,39 @@ class PresenceSource(Protocol):
     def take(self) -> tuple[list[bytes], list[bytes]]: ...
 
 
-class RemotePresence:
-    """The chunks the fleet announced in remote tier ``tier`` and not yet adopted or forgotten (``known``)."""
+class PoolSource(Protocol):
+    """What the planner needs of a host pool's watch (``tiers.pool.PoolWatch``)."""
 
-    def __init__(self, source: PresenceSource, chain: TierChain, tier: int, router: JobRouter,
+    def pending(self) -> bool: ...
+
+    def take(self) -> tuple[list[bytes], set[bytes] | None]: ...
+
+
+class _Presence:
+    """What both kinds share: the source other processes' chunks come from, and the chain tier they land in."""
+
+    def __init__(self, source: PresenceSource | PoolSource, chain: TierChain, tier: int, router: JobRouter,
                  counters: PlannerCounters) -> None:
         self._source = source
         self.chain = chain
         self.tier = tier
         self._router = router
         self.counters = counters
+
+    def pending(self) -> bool:
+        """Whether the source brought anything since the last ``sync``."""
+        return self._source.pending()
+
+
+class RemotePresence(_Presence):
+    """The chunks the fleet announced in remote tier ``tier`` and not yet adopted or forgotten (``known``)."""
+
+    def __init__(self, source: PresenceSource, chain: TierChain, tier: int, router: JobRouter,
+                 counters: PlannerCounters) -> None:
+        super().__init__(source, chain, tier, router, counters)
         # chunks the fleet stored in the remote tier, adopted into the chain only when a lookup reaches one:
         # a set insert per announced chunk keeps the feed's cost off the scheduler thread's steps
         self.known: set[bytes] = set()
-
-    def pending(self) -> bool:
-        """Whether the feed brought anything since the last ``sync``."""
-        return self._source.pending()
 
     def sync(self) -> None:
         """Take what the presence feed reported since the last call: chunks the fleet stored in the remote tier
@@ -91,31 +107,15 @@ class RemotePresence:
         return keys
 
 
-class PoolSource(Protocol):
-    """What the planner needs of a host pool's watch (``tiers.pool.PoolWatch``)."""
-
-    def pending(self) -> bool: ...
-
-    def take(self) -> tuple[list[bytes], set[bytes] | None]: ...
-
-
-class PoolPresence:
+class PoolPresence(_Presence):
     """The chunks other processes stored in (or the pool dropped from) tier ``tier``, a host pool, taken from
     ``source`` (a ``tiers.pool.PoolWatch``) into the chain, whose only tier it is. The first ``sync`` runs here: what
     the pool held when the engine started."""
 
     def __init__(self, source: PoolSource, chain: TierChain, tier: int, router: JobRouter,
                  counters: PlannerCounters) -> None:
-        self._source = source
-        self.chain = chain
-        self.tier = tier
-        self._router = router
-        self.counters = counters
+        super().__init__(source, chain, tier, router, counters)
         self.sync()
-
-    def pending(self) -> bool:
-        """Whether the watch found anything since the last ``sync``."""
-        return self._source.pending()
 
     def sync(self) -> None:
         """Take what the watch found: after a full listing, forget the copies the pool no longer holds and adopt
