@@ -81,3 +81,26 @@ def test_sglang_launch_commands_parse(source, tmp_path):
         extra = json.loads(args.hicache_storage_backend_extra_config)
         assert extra["module_path"] == "tiered_kv.connector.sglang" and extra["class_name"] == "TieredHiCacheStorage"
         SGLangBackendConfig.from_extra_config(extra)  # our keys validate (SGLang's own are accepted)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM lives in .venv (run there too)")
+def test_vllm_host_pool_commands_are_valid():
+    """docs/vllm.md, "One host pool for several replicas": two replicas, one GPU and port each, one pool of one
+    size, with configs the connector accepts."""
+    from vllm.config import KVTransferConfig
+
+    from tiered_kv.connector.vllm.config import ConnectorConfig
+
+    (block,) = _shell_blocks((ROOT / "docs" / "vllm.md").read_text(), '"cpu_pool"')
+    lines = [line for line in block.strip().splitlines() if "vllm serve" in line]
+    assert len(lines) == 2
+    seen = []
+    for line in lines:
+        argv = shlex.split(line.rstrip("& "))
+        env = dict(a.split("=", 1) for a in argv[:argv.index("vllm")])
+        raw = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+        cfg = ConnectorConfig.from_extra_config(KVTransferConfig(**raw).kv_connector_extra_config)
+        seen.append((env["CUDA_VISIBLE_DEVICES"], argv[argv.index("--port") + 1], cfg.cpu_pool, cfg.cpu_bytes))
+        assert env["PYTHONHASHSEED"] == "0" and raw["kv_load_failure_policy"] == "recompute"
+    (gpu_a, port_a, pool_a, size_a), (gpu_b, port_b, pool_b, size_b) = seen
+    assert gpu_a != gpu_b and port_a != port_b and pool_a == pool_b == "host:kv" and size_a == size_b

@@ -191,3 +191,41 @@ def test_a_pool_nobody_uses_is_made_anew_and_two_openers_in_one_process_share_it
     assert path.exists()  # the second opener still uses it
     second.close()
     assert_gone(spec)
+
+
+def test_a_watch_reports_its_namespaces_stored_records_and_lists_them_after_evictions(pools, monkeypatch):
+    """``PoolWatch`` (what a vLLM scheduler process uses): its first poll lists what the pool holds for its
+    namespace; later polls report the records other openers stored (or read again), one clock read when nothing
+    changed; once the pool evicted some of the namespace's records (another namespace's writes), the next poll
+    lists the namespace's records again. Another namespace's records are never reported."""
+    import tiered_kv.tiers.pool.watch as watch_mod
+    from tiered_kv.tiers.pool import PoolWatch
+
+    monkeypatch.setattr(watch_mod, "MIN_RESCAN_S", 0.0)
+    spec = pool_spec("watch")
+    writer, other = pools(spec, 8, owner=A), pools(spec, 8, owner=B, weight=3)
+    assert writer.write(keys_of(A, 2), [-1] * 2, random_rows(2)) == [True] * 2
+    watch = PoolWatch(pools(spec, 8, owner=A), interval_s=3600.0, rescan_s=3600.0)  # polled by hand below
+    try:
+        assert watch.take() == ([], set(keys_of(A, 2)))  # the first listing
+        watch.poll()
+        assert not watch.pending() and watch.polls == 1  # nothing changed: one clock read
+        assert writer.write(keys_of(A, 3, start=2), [-1] * 3, random_rows(3)) == [True] * 3
+        assert other.write(keys_of(B, 1), [-1], random_rows(1)) == [True]
+        watch.poll()
+        assert watch.take() == (keys_of(A, 3, start=2), None)  # only its namespace's new records
+        out = torch.zeros((1, NB), dtype=torch.uint8)
+        writer.read(keys_of(A, 1), [-1], out)
+        watch.poll()
+        assert watch.take() == (keys_of(A, 1), None)  # read again: reported again (the owner skips what it holds)
+        writer.delete(keys_of(A, 1, start=4))
+        watch.poll()
+        assert not watch.pending()  # a delete alone waits for the next listing (rescan_s)
+        ok, evicted = other.write_ex(keys_of(B, 5, start=1), [-1] * 5, random_rows(5))
+        assert ok == [True] * 5 and evicted == keys_of(A, 2, start=1)  # 3 free, then A's oldest (0 was read)
+        watch.poll()
+        assert watch.take() == ([], {keys_of(A, 1)[0], keys_of(A, 1, start=3)[0]})  # what is left of A's
+        assert watch.listings == 2
+    finally:
+        watch.close()
+    assert watch.tier._closed

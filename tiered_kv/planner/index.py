@@ -22,7 +22,7 @@ Threading contract: not thread-safe; the owning ``TierChain`` serializes access.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, KeysView, Sequence
 from dataclasses import dataclass
 
 
@@ -173,6 +173,10 @@ class BlockIndex:
         else:
             self._entries.update(zip(keys, [Entry({tier: Copy(state, s)}) for s in slots]))
         self.copies_per_tier[tier] += len(keys)
+
+    def keys(self) -> KeysView[bytes]:
+        """Every key with an entry (a live view: set operations on it run at C speed)."""
+        return self._entries.keys()
 
     def holds_none_of(self, keys: Sequence[bytes]) -> bool:
         """True when no key of ``keys`` has an entry (C speed)."""

@@ -45,6 +45,19 @@ class ConnectorConfig(RemoteKeys):
 
     cpu_bytes: int = config_key(8 << 30, "pinned host memory for the CPU tier, **summed over TP ranks** (like vLLM's "
                                          "`kv_offloading_size`); each rank pins its share", "bytes")
+    cpu_pool: str | None = config_key(None, "`host:<name>`: the CPU tier is the host pool `<name>` in `/dev/shm`, one "
+                                            "pinned pool shared by every engine and Python API process on the host "
+                                            "that names it (its size is `cpu_bytes`, the same in each): a chunk one "
+                                            "replica stored is a hit for every replica of the same model. TP=1, one "
+                                            "KV cache group, no `disk_path` or `remote_url` (docs/vllm.md, \"One host "
+                                            "pool for several replicas\"); `null`: a private CPU tier")
+    cpu_pool_weight: int = config_key(1, "this engine's weight in the host pool's one budget: its model's fair share "
+                                         "is `cpu_bytes * weight / sum(weights)` (engines of one model share one "
+                                         "namespace and one share)")
+    cpu_pool_poll_s: float = config_key(0.02, "vLLM scheduler process with `cpu_pool`: how often a thread reads the "
+                                              "pool's index for the chunks other processes stored (a chunk stored "
+                                              "elsewhere is a hit here within about that long; the scheduler "
+                                              "thread never reads the pool itself)", "s")
     disk_path: str | None = config_key(None, "directory of the disk tier; a sub-directory per namespace and per TP "
                                              "rank is created inside; `null`: no disk tier")
     disk_bytes: int = config_key(64 << 30, "disk budget summed over TP ranks (used only with `disk_path`)", "bytes")
@@ -314,6 +327,27 @@ class ConnectorConfig(RemoteKeys):
             raise ConfigError(f"remote_feed_interval_s: expected seconds in [0, 10] (0.1: the presence feed reads "
                               f"at most 10 times a second), got {self.remote_feed_interval_s!r}")
         self.check_remote_keys()
+        self._check_pool()
+
+    def _check_pool(self) -> None:
+        """``cpu_pool``: a valid name, and none of the tiers the pool does not take below it yet."""
+        _int(self.cpu_pool_weight, "cpu_pool_weight", 1, 1 << 20)
+        v = self.cpu_pool_poll_s
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 10:
+            raise ConfigError(f"cpu_pool_poll_s: expected seconds in (0, 10] (how often the scheduler process reads "
+                              f"the host pool's index), got {v!r}")
+        object.__setattr__(self, "cpu_pool_poll_s", float(v))
+        if self.cpu_pool is None:
+            return
+        from tiered_kv.tiers.pool.place import pool_name  # lazily: a pool needs lmdb, the CPU-only setup does not
+
+        pool_name(self.cpu_pool)
+        below = [k for k in ("disk_path", "remote_url") if getattr(self, k) is not None]
+        if below:
+            raise ConfigError(f"cpu_pool={self.cpu_pool!r} with {' and '.join(below)}: a host pool evicts by itself "
+                              f"and the vLLM connector does not yet copy each chunk below it at once, so the tier "
+                              f"below would only get what this engine stored; drop {' and '.join(below)} or "
+                              f"cpu_pool (docs/vllm.md, \"One host pool for several replicas\")")
 
     @classmethod
     def valid_keys(cls) -> list[str]:
@@ -381,16 +415,56 @@ UNSTABLE_HASH_WARNING = (
     "restart. Set PYTHONHASHSEED to the same value for every start (e.g. PYTHONHASHSEED=0) "
     "to make the disk tier persistent.")
 
+POOL_UNSTABLE_HASH_WARNING = (
+    "TieredKVConnector: vLLM's block hashes differ in every process with this setup (hash algo %r, "
+    "PYTHONHASHSEED unset): replicas on cpu_pool %s will never hit each other's chunks. Set PYTHONHASHSEED to the "
+    "same value for every replica (e.g. PYTHONHASHSEED=0).")
+
 
 def namespace(cfg: ConnectorConfig, geo: Geometry, model: str, ident: HashIdentity) -> Namespace:
     """The key namespace: equal on every rank (the planner is shared); rank goes into the disk path.
 
     A replicated (MLA) cache holds one copy for every rank, so it is valid for any TP size.
     """
-    layout = BlockLayout((geo.rank_chunk_nbytes,), "uint8", geo.tag)
     tp = "replicated" if geo.replicated else str(geo.tp_size)
-    return Namespace(cfg.model_id or model, layout.fingerprint, cfg.tenant_salt,
+    return Namespace(cfg.model_id or model, namespace_layout(geo).fingerprint, cfg.tenant_salt,
                      (("engine", "vllm"), ("hash", ident.algo), ("seed", ident.seed), ("tp", tp)))
+
+
+def namespace_layout(geo: Geometry) -> BlockLayout:
+    """The layout whose fingerprint the key namespace carries: a record of one rank's chunk, tagged without the
+    rank. A host pool's records are written with it (``cpu_pool``, TP=1 only), so a ``TieredStore`` of the same
+    layout and namespace (``pool_store_config``) reads and writes them."""
+    return BlockLayout((geo.rank_chunk_nbytes,), "uint8", geo.tag)
+
+
+def check_pool(cfg: ConnectorConfig, geo: Geometry) -> None:
+    """``cpu_pool`` serves one TP rank and one KV cache group for now: ConfigError naming what to change otherwise.
+
+    TP>1 would need one pool per rank (``host:<name>.rank<r>-of-<tp>``) and a chunk held only where every rank's
+    pool holds its share (the scheduler's watch intersecting the ranks' records); MLA's replicated slab would
+    need one pool all ranks read and rank 0 writes. Several KV cache groups: vLLM takes no per-block load errors
+    there, so every load must come from a copy that cannot vanish before its lease, which a pool other processes
+    evict from does not promise (it would need the lease taken at the lookup, by the scheduler process).
+    """
+    if cfg.cpu_pool is None:
+        return
+    if geo.tp_size > 1:
+        raise ConfigError(f"cpu_pool={cfg.cpu_pool!r} with tensor_parallel_size={geo.tp_size}: the host pool serves "
+                          f"TP=1 engines for now (one replica per GPU); drop cpu_pool or run TP=1 replicas")
+    if not geo.block_level_errors:
+        raise ConfigError(f"cpu_pool={cfg.cpu_pool!r} with {len(geo.groups)} KV cache groups: vLLM takes no "
+                          f"per-block load errors for this model, and a chunk another replica evicts between the "
+                          f"lookup and the load could then only fail the engine; drop cpu_pool for this model")
+
+
+def pool_store_config(cfg: ConnectorConfig, geo: Geometry, ns: Namespace) -> dict:
+    """The ``StoreConfig`` keys of a Python API process that shares this engine's chunks in its host pool (the same
+    pool, size and namespace). A chunk is a ``(rank_chunk_nbytes,)`` uint8 row in the engine's slab layout, named
+    ``store.key(h)`` by vLLM's block hash ``h`` of its last block."""
+    return {"cpu_pool": cfg.cpu_pool, "cpu_bytes": cfg.cpu_bytes, "cpu_pool_weight": cfg.cpu_pool_weight,
+            "block_shape": [geo.rank_chunk_nbytes], "dtype": "uint8", "layout_tag": geo.tag, "model": ns.model,
+            "tenant_salt": ns.salt, "namespace_extra": dict(ns.extra)}
 
 
 def rank_disk_dir(cfg: ConnectorConfig, ns: Namespace, rank: int, tp_size: int,

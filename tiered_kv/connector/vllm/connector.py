@@ -8,9 +8,10 @@ Load it with::
 
 The class is a thin adapter. In the scheduler role (vLLM's EngineCore process) it wraps a
 ``SchedulerPlanner`` (``scheduler.py`` and its parts): lookups, load and store planning,
-completions. In the worker role (one per GPU worker / TP rank) it wraps a ``WorkerRuntime``
-(``worker.py``): the rank's CPU slab and disk tiers and the movers that copy between them and
-vLLM's KV tensors. The two talk only through ``TieredKVMetadata`` (a ``StepPlan``, scheduler ->
+completions; with ``cpu_pool`` it also joins the host pool and runs the ``PoolWatch`` thread that tells
+the planner what other processes stored there. In the worker role (one per GPU worker / TP rank) it
+wraps a ``WorkerRuntime`` (``worker.py``): the rank's CPU slab (or the host pool) and disk tiers and the
+movers that copy between them and vLLM's KV tensors. The two talk only through ``TieredKVMetadata`` (a ``StepPlan``, scheduler ->
 workers, pickled by vLLM every step) and ``TieredKVWorkerMeta`` (per-job ``JobReport``s, workers
 -> scheduler, merged over ranks by vLLM's ``KVOutputAggregator``); both messages are ``common.py``'s.
 
@@ -25,6 +26,7 @@ thread only (the worker's movers synchronize through ``WorkerRuntime``'s lock).
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import time
@@ -42,11 +44,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from tiered_kv.errors import ConfigError
 from tiered_kv.store.metrics import make_registry, serve
 from tiered_kv.connector.vllm.config import (
+    POOL_UNSTABLE_HASH_WARNING,
     UNSTABLE_HASH_WARNING,
     ConnectorConfig,
     capacities,
+    check_pool,
     hash_identity,
     namespace,
+    namespace_layout,
+    pool_store_config,
     rank_disk_dir,
 )
 from tiered_kv.connector.vllm.common import JobReport, StepPlan
@@ -175,10 +181,13 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             raise ConfigError("TieredKVConnector needs vLLM's kv_cache_config (vLLM >= 0.26)")
         self.cfg = ConnectorConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
         self.geo = geometry(vllm_config, kv_cache_config, self.cfg.chunk_blocks, self.cfg.mla_store_once)
+        check_pool(self.cfg, self.geo)
         self.ident = hash_identity(str(vllm_config.cache_config.prefix_caching_hash_algo))
         if not self.ident.stable:
             if self.cfg.disk_path is not None:
                 log.warning(UNSTABLE_HASH_WARNING, self.ident.algo)
+            if self.cfg.cpu_pool is not None:
+                log.warning(POOL_UNSTABLE_HASH_WARNING, self.ident.algo, self.cfg.cpu_pool)
             self.ident = type(self.ident)(self.ident.algo, "unstable", False)
         self.ns = namespace(self.cfg, self.geo, str(vllm_config.model_config.model), self.ident)
         cpu_chunks, disk_chunks = capacities(self.cfg, self.geo)
@@ -190,11 +199,13 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker: WorkerRuntime | None = None
         self._prom_snapshot: dict = {}
         self._prom_at = 0.0
-        self._presence = None
+        self._presence = self._pool = None
         if role == KVConnectorRole.SCHEDULER:
             self._presence = self._open_presence()  # a wrong password or no cluster fails here, at start-up
+            self._pool = self._open_pool()  # a pool of another geometry fails here, at start-up
             self.planner = SchedulerPlanner(self.cfg, self.geo, self.ns, cpu_chunks, disk_chunks,
-                                            self._adoptable_keys(disk_chunks), presence=self._presence)
+                                            self._adoptable_keys(disk_chunks), presence=self._presence,
+                                            pool=self._pool)
             if self._presence is not None:
                 self.planner.sync_remote()  # what the fleet stored before this start, read by _open_presence
             kv_events = vllm_config.kv_events_config
@@ -235,6 +246,26 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         log.info("TieredKVConnector: remote tier on %s (remote_write=%s)", settings.describe()["url"],
                  self.cfg.remote_write)
         return feed
+
+    def _open_pool(self):
+        """Scheduler role with ``cpu_pool``: join (or make) the host pool, unpinned (this process never reads its
+        pages), and watch this namespace's records in it from a thread; the planner takes what the watch found once
+        per step and before each lookup, without I/O. Its first listing (what the pool holds now) runs here."""
+        if self.cfg.cpu_pool is None:
+            return None
+        from tiered_kv.tiers.pool import PoolTier, PoolWatch  # lazily: needs lmdb
+
+        tier = PoolTier(namespace_layout(self.geo), self.cfg.cpu_pool, self.cfg.cpu_bytes, owner=self.ns.prefix,
+                        weight=self.cfg.cpu_pool_weight, pin=False)
+        try:
+            watch = PoolWatch(tier, self.cfg.cpu_pool_poll_s)
+        except BaseException:
+            tier.close()
+            raise
+        log.info("TieredKVConnector: CPU tier is the host pool %s (%d chunks of %d bytes); a Python API process shares "
+                 "this engine's chunks with TieredStore(%s)", self.cfg.cpu_pool, tier.capacity, tier.block_nbytes,
+                 json.dumps(pool_store_config(self.cfg, self.geo, self.ns)))
+        return watch
 
     def _adoptable_keys(self, disk_chunks: int) -> list[bytes]:
         """Keys every rank's disk directory holds from a previous engine (read-only open, after the integrity
@@ -448,7 +479,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         return TieredKVStats(data=delta) if any(delta.values()) else None
 
     def shutdown(self) -> None:
-        """Finish queued jobs and close the tiers (worker); stop the presence feed (scheduler)."""
+        """Finish queued jobs and close the tiers (worker); stop the presence feed and the pool watch (scheduler)."""
         if self.worker is not None:
             self.worker.close()
         if self._presence is not None:
@@ -456,6 +487,9 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._presence = None
         if self.planner is not None:
             self.planner.steps.close()
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
 
 
 def _shared_slab_name(vllm_config, ns) -> str:

@@ -1,4 +1,7 @@
-"""The remote tier on the vLLM scheduler side: what the fleet stored, adopted into the chain when a lookup reaches it.
+"""Other processes' chunks on the vLLM scheduler side: the remote tier's (``RemotePresence``) and a host pool's
+(``PoolPresence``).
+
+The remote tier: what the fleet stored, adopted into the chain when a lookup reaches it.
 
 The presence feed (``tiers.remote.PresenceFeed``) reads on its own thread which chunks other engines stored
 in (or removed from) the shared Redis Cluster. ``RemotePresence`` takes that once per step or lookup (set
@@ -7,7 +10,13 @@ the remote tier only when a lookup reaches it, so an announcement costs a set in
 thread. A load that finds a remote record missing or damaged forgets it; one that could not read it (its
 node down or slow) forgets it too, so the next lookup misses and the recompute stores the chunk anew.
 
-Threading contract: vLLM's scheduler thread only; no I/O (the feed did it), no torch.
+A host pool (``cpu_pool``, the CPU tier itself, keyed and governed): a ``PoolWatch`` thread reads the pool's index
+for the chunks of this namespace other processes stored (or the pool dropped); ``PoolPresence`` takes that once per
+step and before each lookup, adopts the new chunks as CPU copies at once (a dictionary insert each: they are
+this model's, and the pool holds at most ``cpu_bytes`` of them) and forgets the removed ones. The evictions this
+engine's own stores make come back sooner, in their jobs' reports (``JobReport.evicted``).
+
+Threading contract: vLLM's scheduler thread only; no I/O (the feed and the watch did it), no torch.
 """
 from __future__ import annotations
 
@@ -28,23 +37,39 @@ class PresenceSource(Protocol):
     def take(self) -> tuple[list[bytes], list[bytes]]: ...
 
 
-class RemotePresence:
-    """The chunks the fleet announced in remote tier ``tier`` and not yet adopted or forgotten (``known``)."""
+class PoolSource(Protocol):
+    """What the planner needs of a host pool's watch (``tiers.pool.PoolWatch``)."""
 
-    def __init__(self, source: PresenceSource, chain: TierChain, tier: int, router: JobRouter,
+    def pending(self) -> bool: ...
+
+    def take(self) -> tuple[list[bytes], set[bytes] | None]: ...
+
+
+class _Presence:
+    """What both kinds share: the source other processes' chunks come from, and the chain tier they land in."""
+
+    def __init__(self, source: PresenceSource | PoolSource, chain: TierChain, tier: int, router: JobRouter,
                  counters: PlannerCounters) -> None:
         self._source = source
         self.chain = chain
         self.tier = tier
         self._router = router
         self.counters = counters
+
+    def pending(self) -> bool:
+        """Whether the source brought anything since the last ``sync``."""
+        return self._source.pending()
+
+
+class RemotePresence(_Presence):
+    """The chunks the fleet announced in remote tier ``tier`` and not yet adopted or forgotten (``known``)."""
+
+    def __init__(self, source: PresenceSource, chain: TierChain, tier: int, router: JobRouter,
+                 counters: PlannerCounters) -> None:
+        super().__init__(source, chain, tier, router, counters)
         # chunks the fleet stored in the remote tier, adopted into the chain only when a lookup reaches one:
         # a set insert per announced chunk keeps the feed's cost off the scheduler thread's steps
         self.known: set[bytes] = set()
-
-    def pending(self) -> bool:
-        """Whether the feed brought anything since the last ``sync``."""
-        return self._source.pending()
 
     def sync(self) -> None:
         """Take what the presence feed reported since the last call: chunks the fleet stored in the remote tier
@@ -80,3 +105,44 @@ class RemotePresence:
         keys = [k for k, ok, g in zip(job.keys, rep.ok, gone) if not (ok or g)]
         self.known.difference_update(keys)
         return keys
+
+
+class PoolPresence(_Presence):
+    """The chunks other processes stored in (or the pool dropped from) tier ``tier``, a host pool, taken from
+    ``source`` (a ``tiers.pool.PoolWatch``) into the chain, whose only tier it is. The first ``sync`` runs here: what
+    the pool held when the engine started."""
+
+    def __init__(self, source: PoolSource, chain: TierChain, tier: int, router: JobRouter,
+                 counters: PlannerCounters) -> None:
+        super().__init__(source, chain, tier, router, counters)
+        self.sync()
+
+    def sync(self) -> None:
+        """Take what the watch found: after a full listing, forget the copies the pool no longer holds and adopt
+        the ones the chain lacks (two set differences at C speed, once per listing); then adopt what was stored
+        since (keys the chain holds are skipped)."""
+        stored, held = self._source.take()
+        chain, route, tier = self.chain, self._router.route, self.tier
+        before = chain.resident(tier)
+        if held is not None:
+            keys = chain.index.keys()
+            gone = list(keys - held)  # pool mode: every key of the chain is a copy in the pool (or on its way)
+            if gone:
+                route(chain.forget(tier, gone))  # copies still being written are left to their job
+                self.counters.pool_forgotten += before - chain.resident(tier)
+                before = chain.resident(tier)
+            stored = list(held - keys) + stored
+        if stored:
+            route(chain.adopt(tier, stored))
+            self.counters.pool_adopted += chain.resident(tier) - before
+
+    def before(self, match):
+        """``match`` that first takes what the watch found (a request arriving after an idle spell sees it)."""
+        pending, sync = self._source.pending, self.sync
+
+        def synced(request, num_computed_tokens: int) -> int | None:
+            if pending():
+                sync()
+            return match(request, num_computed_tokens)
+
+        return synced

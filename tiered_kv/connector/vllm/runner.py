@@ -4,9 +4,10 @@
 mover (one thread; every ``BlockCopier`` call of a mover job happens on it) and the keyed edge's
 ``disk_workers`` + ``remote_workers`` threads:
 
-- ``INGRESS`` (a store): GPU blocks -> CPU slots, each group's blocks into its plane's rows;
-- ``EGRESS`` (a load): CPU slots -> GPU blocks, or disk / remote records read into a small staging slab a
-  few chunks at a time and loaded from there;
+- ``INGRESS`` (a store): GPU blocks -> CPU slots, each group's blocks into its plane's rows (a host pool: slots
+  the pool reserves, ``pool_io.PoolIO.store``);
+- ``EGRESS`` (a load): CPU slots -> GPU blocks (a host pool: the slots leased for the job, ``load_rows``), or disk
+  / remote records read into a small staging slab a few chunks at a time and loaded from there;
 - ``DEMOTE`` / ``COPY_DOWN``: CPU slots -> disk or remote records; ``PROMOTE``: records -> CPU slots (or
   another keyed tier); ``DELETE``.
 
@@ -40,6 +41,7 @@ from tiered_kv.connector.vllm.common import CPU
 from tiered_kv.connector.vllm.geometry import Geometry
 
 if TYPE_CHECKING:
+    from tiered_kv.connector.vllm.pool_io import PoolIO
     from tiered_kv.tiers.disk import DiskTier
     from tiered_kv.tiers.remote import RemoteTier
 
@@ -72,19 +74,22 @@ class WorkerCounters:
     async_batches: int = 0  # steps that submitted such loads (one submission each)
     plain_copy_fallbacks: int = 0  # several groups: batched copies retried as plain torch copies
     acked_for_rank0: int = 0  # replicated caches: jobs rank 0 runs for every rank, acknowledged here
+    pool_load_misses: int = 0  # host pool: chunks a load found gone (another process's write evicted them)
 
 
 class JobRunner:
     """Runs one rank's jobs on its tiers and copiers (see the module)."""
 
     def __init__(self, geo: Geometry, rank: int, layout: BlockLayout, cpu, keyed: dict[int, DiskTier | RemoteTier],
-                 disk: DiskTier | None, writes_copies: bool, counters: WorkerCounters, lock: threading.Lock) -> None:
+                 disk: DiskTier | None, writes_copies: bool, counters: WorkerCounters, lock: threading.Lock,
+                 pool: PoolIO | None = None) -> None:
         self.geo, self.rank = geo, rank
         self.k = geo.slot_blocks  # GPU ids per job item
         self.sections = geo.sections
         self.plane_rows = geo.plane_rows  # block rows per slot in each group's plane
         self.layout = layout  # one row = one chunk of this rank's share
-        self.cpu = cpu  # CpuTier or SharedSlab
+        self.cpu = cpu  # CpuTier, SharedSlab or PoolTier
+        self.pool = pool  # with a host pool: its reservations and leases
         self.keyed = keyed  # chain index -> keyed tier (disk, remote)
         self.disk = disk
         self.writes_copies = writes_copies
@@ -131,12 +136,15 @@ class JobRunner:
         evicted: list[bytes] = []  # a shared disk directory's evictions for this job's writes
         src, dst = self.keyed.get(job.src_tier), self.keyed.get(job.dst_tier)
         if kind is JobKind.DELETE:
-            src.delete(job.keys)
+            (src if src is not None else self.cpu).delete(job.keys)  # a keyed tier, or a host pool
             return Completion(job.job_id, ok, corrupt)
-        if kind is JobKind.INGRESS:
+        if kind is JobKind.INGRESS and self.pool is not None:
+            ok, nbytes, evicted = self.pool.store(job, lambda slots, items: self._copy(
+                self.copiers, job, self.flat(job, slots, items), to_cpu=True))
+        elif kind is JobKind.INGRESS:
             nbytes = self._copy(self.copiers, job, self.flat(job, job.dst_slots), to_cpu=True)
         elif kind is JobKind.EGRESS and job.src_tier == CPU:
-            nbytes = self._copy(self.copiers, job, self.flat(job, job.src_slots), to_cpu=False)
+            nbytes = self._copy(self.copiers, job, self.load_rows(job), to_cpu=False)
         elif kind is JobKind.EGRESS:
             ok, corrupt, missing, nbytes = self._keyed_to_gpu(job, src)
         elif job.src_tier == CPU and dst is not None:  # DEMOTE, COPY_DOWN (to disk or remote)
@@ -163,6 +171,14 @@ class JobRunner:
                   job.src_tier, job.dst_tier, n, secs * 1e3, nbytes / secs / 1e9 if secs else 0.0)
         self.count(job, nbytes, secs, ok, corrupt)
         return Completion(job.job_id, ok, corrupt, nbytes, secs, missing=missing, evicted=evicted)
+
+    def load_rows(self, job: TransferJob) -> list[tuple[list[int], list[int]]]:
+        """``flat`` of a load from the CPU tier: its planned slots, or with a host pool the slots leased for it (the
+        items whose records were gone left out)."""
+        if self.pool is None:
+            return self.flat(job, job.src_slots)
+        slots, items = self.pool.slots(job)
+        return self.flat(job, slots, items)
 
     def flat(self, job: TransferJob, chunk_slots: list[int], items=None) -> list[tuple[list[int], list[int]]]:
         """Per group: GPU block ids and plane rows of ``job``'s items (all, or ``items``), skipping -1 blocks."""

@@ -54,7 +54,8 @@ and the counters):
 - ``blocks.BlockTracker``: block tables, sliding-window owners, re-allocation dates, in-flight jobs' blocks
   and the fences they need;
 - ``routing.JobRouter``: every job on its way to the workers (its GPU side, valid stores, the ``StepPlan``);
-- ``presence.RemotePresence``: what the fleet stored in the remote tier;
+- ``presence.RemotePresence``: what the fleet stored in the remote tier; ``presence.PoolPresence``: what other
+  processes stored in a host pool (``cpu_pool``: the CPU tier, keyed and governed), from a ``PoolWatch`` thread;
 - ``state``: ``RequestState``/``RequestTable`` (requests followed, chunk and tail keys) and ``PlannerCounters``;
 - ``common``: ``StepPlan`` and ``JobReport``, the messages each way, and the tier numbering.
 
@@ -80,7 +81,7 @@ from tiered_kv.connector.vllm.loads import LoadPlanner
 from tiered_kv.connector.vllm.lookup import LookupPlanner
 from tiered_kv.connector.vllm.parts import PartPlanner
 from tiered_kv.connector.vllm.prefill import StepMeter, split_gate, split_stats, tier_names
-from tiered_kv.connector.vllm.presence import PresenceSource, RemotePresence
+from tiered_kv.connector.vllm.presence import PoolPresence, PoolSource, PresenceSource, RemotePresence
 from tiered_kv.connector.vllm.routing import JobRouter
 from tiered_kv.connector.vllm.state import PlannerCounters, RequestTable
 from tiered_kv.connector.vllm.stores import ChunkEvents, StorePlanner
@@ -97,12 +98,14 @@ class SchedulerPlanner:
     """
 
     def __init__(self, cfg: ConnectorConfig, geo: Geometry, ns: Namespace, cpu_chunks: int, disk_chunks: int,
-                 adopted: Sequence[bytes] = (), presence: PresenceSource | None = None) -> None:
+                 adopted: Sequence[bytes] = (), presence: PresenceSource | None = None,
+                 pool: PoolSource | None = None) -> None:
         self.cfg, self.geo = cfg, geo
         # one full-attention (or MLA) group: a record is a chunk; else a record is one group's part of a chunk
         single = not geo.parts
         self._parts = PartPlanner(geo, ns.key, cfg.swa_store) if geo.parts else None
-        specs = [TierSpec("cpu", cpu_chunks)]
+        # a host pool (``pool``: its watch) is keyed and governed like a shared disk directory: it places and evicts
+        specs = [TierSpec("cpu", cpu_chunks, slotted=pool is None, governed=pool is not None)]
         if disk_chunks:
             # shared budget without a remote tier below: the directory evicts by itself (governed); a load of a
             # chunk it evicted fails and vLLM recomputes. With a remote tier, the planner evicts (demotes) as before.
@@ -142,6 +145,7 @@ class SchedulerPlanner:
         self._router = JobRouter(self.chain, geo.slot_blocks, single, self._blocks, counters)
         self._presence = (RemotePresence(presence, self.chain, self.remote, self._router, counters)
                         if presence is not None else None)
+        self._pool = PoolPresence(pool, self.chain, CPU, self._router, counters) if pool is not None else None
         self._events = ChunkEvents(geo, self.chain)
         self._lookup = LookupPlanner(cfg, geo, self.chain, self._requests, self._router, self._parts, self._tails,
                                      self._gate, self._budget, self._presence, counters)
@@ -150,7 +154,7 @@ class SchedulerPlanner:
         self._stores = StorePlanner(cfg, geo, self.chain, self._requests, self._blocks, self._router, self._parts,
                                     self._tails, self._events, counters)
         # vLLM's lookup callbacks go straight to the part that answers them: no extra call per request
-        self.match = self._lookup.match
+        self.match = self._lookup.match if self._pool is None else self._pool.before(self._lookup.match)
         self.load_async = self._lookup.load_async
         self.allocated = self._loads.allocated
         if adopted and disk_chunks:
@@ -168,6 +172,8 @@ class SchedulerPlanner:
             self._budget.next_step(total > 0, total > len(scheduler_output.num_scheduled_tokens))
         if self._presence is not None and self._presence.pending():
             self._presence.sync()
+        if self._pool is not None and self._pool.pending():
+            self._pool.sync()
         router, blocks = self._router, self._blocks
         fences: set[int] = set()
         # Stores planned in an earlier step (waiting for room, granted since, or planned at a

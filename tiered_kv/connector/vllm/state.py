@@ -108,6 +108,8 @@ class PlannerCounters:
     promotions: int = 0  # disk hits moved to the CPU tier before loading (several groups)
     remote_announced: int = 0  # chunks the presence feed reported stored by the fleet
     remote_adopted: int = 0  # of those, chunks a lookup reached (adopted into the chain then)
+    pool_adopted: int = 0  # chunks other processes stored in the host pool, adopted as CPU copies
+    pool_forgotten: int = 0  # CPU copies forgotten because the host pool no longer held them (the watch saw it)
     stale_blocks_dropped: int = 0  # table entries vLLM re-allocated before a store read them
     chunks_not_storable: int = 0  # chunks skipped: a block a hit needs was already freed
     tail_stores: int = 0  # tail pieces offered to the store (full blocks after a prompt's last whole chunk)

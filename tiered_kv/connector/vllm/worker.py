@@ -71,12 +71,14 @@ from tiered_kv.movers.mover import Mover, close_at_exit
 from tiered_kv.connector.vllm.config import (
     ConnectorConfig,
     disk_slot_nbytes,
+    namespace_layout,
     rank_disk_dir,
     rank_remote_part,
 )
 from tiered_kv.connector.vllm.geometry import Geometry, GroupGeo
 from tiered_kv.connector.vllm.async_loads import AsyncLoader
 from tiered_kv.connector.vllm.in_step import InStepLoader
+from tiered_kv.connector.vllm.pool_io import PoolIO
 from tiered_kv.connector.vllm.runner import JobRunner, WorkerCounters
 from tiered_kv.connector.vllm.trace import LoadTrace
 from tiered_kv.connector.vllm.common import CPU, JobReport, StepPlan, tier_indices
@@ -169,6 +171,21 @@ def open_disk_tier(make):
         return make()
 
 
+def open_cpu_tier(cfg: ConnectorConfig, geo: Geometry, ns: Namespace, rank: int, cpu_chunks: int,
+                  shared_name: str | None):
+    """The rank's CPU tier: a private pinned slab, one shared-memory slab for every TP rank (MLA with TP), or the
+    host pool (``cpu_pool``, TP=1: one pool for every process on the host that names it, of ``cpu_bytes``)."""
+    if geo.replicated and geo.tp_size > 1:
+        return SharedSlab(shared_name or f"tkv-{ns.prefix.hex()[:16]}", cpu_chunks, geo.rank_chunk_nbytes, rank,
+                          geo.tp_size)
+    if cfg.cpu_pool is not None:
+        from tiered_kv.tiers.pool import PoolTier  # lazily, as the disk tier (lmdb)
+
+        return PoolTier(namespace_layout(geo), cfg.cpu_pool, cfg.cpu_bytes, owner=ns.prefix,
+                        weight=cfg.cpu_pool_weight)
+    return CpuTier(geo.rank_layout(rank), cpu_chunks * geo.rank_chunk_nbytes)
+
+
 class WorkerRuntime:
     """One TP rank's tiers, movers and job bookkeeping; in-step copies go through its ``InStepLoader``."""
 
@@ -180,11 +197,7 @@ class WorkerRuntime:
         self.shared = geo.replicated and geo.tp_size > 1
         self.writes_copies = not self.shared or rank == 0
         self._name_released = not self.shared
-        if self.shared:
-            self.cpu = SharedSlab(shared_name or f"tkv-{ns.prefix.hex()[:16]}", cpu_chunks, geo.rank_chunk_nbytes,
-                                  rank, geo.tp_size)
-        else:
-            self.cpu = CpuTier(self.layout, cpu_chunks * geo.rank_chunk_nbytes)
+        self.cpu = open_cpu_tier(cfg, geo, ns, rank, cpu_chunks, shared_name)
         self.sections = geo.sections
         self.planes = slab_planes(self.cpu.slab, self.sections)
         self.disk: DiskTier | None = None
@@ -210,11 +223,12 @@ class WorkerRuntime:
                                                         if t is not None}  # chain index -> keyed tier
         self.counters = WorkerCounters()
         self._lock = threading.Lock()
+        self.pool = PoolIO(self.cpu, self.counters, self._lock) if cfg.cpu_pool is not None else None
         self._completed: list[tuple[TransferJob, Completion]] = []
         self._events: dict[int, threading.Event] = {}
         # what the movers run, and the job tables they share with this thread (under _lock)
         self.runner = JobRunner(geo, rank, self.layout, self.cpu, self.keyed, self.disk, self.writes_copies,
-                                self.counters, self._lock)
+                                self.counters, self._lock, self.pool)
         self._load_reqs: dict[str, set[int]] = {}  # request -> load job ids not finished yet
         self._job_req: dict[int, str] = {}
         self._pending_fail: dict[str, list[int]] = {}
@@ -357,6 +371,8 @@ class WorkerRuntime:
             for j in ids:
                 self._job_req[j] = rid
         early = plan.early
+        if self.pool is not None:  # hold the pool records of this step's loads before anything is copied
+            early = self.pool.lease(early, self._on_done)
         if plan.sync:
             sync = set(plan.sync)
             in_step, c = self.in_step, self.counters
@@ -365,7 +381,7 @@ class WorkerRuntime:
                 if job.job_id in sync:  # a job like any other; only its copy is the loader's
                     with self._lock:
                         self._events[job.job_id] = threading.Event()
-                    in_step.start(job, self.runner.flat(job, job.src_slots))
+                    in_step.start(job, self.runner.load_rows(job))
             early = [j for j in early if j.job_id not in sync]
             # asynchronous loads of this step are ordered after the in-step copies: those must all exist
             pipelined = not (self.async_loads is not None and any(_async_load(j) for j in early))
@@ -392,7 +408,7 @@ class WorkerRuntime:
         batch, rest = [], []
         for job in jobs:
             if _async_load(job):
-                (gpu, rows), = self.runner.flat(job, job.src_slots)
+                (gpu, rows), = self.runner.load_rows(job)
                 batch.append((job, gpu, rows))
                 with self._lock:
                     self._events[job.job_id] = threading.Event()
@@ -513,6 +529,8 @@ class WorkerRuntime:
 
     # ------------------------------------------------------------------ mover side
     def _on_done(self, job: TransferJob, done: Completion) -> None:
+        if self.pool is not None:  # a load's lease ends with its copy; items whose record was gone fail
+            done = self.pool.done(job, done)
         with self._lock:
             self._completed.append((job, done))
             self.runner.cuda_events.pop(job.job_id, None)

@@ -112,6 +112,31 @@ class Budget:
         for owner, sp in spaces.items():
             txn.put(owner, sp.pack(), db=self.db["spaces"])
 
+    def clock(self, txn: lmdb.Transaction) -> int:
+        """The age clock now (``meta`` ``tick``): every commit or read of a record sets a tick past it."""
+        raw = txn.get(b"tick", db=self.db["meta"])
+        return _U64.unpack(raw)[0] if raw else 0
+
+    def evictions(self, txn: lmdb.Transaction, owner: bytes) -> int:
+        """How many of ``owner``'s records were evicted so far (by any process's writes)."""
+        raw = txn.get(owner, db=self.db["spaces"])
+        return Space.unpack(raw).evictions if raw is not None else 0
+
+    def keys_since(self, txn: lmdb.Transaction, owner: bytes, tick: int = 0) -> list[bytes]:
+        """``owner``'s records committed or read after clock ``tick``, least recently used first (``tick`` 0: all of
+        them). A walk of ``order`` from ``owner + tick``: its cost is what changed, not the records held."""
+        cur = txn.cursor(db=self.db["order"])
+        out: list[bytes] = []
+        if not cur.set_range(owner + _U64.pack(tick + 1)):
+            return out
+        skip = OWNER_LEN + 8
+        for k in cur.iternext(values=False):
+            k = bytes(k)
+            if not k.startswith(owner):
+                break
+            out.append(k[skip:])
+        return out
+
     def _tick(self, txn: lmdb.Transaction) -> int:
         raw = txn.get(b"tick", db=self.db["meta"])
         t = (_U64.unpack(raw)[0] if raw else 0) + 1
