@@ -18,6 +18,8 @@ Workloads, all run by one engine start per (shape, mode, GPU cache), one after t
   batch    then U unrelated PREFIX-token prompts (pressure), then turn 3 of all N in one ``generate`` call
            (4 tokens each, compared across modes): its wall time. The GPU KV cache holds about GPU_FIT
            requests of the batch's length, so its prefixes can only come from a CPU tier.
+  restart  (mode ``tiered-disk-restart``, after a ``tiered-disk`` start of the same call: a new engine on the disk
+           tier that start wrote) turn 1 is a hit: ``turn1_cached_tokens`` and, per TP rank, the bytes loaded
   disk     (mode ``tiered-disk`` only, compared with none and with OffloadingConnector at the same small CPU
            tier) turn 2 whose prefix sits in our disk tier on this machine's disk: TTFT p50
   serving  multi-turn serving at concurrency 8 and 32: ``benchmarks/serve_bench.py`` (``vllm serve``); its
@@ -38,12 +40,14 @@ is reported against that ceiling.
 Usage (GPU machine; vLLM on PYTHONPATH):
   python benchmarks/envelope.py --shapes gemma2 --modes none,offloading,tiered --starts 3 --deadline-s 560
   python benchmarks/envelope.py --shapes gpt-oss,llama3-8b --deadline-s 560
+  python benchmarks/envelope.py --shapes gpt-oss --modes offloading,tiered,tiered+in_step_copy=copy_engine
   python benchmarks/envelope.py --merge a/envelope.json b/envelope.json --out docs/results/envelope_<date>_h200.json
   python benchmarks/envelope.py --table docs/results/envelope_2026-11-28_h200.json
   python benchmarks/envelope.py --dry-run --shapes gemma2     # CPU: the plan, GPU cache sizes, nothing run
 Environment: N_CONV (10), U_UNRELATED (3), PREFIX (gemma2 12288, else 8192), TP (1: tensor_parallel_size; each
 rank's load GB/s over turn 2 goes into ``turn2_rank_gbps``), CPU_GIB (40), DISK_CPU_GIB (2),
-DISK_PATH (/tmp/tkv-envelope-disk), DISK_GIB (48), OUT (directory for the JSON and logs), PYTHONHASHSEED (0).
+DISK_PATH (/tmp/tkv-envelope-disk), DISK_GIB (48), WORKLOADS (turn2,batch; ``turn2`` alone skips the pressure
+and the batch), OUT (directory for the JSON and logs), PYTHONHASHSEED (0).
 Threading: a script; the main thread only (each engine start and the PCIe probe run in child processes).
 """
 from __future__ import annotations
@@ -73,7 +77,21 @@ BOUND = 1.05  # ours / none and ours / offloading, per cell
 NEAR = 1.10  # a cell whose ratio is within 10% of a bound wants 3 starts
 GPU_FIT = {"tight": 1.8, "roomy": 4.0}
 SHAPES = ("llama3-8b", "qwen2.5-7b", "qwen2.5-32b", "gpt-oss", "gemma3", "gemma2", "dsv2-lite")
-MODES = ("none", "offloading", "tiered", "tiered-disk", "offloading-small")
+MODES = ("none", "offloading", "tiered", "tiered-disk", "offloading-small", "tiered-disk-restart")
+#: where a mode names one setting of ours beside the defaults: ``tiered+in_step_copy=copy_engine+load_mode=async``
+
+
+def split_mode(mode: str) -> tuple[str, dict]:
+    """``tiered+key=value+...`` -> (``tiered``, {key: value}): a variant of one of our modes, for an A/B of a setting
+    (values stay strings; the connector's config parses them). Raises SystemExit naming a malformed part."""
+    base, *parts = mode.split("+")
+    extra = {}
+    for part in parts:
+        key, sep, value = part.partition("=")
+        if not sep or not key or not base.startswith("tiered"):
+            raise SystemExit(f"mode {mode!r}: expected tiered[-disk]+key=value[+key=value...], got part {part!r}")
+        extra[key] = value
+    return base, extra
 #: shapes the matrix names that cannot run here, and why (printed as cells that did not run)
 NOT_RUNNABLE = {
     "mamba": "vLLM 0.26 hands a KV connector the longest local hit of any KV cache group for Mamba hybrids "
@@ -96,7 +114,8 @@ def knobs(shape: str) -> dict:
             "disk_cpu_gib": int(env.get("DISK_CPU_GIB", "2")),
             "disk_path": env.get("DISK_PATH", "/tmp/tkv-envelope-disk"), "disk_gib": int(env.get("DISK_GIB", "48")),
             "gpu_util": float(env.get("GPU_UTIL", DEFAULT_GPU_UTIL.get(shape, 0.6))),
-            "max_len": prefix + 4 * FOLLOW + 64, "tp": int(env.get("TP", "1"))}
+            "max_len": prefix + 4 * FOLLOW + 64, "tp": int(env.get("TP", "1")),
+            "workloads": env.get("WORKLOADS", "turn2,batch").split(",")}
 
 
 def kv_groups(shape: str) -> int:
@@ -121,6 +140,7 @@ def gpu_blocks(shape: str, fit: float, max_len: int) -> int:
 
 def engine_kwargs(shape: str, mode: str, gpu: str, w: dict, model_dir: str, trace_path: str | None) -> dict:
     """``LLM(...)`` arguments of one start; only the connector differs between modes."""
+    mode, variant = split_mode(mode)
     kw = dict(model=model_dir, load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
               gpu_memory_utilization=w["gpu_util"], max_model_len=w["max_len"], seed=0,
               num_gpu_blocks_override=gpu_blocks(shape, GPU_FIT[gpu], w["max_len"]), enable_prefix_caching=True,
@@ -128,16 +148,19 @@ def engine_kwargs(shape: str, mode: str, gpu: str, w: dict, model_dir: str, trac
     if mode in ("offloading", "offloading-small"):
         kw.update(kv_offloading_size=w["cpu_gib"] if mode == "offloading" else w["disk_cpu_gib"],
                   kv_offloading_backend="native")
-    elif mode in ("tiered", "tiered-disk"):
+    elif mode in ("tiered", "tiered-disk", "tiered-disk-restart"):
         from vllm.config import KVTransferConfig
 
         extra: dict = {"cpu_bytes": f"{w['cpu_gib']}GiB"}
-        if mode == "tiered-disk":
+        if mode in ("tiered-disk", "tiered-disk-restart"):
             path = os.path.join(w["disk_path"], "run")
-            shutil.rmtree(path, ignore_errors=True)  # a cold disk tier: its hits come from this start
+            if mode == "tiered-disk":
+                shutil.rmtree(path, ignore_errors=True)  # a cold disk tier: its hits come from this start
+            # tiered-disk-restart keeps it: a new engine on what the last tiered-disk start wrote
             extra.update(cpu_bytes=f"{w['disk_cpu_gib']}GiB", disk_path=path, disk_bytes=f"{w['disk_gib']}GiB")
         if trace_path:
             extra["trace_path"] = trace_path
+        extra.update(variant)
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="TieredKVConnector", kv_connector_module_path="tiered_kv.connector.vllm",
             kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
@@ -164,12 +187,13 @@ def _stored_per_conversation(llm, prefix: int) -> dict:
             "chunk_tokens": geo.chunk_tokens}
 
 
-def rank_rates(trace: str, t0: float, t1: float) -> dict[str, float]:
+def rank_rates(trace: str, t0: float, t1: float, what: str = "gbps") -> dict[str, float]:
     """Per TP rank: bytes its loads moved over their summed GPU time (GB/s), for trace lines in ``[t0, t1 + 1 s]``
-    (a rate only while one rank's loads do not overlap in time: turn 2 runs one request at a time)."""
+    (a rate only while one rank's loads do not overlap in time: turn 2 runs one request at a time);
+    ``what="bytes"``: the bytes instead."""
     import glob
 
-    out = {}
+    out: dict = {}
     for path in sorted(glob.glob(glob.escape(trace) + ".rank*.jsonl")):
         nbytes = ms = 0.0
         with open(path, encoding="utf-8", errors="replace") as f:
@@ -184,7 +208,7 @@ def rank_rates(trace: str, t0: float, t1: float) -> dict[str, float]:
                             nbytes += x["bytes"]
                             ms += x["gpu_ms"]
         rank = path.rsplit(".rank", 1)[1].split(".")[0]
-        out[rank] = round(nbytes / ms / 1e6, 2) if ms else 0.0
+        out[rank] = int(nbytes) if what == "bytes" else (round(nbytes / ms / 1e6, 2) if ms else 0.0)
     return out
 
 
@@ -197,7 +221,8 @@ def run_one(shape: str, mode: str, gpu: str) -> dict:
     model_dir = tempfile.mkdtemp(prefix=f"{shape}-shape-")
     with open(os.path.join(model_dir, "config.json"), "w") as f:
         json.dump(MODELS[shape], f)
-    trace = os.path.join(os.environ.get("OUT", "."), f"trace_{shape}_{mode}_{gpu}") if mode.startswith("tiered") else None
+    trace = (os.path.join(os.environ.get("OUT", "."), f"trace_{shape}_{mode.replace('=', '-')}_{gpu}")
+             if mode.startswith("tiered") else None)
     t0 = time.perf_counter()
     llm = LLM(**engine_kwargs(shape, mode, gpu, w, model_dir, trace))
     startup = time.perf_counter() - t0
@@ -218,7 +243,13 @@ def run_one(shape: str, mode: str, gpu: str) -> dict:
     generate([convs[0][:512]], 1)  # warm-up
     ours = mode.startswith("tiered")
     c0 = _tiered_counters(llm) if ours else {}
-    turn1 = [generate([c], 2)[1][0] for c in convs]
+    t_turn1 = time.time()
+    turn1_runs = [generate([c], 2) for c in convs]
+    turn1 = [o[0] for _, o in turn1_runs]
+    turn1_extra = {"turn1_s": [round(dt, 4) for dt, _ in turn1_runs],
+                   "turn1_cached_tokens": [int(o.num_cached_tokens or 0) for o in turn1]}
+    if trace and split_mode(mode)[0] == "tiered-disk-restart":  # what each rank loaded of the last engine's stores
+        turn1_extra["turn1_rank_bytes_loaded"] = rank_rates(trace, t_turn1, time.time(), "bytes")
     time.sleep(2.0)  # stores land
     generate([convs[0][:BLOCK]], 1)  # a step, so the planner applies the last stores' completions (an idle engine
     # takes none; the 2026-11-28 runs counted 9 of 10 conversations' stores without it)
@@ -238,10 +269,10 @@ def run_one(shape: str, mode: str, gpu: str) -> dict:
                  "startup_s": round(startup, 1), "knobs": w,
                  "gpu_blocks": gpu_blocks(shape, GPU_FIT[gpu], w["max_len"]),
                  "turn2_p50_s": round(statistics.median(turn2_s[2:]), 4), "turn2_s": [round(x, 4) for x in turn2_s],
-                 "turn2_cached_tokens": cached, "turn2_tokens": first_tokens}
+                 "turn2_cached_tokens": cached, "turn2_tokens": first_tokens, **turn1_extra}
     if trace:  # each TP rank's own load rate over turn 2 (its bytes over its loads' GPU time)
         rec["turn2_rank_gbps"] = rank_rates(trace, t_turn2, time.time())
-    if mode in ("tiered-disk", "offloading-small"):
+    if split_mode(mode)[0] in ("tiered-disk", "offloading-small", "tiered-disk-restart") or "batch" not in w["workloads"]:
         return _finish(rec, llm, c0, c1, None, None, None)
     for p in unrelated:
         generate([p], 2)
@@ -318,7 +349,7 @@ def run_matrix(shapes, modes, gpus, starts, deadline_s: float, offset: int = 0) 
                                  None if left() == float("inf") else left())
         wall = time.perf_counter() - t0
         walls[shape] = max(walls.get(shape, 0.0), wall)
-        with open(os.path.join(out_dir, f"envelope_{shape}_{mode}_{gpu}_s{start}.log"), "w") as f:
+        with open(os.path.join(out_dir, f"envelope_{shape}_{mode.replace('=', '-')}_{gpu}_s{start}.log"), "w") as f:
             f.write(out[-20000:] + "\n--- stderr ---\n" + err[-20000:])
         r = _result_line(out)
         if r is None:
@@ -498,6 +529,9 @@ def main() -> None:
                 json.dump(doc, f, indent=1)
         return
     shapes, modes, gpus = a.shapes.split(","), a.modes.split(","), a.gpu.split(",")
+    for m in modes:
+        if split_mode(m)[0] not in MODES:
+            raise SystemExit(f"unknown mode {m!r}; valid: {', '.join(MODES)} (ours also as tiered+key=value)")
     for s in shapes:
         if s not in MODELS and s not in NOT_RUNNABLE:
             raise SystemExit(f"unknown shape {s!r}; valid: {', '.join(SHAPES)}, {', '.join(NOT_RUNNABLE)}")
