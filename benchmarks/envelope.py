@@ -218,10 +218,13 @@ def run_one(shape: str, mode: str, gpu: str) -> dict:
     from vllm import LLM, SamplingParams
 
     w = knobs(shape)
-    model_dir = tempfile.mkdtemp(prefix=f"{shape}-shape-")
+    # one path per shape in every start: the connector's namespace names the model by its path, so a restarted
+    # engine (tiered-disk-restart) finds what the last one wrote only under the same path
+    model_dir = os.path.join(tempfile.gettempdir(), "tkv-envelope-models", shape)
+    os.makedirs(model_dir, exist_ok=True)
     with open(os.path.join(model_dir, "config.json"), "w") as f:
         json.dump(MODELS[shape], f)
-    trace = (os.path.join(os.environ.get("OUT", "."), f"trace_{shape}_{mode.replace('=', '-')}_{gpu}")
+    trace = (os.path.join(os.environ.get("OUT", "."), f"trace_{shape}_{mode.replace('=', '-').replace('+', '.')}_{gpu}")
              if mode.startswith("tiered") else None)
     t0 = time.perf_counter()
     llm = LLM(**engine_kwargs(shape, mode, gpu, w, model_dir, trace))
@@ -349,7 +352,7 @@ def run_matrix(shapes, modes, gpus, starts, deadline_s: float, offset: int = 0) 
                                  None if left() == float("inf") else left())
         wall = time.perf_counter() - t0
         walls[shape] = max(walls.get(shape, 0.0), wall)
-        with open(os.path.join(out_dir, f"envelope_{shape}_{mode.replace('=', '-')}_{gpu}_s{start}.log"), "w") as f:
+        with open(os.path.join(out_dir, f"envelope_{shape}_{mode.replace('=', '-').replace('+', '.')}_{gpu}_s{start}.log"), "w") as f:
             f.write(out[-20000:] + "\n--- stderr ---\n" + err[-20000:])
         r = _result_line(out)
         if r is None:

@@ -88,9 +88,13 @@ def replica(model: str, mode: str, role: str, sync_dir: str, pool: str) -> dict:
     from vllm.config import KVTransferConfig
 
     w = knobs()
-    model_dir = tempfile.mkdtemp(prefix=f"{model}-shape-")
-    with open(os.path.join(model_dir, "config.json"), "w") as f:
+    # one path for both replicas: the connector's namespace names the model by its path, so replicas of one
+    # model (as a router deploys them: the same path or name) share chunks, two temporary copies would not
+    model_dir = os.path.join(tempfile.gettempdir(), "tkv-bench-models", model)
+    os.makedirs(model_dir, exist_ok=True)
+    with open(os.path.join(model_dir, f"config.json.{role}"), "w") as f:
         json.dump(MODELS[model], f)
+    os.replace(os.path.join(model_dir, f"config.json.{role}"), os.path.join(model_dir, "config.json"))
     extra: dict = {"cpu_bytes": f"{w['cpu_gib']}GiB"}
     if mode == "pool":
         extra["cpu_pool"] = f"host:{pool}"
