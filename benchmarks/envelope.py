@@ -486,9 +486,13 @@ def merge(paths: list[str]) -> dict:
         with open(p) as f:
             doc = json.load(f)
         call = os.path.basename(os.path.dirname(os.path.abspath(p))) or p
-        out["calls"].append({"call": call, "command": doc.get("command"), "date": doc.get("date")})
+        # an already merged document keeps its calls' names (so a results file can take a later round's calls)
+        out["calls"] += doc.get("calls") or [{"call": call, "command": doc.get("command"), "date": doc.get("date")}]
         for key in ("results", "skipped", "pcie"):
-            out[key] += [dict(x, call=call) for x in doc.get(key, [])]
+            out[key] += [dict(x, call=x.get("call", call)) for x in doc.get(key, [])]
+        for key in ("notes", "serving"):
+            if key in doc:
+                out.setdefault(key, doc[key])
         out.setdefault("date", doc.get("date"))
         out.setdefault("rule", doc.get("rule"))
     ran = {(r["shape"], r["mode"], r["gpu"]) for r in out["results"] if "error" not in r}

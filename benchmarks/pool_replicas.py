@@ -8,7 +8,8 @@ Modes, each its own pair of engine starts:
   pool     both replicas join the host pool ``cpu_pool: host:<name>`` (``cpu_bytes`` = CPU_GIB, one pool).
            A runs turn 1 (the prefix + 2 tokens) of conversations 0..N-1 and hands B their prompts; then B
            runs turn 2 of each (the prefix + A's 2 tokens + FOLLOW new ones): a *cross* hit, chunks A stored.
-           Then B runs turn 1 and turn 2 of its own conversations N..2N-1 (its own hits, through the pool).
+           B runs turn 1 of its own conversations N..2N-1 first (so its engine is as warm for both kinds of
+           hit as in ``private``), then the cross turn 2s, then turn 2 of its own (its own hits, through the pool).
   private  B alone with its own CPU tier (``cpu_bytes`` = CPU_GIB, no pool): turn 1 and turn 2 of
            conversations 0..N-1 (B's own CPU hit, the yardstick), then turn 2 of N fresh prompts of the same
            length that nobody stored (recompute).
@@ -73,12 +74,18 @@ def _wait_for(path: str, timeout_s: float) -> None:
         time.sleep(0.2)
 
 
-def _rss_bytes() -> int:
+def _memory() -> dict:
+    """This process's resident bytes from /proc/self/status: ``rss_bytes`` (VmRSS: the shared pool's pages count
+    in every process that touched them), ``rss_anon_bytes`` (private memory: a private CPU tier's pinned pages)
+    and ``rss_shmem_bytes`` (shared memory: the host pool)."""
+    keys = {"VmRSS:": "rss_bytes", "RssAnon:": "rss_anon_bytes", "RssShmem:": "rss_shmem_bytes"}
+    out = {}
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
+            key = line.split(None, 1)[0] if line.strip() else ""
+            if key in keys:
+                out[keys[key]] = int(line.split()[1]) * 1024
+    return out
 
 
 def replica(model: str, mode: str, role: str, sync_dir: str, pool: str) -> dict:
@@ -145,10 +152,9 @@ def replica(model: str, mode: str, role: str, sync_dir: str, pool: str) -> dict:
         _wait_for(os.path.join(sync_dir, "a_prompts.json"), 900)
         with open(os.path.join(sync_dir, "a_prompts.json")) as f:
             prompts = json.load(f)
-        time.sleep(0.5)  # the pool watcher's poll (cpu_pool_poll_s) sees A's chunks
+        own = turn1(conversations(model, w, n, n))  # first: B's engine is as warm for both kinds of hit
+        time.sleep(2.0)  # B's stores land; the pool watcher (cpu_pool_poll_s) has long seen A's chunks
         rec["cross"] = turn2(prompts)
-        own = turn1(conversations(model, w, n, n))
-        time.sleep(2.0)
         rec["own"] = turn2(own)
         rec["pool_shm_bytes"] = _shm_bytes(pool)  # both replicas alive: one pool's memory
         open(os.path.join(sync_dir, "b_done"), "w").close()
@@ -157,7 +163,7 @@ def replica(model: str, mode: str, role: str, sync_dir: str, pool: str) -> dict:
         time.sleep(2.0)
         rec["own"] = turn2(own)
         rec["recompute"] = turn2([p + f for p, f in conversations(model, w, 5000, n)])
-    rec["rss_bytes"] = _rss_bytes()
+    rec.update(_memory())
     rec["counters"] = {k: v for k, v in _tiered_counters(llm).items() if isinstance(v, (int, float)) and v}
     return rec
 

@@ -196,14 +196,45 @@ def envelope(r: Result) -> str:
     stores = []
     seen = set()
     for x in r.doc["results"]:
-        if x.get("mode") == "tiered" and x.get("stored_vs_usable") and x["shape"] not in seen:
+        if (x.get("mode") == "tiered" and x.get("stored_vs_usable") and x["shape"] not in seen
+                and x.get("knobs", {}).get("tp", 1) == 1):  # TP stores the same bytes, split over ranks
             seen.add(x["shape"])
             stores.append([x["shape"], num(x["stored_bytes_per_conversation"] / 1e6, 1),
                            num(x["usable_bytes_per_conversation"] / 1e6, 1), num(x["stored_vs_usable"], 3),
                            num(x["conversations_per_gib"], 3)])
-    out += "\n" + table(["shape", "stored per conversation MB", "full layers x prefix + window layers x window MB",
-                         "ratio (goal <= 1.1)", "conversations per GiB"], stores)
+    if stores:
+        out += "\n" + table(["shape", "stored per conversation MB", "full layers x prefix + window layers x window MB",
+                             "ratio (goal <= 1.1)", "conversations per GiB"], stores)
+    ranks = [[x["mode"], x["knobs"].get("tp", 1), num(x["turn2_p50_s"] * 1e3, 1),
+              ", ".join(f"{k}: {num(v, 1)}" for k, v in sorted(x["turn2_rank_gbps"].items())) or "-",
+              f"{x['turn1_cached_tokens'][0]:,}" if "restart" in x["mode"] else "-",
+              f"{x['counters'].get('sched_hit_tokens_disk', 0):,}" if "disk" in x["mode"] else "-"]
+             for x in r.doc["results"] if x.get("knobs", {}).get("tp", 1) > 1 and "turn2_rank_gbps" in x
+             and (x["mode"] == "tiered" or "restart" in x["mode"] or "=always" in x["mode"])]
+    if ranks:
+        out += "\n" + table(["mode", "TP", "turn 2 p50 ms", "per-rank load GB/s (turn 2)",
+                             "restart: turn 1's first hit tokens", "disk-hit tokens"], ranks)
     return out
+
+
+def pool_replicas(r: Result) -> str:
+    """Replica B's turn 2 per kind of hit (issue 33): a conversation replica A served (through the host pool),
+    its own (through the pool, and with a private CPU tier), and recompute; median [min-max] over starts."""
+    got: dict[tuple[str, str], list[float]] = {}
+    for run in r.doc["runs"]:
+        b = run["replicas"].get("b", {})
+        for kind in ("cross", "own", "recompute"):
+            if kind in b:
+                order = run.get("b_order", "warm") if run["mode"] == "pool" else "-"
+                got.setdefault((f"{run['mode']} / {kind}", order), []).append(b[kind]["p50_s"] * 1e3)
+    label = {"pool / cross": "host pool: A's conversation", "pool / own": "host pool: B's own conversation",
+             "private / own": "private CPU tier: B's own conversation", "private / recompute": "recompute"}
+    shm = max((run["replicas"]["b"].get("pool_shm_bytes", 0) for run in r.doc["runs"] if "b" in run["replicas"]),
+              default=0)
+    rows = [[label.get(k, k), order, len(v), spread({"min": min(v), "max": max(v), "median": median(v),
+                                                      "n": len(v)}),
+             num(shm / 2**30, 2) if k.startswith("pool") else "-"] for (k, order), v in got.items()]
+    return table(["replica B's turn 2", "B's order", "starts", "TTFT p50 ms", "one pool in /dev/shm, GiB"], rows)
 
 
 # --------------------------------------------------------------------------------- scheduler step cost
@@ -469,6 +500,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("neighbor", ("neighbor_probe_*.json",), each(neighbor)),
     Scenario("vllm-ttft", ("vllm_ttft_*.json",), vllm_ttft),
     Scenario("envelope", ("envelope_*.json",), each(envelope)),
+    Scenario("pool-replicas", ("pool_replicas_*.json",), each(pool_replicas)),
     Scenario("sched", ("sched_overhead_2*.json",), each(sched)),
     Scenario("sched-remote", ("sched_overhead_remote_*.json",), each(sched_remote)),
     Scenario("gpu-copy", ("gpu_copy_2*.json",), each(gpu_copy)),
