@@ -117,6 +117,10 @@ class AsyncLoader:
         self.pending = keep
         return out
 
+    def any_landed(self) -> bool:
+        """Whether a load in flight has landed (or failed) since the last ``landed``; never blocks."""
+        return any(p.result.done() for p in self.pending)
+
     def wait(self, job_ids: set[int] | None = None) -> list[tuple[TransferJob, Completion]]:
         """Block until the named loads (all: None) landed; return their completions (they leave ``pending``)."""
         out, keep = [], []

@@ -34,7 +34,9 @@ class StepPlan:
     ``fences`` are job ids that must have finished touching GPU memory before this step's
     forward runs; ``loads`` maps a request to its load job ids (reported in
     ``finished_recving`` when all are done) and ``load_fail`` to GPU blocks its load cannot
-    fill (reported as load errors, so vLLM recomputes them).
+    fill (reported as load errors, so vLLM recomputes them). ``idle``: vLLM scheduled no token in
+    this step (every request waits: for its loads, a promotion...), so a worker may wait for its
+    jobs in ``get_finished`` (``idle.py``).
     """
 
     step: int
@@ -46,6 +48,7 @@ class StepPlan:
     load_fail: dict[str, list[int]] = field(default_factory=dict)
     sync: list[int] = field(default_factory=list)
     sync_fail: list[int] = field(default_factory=list)
+    idle: bool = False
 
     def empty(self) -> bool:
         """True when the workers have nothing to do."""

@@ -39,7 +39,9 @@ Asynchronous CPU-tier loads (one KV cache group) do not go through the front mov
 ``before_forward`` hands the step's batch to the rank's ``AsyncLoader`` (``async_loads.py``: one
 submission for all, in plan order, after the in-step loads), and each ``poll`` reports those
 whose bytes landed, one request at a time. Disk and remote loads, and models with several
-groups, keep the front mover.
+groups, keep the front mover. In a step that schedules no token (``StepPlan.idle``: every request
+waits for its KV) ``poll`` first waits, GIL released, for a job to complete (``idle.py``): vLLM's
+engine would spin through such steps and starve the copying threads of the GIL.
 
 Ordering on CUDA: a store starts after an event recorded on the engine's current stream at
 ``after_forward`` (the KV it reads has been written); a load starts after an event recorded
@@ -77,6 +79,7 @@ from tiered_kv.connector.vllm.config import (
 )
 from tiered_kv.connector.vllm.geometry import Geometry, GroupGeo
 from tiered_kv.connector.vllm.async_loads import AsyncLoader
+from tiered_kv.connector.vllm.idle import IdleWait
 from tiered_kv.connector.vllm.in_step import InStepLoader
 from tiered_kv.connector.vllm.pool_io import PoolIO
 from tiered_kv.connector.vllm.runner import JobRunner, WorkerCounters
@@ -242,6 +245,7 @@ class WorkerRuntime:
         # asynchronous CPU-tier loads (one KV cache group); None before ``register`` (several groups: the mover)
         self.async_loads: AsyncLoader | None = None
         self.trace = LoadTrace(cfg.trace_path, rank) if cfg.trace_path else None  # per-step load trace (off)
+        self.idle_wait = IdleWait(self.counters)  # a step with nothing to compute waits for the jobs (idle.py)
         self._cuda = False
         self.front = Mover(f"vllm-gpu-r{rank}", self.runner.execute, self._on_done, workers=1)
         workers = (cfg.disk_workers if self.disk is not None else 0) + (cfg.remote_workers if self.remote else 0)
@@ -474,8 +478,11 @@ class WorkerRuntime:
         in_step = self.in_step
         if in_step is not None and in_step.loads:
             self._finish_in_step(in_step)
-        if self.async_loads is not None and self.async_loads.pending:
-            self._finish_async(self.async_loads.landed())  # each load as soon as it landed, never waiting
+        loader = self.async_loads
+        if self._plan is not None and self._plan.idle and self._events:  # vLLM would spin: let the copies run
+            self.idle_wait.wait(lambda: bool(self._completed) or (loader is not None and loader.any_landed()))
+        if loader is not None and loader.pending:
+            self._finish_async(loader.landed())  # each load as soon as it landed (after an idle step's wait)
         with self._lock:
             done, self._completed = self._completed, []
             for job, _ in done:
@@ -537,6 +544,7 @@ class WorkerRuntime:
             ev = self._events.get(job.job_id)
         if ev is not None:
             ev.set()
+        self.idle_wait.notify()
 
     # ------------------------------------------------------------------ stats and shutdown
     def stats(self) -> dict:
