@@ -20,9 +20,28 @@ one server log per start (``serve_<shape>_<mode>_r<run>.log``). ``--trace``: eve
 our connector's per-step load trace (``trace_<shape>_<mode>_r<run>.rank<r>.jsonl``), summarised per phase
 (``phase["trace"]``, ``serving/trace_summary.py``).
 
+``--replicas N`` (issue 33, default 1): every start is N servers, server i on GPU i with its own port,
+one model path, and a round-robin router: turn t of user u goes to replica (u + t) % N, so every turn after
+the first lands on another replica than the user's previous one (``serving/replicas.py``). Counters are
+summed over the replicas, each replica's share is in ``phase["replicas"]``; files get ``_rr<N>``, the
+server logs are packed into ``serve_logs_<shape>_rr<N>.tgz``. Modes: ``tiered-pool`` = ours with one host
+pool per start (``cpu_pool: host:<name>``, every replica the same name), ``cpu_bytes`` = the same X GiB as
+``tiered``'s private tier (``--cpu-gib``, default 1.25x a run's stored KV, which each private tier and the
+pool can hold whole): one shared X against N private X, so the pool must win with 1/N of the host
+memory, and what differs is only whether a replica finds the prefix the other one stored. ``none`` gives
+the greedy reference. The floor ``none-resident`` is refused with replicas: each replica's GPU cache holds
+only what that replica computed, so under this router it is no floor.
+
 GPU machine (vLLM 0.26 + LMCache 0.5.3 installed into /tmp/site by scripts/gpu/serve_setup.sh):
   PYTHONPATH=/tmp/site:. python3 benchmarks/serve_bench.py --shape llama3-8b --deadline-s 540
   PYTHONPATH=/tmp/site:. python3 benchmarks/serve_bench.py --shape qwen2.5-32b --modes tiered,offloading
+Two replicas (kind nvidia-h200-x2, after scripts/gpu/README.md's install calls 1-4, ~2 min; the dry run
+guesses ~420 s of the 540: per start ~60 s start-up, +15 s while the pool reserves its 30 GiB, ~20 s of
+workload, ~20 s to stop both; ~10 min of device time in all). The pool needs 30 GiB in /dev/shm (the dry
+run prints what is free; if less, give every mode a smaller --cpu-gib, >= the run's 23.4 GiB of KV), the
+private tiers pin 2 x 30 GiB. If the deadline skips ``none``, greedy outputs are compared with offloading's:
+  PYTHONPATH=/tmp/site:. python3 benchmarks/serve_bench.py --shape llama3-8b --replicas 2 \
+      --modes tiered-pool,tiered,offloading,none --deadline-s 540
 Anywhere (no GPU):
   python3 benchmarks/serve_bench.py --shape llama3-8b --dry-run [--validate]   # commands, env, sizes
   python3 benchmarks/serve_bench.py --plot-from a.json b.json --out-dir docs/img  # merge calls, table, PNG
@@ -47,9 +66,8 @@ from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from serving import report, server, stats, trace_summary  # noqa: E402
-from serving.modes import (ModeRegistry, ServerOptions, Sizes, serve_argv, serve_env, shell_line,  # noqa: E402
-                           validate_argv, with_trace)
+from serving import replicas, report, server, stats, trace_summary  # noqa: E402
+from serving.modes import ModeRegistry, ServerOptions, Sizes, pool_of, shell_line, validate_argv  # noqa: E402
 from serving.shapes import DEFAULT_GPU_BLOCKS, DEFAULT_USERS, SHAPES, kv_bytes_per_token, weight_bytes, write_model_dir, write_wordlevel_tokenizer  # noqa: E402
 from serving.workload import Workload, WorkloadParams, plan_phases, resident_gpu_blocks, sizes  # noqa: E402
 
@@ -82,6 +100,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--deadline-s", type=float, default=0, help="end cleanly (partial results) this many s after start")
     g.add_argument("--tag", default="", help="suffix of the result file names (e.g. call2)")
+    g.add_argument("--replicas", type=int, default=1,
+                   help="servers per start, server i on GPU i, round robin per turn (serving/replicas.py)")
     w = ap.add_argument_group("workload")
     w.add_argument("--users", type=int, default=0, help="default per shape: 128 (32B: 96)")
     w.add_argument("--turns", type=int, default=1, help="turns per user in each measured phase")
@@ -126,8 +146,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     o.add_argument("--trace", action="store_true",
                    help="tiered* modes: our per-step load trace ($OUT/trace_<shape>_<mode>_r<run>.rank<r>.jsonl), "
                         "summarised per phase in the JSON (phase 'trace')")
-    o.add_argument("--attach", metavar="URL", help="drive a server already running (one mode, no start/stop)")
+    o.add_argument("--attach", metavar="URL[,URL...]",
+                   help="drive servers already running (one mode, no start/stop; several: round robin)")
     a = ap.parse_args(argv)
+    if a.attach:
+        a.replicas = len([u for u in a.attach.split(",") if u])
+    if a.replicas < 1:
+        ap.error("--replicas must be >= 1")
+    if a.replicas > 1 and any(m.startswith("none-resident") for m in a.modes.split(",")):
+        ap.error("none-resident is no floor with --replicas: each replica's GPU cache holds only what it computed")
     if a.enforce_eager:
         a.graphs = "eager"
     if a.preset == "smoke":  # plumbing check in ~15 s per start; still evicts prefixes from the GPU
@@ -185,9 +212,11 @@ def workload_id(wp: WorkloadParams) -> str:
     return hashlib.sha1(json.dumps(wp.__dict__, sort_keys=True, default=list).encode()).hexdigest()[:10]
 
 
-def estimate_s(shape: str, wp: WorkloadParams, connector: bool) -> float:
-    """Rough workload seconds of one start (H200 rates in RATES): prefill + decode, phase by phase."""
+def estimate_s(shape: str, wp: WorkloadParams, connector: bool, replicas: int = 1) -> float:
+    """Rough workload seconds of one start (H200 rates in RATES): prefill + decode, phase by phase
+    (``replicas`` servers share the prefill and each decodes 1/N of the batch)."""
     tps, step_ms = RATES[shape]
+    tps *= replicas
     total = 0.0
     for ph in plan_phases(wp):
         lens = [wp.prompt_len(t) for _, t in ph.items]
@@ -196,7 +225,7 @@ def estimate_s(shape: str, wp: WorkloadParams, connector: bool) -> float:
         else:  # new tokens + the stand-in answer + half a 256-token chunk recomputed on average
             computed = len(lens) * (wp.turn_tokens + wp.answer_tokens + 128)
         waves = math.ceil(len(lens) / ph.concurrency)
-        total += computed / tps + waves * wp.answer_tokens * step_ms * (1 + ph.concurrency / 64) / 1e3
+        total += computed / tps + waves * wp.answer_tokens * step_ms * (1 + ph.concurrency / replicas / 64) / 1e3
     return total + len(plan_phases(wp)) * 1.5
 
 
@@ -226,34 +255,61 @@ def dry_run(a) -> None:
           f"({'fits' if sz['running_tokens_max'] <= sz['gpu_cache_tokens'] else 'DOES NOT FIT: preemptions'})")
     print(f"# tiers: CPU {ts.cpu_gib} GiB in every mode; disk variants: CPU {ts.disk_cpu_gib} GiB + disk "
           f"{ts.disk_gib} GiB under {ts.disk_root}/<mode>")
-    est_none, est_conn = estimate_s(a.shape, wp, False), estimate_s(a.shape, wp, True)
-    per_start = [STARTUP_GUESS_S[a.shape] + (est_none if m == "none" else est_conn) + 15 for m in modes]
+    n = a.replicas
+    if n > 1:
+        shm = replicas.shm_free_gib()
+        print(f"# replicas: {n} servers per start on GPUs {replicas.gpu_ids(n)}, one model path; round robin per turn: "
+              f"turn t of user u -> replica (u + t) % {n}; /dev/shm free here: "
+              f"{'-' if shm is None else f'{shm:.1f} GiB'} (a host pool needs {ts.cpu_gib} GiB)")
+    est_none, est_conn = estimate_s(a.shape, wp, False, n), estimate_s(a.shape, wp, True, n)
+    # a host pool's first replica reserves its pages (~0.5 s per GiB); several servers stop and free their GPUs
+    per_start = [STARTUP_GUESS_S[a.shape] + (est_none if m == "none" else est_conn) + 15 + 5 * (n > 1)
+                 + (0.5 * ts.cpu_gib if pool_of(reg.spec(m, ts)) else 0) for m in modes]
     print(f"# time guess (H200): workload ~{est_none:.0f} s (none) / ~{est_conn:.0f} s (connector) per start, "
           f"start-up ~{STARTUP_GUESS_S[a.shape]:.0f} s, stop ~15 s: ~{sum(per_start) * a.runs * a.repeats:.0f} s "
           f"for {a.runs} run(s) x {len(modes)} mode(s)")
     print(f"# order: {[m for _, m in schedule(a, modes)]}")
     problems = 0
-    for m in modes:
-        spec = reg.spec(m, ts, metrics_port=9400 if m.startswith("tiered") else None)
-        if a.trace:
-            spec = with_trace(spec, os.path.join(a.out_dir, f"trace_{a.shape}_{m}_r0"))
-        mopts = mode_options(a, wp, spec, opts)
-        argv = serve_argv(spec, mopts, f"/tmp/serve-bench-{a.shape}", 8000)
-        _, delta = serve_env(spec, REPO, {"PYTHONPATH": os.environ.get("PYTHONPATH", "")})
-        print(f"\n## mode {m} ({spec.family}{', disk ' + spec.disk_dir if spec.disk_dir else ''})")
+    for k, m in enumerate(modes):
+        trace = os.path.join(a.out_dir, f"trace_{a.shape}_{m}_r0") if a.trace else None
+        reps = plan_start(a, reg, ts, wp, opts, m, f"/tmp/serve-bench-{a.shape}", [8000 + i for i in range(n)],
+                          [9400 + i for i in range(n)], replicas.pool_name(k), trace, "serve.log",
+                          {"PYTHONPATH": os.environ.get("PYTHONPATH", "")})
+        spec = reps[0].spec
+        print(f"\n## mode {m} ({spec.family}{', disk ' + spec.disk_dir if spec.disk_dir and n == 1 else ''})")
         if spec.gpu_resident:
+            mopts = mode_options(a, wp, spec, opts)
             print(f"# {m}: GPU KV cache {mopts.gpu_blocks} blocks = {mopts.gpu_blocks * 16} tokens "
                   f"({gib(mopts.gpu_blocks * 16 * kvb):.1f} GiB) so that no prefix leaves the GPU")
-        print(shell_line(argv, delta))
+        if n > 1:
+            print(f"# {m}: " + (f"one host pool host:{reps[0].pool} of {ts.cpu_gib} GiB for all {n} replicas"
+                                if reps[0].pool else "each replica its own tiers" if spec.kv_transfer else "no connector"))
+        for r in reps:
+            if n > 1:
+                print(f"# replica {r.index}: GPU {r.gpu}, port {r.port}"
+                      + (f", metrics port {r.spec.metrics_port}" if r.spec.metrics_port else "")
+                      + (f", disk {r.spec.disk_dir}" if r.spec.disk_dir else ""))
+            print(shell_line(r.argv, r.delta))
         if a.validate:
             try:
-                validate_argv(argv)
+                validate_argv(reps[0].argv)
                 print(f"# {m}: vLLM's parser accepts it")
             except Exception as e:  # noqa: BLE001 - report every mode's problem, then fail
                 problems += 1
                 print(f"# {m}: REJECTED: {type(e).__name__}: {e}")
     if problems:
         raise SystemExit(f"{problems} mode(s) rejected")
+
+
+def plan_start(a, reg: ModeRegistry, ts: Sizes, wp: WorkloadParams, opts: ServerOptions, mode: str, model_dir: str,
+               ports: list[int], metrics_ports: list[int], pool: str, trace: str | None, log: str,
+               base_env: dict[str, str]) -> list:
+    """The ``--replicas`` servers (``serving/replicas.py``'s ``Replica``) of one start of ``mode``."""
+    return replicas.plan(reg, mode, ts, a.replicas, gpus=replicas.gpu_ids(a.replicas) if a.replicas > 1 else [],
+                         ports=ports, metrics_ports=metrics_ports if mode.startswith("tiered") else None, pool=pool,
+                         trace=trace, opts_for=lambda spec: mode_options(a, wp, spec, opts), model_dir=model_dir,
+                         repo=REPO, base_env=base_env, extra_env={"TIERED_KV_LOG": a.tkv_log} if a.tkv_log else {},
+                         log=log)
 
 
 def schedule(a, modes: list[str]) -> list[tuple[int, str]]:
@@ -284,12 +340,13 @@ class Bench:
         self.tokenizer_written = self.tokenizer == "word"
         self.startups: list[float] = []
         self.workloads: list[float] = []
-        suffix = f"_{a.tag}" if a.tag else ""
+        self.n_starts = 0  # servers launched in this call (names each start's host pool)
+        suffix = (f"_rr{a.replicas}" if a.replicas > 1 else "") + (f"_{a.tag}" if a.tag else "")
         self.path = os.path.join(a.out_dir, f"serve_bench_{a.shape}{suffix}.json")
         self.doc = {"schema": "serve_bench/1", "shape": a.shape, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     "device": server.device_name(), "gpu_share": server.gpu_share(), "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
                     "workload": {**self.wp.__dict__, "id": self.wid}, "sizes": sizes(self.wp, kv_bytes_per_token(a.shape), a.gpu_blocks),
-                    "tiers_gib": self.sizes.__dict__, "starts": []}
+                    "tiers_gib": self.sizes.__dict__, "replicas": a.replicas, "starts": []}
 
     # ---------------------------------------------------------------- time
     def left_s(self) -> float:
@@ -297,7 +354,7 @@ class Bench:
 
     def need_s(self, mode: str) -> float:
         start = max(self.startups, default=STARTUP_GUESS_S[self.a.shape])
-        work = max(self.workloads, default=estimate_s(self.a.shape, self.wp, mode != "none")) * self.a.repeats
+        work = max(self.workloads, default=estimate_s(self.a.shape, self.wp, mode != "none", self.a.replicas)) * self.a.repeats
         return start + work + STOP_MARGIN_S
 
     def save_partial(self) -> None:
@@ -308,6 +365,9 @@ class Bench:
         modes = [m for m in self.a.modes.split(",") if m]
         for m in modes:
             self.reg.spec(m, self.sizes)  # unknown modes fail before any GPU time is spent
+        host_gpus = self.doc["gpu_share"]["host_gpus"]
+        if self.a.replicas > 1 and 0 < host_gpus < self.a.replicas:
+            raise SystemExit(f"--replicas {self.a.replicas}: this machine has {host_gpus} GPU(s)")
         for run_idx, mode in schedule(self.a, modes):
             rec = {"mode": mode, "run": run_idx, "workload_id": self.wid, "status": "running"}
             self.doc["starts"].append(rec)  # filled in place: partial files show the start in progress
@@ -352,104 +412,133 @@ class Bench:
 
     def one_start(self, mode: str, run_idx: int, rec: dict, graphs: str, tok: str, attempt: int) -> bool:
         a = self.a
-        spec = self.reg.spec(mode, self.sizes, metrics_port=server.free_port() if mode.startswith("tiered") else None)
+        n = a.replicas
         if tok == "word" and not self.tokenizer_written:
             write_wordlevel_tokenizer(self.model_dir, SHAPES[a.shape]["vocab_size"])
             self.tokenizer_written = True
         opts = server_options(a, self.wp, graphs, tok)
-        port = server.free_port()
-        trace = None
-        if a.trace and spec.family == "tiered":
-            trace = os.path.join(a.out_dir, f"trace_{a.shape}_{mode}_r{run_idx}{f'_try{attempt}' if attempt else ''}")
-            for old in glob.glob(glob.escape(trace) + ".rank*.jsonl"):
-                os.remove(old)  # a previous call's file of the same name
-            spec = with_trace(spec, trace)
+        tail = f"_try{attempt}" if attempt else ""
+        trace = os.path.join(a.out_dir, f"trace_{a.shape}_{mode}_r{run_idx}{tail}") if a.trace else None
+        ports = replicas.free_ports(2 * n)
+        self.n_starts += 1
+        reps = plan_start(a, self.reg, self.sizes, self.wp, opts, mode, self.model_dir, ports[:n], ports[n:],
+                          replicas.pool_name(self.n_starts), trace, os.path.join(a.out_dir, f"serve_{a.shape}_{mode}_r{run_idx}{tail}.log"),
+                          dict(os.environ))
+        specs = [r.spec for r in reps]
+        pool = reps[0].pool
+        if trace is not None and specs[0].family == "tiered":
+            for i in range(n):
+                for old in glob.glob(glob.escape(replicas.suffixed(trace, i, n)) + ".rank*.jsonl"):
+                    os.remove(old)  # a previous call's file of the same name
             rec["trace_path"] = os.path.basename(trace)
-        opts = mode_options(a, self.wp, spec, opts)
-        argv = serve_argv(spec, opts, self.model_dir, port)
-        env, delta = serve_env(spec, REPO, dict(os.environ))
-        if a.tkv_log:
-            env["TIERED_KV_LOG"] = delta["TIERED_KV_LOG"] = a.tkv_log
-        log = os.path.join(a.out_dir, f"serve_{a.shape}_{mode}_r{run_idx}{f'_try{attempt}' if attempt else ''}.log")
-        for key in ("error", "log_tail", "startup_s", "warmup_s", "repeats"):  # left by a failed try
+        else:
+            trace = None
+        for key in ("error", "log_tail", "startup_s", "warmup_s", "repeats", "pool_shm_bytes"):  # left by a failed try
             rec.pop(key, None)
-        rec.update(status="running", graphs=graphs, tokenizer=tok, command=shell_line(argv, delta), log=os.path.basename(log),
-                   disk_dir=spec.disk_dir)
-        _wipe(spec.disk_dir)
-        if spec.disk_dir:
-            os.makedirs(spec.disk_dir, exist_ok=True)
-        srv = server.ServerProcess(argv, env, log)
-        base = f"http://127.0.0.1:{port}"
-        t0 = time.monotonic()
-        srv.start()
-        timeout = min(a.start_timeout_s or (420 if a.shape == "qwen2.5-32b" else 300), max(10.0, self.left_s() - STOP_MARGIN_S))
-        ok, why = srv.wait_healthy(base, timeout)
+        rec.update(status="running", graphs=graphs, tokenizer=tok, command=shell_line(reps[0].argv, reps[0].delta),
+                   log=os.path.basename(reps[0].log), disk_dir=specs[0].disk_dir)
+        if n > 1:
+            rec.update(replicas=[{"gpu": r.gpu, "port": r.port, "command": shell_line(r.argv, r.delta),
+                                  "log": os.path.basename(r.log), "disk_dir": r.spec.disk_dir} for r in reps], pool=pool)
+        for s in specs:
+            _wipe(s.disk_dir)
+            if s.disk_dir:
+                os.makedirs(s.disk_dir, exist_ok=True)
+        if pool and replicas.shm_problem(self.sizes.cpu_gib):
+            raise RuntimeError(replicas.shm_problem(self.sizes.cpu_gib))  # no start-up setting would help
+        srvs = [server.ServerProcess(r.argv, r.env, r.log) for r in reps]
+        bad = 0  # the replica whose log tells why a start failed
         try:
+            t0 = time.monotonic()
+            for srv in srvs:
+                srv.start()
+            timeout = min(a.start_timeout_s or (420 if a.shape == "qwen2.5-32b" else 300), max(10.0, self.left_s() - STOP_MARGIN_S))
+            for r, srv in zip(reps, srvs):
+                ok, why = srv.wait_healthy(r.base, max(1.0, timeout - (time.monotonic() - t0)))
+                if not ok:
+                    bad, why = r.index, why if n == 1 else f"replica {r.index} (GPU {r.gpu}): {why}"
+                    break
             if ok:
                 rec["startup_s"] = round(time.monotonic() - t0, 1)
-                print(f"[{mode} r{run_idx}] healthy after {rec['startup_s']} s (graphs={graphs}, tokenizer={tok})", flush=True)
-                if spec.family == "lmcache":
-                    rec["lmcache_native_ops"] = lmcache_native_ops(log)
-                warm = _run_async(warmup(base, self.wp))
-                rec["warmup_s"] = [round(x, 3) for x in warm[0]]
-                if warm[1]:
-                    ok, why = False, f"warm-up request failed: {warm[1]}"
+                print(f"[{mode} r{run_idx}] healthy after {rec['startup_s']} s (graphs={graphs}, tokenizer={tok}"
+                      f"{f', {n} replicas' if n > 1 else ''})", flush=True)
+                if specs[0].family == "lmcache":
+                    rec["lmcache_native_ops"] = all([lmcache_native_ops(r.log) for r in reps])
+                warm = [_run_async(warmup(r.base, self.wp)) for r in reps]
+                rec["warmup_s"] = [round(x, 3) for w in warm for x in w[0]]
+                err = next((w[1] for w in warm if w[1]), None)
+                if err:
+                    ok, why = False, f"warm-up request failed: {err}"
             if ok:
-                rec["vllm_version"] = _version(base)
+                rec["vllm_version"] = _version(reps[0].base)
                 self.startups.append(rec["startup_s"])
                 t1 = time.monotonic()
                 rec["repeats"] = []
                 for rep in range(a.repeats):
                     seed = a.seed * 1_000_003 + 1000 * run_idx + rep
                     rec["repeats"].append({"seed": seed, "phases": []})
-                    _run_async(self.drive(base, spec, Workload(self.wp, seed), rec["repeats"][-1]["phases"]))
+                    _run_async(self.drive([r.base for r in reps], specs, Workload(self.wp, seed), rec["repeats"][-1]["phases"]))
                     if self.left_s() < STOP_MARGIN_S:
                         break
                 self.workloads.append((time.monotonic() - t1) / max(1, len(rec["repeats"])))
-                if srv.alive:
+                if pool:
+                    rec["pool_shm_bytes"] = replicas.pool_bytes(pool)  # every replica up: one pool's memory
+                dead = [i for i, srv in enumerate(srvs) if not srv.alive]
+                if not dead:
                     rec["status"] = "ok"
                     return True
-                ok, why = False, f"server exited (code {srv.proc.returncode}) during the workload"
+                codes = ", ".join(f"{'' if n == 1 else f'replica {i} '}code {srvs[i].proc.returncode}" for i in dead)
+                ok, why, bad = False, f"server exited ({codes}) during the workload", dead[0]
                 self.settled = True  # it did start: not a start-up setting to fall back from
-            rec.update(status="failed", error=why, log_tail=srv.log_tail(40))
-            print(f"[{mode} r{run_idx}] FAILED: {why}\n--- last lines of {log} ---\n{rec['log_tail']}\n---", flush=True)
+            rec.update(status="failed", error=why, log_tail=srvs[bad].log_tail(40))
+            print(f"[{mode} r{run_idx}] FAILED: {why}\n--- last lines of {reps[bad].log} ---\n{rec['log_tail']}\n---", flush=True)
             return False
         finally:
-            rec["stop_s"] = round(srv.stop(), 1)
+            rec["stop_s"] = round(replicas.stop_servers(srvs), 1)
             rec["gpu_free_wait_s"] = round(server.wait_gpu_free(), 1)
-            _wipe(spec.disk_dir)
+            replicas.remove_pool(pool)
+            for s in specs:
+                _wipe(s.disk_dir)
             if trace is not None:
-                add_trace(rec, trace, spec.name)
+                add_trace(rec, [replicas.suffixed(trace, i, n) for i in range(n)], mode)
 
-    async def drive(self, base: str, spec, wl: Workload, out: list) -> None:
-        """The phases of one workload run, with Prometheus scrapes between them."""
+    async def drive(self, bases: list[str], specs: list, wl: Workload, out: list) -> None:
+        """The phases of one workload run over the start's servers (round robin per turn when several),
+        with Prometheus scrapes between them."""
         from serving import client
 
         a = self.a
+        n = len(bases)
         stop_at = None if not a.deadline_s else T0 + a.deadline_s - STOP_MARGIN_S
-        before = _scrape(base, spec)
+        url_of = bases[0] if n == 1 else replicas.router(bases)
+        before = [_scrape(b, s) for b, s in zip(bases, specs)]
         async with client.make_session(max(self.wp.concurrency + (self.wp.warm_c,)), a.request_timeout_s) as session:
             for ph in wl.phases():
                 t_start = time.time()
-                run = await client.run_phase(session, base, ph.items, wl.prompt, ph.concurrency, self.wp.answer_tokens, stop_at)
+                run = await client.run_phase(session, url_of, ph.items, wl.prompt, ph.concurrency, self.wp.answer_tokens, stop_at)
                 t_end = time.time()
                 await asyncio.sleep(a.phase_gap_s)
-                await client.stream_completion(session, base, _fresh_ids(self.wp, 16, f"flush:{wl.seed}:{ph.name}"), 1)
-                after = _scrape(base, spec)
-                rec = phase_record(ph, run, before, after, spec)
+                for i, b in enumerate(bases):  # every replica's metrics snapshot refreshes
+                    tag = f"flush:{wl.seed}:{ph.name}" + (f":{i}" if n > 1 else "")
+                    await client.stream_completion(session, b, _fresh_ids(self.wp, 16, tag), 1)
+                after = [_scrape(b, s) for b, s in zip(bases, specs)]
+                rec = phase_record(ph, run, replicas.combine(before), replicas.combine(after), specs[0])
+                if n > 1:
+                    rec["replicas"] = replicas.per_replica(run.results, before, after, specs)
                 rec["t_start"], rec["t_end"] = round(t_start, 3), round(t_end, 3)  # wall clock: the trace's lines
                 out.append(rec)
                 before = after
-                _print_phase(spec.name, rec)
+                _print_phase(specs[0].name, rec)
                 self.save_partial()
                 if run.truncated:
-                    print(f"[{spec.name}] deadline: phase {ph.name} cut short, later phases skipped", flush=True)
+                    print(f"[{specs[0].name}] deadline: phase {ph.name} cut short, later phases skipped", flush=True)
                     break
 
 
-def add_trace(rec: dict, trace_path: str, mode: str) -> None:
-    """Summarise the start's load trace per phase (``phase["trace"]``), from the files its ranks wrote."""
-    lines = trace_summary.read_lines(trace_path)
+def add_trace(rec: dict, trace_paths: list[str], mode: str) -> None:
+    """Summarise the start's load trace per phase (``phase["trace"]``), from the files its ranks (of every
+    replica) wrote."""
+    lines = sorted((x for p in trace_paths for x in trace_summary.read_lines(p)), key=lambda x: x.get("t", 0.0))
     rec["trace_lines"] = len(lines)
     for rep in rec.get("repeats", ()):
         for ph in rep["phases"]:
@@ -579,17 +668,19 @@ def plot_from(a) -> None:
 
 
 def attach(a) -> None:
-    """Drive one running server (``--attach URL``) as mode ``--modes`` (one name): for debugging and the tests."""
+    """Drive running servers (``--attach URL[,URL...]``, several: round robin per turn) as mode ``--modes``
+    (one name): for debugging and the tests."""
     bench = Bench(a)
     mode = a.modes.split(",")[0]
     spec = bench.reg.spec(mode, bench.sizes)
+    bases = [u.rstrip("/") for u in a.attach.split(",") if u]
     rec = {"mode": mode, "run": a.run_offset, "workload_id": bench.wid, "status": "ok", "attached": a.attach,
            "startup_s": 0.0, "repeats": []}
     bench.doc["starts"].append(rec)
     for rep in range(a.repeats):
         seed = a.seed * 1_000_003 + 1000 * a.run_offset + rep
         rec["repeats"].append({"seed": seed, "phases": []})
-        _run_async(bench.drive(a.attach.rstrip("/"), spec, Workload(bench.wp, seed), rec["repeats"][-1]["phases"]))
+        _run_async(bench.drive(bases, [spec] * len(bases), Workload(bench.wp, seed), rec["repeats"][-1]["phases"]))
     finish(bench.doc, bench.path, plot=not a.no_plot)
 
 
@@ -617,6 +708,11 @@ def main(argv=None) -> None:
     finally:
         shutil.rmtree(bench.model_dir, ignore_errors=True)
     finish(bench.doc, bench.path, plot=not a.no_plot)
+    if a.replicas > 1:  # a device call brings back a few files: one archive for every replica's log
+        tgz = replicas.pack_logs(a.out_dir, a.shape, os.path.basename(bench.path).replace("serve_bench_", "serve_logs_")
+                                 .replace(".json", ".tgz"))
+        if tgz:
+            print(f"wrote {tgz} (the servers' logs)", flush=True)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ queue time). The client timestamps every SSE chunk when its bytes arrive.
 A phase runs ``concurrency`` workers over an ordered list of (user, turn) items: a worker takes
 the next item, waits until the same user's previous turn has finished (a user never has two
 requests in flight), sends it, and takes the next item when the answer is complete. So exactly
-``concurrency`` users are in flight while items remain.
+``concurrency`` users are in flight while items remain. With several replicas the phase's ``base_url`` is a
+router, ``(user, turn) -> url`` (``serving/replicas.py``: round robin per turn).
 
 Threading contract: one asyncio event loop; nothing here is shared across threads.
 """
@@ -132,10 +133,12 @@ class PhaseRun:
     truncated: bool
 
 
-async def run_phase(session: aiohttp.ClientSession, base_url: str, items, prompt_of, concurrency: int,
+async def run_phase(session: aiohttp.ClientSession, base_url, items, prompt_of, concurrency: int,
                     max_tokens: int, stop_at: float | None = None) -> PhaseRun:
     """Closed loop over ``items`` [(user, turn)] with ``concurrency`` workers; ``prompt_of(user, turn)``
-    gives the token ids. No new request starts after ``stop_at`` (``time.monotonic()``)."""
+    gives the token ids. ``base_url``: one server's URL, or a router ``(user, turn) -> URL`` choosing the
+    server of each request. No new request starts after ``stop_at`` (``time.monotonic()``)."""
+    url_of = base_url if callable(base_url) else (lambda user, turn: base_url)
     queue = deque(items)
     locks: dict[int, asyncio.Lock] = defaultdict(asyncio.Lock)
     results: list[RequestResult] = []
@@ -150,7 +153,7 @@ async def run_phase(session: aiohttp.ClientSession, base_url: str, items, prompt
                 return
             user, turn = queue.popleft()
             async with locks[user]:  # FIFO: the user's earlier turn (taken earlier) goes first
-                r = await stream_completion(session, base_url, prompt_of(user, turn), max_tokens, t0)
+                r = await stream_completion(session, url_of(user, turn), prompt_of(user, turn), max_tokens, t0)
             r.user, r.turn = user, turn
             results.append(r)
 

@@ -13,7 +13,10 @@ Families and the connector each one configures (vLLM 0.26 on the GPU machine):
                   on the server's PYTHONPATH; it is added); ``metrics_port`` exposes per-tier
                   counters; ``tiered-disk`` = a small CPU tier + the disk tier; ``tiered-async``,
                   ``tiered-adaptive``, ``tiered-staged``, ``tiered-copyengine``,
-                  ``tiered-adaptive-staged``: ``load_mode`` / ``in_step_copy`` variants
+                  ``tiered-adaptive-staged``: ``load_mode`` / ``in_step_copy`` variants;
+                  ``tiered-pool``: the CPU tier is a host pool in ``/dev/shm`` that every replica of
+                  an engine start joins (``cpu_pool: host:<name>``, ``cpu_bytes`` the same in each;
+                  ``with_pool`` gives each start its own name; ``serve_bench.py --replicas``)
 - ``lmcache``     ``LMCacheConnectorV1`` (LMCache 0.5.3's adapter), configured by ``LMCACHE_*``
                   environment variables; ``lmcache-disk`` adds its local disk backend
 
@@ -72,6 +75,8 @@ BUILTIN: dict[str, tuple[str, dict, bool]] = {
     "none-resident-v1runner": ("none", {"gpu_resident": True, "env": V1_RUNNER_ENV}, False),
     "tiered-async-v1runner": ("tiered", {"load_mode": "async", "env": V1_RUNNER_ENV}, False),
     "tiered-adaptive-v1runner": ("tiered", {"load_mode": "adaptive", "env": V1_RUNNER_ENV}, False),
+    # issue 33: one CPU tier for every replica of a start, a host pool (with_pool names it per start)
+    "tiered-pool": ("tiered", {"cpu_pool": "host:serve-bench"}, False),
     "tiered-disk": ("tiered", {}, True),
     "tiered-disk-always": ("tiered", {"disk_load_policy": "always"}, True),
     "lmcache": ("lmcache", {}, False),
@@ -179,6 +184,26 @@ def with_trace(spec: ModeSpec, trace_path: str) -> ModeSpec:
     kv = dict(spec.kv_transfer)
     kv["kv_connector_extra_config"] = {**kv["kv_connector_extra_config"], "trace_path": trace_path}
     return replace(spec, kv_transfer=kv)
+
+
+def with_pool(spec: ModeSpec, pool: str) -> ModeSpec:
+    """``spec`` with its host pool named ``host:<pool>`` when it has one (``cpu_pool``); else unchanged.
+
+    Every replica of one engine start gets the same name, every start its own: a pool lives while a
+    process has it open, so a start never joins what a killed start left behind."""
+    if spec.family != "tiered" or "cpu_pool" not in spec.kv_transfer["kv_connector_extra_config"]:
+        return spec
+    kv = dict(spec.kv_transfer)
+    kv["kv_connector_extra_config"] = {**kv["kv_connector_extra_config"], "cpu_pool": f"host:{pool}"}
+    return replace(spec, kv_transfer=kv)
+
+
+def pool_of(spec: ModeSpec) -> str | None:
+    """The host pool's name (without ``host:``) a ``spec`` joins, or None."""
+    if spec.family != "tiered":
+        return None
+    pool = spec.kv_transfer["kv_connector_extra_config"].get("cpu_pool")
+    return pool[len("host:"):] if isinstance(pool, str) and pool.startswith("host:") else None
 
 
 def _tiered(name, settings, cpu_gib, disk_dir, disk_gib, port) -> ModeSpec:

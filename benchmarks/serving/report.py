@@ -260,11 +260,13 @@ def write_json(path: str, doc: dict) -> str:
 
 
 def merge(docs: list[dict]) -> dict[str, dict]:
-    """Result files -> one document per shape with every start (each labelled with its device)."""
+    """Result files -> one document per shape with every start (each labelled with its device). Files of
+    several replicas per start (``--replicas N``) merge apart from the others, under ``<shape>_rr<N>``."""
     out: dict[str, dict] = {}
     for doc in docs:
-        shape = doc["shape"]
-        m = out.setdefault(shape, {"shape": shape, "devices": [], "dates": [], "files": [], "starts": []})
+        n = doc.get("replicas") or 1
+        shape = doc["shape"] if n == 1 or doc["shape"].endswith(f"_rr{n}") else f"{doc['shape']}_rr{n}"
+        m = out.setdefault(shape, {"shape": shape, "replicas": n, "devices": [], "dates": [], "files": [], "starts": []})
         # a merged document (devices/dates/files lists) merges again: its starts keep their own device
         m["devices"] = sorted(set(m["devices"]) | set(doc.get("devices") or [doc.get("device", "?")]))
         m["dates"] += doc.get("dates") or [doc.get("date")]

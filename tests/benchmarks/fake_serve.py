@@ -5,7 +5,8 @@ on port P until killed. ``FAKE_SERVE_FAIL=skip`` makes it exit with an error whe
 ``--skip-tokenizer-init`` is given (to exercise the tokenizer fallback), ``FAKE_SERVE_FAIL=graphs``
 when ``--enforce-eager`` is not; ``FAKE_SERVE_EXIT_AFTER=n`` exits after n requests; ``FAKE_SERVE_SAY`` is a
 line it logs at start (as an engine's warning would be). It records its argv and some environment in
-``FAKE_SERVE_RECORD``. With a ``trace_path`` in the connector's extra config it writes a load-trace line
+``FAKE_SERVE_RECORD``. With a ``cpu_pool`` in the connector's extra config and ``FAKE_SERVE_SHM`` set, it makes the
+pool's directory under ``FAKE_SERVE_SHM`` (as the first replica would in ``/dev/shm``) and leaves it when killed. With a ``trace_path`` in the connector's extra config it writes a load-trace line
 (tiered_kv's format) every 50 ms, as a worker rank would.
 """
 import json
@@ -21,7 +22,8 @@ argv = sys.argv[1:]
 if os.environ.get("FAKE_SERVE_RECORD"):
     with open(os.environ["FAKE_SERVE_RECORD"], "a") as f:
         f.write(json.dumps({"pid": os.getpid(), "argv": argv, "LMCACHE_CHUNK_SIZE": os.environ.get("LMCACHE_CHUNK_SIZE"),
-                            "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED")}) + "\n")
+                            "PYTHONHASHSEED": os.environ.get("PYTHONHASHSEED"),
+                            "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES")}) + "\n")
 fail = os.environ.get("FAKE_SERVE_FAIL", "")
 print("fake vllm serve starting", flush=True)
 if os.environ.get("FAKE_SERVE_SAY"):
@@ -32,6 +34,11 @@ if (fail == "skip" and "--skip-tokenizer-init" in argv) or (fail == "graphs" and
     sys.exit(3)
 if "--kv-transfer-config" in argv:  # a connector's per-step load trace (tiered_kv's format): one line per 50 ms
     extra = json.loads(argv[argv.index("--kv-transfer-config") + 1]).get("kv_connector_extra_config", {})
+    if extra.get("cpu_pool") and os.environ.get("FAKE_SERVE_SHM"):
+        pool = os.path.join(os.environ["FAKE_SERVE_SHM"], f"tiered_kv-{os.getuid()}", extra["cpu_pool"][len("host:"):])
+        os.makedirs(pool, exist_ok=True)
+        with open(os.path.join(pool, "payload"), "wb") as f:
+            f.write(b"\0" * 8192)
     if extra.get("trace_path"):
         import threading
 
