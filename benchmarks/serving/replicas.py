@@ -22,6 +22,7 @@ thread); no shared state beyond what the caller passes in.
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import shutil
@@ -169,10 +170,8 @@ def stop_servers(servers) -> float:
     """SIGTERM every server's process group at once, then ``stop`` each (SIGKILL after its grace)."""
     for s in servers:
         if s.proc is not None and s.proc.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):  # already gone
                 os.killpg(s.proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
     return sum(s.stop() for s in servers)
 
 
@@ -186,10 +185,8 @@ def pool_bytes(pool: str) -> int:
     total = 0
     for base, _dirs, files in os.walk(pool_dir(pool)):
         for name in files:
-            try:
+            with contextlib.suppress(OSError):  # removed meanwhile
                 total += os.stat(os.path.join(base, name)).st_blocks * 512
-            except OSError:
-                pass
     return total
 
 
