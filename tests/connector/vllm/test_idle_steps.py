@@ -30,6 +30,14 @@ CHUNK_BYTES = K * BS * LAYERS * HEADS * 2 * HEAD * 2  # the tiny Llama's (float1
 MAX_STEPS = 6
 
 
+@pytest.fixture(autouse=True)
+def _patient_idle_steps(monkeypatch):
+    """A shared 2-core CI box may hold the copying thread off the CPU longer than one idle step's 5 ms: ten times
+    that per step keeps the step counts below a property of the code, not of the box (before the fix no step
+    waited at all, so the bound still tells the two apart)."""
+    monkeypatch.setattr(idle, "IDLE_WAIT_S", 0.05)
+
+
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("idle-models")
