@@ -110,6 +110,7 @@ class TieredHiCacheStorage(HiCacheStorage):
             "block_shape": list(pages.page_shape), "dtype": pages.layout.dtype, "page_size": pages.page_size,
             "layout_tag": pages.layout.tag, "model": self.scope.model, "tenant_salt": o.tenant_salt,
             "gpu_bytes": 0, "cpu_bytes": o.cpu_bytes, "pin_memory": False,
+            "cpu_pool": o.cpu_pool, "cpu_pool_weight": o.cpu_pool_weight,  # one CPU tier for the host's replicas
             "disk_path": None if disk_dir is None else str(disk_dir), "disk_bytes": o.disk_bytes,
             "disk_budget": o.disk_budget, "disk_weight": o.disk_weight,
             "compression": o.compression, "disk_sync": o.disk_sync, "disk_workers": o.disk_workers,

@@ -53,6 +53,16 @@ class SGLangBackendConfig(RemoteKeys):
     cpu_bytes: int = config_key(0, "optional CPU tier in front of the disk (our own, besides SGLang's host pool); "
                                    "with it, a hit query also starts a disk->CPU prefetch of the hit pages. `0` = no "
                                    "CPU tier", "bytes")
+    cpu_pool: str | None = config_key(None, "`host:<name>`: our CPU tier is the host pool `<name>` in `/dev/shm`, "
+                                            "one pool shared by every process on the host that names it (SGLang "
+                                            "data-parallel replicas or servers, vLLM replicas, Python API "
+                                            "processes; docs/reliability.md, \"One host pool, many processes\"): a "
+                                            "page one replica stored is a hit for the others of the same model and "
+                                            "rank. Its size is `cpu_bytes`, the same in each; with `disk_path` every "
+                                            "page that lands in the pool is also written to disk. `null`: a private "
+                                            "CPU tier (or none)")
+    cpu_pool_weight: int = config_key(1, "this backend's weight in the host pool's one budget: its namespace's fair "
+                                         "share is `cpu_bytes * weight / sum(weights)`")
     compression: str = config_key("none", "`none` or `zstd` (per record, kept only when smaller)")
     eviction: str = config_key("lru", "eviction policy of the store (see the core README)")
     disk_sync: bool = config_key(False, "`true`: fdatasync every write batch (power-loss safe, slower). `false`: "
@@ -110,6 +120,16 @@ class SGLangBackendConfig(RemoteKeys):
         if self.disk_path is None and self.cpu_bytes == 0 and self.remote_url is None:
             raise ConfigError("tiered_kv needs somewhere to keep pages: set disk_path (and disk_bytes), "
                               "cpu_bytes for a memory-only store, or remote_url for a Redis Cluster")
+        if self.cpu_pool is not None:
+            from tiered_kv.tiers.pool.place import pool_name  # lazily: the pool's module needs lmdb
+
+            pool_name(self.cpu_pool)  # ConfigError naming the value
+            if self.cpu_bytes == 0:
+                raise ConfigError(f"cpu_pool={self.cpu_pool!r} needs cpu_bytes > 0 (the pool's size, the same in every "
+                                  f"process that names the pool), e.g. \"cpu_bytes\": \"64GiB\"")
+        w = self.cpu_pool_weight
+        if not isinstance(w, int) or isinstance(w, bool) or not 1 <= w <= 1 << 20:
+            raise ConfigError(f"cpu_pool_weight: expected an int in [1, {1 << 20}], got {w!r}")
         if not isinstance(self.compression, str) or self.compression not in CODECS:
             raise ConfigError(f"compression: unknown value {self.compression!r}; valid: {sorted(CODECS)}")
         if not isinstance(self.eviction, str) or self.eviction not in POLICIES:
