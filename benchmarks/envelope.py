@@ -19,7 +19,8 @@ Workloads, all run by one engine start per (shape, mode, GPU cache), one after t
            (4 tokens each, compared across modes): its wall time. The GPU KV cache holds about GPU_FIT
            requests of the batch's length, so its prefixes can only come from a CPU tier.
   restart  (mode ``tiered-disk-restart``, after a ``tiered-disk`` start of the same call: a new engine on the disk
-           tier that start wrote) turn 1 is a hit: ``turn1_cached_tokens`` and, per TP rank, the bytes loaded
+           tier that start wrote) turn 1 is a hit: ``turn1_cached_tokens`` (plan order puts it right after
+           its ``tiered-disk``)
   disk     (mode ``tiered-disk`` only, compared with none and with OffloadingConnector at the same small CPU
            tier) turn 2 whose prefix sits in our disk tier on this machine's disk: TTFT p50
   serving  multi-turn serving at concurrency 8 and 32: ``benchmarks/serve_bench.py`` (``vllm serve``); its
@@ -82,15 +83,19 @@ MODES = ("none", "offloading", "tiered", "tiered-disk", "offloading-small", "tie
 
 
 def split_mode(mode: str) -> tuple[str, dict]:
-    """``tiered+key=value+...`` -> (``tiered``, {key: value}): a variant of one of our modes, for an A/B of a setting
-    (values stay strings; the connector's config parses them). Raises SystemExit naming a malformed part."""
+    """``tiered+key=value+...`` -> (``tiered``, {key: value}): a variant of one of our modes, for an A/B of a setting.
+    A value is read as JSON where it is JSON (``4``, ``false``, ``2``), else kept as a string (``copy_engine``),
+    as the connector's extra config would carry it. Raises SystemExit naming a malformed part."""
     base, *parts = mode.split("+")
     extra = {}
     for part in parts:
         key, sep, value = part.partition("=")
         if not sep or not key or not base.startswith("tiered"):
             raise SystemExit(f"mode {mode!r}: expected tiered[-disk]+key=value[+key=value...], got part {part!r}")
-        extra[key] = value
+        try:
+            extra[key] = json.loads(value)
+        except ValueError:
+            extra[key] = value
     return base, extra
 #: shapes the matrix names that cannot run here, and why (printed as cells that did not run)
 NOT_RUNNABLE = {
@@ -187,10 +192,10 @@ def _stored_per_conversation(llm, prefix: int) -> dict:
             "chunk_tokens": geo.chunk_tokens}
 
 
-def rank_rates(trace: str, t0: float, t1: float, what: str = "gbps") -> dict[str, float]:
+def rank_rates(trace: str, t0: float, t1: float) -> dict[str, float]:
     """Per TP rank: bytes its loads moved over their summed GPU time (GB/s), for trace lines in ``[t0, t1 + 1 s]``
-    (a rate only while one rank's loads do not overlap in time: turn 2 runs one request at a time);
-    ``what="bytes"``: the bytes instead."""
+    (a rate only while one rank's loads do not overlap in time: turn 2 runs one request at a time). The trace
+    holds CPU-tier loads (in-step and asynchronous), not the front mover's disk loads."""
     import glob
 
     out: dict = {}
@@ -208,7 +213,7 @@ def rank_rates(trace: str, t0: float, t1: float, what: str = "gbps") -> dict[str
                             nbytes += x["bytes"]
                             ms += x["gpu_ms"]
         rank = path.rsplit(".rank", 1)[1].split(".")[0]
-        out[rank] = int(nbytes) if what == "bytes" else (round(nbytes / ms / 1e6, 2) if ms else 0.0)
+        out[rank] = round(nbytes / ms / 1e6, 2) if ms else 0.0
     return out
 
 
@@ -246,13 +251,10 @@ def run_one(shape: str, mode: str, gpu: str) -> dict:
     generate([convs[0][:512]], 1)  # warm-up
     ours = mode.startswith("tiered")
     c0 = _tiered_counters(llm) if ours else {}
-    t_turn1 = time.time()
     turn1_runs = [generate([c], 2) for c in convs]
     turn1 = [o[0] for _, o in turn1_runs]
     turn1_extra = {"turn1_s": [round(dt, 4) for dt, _ in turn1_runs],
                    "turn1_cached_tokens": [int(o.num_cached_tokens or 0) for o in turn1]}
-    if trace and split_mode(mode)[0] == "tiered-disk-restart":  # what each rank loaded of the last engine's stores
-        turn1_extra["turn1_rank_bytes_loaded"] = rank_rates(trace, t_turn1, time.time(), "bytes")
     time.sleep(2.0)  # stores land
     generate([convs[0][:BLOCK]], 1)  # a step, so the planner applies the last stores' completions (an idle engine
     # takes none; the 2026-11-28 runs counted 9 of 10 conversations' stores without it)
@@ -325,7 +327,12 @@ def plan(shapes: list[str], modes: list[str], gpus: list[str], starts: int,
         for gpu in gpus:
             for s in range(offset, offset + starts):
                 k = s % len(modes)
-                out += [(shape, m, gpu, s) for m in modes[k:] + modes[:k]]
+                order = [m for m in modes[k:] + modes[:k] if "restart" not in m]
+                for m in modes:  # a restart reads what its tiered-disk start wrote: right after it
+                    if "restart" in m:
+                        disk = m.replace("tiered-disk-restart", "tiered-disk", 1)
+                        order.insert(order.index(disk) + 1 if disk in order else len(order), m)
+                out += [(shape, m, gpu, s) for m in order]
     return out
 
 

@@ -29,9 +29,12 @@ run meet through files in a temporary directory).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
+import signal
+import shutil
 import statistics
 import subprocess
 import sys
@@ -191,14 +194,20 @@ def run_pair(model: str, mode: str, start: int) -> dict:
         logs[role] = os.path.join(os.environ.get("OUT", sync_dir), f"replica_{mode}_{role}_s{start}.log")
         with open(logs[role], "w") as log:
             procs[role] = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--one", model, mode, role,
-                                            sync_dir, pool], env=env, stdout=log, stderr=subprocess.STDOUT)
+                                            sync_dir, pool], env=env, stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True)  # its own group: killed with its helpers
+    deadline = time.monotonic() + 1200
+    while any(p.poll() is None for p in procs.values()):  # one replica failing ends the other (it would wait)
+        failed = any(p.returncode not in (None, 0) for p in procs.values())
+        if failed or time.monotonic() > deadline:
+            for p in procs.values():
+                if p.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(p.pid, signal.SIGKILL)
+        time.sleep(0.5)
+    shutil.rmtree(os.path.join("/dev/shm", f"tiered_kv-{os.getuid()}", pool), ignore_errors=True)  # its users gone
     out = {}
     for role, p in procs.items():
-        try:
-            p.wait(timeout=1200)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
         with open(logs[role], errors="replace") as f:
             text = f.read()
         r = _result_line(text)
@@ -206,6 +215,7 @@ def run_pair(model: str, mode: str, start: int) -> dict:
             print(f"[{mode} #{start} replica {role}] FAILED rc={p.returncode}\n{text[-3000:]}", flush=True)
             r = {"error": f"rc={p.returncode}", "log_tail": text[-2000:]}
         out[role] = r
+    shutil.rmtree(sync_dir, ignore_errors=True)  # (the logs too, unless OUT is set)
     return {"mode": mode, "start": start, "replicas": out}
 
 

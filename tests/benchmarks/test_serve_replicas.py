@@ -22,6 +22,13 @@ import serve_bench  # noqa: E402
 from serving import replicas, report  # noqa: E402
 from serving.workload import Workload, WorkloadParams, plan_phases  # noqa: E402
 
+
+@pytest.fixture(autouse=True)
+def _no_visible_devices_from_the_caller(monkeypatch):
+    """The replicas' GPUs follow the benchmark's own CUDA_VISIBLE_DEVICES: a caller's (a GPU box's) must not leak
+    into the tests that assume none."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
 SMALL_ARGS = ["--shape", "llama3-8b", "--users", "6", "--system-tokens", "32", "--context-tokens", "48",
               "--turn-tokens", "16", "--answer-tokens", "4", "--concurrency", "4,2,1", "--c1-users", "2",
               "--phase-gap-s", "0", "--no-plot"]

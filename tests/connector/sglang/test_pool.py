@@ -52,8 +52,13 @@ def test_a_page_another_replica_process_wrote_is_a_bit_exact_hit(tmp_path):
         child = multiprocessing.get_context("spawn").Process(target=replica_writer,
                                                              args=(str(tmp_path), pool, keys, 11))
         child.start()
-        child.join(120)
-        assert child.exitcode == 0
+        try:
+            child.join(120)
+            assert child.exitcode == 0
+        finally:
+            if child.is_alive():  # hung: kill it, or multiprocessing would wait for it at exit
+                child.kill()
+                child.join()
         assert reader.batch_exists(keys) == N  # stored by the other process, found in the pool's index
         dst = host.alloc(N * PAGE_SIZE)
         assert reader.batch_get_v1(keys, dst) == [True] * N
@@ -67,10 +72,12 @@ def test_a_page_another_replica_process_wrote_is_a_bit_exact_hit(tmp_path):
         shutil.rmtree(user_root() / pool, ignore_errors=True)  # every user is gone: its /dev/shm memory too
 
 
-@pytest.mark.parametrize("more, match", [({"cpu_pool": "shm:kv"}, "host:<name>"), ({"cpu_bytes": 0}, "cpu_bytes"),
+@pytest.mark.parametrize("more, match", [({"cpu_pool": "shm:kv"}, "host:<name>"),
+                                         ({"cpu_bytes": 0}, "needs cpu_bytes > 0"),
                                          ({"cpu_pool_weight": 0}, "cpu_pool_weight")])
 def test_a_bad_pool_setting_fails_at_start_naming_the_key(tmp_path, more, match):
     from tests.connector.sglang.harness import create_backend
 
+    extra = {**_pool_extra(tmp_path, "sgl-bad"), "disk_path": str(tmp_path), **more}  # a disk: only the pool is wrong
     with pytest.raises(ConfigError, match=match):
-        create_backend({**_pool_extra(tmp_path, "sgl-bad"), **more})
+        create_backend(extra)

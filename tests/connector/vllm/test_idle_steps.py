@@ -110,6 +110,35 @@ def test_a_disk_hit_is_scheduled_within_a_few_spinning_steps(model_dirs, tmp_pat
         eng.close()
 
 
+def test_stores_alone_never_hold_an_empty_step(model_dirs, monkeypatch):
+    """Only loads (which a waiting request needs) make an empty step wait: a request's stores still in flight
+    after it finished must not delay the step that returns its last output (each store made slow here, so
+    empty steps run while they are in flight)."""
+    from tiered_kv.connector.vllm.runner import JobRunner
+    from tiered_kv.values.jobs import JobKind
+
+    run = JobRunner.execute
+
+    def slow_stores(self, job, *args, **kw):
+        if job.kind is JobKind.INGRESS:
+            time.sleep(0.05)
+        return run(self, job, *args, **kw)
+
+    monkeypatch.setattr(JobRunner, "execute", slow_stores)
+    eng = _engine(model_dirs, "llama", load_mode="async")
+    try:
+        eng.add("t1", _prompt(3, 12 * BS + 5), max_tokens=3)
+        eng.run()
+        for _ in range(20):  # empty steps while the stores complete
+            eng.step()
+        eng.settle()
+        st = eng.connector.stats()
+        assert st["sched_store_chunks"] > 0 and st["sched_load_jobs"] == 0, st
+        assert eng.workers[0].connector.stats()["idle_waits"] == 0
+    finally:
+        eng.close()
+
+
 def test_idle_wait_returns_when_a_job_completes_and_gives_up_after_its_limit():
     counters = WorkerCounters()
     wait = idle.IdleWait(counters)

@@ -229,6 +229,7 @@ class WorkerRuntime:
         self.pool = PoolIO(self.cpu, self.counters, self._lock) if cfg.cpu_pool is not None else None
         self._completed: list[tuple[TransferJob, Completion]] = []
         self._events: dict[int, threading.Event] = {}
+        self._loading: set[int] = set()  # asynchronous loads and promotions in flight: what a waiting request needs
         # what the movers run, and the job tables they share with this thread (under _lock)
         self.runner = JobRunner(geo, rank, self.layout, self.cpu, self.keyed, self.disk, self.writes_copies,
                                 self.counters, self._lock, self.pool)
@@ -416,6 +417,7 @@ class WorkerRuntime:
                 batch.append((job, gpu, rows))
                 with self._lock:
                     self._events[job.job_id] = threading.Event()
+                    self._loading.add(job.job_id)
             else:
                 rest.append(job)
         if batch:
@@ -461,6 +463,8 @@ class WorkerRuntime:
         for job in jobs:
             with self._lock:
                 self._events[job.job_id] = threading.Event()
+                if job.kind.is_load:
+                    self._loading.add(job.job_id)
                 if ev is not None and job.kind in _FRONT_KINDS:
                     self.runner.cuda_events[job.job_id] = ev
                 if job.kind is JobKind.INGRESS:
@@ -479,7 +483,8 @@ class WorkerRuntime:
         if in_step is not None and in_step.loads:
             self._finish_in_step(in_step)
         loader = self.async_loads
-        if self._plan is not None and self._plan.idle and self._events:  # vLLM would spin: let the copies run
+        if self._plan is not None and self._plan.idle and self._loading:  # vLLM would spin: let the loads run
+            # (stores alone never hold a step back: a finished request's last output must not wait for them)
             self.idle_wait.wait(lambda: bool(self._completed) or (loader is not None and loader.any_landed()))
         if loader is not None and loader.pending:
             self._finish_async(loader.landed())  # each load as soon as it landed (after an idle step's wait)
@@ -487,6 +492,7 @@ class WorkerRuntime:
             done, self._completed = self._completed, []
             for job, _ in done:
                 self._events.pop(job.job_id, None)
+                self._loading.discard(job.job_id)
         out = PollResult()
         for job, c in done:
             out.reports[job.job_id] = JobReport(1, list(c.ok), list(c.corrupt), c.nbytes, c.seconds, list(c.missing),
