@@ -16,7 +16,8 @@ One group's CPU-tier loads go through the ``AsyncLoader``, whose copier's submit
 and submits under the same GIL.
 
 ``IdleWait.wait`` (from ``WorkerRuntime.poll``, vLLM's ``get_finished``, in a step whose plan says no token
-was scheduled, ``StepPlan.idle``, while the rank has jobs in flight) blocks vLLM's thread instead, GIL
+was scheduled, ``StepPlan.idle``, while the rank has loads or promotions in flight: what a waiting request
+needs; stores alone never hold a step, whose output may be a finished request's last) blocks vLLM's thread instead, GIL
 released, until a job of the rank completes or one of its asynchronous loads has landed, for at most
 ``IDLE_WAIT_S``: the step had nothing to compute, and a request arriving meanwhile waits at most that long.
 The same ``poll`` then reports what completed, so vLLM schedules the request in its next step.

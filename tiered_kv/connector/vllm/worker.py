@@ -40,7 +40,7 @@ Asynchronous CPU-tier loads (one KV cache group) do not go through the front mov
 submission for all, in plan order, after the in-step loads), and each ``poll`` reports those
 whose bytes landed, one request at a time. Disk and remote loads, and models with several
 groups, keep the front mover. In a step that schedules no token (``StepPlan.idle``: every request
-waits for its KV) ``poll`` first waits, GIL released, for a job to complete (``idle.py``): vLLM's
+waits for its KV) ``poll`` first waits, GIL released, for a load or promotion to complete (``idle.py``): vLLM's
 engine would spin through such steps and starve the copying threads of the GIL.
 
 Ordering on CUDA: a store starts after an event recorded on the engine's current stream at
