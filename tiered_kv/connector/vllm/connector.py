@@ -190,6 +190,10 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
                 log.warning(POOL_UNSTABLE_HASH_WARNING, self.ident.algo, self.cfg.cpu_pool)
             self.ident = type(self.ident)(self.ident.algo, "unstable", False)
         self.ns = namespace(self.cfg, self.geo, str(vllm_config.model_config.model), self.ident)
+        if role == KVConnectorRole.SCHEDULER:  # engines (replicas, a restart) share chunks only under one namespace
+            log.info("TieredKVConnector: key namespace %s (model %r%s); another engine shares this one's chunks "
+                     "only with the same model string (or model_id), chunk geometry, hash and tenant_salt",
+                     self.ns.prefix.hex(), self.ns.model, ", tenant_salt set" if self.cfg.tenant_salt else "")
         cpu_chunks, disk_chunks = capacities(self.cfg, self.geo)
         self._stats_sent: dict[str, float] = {}
         self._out_reports: dict[int, JobReport] = {}
