@@ -43,6 +43,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from serving.replicas import pool_bytes, remove_pool  # noqa: E402
 from vllm_ttft import MODELS, _result_line, _tiered_counters  # noqa: E402
 
 FOLLOW = 64
@@ -159,7 +160,7 @@ def replica(model: str, mode: str, role: str, sync_dir: str, pool: str) -> dict:
         time.sleep(2.0)  # B's stores land; the pool watcher (cpu_pool_poll_s) has long seen A's chunks
         rec["cross"] = turn2(prompts)
         rec["own"] = turn2(own)
-        rec["pool_shm_bytes"] = _shm_bytes(pool)  # both replicas alive: one pool's memory
+        rec["pool_shm_bytes"] = pool_bytes(pool)  # both replicas alive: one pool's memory
         open(os.path.join(sync_dir, "b_done"), "w").close()
     else:
         own = turn1(conversations(model, w, 0, n))
@@ -169,16 +170,6 @@ def replica(model: str, mode: str, role: str, sync_dir: str, pool: str) -> dict:
     rec.update(_memory())
     rec["counters"] = {k: v for k, v in _tiered_counters(llm).items() if isinstance(v, (int, float)) and v}
     return rec
-
-
-def _shm_bytes(pool: str) -> int:
-    """Allocated bytes of the pool's files under /dev/shm/tiered_kv-<uid>/<pool>/ (0 if it is gone)."""
-    root = os.path.join("/dev/shm", f"tiered_kv-{os.getuid()}", pool)
-    total = 0
-    for base, _dirs, files in os.walk(root):
-        for name in files:
-            total += os.stat(os.path.join(base, name)).st_blocks * 512
-    return total
 
 
 def run_pair(model: str, mode: str, start: int) -> dict:
@@ -205,7 +196,7 @@ def run_pair(model: str, mode: str, start: int) -> dict:
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(p.pid, signal.SIGKILL)
         time.sleep(0.5)
-    shutil.rmtree(os.path.join("/dev/shm", f"tiered_kv-{os.getuid()}", pool), ignore_errors=True)  # its users gone
+    remove_pool(pool)  # every process of it is gone
     out = {}
     for role, p in procs.items():
         with open(logs[role], errors="replace") as f:
