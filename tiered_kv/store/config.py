@@ -18,7 +18,7 @@ import yaml
 from tiered_kv.errors import ConfigError
 from tiered_kv.values.layout import normalize_dtype
 from tiered_kv.planner.policy import POLICIES, WRITE_POLICIES
-from tiered_kv.tiers.pool import pool_name
+from tiered_kv.tiers.pool import check_pool_size
 from tiered_kv.tiers.remote.settings import RemoteKeys
 from tiered_kv.values.config_keys import config_key
 from tiered_kv.values.record import CODECS
@@ -109,11 +109,7 @@ class StoreConfig(RemoteKeys):
         _check_choice(self.disk_budget, "disk_budget", DISK_BUDGETS)
         _check_int(self.disk_weight, "disk_weight", 1, 1 << 20)
         _check_int(self.cpu_pool_weight, "cpu_pool_weight", 1, 1 << 20)
-        if self.cpu_pool is not None:
-            pool_name(self.cpu_pool)
-            if self.cpu_bytes == 0:
-                raise ConfigError(f"cpu_pool={self.cpu_pool!r} needs cpu_bytes > 0: the pool's size (the same in every "
-                                  f"process of the pool)")
+        check_pool_size(self.cpu_pool, self.cpu_bytes)
         extra = self.namespace_extra
         if not isinstance(extra, dict) or not all(isinstance(k, str) and isinstance(v, (str, int))
                                                   and not isinstance(v, bool) for k, v in extra.items()):

@@ -121,15 +121,9 @@ class SGLangBackendConfig(RemoteKeys):
             raise ConfigError("tiered_kv needs somewhere to keep pages: set disk_path (and disk_bytes), "
                               "cpu_bytes for a memory-only store, or remote_url for a Redis Cluster")
         if self.cpu_pool is not None:
-            from tiered_kv.tiers.pool.place import pool_name  # lazily: the pool's module needs lmdb
+            from tiered_kv.tiers.pool.place import check_pool_size  # lazily: the pool's module needs lmdb
 
-            pool_name(self.cpu_pool)  # ConfigError naming the value
-            if self.cpu_bytes == 0:
-                raise ConfigError(f"cpu_pool={self.cpu_pool!r} needs cpu_bytes > 0 (the pool's size, the same in every "
-                                  f"process that names the pool), e.g. \"cpu_bytes\": \"64GiB\"")
-        w = self.cpu_pool_weight
-        if not isinstance(w, int) or isinstance(w, bool) or not 1 <= w <= 1 << 20:
-            raise ConfigError(f"cpu_pool_weight: expected an int in [1, {1 << 20}], got {w!r}")
+            check_pool_size(self.cpu_pool, self.cpu_bytes)
         if not isinstance(self.compression, str) or self.compression not in CODECS:
             raise ConfigError(f"compression: unknown value {self.compression!r}; valid: {sorted(CODECS)}")
         if not isinstance(self.eviction, str) or self.eviction not in POLICIES:
@@ -140,7 +134,8 @@ class SGLangBackendConfig(RemoteKeys):
             raise ConfigError(f"disk_weight: expected an int >= 1, got {self.disk_weight!r}")
         if not isinstance(self.disk_sync, bool):
             raise ConfigError(f"disk_sync: expected true or false, got {self.disk_sync!r}")
-        for key, lo, hi in (("disk_workers", 1, 64), ("radix_pages", 0, 1 << 30), ("chunk_pages", 1, 1024)):
+        for key, lo, hi in (("disk_workers", 1, 64), ("radix_pages", 0, 1 << 30), ("chunk_pages", 1, 1024),
+                            ("cpu_pool_weight", 1, 1 << 20)):
             v = getattr(self, key)
             if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
                 raise ConfigError(f"{key}: expected an int in [{lo}, {hi}], got {v!r}")

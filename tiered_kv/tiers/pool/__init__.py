@@ -9,10 +9,10 @@ follows one namespace's records in it from a thread (a vLLM scheduler process, w
 
 Other modules import from here. Threading contract: as stated in each module.
 """
-from tiered_kv.tiers.pool.place import SHM_DIR, Geometry, pool_name, user_root
+from tiered_kv.tiers.pool.place import SHM_DIR, Geometry, check_pool_size, pool_name, user_root
 from tiered_kv.tiers.pool.region import ShmSlots
 from tiered_kv.tiers.pool.tier import PoolLease, PoolReservation, PoolTier
 from tiered_kv.tiers.pool.watch import PoolWatch
 
-__all__ = ["SHM_DIR", "Geometry", "PoolLease", "PoolReservation", "PoolTier", "PoolWatch", "ShmSlots", "pool_name",
+__all__ = ["SHM_DIR", "Geometry", "check_pool_size", "PoolLease", "PoolReservation", "PoolTier", "PoolWatch", "ShmSlots", "pool_name",
            "user_root"]

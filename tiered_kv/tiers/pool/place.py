@@ -67,6 +67,17 @@ def pool_name(spec: object) -> str:
     return spec[len(SCHEME):]
 
 
+def check_pool_size(spec: object, cpu_bytes: int) -> None:
+    """A ``cpu_pool`` value (None: no pool) and the ``cpu_bytes`` that sizes it: a valid name and a size above 0;
+    ConfigError naming the bad key otherwise (the stores' and the SGLang backend's one check)."""
+    if spec is None:
+        return
+    pool_name(spec)
+    if cpu_bytes == 0:
+        raise ConfigError(f"cpu_pool={spec!r} needs cpu_bytes > 0: the pool's size (the same in every process of "
+                          f"the pool)")
+
+
 @dataclass(frozen=True)
 class Geometry:
     """What every process of a pool must agree on: bytes per slot and slots."""
