@@ -35,8 +35,8 @@ class StepPlan:
     forward runs; ``loads`` maps a request to its load job ids (reported in
     ``finished_recving`` when all are done) and ``load_fail`` to GPU blocks its load cannot
     fill (reported as load errors, so vLLM recomputes them). ``idle``: vLLM scheduled no token in
-    this step (every request waits: for its loads, a promotion...), so a worker may wait for its
-    jobs in ``get_finished`` (``idle.py``).
+    this step (every request waits: for its loads, a promotion...), so a worker with loads in flight
+    may wait for them in ``get_finished`` (``idle.py``).
     """
 
     step: int

@@ -75,7 +75,7 @@ class WorkerCounters:
     plain_copy_fallbacks: int = 0  # several groups: batched copies retried as plain torch copies
     acked_for_rank0: int = 0  # replicated caches: jobs rank 0 runs for every rank, acknowledged here
     pool_load_misses: int = 0  # host pool: chunks a load found gone (another process's write evicted them)
-    idle_waits: int = 0  # steps that computed nothing and waited for this rank's jobs (GIL released: idle.py)
+    idle_waits: int = 0  # steps that computed nothing and waited for this rank's loads (GIL released: idle.py)
     idle_wait_seconds: float = 0.0  # their time waiting
 
 
