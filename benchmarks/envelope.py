@@ -423,6 +423,12 @@ def _judge(row: dict, none: str, peer: str, mine: str) -> dict:
     return row
 
 
+def _prompts(r: dict) -> tuple:
+    """What a start's prompts depend on: its workload's knobs (the number of conversations, prefix and lengths)."""
+    k = r.get("knobs") or {}
+    return tuple((name, k.get(name)) for name in ("n_conv", "unrelated", "prefix", "max_len"))
+
+
 def verdict(results: list[dict], serving: list[dict] = ()) -> list[dict]:
     """One row per (shape, workload, GPU cache) that ran: medians over starts, ratios, greedy equality, pass/fail
     (``serving``: cells of ``serving_cells``, judged by the same rule)."""
@@ -437,8 +443,11 @@ def verdict(results: list[dict], serving: list[dict] = ()) -> list[dict]:
                     continue
                 med = {m: statistics.median(r[key] for r in rs) for m, rs in got.items() if rs}
                 spread = {m: (min(r[key] for r in rs), max(r[key] for r in rs)) for m, rs in got.items() if rs}
-                ref = got[none][0][tok_key] if got[none] else None
-                equal = all(r[tok_key] == ref for r in got[mine] + got[peer]) if ref is not None else None
+                # greedy tokens are compared within one workload (calls with other knobs draw other prompts)
+                refs = {_prompts(r): r[tok_key] for r in got[none]}
+                checked = [r for r in got[mine] + got[peer] if _prompts(r) in refs]
+                ours_checked = any(_prompts(r) in refs for r in got[mine])  # else the cell says nothing of ours
+                equal = all(r[tok_key] == refs[_prompts(r)] for r in checked) if ours_checked else None
                 row = {"shape": shape, "workload": work, "gpu": gpu, "starts": {m: len(rs) for m, rs in got.items()},
                        "median_s": med, "min_max_s": spread, "greedy_equal": equal}
                 rows.append(_judge(row, none, peer, mine))

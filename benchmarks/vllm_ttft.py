@@ -312,12 +312,18 @@ def _prefill_check(llm, w: dict, turn1_s: float) -> dict:
     must-show 3): turn 1 is a cold prefill of the prefix plus one decode step, the model's prediction is
     ``seconds(prefix, 0) + step_seconds([(1, prefix)])``. Empty when the engine core runs elsewhere."""
     try:
-        est = llm.llm_engine.engine_core.engine_core.scheduler.connector.planner.steps.estimator
+        meter = llm.llm_engine.engine_core.engine_core.scheduler.connector.planner.steps
     except AttributeError:
         return {}
+    est = meter.estimator
     m, rep = est.model(), est.report()
     pred = m.seconds(w["prefix"], 0) + m.step_seconds([(1, w["prefix"])])
-    return {"source": rep["source"], "samples": rep["samples"], "coefficients": list(m.coefficients()),
+    # the last steps by both clocks: (step, tokens computed, scheduler's s, workers' forward s, waited for loads)
+    recent = [[step, tokens, None if a is None else round(a, 5), None if b is None else round(b, 5), loaded]
+              for step, tokens, a, b, loaded in list(meter.recent)]
+    return {"source": rep["source"], "clock": "workers" if meter.worker_clock else "scheduler",
+            "steps_loaded": meter.loaded_steps, "recent_steps": recent,
+            "samples": rep["samples"], "coefficients": list(m.coefficients()),
             "turn1_predicted_s": round(pred, 4), "turn1_measured_s": round(turn1_s, 4),
             "predicted_over_measured": round(pred / turn1_s, 3) if turn1_s else None,
             "tokens_per_s_at_0": round(m.tokens_per_s(w["prefix"], 0))}
@@ -529,6 +535,11 @@ def run_all(model: str, modes: list[str], starts: int = 1, deadline_s: float = 0
         print(f"[{model} {mode} start {start}] done in {wall:.0f}s: turn-2 median {r['turn2_median_s']:.4f} s, "
               f"hit rate {100 * r['turn2_hit_rate']:.1f}%, turn-1 median {r['turn1_median_s']:.4f} s, "
               f"LLM() {r['startup_s']:.0f} s", flush=True)
+        pm = r.get("prefill_model") or {}
+        if pm.get("predicted_over_measured") is not None:  # issue 32 item 3: the learned model against turn 1
+            print(f"[{model} {mode} start {start}] prefill model ({pm['source']}, {pm['clock']} clock, "
+                  f"{pm['samples']} samples): turn 1 predicted {pm['turn1_predicted_s']:.4f} s = "
+                  f"{pm['predicted_over_measured']:.3f}x of measured", flush=True)
         save_partial()
     if pcie:
         if left() >= PCIE_GUESS_S:

@@ -129,7 +129,8 @@ def vllm_item2(results: list[Result]) -> Row | None:
             f"{rs[0].doc['workload']['prefix']:,}-token prefixes, against their floor (hit bytes / PCIe rate + the "
             f"prefill with the prefix GPU-cached), {rs[0].doc['item2']['modes']['tiered-cpu']['starts']} starts",
             _where(rs), "; ".join(f"{model(r)} {part(r, 'tiered-cpu')}" for r in rs),
-            "`OffloadingConnector` " + "; ".join(f"{model(r)} {part(r, 'offloading')}" for r in rs)
+            "`OffloadingConnector` " + "; ".join(f"{model(r)} {part(r, 'offloading')}" for r in rs
+                                                 if "offloading" in r.doc["item2"]["modes"])
             + "; the floor mode's own spread " + " / ".join(f"{r.doc['item2']['modes']['floor']['spread']:.2f}"
                                                            for r in rs)]
 

@@ -131,7 +131,8 @@ def ttft_floor_table(results: list[Result]) -> str:
         for mode, m in it["modes"].items():
             rows.append([MODELS.get(r.doc["model"], r.doc["model"]), floor, mode, m["starts"],
                          " / ".join(num(m[k] * 1e3) for k in ("min_s", "median_s", "max_s")),
-                         f"{m['ratio']:.2f}" if "ratio" in m else "-", f"{m['spread']:.2f}"])
+                         f"{m['ratio']:.2f}" if "ratio" in m else "-",
+                         f"{m['spread']:.2f}" if m.get("spread") is not None else "- (1 start)"])
             floor = ""
     head = ["model", "floor_s = copy + floor mode", "mode", "starts", "turn-2 ms: min / median / max of starts",
             "median / floor_s (goal <= 1.3)", "spread max/min (goal <= 1.2)"]

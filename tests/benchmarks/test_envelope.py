@@ -52,6 +52,22 @@ def test_verdict_passes_fails_and_wants_three_starts():
     assert "mamba | all" in text and "supports_divergent_local_hybrid_hits" in text
 
 
+def test_greedy_tokens_are_compared_within_one_workload():
+    """A call with other knobs (N_CONV=8: other follow-up prompts) is not compared with no connector's tokens of
+    another workload; within one workload a difference fails the cell."""
+    def rec(mode, start, tokens, n_conv):
+        return dict(_rec("s", mode, start, 0.1, tokens=tokens), knobs={"n_conv": n_conv, "prefix": 8192})
+    other = [rec("none", 0, (1, 2), 10), rec("offloading", 0, (1, 2), 10), rec("tiered", 0, (7, 8), 8)]
+    (row,) = envelope.verdict(other)
+    assert row["greedy_equal"] is None and row["pass"], row  # nothing of the tiered start's workload to compare
+    same = other + [rec("tiered", 1, (1, 2), 10)]
+    (row,) = envelope.verdict(same)
+    assert row["greedy_equal"] is True, row
+    wrong = other + [rec("tiered", 1, (1, 3), 10)]
+    (row,) = envelope.verdict(wrong)
+    assert row["greedy_equal"] is False and "greedy outputs differ" in row["why"], row
+
+
 def test_disk_cells_compare_with_the_small_cpu_peer():
     results = [_rec("llama3-8b", "none", 0, 0.22), _rec("llama3-8b", "offloading-small", 0, 0.22),
                _rec("llama3-8b", "tiered-disk", 0, 0.2)]

@@ -237,15 +237,19 @@ def test_prefill_check_compares_the_learned_model_with_turn_1():
     prefill of the prefix and one decode step), set beside turn 1's measured time; nothing without the engine."""
     from types import SimpleNamespace
 
+    from tiered_kv.connector.vllm.prefill import StepMeter
     from tiered_kv.planner.rates import PrefillEstimator, PrefillModel
 
     model = PrefillModel(0.004, 1 / 40000, 1 / 40000 / 30000, 2e-9)
     est = PrefillEstimator(model, fixed=True)
-    planner = SimpleNamespace(steps=SimpleNamespace(estimator=est))
+    meter = StepMeter(est)
+    meter.recent.append((5, 8192, 0.15, 0.21, False))  # a step both clocks timed
+    planner = SimpleNamespace(steps=meter)
     llm = SimpleNamespace(llm_engine=SimpleNamespace(engine_core=SimpleNamespace(engine_core=SimpleNamespace(
         scheduler=SimpleNamespace(connector=SimpleNamespace(planner=planner))))))
     want = model.seconds(8192, 0) + model.step_seconds([(1, 8192)])
     got = vt._prefill_check(llm, W, want * 1.05)
     assert got["turn1_predicted_s"] == pytest.approx(want, abs=1e-4) and got["source"] == "fixed"
     assert got["predicted_over_measured"] == pytest.approx(1 / 1.05, abs=1e-3)
+    assert got["clock"] == "scheduler" and got["recent_steps"] == [[5, 8192, 0.15, 0.21, False]]
     assert vt._prefill_check(SimpleNamespace(), W, 0.3) == {}

@@ -198,3 +198,26 @@ def test_step_timer_sync_async_idle_and_lost_steps():
     t.scheduled(6, [(64, 0)], now=21.0)
     assert t.finished(6, now=21.1) is not None and t.finished(5, now=21.2) is None
     assert t.finished(99, now=22.0) is None
+
+
+def test_step_timer_is_short_when_the_previous_output_is_applied_late():
+    """vLLM's batch queue launches step N before it applies step N-1's output: a launch longer than what was left of
+    N-1 moves N's start to that late apply, and N's time comes out short by the difference (why the vLLM connector
+    times forwards on the workers: connector/vllm/forward_clock.py)."""
+    t = StepTimer()
+    t.scheduled(1, [(1, 64)], now=0.0)  # a short decode; the GPU is done with it at 0.01
+    t.scheduled(2, [(8192, 0)], now=0.005)  # the next prefill, launched (on the CPU) until 0.065
+    assert t.finished(1, now=0.065) is not None  # step 1's output, applied after step 2's launch
+    assert t.finished(2, now=0.22)[1] == pytest.approx(0.155)  # the GPU ran it 0.01 -> 0.22: 0.21 s
+
+
+def test_fit_of_one_prefill_size_and_one_turn2_size_predicts_the_prefill():
+    """The shape of the H200 run of 2026-11-29 (12 prefills of 8,192 tokens, 12 turn-2 steps of 64 tokens after
+    8,192 whose times hold a load): given the times measured from outside (turn-1 TTFT 0.225 s, turn-2 TTFTs), the fit
+    predicts the 8k prefill within 10%. The connector's fit of that run said 0.65x: its step times were short."""
+    turn2 = [0.0831, 0.0717, 0.032, 0.0333, 0.0373, 0.0441, 0.0438, 0.0392, 0.0475, 0.0352, 0.044, 0.0433]
+    est = PrefillEstimator(PrefillModel.from_rate(37000, 32768))
+    for t2 in turn2:
+        est.observe(8192, 0, 0.225)
+        est.observe(64, 8192, t2)
+    assert est.model().seconds(8192, 0) == pytest.approx(0.225, rel=0.10)

@@ -14,10 +14,12 @@
   below its ``num_computed_tokens``) is checked: a wrong byte from a load fails the test;
 - outputs go back through ``ModelRunnerOutput.kv_connector_output`` (merged over ranks with
   vLLM's ``KVOutputAggregator``), one step late under async scheduling, like EngineCore;
-- the planner's step clock (``StepMeter.clock``, which times steps for the learned prefill model) is the
-  harness's ``step_clock``: each step advances it by ``step_truth``'s time for the step's tokens (by default
-  the configured start model, so the model learned equals the configured one and the split decides as
-  with ``prefill_learn: false``; a test sets another truth to see it learned).
+- the clocks that time steps for the learned prefill model read the harness's: each rank's forward clock
+  (``ForwardClock.clock``, the one in use) is that rank's ``forward_clock``, which its forward advances by
+  ``step_truth``'s time for the step's tokens; the planner's own step clock (``StepMeter.clock``, used only
+  until a worker reports forwards) is ``step_clock``, advanced by the same plus 0.1 ms a step. ``step_truth``
+  is by default the configured start model, so the model learned equals the configured one and the split
+  decides as with ``prefill_learn: false``; a test sets another truth to see it learned.
 
 Hybrid and MLA models (``Engine.create(..., shape=...)``, shapes in ``models.py``): vLLM's
 hybrid KV cache manager is on, the ``KVCacheConfig`` comes from vLLM's own grouping code
@@ -284,6 +286,7 @@ class Worker:
     connector: TieredKVConnector
     kv: dict[str, torch.Tensor]
     rank: int
+    forward_clock: float = 0.0  # this rank's forward clock (``ForwardClock.clock``): advanced by each forward's truth
 
 
 @dataclass
@@ -308,6 +311,7 @@ class Engine:
     kv_cache_config: KVCacheConfig | None = None  # the workers' (hybrid shapes)
     step_truth: PrefillModel | None = None  # each step's synthetic time (None: the configured start model)
     step_clock: float = 0.0  # the planner's step clock (seconds): advanced by step_truth's time of each step
+    _forward_s: float = 0.0  # this step's forward time by step_truth (each rank's forward clock advances by it)
     _prev: tuple | None = None
     _tables: dict[str, list[int]] = field(default_factory=dict)
     _aggregator: KVOutputAggregator | None = None
@@ -395,6 +399,10 @@ class Engine:
         if self.step_truth is None:
             self.step_truth = planner.steps.estimator.start
         planner.steps.clock = lambda: self.step_clock
+        for w in self.workers:
+            fc = w.connector._forward
+            if fc is not None:
+                fc.clock = lambda w=w: w.forward_clock
         return self
 
     @property
@@ -429,7 +437,8 @@ class Engine:
         parts = [(out.num_scheduled_tokens[n.req_id], n.num_computed_tokens) for n in out.scheduled_new_reqs]
         c = out.scheduled_cached_reqs
         parts += [(out.num_scheduled_tokens[rid], c.num_computed_tokens[i]) for i, rid in enumerate(c.req_ids)]
-        self.step_clock += self.step_truth.step_seconds(parts) + 1e-4  # the forward, and a step's fixed cost
+        self._forward_s = self.step_truth.step_seconds(parts)  # each rank's forward takes this (``_run_worker``)
+        self.step_clock += self._forward_s + 1e-4  # the forward, and a step's fixed cost
         mro = self._run_workers(out)
         if self.async_sched:
             self._prev = (out, mro)
@@ -506,6 +515,7 @@ class Engine:
         wrong = self._verify_inputs(rows, [w])
         self.sync_steps += bool(getattr(out, "has_sync_kv_loads", False))
         self._forward(w, rows)
+        w.forward_clock += self._forward_s
         if not before:
             conn.start_load_kv(None)
         conn.wait_for_save()

@@ -201,6 +201,47 @@ def test_learned_prefill_rate_converges_on_the_harness_steps(model_dir, async_sc
     assert planner.steps._thread is not None and not planner.steps._thread.is_alive()  # shutdown stopped it
 
 
+def test_the_model_learns_the_workers_forward_times_not_the_schedulers_clock(model_dir):
+    """The workers time each forward (``ForwardClock``) and the meter fits those: with the scheduler's own clock
+    running at half speed (as it runs short when vLLM applies a step's output late), the model still converges on
+    the truth, and ``recent`` shows both clocks."""
+    eng = Engine.create(model_dir, {"chunk_blocks": K, "cpu_bytes": 16 * CHUNK_BYTES}, async_sched=True,
+                        num_blocks=NUM_BLOCKS)
+    eng.step_truth = TRUTH
+    meter = eng.connector.planner.steps
+    meter.clock = lambda: 0.5 * eng.step_clock
+    try:
+        _serve_mixed_prompts(eng, 48, seed=8)
+        eng.flush()
+        _wait_fitted(eng)
+        st = eng.connector.stats()
+        assert st["prefill_clock"] == "workers" and st["prefill_samples"] >= 64, st
+        assert _worst_error(meter.estimator.model()) < 0.10, meter.estimator.model()
+        both = [(sched, fwd) for _, tokens, sched, fwd, _ in meter.recent if sched is not None and tokens > 16]
+        assert both and all(sched < 0.75 * fwd for sched, fwd in both), list(meter.recent)
+    finally:
+        eng.close()
+
+
+def test_steps_that_wait_for_in_step_loads_are_timed_but_not_fitted(model_dir, tmp_path):
+    """A turn 2 whose prefix the CPU tier holds loads it in the step that computes the rest: that forward waits for
+    the load, so its time is not a recompute's and stays out of the fit."""
+    eng = Engine.create(model_dir, cfg(tmp_path, disk_path=None, disk_bytes=0, write_policy="write_back"))
+    try:
+        tokens = prompt(5, 4 * CHUNK)
+        _turn(eng, "a", tokens + [7, 8, 9, 10])
+        before = eng.connector.planner.steps.estimator.report()["samples"]
+        _turn(eng, "a2", tokens + prompt(6, 40))  # 40 new tokens: a prefill step, were it not for the load
+        assert eng.cached_at_start["a2"] == 4 * CHUNK
+        st = eng.connector.stats()
+        assert st["sched_sync_loads"] >= 1 and st["prefill_steps_loaded"] >= 1, st
+        loaded = [r for r in eng.connector.planner.steps.recent if r[4]]
+        assert [r[1] for r in loaded] == [40], list(eng.connector.planner.steps.recent)
+        assert eng.connector.planner.steps.estimator.report()["samples"] == before  # its step is not a sample
+    finally:
+        eng.close()
+
+
 def test_the_learned_model_drives_the_decision(model_dir, tmp_path):
     """Configured as if recomputing were free (1e9 tokens/s), a disk hit at 0.05 GB/s is declined; once the model
     has learned the engine's real (harness) rate, the same hit loads."""
@@ -290,6 +331,40 @@ def test_worker_meta_carries_the_step_over_ranks():
     a, b = TieredKVWorkerMeta({}, 7), TieredKVWorkerMeta({}, 7)
     assert bool(a) and not bool(TieredKVWorkerMeta()) and a.aggregate(b).step == 7
     assert TieredKVWorkerMeta().aggregate(b).step == 7
+
+
+def test_worker_meta_merges_forward_times_over_ranks_slowest_wins():
+    a = TieredKVWorkerMeta({}, 7, {5: (0.010, False), 6: (0.020, False)})
+    b = TieredKVWorkerMeta({}, 7, {5: (0.012, True), 4: (0.001, False)})
+    assert a.aggregate(b).forward == {4: (0.001, False), 5: (0.012, True), 6: (0.020, False)}
+    assert TieredKVWorkerMeta().aggregate(TieredKVWorkerMeta({}, -1, {})).forward == {}  # a clock with nothing yet
+    assert TieredKVWorkerMeta().aggregate(TieredKVWorkerMeta()).forward is None  # no clock on any rank
+    assert bool(TieredKVWorkerMeta({}, -1, {3: (0.1, False)})) and not bool(TieredKVWorkerMeta({}, -1, {}))
+
+
+def test_step_meter_fits_the_workers_times_once_they_come():
+    """Before any worker reports forwards, the scheduler's clock times steps; once one does, only the workers'
+    times count, matched to the steps they name (which come back a step or two late), and steps with in-step loads
+    are counted but not fitted."""
+    clock = [0.0]
+    meter = StepMeter(PrefillEstimator(PrefillModel.from_rate(30000, 32768), fit_on_read=False), lambda: clock[0])
+    out = step_output([("n", 256, 0)], [])
+    meter.scheduled(1, out)
+    clock[0] = 1.0
+    meter.finished(1)  # no forward: the scheduler clock's 1 s
+    assert meter.timed == 1 and not meter.worker_clock and meter._queue[-1][1] == pytest.approx(1.0)
+    meter.scheduled(2, out)
+    meter.scheduled(3, out)
+    meter.finished(2, {})  # a worker clock, nothing done yet
+    assert meter.worker_clock and meter.timed == 1
+    meter.finished(3, {2: (0.01, False), 3: (0.02, True)})
+    assert meter.timed == 3 and meter.loaded_steps == 1 and meter._queue[-1] == ([(256, 0)], 0.01)
+    meter.finished(3, {2: (0.5, False)})  # another rank's report of a step already timed: ignored
+    assert meter.timed == 3 and len(meter._queue) == 2
+    assert [r[0] for r in meter.recent] == [1, 2, 3] and meter.recent[1][3] == 0.01 and meter.recent[2][4]
+    for step in range(4, 4 + 2 * 256):
+        meter.scheduled(step, out)  # never timed by any worker: the meter keeps a bounded number
+    assert len(meter._parts) <= 256
 
 
 def test_step_meter_gives_up_when_no_output_carries_a_step_number(caplog):

@@ -56,6 +56,7 @@ from tiered_kv.connector.vllm.config import (
     rank_disk_dir,
 )
 from tiered_kv.connector.vllm.common import JobReport, StepPlan
+from tiered_kv.connector.vllm.forward_clock import ForwardClock
 from tiered_kv.connector.vllm.geometry import geometry
 from tiered_kv.connector.vllm.scheduler import SchedulerPlanner
 from tiered_kv.connector.vllm.worker import WorkerRuntime
@@ -79,15 +80,23 @@ class TieredKVWorkerMeta(KVConnectorWorkerMetadata):
 
     reports: dict[int, JobReport] = field(default_factory=dict)
     step: int = -1
+    #: forwards this rank timed (``forward_clock.py``): ``{step: (seconds, loaded)}``; None: no clock (no
+    #: ``prefill_learn``)
+    forward: dict[int, tuple[float, bool]] | None = None
 
     def __bool__(self) -> bool:
-        return bool(self.reports) or self.step >= 0
+        return bool(self.reports) or self.step >= 0 or bool(self.forward)
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "TieredKVWorkerMeta":
         """Merge another rank's reports (vLLM calls this across TP workers)."""
         if not isinstance(other, TieredKVWorkerMeta):
             raise ConfigError(f"cannot aggregate TieredKVWorkerMeta with {type(other).__name__}")
         self.step = max(self.step, other.step)  # every rank ran the same step
+        if other.forward is not None:  # a step's time is its slowest rank's
+            mine_f = self.forward = self.forward if self.forward is not None else {}
+            for s, (sec, loaded) in other.forward.items():
+                old = mine_f.get(s)
+                mine_f[s] = (sec, loaded) if old is None else (max(old[0], sec), old[1] or loaded)
         for job_id, rep in other.reports.items():
             mine = self.reports.get(job_id)
             if mine is None:
@@ -199,6 +208,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._out_reports: dict[int, JobReport] = {}
         self._out_invalid: set[int] = set()
         self._bound_step = -1  # worker: the step of the plan bound now (echoed to time steps, prefill_learn)
+        self._forward: ForwardClock | None = None  # worker: times this rank's forwards (prefill_learn)
         self.planner: SchedulerPlanner | None = None
         self.worker: WorkerRuntime | None = None
         self._prom_snapshot: dict = {}
@@ -328,8 +338,8 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         """A step's output arrived: stop its clock, and apply the workers' job reports (merged over ranks by vLLM)."""
         wm = connector_output.kv_connector_worker_meta
         if isinstance(wm, TieredKVWorkerMeta):
-            if wm.step >= 0:
-                self.planner.steps.finished(wm.step)
+            if wm.step >= 0 or wm.forward:
+                self.planner.steps.finished(wm.step, wm.forward)
             if wm.reports:
                 self.planner.apply_reports(wm.reports)
 
@@ -414,18 +424,23 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
                 views[name] = logical[i]
         log.info("TieredKVConnector: cross-layer KV tensor %s bound as %d per-layer views",
                  tuple(kv_cache.shape), len(views))
-        self.worker.register(views)
+        self.register_kv_caches(views)
 
     def register_kv_caches(self, kv_caches) -> None:
-        """Bind vLLM's per-layer KV tensors."""
+        """Bind vLLM's per-layer KV tensors; with ``prefill_learn``, start timing forwards on their device."""
         self.worker.register(kv_caches)
+        if self.cfg.prefill_learn:
+            self._forward = ForwardClock(self.worker.kv.device)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Take this step's plan."""
         super().bind_connector_metadata(connector_metadata)
         if isinstance(connector_metadata, TieredKVMetadata):
-            self._bound_step = connector_metadata.plan.step if self.cfg.prefill_learn else -1
-            self.worker.on_plan(connector_metadata.plan)
+            plan = connector_metadata.plan
+            self._bound_step = plan.step if self.cfg.prefill_learn else -1
+            self.worker.on_plan(plan)
+            if self._forward is not None:  # the forward's clock starts here: 0.33 starts loads after its launch
+                self._forward.begin(plan.step, bool(plan.sync))
 
     @_timed_hook
     def handle_preemptions(self, kv_connector_metadata=None, *args, **kwargs) -> None:
@@ -449,6 +464,8 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
     @_timed_hook
     def wait_for_save(self) -> None:
         """Start this step's stores; returns at once."""
+        if self._forward is not None:
+            self._forward.end()
         self.worker.after_forward()
 
     @_timed_hook
@@ -466,12 +483,14 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         """This step's job reports for the planner, and the step's number (with ``prefill_learn``: every step's
-        output then calls the scheduler's ``update_connector_output``, which times the step)."""
+        output then calls the scheduler's ``update_connector_output``) with the forwards this rank timed since the
+        last call (``forward_clock.py``)."""
         step, self._bound_step = self._bound_step, -1
-        if not self._out_reports and step < 0:
+        forward = self._forward.take() if self._forward is not None else None
+        if not self._out_reports and step < 0 and not forward:
             return None
         out, self._out_reports = self._out_reports, {}
-        return TieredKVWorkerMeta(out, step)
+        return TieredKVWorkerMeta(out, step, forward)
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """Bytes and seconds moved since the last call (worker), or None (scheduler)."""

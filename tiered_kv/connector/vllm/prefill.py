@@ -23,17 +23,21 @@ docs/design.md, "Load or recompute: the split"):
 - ``scheduled(step, scheduler_output)`` (``build_connector_meta``): the step's ``(tokens scheduled, tokens
   computed before them)`` per request, when some request computes more than ``DECODE_TOKENS`` (else the step is
   decode only: no list is built);
-- ``finished(step)`` (``update_connector_output``): the step's output reached the scheduler. The workers echo the
-  step's number in their worker metadata (``TieredKVWorkerMeta.step``) so every step's output calls the
+- ``finished(step, forward)`` (``update_connector_output``): the step's output reached the scheduler. The workers
+  echo the step's number in their worker metadata (``TieredKVWorkerMeta.step``) so every step's output calls the
   connector back, and an output is matched to its step even with asynchronous scheduling (outputs one step late)
-  or a batch queue.
+  or a batch queue. ``forward`` (``TieredKVWorkerMeta.forward``) holds the forwards the workers timed
+  (``forward_clock.py``: ``{step: (seconds, loaded)}``, the slowest rank's, usually a step after the step ran).
 
-What a step's time includes (``planner.rates.StepTimer``): from when it was scheduled, or when the previous
-step's output was applied if that is later (asynchronous scheduling schedules a step while the one before runs),
-to when its output is applied: sending the step to the workers, the forward and sampling, the output's way back,
-and vLLM's handling of the output before it calls the connector (``update_from_output``'s request loop). So the
-fitted ``overhead_s`` is the engine's per-step fixed cost, not the GPU's alone; with synchronous scheduling it
-also holds scheduler work no GPU overlaps. That is the time a recompute costs the engine.
+What a step's time is: the workers' forward time, from ``bind_connector_metadata`` to ``wait_for_save`` on the GPU
+(CUDA events; the CPU fallback's clock), once any worker metadata carried a ``forward`` (workers of this version
+always do). A step whose forward waited for in-step loads (``loaded``) is timed but not fitted: its time is not a
+recompute's. So the fitted ``overhead_s`` is a forward's fixed cost on the GPU; what the engine spends around the
+forward (scheduling, sampling, applying outputs) is spent whether a hit loads or recomputes. Before that, or with
+workers that send no ``forward``, the scheduler's own clock (``planner.rates.StepTimer``): from when the step was
+scheduled, or when the previous step's output was applied if that is later, to when its own output is applied. That
+clock runs short when vLLM applies the previous output late (``forward_clock.py`` says how, with the H200 numbers).
+``recent`` keeps the last steps' times by both clocks (the benchmarks print them).
 
 The fit (2-4 ms of Python on the CPU box every ``REFIT_EVERY`` prefill steps: far over what vLLM's thread may spend)
 and the features of each timed step (a pass over its requests) run on the meter's own daemon thread, started at
@@ -70,6 +74,10 @@ PAUSE_S = 50e-6
 #: Steps scheduled with no output back carrying a step number before the meter gives up (no worker echoes them:
 #: something between the workers and the scheduler drops the worker metadata); the start model stays.
 UNANSWERED_STEPS = 1024
+#: Scheduled steps kept for the workers' forward times to match (they come back a step or two later)
+UNTIMED_STEPS = 256
+#: Steps ``StepMeter.recent`` keeps
+RECENT = 32
 
 
 def tier_names(chain: TierChain) -> list[str]:
@@ -120,8 +128,15 @@ class StepMeter:
         self.clock = clock
         self.on = not estimator.fixed
         self.timed = 0  # steps timed (decode-only ones too)
+        self.loaded_steps = 0  # steps timed by the workers whose forward waited for in-step loads (not fitted)
         self.fits = 0  # fits the thread made
+        self.worker_clock = False  # the workers time the forwards (a ``forward`` came back): the step timer is not used
+        #: the last steps timed: ``(step, tokens computed, scheduler's seconds or None, workers' seconds or None,
+        #: loaded)``, for the benchmarks' record of both clocks
+        self.recent: deque[tuple[int, int, float | None, float | None, bool]] = deque(maxlen=RECENT)
         self._timer = StepTimer()
+        self._parts: dict[int, list[tuple[int, int]]] = {}  # scheduled steps the workers have not timed yet
+        self._sched_s: dict[int, float] = {}  # the scheduler clock's time of those steps (``recent``)
         self._queue: deque[tuple[list[tuple[int, int]], float]] = deque(maxlen=WINDOW)  # timed prefill steps
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -141,19 +156,45 @@ class StepMeter:
                         UNANSWERED_STEPS)
             self.on = False
             self._timer = StepTimer()
+            self._parts.clear()
+            self._sched_s.clear()
             return
-        self._timer.scheduled(step, step_parts(scheduler_output), self.clock())
+        parts = step_parts(scheduler_output)
+        self._timer.scheduled(step, parts, self.clock())
+        self._parts[step] = parts
+        if len(self._parts) > UNTIMED_STEPS:  # the workers never timed these (dicts keep insertion order)
+            for old in list(self._parts)[:len(self._parts) - UNTIMED_STEPS]:
+                del self._parts[old]
+                self._sched_s.pop(old, None)
 
-    def finished(self, step: int) -> None:
-        """Step ``step``'s output reached the scheduler now (``update_connector_output``)."""
+    def finished(self, step: int, forward: dict[int, tuple[float, bool]] | None = None) -> None:
+        """Step ``step``'s output reached the scheduler now (``update_connector_output``); ``forward``: the forwards
+        the workers timed, ``{step: (seconds, loaded)}`` (None: these workers time none)."""
         if not self.on:
             return
         self._unanswered = 0
         got = self._timer.finished(step, self.clock())
-        if got is None:
+        if forward is not None:
+            self.worker_clock = True
+        if not self.worker_clock:
+            self._parts.pop(step, None)
+            if got is not None:
+                self._timed(got[0], got[1], got[1], None, False, step)
             return
-        parts, seconds = got
+        if got is not None and step in self._parts:
+            self._sched_s[step] = got[1]
+        for s, (seconds, loaded) in sorted((forward or {}).items()):
+            parts = self._parts.pop(s, None)
+            if parts is not None:  # else unknown, or timed already by another rank's report
+                self._timed(parts, seconds, self._sched_s.pop(s, None), seconds, loaded, s)
+
+    def _timed(self, parts: list[tuple[int, int]], seconds: float, sched_s: float | None, fwd_s: float | None,
+               loaded: bool, step: int) -> None:
         self.timed += 1
+        self.recent.append((step, sum(n for n, _ in parts), sched_s, fwd_s, loaded))
+        if loaded:
+            self.loaded_steps += 1
+            return
         if not parts:
             self.estimator.observe_step((), seconds)  # counted as a decode-only step, nothing else
             return

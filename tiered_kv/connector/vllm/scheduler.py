@@ -312,7 +312,9 @@ class SchedulerPlanner:
             "resident_disk": c.resident(DISK) if c.num_tiers > 1 and c.specs[DISK].name == "disk" else 0,
             "resident_remote": c.resident(self.remote) if self.remote is not None else 0,
             "remote_known": len(self._presence.known) if self._presence is not None else 0,
-            "prefill_steps_timed": self.steps.timed, "prefill_fits": self.steps.fits, **split_stats(self._gate),
+            "prefill_steps_timed": self.steps.timed, "prefill_fits": self.steps.fits,
+            "prefill_steps_loaded": self.steps.loaded_steps,
+            "prefill_clock": "workers" if self.steps.worker_clock else "scheduler", **split_stats(self._gate),
         })
         if self._budget is not None:
             out.update(self._budget.stats())
