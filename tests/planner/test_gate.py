@@ -87,13 +87,20 @@ def test_split_gate_counts_tokens_per_tier_and_estimated_seconds():
     assert rep["break_even_gbps"] == pytest.approx(KV * 8192 / 0.22 / 1e9)
 
 
+def test_split_gate_reports_every_tier_it_reads_before_any_hit():
+    """A tier with no hit yet says 0 loaded and 0 recomputed (stats and metrics keep their keys from the start)."""
+    zero = {"loaded": 0, "recomputed": 0}
+    assert _split_gate().report()["split"]["tokens"] == {"disk": zero, "remote": zero}
+
+
 def test_split_gate_counts_a_plan_once_the_caller_says_it_was_taken():
     """``decide(count=False)`` plans without counting (an engine may ask about the same request again); ``count``
     adds the plan it took."""
     g = _split_gate(overlap=False, disk=8.0)
     for _ in range(3):
         plan, outcome = g.decide([("cpu", 256), ("disk", 512)], 16, 0, count=False)
-    assert g.report()["decisions"][outcome] == 0 and g.report()["split"]["tokens"] == {}
+    assert g.report()["decisions"][outcome] == 0
+    assert all(t == {"loaded": 0, "recomputed": 0} for t in g.report()["split"]["tokens"].values())
     g.count(plan, outcome)
     rep = g.report()
     assert rep["decisions"][outcome] == 1 and rep["split"]["tokens"]["disk"] == {"loaded": 512, "recomputed": 0}

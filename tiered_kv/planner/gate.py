@@ -136,7 +136,9 @@ class SplitGate:
         self._lock = threading.Lock()
         self._declined = 0
         self._decisions = dict.fromkeys(SPLIT_OUTCOMES, 0)
-        self._tokens: dict[str, list[int]] = {}  # tier -> [held tokens loaded, held tokens recomputed]
+        # tier -> [held tokens loaded, held tokens recomputed]; every tier of ``rates`` from the start, so the stats
+        # and metrics of a tier that has had no hit yet say 0 rather than nothing
+        self._tokens: dict[str, list[int]] = {t: [0, 0] for t in rates}
         self._seconds = {"chosen": 0.0, "recompute": 0.0, "load_all": 0.0}
 
     # ------------------------------------------------------------------ the decision

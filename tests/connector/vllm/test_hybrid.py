@@ -273,8 +273,8 @@ def test_disk_hits_are_promoted_to_cpu_then_loaded(model_dirs, tmp_path, shape):
         # the split counts the plan that started the promotion: its disk part was read from disk
         assert st["split_disk_loaded_tokens"] > 0, st
         # (how much of it was still in the CPU tier depends on which of big's parts the filler pushed down first:
-        # all of them at times, and a zero counter is left out of stats())
-        assert st.get("split_cpu_loaded_tokens", 0) + st["split_disk_loaded_tokens"] == 20 * BS, st
+        # all of them at times, and then the CPU counter is 0)
+        assert st["split_cpu_loaded_tokens"] + st["split_disk_loaded_tokens"] == 20 * BS, st
         assert eng.workers[0].connector.stats()["bytes_from_disk"] > 0  # the promotions
         assert eng.verified_blocks - verified >= 20 and b.is_finished()
         assert_clean(eng)
