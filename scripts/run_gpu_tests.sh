@@ -16,4 +16,4 @@ for name in ("triton", "cuda.bindings", "pytest"):
     except ImportError as exc:
         print(name, "MISSING:", exc)
 PYEOF
-exec "$PY" -m pytest -q -p no:cacheprovider tests/gpu "$@"
+exec "$PY" -m pytest -q -p no:cacheprovider --durations=12 tests/gpu "$@"
