@@ -161,18 +161,21 @@ class SplitGate:
         raise InvalidInputError(f"split gate: no read rate for tier {tier!r}; it has {sorted(self.rates)}")
 
     def decide(self, runs: Sequence[tuple[str, int]], new_tokens: int, context: int,
-               count: bool = True) -> tuple[Split, str]:
+               count: bool = True, align: int = 0, offset: int = 0) -> tuple[Split, str]:
         """The plan for a hit held as ``runs`` ((tier, tokens) in prefix order, whole units), after ``context``
         tokens the engine has, with ``new_tokens`` to compute after it; and why (an outcome). Counted in ``report``
         (``count=False``: not yet; the caller passes it to ``count`` once the engine took the plan, so a hit
-        the engine asks about again is counted once)."""
+        the engine asks about again is counted once). ``align`` > 0: a split that loads part of a run ends where
+        ``offset`` + the tokens loaded is a multiple of it (the loader moves whole chunks: the better of the chunk
+        ends either side of the best split)."""
         segs = self.segments(runs)
-        split, outcome = self._plan(segs, new_tokens, context)
+        split, outcome = self._plan(segs, new_tokens, context, align, offset)
         if count:
             self.count(split, outcome)
         return split, outcome
 
-    def _plan(self, segs: list[Segment], new_tokens: int, context: int) -> tuple[Split, str]:
+    def _plan(self, segs: list[Segment], new_tokens: int, context: int, align: int = 0,
+              offset: int = 0) -> tuple[Split, str]:
         model = self.prefill.model()
         held, lo = sum(s.tokens for s in segs), forced_tokens(segs)
 
@@ -185,6 +188,10 @@ class SplitGate:
             return (at(held), ALWAYS) if self.policy == "always" else (at(lo), DECLINED)
         best = plan_split(segs, new_tokens, context, model, overlap=self.overlap, unit_tokens=self.unit_tokens,
                           layers=self.layers, extra_recompute=self.extra_recompute)
+        cut = (best.load_tokens + offset) % align if align else 0
+        if cut and lo < best.load_tokens < held:  # between two chunk ends: the better of them
+            down = max(lo, best.load_tokens - cut)
+            best = min((at(m) for m in (down, min(held, down + align))), key=lambda sp: (sp.seconds, -sp.load_tokens))
         if best.load_tokens == held:
             return best, BEATS
         with self._lock:

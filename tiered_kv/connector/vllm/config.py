@@ -242,6 +242,12 @@ class ConnectorConfig(RemoteKeys):
                                             "all TP ranks (one shared-memory CPU slab, one disk directory) instead "
                                             "of one per rank")
     staging_chunks: int = config_key(8, "chunks of pinned staging memory per rank for disk->GPU loads", "chunks")
+    disk_overlap_bytes: int | str = config_key(0, "in-step disk loads under the forward (`0`: off): a hit's disk "
+                                                  "part is read layer group by layer group into this much pinned "
+                                                  "staging per rank while the forward recomputes the rest, and the "
+                                                  "split plans with that overlap (see \"Disk or recompute\"); one "
+                                                  "KV cache group, `compression: none`, no `remote_url`, `load_mode` "
+                                                  "not `async`. Not measured on a GPU yet", "bytes")
     model_id: str = config_key("", "model name in the key namespace; empty: vLLM's `model` (set it when the same "
                                    "weights are served from different paths)")
     tenant_salt: str = config_key("", "extra namespace salt: engines with different salts never share blocks")
@@ -256,7 +262,7 @@ class ConnectorConfig(RemoteKeys):
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
-        for key in ("cpu_bytes", "disk_bytes", "load_staging_bytes", "load_ahead_bytes"):
+        for key in ("cpu_bytes", "disk_bytes", "load_staging_bytes", "load_ahead_bytes", "disk_overlap_bytes"):
             set_(key, parse_size(getattr(self, key), key))
         if self.step_load_bytes != "auto":
             set_("step_load_bytes", parse_size(self.step_load_bytes, "step_load_bytes"))
@@ -328,6 +334,20 @@ class ConnectorConfig(RemoteKeys):
                               f"at most 10 times a second), got {self.remote_feed_interval_s!r}")
         self.check_remote_keys()
         self._check_pool()
+        self._check_overlap()
+
+    def _check_overlap(self) -> None:
+        """``disk_overlap_bytes``: what the overlapped disk read needs from the other keys."""
+        if not self.disk_overlap_bytes:
+            return
+        why = [w for w, bad in (("compression: zstd (a compressed record cannot be read layer group by layer group)",
+                                 self.compression != "none"),
+                                ("remote_url (the remote tier has no in-step read)", self.remote_url is not None),
+                                ("load_mode: async (the overlap is an in-step load)", self.load_mode == "async"),
+                                ("no disk_path", self.disk_path is None)) if bad]
+        if why:
+            raise ConfigError(f"disk_overlap_bytes: {self.disk_overlap_bytes} bytes of overlap staging cannot be used "
+                              f"with {'; '.join(why)}; set disk_overlap_bytes: 0 or change those keys")
 
     def _check_pool(self) -> None:
         """``cpu_pool``: a valid name, and none of the tiers the pool does not take below it yet."""
@@ -506,3 +526,24 @@ def disk_slot_nbytes(geo: Geometry) -> int:
     from tiered_kv.tiers.disk import ALIGN  # lazily: the disk tier needs lmdb and zstandard, the CPU-only setup does not
 
     return -(-geo.rank_chunk_nbytes // ALIGN) * ALIGN
+
+
+#: Layer groups of an overlapped disk load (``in_step_disk``): the forward's first group waits for one group's read
+#: (the pipeline's fill, 1/OVERLAP_GROUPS of the read); more groups mean smaller reads (Llama-3-8B, 8 groups: 256 KiB
+#: per block and group)
+OVERLAP_GROUPS = 8
+
+
+def overlap_possible(cfg: ConnectorConfig, groups: int, rank_chunk_nbytes: int) -> str | None:
+    """Why this engine cannot read disk hits under the forward (None: it can): ``disk_overlap_bytes`` off, several
+    KV cache groups (their disk parts are promoted to the CPU tier first), a chunk record that is not a whole number
+    of 4 KiB pages (O_DIRECT ranges), or staging smaller than one chunk. The scheduler and the workers both ask."""
+    if not cfg.disk_overlap_bytes:
+        return "disk_overlap_bytes is 0"
+    if groups != 1:
+        return f"{groups} KV cache groups"
+    if rank_chunk_nbytes % 4096:
+        return f"a chunk record of {rank_chunk_nbytes} bytes is not a multiple of 4 KiB"
+    if cfg.disk_overlap_bytes < rank_chunk_nbytes:
+        return f"disk_overlap_bytes {cfg.disk_overlap_bytes} is less than one chunk ({rank_chunk_nbytes} bytes)"
+    return None

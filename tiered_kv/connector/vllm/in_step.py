@@ -51,7 +51,7 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -144,10 +144,12 @@ class InStepLoader:
     """
 
     def __init__(self, parts: Sequence[tuple[KVLayout, torch.Tensor, Sequence[str]]], cfg: ConnectorConfig,
-                 rank: int, plain_fallback: bool = False, timing: bool = False) -> None:
+                 rank: int, plain_fallback: bool = False, timing: bool = False,
+                 pipeline: tuple[int, int] | None = None) -> None:
         """Bind each KV cache group's layout (tensor i = one layer's, in ``layer_names`` order), its CPU
         plane viewed as block rows, and its layer names. ``timing`` (``trace_path``): every load gets timing
-        events (``_InStepLoad.marks``) the trace reads back later, without blocking."""
+        events (``_InStepLoad.marks``) the trace reads back later, without blocking. ``pipeline`` = (layer
+        groups, bytes submitted ahead): layerwise and pipelined whatever ``cfg`` says (``in_step_disk``)."""
         self.kvs = [kv for kv, _, _ in parts]
         self.kv = self.kvs[0]
         self.rank = rank
@@ -163,7 +165,15 @@ class InStepLoader:
         self._pipelined = cfg.load_submit == "pipelined"
         self._ahead = cfg.load_ahead_bytes
         self._groups_wanted = cfg.load_groups
+        if pipeline is not None:
+            self._layerwise = self._pipelined = True
+            self._groups_wanted, self._ahead = pipeline
         self._plain_fallback = plain_fallback
+        #: called with a span's end (tensor index) before that layer group's copy is submitted, and returns once
+        #: its source bytes are in the plane (``in_step_disk``: the disk reads); None: they always are
+        self.span_ready: Callable[[int], None] | None = None
+        #: the rank's overlapped disk loads (``in_step_disk.InStepDiskLoader``): ``start`` with no parts goes there
+        self.disk = None
         self.plain_copies = 0
         # host time spent in ``wait_layer`` submitting later layer groups (pipelined), since last read
         self.forward_submit_ms = 0.0
@@ -193,15 +203,29 @@ class InStepLoader:
     @property
     def busy(self) -> bool:
         """True while ``wait_layer`` has layer waits to enqueue or layer groups to submit."""
-        return bool(self.layer_waits or self._open)
+        return bool(self.layer_waits or self._open) or (self.disk is not None and self.disk.loader.busy)
 
-    def start(self, job: TransferJob, parts: Sequence[tuple[list[int], list[int]]]) -> None:
-        """Take one in-step load of this step: ``parts[g]`` = (GPU blocks, plane rows) of KV cache group g.
+    @property
+    def pending(self) -> bool:
+        """Loads started this step and not finished (``finish`` is due)."""
+        return bool(self.loads) or (self.disk is not None and self.disk.busy)
+
+    def start(self, job: TransferJob, parts: Sequence[tuple[list[int], list[int]]] | None) -> None:
+        """Take one in-step load of this step: ``parts[g]`` = (GPU blocks, plane rows) of KV cache group g; None:
+        its items are disk records, read under the forward (``disk``).
 
         Nothing is copied until ``submit``, which merges the step's loads.
         """
+        if parts is None:
+            self.disk.start(job)
+            return
         nbytes = sum(len(gpu) * kv.block_nbytes for (gpu, _), kv in zip(parts, self.kvs))
         self.loads.append(_InStepLoad(job, parts, nbytes, time.perf_counter()))
+
+    def adopt(self, jobs: list[TransferJob], events: dict, lock) -> list[TransferJob]:
+        """The step's other jobs minus those the overlapped disk loads take over (``InStepDiskLoader.adopt``: the
+        promotions of the records they read anyway)."""
+        return self.disk.adopt(jobs, events, lock) if self.disk is not None and self.disk.busy else jobs
 
     def submit(self, layerwise_ok: bool, mechanism: Mechanism | None, pipelined: bool = True) -> tuple[int, int]:
         """Submit the loads ``start`` took since the last call, merged per KV cache group.
@@ -214,9 +238,10 @@ class InStepLoader:
         these). Returns (loads started, layer groups planned); a load that could not start is
         counted in neither and ``finish`` reports it failed.
         """
+        from_disk = self.disk.submit(layerwise_ok) if self.disk is not None else 0  # its reads start now
         pending = [load for load in self.loads if not load.submitted]
         if not pending:
-            return 0, 0
+            return from_disk, 0
         t0 = time.perf_counter()
         for load in pending:
             load.submitted = True
@@ -273,7 +298,7 @@ class InStepLoader:
             log.debug("rank %d: %d in-step loads submitted, %d bytes in %d layer groups (layerwise=%s, pipelined=%s), "
                       "call %.2f ms", self.rank, len(pending), sum(load.nbytes for load in pending), planned, split,
                       lazy, (time.perf_counter() - t0) * 1e3)
-        return started, (planned if started else 0)
+        return started + from_disk, (planned if started else 0)
 
     def _submit_spans(self, copy: _StepCopy, upto: int) -> None:
         """Submit ``copy``'s layer groups ``copy.done .. upto-1``; register their layer waits or make the
@@ -281,6 +306,8 @@ class InStepLoader:
         first = copy.done == 0
         spans = copy.spans[copy.done:upto]
         copy.done = upto
+        if self.span_ready is not None and spans:
+            self.span_ready(spans[-1][1])
         if any(load.error is None for load in copy.loads):
             results = self._submit(copy, spans, first)
             if results is None:  # a plain copy of every tensor of the group: nothing left to submit
@@ -368,6 +395,8 @@ class InStepLoader:
         waits = self.layer_waits.pop(layer_name, None)
         if waits:
             _stream_waits(waits, torch.cuda.current_stream(self.kv.device))
+        if self.disk is not None:
+            self.disk.wait_layer(layer_name)
 
     def take_forward_submit_ms(self) -> float:
         """Host ms ``wait_layer`` spent submitting layer groups since the last call (the trace's per-step figure)."""
@@ -423,6 +452,8 @@ class InStepLoader:
                               "step's forward done at %.2f ms", self.rank, job.job_id, landed,
                               load.nbytes / landed / 1e6, load.marks[0].elapsed_time(forward_done))
             out.append((job, done))
+        if self.disk is not None:
+            out += self.disk.finish()
         return out
 
 

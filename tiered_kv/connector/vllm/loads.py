@@ -3,7 +3,8 @@
 ``LoadPlanner.allocated`` runs once vLLM allocated a request's blocks after a hit ``match`` reported: it
 asks the ``TierChain`` for the hit's keys (a ``get`` handle whose items' GPU ids are the blocks vLLM holds
 for them, -1 where vLLM holds the KV already) and hands the load jobs to this step (in-step loads,
-``StepPlan.sync``: every chunk a ready CPU copy, matched in this same ``schedule()`` call) or to the
+``StepPlan.sync``: every chunk a ready CPU copy, or a disk record read under the forward, matched in this same
+``schedule()`` call) or to the
 request's asynchronous loads (``StepPlan.loads``, reported in ``finished_recving``). A chunk that vanished
 since the lookup is reported as failed blocks, so vLLM recomputes from there (one group only: with several
 groups vLLM takes no block errors, and every load comes from a ready CPU copy). A tail piece loads into the
@@ -150,8 +151,9 @@ class LoadPlanner:
         loads = [j for j in jobs if j.kind is JobKind.EGRESS]
         router = self._router
         if st.sync:
-            # matched in this same schedule() call, so every chunk is still a READY CPU copy: one
-            # EGRESS job from the CPU tier, which the workers run before/alongside this step's forward
+            # matched in this same schedule() call, so every chunk is still a READY CPU copy (or, with
+            # disk_overlap_bytes, a disk record read under the forward): one EGRESS job per source tier, which the
+            # workers run before/alongside this step's forward
             router.sync.extend(j.job_id for j in loads)
             self.counters.sync_loads += len(loads)
             st.sync = False

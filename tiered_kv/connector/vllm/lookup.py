@@ -14,8 +14,9 @@ in the remote tier is adopted when the walk reaches it (``RemotePresence``). The
   it is estimated faster than recomputing it (no overlap: per tier all or nothing). The plan waits on the
   request's state until vLLM allocates it (``LoadPlanner.allocated`` counts it), so a request vLLM asks about
   again is counted once;
-- whether the load runs inside the step (every chunk in the CPU tier, at most ``sync_max_tokens``, and with
-  ``load_mode`` adaptive within the step's budget, ``admission.py``) or between steps;
+- whether the load runs inside the step (every chunk in the CPU tier, or with ``disk_overlap_bytes`` CPU chunks
+  then disk chunks read under the forward, at most the staging's room of them; at most ``sync_max_tokens``, and
+  with ``load_mode`` adaptive within the step's budget, ``admission.py``) or between steps;
 - hybrid models (``parts.PartPlanner``): the longest hit over parts; its disk parts are promoted to the CPU
   tier first (``match`` answers None, "ask again", while they move), because vLLM takes no per-block load
   errors with several KV cache groups.
@@ -33,8 +34,8 @@ from itertools import groupby
 from tiered_kv.planner.chain import TierChain
 from tiered_kv.planner.gate import DECLINED, PROBE, SPLIT, SplitGate
 from tiered_kv.connector.vllm.admission import StepLoadBudget
-from tiered_kv.connector.vllm.common import CPU
-from tiered_kv.connector.vllm.config import ConnectorConfig
+from tiered_kv.connector.vllm.common import CPU, DISK
+from tiered_kv.connector.vllm.config import ConnectorConfig, overlap_possible
 from tiered_kv.connector.vllm.geometry import Geometry
 from tiered_kv.connector.vllm.parts import PartPlanner
 from tiered_kv.connector.vllm.prefill import tier_names
@@ -67,6 +68,10 @@ class LookupPlanner:
         self._presence = presence
         self._known: set[bytes] = presence.known if presence is not None else set()  # announced, not adopted
         self.counters = counters
+        # disk chunks an in-step load may read under the forward (``disk_overlap_bytes``; 0: none, loads of disk
+        # chunks run between steps)
+        overlap = overlap_possible(cfg, len(geo.groups), geo.rank_chunk_nbytes) is None and cfg.disk_path is not None
+        self._overlap_chunks = cfg.disk_overlap_bytes // geo.rank_chunk_nbytes if overlap else 0
 
     def match(self, request, num_computed_tokens: int) -> int | None:
         """Tokens beyond ``num_computed_tokens`` that can be loaded (0 if none; None: ask again next step)."""
@@ -102,6 +107,8 @@ class LookupPlanner:
         if not where:  # nothing held (a new prompt's usual answer): none of what follows could find a hit
             log.debug("match %s: computed %d, none of %d chunks held", request.request_id, num_computed_tokens, usable)
             return 0
+        if self._overlap_chunks:  # read under the forward: no more disk chunks than the staging holds, none after
+            keys, where, tail = self._overlap_cut(keys, where, tail)
         n = self._worth_loading(st, where, tail, num_computed_tokens, c0)
         if tail and n < len(where):
             tail = 0  # the tail's tier was declined (or a chunk before it was)
@@ -117,10 +124,23 @@ class LookupPlanner:
         st.hit_tail = tail
         st.hit_keys = keys[:n]
         st.sync = (self.cfg.load_mode != "async" and tokens <= self.cfg.sync_max_tokens
-                   and all(t == CPU for t in where[:n]))
+                   and all(t == CPU or (t == DISK and self._overlap_chunks) for t in where[:n]))
         if st.sync and self._budget is not None:
             st.sync = self._budget.admit(self.geo.hit_nbytes(tokens))
         return tokens
+
+    def _overlap_cut(self, keys: list[bytes], where: list[int], tail: int) -> tuple[list[bytes], list[int], int]:
+        """A hit as far as an overlapped in-step load can take it: CPU chunks, then at most the staging's room of
+        disk chunks; the rest is left to recompute (it goes to the split as not held)."""
+        room, n = self._overlap_chunks, 0
+        for t in where:
+            if t != CPU and (t != DISK or room == 0):
+                break
+            room -= t == DISK
+            n += 1
+        if n < len(where):
+            return keys[:n], where[:n], 0  # a tail piece is the last entry: cut with the rest
+        return keys, where, tail
 
     def _match_parts(self, st: RequestState, c0: int, usable: int, computed: int) -> int | None:
         """``match`` for hybrid models: the longest hit over parts, its disk parts promoted to the CPU tier first."""
@@ -241,7 +261,7 @@ class LookupPlanner:
             runs[-1][1] -= chunk - tail * self.bs
         held = sum(t for _, t in runs)
         split, outcome = self._gate.decide(runs, max(0, st.request.num_tokens - computed - held), computed,
-                                           count=False)
+                                           count=False, align=chunk if self._overlap_chunks else 0, offset=local)
         if st.split is None or not st.promoted:
             st.split = (split, outcome)
         if outcome == PROBE:  # a declined tier is read now and then, so its estimate follows it

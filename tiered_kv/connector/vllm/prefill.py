@@ -9,6 +9,9 @@ docs/design.md, "Load or recompute: the split"):
   per rank, fixed (CPU-tier hits are always loaded; its time only enters the estimated seconds);
 - the prefill model: ``prefill_tokens_per_s`` and ``prefill_half_rate_context`` as the start, then fitted to
   vLLM's steps (``StepMeter``) unless ``prefill_learn`` is false;
+- with ``disk_overlap_bytes`` (one KV cache group, ``config.overlap_possible``): ``overlap=True``, a hit's disk
+  part read under the forward layer group by layer group (``in_step_disk.py``; ``layers`` = its
+  ``OVERLAP_GROUPS``), so the split may load a run's first part and recompute the rest; otherwise
 - no overlap of load and compute (``overlap=False``): a disk or remote hit is loaded before the request's forward
   runs. With one KV cache group its records go straight to the GPU blocks vLLM allocated, while the request waits
   in ``WAITING_FOR_REMOTE_KVS``; hybrid models promote them to the CPU tier first and load from there. Nothing
@@ -64,7 +67,7 @@ from tiered_kv.planner.gate import SplitGate
 from tiered_kv.planner.rates import (DECODE_TOKENS, REFIT_EVERY, WINDOW, PrefillEstimator, PrefillModel, ReadRate,
                                      StepTimer)
 from tiered_kv.planner.split import MEMORY_TIERS
-from tiered_kv.connector.vllm.config import ConnectorConfig
+from tiered_kv.connector.vllm.config import OVERLAP_GROUPS, ConnectorConfig, overlap_possible
 from tiered_kv.connector.vllm.geometry import Geometry
 
 log = logging.getLogger(__name__)
@@ -100,8 +103,10 @@ def split_gate(cfg: ConnectorConfig, geo: Geometry, tiers: Sequence[str]) -> Spl
     estimator = PrefillEstimator(start, fixed=not cfg.prefill_learn, fit_on_read=False)
     unit_nbytes = max(1, geo.hit_nbytes(geo.chunk_tokens) * copies // geo.chunk_blocks)
     layers = len({name for g in geo.groups for name in g.layer_names})
-    return SplitGate(cfg.disk_load_policy, cfg.disk_probe_every, rates, estimator, overlap=False,
-                     unit_tokens=geo.block_size, unit_nbytes=unit_nbytes, layers=layers)
+    overlap = overlap_possible(cfg, len(geo.groups), geo.rank_chunk_nbytes) is None and cfg.disk_path is not None
+    return SplitGate(cfg.disk_load_policy, cfg.disk_probe_every, rates, estimator, overlap=overlap,
+                     unit_tokens=geo.block_size, unit_nbytes=unit_nbytes,
+                     layers=OVERLAP_GROUPS if overlap else layers)
 
 
 def step_parts(scheduler_output) -> list[tuple[int, int]]:

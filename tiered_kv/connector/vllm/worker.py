@@ -81,6 +81,7 @@ from tiered_kv.connector.vllm.geometry import Geometry, GroupGeo
 from tiered_kv.connector.vllm.async_loads import AsyncLoader
 from tiered_kv.connector.vllm.idle import IdleWait
 from tiered_kv.connector.vllm.in_step import InStepLoader
+from tiered_kv.connector.vllm.in_step_disk import overlap_loader
 from tiered_kv.connector.vllm.pool_io import PoolIO
 from tiered_kv.connector.vllm.runner import JobRunner, WorkerCounters
 from tiered_kv.connector.vllm.trace import LoadTrace
@@ -284,6 +285,7 @@ class WorkerRuntime:
                                          zip(kvs, self.planes, self.geo.groups)], self.cfg, self.rank,
                                         plain_fallback=not self.geo.block_level_errors,
                                         timing=self.trace is not None)
+            self.in_step.disk = overlap_loader(self.cfg, self.geo, kvs, self.rank, self.disk, self.runner, self._cuda)
         if self.geo.block_level_errors:
             # staged only when named: ``auto`` picks it for in-step copies (measured under load), not for these
             self.async_loads = AsyncLoader(self.copier, Mechanism.STAGED if self.cfg.in_step_copy == "staged" else None)
@@ -386,8 +388,8 @@ class WorkerRuntime:
                 if job.job_id in sync:  # a job like any other; only its copy is the loader's
                     with self._lock:
                         self._events[job.job_id] = threading.Event()
-                    in_step.start(job, self.runner.load_rows(job))
-            early = [j for j in early if j.job_id not in sync]
+                    in_step.start(job, self.runner.load_rows(job) if job.src_tier == CPU else None)  # None: disk
+            early = in_step.adopt([j for j in early if j.job_id not in sync], self._events, self._lock)
             # asynchronous loads of this step are ordered after the in-step copies: those must all exist
             pipelined = not (self.async_loads is not None and any(_async_load(j) for j in early))
             staged = in_step.staged_copies
@@ -480,7 +482,7 @@ class WorkerRuntime:
         if self.shared and not self._name_released:  # every rank mapped the shared slab: drop its name
             self._name_released = self.cpu.release_name()
         in_step = self.in_step
-        if in_step is not None and in_step.loads:
+        if in_step is not None and in_step.pending:
             self._finish_in_step(in_step)
         loader = self.async_loads
         if self._plan is not None and self._plan.idle and self._loading:  # vLLM would spin: let the loads run

@@ -39,7 +39,7 @@ from tiered_kv.tiers.base import Tier
 from tiered_kv.tiers.disk.index import DiskIndex
 from tiered_kv.tiers.faults import FaultLog
 from tiered_kv.values.layout import BlockLayout
-from tiered_kv.values.record import RecordHeader
+from tiered_kv.values.record import CODEC_NONE, RecordHeader
 
 log = logging.getLogger(__name__)
 
@@ -252,6 +252,15 @@ class IndexedTier(Tier):
                 self.index.unlease(leases, [k for k, good in zip(keys, ok) if good])
         return ok, corrupt, missing
 
+    def open_ranges(self, keys: Sequence[bytes]) -> "RangeReads":
+        """Lease ``keys``' records for reads by byte range (``RangeReads``); close the result when done."""
+        self._check_open()
+        if self.readonly:
+            raws, leases = self.index.headers(keys), []
+        else:
+            raws, leases = self.index.lease(keys)
+        return RangeReads(self, list(keys), raws, leases)
+
     def _read_one(self, key: bytes, raw: bytes, dst: torch.Tensor) -> bool | None:
         """Read ``key``'s record (header ``raw``) into ``dst``: True when verified, False when damaged (dropped),
         None for a record that is not ours to serve (another layout) or that another process removed meanwhile."""
@@ -348,3 +357,72 @@ class IndexedTier(Tier):
                 self.slots.close()
             finally:
                 self.index.close()
+
+
+class RangeReads:
+    """Records read by byte range, then verified whole (the in-step disk load's reads, layer group by group).
+
+    ``headers[i]`` is record i's header, or None when there is nothing of ours to read (``missing[i]``: no record
+    at all; else another layout's, or a compressed record, which cannot be read by range). ``read(i, start, end,
+    image)`` may run on several threads at once for different ranges; ``verify(i, image)`` once every range of
+    record i is in; ``close()`` once, after the reads: it lets go of the leases and drops the records found
+    damaged (a bad header, a failed read, a checksum mismatch), as a whole-record read does.
+    """
+
+    def __init__(self, tier: IndexedTier, keys: list[bytes], raws: list[bytes | None], leases: list[bytes]) -> None:
+        self.tier, self.keys, self._raws, self._leases = tier, keys, raws, leases
+        self.missing = [raw is None for raw in raws]
+        self.headers: list[RecordHeader | None] = []
+        self._bad: dict[int, Exception] = {}  # damaged: dropped at close
+        for i, raw in enumerate(raws):
+            hdr = None
+            if raw is not None:
+                try:
+                    hdr = tier.header(keys[i], raw)
+                except RecordError as exc:
+                    self._bad[i] = exc
+                if hdr is not None and hdr.codec != CODEC_NONE:
+                    hdr = None  # not damage: read whole by the next load that is not in-step
+            self.headers.append(hdr)
+        self._ok: set[int] = set()
+        self._lock = threading.Lock()
+
+    def read(self, i: int, start: int, end: int, image: torch.Tensor) -> bool:
+        """Bytes ``[start, end)`` of record i into the same bytes of ``image``; False when it has no header of ours
+        or the read fails (the record then counts as damaged)."""
+        hdr = self.headers[i]
+        if hdr is None or i in self._bad:
+            return False
+        try:
+            self.tier.slots.read_range(hdr, start, end, image)
+            return True
+        except (RecordError, OSError) as exc:
+            with self._lock:
+                self._bad.setdefault(i, exc)
+            return False
+
+    def verify(self, i: int, image: torch.Tensor) -> bool:
+        """Whether record i's ``image`` is the record its header describes (every range of it read)."""
+        hdr = self.headers[i]
+        if hdr is None or i in self._bad:
+            return False
+        if not self.tier.slots.verify(hdr, image):
+            with self._lock:
+                self._bad[i] = RecordError("payload checksum mismatch")
+            return False
+        with self._lock:
+            self._ok.add(i)
+        return True
+
+    def corrupt(self, i: int) -> bool:
+        """Record i was there and found damaged."""
+        return i in self._bad
+
+    def close(self) -> None:
+        """Let go of the leases (the verified records count as read) and drop the damaged records."""
+        try:
+            for i, exc in self._bad.items():
+                self.tier._drop_damaged(self.keys[i], self._raws[i], exc)
+        finally:
+            if self._leases:
+                self.tier.index.unlease(self._leases, [self.keys[i] for i in sorted(self._ok)])

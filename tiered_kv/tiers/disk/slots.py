@@ -175,6 +175,37 @@ class SlotFile:
             raise RecordError(f"decompressed {len(raw)} bytes, header says {hdr.raw_len}")
         dst.copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
 
+    def read_range(self, hdr: RecordHeader, start: int, end: int, image: torch.Tensor) -> None:
+        """Bytes ``[start, end)`` of the raw record ``hdr`` describes into the same bytes of ``image`` (1-D uint8,
+        CPU, the record's whole image: ``hdr.raw_len`` bytes), unverified: ``verify`` checks the image once every
+        range is in (the in-step disk load reads a record layer group by layer group). With O_DIRECT the range is
+        rounded out to 4 KiB within the record (the same file bytes land on the same image bytes: harmless), read
+        straight into an aligned image, else through this thread's bounce buffer. Raises RecordError for a
+        compressed record, OSError when the read fails or is short."""
+        if hdr.codec != CODEC_NONE:
+            raise RecordError("a compressed record cannot be read by range")
+        if not 0 <= start < end <= hdr.payload_len:
+            raise RecordError(f"range [{start}, {end}) outside the record's {hdr.payload_len} bytes")
+        if self.direct:
+            start -= start % ALIGN
+            end = min(-(-end // ALIGN) * ALIGN, hdr.payload_len)
+        off = hdr.slot * self.slot_bytes + start
+        n = end - start
+        arr = image.numpy()
+        if not self.direct or (_aligned(arr[start:], n) and n % ALIGN == 0):
+            got = os.preadv(self.fd, [memoryview(arr[start:end]).cast("B")], off)
+        else:
+            data = self._pread(n, off)
+            got = len(data)
+            arr[start:start + got] = np.frombuffer(data, dtype=np.uint8)
+        if got != n:
+            raise OSError(f"short read {got} of {n} at byte {start} of slot {hdr.slot}")
+
+    @staticmethod
+    def verify(hdr: RecordHeader, image: torch.Tensor) -> bool:
+        """Whether ``image`` (filled by ``read_range``) holds the payload ``hdr`` describes (its xxh3)."""
+        return payload_checksum(memoryview(image.numpy()[:hdr.payload_len]).cast("B")) == hdr.payload_xxh
+
     # ------------------------------------------------------------------ lifetime
     def datasync(self) -> None:
         """``fdatasync`` the file (after a batch of writes, before their headers commit)."""

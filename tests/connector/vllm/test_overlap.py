@@ -1,0 +1,136 @@
+"""Disk hits read under the forward (``disk_overlap_bytes``, issue 32 item 2) on vLLM's real Scheduler.
+
+The harness's forward checks every byte a request reads against the tokens that produced it, and calls
+``wait_for_layer_load`` for every layer before it reads, as vLLM's attention layers do. With the overlap on, the
+split may load the first part of a disk run and recompute the rest: the CPU part, the disk part read layer group by
+layer group into the staging slab, and the recomputed rest are all bit-exact; a damaged record fails its blocks in
+the step that read it (vLLM recomputes them) and is dropped; a hit larger than the staging loads what fits.
+"""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from tests.connector.vllm.harness import Engine, write_model_dir  # noqa: E402
+from tests.connector.vllm.test_split import CHUNK, CHUNK_BYTES, K, chunk_keys, hold_on_disk_only, prompt  # noqa: E402
+from tiered_kv.connector.vllm.config import ConnectorConfig, overlap_possible  # noqa: E402
+from tiered_kv.errors import ConfigError  # noqa: E402
+from tiered_kv.values.record import RecordHeader  # noqa: E402
+
+HELD = 8  # chunks of the prefix: 512 tokens
+#: recompute 50k tokens/s, the disk 5 MB/s: 256 B a token, so loading all 8 chunks (26 ms) loses to recomputing
+#: them (10 ms), and with the overlap loading about 2 while recomputing 6 beats both
+SLOW_SPLIT = {"disk_read_gbps": 0.005, "prefill_tokens_per_s": 50000.0, "prefill_learn": False}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_model_dir(str(tmp_path_factory.mktemp("tiny-llama")))
+
+
+def cfg(tmp_path, **kw) -> dict:
+    return {"chunk_blocks": K, "cpu_bytes": 16 * CHUNK_BYTES, "disk_path": str(tmp_path / "kv"), "disk_bytes": "4MiB",
+            "write_policy": "write_through", "disk_probe_every": 0, "disk_overlap_bytes": HELD * CHUNK_BYTES, **kw}
+
+
+def _turn(eng: Engine, rid: str, tokens: list[int]):
+    req = eng.add(rid, tokens, max_tokens=1)
+    eng.run()
+    eng.settle()
+    eng.sched.reset_prefix_cache()
+    return req
+
+
+def _on_disk(eng: Engine, rid: str, tokens: list[int]) -> list[bytes]:
+    """Serve ``tokens`` once, then forget the CPU copies of its chunks (write-through kept them on disk)."""
+    req = _turn(eng, rid, tokens)
+    keys = chunk_keys(eng, req, HELD)
+    hold_on_disk_only(eng, keys)
+    return keys
+
+
+def test_a_slow_disk_run_is_split_read_under_the_forward_and_bit_exact(model_dir, tmp_path):
+    eng = Engine.create(model_dir, cfg(tmp_path, **SLOW_SPLIT))
+    try:
+        tokens = prompt(11, HELD * CHUNK + 4)
+        _on_disk(eng, "a", tokens)
+        _turn(eng, "a2", tokens)
+        got = eng.cached_at_start["a2"]
+        assert 0 < got < HELD * CHUNK and got % CHUNK == 0, got  # part of the run loaded, the rest recomputed
+        st = eng.connector.stats()
+        assert st["sched_sync_loads"] >= 1 and st["sched_hit_tokens_disk"] == got, st
+        assert st["split_disk_loaded_tokens"] == got and st["split_disk_recomputed_tokens"] == HELD * CHUNK - got, st
+        disk = eng.workers[0].connector.worker.in_step.disk
+        assert disk is not None and disk.loads == 1 and not disk.busy
+        assert eng.workers[0].connector.stats()["failed_items"] == 0
+    finally:
+        eng.close()
+
+
+def test_without_the_overlap_the_same_hit_is_all_or_nothing(model_dir, tmp_path):
+    """The same rates with ``disk_overlap_bytes: 0``: the disk run is declined whole (recompute is faster than a
+    load that runs before the forward)."""
+    eng = Engine.create(model_dir, cfg(tmp_path, disk_overlap_bytes=0, **SLOW_SPLIT))
+    try:
+        tokens = prompt(12, HELD * CHUNK + 4)
+        _on_disk(eng, "a", tokens)
+        _turn(eng, "a2", tokens)
+        assert eng.cached_at_start["a2"] == 0
+        assert eng.workers[0].connector.worker.in_step.disk is None
+    finally:
+        eng.close()
+
+
+def test_a_damaged_record_fails_its_blocks_in_the_step_that_read_it(model_dir, tmp_path):
+    """A fast disk loads the whole run in-step; one record's payload changed on disk: the forward read wrong bytes
+    only in blocks the connector reported failed in that step (the harness checks), vLLM recomputed them, the
+    record was dropped, and the next turn reads the others again."""
+    eng = Engine.create(model_dir, cfg(tmp_path, disk_read_gbps=100.0, prefill_learn=False))
+    try:
+        tokens = prompt(13, HELD * CHUNK + 4)
+        keys = _on_disk(eng, "a", tokens)
+        worker = eng.workers[0].connector.worker
+        disk = worker.disk
+        raw = disk.index.headers([keys[3]])[0]
+        hdr = RecordHeader.unpack(keys[3], raw)
+        with open(disk.path / "payload.bin", "r+b") as fh:
+            fh.seek(hdr.slot * disk.slots.slot_bytes + 100)
+            byte = fh.read(1)
+            fh.seek(hdr.slot * disk.slots.slot_bytes + 100)
+            fh.write(bytes([(byte[0] + 1) % 256]))
+        _turn(eng, "a2", tokens)
+        assert eng.cached_at_start["a2"] == HELD * CHUNK  # planned whole: the damage shows only when read
+        ws = eng.workers[0].connector.stats()
+        assert ws["corrupt_items"] == 1 and eng.discarded_reads > 0, ws
+        assert disk.index.headers([keys[3]]) == [None]  # dropped
+        assert disk.index.headers([keys[4]])[0] is not None
+    finally:
+        eng.close()
+
+
+def test_a_hit_larger_than_the_staging_loads_what_fits(model_dir, tmp_path):
+    eng = Engine.create(model_dir, cfg(tmp_path, disk_read_gbps=100.0, prefill_learn=False,
+                                       disk_overlap_bytes=3 * CHUNK_BYTES))
+    try:
+        tokens = prompt(14, HELD * CHUNK + 4)
+        _on_disk(eng, "a", tokens)
+        _turn(eng, "a2", tokens)
+        assert eng.cached_at_start["a2"] == 3 * CHUNK
+        assert eng.connector.stats()["sched_sync_loads"] >= 1
+    finally:
+        eng.close()
+
+
+def test_overlap_needs_raw_records_a_disk_and_in_step_loads(tmp_path):
+    base = {"disk_path": str(tmp_path / "kv"), "disk_overlap_bytes": "64MiB"}
+    ConnectorConfig(**base)
+    for bad, why in (({"compression": "zstd"}, "compression: zstd"), ({"load_mode": "async"}, "load_mode: async"),
+                     ({"disk_path": None}, "no disk_path")):
+        with pytest.raises(ConfigError, match=why):
+            ConnectorConfig(**{**base, **bad})
+    c = ConnectorConfig(**base)
+    assert overlap_possible(c, 1, 32 << 20) is None
+    assert "KV cache groups" in overlap_possible(c, 2, 32 << 20)
+    assert "4 KiB" in overlap_possible(c, 1, (32 << 20) + 512)
+    assert "less than one chunk" in overlap_possible(ConnectorConfig(**{**base, "disk_overlap_bytes": 4096}), 1, 8192)

@@ -1,0 +1,249 @@
+"""In-step disk loads under the forward (``disk_overlap_bytes``): a hit's disk part read layer group by layer group.
+
+The split (``planner.split``, ``overlap=True``) may load the first ``m`` held tokens of a hit and recompute the rest
+only if the load runs while the forward computes: layer i's bytes must be on the GPU when layer i's attention runs,
+no sooner. So a disk chunk of such a hit (``StepPlan.sync`` holds its job, like a CPU hit's) goes here, not to the
+front mover:
+
+- ``start(job, parts_of)``: its records get a row each in a pinned staging slab (``disk_overlap_bytes`` of whole
+  record images, slot-row format), are leased (``DiskTier.open_ranges``), and reader threads begin at once: layer
+  group 0's byte range of every block of every record of the step, then group 1's, ... (the groups are
+  ``in_step.layer_groups`` of ``OVERLAP_GROUPS``), each range one positional read (O_DIRECT where the file system allows);
+- ``submit``: this loader's own ``InStepLoader`` over the staging plane, pipelined with nothing submitted ahead,
+  so it hands the driver a layer group's copy only when the forward reaches that group's first layer
+  (``wait_layer``), and first waits (on the CPU, ``ready``) until the readers have that group's bytes: vLLM's
+  thread stops launching there while the GPU still runs the layers launched before; then the engine's stream
+  waits, on the GPU, for that group's copy;
+- ``finish`` (the step's ``poll``): the copies land, every record is verified whole against its header's
+  checksum, and each job's ``Completion`` says which chunks were good: a bad or vanished record fails its
+  chunk's GPU blocks in this very step, so vLLM discards the step's output for them and recomputes (one KV cache
+  group: vLLM takes block errors), as for any failed in-step load. Damaged records are dropped.
+
+Threading contract: ``start``, ``submit``, ``wait_layer``, ``finish`` and ``busy`` on vLLM's worker thread; the
+reads on this loader's reader threads, which touch only the staging rows of the step's records and the step's
+progress (under ``_cond``).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+
+import torch
+
+from tiered_kv.copy import KVLayout, allocate_slab
+from tiered_kv.values.jobs import Completion, JobKind, TransferJob
+from tiered_kv.connector.vllm.common import CPU
+from tiered_kv.connector.vllm.config import OVERLAP_GROUPS, ConnectorConfig, overlap_possible
+from tiered_kv.connector.vllm.in_step import InStepLoader, layer_groups
+
+log = logging.getLogger(__name__)
+
+#: Records' byte ranges O_DIRECT reads in flight at once, per rank
+READERS = 8
+
+
+def overlap_loader(cfg: ConnectorConfig, geo, kvs: Sequence[KVLayout], rank: int, disk, runner,
+                   cuda: bool) -> "InStepDiskLoader | None":
+    """The rank's ``InStepDiskLoader`` (``WorkerRuntime.register``), or None where ``overlap_possible`` says no."""
+    why = overlap_possible(cfg, len(kvs), geo.rank_chunk_nbytes)
+    if why is not None or disk is None:
+        if cfg.disk_overlap_bytes:
+            log.warning("TieredKVConnector rank %d: disk_overlap_bytes is set but disk hits are not read under the "
+                        "forward here: %s", rank, why or "no disk tier")
+        return None
+    return InStepDiskLoader(kvs[0], geo.groups[0].layer_names, cfg, rank, disk, geo.rank_chunk_nbytes,
+                            geo.chunk_blocks, runner.flat, cuda, runner.cpu.slab)
+
+
+@dataclass
+class _StepReads:
+    """What the readers do for one step: the records (job, item, staging row), the leases, the progress."""
+
+    records: list[tuple[int, int, int]]  # (index into ``jobs``, item, staging slot)
+    jobs: list[TransferJob]
+    reads: list  # one ``RangeReads`` per job
+    spans: list[tuple[int, int]]
+    read_upto: int = 0  # tensors whose bytes every record has (a span's end, once all of its ranges are read)
+    read_s: float = 0.0  # from the first read to the last (the verification not included)
+    good: list[bool] = field(default_factory=list)  # per record, after the verification
+    failed: BaseException | None = None
+    done: bool = False
+
+
+class InStepDiskLoader:
+    """One TP rank's overlapped in-step disk loads (see the module)."""
+
+    def __init__(self, kv: KVLayout, layer_names: Sequence[str], cfg: ConnectorConfig, rank: int, disk,
+                 chunk_nbytes: int, chunk_blocks: int, flat: Callable, pin: bool, cpu_slab: torch.Tensor) -> None:
+        """``disk``: the rank's ``DiskTier``; ``flat(job, slots, items)``: ``JobRunner.flat`` (GPU blocks and plane
+        rows of a job's items in given slots); ``cpu_slab``: the CPU tier's slab (chunk rows), for ``adopt``."""
+        self.kv, self.rank, self.disk = kv, rank, disk
+        self.k, self.chunk_nbytes = chunk_blocks, chunk_nbytes
+        self.capacity = cfg.disk_overlap_bytes // chunk_nbytes
+        self.staging = allocate_slab(self.capacity, chunk_nbytes, pin=pin)
+        self.plane = self.staging.view(self.capacity * chunk_blocks, chunk_nbytes // chunk_blocks)
+        self.loader = InStepLoader([(kv, self.plane, layer_names)], cfg, rank, pipeline=(OVERLAP_GROUPS, 0))
+        self.loader.span_ready = self.ready
+        self._flat = flat
+        self._cpu_slab = cpu_slab
+        self._adopted: list[TransferJob] = []  # this step's promotions of the records read here (``adopt``)
+        # byte offset of tensor t's part inside a block of the slot format (tensors in order)
+        self._offsets = [0]
+        for m in kv.maps:
+            self._offsets.append(self._offsets[-1] + m.nbytes)
+        self._pool = ThreadPoolExecutor(READERS, thread_name_prefix=f"tkv-overlap-r{rank}")
+        self._cond = threading.Condition()
+        self._step: _StepReads | None = None
+        self._pending: list[tuple[TransferJob, list[int]]] = []  # (job, staging slot per item) started this step
+        self._next_slot = 0
+        self.read_wait_s = 0.0  # vLLM's thread waiting for groups' bytes since start (stats)
+        self.loads = 0
+
+    @property
+    def busy(self) -> bool:
+        """Loads started and not finished (``finish`` is due)."""
+        return bool(self._pending) or self._step is not None
+
+    def start(self, job: TransferJob) -> None:
+        """Take one in-step load whose items are disk records (``before_forward``); its reads begin at ``submit``.
+        Items beyond the staging's room fail (the planner keeps within it)."""
+        n = len(job)
+        room = max(0, min(n, self.capacity - self._next_slot))
+        slots = list(range(self._next_slot, self._next_slot + room)) + [-1] * (n - room)
+        self._next_slot += room
+        self._pending.append((job, slots))
+        if room < n:
+            log.warning("TieredKVConnector rank %d: in-step disk load job %d has %d chunks, staging room for %d; "
+                        "the rest fail and vLLM recomputes them", self.rank, job.job_id, n, room)
+
+    def adopt(self, jobs: list[TransferJob], events: dict, lock) -> list[TransferJob]:
+        """Take over this step's promotions (disk -> CPU tier, ``promote_on_hit``) of records this step's loads read
+        anyway: ``finish`` copies their verified staging images into the CPU slots, so a record is read from disk
+        once, and not while the forward waits for the overlapped reads. Registers each one's event in ``events``
+        (under ``lock``), as the worker does for its jobs. Returns the other jobs."""
+        staged = {key for job, slots in self._pending for key, slot in zip(job.keys, slots) if slot >= 0}
+        rest = []
+        for job in jobs:
+            if job.kind is JobKind.PROMOTE and job.dst_tier == CPU and all(k in staged for k in job.keys):
+                with lock:
+                    events[job.job_id] = threading.Event()
+                self._adopted.append(job)
+            else:
+                rest.append(job)
+        return rest
+
+    def submit(self, layerwise_ok: bool) -> int:
+        """Start the reads of the loads ``start`` took, then submit their copies (the first group's once read).
+        Returns the loads started."""
+        if not self._pending:
+            return 0
+        jobs = [job for job, _ in self._pending]
+        records = [(j, i, slot) for j, (_, slots) in enumerate(self._pending) for i, slot in enumerate(slots)
+                   if slot >= 0]
+        spans = layer_groups(self.kv, 1, OVERLAP_GROUPS) if layerwise_ok else [(0, len(self.kv.tensors))]
+        reads = [self.disk.open_ranges(job.keys) for job in jobs]
+        step = self._step = _StepReads(records, jobs, reads, spans)
+        threading.Thread(target=self._read_all, args=(step,), name=f"tkv-overlap-step-r{self.rank}",
+                         daemon=True).start()
+        for (job, slots) in self._pending:
+            items = [i for i, s in enumerate(slots) if s >= 0]
+            self.loader.start(job, self._flat(job, slots, items))
+        self.loads += len(jobs)
+        started, _ = self.loader.submit(layerwise_ok, None)
+        return started
+
+    def wait_layer(self, layer_name: str) -> None:
+        """``wait_for_layer_load``: this layer's group, read and copied, before the layer runs on the GPU."""
+        if self.loader.busy:
+            self.loader.wait_layer(layer_name)
+
+    def ready(self, upto: int) -> None:
+        """Block until the readers have tensors ``[0, upto)`` of every record of the step (the copy's span hook)."""
+        step = self._step
+        if step is None:
+            return
+        t0 = time.perf_counter()
+        with self._cond:
+            while step.read_upto < upto and not step.done:
+                self._cond.wait()
+        self.read_wait_s += time.perf_counter() - t0
+
+    def finish(self) -> list[tuple[TransferJob, Completion]]:
+        """The step's copies landed and its records verified: each job's ``Completion`` (a bad, vanished or
+        unstaged record fails its item)."""
+        if not self.busy:
+            return []
+        copied = {job.job_id: c for job, c in self.loader.finish()}
+        step, self._step = self._step, None
+        pending, self._pending, self._next_slot = self._pending, [], 0
+        with self._cond:
+            while not step.done:
+                self._cond.wait()
+        good = {(j, i) for (j, i, _), ok in zip(step.records, step.good) if ok}
+        out = []
+        for j, (job, slots) in enumerate(pending):
+            c = copied.get(job.job_id)
+            n = len(job)
+            ok = [bool(c is not None and c.ok and all(c.ok)) and (j, i) in good for i in range(n)]
+            corrupt = [step.reads[j].corrupt(i) for i in range(n)]
+            missing = [step.reads[j].missing[i] for i in range(n)]
+            # seconds: the reads' (all of the step's records together), the disk's rate for the split
+            out.append((job, Completion(job.job_id, ok, corrupt, sum(ok) * self.chunk_nbytes, step.read_s,
+                                        missing=missing)))
+        image_of = {}  # key -> staging row of its verified image
+        for (j, i, slot), ok in zip(step.records, step.good):
+            if ok:
+                image_of[pending[j][0].keys[i]] = slot
+        adopted, self._adopted = self._adopted, []
+        for job in adopted:  # promotions from the staged images: no second read of the disk
+            ok = [key in image_of for key in job.keys]
+            for key, dst, good in zip(job.keys, job.dst_slots, ok):
+                if good:
+                    self._cpu_slab[dst] = self.staging[image_of[key]]
+            out.append((job, Completion(job.job_id, ok, [False] * len(job), 0, 0.0)))  # no bytes read for it
+        for r in step.reads:
+            r.close()
+        if step.failed is not None:
+            log.warning("TieredKVConnector rank %d: overlapped disk reads failed: %s", self.rank, step.failed)
+        return out
+
+    def close(self) -> None:
+        """Stop the reader threads."""
+        self._pool.shutdown(wait=True)
+
+    # ------------------------------------------------------------------ reader threads
+    def _read_all(self, step: _StepReads) -> None:
+        """Group by group, every record's ranges; then verify every record; wake ``ready`` after each group."""
+        try:
+            off, k, bn = self._offsets, self.k, self.chunk_nbytes // self.k
+            t0 = time.perf_counter()
+            for a, b in step.spans:
+                lo, hi = off[a], off[b]
+                futures = [self._pool.submit(self._read_ranges, step, j, i, slot, lo, hi, k, bn)
+                           for j, i, slot in step.records]
+                wait(futures)
+                with self._cond:
+                    step.read_upto = b
+                    self._cond.notify_all()
+            step.read_s = time.perf_counter() - t0
+            checks = [self._pool.submit(lambda r=r: step.reads[r[0]].verify(r[1], self.staging[r[2]]))
+                      for r in step.records]
+            step.good = [f.result() for f in checks]
+        except BaseException as exc:  # noqa: BLE001 - a reader must wake the forward whatever happened
+            step.failed = exc
+            step.good = [False] * len(step.records)
+        finally:
+            with self._cond:
+                step.done = True
+                self._cond.notify_all()
+
+    def _read_ranges(self, step: _StepReads, j: int, i: int, slot: int, lo: int, hi: int, k: int, bn: int) -> None:
+        """Bytes ``[lo, hi)`` of each of the ``k`` blocks of record ``(j, i)`` into its staging row."""
+        reads, image = step.reads[j], self.staging[slot]
+        for blk in range(k):
+            if not reads.read(i, blk * bn + lo, blk * bn + hi, image):
+                return
