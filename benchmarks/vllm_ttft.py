@@ -33,6 +33,9 @@ Modes (each in its own process):
   tiered-disk   TieredKVConnector, cpu_bytes = DISK_CPU_GIB (< the working set) + disk tier at
                 DISK_PATH, so turn-2 hits come from disk (disk_load_policy DISK_POLICY: "auto"
                 lets the connector decline a disk slower than recompute; "always" forces reads)
+  tiered-disk-overlap  tiered-disk with ``disk_overlap_bytes`` = OVERLAP_GIB (default: a prefix and 1 GiB):
+                a disk hit's first part read under the forward while the rest is recomputed (issue 32 item 2:
+                against ``none`` and ``tiered-disk-always`` in the same call)
   tiered-disk-always, tiered-cpu-async/-sync/-layerwise, tiered-cpu-gN (N = 1, 2, 8, 32),
   tiered-cpu-perlayer, tiered-cpu-sm, tiered-cpu-staged, tiered-cpu-perlayer-staged, *-v1runner
                 (only with --modes) one-setting variants of the above (load_mode, load_groups,
@@ -121,7 +124,7 @@ CPU_VARIANTS = {
 }
 #: any mode with this suffix runs on vLLM's V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0)
 V1_RUNNER = "-v1runner"
-EXTRA_MODES = ("floor", "tiered-disk-always", *(m for m in CPU_VARIANTS if m not in MODES),
+EXTRA_MODES = ("floor", "tiered-disk-always", "tiered-disk-overlap", *(m for m in CPU_VARIANTS if m not in MODES),
                *(m + V1_RUNNER for m in ("none", "offloading", "tiered-cpu")))
 FOLLOW = 64
 
@@ -216,6 +219,12 @@ DEFAULT_GPU_UTIL = {"qwen2.5-32b": 0.8}
 BLOCK = 16
 
 
+def _overlap_gib(model: str, prefix: int) -> int:
+    """GiB of overlap staging that hold a whole ``prefix`` of ``model`` (1 GiB more, at least 2)."""
+    per_token = kv_bytes_per_token(model) or 256 << 10
+    return max(2, -(-prefix * per_token // (1 << 30)) + 1)
+
+
 def workload(model: str) -> dict:
     """The knobs of one model's run (environment overrides the defaults)."""
     env = os.environ
@@ -230,6 +239,8 @@ def workload(model: str) -> dict:
         "disk_gib": int(env.get("DISK_GIB", "24")),
         "disk_policy": env.get("DISK_POLICY", "auto"),
         "prefill_tps": float(env.get("PREFILL_TPS", "37000")),  # H200, 8B, 8k prefill: 8192 / 0.2175 s
+        # tiered-disk-overlap: pinned staging per rank for the disk part read under the forward (a whole prefix)
+        "overlap_gib": int(env.get("OVERLAP_GIB", str(_overlap_gib(model, int(env.get("PREFIX", "8192")))))),
         "chunk_blocks": int(env.get("CHUNK_BLOCKS", "16")),
         # tokens per step: default one step per turn-1 prefill; lower it (e.g. 2048) for chunked prefill
         "max_batched": int(env.get("MAX_BATCHED", str(int(env.get("PREFIX", "8192")) + 512))),
@@ -257,6 +268,8 @@ def tiered_extra(mode: str, w: dict) -> dict:
                      disk_bytes=f"{w['disk_gib']}GiB",
                      disk_load_policy="always" if mode == "tiered-disk-always" else w["disk_policy"],
                      prefill_tokens_per_s=w["prefill_tps"])
+        if mode == "tiered-disk-overlap":  # issue 32 item 2: the disk part read under the forward, the split
+            extra["disk_overlap_bytes"] = f"{w['overlap_gib']}GiB"
     return extra
 
 
@@ -788,7 +801,7 @@ def dry_run(model: str, modes: list[str]) -> dict:
 
         loaded = sum(blocks_loaded(g, hit_chunks * g.chunk_blocks) * g.block_nbytes for g in geo.groups)
         groups = [{"kind": g.kind, "layers": len(g.layer_names), "block_bytes": g.block_nbytes,
-                   "blocks_per_chunk": g.chunk_blocks, "stored": g.stored, "needed": g.needed} for g in geo.groups]
+                   "blocks_per_chunk": g.chunk_blocks, "stored": g.stored, "window_blocks": g.window_blocks} for g in geo.groups]
         probe = store_probe(geo, ConnectorConfig.from_extra_config(extra))
         print(f"  swa_store={store}: {len(geo.groups)} KV cache group(s), chunk {geo.chunk_tokens} tokens, "
               f"{geo.rank_chunk_nbytes / 2**20:.2f} MiB stored per chunk, a {hit_chunks}-chunk hit loads "
@@ -832,7 +845,7 @@ def store_probe(geo, cfg, chunks: int = 16, repeats: int = 5) -> dict:
         ext = []
         for c in range(chunks):
             for g in geo.groups:
-                ext += ids[g.index][c * g.chunk_blocks + g.first_stored:(c + 1) * g.chunk_blocks]
+                ext += ids[g.index][(c + 1) * g.chunk_blocks - g.stored:(c + 1) * g.chunk_blocks]  # its stored blocks
         times = []
         for rep in range(repeats):
             job = TransferJob(rep + 1, JobKind.INGRESS, EXT, CPU, [b"%d" % c for c in range(chunks)],

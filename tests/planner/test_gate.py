@@ -64,6 +64,22 @@ def test_split_gate_outcomes():
     assert outcome == DECLINED and plan.load_tokens == 256
 
 
+def test_split_gate_aligns_a_split_to_the_loaders_chunks():
+    """``align``: a split between two chunk ends becomes the better of them (priced again), never below the memory
+    tiers' part; a plan that loads all or none is left as it is."""
+    g = _split_gate()
+    free, _ = g.decide([("disk", 8192)], 0, 0)
+    assert free.load_tokens % 1024, free.load_tokens  # the unaligned optimum (256-token units)
+    plan, outcome = g.decide([("disk", 8192)], 0, 0, align=1024)
+    assert outcome == SPLIT and plan.load_tokens % 1024 == 0 and abs(plan.load_tokens - free.load_tokens) < 1024
+    assert plan.seconds >= free.seconds - 1e-12
+    shifted, _ = g.decide([("disk", 8192)], 0, 0, align=1024, offset=256)  # vLLM holds a chunk's first 256 tokens
+    assert (shifted.load_tokens + 256) % 1024 == 0
+    plan, _ = g.decide([("cpu", 512), ("disk", 8192)], 0, 0, align=1024)
+    assert plan.load_tokens >= 512 and (plan.load_tokens % 1024 == 0 or plan.load_tokens == 512)
+    assert _split_gate(disk=50.0).decide([("disk", 8192)], 0, 0, align=1000)[0].load_tokens == 8192  # all: kept
+
+
 def test_split_gate_probes_every_nth_plan_that_leaves_slow_tokens_out():
     g = _split_gate(probe=2, overlap=False)
     got = [g.decide([("disk", 8192)], 0, 0) for _ in range(4)]

@@ -50,20 +50,31 @@ def _on_disk(eng: Engine, rid: str, tokens: list[int]) -> list[bytes]:
     return keys
 
 
-def test_a_slow_disk_run_is_split_read_under_the_forward_and_bit_exact(model_dir, tmp_path):
-    eng = Engine.create(model_dir, cfg(tmp_path, **SLOW_SPLIT))
+@pytest.mark.parametrize("tp,async_sched", [(1, False), (1, True), (2, False)], ids=["tp1", "tp1-async", "tp2"])
+def test_a_slow_disk_run_is_split_read_under_the_forward_and_bit_exact(model_dir, tmp_path, tp, async_sched):
+    """Part of the run loaded in-step from disk, the rest recomputed, every byte checked (each TP rank reads its
+    own disk directory); the records read were promoted from their staged images, not read twice, so the next turn
+    finds them in the CPU tier."""
+    eng = Engine.create(model_dir, cfg(tmp_path, **SLOW_SPLIT), tp=tp, async_sched=async_sched)
     try:
         tokens = prompt(11, HELD * CHUNK + 4)
         _on_disk(eng, "a", tokens)
+        before = [w.connector.stats().get("bytes_from_disk", 0) for w in eng.workers]
         _turn(eng, "a2", tokens)
         got = eng.cached_at_start["a2"]
         assert 0 < got < HELD * CHUNK and got % CHUNK == 0, got  # part of the run loaded, the rest recomputed
         st = eng.connector.stats()
         assert st["sched_sync_loads"] >= 1 and st["sched_hit_tokens_disk"] == got, st
         assert st["split_disk_loaded_tokens"] == got and st["split_disk_recomputed_tokens"] == HELD * CHUNK - got, st
-        disk = eng.workers[0].connector.worker.in_step.disk
-        assert disk is not None and disk.loads == 1 and not disk.busy
-        assert eng.workers[0].connector.stats()["failed_items"] == 0
+        for w, b in zip(eng.workers, before):
+            disk = w.connector.worker.in_step.disk
+            assert disk is not None and disk.loads == 1 and not disk.busy
+            ws = w.connector.stats()
+            rank_chunk = w.connector.worker.geo.rank_chunk_nbytes
+            assert ws["failed_items"] == 0 and ws["bytes_from_disk"] - b == got // CHUNK * rank_chunk, ws
+        _turn(eng, "a3", tokens)
+        st = eng.connector.stats()
+        assert st["sched_hit_tokens_cpu"] >= got, st  # the promoted part, from the CPU tier now
     finally:
         eng.close()
 
