@@ -80,7 +80,7 @@ def test_records_read_by_layer_group_land_bit_exact(tmp_path):
     loader.start(job)
     (got_job, done), = _forward(loader)
     assert got_job is job and all(done.ok) and not any(done.corrupt) and done.seconds > 0
-    assert done.nbytes == N * K * layout.block_nbytes
+    assert done.nbytes == N * K * layout.block_nbytes and loader.counters.overlap_loads == 1
     _check(layout, rows, blocks, range(N))
     loader.close()
     disk.close()

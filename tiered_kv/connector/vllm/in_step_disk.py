@@ -39,6 +39,7 @@ from tiered_kv.values.jobs import Completion, JobKind, TransferJob
 from tiered_kv.connector.vllm.common import CPU
 from tiered_kv.connector.vllm.config import OVERLAP_GROUPS, ConnectorConfig, overlap_possible
 from tiered_kv.connector.vllm.in_step import InStepLoader, layer_groups
+from tiered_kv.connector.vllm.runner import WorkerCounters
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ def overlap_loader(cfg: ConnectorConfig, geo, kvs: Sequence[KVLayout], rank: int
                         "forward here: %s", rank, why or "no disk tier")
         return None
     return InStepDiskLoader(kvs[0], geo.groups[0].layer_names, cfg, rank, disk, geo.rank_chunk_nbytes,
-                            geo.chunk_blocks, runner.flat, cuda, runner.cpu.slab)
+                            geo.chunk_blocks, runner.flat, cuda, runner.cpu.slab, runner.counters)
 
 
 @dataclass
@@ -78,9 +79,11 @@ class InStepDiskLoader:
     """One TP rank's overlapped in-step disk loads (see the module)."""
 
     def __init__(self, kv: KVLayout, layer_names: Sequence[str], cfg: ConnectorConfig, rank: int, disk,
-                 chunk_nbytes: int, chunk_blocks: int, flat: Callable, pin: bool, cpu_slab: torch.Tensor) -> None:
+                 chunk_nbytes: int, chunk_blocks: int, flat: Callable, pin: bool, cpu_slab: torch.Tensor,
+                 counters=None) -> None:
         """``disk``: the rank's ``DiskTier``; ``flat(job, slots, items)``: ``JobRunner.flat`` (GPU blocks and plane
-        rows of a job's items in given slots); ``cpu_slab``: the CPU tier's slab (chunk rows), for ``adopt``."""
+        rows of a job's items in given slots); ``cpu_slab``: the CPU tier's slab (chunk rows), for ``adopt``;
+        ``counters``: the rank's ``WorkerCounters`` (``overlap_*``; None: a private set)."""
         self.kv, self.rank, self.disk = kv, rank, disk
         self.k, self.chunk_nbytes = chunk_blocks, chunk_nbytes
         self.capacity = cfg.disk_overlap_bytes // chunk_nbytes
@@ -100,8 +103,7 @@ class InStepDiskLoader:
         self._step: _StepReads | None = None
         self._pending: list[tuple[TransferJob, list[int]]] = []  # (job, staging slot per item) started this step
         self._next_slot = 0
-        self.read_wait_s = 0.0  # vLLM's thread waiting for groups' bytes since start (stats)
-        self.loads = 0
+        self.counters = counters if counters is not None else WorkerCounters()
 
     @property
     def busy(self) -> bool:
@@ -152,7 +154,7 @@ class InStepDiskLoader:
         for (job, slots) in self._pending:
             items = [i for i, s in enumerate(slots) if s >= 0]
             self.loader.start(job, self._flat(job, slots, items))
-        self.loads += len(jobs)
+        self.counters.overlap_loads += len(jobs)
         started, _ = self.loader.submit(layerwise_ok, None)
         return started
 
@@ -170,7 +172,7 @@ class InStepDiskLoader:
         with self._cond:
             while step.read_upto < upto and not step.done:
                 self._cond.wait()
-        self.read_wait_s += time.perf_counter() - t0
+        self.counters.overlap_wait_seconds += time.perf_counter() - t0
 
     def finish(self) -> list[tuple[TransferJob, Completion]]:
         """The step's copies landed and its records verified: each job's ``Completion`` (a bad, vanished or
@@ -184,6 +186,7 @@ class InStepDiskLoader:
             while not step.done:
                 self._cond.wait()
         good = {(j, i) for (j, i, _), ok in zip(step.records, step.good) if ok}
+        share = step.read_s / max(1, len(step.records))  # a job's part of the step's reads, by its records
         out = []
         for j, (job, slots) in enumerate(pending):
             c = copied.get(job.job_id)
@@ -191,9 +194,9 @@ class InStepDiskLoader:
             ok = [bool(c is not None and c.ok and all(c.ok)) and (j, i) in good for i in range(n)]
             corrupt = [step.reads[j].corrupt(i) for i in range(n)]
             missing = [step.reads[j].missing[i] for i in range(n)]
-            # seconds: the reads' (all of the step's records together), the disk's rate for the split
-            out.append((job, Completion(job.job_id, ok, corrupt, sum(ok) * self.chunk_nbytes, step.read_s,
-                                        missing=missing)))
+            # seconds: its records' share of the step's reads (they ran together): the disk's rate for the split
+            secs = share * sum(1 for s_ in slots if s_ >= 0)
+            out.append((job, Completion(job.job_id, ok, corrupt, sum(ok) * self.chunk_nbytes, secs, missing=missing)))
         image_of = {}  # key -> staging row of its verified image
         for (j, i, slot), ok in zip(step.records, step.good):
             if ok:
@@ -205,6 +208,8 @@ class InStepDiskLoader:
                 if good:
                     self._cpu_slab[dst] = self.staging[image_of[key]]
             out.append((job, Completion(job.job_id, ok, [False] * len(job), 0, 0.0)))  # no bytes read for it
+            self.counters.overlap_promotions += 1
+        self.counters.overlap_read_seconds += step.read_s
         for r in step.reads:
             r.close()
         if step.failed is not None:

@@ -77,6 +77,10 @@ class WorkerCounters:
     pool_load_misses: int = 0  # host pool: chunks a load found gone (another process's write evicted them)
     idle_waits: int = 0  # steps that computed nothing and waited for this rank's loads (GIL released: idle.py)
     idle_wait_seconds: float = 0.0  # their time waiting
+    overlap_loads: int = 0  # in-step disk loads read under the forward (``disk_overlap_bytes``, in_step_disk.py)
+    overlap_read_seconds: float = 0.0  # their reads, first to last range, summed over steps
+    overlap_wait_seconds: float = 0.0  # vLLM's thread waiting for a layer group's bytes to come off the disk
+    overlap_promotions: int = 0  # promotions to the CPU tier served from the staged images (no second disk read)
 
 
 class JobRunner:
