@@ -724,6 +724,30 @@ def table(results: list[dict]) -> str:
     return "\n".join(rows)
 
 
+def overlap_summary(results: list[dict]) -> dict | None:
+    """Issue 32 item 2: ``tiered-disk-overlap``'s turn-2 median (median over starts) against min(recompute =
+    ``none``, full disk load = ``tiered-disk-always``) of the same call; None without those three modes."""
+    def med(mode: str) -> float | None:
+        xs = sorted(r["turn2_median_s"] for r in results if r["mode"] == mode and "error" not in r)
+        return xs[len(xs) // 2] if xs else None
+
+    split, recompute, load_all = med("tiered-disk-overlap"), med("none"), med("tiered-disk-always")
+    if None in (split, recompute, load_all):
+        return None
+    best = min(recompute, load_all)
+    return {"overlap_s": split, "recompute_s": recompute, "load_all_s": load_all,
+            "ratio": round(split / best, 3), "goal": 0.8, "met": split <= 0.8 * best}
+
+
+def overlap_line(o: dict | None) -> str:
+    """``overlap_summary`` as one line ('' without it)."""
+    if o is None:
+        return ""
+    return (f"issue 32 item 2: tiered-disk-overlap {o['overlap_s']:.4f} s against min(recompute "
+            f"{o['recompute_s']:.4f}, full disk load {o['load_all_s']:.4f}) = {o['ratio']:.3f}x "
+            f"(goal <= {o['goal']}: {'met' if o['met'] else 'MISSED'})")
+
+
 # ------------------------------------------------------------------------------------------- dry run
 def kv_specs(model_config, block_size: int) -> dict:
     """Each layer's KV cache spec as vLLM's attention layers report it (no model needed)."""
@@ -978,7 +1002,8 @@ def main() -> None:
     w = workload(args.model)
     summary = item2_summary(doc["results"], doc["pcie"], args.model, w)
     text, text2 = table(doc["results"]), item2_table(summary)
-    print(text + "\n\n" + text2)
+    overlap = overlap_summary(doc["results"])
+    print(text + "\n\n" + text2 + ("\n" + overlap_line(overlap) if overlap else ""))
     for s_ in doc["skipped"]:
         print(f"skipped: {s_}")
     device = next((x["device"] for x in doc["pcie"] + doc["results"] if x.get("device")), None)
@@ -986,7 +1011,8 @@ def main() -> None:
         json.dump({"date": date, "model": args.model, "device": device, "call": args.call or date,
                    "command": " ".join(["python3", "benchmarks/vllm_ttft.py"] + sys.argv[1:]), "workload": w,
                    "modes": modes, "starts": args.starts, "start_offset": args.start_offset,
-                   "deadline_s": args.deadline_s, **doc, "item2": summary, "table": text, "item2_table": text2},
+                   "deadline_s": args.deadline_s, **doc, "item2": summary, "table": text, "item2_table": text2,
+                   "overlap": overlap},
                   f, indent=1)
 
 

@@ -253,3 +253,16 @@ def test_prefill_check_compares_the_learned_model_with_turn_1():
     assert got["predicted_over_measured"] == pytest.approx(1 / 1.05, abs=1e-3)
     assert got["clock"] == "scheduler" and got["recent_steps"] == [[5, 8192, 0.15, 0.21, False]]
     assert vt._prefill_check(SimpleNamespace(), W, 0.3) == {}
+
+
+def test_overlap_summary_compares_the_split_with_the_better_of_recompute_and_a_full_load():
+    """Issue 32 item 2 as the GPU run reports it: medians over starts, against min(none, tiered-disk-always)."""
+    res = [{"mode": "none", "turn2_median_s": 0.22}, {"mode": "tiered-disk-always", "turn2_median_s": 0.55},
+           {"mode": "tiered-disk-overlap", "turn2_median_s": 0.15}, {"mode": "tiered-disk-overlap",
+                                                                      "turn2_median_s": 0.16},
+           {"mode": "tiered-disk-overlap", "turn2_median_s": 0.30}]
+    o = vt.overlap_summary(res)
+    assert o["overlap_s"] == 0.16 and o["ratio"] == round(0.16 / 0.22, 3) and o["met"]
+    assert "0.727x" in vt.overlap_line(o) and "met" in vt.overlap_line(o)
+    assert not vt.overlap_summary(res[:2] + [{"mode": "tiered-disk-overlap", "turn2_median_s": 0.2}])["met"]
+    assert vt.overlap_summary(res[:2]) is None and vt.overlap_line(None) == ""

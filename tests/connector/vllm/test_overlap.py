@@ -146,3 +146,43 @@ def test_overlap_needs_raw_records_a_disk_and_in_step_loads(tmp_path):
     assert "KV cache groups" in overlap_possible(c, 2, 32 << 20)
     assert "4 KiB" in overlap_possible(c, 1, (32 << 20) + 512)
     assert "less than one chunk" in overlap_possible(ConnectorConfig(**{**base, "disk_overlap_bytes": 4096}), 1, 8192)
+
+
+def test_a_hit_split_across_cpu_disk_and_recompute(model_dir, tmp_path):
+    """The CPU tier holds the first 2 chunks, the disk the other 6: the CPU part always loads, the disk part is split
+    (its first chunks read under the forward), the rest recomputed; all in one step's in-step loads, bit-exact."""
+    eng = Engine.create(model_dir, cfg(tmp_path, **SLOW_SPLIT))
+    try:
+        tokens = prompt(15, HELD * CHUNK + 4)
+        a = _turn(eng, "a", tokens)
+        hold_on_disk_only(eng, chunk_keys(eng, a, HELD)[2:])
+        _turn(eng, "a2", tokens)
+        got = eng.cached_at_start["a2"]
+        assert 2 * CHUNK < got < HELD * CHUNK, got
+        st = eng.connector.stats()
+        assert st["split_cpu_loaded_tokens"] == 2 * CHUNK and st["split_disk_loaded_tokens"] == got - 2 * CHUNK, st
+        assert st["split_disk_recomputed_tokens"] == HELD * CHUNK - got and st["sched_sync_loads"] == 2, st
+    finally:
+        eng.close()
+
+
+def test_an_unreadable_disk_tier_fails_the_chunks_and_vllm_recomputes(model_dir, tmp_path):
+    """The disk tier cannot be read when the step starts (its index refuses): the in-step disk load fails all its
+    chunks in that step, the forward's reads of them are reported (the harness checks), and the request completes
+    by recomputing; nothing is raised into vLLM."""
+    eng = Engine.create(model_dir, cfg(tmp_path, disk_read_gbps=100.0, prefill_learn=False))
+    try:
+        tokens = prompt(16, HELD * CHUNK + 4)
+        _on_disk(eng, "a", tokens)
+        disk = eng.workers[0].connector.worker.disk
+
+        def refuse(keys):
+            raise OSError(5, "Input/output error (injected)")
+
+        disk.open_ranges = refuse
+        _turn(eng, "a2", tokens)
+        assert eng.cached_at_start["a2"] == HELD * CHUNK  # planned as a hit; the failure shows in the step
+        ws = eng.workers[0].connector.stats()
+        assert ws["failed_items"] >= HELD and eng.discarded_reads > 0, ws
+    finally:
+        eng.close()

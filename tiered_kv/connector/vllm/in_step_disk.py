@@ -32,9 +32,11 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
+import lmdb
 import torch
 
 from tiered_kv.copy import KVLayout, allocate_slab
+from tiered_kv.errors import StoreClosedError
 from tiered_kv.values.jobs import Completion, JobKind, TransferJob
 from tiered_kv.connector.vllm.common import CPU
 from tiered_kv.connector.vllm.config import OVERLAP_GROUPS, ConnectorConfig, overlap_possible
@@ -147,7 +149,15 @@ class InStepDiskLoader:
         records = [(j, i, slot) for j, (_, slots) in enumerate(self._pending) for i, slot in enumerate(slots)
                    if slot >= 0]
         spans = layer_groups(self.kv, 1, OVERLAP_GROUPS) if layerwise_ok else [(0, len(self.kv.tensors))]
-        reads = [self.disk.open_ranges(job.keys) for job in jobs]
+        reads = []
+        for job in jobs:
+            try:
+                reads.append(self.disk.open_ranges(job.keys))
+            except (lmdb.Error, OSError, StoreClosedError) as exc:  # its chunks fail; vLLM recomputes them
+                log.warning("TieredKVConnector rank %d: in-step disk load job %d cannot read the disk tier: %s",
+                            self.rank, job.job_id, exc)
+                reads.append(None)
+        records = [r for r in records if reads[r[0]] is not None]
         step = self._step = _StepReads(records, jobs, reads, spans)
         threading.Thread(target=self._read_all, args=(step,), name=f"tkv-overlap-step-r{self.rank}",
                          daemon=True).start()
@@ -192,8 +202,9 @@ class InStepDiskLoader:
             c = copied.get(job.job_id)
             n = len(job)
             ok = [bool(c is not None and c.ok and all(c.ok)) and (j, i) in good for i in range(n)]
-            corrupt = [step.reads[j].corrupt(i) for i in range(n)]
-            missing = [step.reads[j].missing[i] for i in range(n)]
+            reads = step.reads[j]
+            corrupt = [reads is not None and reads.corrupt(i) for i in range(n)]
+            missing = [reads is not None and reads.missing[i] for i in range(n)]
             # seconds: its records' share of the step's reads (they ran together): the disk's rate for the split
             secs = share * sum(1 for s_ in slots if s_ >= 0)
             out.append((job, Completion(job.job_id, ok, corrupt, sum(ok) * self.chunk_nbytes, secs, missing=missing)))
@@ -211,7 +222,8 @@ class InStepDiskLoader:
             self.counters.overlap_promotions += 1
         self.counters.overlap_read_seconds += step.read_s
         for r in step.reads:
-            r.close()
+            if r is not None:
+                r.close()
         if step.failed is not None:
             log.warning("TieredKVConnector rank %d: overlapped disk reads failed: %s", self.rank, step.failed)
         return out
