@@ -17,11 +17,14 @@ front mover:
 - ``finish`` (the step's ``poll``): the copies land, every record is verified whole against its header's
   checksum, and each job's ``Completion`` says which chunks were good: a bad or vanished record fails its
   chunk's GPU blocks in this very step, so vLLM discards the step's output for them and recomputes (one KV cache
-  group: vLLM takes block errors), as for any failed in-step load. Damaged records are dropped.
+  group: vLLM takes block errors), as for any failed in-step load. Damaged records are dropped;
+- ``adopt``: the step's promotions of those records to the CPU tier (``promote_on_hit``) are served from the
+  verified staging images (a reader thread copies each into its CPU slot) instead of a second disk read that would
+  compete with these.
 
-Threading contract: ``start``, ``submit``, ``wait_layer``, ``finish`` and ``busy`` on vLLM's worker thread; the
-reads on this loader's reader threads, which touch only the staging rows of the step's records and the step's
-progress (under ``_cond``).
+Threading contract: ``start``, ``adopt``, ``submit``, ``wait_layer``, ``finish`` and ``busy`` on vLLM's worker
+thread; the reads on this loader's reader threads, which touch only the staging rows of the step's records, the CPU
+slots of its adopted promotions (reserved for them by the planner) and the step's progress (under ``_cond``).
 """
 from __future__ import annotations
 
@@ -72,6 +75,7 @@ class _StepReads:
     spans: list[tuple[int, int]]
     read_upto: int = 0  # tensors whose bytes every record has (a span's end, once all of its ranges are read)
     read_s: float = 0.0  # from the first read to the last (the verification not included)
+    promote: dict[bytes, int] = field(default_factory=dict)  # key -> CPU slot its verified image goes to
     good: list[bool] = field(default_factory=list)  # per record, after the verification
     failed: BaseException | None = None
     done: bool = False
@@ -158,7 +162,8 @@ class InStepDiskLoader:
                             self.rank, job.job_id, exc)
                 reads.append(None)
         records = [r for r in records if reads[r[0]] is not None]
-        step = self._step = _StepReads(records, jobs, reads, spans)
+        step = self._step = _StepReads(records, jobs, reads, spans,
+                                       promote={k: d for job in self._adopted for k, d in zip(job.keys, job.dst_slots)})
         threading.Thread(target=self._read_all, args=(step,), name=f"tkv-overlap-step-r{self.rank}",
                          daemon=True).start()
         for (job, slots) in self._pending:
@@ -208,16 +213,10 @@ class InStepDiskLoader:
             # seconds: its records' share of the step's reads (they ran together): the disk's rate for the split
             secs = share * sum(1 for s_ in slots if s_ >= 0)
             out.append((job, Completion(job.job_id, ok, corrupt, sum(ok) * self.chunk_nbytes, secs, missing=missing)))
-        image_of = {}  # key -> staging row of its verified image
-        for (j, i, slot), ok in zip(step.records, step.good):
-            if ok:
-                image_of[pending[j][0].keys[i]] = slot
+        verified = {pending[j][0].keys[i] for (j, i, _), ok in zip(step.records, step.good) if ok}
         adopted, self._adopted = self._adopted, []
-        for job in adopted:  # promotions from the staged images: no second read of the disk
-            ok = [key in image_of for key in job.keys]
-            for key, dst, good in zip(job.keys, job.dst_slots, ok):
-                if good:
-                    self._cpu_slab[dst] = self.staging[image_of[key]]
+        for job in adopted:  # the readers copied each verified image into its CPU slot: no second disk read
+            ok = [key in verified for key in job.keys]
             out.append((job, Completion(job.job_id, ok, [False] * len(job), 0, 0.0)))  # no bytes read for it
             self.counters.overlap_promotions += 1
         self.counters.overlap_read_seconds += step.read_s
@@ -247,8 +246,7 @@ class InStepDiskLoader:
                     step.read_upto = b
                     self._cond.notify_all()
             step.read_s = time.perf_counter() - t0
-            checks = [self._pool.submit(lambda r=r: step.reads[r[0]].verify(r[1], self.staging[r[2]]))
-                      for r in step.records]
+            checks = [self._pool.submit(self._verify, step, j, i, slot) for j, i, slot in step.records]
             step.good = [f.result() for f in checks]
         except BaseException as exc:  # noqa: BLE001 - a reader must wake the forward whatever happened
             step.failed = exc
@@ -257,6 +255,17 @@ class InStepDiskLoader:
             with self._cond:
                 step.done = True
                 self._cond.notify_all()
+
+    def _verify(self, step: _StepReads, j: int, i: int, slot: int) -> bool:
+        """Record ``(j, i)``'s image against its header; a verified one adopted for promotion is copied into its
+        CPU slot here, on a reader thread (not on vLLM's thread in ``finish``)."""
+        image = self.staging[slot]
+        if not step.reads[j].verify(i, image):
+            return False
+        dst = step.promote.get(step.jobs[j].keys[i])
+        if dst is not None:
+            self._cpu_slab[dst].copy_(image)
+        return True
 
     def _read_ranges(self, step: _StepReads, j: int, i: int, slot: int, lo: int, hi: int, k: int, bn: int) -> None:
         """Bytes ``[lo, hi)`` of each of the ``k`` blocks of record ``(j, i)`` into its staging row."""
