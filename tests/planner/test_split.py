@@ -159,3 +159,36 @@ def test_plan_is_the_brute_force_optimum_on_the_grid(seed):
                                                                                                 abs=1e-15)
         if not overlap:  # all or nothing per tier: the answer is a segment end
             assert best.load_tokens in ends
+
+
+def test_a_step_budget_limits_the_compute_that_hides_the_load():
+    """vLLM computes at most ``max_num_batched_tokens`` a step: the issue's example with 2,048 tokens a step overlaps
+    the load with only the first step's compute, so the 0.153 s split is gone and the plan never beats recompute by
+    pretending; with 8,192 a step it is the unlimited plan."""
+    disk = [Segment("disk", 8192, KV, 2.15)]
+    free = _plan(disk, new=0)
+    assert plan_split(disk, 0, 0, LLAMA, overlap=True, unit_tokens=CHUNK, step_tokens=8192).seconds == \
+        pytest.approx(free.seconds)
+    capped = plan_split(disk, 0, 0, LLAMA, overlap=True, unit_tokens=CHUNK, step_tokens=2048)
+    assert capped.seconds <= capped.seconds_recompute + 1e-12 and capped.seconds > free.seconds + 0.01
+    m = capped.load_tokens
+    want = max(2048 * 0.22 / 8192, m * KV / 2.15e9) + (8192 - m - 2048) * 0.22 / 8192 if 8192 - m > 2048 else None
+    if want is not None:
+        assert capped.seconds == pytest.approx(want, rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_plan_with_a_step_budget_is_the_brute_force_optimum(seed):
+    rng = random.Random(100 + seed)
+    unit = rng.choice([16, 64, 256])
+    segs = [Segment("cpu", unit * rng.randrange(0, 8), KV, 50.0), Segment("disk", unit * rng.randrange(1, 60), KV,
+                                                                          rng.uniform(0.3, 10.0))]
+    segs = [s for s in segs if s.tokens]
+    model = PrefillModel(rng.uniform(0, 0.01), rng.uniform(1e-5, 5e-5), rng.uniform(0, 3e-9), 0.0)
+    new, context, step = rng.randrange(0, 2000), rng.randrange(0, 20000), rng.choice([512, 2048, 8192])
+    best = plan_split(segs, new, context, model, overlap=True, unit_tokens=unit, layers=8, extra_recompute=True,
+                      step_tokens=step)
+    lo, held = forced_tokens(segs), sum(s.tokens for s in segs)
+    brute = min(split_at(segs, m, new, context, model, overlap=True, layers=8, step_tokens=step).seconds
+                for m in range(lo, held + 1, unit))
+    assert best.seconds == pytest.approx(brute, rel=1e-12, abs=1e-15)

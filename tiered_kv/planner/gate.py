@@ -118,13 +118,13 @@ class SplitGate:
     tokens unloaded loads them all instead (``PROBE``), so a tier that got faster (a warm page cache) is seen.
     ``always``: every held token. ``never``: the memory-tier ones. ``rates`` holds one ``ReadRate`` per tier a
     hit may come from; a memory tier without one reads for free (always loaded anyway; without overlap its time
-    is the same in every plan). ``unit_tokens``/``unit_nbytes``: one chunk or page. ``overlap``, ``layers`` and
-    ``extra_recompute``: ``planner.split.plan_split``'s.
+    is the same in every plan). ``unit_tokens``/``unit_nbytes``: one chunk or page. ``overlap``, ``layers``,
+    ``extra_recompute`` and ``step_tokens``: ``planner.split.plan_split``'s.
     """
 
     def __init__(self, policy: str, probe_every: int, rates: Mapping[str, ReadRate], prefill: PrefillEstimator, *,
                  overlap: bool, unit_tokens: int, unit_nbytes: int, layers: int = 0,
-                 extra_recompute: bool = False) -> None:
+                 extra_recompute: bool = False, step_tokens: int = 0) -> None:
         _check_policy(policy)
         if unit_tokens <= 0 or unit_nbytes <= 0 or layers < 0:
             raise ConfigError(f"split gate: unit of {unit_tokens} tokens / {unit_nbytes} B (both must be > 0), "
@@ -132,6 +132,7 @@ class SplitGate:
         self.policy, self.probe_every = policy, int(probe_every)
         self.rates, self.prefill = dict(rates), prefill
         self.overlap, self.layers, self.extra_recompute = bool(overlap), int(layers), bool(extra_recompute)
+        self.step_tokens = int(step_tokens)
         self.unit_tokens, self.unit_nbytes = int(unit_tokens), int(unit_nbytes)
         self._lock = threading.Lock()
         self._declined = 0
@@ -180,14 +181,15 @@ class SplitGate:
         held, lo = sum(s.tokens for s in segs), forced_tokens(segs)
 
         def at(m: int) -> Split:
-            return split_at(segs, m, new_tokens, context, model, overlap=self.overlap, layers=self.layers)
+            return split_at(segs, m, new_tokens, context, model, overlap=self.overlap, layers=self.layers,
+                            step_tokens=self.step_tokens)
 
         if lo == held:
             return at(held), ALL_FAST
         if self.policy != "auto":
             return (at(held), ALWAYS) if self.policy == "always" else (at(lo), DECLINED)
         best = plan_split(segs, new_tokens, context, model, overlap=self.overlap, unit_tokens=self.unit_tokens,
-                          layers=self.layers, extra_recompute=self.extra_recompute)
+                          layers=self.layers, extra_recompute=self.extra_recompute, step_tokens=self.step_tokens)
         cut = (best.load_tokens + offset) % align if align else 0
         if cut and lo < best.load_tokens < held:  # between two chunk ends: the better of them
             down = max(lo, best.load_tokens - cut)

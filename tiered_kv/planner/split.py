@@ -10,6 +10,8 @@ and recomputing the other ``L - m`` (plus the new ones) takes:
 
       T(m) = max(load(m), compute(m)) + min(load(m), compute(m)) / layers
 
+  (with ``step_tokens``, an engine that computes at most that many tokens a step, only the first step's
+  compute overlaps the load: ``compute(m)`` above is that step's, and the later steps' compute is added after)
   the second term being the pipeline's fill (the first layer's load before any compute, or the last
   layer's compute after the last load; ``layers=0`` leaves it out). ``load`` rises with ``m`` and
   ``compute`` falls, so the best ``m`` is where the load ends about when the compute that needs it
@@ -115,10 +117,12 @@ def forced_tokens(segments: Sequence[Segment]) -> int:
 
 
 def plan_split(segments: Sequence[Segment], new_tokens: int, context: int, model: PrefillModel, *,
-               overlap: bool, unit_tokens: int, layers: int = 0, extra_recompute: bool = False) -> Split:
-    """The fastest plan (module doc): how many leading held tokens to load, the rest recomputed."""
+               overlap: bool, unit_tokens: int, layers: int = 0, extra_recompute: bool = False,
+               step_tokens: int = 0) -> Split:
+    """The fastest plan (module doc): how many leading held tokens to load, the rest recomputed. ``step_tokens``
+    (the engine's token budget per step; 0: none): with overlap only the first step's compute hides the load."""
     segs = _checked(segments, new_tokens, context, unit_tokens, layers)
-    timing = _Timing(segs, new_tokens, context, model, overlap, layers)
+    timing = _Timing(segs, new_tokens, context, model, overlap, layers, step_tokens)
     lo = forced_tokens(segs)
 
     def cost(m: int) -> tuple[float, int]:
@@ -127,14 +131,14 @@ def plan_split(segments: Sequence[Segment], new_tokens: int, context: int, model
     if not extra_recompute:  # from the best all-or-nothing plan up: never more GPU work than it
         lo = min(_ends(timing, lo), key=cost)
     best = min(_candidates(timing, lo, unit_tokens), key=cost)
-    return split_at(segs, best, new_tokens, context, model, overlap=overlap, layers=layers)
+    return split_at(segs, best, new_tokens, context, model, overlap=overlap, layers=layers, step_tokens=step_tokens)
 
 
 def split_at(segments: Sequence[Segment], load_tokens: int, new_tokens: int, context: int, model: PrefillModel, *,
-             overlap: bool, layers: int = 0) -> Split:
+             overlap: bool, layers: int = 0, step_tokens: int = 0) -> Split:
     """The plan that loads the first ``load_tokens`` held tokens (a policy's choice, a probe), with its times."""
     segs = tuple(segments)
-    timing = _Timing(segs, new_tokens, context, model, overlap, layers)
+    timing = _Timing(segs, new_tokens, context, model, overlap, layers, step_tokens)
     held = timing.held
     if not 0 <= load_tokens <= held:
         raise InvalidInputError(f"split: load_tokens {load_tokens} outside 0..{held} held tokens")
@@ -164,9 +168,9 @@ class _Timing:
     """``load(m)``, ``compute(m)`` and ``T(m)`` of one hit."""
 
     def __init__(self, segs: tuple[Segment, ...], new_tokens: int, context: int, model: PrefillModel,
-                 overlap: bool, layers: int) -> None:
+                 overlap: bool, layers: int, step_tokens: int = 0) -> None:
         self.segs, self.new, self.context, self.model = segs, new_tokens, context, model
-        self.overlap, self.layers = overlap, layers
+        self.overlap, self.layers, self.step_tokens = overlap, layers, step_tokens
         self.held = sum(s.tokens for s in segs)
         self.starts = [sum(s.tokens for s in segs[:i]) for i in range(len(segs))]
 
@@ -181,11 +185,20 @@ class _Timing:
     def compute(self, m: int) -> float:
         return self.model.seconds(self.held - m + self.new, self.context + m)
 
+    def overlapped(self, m: int) -> float:
+        """The part of ``compute(m)`` the load can overlap: the first step's (``step_tokens`` of the tokens to
+        compute; all of them when they fit one step, or without a cap)."""
+        rest = self.held - m + self.new
+        if self.step_tokens and rest > self.step_tokens:
+            return self.model.seconds(self.step_tokens, self.context + m)
+        return self.compute(m)
+
     def total(self, m: int) -> float:
         ld, cp = self.load(m), self.compute(m)
         if not self.overlap:
             return ld + cp
-        return max(ld, cp) + (min(ld, cp) / self.layers if self.layers else 0.0)
+        ov = self.overlapped(m)
+        return max(ld, ov) + (min(ld, ov) / self.layers if self.layers else 0.0) + (cp - ov)
 
 
 def _ends(t: _Timing, lo: int) -> set[int]:
@@ -202,9 +215,14 @@ def _candidates(t: _Timing, lo: int, unit: int) -> set[int]:
         if b <= lo:
             continue
         out.add(b)
-        if t.overlap and t.load(a) < t.compute(a) and t.load(b) >= t.compute(b):
+        if t.overlap and t.load(a) < t.overlapped(a) and t.load(b) >= t.overlapped(b):
             cross = _first_at_or_after_crossing(t, a, b, unit)
             out.update({cross, max(a, cross - unit)})
+        if t.overlap and t.step_tokens:  # where the tokens to compute start to fit one step
+            edge = t.held + t.new - t.step_tokens
+            if a < edge < b:
+                grid = a + (edge - a) // unit * unit
+                out.update({grid, min(b, grid + unit)})
     return out
 
 
@@ -213,7 +231,7 @@ def _first_at_or_after_crossing(t: _Timing, a: int, b: int, unit: int) -> int:
     lo, hi = 0, (b - a) // unit  # load < compute at a + lo*unit; load >= compute at a + hi*unit
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if t.load(a + mid * unit) >= t.compute(a + mid * unit):
+        if t.load(a + mid * unit) >= t.overlapped(a + mid * unit):
             hi = mid
         else:
             lo = mid

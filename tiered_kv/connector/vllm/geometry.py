@@ -77,6 +77,7 @@ class Geometry:
     groups: tuple[GroupGeo, ...] = ()
     hash_block_size: int = 0  # tokens per entry of request.block_hashes (0: block_size)
     replicated: bool = False
+    step_tokens: int = 0  # vLLM's max_num_batched_tokens: the most tokens one step computes (0: not known)
 
     def __post_init__(self) -> None:
         if not self.groups:
@@ -204,7 +205,8 @@ def geometry(vllm_config, kv_cache_config, chunk_blocks: int = 1, mla_store_once
                       and _mla_replicated(vllm_config, kv_cache_config, spec))
         bs, nbytes, k = int(spec.block_size), int(spec.page_size_bytes) * len(layers), chunk_blocks
         group = GroupGeo(kinds[0], bs, layers, nbytes, k, k, index=vllm_index[id(groups[0])])
-        return Geometry(bs, k, layers, nbytes, tp, tag, (group,), replicated=replicated)
+        step = int(getattr(getattr(vllm_config, "scheduler_config", None), "max_num_batched_tokens", 0) or 0)
+        return Geometry(bs, k, layers, nbytes, tp, tag, (group,), replicated=replicated, step_tokens=step)
     return _hybrid_geometry(vllm_config, kv_cache_config, groups, kinds, chunk_blocks, layout_name, tp, vllm_index)
 
 

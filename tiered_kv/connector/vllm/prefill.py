@@ -106,7 +106,7 @@ def split_gate(cfg: ConnectorConfig, geo: Geometry, tiers: Sequence[str]) -> Spl
     overlap = overlap_possible(cfg, len(geo.groups), geo.rank_chunk_nbytes) is None and cfg.disk_path is not None
     return SplitGate(cfg.disk_load_policy, cfg.disk_probe_every, rates, estimator, overlap=overlap,
                      unit_tokens=geo.block_size, unit_nbytes=unit_nbytes,
-                     layers=OVERLAP_GROUPS if overlap else layers)
+                     layers=OVERLAP_GROUPS if overlap else layers, step_tokens=geo.step_tokens)
 
 
 def step_parts(scheduler_output) -> list[tuple[int, int]]:
