@@ -25,8 +25,6 @@ DEVICES = {"cpu-box": "2-core CPU box", "h200": "H200", "h200x4": "4 x H200 host
 
 #: date / device / command of files saved without them, as the notes beside their tables recorded them
 RECORDED: dict[str, dict[str, str]] = {
-    "disk_bench_2026-11-22_cpu-box.json": {
-        "command": ".venv/bin/python benchmarks/disk_bench.py --total-mib 512 --repeats 3"},
     "disk_sharing_bench_2026-11-23_cpu-box.json": {
         "command": "python benchmarks/disk_sharing_bench.py --records 1000,10000,100000 --seconds 5 "
                    "--json docs/results/disk_sharing_bench_2026-11-23_cpu-box.json"},

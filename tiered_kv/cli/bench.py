@@ -6,7 +6,10 @@ Measures, for ``block_mib`` blocks (default 2 MiB) and ``total_mib`` per measure
 - lmdb-values: 2 MiB values stored inside LMDB (32 puts per txn, writemap, no sync until the end),
   read back single-threaded after reopening (a mapped file would keep its pages in RAM);
 - tiered-disk: our ``DiskTier`` (LMDB index + slot file), batches of 32, fsync included in writes;
-- tiered-disk+zstd: the same with zstd level 1 on model-shaped bf16 data, with the bytes saved.
+- tiered-disk+zstd: the same with zstd level 1 on model-shaped bf16 data, with the bytes saved;
+- tiered-disk ranges: the reads of an overlapped in-step disk load (``disk_overlap_bytes``): 32 MiB records (a
+  Llama-3-8B chunk: 16 blocks of 2 MiB), read layer group by layer group (8 groups: one 256 KiB range of every block
+  of every record, then the next group) by 8 threads, each record verified once whole.
 Reads drop the page cache for the file first (``posix_fadvise(DONTNEED)``) so they hit the disk.
 
 Run: ``tiered-kv bench`` or ``python benchmarks/disk_bench.py``; prints a table, writes JSON.
@@ -20,6 +23,7 @@ import mmap
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +35,9 @@ import torch
 from tiered_kv.values.layout import BlockLayout
 from tiered_kv.tiers.cpu import aligned_empty
 from tiered_kv.tiers.disk import DiskTier
+
+#: What ``run`` measures, in its order (each round alternates them, so a noisy neighbour hits every path alike)
+PATHS = ("raw_odirect", "lmdb_values", "tiered_disk_none", "tiered_disk_zstd", "tiered_disk_ranges")
 
 
 def drop_cache(path: Path) -> None:
@@ -147,6 +154,45 @@ def tiered_disk(dirpath: Path, rows: torch.Tensor, compression: str, batch: int 
     return {"write_GBps": gb / w, "read_GBps": gb / r, "stored_bytes": stored, "raw_bytes": n * nb}
 
 
+def tiered_ranges(dirpath: Path, total_bytes: int, record_mib: int = 32, blocks: int = 16, groups: int = 8,
+                  threads: int = 8) -> dict:
+    """GB/s of our DiskTier read by ranges the way ``InStepDiskLoader`` reads (cold), and of its write."""
+    nb = record_mib << 20
+    n = max(2, total_bytes // nb)
+    rows = _kv_like(n, nb, seed=1)
+    path = dirpath / "tiered-ranges"
+    tier = DiskTier(BlockLayout((nb,), "uint8"), path, n * (nb + 4096), compression="none")
+    keys = [i.to_bytes(8, "little") * 4 for i in range(n)]
+    bn, per = nb // blocks, nb // blocks // groups
+    try:
+        t0 = time.perf_counter()
+        for s in range(0, n, 4):
+            e = min(n, s + 4)
+            assert all(tier.write(keys[s:e], [-1] * (e - s), rows[s:e]))
+        tier.flush()
+        w = time.perf_counter() - t0
+        drop_cache(path)
+        images = aligned_empty(n, nb)
+        reads = tier.open_ranges(keys)
+
+        def one_group(i: int, g: int) -> bool:
+            return all(reads.read(i, b * bn + g * per, b * bn + (g + 1) * per, images[i]) for b in range(blocks))
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            for g in range(groups):  # group g of every record before group g+1 of any
+                assert all(pool.map(one_group, range(n), [g] * n))
+        r = time.perf_counter() - t0
+        assert all(reads.verify(i, images[i]) for i in range(n))
+        reads.close()
+        assert torch.equal(images, rows)
+    finally:
+        tier.close()
+        shutil.rmtree(path)
+    gb = n * nb / 1e9
+    return {"write_GBps": gb / w, "read_GBps": gb / r, "record_bytes": nb, "range_bytes": per, "threads": threads}
+
+
 def run(directory: str | None = None, block_mib: float = 2.0, total_mib: int = 512, repeats: int = 3) -> dict:
     """Run every measurement ``repeats`` times, alternating paths; return medians as a JSON-able dict."""
     nb = int(block_mib * (1 << 20))
@@ -155,15 +201,15 @@ def run(directory: str | None = None, block_mib: float = 2.0, total_mib: int = 5
     base = Path(directory) if directory else Path(tempfile.mkdtemp(prefix="tkv-bench-", dir="."))
     base.mkdir(parents=True, exist_ok=True)
     res: dict = {"date": time.strftime("%Y-%m-%d"), "block_bytes": nb, "blocks": n, "dir": str(base),
-                 "repeats": repeats, "method": "rounds alternate raw/lmdb/tiered/tiered+zstd; medians reported"}
-    rounds: dict[str, list[dict]] = {k: [] for k in ("raw_odirect", "lmdb_values", "tiered_disk_none",
-                                                      "tiered_disk_zstd")}
+                 "repeats": repeats, "method": "rounds alternate raw/lmdb/tiered/tiered+zstd/tiered ranges; medians reported"}
+    rounds: dict[str, list[dict]] = {k: [] for k in PATHS}
     try:
         for _ in range(repeats):  # alternate, so a noisy neighbour hits every path alike
             rounds["raw_odirect"].append(dict(zip(("write_GBps", "read_GBps"), raw_direct(base, rows))))
             rounds["lmdb_values"].append(dict(zip(("write_GBps", "read_GBps"), lmdb_values(base, rows))))
             for comp in ("none", "zstd"):
                 rounds[f"tiered_disk_{comp}"].append(tiered_disk(base, rows, comp))
+            rounds["tiered_disk_ranges"].append(tiered_ranges(base, n * nb))
     finally:
         if not directory:
             shutil.rmtree(base, ignore_errors=True)
@@ -171,7 +217,7 @@ def run(directory: str | None = None, block_mib: float = 2.0, total_mib: int = 5
         res[k] = {f: statistics.median(r[f] for r in rs) for f in rs[0]}
         res[k]["rounds"] = rs
     raw = res["raw_odirect"]
-    for k in ("lmdb_values", "tiered_disk_none", "tiered_disk_zstd"):
+    for k in PATHS[1:]:
         for f in ("write", "read"):  # ratio within each round (same moment, same disk), then the median
             res[k][f"{f}_ratio"] = statistics.median(
                 r[f"{f}_GBps"] / b[f"{f}_GBps"] for r, b in zip(res[k]["rounds"], raw["rounds"]))
@@ -184,7 +230,7 @@ def table(res: dict) -> str:
     """The result as a Markdown table."""
     lines = [f"{res['blocks']} blocks of {res['block_bytes'] / 2**20:.1f} MiB, {res['date']}", "",
              "| path | write GB/s | read GB/s | write / raw | read / raw |", "|---|---|---|---|---|"]
-    for k in ("raw_odirect", "lmdb_values", "tiered_disk_none", "tiered_disk_zstd"):
+    for k in PATHS:
         r = res[k]
         wr = f"{r['write_ratio']:.2f}" if "write_ratio" in r else "1.00"
         rr = f"{r['read_ratio']:.2f}" if "read_ratio" in r else "1.00"
@@ -205,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "disk_bench.json"))
     a = ap.parse_args(argv)
     res = run(a.dir, a.block_mib, a.total_mib, a.repeats)
+    res["command"] = " ".join(["tiered-kv bench"] + list(argv if argv is not None else sys.argv[1:]))
     print(table(res))
     Path(a.json).write_text(json.dumps(res, indent=2))
     print(f"\nJSON: {a.json}")
