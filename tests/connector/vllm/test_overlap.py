@@ -189,3 +189,18 @@ def test_an_unreadable_disk_tier_fails_the_chunks_and_vllm_recomputes(model_dir,
         assert ws["failed_items"] >= HELD and eng.discarded_reads > 0, ws
     finally:
         eng.close()
+
+
+def test_a_rank_without_the_loader_fails_the_load_and_vllm_recomputes(model_dir, tmp_path):
+    """The scheduler plans a read under the forward, but the rank has no in-step disk loader (its disk tier did not
+    open there): the load fails in its step instead of raising, and the request completes by recomputing."""
+    eng = Engine.create(model_dir, cfg(tmp_path, disk_read_gbps=100.0, prefill_learn=False))
+    try:
+        tokens = prompt(17, HELD * CHUNK + 4)
+        _on_disk(eng, "a", tokens)
+        eng.workers[0].connector.worker.in_step.disk = None
+        _turn(eng, "a2", tokens)
+        ws = eng.workers[0].connector.stats()
+        assert ws["failed_items"] >= HELD and eng.discarded_reads > 0, ws
+    finally:
+        eng.close()

@@ -217,7 +217,13 @@ class InStepLoader:
         Nothing is copied until ``submit``, which merges the step's loads.
         """
         if parts is None:
-            self.disk.start(job)
+            if self.disk is not None:
+                self.disk.start(job)
+                return
+            # planned as a read under the forward, but this rank has no such loader (its disk tier did not
+            # open): the load fails in this step and vLLM recomputes its blocks
+            self.loads.append(_InStepLoad(job, [([], [])] * len(self.kvs), 0, time.perf_counter(),
+                                          error=RuntimeError("no in-step disk loader on this rank")))
             return
         nbytes = sum(len(gpu) * kv.block_nbytes for (gpu, _), kv in zip(parts, self.kvs))
         self.loads.append(_InStepLoad(job, parts, nbytes, time.perf_counter()))

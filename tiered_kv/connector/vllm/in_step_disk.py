@@ -147,7 +147,7 @@ class InStepDiskLoader:
     def submit(self, layerwise_ok: bool) -> int:
         """Start the reads of the loads ``start`` took, then submit their copies (the first group's once read).
         Returns the loads started."""
-        if not self._pending:
+        if not self._pending or self._step is not None:  # nothing taken, or submitted already this step
             return 0
         jobs = [job for job, _ in self._pending]
         records = [(j, i, slot) for j, (_, slots) in enumerate(self._pending) for i, slot in enumerate(slots)
