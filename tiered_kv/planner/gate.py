@@ -162,33 +162,36 @@ class SplitGate:
         raise InvalidInputError(f"split gate: no read rate for tier {tier!r}; it has {sorted(self.rates)}")
 
     def decide(self, runs: Sequence[tuple[str, int]], new_tokens: int, context: int,
-               count: bool = True, align: int = 0, offset: int = 0) -> tuple[Split, str]:
+               count: bool = True, align: int = 0, offset: int = 0,
+               overlap: bool | None = None) -> tuple[Split, str]:
         """The plan for a hit held as ``runs`` ((tier, tokens) in prefix order, whole units), after ``context``
         tokens the engine has, with ``new_tokens`` to compute after it; and why (an outcome). Counted in ``report``
         (``count=False``: not yet; the caller passes it to ``count`` once the engine took the plan, so a hit
         the engine asks about again is counted once). ``align`` > 0: a split that loads part of a run ends where
         ``offset`` + the tokens loaded is a multiple of it (the loader moves whole chunks: the better of the chunk
-        ends either side of the best split)."""
+        ends either side of the best split). ``overlap``: this plan's mode when not the gate's (False: the load will
+        run before the forward after all)."""
         segs = self.segments(runs)
-        split, outcome = self._plan(segs, new_tokens, context, align, offset)
+        split, outcome = self._plan(segs, new_tokens, context, align, offset,
+                                    self.overlap if overlap is None else bool(overlap))
         if count:
             self.count(split, outcome)
         return split, outcome
 
     def _plan(self, segs: list[Segment], new_tokens: int, context: int, align: int = 0,
-              offset: int = 0) -> tuple[Split, str]:
+              offset: int = 0, overlap: bool = False) -> tuple[Split, str]:
         model = self.prefill.model()
         held, lo = sum(s.tokens for s in segs), forced_tokens(segs)
 
         def at(m: int) -> Split:
-            return split_at(segs, m, new_tokens, context, model, overlap=self.overlap, layers=self.layers,
+            return split_at(segs, m, new_tokens, context, model, overlap=overlap, layers=self.layers,
                             step_tokens=self.step_tokens)
 
         if lo == held:
             return at(held), ALL_FAST
         if self.policy != "auto":
             return (at(held), ALWAYS) if self.policy == "always" else (at(lo), DECLINED)
-        best = plan_split(segs, new_tokens, context, model, overlap=self.overlap, unit_tokens=self.unit_tokens,
+        best = plan_split(segs, new_tokens, context, model, overlap=overlap, unit_tokens=self.unit_tokens,
                           layers=self.layers, extra_recompute=self.extra_recompute, step_tokens=self.step_tokens)
         cut = (best.load_tokens + offset) % align if align else 0
         if cut and lo < best.load_tokens < held:  # between two chunk ends: the better of them

@@ -204,3 +204,19 @@ def test_a_rank_without_the_loader_fails_the_load_and_vllm_recomputes(model_dir,
         assert ws["failed_items"] >= HELD and eng.discarded_reads > 0, ws
     finally:
         eng.close()
+
+
+def test_a_hit_that_cannot_load_in_step_is_planned_without_the_overlap(model_dir, tmp_path):
+    """Over ``sync_max_tokens`` a hit loads between steps, where a split inside the disk run would only add the
+    load to the recompute: the plan falls back to all or nothing (here: recompute the slow disk run)."""
+    eng = Engine.create(model_dir, cfg(tmp_path, sync_max_tokens=CHUNK // 2, **SLOW_SPLIT))
+    try:
+        tokens = prompt(18, HELD * CHUNK + 4)
+        _on_disk(eng, "a", tokens)
+        _turn(eng, "a2", tokens)
+        assert eng.cached_at_start["a2"] == 0
+        st = eng.connector.stats()
+        assert st["split_disk_loaded_tokens"] == 0 and st["split_disk_recomputed_tokens"] == HELD * CHUNK, st
+        assert eng.workers[0].connector.stats()["overlap_loads"] == 0
+    finally:
+        eng.close()

@@ -92,7 +92,8 @@ class ConnectorConfig(RemoteKeys):
                                          "chunk of its prefix (see \"Tail pieces\"). Hybrid models store whole "
                                          "chunks only")
     min_hit_blocks: int = config_key(1, "smallest external hit (in GPU blocks) worth a load", "GPU blocks")
-    load_mode: str = config_key("layerwise", "how CPU-tier hits load (disk hits always load asynchronously). "
+    load_mode: str = config_key("layerwise", "how CPU-tier hits load (disk hits load asynchronously, unless "
+                                             "`disk_overlap_bytes` reads them under the forward). "
                                              "`layerwise`: inside the step vLLM schedules the request; the load is "
                                              "submitted before the forward, one CUDA event per group of layers, and "
                                              "each attention layer's stream waits (on the GPU) for its own layers "

@@ -107,27 +107,44 @@ class LookupPlanner:
         if not where:  # nothing held (a new prompt's usual answer): none of what follows could find a hit
             log.debug("match %s: computed %d, none of %d chunks held", request.request_id, num_computed_tokens, usable)
             return 0
-        if self._overlap_chunks:  # read under the forward: no more disk chunks than the staging holds, none after
+        full = (keys, where, tail)
+        overlap = bool(self._overlap_chunks)
+        if overlap:  # read under the forward: no more disk chunks than the staging holds, none after
             keys, where, tail = self._overlap_cut(keys, where, tail)
-        n = self._worth_loading(st, where, tail, num_computed_tokens, c0)
-        if tail and n < len(where):
-            tail = 0  # the tail's tier was declined (or a chunk before it was)
-        log.debug("match %s: computed %d, %d of %d chunks held %s, %d worth loading", request.request_id,
-                  num_computed_tokens, len(where), usable, where[:4], n)
-        whole = n - (1 if tail else 0)
-        tokens = (c0 + whole) * chunk + tail * bs - num_computed_tokens
-        if n == 0 or tokens // bs < self.cfg.min_hit_blocks:
-            if n:
-                st.split = None  # too small to load: not a plan vLLM takes
+        plan = self._plan_hit(st, where, tail, num_computed_tokens, c0, overlap)
+        if plan is not None and overlap and not plan[3] and DISK in where[:plan[0]]:
+            # the overlapped plan needs the in-step load this hit does not get (too big for sync_max_tokens, or the
+            # step's load budget is spent): plan it again as a load between steps, all or nothing per tier
+            keys, where, tail = full
+            plan = self._plan_hit(st, where, tail, num_computed_tokens, c0, False)
+        if plan is None:
             return 0
-        st.lookup = (c0, whole, num_computed_tokens)
+        n, tail, tokens, st.sync = plan
+        log.debug("match %s: computed %d, %d of %d chunks held %s, %d worth loading%s", request.request_id,
+                  num_computed_tokens, len(where), usable, where[:4], n, " in-step" if st.sync else "")
+        st.lookup = (c0, n - (1 if tail else 0), num_computed_tokens)
         st.hit_tail = tail
         st.hit_keys = keys[:n]
-        st.sync = (self.cfg.load_mode != "async" and tokens <= self.cfg.sync_max_tokens
-                   and all(t == CPU or (t == DISK and self._overlap_chunks) for t in where[:n]))
-        if st.sync and self._budget is not None:
-            st.sync = self._budget.admit(self.geo.hit_nbytes(tokens))
         return tokens
+
+    def _plan_hit(self, st: RequestState, where: list[int], tail: int, computed: int, c0: int,
+                  overlap: bool) -> tuple[int, int, int, bool] | None:
+        """The split's plan for the held chunks ``where`` (a tail piece of ``tail`` blocks last): chunks to load,
+        the tail kept, tokens to report, and whether the load runs inside the step (``overlap``: disk chunks may,
+        read under the forward); None when nothing is worth loading."""
+        n = self._worth_loading(st, where, tail, computed, c0, overlap)
+        if tail and n < len(where):
+            tail = 0  # the tail's tier was declined (or a chunk before it was)
+        tokens = (c0 + n - (1 if tail else 0)) * self.chunk + tail * self.bs - computed
+        if n == 0 or tokens // self.bs < self.cfg.min_hit_blocks:
+            if n:
+                st.split = None  # too small to load: not a plan vLLM takes
+            return None
+        sync = (self.cfg.load_mode != "async" and tokens <= self.cfg.sync_max_tokens
+                and all(t == CPU or (t == DISK and overlap) for t in where[:n]))
+        if sync and self._budget is not None:
+            sync = self._budget.admit(self.geo.hit_nbytes(tokens))
+        return n, tail, tokens, sync
 
     def _overlap_cut(self, keys: list[bytes], where: list[int], tail: int) -> tuple[list[bytes], list[int], int]:
         """A hit as far as an overlapped in-step load can take it: CPU chunks, then at most the staging's room of
@@ -248,7 +265,8 @@ class LookupPlanner:
         router.route(jobs)
         router.drain_finished()
 
-    def _worth_loading(self, st: RequestState, where: list[int], tail: int, computed: int, c0: int) -> int:
+    def _worth_loading(self, st: RequestState, where: list[int], tail: int, computed: int, c0: int,
+                       overlap: bool = False) -> int:
         """Leading entries of ``where`` worth loading (the fastest tier of each held chunk from chunk ``c0``; with
         ``tail`` > 0 the last entry is a tail piece of that many blocks), after the ``computed`` tokens vLLM holds:
         the split's plan, kept on ``st`` until vLLM allocates the request (a hybrid hit's promotion keeps the plan
@@ -261,7 +279,8 @@ class LookupPlanner:
             runs[-1][1] -= chunk - tail * self.bs
         held = sum(t for _, t in runs)
         split, outcome = self._gate.decide(runs, max(0, st.request.num_tokens - computed - held), computed,
-                                           count=False, align=chunk if self._overlap_chunks else 0, offset=local)
+                                           count=False, align=chunk if overlap else 0, offset=local,
+                                           overlap=None if overlap else False)
         if st.split is None or not st.promoted:
             st.split = (split, outcome)
         if outcome == PROBE:  # a declined tier is read now and then, so its estimate follows it
