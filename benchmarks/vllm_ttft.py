@@ -314,7 +314,11 @@ def _tiered_counters(llm) -> dict:
     try:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-        out.update({f"rank0_{k}": v for k, v in get_kv_transfer_group().stats().items()})
+        group = get_kv_transfer_group()
+        out.update({f"rank0_{k}": v for k, v in group.stats().items()})
+        disk = group.worker.disk
+        if disk is not None:  # buffered reads would come from the page cache: a "disk" hit that is not one
+            out["rank0_disk_direct_io"] = bool(disk.slots.direct)
     except Exception:  # noqa: BLE001 - the worker is in another process (TP > 1): planner numbers only
         pass
     return out
@@ -548,6 +552,10 @@ def run_all(model: str, modes: list[str], starts: int = 1, deadline_s: float = 0
         print(f"[{model} {mode} start {start}] done in {wall:.0f}s: turn-2 median {r['turn2_median_s']:.4f} s, "
               f"hit rate {100 * r['turn2_hit_rate']:.1f}%, turn-1 median {r['turn1_median_s']:.4f} s, "
               f"LLM() {r['startup_s']:.0f} s", flush=True)
+        direct = (r.get("connector_counters") or {}).get("rank0_disk_direct_io")
+        if direct is not None:
+            print(f"[{model} {mode} start {start}] disk reads {'O_DIRECT (the disk itself)' if direct else 'BUFFERED: '
+                  'the page cache may serve them, not the disk'}", flush=True)
         pm = r.get("prefill_model") or {}
         if pm.get("predicted_over_measured") is not None:  # issue 32 item 3: the learned model against turn 1
             print(f"[{model} {mode} start {start}] prefill model ({pm['source']}, {pm['clock']} clock, "
