@@ -554,8 +554,8 @@ def run_all(model: str, modes: list[str], starts: int = 1, deadline_s: float = 0
               f"LLM() {r['startup_s']:.0f} s", flush=True)
         direct = (r.get("connector_counters") or {}).get("rank0_disk_direct_io")
         if direct is not None:
-            print(f"[{model} {mode} start {start}] disk reads {'O_DIRECT (the disk itself)' if direct else 'BUFFERED: '
-                  'the page cache may serve them, not the disk'}", flush=True)
+            how = "O_DIRECT (the disk itself)" if direct else "BUFFERED: the page cache may serve them, not the disk"
+            print(f"[{model} {mode} start {start}] disk reads {how}", flush=True)
         pm = r.get("prefill_model") or {}
         if pm.get("predicted_over_measured") is not None:  # issue 32 item 3: the learned model against turn 1
             print(f"[{model} {mode} start {start}] prefill model ({pm['source']}, {pm['clock']} clock, "
