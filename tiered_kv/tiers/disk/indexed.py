@@ -18,7 +18,8 @@ A payload medium (``SlotPayload``) is anything with ``write(slot, raw, layout_fp
 and ``close()``.
 
 Threading contract: ``read``/``write``/``delete``/``has`` may run on several mover threads at once (each
-index call is its own LMDB txn; payload slots are disjoint). ``keep`` is called inside this process's
+index call is its own LMDB txn; payload slots are disjoint); so may a ``RangeReads``'s ``read`` and ``verify``
+(its failure set under its own lock), opened and closed by one thread. ``keep`` is called inside this process's
 claim txn, ``released`` right after it, both on the writing thread. ``close()`` once.
 """
 from __future__ import annotations
@@ -253,7 +254,8 @@ class IndexedTier(Tier):
         return ok, corrupt, missing
 
     def open_ranges(self, keys: Sequence[bytes]) -> "RangeReads":
-        """Lease ``keys``' records for reads by byte range (``RangeReads``); close the result when done."""
+        """Lease ``keys``' records for reads by byte range (``RangeReads``); close the result when done. Needs a
+        payload medium with ``read_range`` and ``verify`` (``SlotFile``: the disk tier; not the host pool's)."""
         self._check_open()
         if self.readonly:
             raws, leases = self.index.headers(keys), []
