@@ -220,3 +220,26 @@ def test_a_hit_that_cannot_load_in_step_is_planned_without_the_overlap(model_dir
         assert eng.workers[0].connector.stats()["overlap_loads"] == 0
     finally:
         eng.close()
+
+
+def test_two_requests_with_disk_hits_in_one_step(model_dir, tmp_path):
+    """Two conversations' turn 2 arrive together: both hits' disk chunks are read under the same step's forward into
+    one staging slab (rows taken in turn), each request's bytes checked by the forward."""
+    eng = Engine.create(model_dir, cfg(tmp_path, disk_read_gbps=100.0, prefill_learn=False,
+                                       disk_overlap_bytes=16 * CHUNK_BYTES, cpu_bytes=32 * CHUNK_BYTES,
+                                       disk_bytes="8MiB"), num_blocks=160)
+    try:
+        first, second = prompt(19, 4 * CHUNK + 4), prompt(20, 4 * CHUNK + 4)
+        for rid, tokens in (("a", first), ("b", second)):
+            req = _turn(eng, rid, tokens)
+            hold_on_disk_only(eng, chunk_keys(eng, req, 4))
+        eng.add("a2", first, max_tokens=1)
+        eng.add("b2", second, max_tokens=1)
+        eng.run()
+        eng.settle()
+        assert eng.cached_at_start["a2"] == 4 * CHUNK and eng.cached_at_start["b2"] == 4 * CHUNK
+        ws = eng.workers[0].connector.stats()
+        assert ws["overlap_loads"] == 2 and ws["failed_items"] == 0, ws
+        assert eng.connector.stats()["sched_sync_loads"] == 2
+    finally:
+        eng.close()
