@@ -40,7 +40,7 @@ def _setup(tmp_path, gen):
 
     cfg = ConnectorConfig(disk_path=str(tmp_path / "unused"), disk_overlap_bytes=N * chunk)
     cpu_slab = torch.empty((N, chunk), dtype=torch.uint8, pin_memory=True)
-    loader = InStepDiskLoader(layout, NAMES, cfg, 0, disk, chunk, K, flat, True, cpu_slab)
+    loader = InStepDiskLoader(layout, NAMES, cfg, 0, {1: disk}, chunk, K, flat, True, cpu_slab)
     job = TransferJob(7, JobKind.EGRESS, 1, 2, keys, [NO_SLOT] * N, [NO_SLOT] * N)
     return layout, disk, keys, rows, blocks, loader, job
 

@@ -342,3 +342,35 @@ def test_an_acl_user_without_a_needed_command_fails_at_start_up_not_silently(red
     finally:
         for i in range(3):
             redis_cluster.cli(i, "acl", "deluser", "tkv-noexists")
+
+
+def test_records_read_by_ranges_then_verified_and_damage_dropped(redis_cluster):
+    """``open_ranges``: headers in one round trip per node; ``read_many`` fills the image by ``GETRANGE`` straight
+    from the socket, in any order; ``verify`` checks the whole payload; a value changed under its header is found
+    damaged and deleted at ``close``; a missing key is ``missing``; another layout's record is not ours."""
+    tier = make_tier(redis_cluster)
+    try:
+        keys, rows = make_keys(3), random_rows(3)
+        assert all(tier.write(keys, [-1] * 3, rows))
+        r = tier.client.rc
+        raw = bytearray(r.get(tier.redis_key(keys[1])))
+        raw[-5] ^= 0xFF  # a payload byte changes in Redis: the header still vouches for the old one
+        r.set(tier.redis_key(keys[1]), bytes(raw))
+        reads = tier.open_ranges(keys + [b"absent".ljust(32, b"\0")])
+        nb = LAYOUT.nbytes
+        images = torch.zeros((4, nb), dtype=torch.uint8)
+        ranges = [(nb // 2, nb), (0, 100), (100, nb // 2)]
+        assert [reads.read_many(i, ranges, images[i]) for i in range(4)] == [True, True, True, False]
+        assert reads.missing == [False, False, False, True]
+        assert torch.equal(images[0], rows[0]) and torch.equal(images[2], rows[2])
+        assert [reads.verify(i, images[i]) for i in range(4)] == [True, False, True, False]
+        assert [reads.corrupt(i) for i in range(4)] == [False, True, False, False]
+        reads.close()
+        assert tier.has(keys) == [True, False, True]  # the damaged one deleted
+        other = make_tier(redis_cluster, tier.namespace_prefix, BlockLayout((2, 4, 16), "float16"))
+        try:
+            assert other.open_ranges(keys[:1]).headers == [None]  # another layout's record: not ours to read
+        finally:
+            other.close()
+    finally:
+        tier.close()

@@ -141,7 +141,7 @@ def test_overlap_needs_raw_records_a_disk_and_in_step_loads(tmp_path):
     base = {"disk_path": str(tmp_path / "kv"), "disk_overlap_bytes": "64MiB"}
     ConnectorConfig(**base)
     for bad, why in (({"compression": "zstd"}, "compression: zstd"), ({"load_mode": "async"}, "load_mode: async"),
-                     ({"disk_path": None}, "no disk_path")):
+                     ({"disk_path": None}, "no disk_path or remote_url")):
         with pytest.raises(ConfigError, match=why):
             ConnectorConfig(**{**base, **bad})
     c = ConnectorConfig(**base)

@@ -243,12 +243,12 @@ class ConnectorConfig(RemoteKeys):
                                             "all TP ranks (one shared-memory CPU slab, one disk directory) instead "
                                             "of one per rank")
     staging_chunks: int = config_key(8, "chunks of pinned staging memory per rank for disk->GPU loads", "chunks")
-    disk_overlap_bytes: int | str = config_key(0, "in-step disk loads under the forward (`0`: off): a hit's disk "
-                                                  "part is read layer group by layer group into this much pinned "
-                                                  "staging per rank while the forward recomputes the rest, and the "
-                                                  "split plans with that overlap (see \"Disk or recompute\"); one "
-                                                  "KV cache group, `compression: none`, no `remote_url`, `load_mode` "
-                                                  "not `async`. Not measured on a GPU yet", "bytes")
+    disk_overlap_bytes: int | str = config_key(0, "in-step disk and remote loads under the forward (`0`: off): a "
+                                                  "hit's disk (or remote) part is read layer group by layer group "
+                                                  "into this much pinned staging per rank while the forward "
+                                                  "recomputes the rest, and the split plans with that overlap (see "
+                                                  "\"Disk or recompute\"); one KV cache group, `compression: none`, "
+                                                  "`load_mode` not `async`. Not measured on a GPU yet", "bytes")
     model_id: str = config_key("", "model name in the key namespace; empty: vLLM's `model` (set it when the same "
                                    "weights are served from different paths)")
     tenant_salt: str = config_key("", "extra namespace salt: engines with different salts never share blocks")
@@ -342,10 +342,10 @@ class ConnectorConfig(RemoteKeys):
         if not self.disk_overlap_bytes:
             return
         why = [w for w, bad in (("compression: zstd (a compressed record cannot be read layer group by layer group)",
-                                 self.compression != "none"),
-                                ("remote_url (the remote tier has no in-step read)", self.remote_url is not None),
+                                 self.compression != "none" and self.disk_path is not None),
                                 ("load_mode: async (the overlap is an in-step load)", self.load_mode == "async"),
-                                ("no disk_path", self.disk_path is None)) if bad]
+                                ("no disk_path or remote_url", self.disk_path is None and self.remote_url is None))
+               if bad]
         if why:
             raise ConfigError(f"disk_overlap_bytes: {self.disk_overlap_bytes} bytes of overlap staging cannot be used "
                               f"with {'; '.join(why)}; set disk_overlap_bytes: 0 or change those keys")

@@ -54,14 +54,15 @@ READERS = 8
 
 def overlap_loader(cfg: ConnectorConfig, geo, kvs: Sequence[KVLayout], rank: int, disk, runner,
                    cuda: bool) -> "InStepDiskLoader | None":
-    """The rank's ``InStepDiskLoader`` (``WorkerRuntime.register``), or None where ``overlap_possible`` says no."""
+    """The rank's ``InStepDiskLoader`` (``WorkerRuntime.register``) over its keyed tiers (``runner.keyed``: the disk
+    tier, the remote tier), or None where ``overlap_possible`` says no."""
     why = overlap_possible(cfg, len(kvs), geo.rank_chunk_nbytes)
-    if why is not None or disk is None:
+    if why is not None or not runner.keyed:
         if cfg.disk_overlap_bytes:
-            log.warning("TieredKVConnector rank %d: disk_overlap_bytes is set but disk hits are not read under the "
-                        "forward here: %s", rank, why or "no disk tier")
+            log.warning("TieredKVConnector rank %d: disk_overlap_bytes is set but disk and remote hits are not read "
+                        "under the forward here: %s", rank, why or "no disk or remote tier")
         return None
-    return InStepDiskLoader(kvs[0], geo.groups[0].layer_names, cfg, rank, disk, geo.rank_chunk_nbytes,
+    return InStepDiskLoader(kvs[0], geo.groups[0].layer_names, cfg, rank, runner.keyed, geo.rank_chunk_nbytes,
                             geo.chunk_blocks, runner.flat, cuda, runner.cpu.slab, runner.counters)
 
 
@@ -84,13 +85,14 @@ class _StepReads:
 class InStepDiskLoader:
     """One TP rank's overlapped in-step disk loads (see the module)."""
 
-    def __init__(self, kv: KVLayout, layer_names: Sequence[str], cfg: ConnectorConfig, rank: int, disk,
+    def __init__(self, kv: KVLayout, layer_names: Sequence[str], cfg: ConnectorConfig, rank: int, tiers: dict,
                  chunk_nbytes: int, chunk_blocks: int, flat: Callable, pin: bool, cpu_slab: torch.Tensor,
                  counters=None) -> None:
-        """``disk``: the rank's ``DiskTier``; ``flat(job, slots, items)``: ``JobRunner.flat`` (GPU blocks and plane
+        """``tiers``: the rank's keyed tiers by chain index (``DiskTier``, ``RemoteTier``: each has ``open_ranges``);
+        ``flat(job, slots, items)``: ``JobRunner.flat`` (GPU blocks and plane
         rows of a job's items in given slots); ``cpu_slab``: the CPU tier's slab (chunk rows), for ``adopt``;
         ``counters``: the rank's ``WorkerCounters`` (``overlap_*``; None: a private set)."""
-        self.kv, self.rank, self.disk = kv, rank, disk
+        self.kv, self.rank, self.tiers = kv, rank, dict(tiers)
         self.k, self.chunk_nbytes = chunk_blocks, chunk_nbytes
         self.capacity = cfg.disk_overlap_bytes // chunk_nbytes
         self.staging = allocate_slab(self.capacity, chunk_nbytes, pin=pin)
@@ -156,10 +158,10 @@ class InStepDiskLoader:
         reads = []
         for job in jobs:
             try:
-                reads.append(self.disk.open_ranges(job.keys))
-            except (lmdb.Error, OSError, StoreClosedError) as exc:  # its chunks fail; vLLM recomputes them
-                log.warning("TieredKVConnector rank %d: in-step disk load job %d cannot read the disk tier: %s",
-                            self.rank, job.job_id, exc)
+                reads.append(self.tiers[job.src_tier].open_ranges(job.keys))
+            except (lmdb.Error, OSError, StoreClosedError, KeyError) as exc:  # its chunks fail; vLLM recomputes them
+                log.warning("TieredKVConnector rank %d: in-step load job %d cannot read tier %d: %r",
+                            self.rank, job.job_id, job.src_tier, exc)
                 reads.append(None)
         records = [r for r in records if reads[r[0]] is not None]
         step = self._step = _StepReads(records, jobs, reads, spans,
@@ -269,7 +271,4 @@ class InStepDiskLoader:
 
     def _read_ranges(self, step: _StepReads, j: int, i: int, slot: int, lo: int, hi: int, k: int, bn: int) -> None:
         """Bytes ``[lo, hi)`` of each of the ``k`` blocks of record ``(j, i)`` into its staging row."""
-        reads, image = step.reads[j], self.staging[slot]
-        for blk in range(k):
-            if not reads.read(i, blk * bn + lo, blk * bn + hi, image):
-                return
+        step.reads[j].read_many(i, [(blk * bn + lo, blk * bn + hi) for blk in range(k)], self.staging[slot])

@@ -34,7 +34,7 @@ from itertools import groupby
 from tiered_kv.planner.chain import TierChain
 from tiered_kv.planner.gate import DECLINED, PROBE, SPLIT, SplitGate
 from tiered_kv.connector.vllm.admission import StepLoadBudget
-from tiered_kv.connector.vllm.common import CPU, DISK
+from tiered_kv.connector.vllm.common import CPU
 from tiered_kv.connector.vllm.config import ConnectorConfig, overlap_possible
 from tiered_kv.connector.vllm.geometry import Geometry
 from tiered_kv.connector.vllm.parts import PartPlanner
@@ -70,7 +70,9 @@ class LookupPlanner:
         self.counters = counters
         # disk chunks an in-step load may read under the forward (``disk_overlap_bytes``; 0: none, loads of disk
         # chunks run between steps)
-        overlap = overlap_possible(cfg, len(geo.groups), geo.rank_chunk_nbytes) is None and cfg.disk_path is not None
+        names = tier_names(chain)
+        self._overlap_tiers = frozenset(i for i, n in enumerate(names) if n in ("disk", "remote"))
+        overlap = overlap_possible(cfg, len(geo.groups), geo.rank_chunk_nbytes) is None and bool(self._overlap_tiers)
         self._overlap_chunks = cfg.disk_overlap_bytes // geo.rank_chunk_nbytes if overlap else 0
 
     def match(self, request, num_computed_tokens: int) -> int | None:
@@ -112,7 +114,7 @@ class LookupPlanner:
         if overlap:  # read under the forward: no more disk chunks than the staging holds, none after
             keys, where, tail = self._overlap_cut(keys, where, tail)
         plan = self._plan_hit(st, where, tail, num_computed_tokens, c0, overlap)
-        if plan is not None and overlap and not plan[3] and DISK in where[:plan[0]]:
+        if plan is not None and overlap and not plan[3] and any(t != CPU for t in where[:plan[0]]):
             # the overlapped plan needs the in-step load this hit does not get (too big for sync_max_tokens, or the
             # step's load budget is spent): plan it again as a load between steps, all or nothing per tier
             keys, where, tail = full
@@ -141,19 +143,19 @@ class LookupPlanner:
                 st.split = None  # too small to load: not a plan vLLM takes
             return None
         sync = (self.cfg.load_mode != "async" and tokens <= self.cfg.sync_max_tokens
-                and all(t == CPU or (t == DISK and overlap) for t in where[:n]))
+                and all(t == CPU or (overlap and t in self._overlap_tiers) for t in where[:n]))
         if sync and self._budget is not None:
             sync = self._budget.admit(self.geo.hit_nbytes(tokens))
         return n, tail, tokens, sync
 
     def _overlap_cut(self, keys: list[bytes], where: list[int], tail: int) -> tuple[list[bytes], list[int], int]:
         """A hit as far as an overlapped in-step load can take it: CPU chunks, then at most the staging's room of
-        disk chunks; the rest is left to recompute (it goes to the split as not held)."""
-        room, n = self._overlap_chunks, 0
+        disk and remote chunks; the rest is left to recompute (it goes to the split as not held)."""
+        room, n, slow = self._overlap_chunks, 0, self._overlap_tiers
         for t in where:
-            if t != CPU and (t != DISK or room == 0):
+            if t != CPU and (t not in slow or room == 0):
                 break
-            room -= t == DISK
+            room -= t in slow
             n += 1
         if n < len(where):
             return keys[:n], where[:n], 0  # a tail piece is the last entry: cut with the rest

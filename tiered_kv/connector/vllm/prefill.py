@@ -103,7 +103,8 @@ def split_gate(cfg: ConnectorConfig, geo: Geometry, tiers: Sequence[str]) -> Spl
     estimator = PrefillEstimator(start, fixed=not cfg.prefill_learn, fit_on_read=False)
     unit_nbytes = max(1, geo.hit_nbytes(geo.chunk_tokens) * copies // geo.chunk_blocks)
     layers = len({name for g in geo.groups for name in g.layer_names})
-    overlap = overlap_possible(cfg, len(geo.groups), geo.rank_chunk_nbytes) is None and cfg.disk_path is not None
+    overlap = overlap_possible(cfg, len(geo.groups), geo.rank_chunk_nbytes) is None and \
+        any(t in ("disk", "remote") for t in tiers)
     return SplitGate(cfg.disk_load_policy, cfg.disk_probe_every, rates, estimator, overlap=overlap,
                      unit_tokens=geo.block_size, unit_nbytes=unit_nbytes,
                      layers=OVERLAP_GROUPS if overlap else layers, step_tokens=geo.step_tokens)

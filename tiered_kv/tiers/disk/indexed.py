@@ -403,6 +403,10 @@ class RangeReads:
                 self._bad.setdefault(i, exc)
             return False
 
+    def read_many(self, i: int, ranges: Sequence[tuple[int, int]], image: torch.Tensor) -> bool:
+        """``read`` of each range in turn; False at the first that fails."""
+        return all(self.read(i, a, b, image) for a, b in ranges)
+
     def verify(self, i: int, image: torch.Tensor) -> bool:
         """Whether record i's ``image`` is the record its header describes (every range of it read)."""
         hdr = self.headers[i]

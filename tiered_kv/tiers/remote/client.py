@@ -227,6 +227,39 @@ class ClusterClient:
         return self._exchange(keys, lambda conn, i: [b"*2\r\n$3\r\nGET\r\n$%d\r\n%b\r\n" % (len(keys[i]), keys[i])],
                               unavailable, on_item, read)
 
+    def getrange_into(self, keys: Sequence[bytes], ranges_of: Callable[[int], Sequence[tuple[int, int]]],
+                      into: Callable[[int], Sequence[memoryview]], unavailable=None) -> list:
+        """``GETRANGE`` byte ranges of each key's value (``ranges_of(i)``: ``(start, end)`` pairs, end exclusive)
+        straight from the socket into the buffers ``into(i)`` (one of each range's length): True where every range
+        came whole, False where one came short (a shorter value, or no key: empty), ``unavailable`` where the node
+        failed or was skipped. One round trip per node for all of them."""
+
+        def pack(conn, i: int) -> list:
+            k = keys[i]
+            out = []
+            for a, b in ranges_of(i):
+                sa, sb = b"%d" % a, b"%d" % (b - 1)
+                out.append(b"*4\r\n$8\r\nGETRANGE\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n"
+                           % (len(k), k, len(sa), sa, len(sb), sb))
+            return out
+
+        def read(wire: _Wire, i: int):
+            whole = True
+            for dst in into(i):
+                n = wire.bulk_len()
+                if n == len(dst):
+                    wire.fill(dst)
+                    wire.trailer()
+                else:
+                    whole = False
+                    if n > 0:
+                        wire.exact(n, trailer=True)
+                    elif n == 0:
+                        wire.trailer()
+            return whole
+
+        return self._exchange(keys, pack, unavailable, None, read)
+
     def set_many(self, keys: Sequence[bytes], parts_of: Callable[[int], tuple]) -> list[bool]:
         """``SET`` each key to the concatenation of the buffers ``parts_of(i)`` returns (say a header and a
         payload view), sent as they are: no copy joins them. True where the node acknowledged it."""

@@ -165,6 +165,16 @@ class RemoteTier(Tier):
             self.client.delete_many(bad)
         return ok, corrupt, missing
 
+    def open_ranges(self, keys: Sequence[bytes]) -> "RemoteRangeReads":
+        """Records read by byte range, then verified whole (``RemoteRangeReads``: the in-step load's reads under the
+        forward, as ``DiskTier.open_ranges``); the headers come now, in one round trip per node."""
+        self._check_open()
+        rkeys = [self.redis_key(k) for k in keys]
+        heads = [bytearray(HEADER_LEN) for _ in keys]
+        got = self.client.getrange_into(rkeys, lambda i: ((0, HEADER_LEN),), lambda i: (memoryview(heads[i]),),
+                                        unavailable=_DOWN)
+        return RemoteRangeReads(self, list(keys), rkeys, heads, got)
+
     def delete(self, keys: Sequence[bytes]) -> None:
         """Delete records (best effort) and announce it on the presence stream."""
         self._check_open()
@@ -213,3 +223,78 @@ class RemoteTier(Tier):
             self._feed.close()
         if self._own_client:
             self.client.close()
+
+
+class RemoteRangeReads:
+    """The remote tier's ``RangeReads`` (see ``tiers.disk.indexed.RangeReads``): ``GETRANGE`` of a record's payload
+    ranges, the record verified whole once every range is in. ``headers[i]`` None: nothing of ours to read
+    (``missing[i]``: no record; else its node is down, another layout's, or damaged). ``read_many`` may run on
+    several threads at once (the client is thread-safe); ``close`` deletes the damaged records."""
+
+    def __init__(self, tier: RemoteTier, keys: list[bytes], rkeys: list[bytes], heads: list[bytearray],
+                 got: list) -> None:
+        self.tier, self.keys, self._rkeys = tier, keys, rkeys
+        self.missing = [False] * len(keys)
+        self.headers: list[RecordHeader | None] = []
+        self._bad: set[int] = set()
+        nb = tier.block_nbytes
+        for i, (head, g) in enumerate(zip(heads, got)):
+            hdr = None
+            if g is _DOWN:
+                tier.counters["unavailable"] += 1
+            elif g is not True:
+                self.missing[i] = True  # GETRANGE of no key: empty
+            else:
+                try:
+                    hdr = RecordHeader.unpack(rkeys[i], memoryview(head))
+                    if hdr.layout_fp != tier.layout.fingerprint:
+                        hdr = None  # another layout under our key: not ours, not damage either
+                    elif hdr.codec != CODEC_NONE or hdr.raw_len != nb or hdr.payload_len != nb:
+                        raise RecordError(f"record of {hdr.payload_len} payload bytes does not hold one {nb}-byte "
+                                          "block")
+                except RecordError as exc:
+                    log.warning("remote tier: dropping damaged record %s: %s", keys[i].hex()[:16], exc)
+                    hdr = None
+                    self._bad.add(i)
+            self.headers.append(hdr)
+
+    def read_many(self, i: int, ranges: Sequence[tuple[int, int]], image: torch.Tensor) -> bool:
+        """Payload bytes ``[a, b)`` of record i into the same bytes of ``image``, for each range; False when it has
+        no header of ours or a range came short (the record then counts as damaged) or its node failed."""
+        hdr = self.headers[i]
+        if hdr is None or i in self._bad:
+            return False
+        arr = memoryview(image.numpy()).cast("B")
+        got = self.tier.client.getrange_into([self._rkeys[i]], lambda _: [(HEADER_LEN + a, HEADER_LEN + b)
+                                                                         for a, b in ranges],
+                                             lambda _: [arr[a:b] for a, b in ranges], unavailable=_DOWN)[0]
+        if got is True:
+            return True
+        if got is not _DOWN:
+            self._bad.add(i)  # shorter than its header says: damaged, or replaced under us
+        return False
+
+    def read(self, i: int, start: int, end: int, image: torch.Tensor) -> bool:
+        """One range (``read_many`` of one)."""
+        return self.read_many(i, ((start, end),), image)
+
+    def verify(self, i: int, image: torch.Tensor) -> bool:
+        """Whether record i's ``image`` is the payload its header describes (every range of it read)."""
+        hdr = self.headers[i]
+        if hdr is None or i in self._bad:
+            return False
+        if payload_checksum(memoryview(image.numpy()[:hdr.payload_len]).cast("B")) != hdr.payload_xxh:
+            self._bad.add(i)
+            return False
+        return True
+
+    def corrupt(self, i: int) -> bool:
+        """Record i was there and found damaged."""
+        return i in self._bad
+
+    def close(self) -> None:
+        """Delete the damaged records (as a whole-record read does)."""
+        bad = [self._rkeys[i] for i in sorted(self._bad)]
+        if bad:
+            self.tier.counters["corrupt"] += len(bad)
+            self.tier.client.delete_many(bad)
