@@ -36,6 +36,9 @@ Modes (each in its own process):
   tiered-disk-overlap  tiered-disk with ``disk_overlap_bytes`` = OVERLAP_GIB (default: a prefix and 1 GiB):
                 a disk hit's first part read under the forward while the rest is recomputed (issue 32 item 2:
                 against ``none`` and ``tiered-disk-always`` in the same call)
+  tiered-remote, tiered-remote-always, tiered-remote-overlap  the same three with the remote tier instead of the
+                disk: a 3-master Redis Cluster on loopback started for each engine start (``redis-server`` and
+                ``redis-cli`` on PATH; REDIS_MAXMEMORY per master, default 8gb), cpu_bytes = DISK_CPU_GIB
   tiered-disk-always, tiered-cpu-async/-sync/-layerwise, tiered-cpu-gN (N = 1, 2, 8, 32),
   tiered-cpu-perlayer, tiered-cpu-sm, tiered-cpu-staged, tiered-cpu-perlayer-staged, *-v1runner
                 (only with --modes) one-setting variants of the above (load_mode, load_groups,
@@ -89,6 +92,7 @@ Threading: a script; the main thread only (each engine start and each PCIe probe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -99,6 +103,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -124,7 +129,8 @@ CPU_VARIANTS = {
 }
 #: any mode with this suffix runs on vLLM's V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0)
 V1_RUNNER = "-v1runner"
-EXTRA_MODES = ("floor", "tiered-disk-always", "tiered-disk-overlap", *(m for m in CPU_VARIANTS if m not in MODES),
+EXTRA_MODES = ("floor", "tiered-disk-always", "tiered-disk-overlap", "tiered-remote", "tiered-remote-always",
+               "tiered-remote-overlap", *(m for m in CPU_VARIANTS if m not in MODES),
                *(m + V1_RUNNER for m in ("none", "offloading", "tiered-cpu")))
 FOLLOW = 64
 
@@ -241,6 +247,8 @@ def workload(model: str) -> dict:
         "prefill_tps": float(env.get("PREFILL_TPS", "37000")),  # H200, 8B, 8k prefill: 8192 / 0.2175 s
         # tiered-disk-overlap: pinned staging per rank for the disk part read under the forward (a whole prefix)
         "overlap_gib": int(env.get("OVERLAP_GIB", str(_overlap_gib(model, int(env.get("PREFIX", "8192")))))),
+        # tiered-remote*: each of the 3 loopback masters' maxmemory (a whole working set fits)
+        "redis_maxmemory": env.get("REDIS_MAXMEMORY", "8gb"),
         "chunk_blocks": int(env.get("CHUNK_BLOCKS", "16")),
         # tokens per step: default one step per turn-1 prefill; lower it (e.g. 2048) for chunked prefill
         "max_batched": int(env.get("MAX_BATCHED", str(int(env.get("PREFIX", "8192")) + 512))),
@@ -259,6 +267,19 @@ def mode_env(mode: str) -> dict:
     return env
 
 
+@contextlib.contextmanager
+def loopback_cluster(w: dict):
+    """A 3-master Redis Cluster on 127.0.0.1 for a ``tiered-remote*`` start (``tests/_redis.py``, which needs
+    ``redis-server`` and ``redis-cli`` on PATH), its seed list in ``TKV_REMOTE_URL`` while it runs."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tests._redis import RedisCluster, _running
+
+    root = tempfile.mkdtemp(prefix="tkv-ttft-redis-")
+    with _running(RedisCluster(Path(root), maxmemory=w["redis_maxmemory"])) as cluster:
+        os.environ["TKV_REMOTE_URL"] = cluster.url
+        yield cluster
+
+
 def tiered_extra(mode: str, w: dict) -> dict:
     """``kv_connector_extra_config`` of a tiered mode."""
     extra = {"cpu_bytes": f"{w['cpu_gib']}GiB", "chunk_blocks": w["chunk_blocks"]}
@@ -269,6 +290,14 @@ def tiered_extra(mode: str, w: dict) -> dict:
                      disk_load_policy="always" if mode == "tiered-disk-always" else w["disk_policy"],
                      prefill_tokens_per_s=w["prefill_tps"])
         if mode == "tiered-disk-overlap":  # issue 32 item 2: the disk part read under the forward, the split
+            extra["disk_overlap_bytes"] = f"{w['overlap_gib']}GiB"
+    if mode.startswith("tiered-remote"):  # issue 32 item 2, Redis: hits from the remote tier on loopback
+        extra.update(cpu_bytes=f"{w['disk_cpu_gib']}GiB",
+                     remote_url=os.environ.get("TKV_REMOTE_URL", "<the loopback cluster of each start>"),
+                     remote_password_env="TKV_TEST_REDIS_PASSWORD", remote_timeout_s=5.0,
+                     disk_load_policy="always" if mode == "tiered-remote-always" else w["disk_policy"],
+                     prefill_tokens_per_s=w["prefill_tps"])
+        if mode == "tiered-remote-overlap":
             extra["disk_overlap_bytes"] = f"{w['overlap_gib']}GiB"
     return extra
 
@@ -374,7 +403,7 @@ def run_one(mode: str, model: str) -> dict:
     floor = mode == "floor"
     # 2 tokens: every connector gets a step to store; "floor" runs each turn 1 just before its turn 2
     turn1 = [] if floor else [generate(c, two)[0] for c in convs]
-    time.sleep(float(os.environ.get("SETTLE_S", "6" if mode.startswith("tiered-disk") else "2")))
+    time.sleep(float(os.environ.get("SETTLE_S", "6" if mode.startswith(("tiered-disk", "tiered-remote")) else "2")))
     before2 = _tiered_counters(llm) if tiered else {}
     turn2, cached, tokens = [], [], []
     for i, (c, f) in enumerate(zip(convs, follows)):
@@ -732,18 +761,18 @@ def table(results: list[dict]) -> str:
     return "\n".join(rows)
 
 
-def overlap_summary(results: list[dict]) -> dict | None:
-    """Issue 32 item 2: ``tiered-disk-overlap``'s turn-2 median (median over starts) against min(recompute =
-    ``none``, full disk load = ``tiered-disk-always``) of the same call; None without those three modes."""
+def overlap_summary(results: list[dict], tier: str = "disk") -> dict | None:
+    """Issue 32 item 2: ``tiered-<tier>-overlap``'s turn-2 median (median over starts) against min(recompute =
+    ``none``, full load = ``tiered-<tier>-always``) of the same call; None without those three modes."""
     def med(mode: str) -> float | None:
         xs = sorted(r["turn2_median_s"] for r in results if r["mode"] == mode and "error" not in r)
         return xs[len(xs) // 2] if xs else None
 
-    split, recompute, load_all = med("tiered-disk-overlap"), med("none"), med("tiered-disk-always")
+    split, recompute, load_all = med(f"tiered-{tier}-overlap"), med("none"), med(f"tiered-{tier}-always")
     if None in (split, recompute, load_all):
         return None
     best = min(recompute, load_all)
-    return {"overlap_s": split, "recompute_s": recompute, "load_all_s": load_all,
+    return {"tier": tier, "overlap_s": split, "recompute_s": recompute, "load_all_s": load_all,
             "ratio": round(split / best, 3), "goal": 0.8, "met": split <= 0.8 * best}
 
 
@@ -751,8 +780,9 @@ def overlap_line(o: dict | None) -> str:
     """``overlap_summary`` as one line ('' without it)."""
     if o is None:
         return ""
-    return (f"issue 32 item 2: tiered-disk-overlap {o['overlap_s']:.4f} s against min(recompute "
-            f"{o['recompute_s']:.4f}, full disk load {o['load_all_s']:.4f}) = {o['ratio']:.3f}x "
+    t = o.get("tier", "disk")
+    return (f"issue 32 item 2: tiered-{t}-overlap {o['overlap_s']:.4f} s against min(recompute "
+            f"{o['recompute_s']:.4f}, full {t} load {o['load_all_s']:.4f}) = {o['ratio']:.3f}x "
             f"(goal <= {o['goal']}: {'met' if o['met'] else 'MISSED'})")
 
 
@@ -963,6 +993,10 @@ def main() -> None:
     ap.add_argument("--pcie-probe", action="store_true", help=argparse.SUPPRESS)  # the probe's own process
     args = ap.parse_args()
     if args.one:
+        if args.one.startswith("tiered-remote"):  # a Redis Cluster on loopback for this start, then gone
+            with loopback_cluster(workload(args.model)):
+                print("RESULT " + json.dumps(run_one(args.one, args.model)), flush=True)
+            return
         print("RESULT " + json.dumps(run_one(args.one, args.model)), flush=True)
         return
     if args.pcie_probe:
@@ -1010,8 +1044,8 @@ def main() -> None:
     w = workload(args.model)
     summary = item2_summary(doc["results"], doc["pcie"], args.model, w)
     text, text2 = table(doc["results"]), item2_table(summary)
-    overlap = overlap_summary(doc["results"])
-    print(text + "\n\n" + text2 + ("\n" + overlap_line(overlap) if overlap else ""))
+    overlap = {t: o for t in ("disk", "remote") if (o := overlap_summary(doc["results"], t)) is not None} or None
+    print(text + "\n\n" + text2 + "".join("\n" + overlap_line(o) for o in (overlap or {}).values()))
     for s_ in doc["skipped"]:
         print(f"skipped: {s_}")
     device = next((x["device"] for x in doc["pcie"] + doc["results"] if x.get("device")), None)

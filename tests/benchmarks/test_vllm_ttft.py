@@ -266,3 +266,16 @@ def test_overlap_summary_compares_the_split_with_the_better_of_recompute_and_a_f
     assert "0.727x" in vt.overlap_line(o) and "met" in vt.overlap_line(o)
     assert not vt.overlap_summary(res[:2] + [{"mode": "tiered-disk-overlap", "turn2_median_s": 0.2}])["met"]
     assert vt.overlap_summary(res[:2]) is None and vt.overlap_line(None) == ""
+
+
+def test_remote_modes_get_a_loopback_cluster_for_their_start():
+    """``tiered-remote*``: each engine start runs beside a 3-master Redis Cluster on 127.0.0.1 (Debian's
+    redis-server, as the tests use), which the mode's config points at; it is gone after the start."""
+    w = dict(vt.workload("llama3-8b"), redis_maxmemory="64mb")
+    with vt.loopback_cluster(w) as cluster:
+        extra = vt.tiered_extra("tiered-remote-overlap", w)
+        assert extra["remote_url"] == cluster.url == os.environ["TKV_REMOTE_URL"]
+        assert extra["disk_overlap_bytes"] == f"{w['overlap_gib']}GiB" and "disk_path" not in extra
+        assert vt.tiered_extra("tiered-remote-always", w)["disk_load_policy"] == "always"
+        cluster.wait_ok()
+    assert not cluster.live()
