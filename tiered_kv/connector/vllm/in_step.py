@@ -36,6 +36,12 @@ Why on vLLM's thread, and why few groups: docs/vllm.md, "In-step loads". Everyth
 before the forward is launched or between its layers, so it does no work a step does not need.
 On CPU tensors every copy is synchronous, at the same points (what CI checks of the schedule).
 
+Disk and remote hits read under the forward (``disk_overlap_bytes``): ``start(job, None)`` hands them to
+``disk``, the rank's ``in_step_disk.InStepDiskLoader``, which runs a second loader of this class over its staging
+slab (``pipeline``: layerwise and pipelined, nothing submitted ahead) whose ``span_ready`` hook waits for a layer
+group's bytes to come off the disk before submitting its copy; ``submit``, ``wait_layer`` and ``finish`` drive it
+along with the CPU-tier loads.
+
 Hybrid models: one ``KVLayout``, CPU plane and copier per KV cache group; a load submits each
 group's part (in the model order of the groups' first layers), and each attention layer waits
 for its own group's copy. With several groups vLLM takes no per-block load errors, so a group
