@@ -374,3 +374,23 @@ def test_records_read_by_ranges_then_verified_and_damage_dropped(redis_cluster):
             other.close()
     finally:
         tier.close()
+
+
+def test_getrange_of_a_wrong_type_key_fails_that_key_only(redis_cluster):
+    """An error reply to one key's ranges (a list under the key: WRONGTYPE) leaves that key unread and the replies of
+    the keys after it on the same node in step."""
+    tier = make_tier(redis_cluster)
+    try:
+        c = tier.client
+        keys = [b"{tkv-same-slot}" + bytes([i]) * 8 for i in range(3)]  # one hash slot: one node, one pipeline
+        c.rc.set(keys[0], b"0123456789")
+        c.rc.rpush(keys[1], b"x")
+        c.rc.set(keys[2], b"abcdefghij")
+        bufs = [[bytearray(3), bytearray(2)] for _ in keys]
+        got = c.getrange_into(keys, lambda i: [(1, 4), (8, 10)], lambda i: [memoryview(b) for b in bufs[i]],
+                              unavailable="down")
+        assert got[0] is True and got[2] is True and got[1] == "down", got
+        assert bytes(bufs[0][0]) == b"123" and bytes(bufs[2][1]) == b"ij"
+        c.rc.delete(*keys)
+    finally:
+        tier.close()

@@ -244,9 +244,13 @@ class ClusterClient:
             return out
 
         def read(wire: _Wire, i: int):
-            whole = True
+            whole, err = True, None
             for dst in into(i):
-                n = wire.bulk_len()
+                try:
+                    n = wire.bulk_len()
+                except wire._response_error as exc:  # an error reply: read this item's other replies all the same,
+                    err, whole = exc, False           # so the next item's start where they should
+                    continue
                 if n == len(dst):
                     wire.fill(dst)
                     wire.trailer()
@@ -256,6 +260,8 @@ class ClusterClient:
                         wire.exact(n, trailer=True)
                     elif n == 0:
                         wire.trailer()
+            if err is not None:
+                raise err  # as for one reply: MOVED, ASK, CLUSTERDOWN or WRONGTYPE leaves this item unread
             return whole
 
         return self._exchange(keys, pack, unavailable, None, read)
