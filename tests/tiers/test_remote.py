@@ -394,3 +394,22 @@ def test_getrange_of_a_wrong_type_key_fails_that_key_only(redis_cluster):
         c.rc.delete(*keys)
     finally:
         tier.close()
+
+
+def test_a_range_read_of_a_vanished_value_is_a_miss_not_damage(redis_cluster):
+    """Redis has no lease: a value evicted between the header read and the range reads comes back short. That is a
+    miss (nothing deleted, nothing reported corrupt), unlike a checksum mismatch."""
+    tier = make_tier(redis_cluster)
+    try:
+        keys, rows = make_keys(2), random_rows(2)
+        assert all(tier.write(keys, [-1] * 2, rows))
+        reads = tier.open_ranges(keys)
+        tier.client.rc.delete(tier.redis_key(keys[0]))  # evicted meanwhile
+        images = torch.zeros((2, LAYOUT.nbytes), dtype=torch.uint8)
+        assert [reads.read_many(i, [(0, LAYOUT.nbytes)], images[i]) for i in range(2)] == [False, True]
+        assert reads.missing == [True, False] and not reads.corrupt(0)
+        assert [reads.verify(i, images[i]) for i in range(2)] == [False, True] and not reads.corrupt(0)
+        reads.close()
+        assert tier.has(keys) == [False, True]
+    finally:
+        tier.close()

@@ -243,3 +243,56 @@ def test_two_requests_with_disk_hits_in_one_step(model_dir, tmp_path):
         assert eng.connector.stats()["sched_sync_loads"] == 2
     finally:
         eng.close()
+
+
+def test_the_staging_is_shared_by_the_hits_of_one_step(model_dir, tmp_path):
+    """Staging for 4 chunks, two requests with 4 disk chunks each in one step: the first takes the rows in-step,
+    the second is planned without the overlap (a fast disk: loaded between steps); nothing fails."""
+    eng = Engine.create(model_dir, cfg(tmp_path, disk_read_gbps=100.0, prefill_learn=False,
+                                       disk_overlap_bytes=4 * CHUNK_BYTES, cpu_bytes=32 * CHUNK_BYTES,
+                                       disk_bytes="8MiB"), num_blocks=160)
+    try:
+        first, second = prompt(25, 4 * CHUNK + 4), prompt(26, 4 * CHUNK + 4)
+        for rid, tokens in (("a", first), ("b", second)):
+            req = _turn(eng, rid, tokens)
+            hold_on_disk_only(eng, chunk_keys(eng, req, 4))
+        eng.add("a2", first, max_tokens=1)
+        eng.add("b2", second, max_tokens=1)
+        eng.run()
+        eng.settle()
+        assert eng.cached_at_start["a2"] == 4 * CHUNK and eng.cached_at_start["b2"] == 4 * CHUNK
+        ws = eng.workers[0].connector.stats()
+        assert ws["overlap_loads"] == 1 and ws["failed_items"] == 0 and eng.discarded_reads == 0, ws
+        assert eng.connector.stats()["sched_sync_loads"] == 1
+    finally:
+        eng.close()
+
+
+def test_a_step_whose_in_step_load_failed_stores_nothing_it_computed(model_dir, tmp_path):
+    """The forward of a step whose in-step load failed computed its new KV from wrong bytes (the harness's fake
+    forward cannot show that, so this checks the mechanism): the step's stores are held until the loads are known,
+    then dropped; in a step whose loads were good they are written (the next turn hits them in the CPU tier)."""
+    eng = Engine.create(model_dir, cfg(tmp_path, disk_read_gbps=100.0, prefill_learn=False))
+    try:
+        tokens = prompt(21, HELD * CHUNK)
+        keys = _on_disk(eng, "a", tokens + [7, 8, 9, 10])
+        disk = eng.workers[0].connector.worker.disk
+        hdr = RecordHeader.unpack(keys[5], disk.index.headers([keys[5]])[0])
+        with open(disk.path / "payload.bin", "r+b") as fh:
+            fh.seek(hdr.slot * disk.slots.slot_bytes + 9)
+            b = fh.read(1)
+            fh.seek(hdr.slot * disk.slots.slot_bytes + 9)
+            fh.write(bytes([(b[0] + 1) % 256]))
+        longer = tokens + prompt(22, 2 * CHUNK + 4)  # two new whole chunks, computed in the step of the load
+        _turn(eng, "a2", longer)
+        ws = eng.workers[0].connector.stats()
+        assert ws["corrupt_items"] == 1 and ws["stores_dropped_after_failed_load"] >= 1, ws
+        good = prompt(23, HELD * CHUNK)
+        _on_disk(eng, "b", good + [7, 8, 9, 10])
+        _turn(eng, "b2", good + prompt(24, 2 * CHUNK + 4))
+        dropped = eng.workers[0].connector.stats()["stores_dropped_after_failed_load"]
+        assert dropped == ws["stores_dropped_after_failed_load"]  # the good step's stores went through
+        _turn(eng, "b3", good + prompt(24, 2 * CHUNK + 4) + [5, 6])
+        assert eng.cached_at_start["b3"] >= (HELD + 2) * CHUNK  # its new chunks were stored
+    finally:
+        eng.close()

@@ -197,6 +197,9 @@ class InStepDiskLoader:
         if not self.busy:
             return []
         copied = {job.job_id: c for job, c in self.loader.finish()}
+        if self.loader._cuda and any(not all(c.ok) for c in copied.values()):
+            # a failed copy's earlier groups may still read the staging: let them end before rows are reused
+            torch.cuda.synchronize(self.kv.device)
         step, self._step = self._step, None
         pending, self._pending, self._next_slot = self._pending, [], 0
         with self._cond:
@@ -230,8 +233,10 @@ class InStepDiskLoader:
         return out
 
     def close(self) -> None:
-        """Stop the reader threads."""
+        """Stop the reader threads and the staging copier's (after a step's ``finish``)."""
         self._pool.shutdown(wait=True)
+        for copier in self.loader.copiers:
+            copier.close()
 
     # ------------------------------------------------------------------ reader threads
     def _read_all(self, step: _StepReads) -> None:

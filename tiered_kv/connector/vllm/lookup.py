@@ -74,6 +74,7 @@ class LookupPlanner:
         self._overlap_tiers = frozenset(i for i, n in enumerate(names) if n in ("disk", "remote"))
         overlap = overlap_possible(cfg, len(geo.groups), geo.rank_chunk_nbytes) is None and bool(self._overlap_tiers)
         self._overlap_chunks = cfg.disk_overlap_bytes // geo.rank_chunk_nbytes if overlap else 0
+        self._overlap_left = self._overlap_chunks  # staging rows the step being scheduled has not given out yet
 
     def match(self, request, num_computed_tokens: int) -> int | None:
         """Tokens beyond ``num_computed_tokens`` that can be loaded (0 if none; None: ask again next step)."""
@@ -110,7 +111,7 @@ class LookupPlanner:
             log.debug("match %s: computed %d, none of %d chunks held", request.request_id, num_computed_tokens, usable)
             return 0
         full = (keys, where, tail)
-        overlap = bool(self._overlap_chunks)
+        overlap = self._overlap_left > 0  # the staging is per rank and per step: shared by this step's hits
         if overlap:  # read under the forward: no more disk chunks than the staging holds, none after
             keys, where, tail = self._overlap_cut(keys, where, tail)
         plan = self._plan_hit(st, where, tail, num_computed_tokens, c0, overlap)
@@ -122,12 +123,18 @@ class LookupPlanner:
         if plan is None:
             return 0
         n, tail, tokens, st.sync = plan
+        if st.sync and overlap:
+            self._overlap_left -= sum(1 for t in where[:n] if t in self._overlap_tiers)
         log.debug("match %s: computed %d, %d of %d chunks held %s, %d worth loading%s", request.request_id,
                   num_computed_tokens, len(where), usable, where[:4], n, " in-step" if st.sync else "")
         st.lookup = (c0, n - (1 if tail else 0), num_computed_tokens)
         st.hit_tail = tail
         st.hit_keys = keys[:n]
         return tokens
+
+    def next_step(self) -> None:
+        """The step being scheduled is complete (``build``): the next one has the whole staging again."""
+        self._overlap_left = self._overlap_chunks
 
     def _plan_hit(self, st: RequestState, where: list[int], tail: int, computed: int, c0: int,
                   overlap: bool) -> tuple[int, int, int, bool] | None:
@@ -149,9 +156,9 @@ class LookupPlanner:
         return n, tail, tokens, sync
 
     def _overlap_cut(self, keys: list[bytes], where: list[int], tail: int) -> tuple[list[bytes], list[int], int]:
-        """A hit as far as an overlapped in-step load can take it: CPU chunks, then at most the staging's room of
-        disk and remote chunks; the rest is left to recompute (it goes to the split as not held)."""
-        room, n, slow = self._overlap_chunks, 0, self._overlap_tiers
+        """A hit as far as an overlapped in-step load can take it: CPU chunks, then at most the staging rows this step
+        has left of disk and remote chunks; the rest is left to recompute (it goes to the split as not held)."""
+        room, n, slow = self._overlap_left, 0, self._overlap_tiers
         for t in where:
             if t != CPU and (t not in slow or room == 0):
                 break

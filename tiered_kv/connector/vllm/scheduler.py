@@ -166,6 +166,7 @@ class SchedulerPlanner:
         """Plan this step: track block tables, plan stores, add fences, hand out all pending jobs."""
         self._step += 1
         step = self._step
+        self._lookup.next_step()
         if self._budget is not None:
             total = scheduler_output.total_num_scheduled_tokens
             # more tokens than requests: some request prefills (or verifies speculative tokens) in this step

@@ -82,6 +82,7 @@ from tiered_kv.connector.vllm.async_loads import AsyncLoader
 from tiered_kv.connector.vllm.idle import IdleWait
 from tiered_kv.connector.vllm.in_step import InStepLoader
 from tiered_kv.connector.vllm.in_step_disk import overlap_loader
+from tiered_kv.connector.vllm.worker_loads import StepLoads, _async_load
 from tiered_kv.connector.vllm.pool_io import PoolIO
 from tiered_kv.connector.vllm.runner import JobRunner, WorkerCounters
 from tiered_kv.connector.vllm.trace import LoadTrace
@@ -141,11 +142,6 @@ class PollResult:
     invalid_block_ids: set[int] = field(default_factory=set)
 
 
-def _async_load(job: TransferJob) -> bool:
-    """A job the ``AsyncLoader`` copies (a CPU-tier load vLLM waits for between steps), not the movers."""
-    return job.kind is JobKind.EGRESS and job.src_tier == CPU
-
-
 def open_disk_tier(make):
     """``make()`` a rank's DiskTier; a damaged index is moved aside (loudly) and the rank starts an empty one.
 
@@ -190,7 +186,7 @@ def open_cpu_tier(cfg: ConnectorConfig, geo: Geometry, ns: Namespace, rank: int,
     return CpuTier(geo.rank_layout(rank), cpu_chunks * geo.rank_chunk_nbytes)
 
 
-class WorkerRuntime:
+class WorkerRuntime(StepLoads):
     """One TP rank's tiers, movers and job bookkeeping; in-step copies go through its ``InStepLoader``."""
 
     def __init__(self, cfg: ConnectorConfig, geo: Geometry, ns: Namespace, rank: int,
@@ -239,6 +235,7 @@ class WorkerRuntime:
         self._pending_fail: dict[str, list[int]] = {}
         self._plan: StepPlan | None = None
         self._early_done = self._stores_done = self._fenced = True
+        self._held_stores: list[TransferJob] = []  # this step's stores, until its in-step loads are known good
         self.copier: BlockCopier | None = None  # group 0's (the only one for most models)
         self.copiers: list[BlockCopier] = []
         # in-step loads, on vLLM's thread; None before ``register`` and with load_mode "async"
@@ -409,38 +406,6 @@ class WorkerRuntime:
         if trace is not None:
             trace.held((time.perf_counter() - t0) * 1e3, (t1 - t0) * 1e3)
 
-    def _start_async(self, jobs: list[TransferJob]) -> list[TransferJob]:
-        """Hand this step's asynchronous CPU-tier loads to the ``AsyncLoader`` (one batch, in plan order, after the
-        in-step loads); returns the other jobs (for the movers)."""
-        batch, rest = [], []
-        for job in jobs:
-            if _async_load(job):
-                (gpu, rows), = self.runner.load_rows(job)
-                batch.append((job, gpu, rows))
-                with self._lock:
-                    self._events[job.job_id] = threading.Event()
-                    self._loading.add(job.job_id)
-            else:
-                rest.append(job)
-        if batch:
-            in_step = self.in_step
-            after = [load.results[-1] for load in in_step.loads if load.results] if in_step is not None else []
-            self.async_loads.start(batch, after=after, fallback=self.runner.mechanism)
-            if self.trace is not None:
-                for p in self.async_loads.pending[-len(batch):]:
-                    self.trace.started("async", p.job.job_id, p.result.nbytes)
-            self.counters.async_loads += len(batch)
-            self.counters.async_batches += 1
-        return rest
-
-    def _finish_async(self, done: list[tuple[TransferJob, Completion]]) -> None:
-        """Count and queue the completions of landed asynchronous loads for ``poll``."""
-        for job, c in done:
-            self.runner.count(job, c.nbytes, c.seconds, c.ok, c.corrupt)
-            self._on_done(job, c)
-            if self.trace is not None:
-                self.trace.reported(job.job_id, cpu_ms=c.seconds * 1e3)  # its GPU time (CPU: the copy's)
-
     def wait_layer(self, layer_name: str) -> None:
         """``wait_for_layer_load``: vLLM's stream waits (on the GPU) for this layer's in-step loads."""
         in_step = self.in_step
@@ -453,7 +418,7 @@ class WorkerRuntime:
         if self._stores_done or self._plan is None:
             return
         self._stores_done = True
-        self._submit(self._plan.stores)
+        self._store_or_hold(self._plan.stores)
 
     def _submit(self, jobs: list[TransferJob]) -> None:
         if not jobs:
@@ -482,8 +447,7 @@ class WorkerRuntime:
         if self.shared and not self._name_released:  # every rank mapped the shared slab: drop its name
             self._name_released = self.cpu.release_name()
         in_step = self.in_step
-        if in_step is not None and in_step.pending:
-            self._finish_in_step(in_step)
+        self._release_stores(self._finish_in_step(in_step) if in_step is not None and in_step.pending else False)
         loader = self.async_loads
         if self._plan is not None and self._plan.idle and self._loading:  # vLLM would spin: let the loads run
             # (stores alone never hold a step back: a finished request's last output must not wait for them)
@@ -525,18 +489,6 @@ class WorkerRuntime:
             self.trace.flush(len(self.async_loads.pending) if self.async_loads is not None else 0)
         return out
 
-    def _finish_in_step(self, in_step: InStepLoader) -> None:
-        """Wait for this step's in-step loads to land; count and queue their completions for ``poll``."""
-        finished = in_step.finish()
-        submit_ms = in_step.take_forward_submit_ms()
-        if self.trace is not None:
-            self.trace.held_in_forward(submit_ms)
-        for job, done in finished:
-            self.runner.count(job, done.nbytes, done.seconds, done.ok, done.corrupt)
-            self._on_done(job, done)
-            if self.trace is not None:  # CUDA: the timing events given at start; CPU: the load's wall time
-                self.trace.reported(job.job_id, cpu_ms=None if self._cuda else done.seconds * 1e3)
-
     def idle(self) -> bool:
         """True when no job is queued, running or unreported on this rank."""
         with self._lock:
@@ -571,8 +523,8 @@ class WorkerRuntime:
         if self._closed:
             return
         self._closed = True
-        if self.in_step is not None and self.in_step.loads:
-            self._finish_in_step(self.in_step)
+        if self.in_step is not None and self.in_step.pending:
+            self._release_stores(self._finish_in_step(self.in_step))
         if self.async_loads is not None and self.async_loads.pending:
             self._finish_async(self.async_loads.wait())
         self.front.close()
@@ -581,6 +533,8 @@ class WorkerRuntime:
         for copier in [*self.copiers, *self.runner.staging_copiers,
                        *(self.in_step.copiers if self.in_step is not None else [])]:
             copier.close()
+        if self.in_step is not None and self.in_step.disk is not None:
+            self.in_step.disk.close()
         if self.disk is not None:
             self.disk.flush()
             self.disk.close()

@@ -236,7 +236,8 @@ class RemoteRangeReads:
         self.tier, self.keys, self._rkeys = tier, keys, rkeys
         self.missing = [False] * len(keys)
         self.headers: list[RecordHeader | None] = []
-        self._bad: set[int] = set()
+        self._bad: set[int] = set()  # damaged: deleted at close
+        self._unavailable: set[int] = set()  # a range read found its node down: neither damaged nor missing
         nb = tier.block_nbytes
         for i, (head, g) in enumerate(zip(heads, got)):
             hdr = None
@@ -260,7 +261,8 @@ class RemoteRangeReads:
 
     def read_many(self, i: int, ranges: Sequence[tuple[int, int]], image: torch.Tensor) -> bool:
         """Payload bytes ``[a, b)`` of record i into the same bytes of ``image``, for each range; False when it has
-        no header of ours or a range came short (the record then counts as damaged) or its node failed."""
+        no header of ours, a range came short (the value is gone since: ``missing``) or its node failed (neither
+        missing nor damaged: the record stays for a later read)."""
         hdr = self.headers[i]
         if hdr is None or i in self._bad:
             return False
@@ -270,8 +272,11 @@ class RemoteRangeReads:
                                              lambda _: [arr[a:b] for a, b in ranges], unavailable=_DOWN)[0]
         if got is True:
             return True
-        if got is not _DOWN:
-            self._bad.add(i)  # shorter than its header says: damaged, or replaced under us
+        if got is _DOWN:  # the node failed or is skipped: a failed read, not damage (the record stays)
+            self._unavailable.add(i)
+            self.tier.counters["unavailable"] += 1
+        else:  # shorter than its header says: evicted or deleted since the header was read (Redis has no lease)
+            self.missing[i] = True
         return False
 
     def read(self, i: int, start: int, end: int, image: torch.Tensor) -> bool:
@@ -281,7 +286,7 @@ class RemoteRangeReads:
     def verify(self, i: int, image: torch.Tensor) -> bool:
         """Whether record i's ``image`` is the payload its header describes (every range of it read)."""
         hdr = self.headers[i]
-        if hdr is None or i in self._bad:
+        if hdr is None or i in self._bad or i in self._unavailable or self.missing[i]:
             return False
         if payload_checksum(memoryview(image.numpy()[:hdr.payload_len]).cast("B")) != hdr.payload_xxh:
             self._bad.add(i)
