@@ -30,6 +30,14 @@ def model_dir(tmp_path_factory):
     return write_model_dir(str(tmp_path_factory.mktemp("tiny-llama-tails")))
 
 
+def _tail_keys(eng: Engine) -> list[bytes]:
+    """The tail-piece keys the planner holds: the namespace, TAIL_MARK, then a 32-byte block hash (a chunk key is the
+    namespace and the hash: its ninth byte is TAIL_MARK one time in 256, so the length tells them apart)."""
+    ns = eng.connector.ns.prefix
+    return [k for k, _ in eng.connector.planner.chain.index.items()
+            if k[len(ns):len(ns) + 1] == TAIL_MARK and len(k) == len(ns) + 1 + 32]
+
+
 def _turn1(eng: Engine, seed: int, n: int = TURN1, rid: str = "t1"):
     a = eng.add(rid, prompt(seed, n), max_tokens=3)
     eng.run()
@@ -45,7 +53,7 @@ def test_turn2_hits_whole_chunks_and_the_tail_bit_exact(model_dir, async_sched, 
         a = _turn1(eng, 31)
         st = eng.connector.stats()
         assert st["resident_cpu"] == 3 and st["sched_tail_stores"] == 1, st  # 2 chunks + the tail piece
-        tail_keys = [k for k, _ in eng.connector.planner.chain.index.items() if k[8:9] == TAIL_MARK]
+        tail_keys = _tail_keys(eng)
         ns_prefix = eng.connector.ns.prefix
         assert len(tail_keys) == 1 and tail_keys[0].startswith(ns_prefix + TAIL_MARK)
         assert tail_keys[0] == ns_prefix + TAIL_MARK + a.block_hashes[2 * K + 3 - 1]  # names the whole prefix
@@ -198,7 +206,7 @@ def test_tail_slot_rows_past_the_piece_are_neither_written_nor_read(model_dir):
         runtime.cpu.slab.fill_(0xAB)  # a sentinel in every slab row
         _turn1(eng, 38)
         planner = eng.connector.planner
-        (tail_key,) = [k for k, _ in planner.chain.index.items() if k[8:9] == TAIL_MARK]
+        (tail_key,) = _tail_keys(eng)
         slot = planner.chain.index.get(tail_key).copies[0].slot
         rows = runtime.planes[0][slot * K:(slot + 1) * K]
         assert not (rows[:3] == 0xAB).all(dim=1).any()  # the 3 piece rows were written
@@ -235,7 +243,7 @@ def test_a_longer_tail_in_the_same_chunk_supersedes_the_shorter_one(model_dir):
     eng = Engine.create(model_dir, cfg())
     try:
         a = _turn1(eng, 40, n=2 * K * BS + BS + 4)  # a 1-block tail in chunk 2
-        (old,) = [k for k, _ in eng.connector.planner.chain.index.items() if k[8:9] == TAIL_MARK]
+        (old,) = _tail_keys(eng)
         eng.sched.reset_prefix_cache()
         conv = list(a.prompt_token_ids) + list(a.output_token_ids) + prompt(41, 20)  # ends in chunk 2 again
         eng.add("t2", conv, max_tokens=2)
@@ -243,7 +251,7 @@ def test_a_longer_tail_in_the_same_chunk_supersedes_the_shorter_one(model_dir):
         eng.settle()
         st = eng.connector.stats()
         assert st["sched_hit_tokens_cpu"] == (2 * K + 1) * BS and st["sched_tails_superseded"] == 1, st
-        tails = [k for k, _ in eng.connector.planner.chain.index.items() if k[8:9] == TAIL_MARK]
+        tails = _tail_keys(eng)
         assert len(tails) == 1 and tails[0] != old and st["resident_cpu"] == 2 + 1, st
         assert_no_leaks(eng)
     finally:
