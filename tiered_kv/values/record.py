@@ -48,6 +48,11 @@ class RecordHeader:
     payload_xxh: int
     created_ns: int = 0
 
+    def payload_matches(self, data) -> bool:
+        """Whether ``data`` (any buffer of at least ``payload_len`` bytes) starts with the payload this header
+        describes: its length-``payload_len`` prefix has the header's checksum."""
+        return payload_checksum(memoryview(data).cast("B")[:self.payload_len]) == self.payload_xxh
+
     def pack(self, key: bytes) -> bytes:
         """Serialize; the header checksum also covers ``key`` so a header moved to another key fails."""
         body = _FMT.pack(MAGIC, VERSION, self.codec, 0, self.layout_fp, self.slot, self.raw_len,

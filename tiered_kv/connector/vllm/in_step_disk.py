@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 READERS = 8
 
 
-def overlap_loader(cfg: ConnectorConfig, geo, kvs: Sequence[KVLayout], rank: int, disk, runner,
+def overlap_loader(cfg: ConnectorConfig, geo, kvs: Sequence[KVLayout], rank: int, runner,
                    cuda: bool) -> "InStepDiskLoader | None":
     """The rank's ``InStepDiskLoader`` (``WorkerRuntime.register``) over its keyed tiers (``runner.keyed``: the disk
     tier, the remote tier), or None where ``overlap_possible`` says no."""

@@ -33,9 +33,10 @@ from itertools import groupby
 
 from tiered_kv.planner.chain import TierChain
 from tiered_kv.planner.gate import DECLINED, PROBE, SPLIT, SplitGate
+from tiered_kv.planner.split import MEMORY_TIERS
 from tiered_kv.connector.vllm.admission import StepLoadBudget
 from tiered_kv.connector.vllm.common import CPU
-from tiered_kv.connector.vllm.config import ConnectorConfig, overlap_possible
+from tiered_kv.connector.vllm.config import ConnectorConfig
 from tiered_kv.connector.vllm.geometry import Geometry
 from tiered_kv.connector.vllm.parts import PartPlanner
 from tiered_kv.connector.vllm.prefill import tier_names
@@ -68,12 +69,11 @@ class LookupPlanner:
         self._presence = presence
         self._known: set[bytes] = presence.known if presence is not None else set()  # announced, not adopted
         self.counters = counters
-        # disk chunks an in-step load may read under the forward (``disk_overlap_bytes``; 0: none, loads of disk
-        # chunks run between steps)
-        names = tier_names(chain)
-        self._overlap_tiers = frozenset(i for i, n in enumerate(names) if n in ("disk", "remote"))
-        overlap = overlap_possible(cfg, len(geo.groups), geo.rank_chunk_nbytes) is None and bool(self._overlap_tiers)
-        self._overlap_chunks = cfg.disk_overlap_bytes // geo.rank_chunk_nbytes if overlap else 0
+        # chunks of the slow tiers an in-step load may read under the forward: with the gate planning the overlap
+        # (``prefill.split_gate``: ``disk_overlap_bytes``), as many as the staging holds; else none (those load
+        # between steps)
+        self._overlap_tiers = frozenset(i for i, n in enumerate(self._tier_names) if n not in MEMORY_TIERS)
+        self._overlap_chunks = cfg.disk_overlap_bytes // geo.rank_chunk_nbytes if gate.overlap else 0
         self._overlap_left = self._overlap_chunks  # staging rows the step being scheduled has not given out yet
 
     def match(self, request, num_computed_tokens: int) -> int | None:

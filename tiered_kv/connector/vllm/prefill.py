@@ -104,7 +104,7 @@ def split_gate(cfg: ConnectorConfig, geo: Geometry, tiers: Sequence[str]) -> Spl
     unit_nbytes = max(1, geo.hit_nbytes(geo.chunk_tokens) * copies // geo.chunk_blocks)
     layers = len({name for g in geo.groups for name in g.layer_names})
     overlap = overlap_possible(cfg, len(geo.groups), geo.rank_chunk_nbytes) is None and \
-        any(t in ("disk", "remote") for t in tiers)
+        any(t not in MEMORY_TIERS for t in tiers)
     return SplitGate(cfg.disk_load_policy, cfg.disk_probe_every, rates, estimator, overlap=overlap,
                      unit_tokens=geo.block_size, unit_nbytes=unit_nbytes,
                      layers=OVERLAP_GROUPS if overlap else layers, step_tokens=geo.step_tokens)

@@ -82,7 +82,7 @@ from tiered_kv.connector.vllm.async_loads import AsyncLoader
 from tiered_kv.connector.vllm.idle import IdleWait
 from tiered_kv.connector.vllm.in_step import InStepLoader
 from tiered_kv.connector.vllm.in_step_disk import overlap_loader
-from tiered_kv.connector.vllm.worker_loads import StepLoads, _async_load
+from tiered_kv.connector.vllm.worker_loads import StepLoads, async_load
 from tiered_kv.connector.vllm.pool_io import PoolIO
 from tiered_kv.connector.vllm.runner import JobRunner, WorkerCounters
 from tiered_kv.connector.vllm.trace import LoadTrace
@@ -282,7 +282,7 @@ class WorkerRuntime(StepLoads):
                                          zip(kvs, self.planes, self.geo.groups)], self.cfg, self.rank,
                                         plain_fallback=not self.geo.block_level_errors,
                                         timing=self.trace is not None)
-            self.in_step.disk = overlap_loader(self.cfg, self.geo, kvs, self.rank, self.disk, self.runner, self._cuda)
+            self.in_step.disk = overlap_loader(self.cfg, self.geo, kvs, self.rank, self.runner, self._cuda)
         if self.geo.block_level_errors:
             # staged only when named: ``auto`` picks it for in-step copies (measured under load), not for these
             self.async_loads = AsyncLoader(self.copier, Mechanism.STAGED if self.cfg.in_step_copy == "staged" else None)
@@ -388,7 +388,7 @@ class WorkerRuntime(StepLoads):
                     in_step.start(job, self.runner.load_rows(job) if job.src_tier == CPU else None)  # None: disk
             early = in_step.adopt([j for j in early if j.job_id not in sync], self._events, self._lock)
             # asynchronous loads of this step are ordered after the in-step copies: those must all exist
-            pipelined = not (self.async_loads is not None and any(_async_load(j) for j in early))
+            pipelined = not (self.async_loads is not None and any(async_load(j) for j in early))
             staged = in_step.staged_copies
             loads, groups = in_step.submit(layerwise_ok, self.runner.mechanism, pipelined)
             c.sync_loads += loads

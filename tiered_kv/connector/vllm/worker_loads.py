@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from tiered_kv.connector.vllm.in_step import InStepLoader
 
 
-def _async_load(job: TransferJob) -> bool:
+def async_load(job: TransferJob) -> bool:
     """A job the ``AsyncLoader`` copies (a CPU-tier load vLLM waits for between steps), not the movers."""
     return job.kind is JobKind.EGRESS and job.src_tier == CPU
 
@@ -37,7 +37,7 @@ class StepLoads:
         in-step loads); returns the other jobs (for the movers)."""
         batch, rest = [], []
         for job in jobs:
-            if _async_load(job):
+            if async_load(job):
                 (gpu, rows), = self.runner.load_rows(job)
                 batch.append((job, gpu, rows))
                 with self._lock:

@@ -204,7 +204,7 @@ class SlotFile:
     @staticmethod
     def verify(hdr: RecordHeader, image: torch.Tensor) -> bool:
         """Whether ``image`` (filled by ``read_range``) holds the payload ``hdr`` describes (its xxh3)."""
-        return payload_checksum(memoryview(image.numpy()[:hdr.payload_len]).cast("B")) == hdr.payload_xxh
+        return hdr.payload_matches(image.numpy())
 
     # ------------------------------------------------------------------ lifetime
     def datasync(self) -> None:

@@ -288,7 +288,7 @@ class RemoteRangeReads:
         hdr = self.headers[i]
         if hdr is None or i in self._bad or i in self._unavailable or self.missing[i]:
             return False
-        if payload_checksum(memoryview(image.numpy()[:hdr.payload_len]).cast("B")) != hdr.payload_xxh:
+        if not hdr.payload_matches(image.numpy()):
             self._bad.add(i)
             return False
         return True
