@@ -222,22 +222,33 @@ def test_a_hit_that_cannot_load_in_step_is_planned_without_the_overlap(model_dir
         eng.close()
 
 
-def test_two_requests_with_disk_hits_in_one_step(model_dir, tmp_path):
-    """Two conversations' turn 2 arrive together: both hits' disk chunks are read under the same step's forward into
-    one staging slab (rows taken in turn), each request's bytes checked by the forward."""
+def _two_turn2_in_one_step(model_dir, tmp_path, staging_chunks: int, seeds: tuple[int, int]) -> Engine:
+    """An engine (a fast disk, ``staging_chunks`` of overlap staging) that served two conversations of 4 chunks,
+    held them on disk only, then ran both turn 2s together: both whole hits (checked), the engine left open."""
     eng = Engine.create(model_dir, cfg(tmp_path, disk_read_gbps=100.0, prefill_learn=False,
-                                       disk_overlap_bytes=16 * CHUNK_BYTES, cpu_bytes=32 * CHUNK_BYTES,
+                                       disk_overlap_bytes=staging_chunks * CHUNK_BYTES, cpu_bytes=32 * CHUNK_BYTES,
                                        disk_bytes="8MiB"), num_blocks=160)
     try:
-        first, second = prompt(19, 4 * CHUNK + 4), prompt(20, 4 * CHUNK + 4)
-        for rid, tokens in (("a", first), ("b", second)):
+        convs = [prompt(seed, 4 * CHUNK + 4) for seed in seeds]
+        for rid, tokens in zip(("a", "b"), convs):
             req = _turn(eng, rid, tokens)
             hold_on_disk_only(eng, chunk_keys(eng, req, 4))
-        eng.add("a2", first, max_tokens=1)
-        eng.add("b2", second, max_tokens=1)
+        for rid, tokens in zip(("a2", "b2"), convs):
+            eng.add(rid, tokens, max_tokens=1)
         eng.run()
         eng.settle()
         assert eng.cached_at_start["a2"] == 4 * CHUNK and eng.cached_at_start["b2"] == 4 * CHUNK
+    except BaseException:
+        eng.close()
+        raise
+    return eng
+
+
+def test_two_requests_with_disk_hits_in_one_step(model_dir, tmp_path):
+    """Two conversations' turn 2 arrive together: both hits' disk chunks are read under the same step's forward into
+    one staging slab (rows taken in turn), each request's bytes checked by the forward."""
+    eng = _two_turn2_in_one_step(model_dir, tmp_path, 16, (19, 20))
+    try:
         ws = eng.workers[0].connector.stats()
         assert ws["overlap_loads"] == 2 and ws["failed_items"] == 0, ws
         assert eng.connector.stats()["sched_sync_loads"] == 2
@@ -248,19 +259,8 @@ def test_two_requests_with_disk_hits_in_one_step(model_dir, tmp_path):
 def test_the_staging_is_shared_by_the_hits_of_one_step(model_dir, tmp_path):
     """Staging for 4 chunks, two requests with 4 disk chunks each in one step: the first takes the rows in-step,
     the second is planned without the overlap (a fast disk: loaded between steps); nothing fails."""
-    eng = Engine.create(model_dir, cfg(tmp_path, disk_read_gbps=100.0, prefill_learn=False,
-                                       disk_overlap_bytes=4 * CHUNK_BYTES, cpu_bytes=32 * CHUNK_BYTES,
-                                       disk_bytes="8MiB"), num_blocks=160)
+    eng = _two_turn2_in_one_step(model_dir, tmp_path, 4, (25, 26))
     try:
-        first, second = prompt(25, 4 * CHUNK + 4), prompt(26, 4 * CHUNK + 4)
-        for rid, tokens in (("a", first), ("b", second)):
-            req = _turn(eng, rid, tokens)
-            hold_on_disk_only(eng, chunk_keys(eng, req, 4))
-        eng.add("a2", first, max_tokens=1)
-        eng.add("b2", second, max_tokens=1)
-        eng.run()
-        eng.settle()
-        assert eng.cached_at_start["a2"] == 4 * CHUNK and eng.cached_at_start["b2"] == 4 * CHUNK
         ws = eng.workers[0].connector.stats()
         assert ws["overlap_loads"] == 1 and ws["failed_items"] == 0 and eng.discarded_reads == 0, ws
         assert eng.connector.stats()["sched_sync_loads"] == 1

@@ -32,6 +32,18 @@ def extra(cluster, salt: str, **kw) -> dict:
             "remote_password_env": PASSWORD_ENV, "remote_timeout_s": 1.0, "tenant_salt": salt, **kw}
 
 
+def serve_on_a(cluster, model_dir, salt: str, tokens: list[int]):
+    """Engine A serves ``tokens`` once (its chunks go to the cluster under ``salt``) and closes; its request."""
+    a = Engine.create(model_dir, extra(cluster, salt))
+    try:
+        req = a.add("a-1", tokens, max_tokens=2)
+        a.run()
+        a.settle()
+    finally:
+        a.close()
+    return req
+
+
 def wait_feed(eng: Engine, chunks: int, timeout: float = 20.0) -> None:
     """Until engine ``eng``'s presence feed read at least ``chunks`` stored chunks."""
     feed = eng.connector._presence
@@ -77,13 +89,7 @@ def test_engine_b_hits_engine_a_prefix_from_remote_bit_exact(redis_cluster, mode
 
 def test_a_chunk_evicted_by_redis_is_a_miss_and_recomputed(redis_cluster, model_dir):
     salt = f"vanish-{time.monotonic_ns()}"
-    a = Engine.create(model_dir, extra(redis_cluster, salt))
-    try:
-        first = a.add("a-1", prompt(2, 8 * BS + 3), max_tokens=2)
-        a.run()
-        a.settle()
-    finally:
-        a.close()
+    first = serve_on_a(redis_cluster, model_dir, salt, prompt(2, 8 * BS + 3))
     b = Engine.create(model_dir, extra(redis_cluster, salt))
     try:
         wait_feed(b, 2)
@@ -259,13 +265,7 @@ def test_remote_hits_read_under_the_forward_with_the_split(redis_cluster, model_
     stored is read from Redis by ``GETRANGE`` of each layer group's ranges under the forward, split with the
     recompute of the rest at a slow configured rate; every byte the forward reads checked; nothing read twice."""
     salt = f"overlap-{time.monotonic_ns()}"
-    a = Engine.create(model_dir, extra(redis_cluster, salt))
-    try:
-        first = a.add("a-1", prompt(3, 16 * BS + 5), max_tokens=2)
-        a.run()
-        a.settle()
-    finally:
-        a.close()
+    first = serve_on_a(redis_cluster, model_dir, salt, prompt(3, 16 * BS + 5))
     # 256 B a token at 6 MB/s: loading the 4 chunks (11 ms) loses to recomputing them (6 ms), loading the first while
     # the rest is recomputed beats both
     slow = {"disk_overlap_bytes": 8 * CHUNK_BYTES, "remote_read_gbps": 0.006, "prefill_tokens_per_s": 50000.0,
