@@ -8,7 +8,8 @@ front mover:
 - ``start(job, parts_of)``: its records get a row each in a pinned staging slab (``disk_overlap_bytes`` of whole
   record images, slot-row format), are leased (``DiskTier.open_ranges``), and reader threads begin at once: layer
   group 0's byte range of every block of every record of the step, then group 1's, ... (the groups are
-  ``in_step.layer_groups`` of ``OVERLAP_GROUPS``), each range one positional read (O_DIRECT where the file system allows);
+  ``in_step.layer_groups`` of ``OVERLAP_GROUPS``), each range one positional read (O_DIRECT where the file system
+  allows), ``READERS`` at once with the next group's queued behind (no drain at a group's end);
 - ``submit``: this loader's own ``InStepLoader`` over the staging plane, pipelined with nothing submitted ahead,
   so it hands the driver a layer group's copy only when the forward reaches that group's first layer
   (``wait_layer``), and first waits (on the CPU, ``ready``) until the readers have that group's bytes: vLLM's
@@ -48,8 +49,12 @@ from tiered_kv.connector.vllm.runner import WorkerCounters
 
 log = logging.getLogger(__name__)
 
-#: Records' byte ranges O_DIRECT reads in flight at once, per rank
-READERS = 8
+#: Reads in flight at once, per rank (reader threads), and block ranges per read task: the queue is kept full
+#: across layer groups (a group's tasks are queued behind the previous group's, not after it drains). The GPU
+#: machine's virtio disk reads 256 KiB ranges at about a quarter of its rate with 8 in flight (0.56 vs 2.0 GB/s,
+#: 2026-11-29); docs/notes/2026-11-29-gpu-round4.md has the sweep behind these numbers.
+READERS = 32
+RANGES_PER_TASK = 4
 
 
 def overlap_loader(cfg: ConnectorConfig, geo, kvs: Sequence[KVLayout], rank: int, runner,
@@ -75,6 +80,8 @@ class _StepReads:
     reads: list  # one ``RangeReads`` per job
     spans: list[tuple[int, int]]
     read_upto: int = 0  # tensors whose bytes every record has (a span's end, once all of its ranges are read)
+    groups_read: int = 0  # leading spans whose every range is read
+    left: list[int] = field(default_factory=list)  # read tasks not yet done, per span
     read_s: float = 0.0  # from the first read to the last (the verification not included)
     promote: dict[bytes, int] = field(default_factory=dict)  # key -> CPU slot its verified image goes to
     good: list[bool] = field(default_factory=list)  # per record, after the verification
@@ -240,18 +247,24 @@ class InStepDiskLoader:
 
     # ------------------------------------------------------------------ reader threads
     def _read_all(self, step: _StepReads) -> None:
-        """Group by group, every record's ranges; then verify every record; wake ``ready`` after each group."""
+        """Every record's ranges, group by group in queue order (``RANGES_PER_TASK`` blocks' ranges of one record
+        a task, ``READERS`` tasks at once, the next group's queued behind this one's so the disk never idles at
+        a group's end); ``ready`` wakes as each group completes; then every record is verified."""
         try:
             off, k, bn = self._offsets, self.k, self.chunk_nbytes // self.k
             t0 = time.perf_counter()
-            for a, b in step.spans:
-                lo, hi = off[a], off[b]
-                futures = [self._pool.submit(self._read_ranges, step, j, i, slot, lo, hi, k, bn)
-                           for j, i, slot in step.records]
-                wait(futures)
-                with self._cond:
-                    step.read_upto = b
-                    self._cond.notify_all()
+            tasks = [(g, j, i, slot, off[a], off[b], b0, min(k, b0 + RANGES_PER_TASK), bn)
+                     for g, (a, b) in enumerate(step.spans) for j, i, slot in step.records
+                     for b0 in range(0, k, RANGES_PER_TASK)]
+            step.left = [0] * len(step.spans)
+            for t in tasks:
+                step.left[t[0]] += 1
+            self._advance(step)  # a span with no records is complete at once
+            futures = [self._pool.submit(self._read_ranges, step, *t) for t in tasks]
+            wait(futures)
+            errors = [f.exception() for f in futures if f.exception() is not None]
+            if errors:
+                raise errors[0]
             step.read_s = time.perf_counter() - t0
             checks = [self._pool.submit(self._verify, step, j, i, slot) for j, i, slot in step.records]
             step.good = [f.result() for f in checks]
@@ -261,6 +274,16 @@ class InStepDiskLoader:
         finally:
             with self._cond:
                 step.done = True
+                self._cond.notify_all()
+
+    def _advance(self, step: _StepReads) -> None:
+        """Move ``read_upto`` past every leading group whose reads are all done, and wake ``ready``."""
+        with self._cond:
+            g = step.groups_read
+            while g < len(step.spans) and step.left[g] == 0:
+                g += 1
+            if g > step.groups_read:
+                step.groups_read, step.read_upto = g, step.spans[g - 1][1]
                 self._cond.notify_all()
 
     def _verify(self, step: _StepReads, j: int, i: int, slot: int) -> bool:
@@ -274,6 +297,13 @@ class InStepDiskLoader:
             self._cpu_slab[dst].copy_(image)
         return True
 
-    def _read_ranges(self, step: _StepReads, j: int, i: int, slot: int, lo: int, hi: int, k: int, bn: int) -> None:
-        """Bytes ``[lo, hi)`` of each of the ``k`` blocks of record ``(j, i)`` into its staging row."""
-        step.reads[j].read_many(i, [(blk * bn + lo, blk * bn + hi) for blk in range(k)], self.staging[slot])
+    def _read_ranges(self, step: _StepReads, g: int, j: int, i: int, slot: int, lo: int, hi: int, b0: int, b1: int,
+                     bn: int) -> None:
+        """Bytes ``[lo, hi)`` of blocks ``[b0, b1)`` of record ``(j, i)`` into its staging row (group ``g``'s part);
+        a failed read marks the record damaged (``RangeReads``) and still counts the task done."""
+        try:
+            step.reads[j].read_many(i, [(blk * bn + lo, blk * bn + hi) for blk in range(b0, b1)], self.staging[slot])
+        finally:
+            with self._cond:
+                step.left[g] -= 1
+            self._advance(step)
