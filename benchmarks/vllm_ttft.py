@@ -325,10 +325,15 @@ def engine_kwargs(mode: str, model_dir: str, w: dict) -> dict:
     return kw
 
 
-def write_model(model: str) -> str:
+def write_model(model: str, max_len: int = 0) -> str:
+    """The shape's config.json in a temp dir; ``max_position_embeddings`` raised to ``max_len`` where it is less
+    (PREFIX=32768 on the 16k Llama-3-8B shape: vLLM refuses a longer ``max_model_len``; dummy weights, and a
+    longer RoPE range changes no timing)."""
     model_dir = tempfile.mkdtemp(prefix=f"{model}-shape-")
+    cfg = dict(MODELS[model])
+    cfg["max_position_embeddings"] = max(cfg.get("max_position_embeddings", 0), max_len)
     with open(os.path.join(model_dir, "config.json"), "w") as f:
-        json.dump(MODELS[model], f)
+        json.dump(cfg, f)
     return model_dir
 
 
@@ -382,7 +387,7 @@ def run_one(mode: str, model: str) -> dict:
 
     w = workload(model)
     t0 = time.perf_counter()
-    llm = LLM(**engine_kwargs(mode, write_model(model), w))
+    llm = LLM(**engine_kwargs(mode, write_model(model, w["prefix"] + 512), w))
     startup = time.perf_counter() - t0
     rng = random.Random(0)
     vocab = min(120000, MODELS[model]["vocab_size"] - 1)
@@ -824,7 +829,7 @@ def dry_run(model: str, modes: list[str]) -> dict:
     from tiered_kv.connector.vllm.geometry import geometry
 
     w = workload(model)
-    model_dir = write_model(model)
+    model_dir = write_model(model, w["prefix"] + 512)
     report: dict = {"model": model, "workload": w, "modes": {}}
     print(f"== {model}: workload {w}")
     for mode in modes:

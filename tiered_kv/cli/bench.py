@@ -14,10 +14,15 @@ Reads drop the page cache for the file first (``posix_fadvise(DONTNEED)``) so th
 
 Run: ``tiered-kv bench`` or ``python benchmarks/disk_bench.py``; prints a table, writes JSON.
 
-Threading contract: a command-line tool; single-threaded.
+``--ranges-sweep`` measures only those range reads: reader threads or Linux AIO, by layer groups, with the CPU
+idle and beside a busy Python thread (as vLLM's launching thread is).
+
+Threading contract: a command-line tool; its measurements run reader threads and, for ``--ranges-sweep``, one
+busy Python thread, all joined before it returns.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
@@ -25,6 +30,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -35,6 +41,7 @@ import torch
 from tiered_kv.values.layout import BlockLayout
 from tiered_kv.tiers.cpu import aligned_empty
 from tiered_kv.tiers.disk import DiskTier
+from tiered_kv.tiers.disk.aio import AioReader, aio_available
 
 #: What ``run`` measures, in its order (each round alternates them, so a noisy neighbour hits every path alike)
 PATHS = ("raw_odirect", "lmdb_values", "tiered_disk_none", "tiered_disk_zstd", "tiered_disk_ranges")
@@ -193,11 +200,13 @@ def tiered_ranges(dirpath: Path, total_bytes: int, record_mib: int = 32, blocks:
     return {"write_GBps": gb / w, "read_GBps": gb / r, "record_bytes": nb, "range_bytes": per, "threads": threads}
 
 
-def ranges_sweep(dirpath: Path, total_bytes: int, threads=(8, 16, 32, 64), groups=(8, 4), per_task=(16, 4, 1),
-                 record_mib: int = 32, blocks: int = 16) -> dict:
-    """GB/s of range reads (cold) at each reads-in-flight x layer groups x ranges-per-task, all groups queued at
-    once (as ``InStepDiskLoader`` reads), beside raw O_DIRECT reads of whole 2 MiB blocks with 4 and 16 in flight
-    (the same disk, the same minute). Writes the records once; drops the page cache before every read."""
+def ranges_sweep(dirpath: Path, total_bytes: int, readers=(("threads", 8), ("threads", 32), ("aio", 128)),
+                 groups=(8, 4), per_task: int = 4, busy=(False, True), record_mib: int = 32, blocks: int = 16) -> dict:
+    """GB/s of range reads (cold) for each reader x layer groups, with the CPU idle and beside a busy Python thread
+    (vLLM's thread launching an eager forward holds the GIL the same way), every group queued at once as
+    ``InStepDiskLoader`` reads: ``("threads", n)``: n reader threads, ``per_task`` block ranges of one record a
+    task; ``("aio", depth)``: Linux AIO, one thread (``tiers.disk.aio``). Beside them, raw O_DIRECT reads of
+    whole 2 MiB blocks with 4 and 16 in flight. Writes the records once; drops the page cache before every read."""
     nb = record_mib << 20
     n = max(2, total_bytes // nb)
     rows = _kv_like(n, nb, seed=2)
@@ -212,27 +221,34 @@ def ranges_sweep(dirpath: Path, total_bytes: int, threads=(8, 16, 32, 64), group
             assert all(tier.write(keys[s:e], [-1] * (e - s), rows[s:e]))
         tier.flush()
         images = aligned_empty(n, nb)
-        for th in threads:
-            for gr in groups:
-                for pt in per_task:
-                    per = bn // gr
-                    drop_cache(path)
-                    reads = tier.open_ranges(keys)
-                    tasks = [(i, g, b0) for g in range(gr) for i in range(n) for b0 in range(0, blocks, pt)]
-
-                    def task(t, reads=reads, per=per, pt=pt) -> bool:
-                        i, g, b0 = t
-                        return reads.read_many(i, [(b * bn + g * per, b * bn + (g + 1) * per)
-                                                   for b in range(b0, min(blocks, b0 + pt))], images[i])
-
-                    t0 = time.perf_counter()
-                    with ThreadPoolExecutor(th) as pool:
-                        assert all(pool.map(task, tasks))
-                    r = time.perf_counter() - t0
-                    assert all(reads.verify(i, images[i]) for i in range(n))
-                    reads.close()
-                    out["cells"].append({"threads": th, "groups": gr, "ranges_per_task": pt, "range_bytes": per,
-                                         "read_GBps": n * nb / 1e9 / r})
+        for hot in busy:
+            with _busy_python_thread(hot):
+                for kind, q in readers:
+                    if kind == "aio" and not aio_available():
+                        continue
+                    for gr in groups:
+                        per = bn // gr
+                        ranges = [(i, [(b * bn + g * per, b * bn + (g + 1) * per)
+                                       for b in range(b0, min(blocks, b0 + per_task))])
+                                  for g in range(gr) for i in range(n) for b0 in range(0, blocks, per_task)]
+                        drop_cache(path)
+                        reads = tier.open_ranges(keys)
+                        t0 = time.perf_counter()
+                        if kind == "aio":
+                            reqs = [q_ for i, rs in ranges for q_ in reads.requests(i, rs, images[i])]
+                            aio = AioReader(q)
+                            try:
+                                aio.run(reqs, lambda k, res: None)
+                            finally:
+                                aio.close()
+                        else:
+                            with ThreadPoolExecutor(q) as pool:
+                                assert all(pool.map(lambda t: reads.read_many(t[0], t[1], images[t[0]]), ranges))
+                        r = time.perf_counter() - t0
+                        assert all(reads.verify(i, images[i]) for i in range(n))
+                        reads.close()
+                        out["cells"].append({"reader": kind, "in_flight": q, "groups": gr, "range_bytes": per,
+                                             "busy_python_thread": hot, "read_GBps": n * nb / 1e9 / r})
     finally:
         tier.close()
         shutil.rmtree(path)
@@ -241,15 +257,38 @@ def ranges_sweep(dirpath: Path, total_bytes: int, threads=(8, 16, 32, 64), group
     return out
 
 
+@contextlib.contextmanager
+def _busy_python_thread(on: bool):
+    """A thread running Python bytecode in a loop while the body runs (``on``), as vLLM's launching thread does."""
+    stop = threading.Event()
+
+    def spin() -> None:
+        x = 0
+        while not stop.is_set():
+            for i in range(1000):
+                x += i
+
+    t = threading.Thread(target=spin, daemon=True) if on else None
+    if t is not None:
+        t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        if t is not None:
+            t.join()
+
+
 def sweep_table(res: dict) -> str:
-    """``ranges_sweep``'s result as a Markdown table (best first)."""
+    """``ranges_sweep``'s result as a Markdown table."""
     lines = [f"{res['records']} records of {res['record_bytes'] >> 20} MiB; raw O_DIRECT 2 MiB reads: "
              + ", ".join(f"{q} in flight {g:.2f} GB/s" for q, g in res["raw"].items()), "",
-             "| reads in flight | groups | range KiB | ranges per task | read GB/s | / raw (16) |", "|---|---|---|---|---|---|"]
+             "| reader | in flight | groups | range KiB | busy Python thread | read GB/s | / raw (16) |",
+             "|---|---|---|---|---|---|---|"]
     raw = res["raw"][16]
-    for c in sorted(res["cells"], key=lambda c: -c["read_GBps"]):
-        lines.append(f"| {c['threads']} | {c['groups']} | {c['range_bytes'] >> 10} | {c['ranges_per_task']} | "
-                     f"{c['read_GBps']:.2f} | {c['read_GBps'] / raw:.2f} |")
+    for c in res["cells"]:
+        lines.append(f"| {c['reader']} | {c['in_flight']} | {c['groups']} | {c['range_bytes'] >> 10} | "
+                     f"{'yes' if c['busy_python_thread'] else 'no'} | {c['read_GBps']:.2f} | {c['read_GBps'] / raw:.2f} |")
     return "\n".join(lines)
 
 
@@ -310,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "disk_bench.json"))
     ap.add_argument("--ranges-sweep", action="store_true",
-                    help="only the overlapped load's range reads: reads in flight x layer groups x ranges per task")
+                    help="only the overlapped load's range reads: threads or AIO x layer groups, idle and beside a busy "
+                         "Python thread")
     a = ap.parse_args(argv)
     if a.ranges_sweep:
         base = Path(a.dir) if a.dir else Path(tempfile.mkdtemp(prefix="tkv-bench-", dir="."))

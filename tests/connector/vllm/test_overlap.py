@@ -16,6 +16,7 @@ from tests.connector.vllm.harness import Engine, write_model_dir  # noqa: E402
 from tests.connector.vllm.test_split import CHUNK, CHUNK_BYTES, K, chunk_keys, hold_on_disk_only, prompt  # noqa: E402
 from tiered_kv.connector.vllm.config import ConnectorConfig, overlap_possible  # noqa: E402
 from tiered_kv.errors import ConfigError  # noqa: E402
+from tiered_kv.tiers.disk.aio import aio_available  # noqa: E402
 from tiered_kv.values.record import RecordHeader  # noqa: E402
 
 HELD = 8  # chunks of the prefix: 512 tokens
@@ -51,14 +52,16 @@ def _on_disk(eng: Engine, rid: str, tokens: list[int]) -> list[bytes]:
     return keys
 
 
-@pytest.mark.parametrize("tp,async_sched", [(1, False), (1, True), (2, False)], ids=["tp1", "tp1-async", "tp2"])
-def test_a_slow_disk_run_is_split_read_under_the_forward_and_bit_exact(model_dir, tmp_path, tp, async_sched):
+@pytest.mark.parametrize("tp,async_sched,aio", [(1, False, True), (1, True, True), (2, False, True), (1, False, False)],
+                         ids=["tp1", "tp1-async", "tp2", "tp1-threads"])
+def test_a_slow_disk_run_is_split_read_under_the_forward_and_bit_exact(model_dir, tmp_path, tp, async_sched, aio):
     """Part of the run loaded in-step from disk, the rest recomputed, every byte checked (each TP rank reads its
     own disk directory); the records read were promoted from their staged images, not read twice, so the next turn
-    finds them in the CPU tier."""
+    finds them in the CPU tier. The reads go through Linux AIO where this file system takes O_DIRECT and the kernel
+    allows AIO, else (and with ``disk_overlap_aio: false``) through reader threads."""
     # the rate is the whole engine's: each of 2 ranks reads a chunk of its own, so twice the bytes at TP=2
-    eng = Engine.create(model_dir, cfg(tmp_path, **{**SLOW_SPLIT, "disk_read_gbps": 0.005 * tp}), tp=tp,
-                        async_sched=async_sched)
+    eng = Engine.create(model_dir, cfg(tmp_path, **{**SLOW_SPLIT, "disk_read_gbps": 0.005 * tp},
+                                       disk_overlap_aio=aio), tp=tp, async_sched=async_sched)
     try:
         tokens = prompt(11, HELD * CHUNK + 4)
         _on_disk(eng, "a", tokens)
@@ -74,6 +77,8 @@ def test_a_slow_disk_run_is_split_read_under_the_forward_and_bit_exact(model_dir
             assert disk is not None and not disk.busy
             ws = w.connector.stats()
             assert ws["overlap_loads"] == 1 and ws["overlap_promotions"] >= 1 and ws["overlap_read_seconds"] > 0, ws
+            by_aio = aio and w.connector.worker.disk.slots.direct and aio_available()
+            assert (ws["overlap_aio_reads"] > 0) == by_aio, ws
             rank_chunk = w.connector.worker.geo.rank_chunk_nbytes
             assert ws["failed_items"] == 0 and ws["bytes_from_disk"] - b == got // CHUNK * rank_chunk, ws
         _turn(eng, "a3", tokens)

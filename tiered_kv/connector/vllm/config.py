@@ -249,6 +249,9 @@ class ConnectorConfig(RemoteKeys):
                                                   "recomputes the rest, and the split plans with that overlap (see "
                                                   "\"Disk or recompute\"); one KV cache group, `compression: none`, "
                                                   "`load_mode` not `async`. Not measured on a GPU yet", "bytes")
+    disk_overlap_aio: bool = config_key(True, "read `disk_overlap_bytes` loads from an O_DIRECT disk tier with "
+                                              "Linux AIO (one thread, many reads in flight, unaffected by a busy "
+                                              "GIL) where the kernel allows it; `false`: reader threads")
     model_id: str = config_key("", "model name in the key namespace; empty: vLLM's `model` (set it when the same "
                                    "weights are served from different paths)")
     tenant_salt: str = config_key("", "extra namespace salt: engines with different salts never share blocks")

@@ -46,10 +46,15 @@ from tiered_kv.connector.vllm.common import CPU
 from tiered_kv.connector.vllm.config import OVERLAP_GROUPS, ConnectorConfig, overlap_possible
 from tiered_kv.connector.vllm.in_step import InStepLoader, layer_groups
 from tiered_kv.connector.vllm.runner import WorkerCounters
+from tiered_kv.tiers.cpu import aligned_empty
+from tiered_kv.tiers.disk.aio import AioReader, aio_available
 
 log = logging.getLogger(__name__)
 
-#: Reads in flight at once, per rank (reader threads), and block ranges per read task: the queue is kept full
+#: Reads in flight at once through Linux AIO (``tiers.disk.aio``: the disk tier's O_DIRECT reads, one thread)
+AIO_DEPTH = 128
+#: Without AIO (a remote tier; a buffered disk file): reads in flight at once, per rank (reader threads), and
+#: block ranges per read task: the queue is kept full
 #: across layer groups (a group's tasks are queued behind the previous group's, not after it drains). The GPU
 #: machine's virtio disk reads 256 KiB ranges at about a quarter of its rate with 8 in flight (0.56 vs 2.0 GB/s,
 #: 2026-11-29); docs/notes/2026-11-29-gpu-round4.md has the sweep behind these numbers.
@@ -102,7 +107,9 @@ class InStepDiskLoader:
         self.kv, self.rank, self.tiers = kv, rank, dict(tiers)
         self.k, self.chunk_nbytes = chunk_blocks, chunk_nbytes
         self.capacity = cfg.disk_overlap_bytes // chunk_nbytes
-        self.staging = allocate_slab(self.capacity, chunk_nbytes, pin=pin)
+        # page-aligned rows either way (cudaHostAlloc's are): O_DIRECT and AIO read straight into them
+        self.staging = allocate_slab(self.capacity, chunk_nbytes, pin=True) if pin else \
+            aligned_empty(self.capacity, chunk_nbytes)
         self.plane = self.staging.view(self.capacity * chunk_blocks, chunk_nbytes // chunk_blocks)
         self.loader = InStepLoader([(kv, self.plane, layer_names)], cfg, rank, pipeline=(OVERLAP_GROUPS, 0))
         self.loader.span_ready = self.ready
@@ -114,6 +121,7 @@ class InStepDiskLoader:
         for m in kv.maps:
             self._offsets.append(self._offsets[-1] + m.nbytes)
         self._pool = ThreadPoolExecutor(READERS, thread_name_prefix=f"tkv-overlap-r{rank}")
+        self._aio = AioReader(AIO_DEPTH) if cfg.disk_overlap_aio and aio_available() else None
         self._cond = threading.Condition()
         self._step: _StepReads | None = None
         self._pending: list[tuple[TransferJob, list[int]]] = []  # (job, staging slot per item) started this step
@@ -242,6 +250,8 @@ class InStepDiskLoader:
     def close(self) -> None:
         """Stop the reader threads and the staging copier's (after a step's ``finish``)."""
         self._pool.shutdown(wait=True)
+        if self._aio is not None:
+            self._aio.close()
         for copier in self.loader.copiers:
             copier.close()
 
@@ -256,15 +266,16 @@ class InStepDiskLoader:
             tasks = [(g, j, i, slot, off[a], off[b], b0, min(k, b0 + RANGES_PER_TASK), bn)
                      for g, (a, b) in enumerate(step.spans) for j, i, slot in step.records
                      for b0 in range(0, k, RANGES_PER_TASK)]
-            step.left = [0] * len(step.spans)
-            for t in tasks:
-                step.left[t[0]] += 1
-            self._advance(step)  # a span with no records is complete at once
-            futures = [self._pool.submit(self._read_ranges, step, *t) for t in tasks]
-            wait(futures)
-            errors = [f.exception() for f in futures if f.exception() is not None]
-            if errors:
-                raise errors[0]
+            if not self._read_aio(step, tasks):
+                step.left = [0] * len(step.spans)
+                for t in tasks:
+                    step.left[t[0]] += 1
+                self._advance(step)  # a span with no records is complete at once
+                futures = [self._pool.submit(self._read_ranges, step, *t) for t in tasks]
+                wait(futures)
+                errors = [f.exception() for f in futures if f.exception() is not None]
+                if errors:
+                    raise errors[0]
             step.read_s = time.perf_counter() - t0
             checks = [self._pool.submit(self._verify, step, j, i, slot) for j, i, slot in step.records]
             step.good = [f.result() for f in checks]
@@ -275,6 +286,37 @@ class InStepDiskLoader:
             with self._cond:
                 step.done = True
                 self._cond.notify_all()
+
+    def _read_aio(self, step: _StepReads, tasks: list) -> bool:
+        """The step's reads through Linux AIO (``tiers.disk.aio``), in the tasks' order, on this thread: False,
+        having read nothing, where some range cannot go that way (a remote tier, a buffered disk file); the
+        threads read them then."""
+        if self._aio is None:
+            return False
+        reqs, owner = [], []  # owner[n]: (group, job, item, nbytes) of request n
+        for g, j, i, slot, lo, hi, b0, b1, bn in tasks:
+            reads = step.reads[j]
+            got = reads.requests(i, [(blk * bn + lo, blk * bn + hi) for blk in range(b0, b1)], self.staging[slot]) \
+                if hasattr(reads, "requests") else None
+            if got is None:
+                return False
+            reqs.extend(got)
+            owner.extend((g, j, i, r[2]) for r in got)
+        step.left = [0] * len(step.spans)
+        for g, *_ in owner:
+            step.left[g] += 1
+        self._advance(step)
+
+        def done(n: int, result: int) -> None:
+            g, j, i, nbytes = owner[n]
+            step.reads[j].landed(i, result, nbytes)
+            step.left[g] -= 1  # this thread alone changes ``left`` on this path; ``_advance`` publishes it
+            if step.left[g] == 0:
+                self._advance(step)
+
+        self._aio.run(reqs, done)
+        self.counters.overlap_aio_reads += len(reqs)
+        return True
 
     def _advance(self, step: _StepReads) -> None:
         """Move ``read_upto`` past every leading group whose reads are all done, and wake ``ready``."""

@@ -25,6 +25,7 @@ claim txn, ``released`` right after it, both on the writing thread. ``close()`` 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -402,6 +403,33 @@ class RangeReads:
             with self._lock:
                 self._bad.setdefault(i, exc)
             return False
+
+    def requests(self, i: int, ranges: Sequence[tuple[int, int]], image: torch.Tensor
+                 ) -> list[tuple[int, int, int, int]] | None:
+        """Record i's ranges as ``AioReader`` requests (``SlotFile.range_request``); ``[]`` when the record has
+        nothing to read (``read`` would return False); None when a range cannot go by AIO (buffered file,
+        unaligned image: read them with ``read_many``)."""
+        hdr = self.headers[i]
+        if hdr is None or i in self._bad:
+            return []
+        try:
+            reqs = [self.tier.slots.range_request(hdr, a, b, image) for a, b in ranges]
+        except RecordError as exc:
+            with self._lock:
+                self._bad.setdefault(i, exc)
+            return []
+        return None if any(r is None for r in reqs) else reqs
+
+    def landed(self, i: int, result: int, nbytes: int) -> bool:
+        """An AIO read of record i ended with ``result`` (bytes, or -errno) of ``nbytes`` asked: False, and the
+        record counts as damaged, unless it read them all."""
+        if result == nbytes:
+            return True
+        exc = OSError(-result, f"AIO read failed: {os.strerror(-result)}") if result < 0 else \
+            OSError(f"short AIO read {result} of {nbytes}")
+        with self._lock:
+            self._bad.setdefault(i, exc)
+        return False
 
     def read_many(self, i: int, ranges: Sequence[tuple[int, int]], image: torch.Tensor) -> bool:
         """``read`` of each range in turn; False at the first that fails."""

@@ -182,14 +182,7 @@ class SlotFile:
         rounded out to 4 KiB within the record (the same file bytes land on the same image bytes: harmless), read
         straight into an aligned image, else through this thread's bounce buffer. Raises RecordError for a
         compressed record, OSError when the read fails or is short."""
-        if hdr.codec != CODEC_NONE:
-            raise RecordError("a compressed record cannot be read by range")
-        if not 0 <= start < end <= hdr.payload_len:
-            raise RecordError(f"range [{start}, {end}) outside the record's {hdr.payload_len} bytes")
-        if self.direct:
-            start -= start % ALIGN
-            end = min(-(-end // ALIGN) * ALIGN, hdr.payload_len)
-        off = hdr.slot * self.slot_bytes + start
+        start, end, off = self._range(hdr, start, end)
         n = end - start
         arr = image.numpy()
         if not self.direct or (_aligned(arr[start:], n) and n % ALIGN == 0):
@@ -200,6 +193,28 @@ class SlotFile:
             arr[start:start + got] = np.frombuffer(data, dtype=np.uint8)
         if got != n:
             raise OSError(f"short read {got} of {n} at byte {start} of slot {hdr.slot}")
+
+    def range_request(self, hdr: RecordHeader, start: int, end: int, image: torch.Tensor) -> tuple[int, int, int, int] | None:
+        """``read_range``'s read as ``(fd, buffer address, nbytes, file offset)`` for ``tiers.disk.aio.AioReader``,
+        or None where it cannot go straight into ``image`` with O_DIRECT (buffered file, unaligned memory): the
+        caller then uses ``read_range``. Raises RecordError as ``read_range`` does."""
+        start, end, off = self._range(hdr, start, end)
+        n = end - start
+        addr = image.data_ptr() + start
+        if not self.direct or addr % ALIGN or n % ALIGN:
+            return None
+        return self.fd, addr, n, off
+
+    def _range(self, hdr: RecordHeader, start: int, end: int) -> tuple[int, int, int]:
+        """A range's ``(start, end)`` in the record (rounded out to 4 KiB with O_DIRECT) and its file offset."""
+        if hdr.codec != CODEC_NONE:
+            raise RecordError("a compressed record cannot be read by range")
+        if not 0 <= start < end <= hdr.payload_len:
+            raise RecordError(f"range [{start}, {end}) outside the record's {hdr.payload_len} bytes")
+        if self.direct:
+            start -= start % ALIGN
+            end = min(-(-end // ALIGN) * ALIGN, hdr.payload_len)
+        return start, end, hdr.slot * self.slot_bytes + start
 
     @staticmethod
     def verify(hdr: RecordHeader, image: torch.Tensor) -> bool:

@@ -1,0 +1,167 @@
+"""Linux native AIO for the disk tier's O_DIRECT range reads: many reads in flight from one thread.
+
+Why: the overlapped in-step disk load (``connector/vllm/in_step_disk.py``) reads thousands of 256 KiB ranges
+while vLLM's thread launches the forward. With one Python thread per read in flight, every finished read
+must win the GIL back before its thread can issue the next one, and a thread that launches kernels in a
+loop gives it up only every ``sys.getswitchinterval()`` (5 ms): on the 2-core CPU box, 32 reader threads
+read 0.38-0.41 GB/s beside a busy Python thread against 0.77-0.89 GB/s without it; the same ranges through
+``io_submit`` read 0.79-0.97 GB/s either way (2026-11-29, /tmp prototype, 256 MiB, page cache dropped). On
+the H200 host the engine's overlapped reads ran at 0.56-0.70 GB/s while the same ranges read idle at
+1.6-2.4 GB/s (docs/notes/2026-11-29-gpu-round4.md).
+
+``AioReader.run(requests, done)`` submits the reads in order, keeps ``depth`` in flight and calls
+``done(index, result)`` as each completes (``result``: bytes read, or ``-errno``). The GIL is held only
+between ``io_getevents`` calls, once per batch of completions, not once per read. It goes through ``ctypes``
+to the ``io_setup`` / ``io_submit`` / ``io_getevents`` / ``io_destroy`` system calls (no library: libaio is
+a thin wrapper of the same calls); ctypes drops the GIL during each call. Buffered reads are synchronous in
+``io_submit``, so callers use it only on O_DIRECT file descriptors (``SlotFile.direct``), with 4 KiB-aligned
+buffers, offsets and sizes.
+
+``aio_available()`` says whether this kernel and process allow it (``io_setup`` works: not on macOS, not
+under a seccomp filter that refuses it, not when ``/proc/sys/fs/aio-max-nr`` is used up); callers fall back
+to threads otherwise.
+
+Threading contract: one ``AioReader`` serves one thread at a time (its ``run`` calls must not overlap);
+``aio_available`` may be called from any thread.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno as errno_mod
+import logging
+import platform
+import sys
+import threading
+from collections.abc import Callable, Sequence
+
+log = logging.getLogger(__name__)
+
+#: (io_setup, io_destroy, io_getevents, io_submit) system call numbers by machine
+_NR = {"x86_64": (206, 207, 208, 209), "aarch64": (0, 1, 4, 2)}
+_IOCB_CMD_PREAD = 0
+
+
+class _IOCB(ctypes.Structure):
+    """``struct iocb`` (linux/aio_abi.h, little-endian)."""
+
+    _fields_ = [("data", ctypes.c_uint64), ("key", ctypes.c_uint32), ("rw_flags", ctypes.c_int32),
+                ("opcode", ctypes.c_uint16), ("reqprio", ctypes.c_int16), ("fildes", ctypes.c_uint32),
+                ("buf", ctypes.c_uint64), ("nbytes", ctypes.c_uint64), ("offset", ctypes.c_int64),
+                ("reserved2", ctypes.c_uint64), ("flags", ctypes.c_uint32), ("resfd", ctypes.c_uint32)]
+
+
+class _Event(ctypes.Structure):
+    """``struct io_event``."""
+
+    _fields_ = [("data", ctypes.c_uint64), ("obj", ctypes.c_uint64), ("res", ctypes.c_int64),
+                ("res2", ctypes.c_int64)]
+
+
+_lock = threading.Lock()
+_available: bool | None = None
+
+
+def _syscalls():
+    """(syscall function, numbers) on Linux x86_64 / aarch64; None elsewhere."""
+    nr = _NR.get(platform.machine())
+    if not sys.platform.startswith("linux") or nr is None:
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = libc.syscall
+    fn.restype = ctypes.c_long
+    return fn, nr
+
+
+def aio_available() -> bool:
+    """Whether ``AioReader`` works here (tried once per process: an ``io_setup`` of one slot)."""
+    global _available
+    with _lock:
+        if _available is None:
+            try:
+                AioReader(1).close()
+                _available = True
+            except OSError as exc:
+                log.info("Linux AIO unavailable (%s): disk range reads use threads", exc)
+                _available = False
+        return _available
+
+
+class AioReader:
+    """One AIO context of ``depth`` reads in flight (see the module)."""
+
+    def __init__(self, depth: int = 128) -> None:
+        """Raises OSError when the kernel refuses a context (``aio_available`` tells beforehand)."""
+        sc = _syscalls()
+        if sc is None:
+            raise OSError(errno_mod.ENOSYS, f"Linux AIO needs Linux on x86_64 or aarch64, not {sys.platform} "
+                                            f"{platform.machine()}")
+        self._syscall, (self._setup, self._destroy, self._getevents, self._submit) = sc
+        if depth < 1:
+            raise ValueError(f"AIO depth {depth} must be >= 1")
+        self.depth = int(depth)
+        self._ctx = ctypes.c_ulong(0)
+        if self._syscall(self._setup, ctypes.c_uint(self.depth), ctypes.byref(self._ctx)) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"io_setup({self.depth}) failed: {errno_mod.errorcode.get(err, err)} (a full "
+                               "/proc/sys/fs/aio-max-nr, or a sandbox that refuses AIO)")
+        self._events = (_Event * self.depth)()
+
+    def run(self, requests: Sequence[tuple[int, int, int, int]], done: Callable[[int, int], None]) -> None:
+        """Read each ``(fd, buffer address, nbytes, file offset)`` in order, ``depth`` at a time; ``done(i,
+        result)`` for request i once it completes (bytes read, or ``-errno``), on this thread. Returns when
+        every read has completed, also when ``done`` or a submit raised (no read is left writing into a buffer
+        after it returns)."""
+        n = len(requests)
+        if n == 0:
+            return
+        iocbs = (_IOCB * n)()
+        ptrs = (ctypes.POINTER(_IOCB) * n)()
+        for i, (fd, addr, nbytes, off) in enumerate(requests):
+            cb = iocbs[i]
+            cb.data, cb.opcode, cb.fildes, cb.buf, cb.nbytes, cb.offset = i, _IOCB_CMD_PREAD, fd, addr, nbytes, off
+            ptrs[i] = ctypes.pointer(cb)
+        psize = ctypes.sizeof(ctypes.c_void_p)
+        submitted = inflight = 0
+        try:
+            while submitted < n or inflight:
+                if submitted < n and inflight < self.depth:
+                    k = min(self.depth - inflight, n - submitted)
+                    got = self._syscall(self._submit, self._ctx, ctypes.c_long(k),
+                                        ctypes.byref(ptrs, submitted * psize))
+                    if got < 0:
+                        err = ctypes.get_errno()
+                        if err != errno_mod.EAGAIN or not inflight:
+                            raise OSError(err, f"io_submit: {errno_mod.errorcode.get(err, err)}")
+                    else:
+                        submitted += got
+                        inflight += got
+                got = self._reap(1)
+                inflight -= got
+                for e in self._events[:got]:
+                    done(int(e.data), int(e.res))
+        finally:
+            while inflight:  # never leave a read in flight into memory the caller may reuse
+                inflight -= self._reap(1)
+
+    def _reap(self, at_least: int) -> int:
+        """Wait (without the GIL) for ``at_least`` completions; returns how many landed in ``_events``."""
+        while True:
+            got = self._syscall(self._getevents, self._ctx, ctypes.c_long(at_least), ctypes.c_long(self.depth),
+                                self._events, None)
+            if got >= 0:
+                return int(got)
+            err = ctypes.get_errno()
+            if err != errno_mod.EINTR:
+                raise OSError(err, f"io_getevents: {errno_mod.errorcode.get(err, err)}")
+
+    def close(self) -> None:
+        """Destroy the context (after the last ``run``). Idempotent."""
+        if self._ctx.value:
+            self._syscall(self._destroy, self._ctx)
+            self._ctx = ctypes.c_ulong(0)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
