@@ -968,15 +968,20 @@ def merge(paths: list[str]) -> dict:
         raise SystemExit(f"--merge needs files of one model, got {sorted(models)} from {paths}")
     model = models.pop()
     results, pcie = [], []
+    commands = []
     for p, d in zip(paths, docs):
         call = d.get("call") or os.path.basename(p)
-        results += [dict(r, call=call) for r in d["results"]]
-        pcie += [dict(x, call=call) for x in d.get("pcie", [])]
+        # an already merged file keeps its starts' calls (a results file can take a later round's calls)
+        results += [dict(r, call=r.get("call") or call) for r in d["results"]]
+        pcie += [dict(x, call=x.get("call") or call) for x in d.get("pcie", [])]
+        commands += [c for c in str(d.get("command") or "").split("; ") if c and c not in commands]
     w = docs[0].get("workload") or workload(model)
     summary = item2_summary(results, pcie, model, w)
+    overlap = {t: o for t in ("disk", "remote") if (o := overlap_summary(results, t)) is not None} or None
     return {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "model": model, "merged_from": paths,
-            "workload": w, "results": results, "pcie": pcie, "item2": summary, "table": table(results),
-            "item2_table": item2_table(summary)}
+            "device": next((r["device"] for r in results if r.get("device")), "unknown"), "command": "; ".join(commands),
+            "workload": w, "results": results, "pcie": pcie, "item2": summary, "overlap": overlap,
+            "table": table(results), "item2_table": item2_table(summary)}
 
 
 def main() -> None:
@@ -1011,7 +1016,8 @@ def main() -> None:
         return
     if args.merge:
         doc = merge(args.merge)
-        print(doc["table"] + "\n\n" + doc["item2_table"])
+        print(doc["table"] + "\n\n" + doc["item2_table"]
+              + "".join("\n" + overlap_line(o) for o in (doc["overlap"] or {}).values()))
         out_dir = os.environ.get("OUT") or "."
         os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, f"vllm_ttft_{doc['model']}_merged.json"), "w") as f:

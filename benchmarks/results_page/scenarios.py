@@ -493,6 +493,16 @@ def tail_sim(r: Result) -> str:
     return table(head, rows)
 
 
+def disk_sweep(r: Result) -> str:
+    d = r.doc
+    raw16 = d["raw"]["16"] if "16" in d["raw"] else d["raw"][16]
+    rows = [[c["reader"], c["in_flight"], c["groups"], c["range_bytes"] >> 10, "yes" if c["busy_python_thread"] else "no",
+             num(c["read_GBps"], 2), num(c["read_GBps"] / raw16, 2)] for c in d["cells"]]
+    raws = ", ".join(f"{q} in flight {num(g, 2)}" for q, g in d["raw"].items())
+    return table(["reader", "in flight", "layer groups", "range KiB", "busy Python thread", "read GB/s",
+                  "/ raw (16 in flight)"], rows) + f"\nRaw O_DIRECT 2 MiB reads, same run: {raws} GB/s.\n"
+
+
 #: the probes' README: their answers, from the same files
 PROBES = "benchmarks/probes/README.md"
 #: every section's block, by the result files it shows; each file in docs/results/ must match exactly one
@@ -512,6 +522,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("sglang-ttft", ("sglang_ttft_*.json",), sglang_ttft),
     Scenario("sglang-bench", ("sglang_bench_*.json",), each(sglang_bench)),
     Scenario("disk", ("disk_bench_*.json",), each(disk)),
+    Scenario("disk-sweep", ("disk_sweep_*.json",), each(disk_sweep), PROBES),
     Scenario("disk-sharing", ("disk_sharing_bench_*.json",), each(disk_sharing)),
     Scenario("remote", ("remote_bench_*.json",), each(remote)),
     Scenario("burst-sim", ("burst_sim_*.json",), each(burst_sim), PROBES),

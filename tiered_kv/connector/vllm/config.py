@@ -180,10 +180,9 @@ class ConnectorConfig(RemoteKeys):
                                               "`load_staging_bytes`, or several layer groups in one call) alternates "
                                               "two halves of `load_staging_bytes`, its DMAs on a second stream of "
                                               "the same priority, so the next piece crosses PCIe while the last one "
-                                              "scatters (no more device memory: the same cap, halved). New on "
-                                              "2026-11-28, not yet measured on a GPU (its CUDA tests in "
-                                              "tests/gpu/test_staged_gpu.py have not run): the default stays `1` "
-                                              "until a serving run compares them")
+                                              "scatters (no more device memory: the same cap, halved). Its CUDA "
+                                              "tests pass on the H200 (tests/gpu/test_staged_gpu.py, 2026-11-29); "
+                                              "the default stays `1` until a serving run compares them")
     load_stream_priority: int = config_key(-1, "CUDA stream priority of the loads' side stream (lower is higher; "
                                                "torch maps it into the device's range; `0` = the default priority, "
                                                "as stores keep). Loads are what the forward waits for layer by "
@@ -248,7 +247,8 @@ class ConnectorConfig(RemoteKeys):
                                                   "into this much pinned staging per rank while the forward "
                                                   "recomputes the rest, and the split plans with that overlap (see "
                                                   "\"Disk or recompute\"); one KV cache group, `compression: none`, "
-                                                  "`load_mode` not `async`. Not measured on a GPU yet", "bytes")
+                                                  "`load_mode` not `async`. Off by default: on the H200 host's virtio disk "
+                                                  "(2026-11-29) the best split is within 5-18% of recompute", "bytes")
     disk_overlap_aio: bool = config_key(True, "read `disk_overlap_bytes` loads from an O_DIRECT disk tier with "
                                               "Linux AIO (one thread, many reads in flight, unaffected by a busy "
                                               "GIL) where the kernel allows it; `false`: reader threads")
