@@ -161,15 +161,20 @@ def tiered_disk(dirpath: Path, rows: torch.Tensor, compression: str, batch: int 
     return {"write_GBps": gb / w, "read_GBps": gb / r, "stored_bytes": stored, "raw_bytes": n * nb}
 
 
+def _record_tier(path: Path, total_bytes: int, record_mib: int, seed: int):
+    """An empty raw ``DiskTier`` at ``path`` for ``total_bytes`` of ``record_mib`` MiB records (at least 2), their
+    keys and KV-like rows: ``(tier, path, keys, rows)``."""
+    nb = record_mib << 20
+    n = max(2, total_bytes // nb)
+    tier = DiskTier(BlockLayout((nb,), "uint8"), path, n * (nb + 4096), compression="none")
+    return tier, path, [i.to_bytes(8, "little") * 4 for i in range(n)], _kv_like(n, nb, seed=seed)
+
+
 def tiered_ranges(dirpath: Path, total_bytes: int, record_mib: int = 32, blocks: int = 16, groups: int = 8,
                   threads: int = 8) -> dict:
     """GB/s of our DiskTier read by ranges the way ``InStepDiskLoader`` reads (cold), and of its write."""
-    nb = record_mib << 20
-    n = max(2, total_bytes // nb)
-    rows = _kv_like(n, nb, seed=1)
-    path = dirpath / "tiered-ranges"
-    tier = DiskTier(BlockLayout((nb,), "uint8"), path, n * (nb + 4096), compression="none")
-    keys = [i.to_bytes(8, "little") * 4 for i in range(n)]
+    tier, path, keys, rows = _record_tier(dirpath / "tiered-ranges", total_bytes, record_mib, seed=1)
+    n, nb = rows.shape
     bn, per = nb // blocks, nb // blocks // groups
     try:
         t0 = time.perf_counter()
@@ -207,12 +212,8 @@ def ranges_sweep(dirpath: Path, total_bytes: int, readers=(("threads", 8), ("thr
     ``InStepDiskLoader`` reads: ``("threads", n)``: n reader threads, ``per_task`` block ranges of one record a
     task; ``("aio", depth)``: Linux AIO, one thread (``tiers.disk.aio``). Beside them, raw O_DIRECT reads of
     whole 2 MiB blocks with 4 and 16 in flight. Writes the records once; drops the page cache before every read."""
-    nb = record_mib << 20
-    n = max(2, total_bytes // nb)
-    rows = _kv_like(n, nb, seed=2)
-    path = dirpath / "tiered-sweep"
-    tier = DiskTier(BlockLayout((nb,), "uint8"), path, n * (nb + 4096), compression="none")
-    keys = [i.to_bytes(8, "little") * 4 for i in range(n)]
+    tier, path, keys, rows = _record_tier(dirpath / "tiered-sweep", total_bytes, record_mib, seed=2)
+    n, nb = rows.shape
     bn = nb // blocks
     out: dict = {"record_bytes": nb, "records": n, "cells": []}
     try:

@@ -1,7 +1,7 @@
 """Online estimates behind the disk-or-recompute decision: a tier's read rate and the engine's prefill time.
 
-``ReadRate`` is one tier's read rate (GB/s): a start value until the first read the caller times, which
-replaces it, then an exponential average of the reads (``EWMA_NEW`` for the newest); ``fixed`` pins it.
+``ReadRate`` is one tier's read rate (GB/s): a start value, then an exponential average of the reads
+the caller times (``EWMA_NEW`` for the newest), as the load gate has always done; ``fixed`` pins it.
 
 ``PrefillModel`` is the time a forward takes to compute ``n`` tokens that follow ``c`` tokens already
 in the KV cache::
@@ -83,8 +83,7 @@ def _positive(name: str, v: object) -> float:
 # ---------------------------------------------------------------------------------------------- read rate
 
 class ReadRate:
-    """One tier's read-rate estimate (GB/s): ``start`` until the first observed read, which replaces it, then an
-    exponential average of observed reads."""
+    """One tier's read-rate estimate (GB/s): ``start``, then an exponential average of observed reads."""
 
     def __init__(self, start_gbps: float, fixed: bool = False, weight: float = EWMA_NEW) -> None:
         self._gbps = _positive("read rate (GB/s)", start_gbps)
@@ -114,8 +113,8 @@ class ReadRate:
         if nbytes <= 0 or seconds <= 0 or self.fixed:
             return
         gbps = nbytes / seconds / 1e9
-        with self._lock:  # the first read replaces the start value (a guess, not a measurement)
-            self._gbps = gbps if self._reads == 0 else (1 - self.weight) * self._gbps + self.weight * gbps
+        with self._lock:
+            self._gbps = (1 - self.weight) * self._gbps + self.weight * gbps
             self._reads += 1
 
 
