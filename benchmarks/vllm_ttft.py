@@ -789,9 +789,9 @@ def overlap_summary(results: list[dict], tier: str = "disk", chunk_blocks: int =
 def split_floor(runs: list[dict], tier: str, recompute_s: float, chunk: int) -> dict | None:
     """The best a split can do at the read rate the overlap mode's own reads got (its loaded bytes over its read
     seconds, all starts together) and its learned prefill model: ``planner.split.plan_split`` with the overlap
-    (8 layer groups, ``chunk`` tokens the unit) for the prefix, scaled so the model's recompute time is the measured one
+    (the fill of ``config.overlap_spans``, ``chunk`` tokens the unit) for the prefix, scaled so the model's recompute time is the measured one
     (``recompute_s``). None when no start read anything under the forward or none learned a model."""
-    from tiered_kv.connector.vllm.config import OVERLAP_GROUPS
+    from tiered_kv.connector.vllm.config import overlap_fill_layers
     from tiered_kv.planner.rates import PrefillModel
     from tiered_kv.planner.split import Segment, plan_split
 
@@ -810,7 +810,8 @@ def split_floor(runs: list[dict], tier: str, recompute_s: float, chunk: int) -> 
     gbps = nbytes / secs / 1e9
     held = prefix // chunk * chunk
     plan = plan_split([Segment(tier, held, per_token, gbps)], prefix - held + FOLLOW, 0, PrefillModel(*coeffs),
-                      overlap=True, unit_tokens=chunk, layers=OVERLAP_GROUPS, step_tokens=prefix + 512)
+                      overlap=True, unit_tokens=chunk, step_tokens=prefix + 512,
+                      layers=overlap_fill_layers(MODELS[runs[0]["model"]]["num_hidden_layers"]))
     return {"read_gbps": round(gbps, 3), "floor_load_tokens": plan.load_tokens,
             "floor_s": round(recompute_s * plan.seconds / plan.seconds_recompute, 4)}
 

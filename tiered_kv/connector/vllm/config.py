@@ -248,7 +248,7 @@ class ConnectorConfig(RemoteKeys):
                                                   "recomputes the rest, and the split plans with that overlap (see "
                                                   "\"Disk or recompute\"); one KV cache group, `compression: none`, "
                                                   "`load_mode` not `async`. Off by default: on the H200 host's virtio disk "
-                                                  "(2026-11-29) the best split is within 5-18% of recompute", "bytes")
+                                                  "(2026-11-29) the best split was within 5-13% of recompute", "bytes")
     disk_overlap_aio: bool = config_key(True, "read `disk_overlap_bytes` loads from an O_DIRECT disk tier with "
                                               "Linux AIO (one thread, many reads in flight, unaffected by a busy "
                                               "GIL) where the kernel allows it; `false`: reader threads")
@@ -532,10 +532,34 @@ def disk_slot_nbytes(geo: Geometry) -> int:
     return -(-geo.rank_chunk_nbytes // ALIGN) * ALIGN
 
 
-#: Layer groups of an overlapped disk load (``in_step_disk``): the forward's first group waits for one group's read
-#: (the pipeline's fill, 1/OVERLAP_GROUPS of the read); more groups mean smaller reads (Llama-3-8B, 8 groups: 256 KiB
-#: per block and group)
+#: Layer groups of an overlapped disk load (``in_step_disk``, ``overlap_spans``): at most this many. The pipeline's
+#: fill is the first group's read (the forward's first layer waits for it) or the last group's compute (after the
+#: last read), so those two are small, about 1/OVERLAP_EDGE of the layers each; the middle ones are large, which
+#: makes their ranges large (Llama-3-8B: 320 KiB per block and group), and large ranges read faster beside vLLM's
+#: thread (docs/notes/2026-11-29-gpu-round4.md: 512 KiB 1.39 GB/s, 256 KiB 0.87 on the H200 host)
 OVERLAP_GROUPS = 8
+OVERLAP_EDGE = 32
+
+
+def overlap_spans(n: int) -> list[tuple[int, int]]:
+    """Tensor spans ``[a, b)`` an overlapped load of ``n`` tensors reads and copies group by group: a first and a
+    last group of about ``n / OVERLAP_EDGE`` tensors (at least one), the rest in at most ``OVERLAP_GROUPS - 2``
+    equal groups."""
+    if n <= 2:
+        return [(i, i + 1) for i in range(n)]
+    edge = -(-n // OVERLAP_EDGE)
+    mid = n - 2 * edge
+    per = -(-mid // max(1, min(mid, OVERLAP_GROUPS - 2)))
+    return [(0, edge)] + [(a, min(n - edge, a + per)) for a in range(edge, n - edge, per)] + [(n - edge, n)]
+
+
+def overlap_fill_layers(n: int) -> int:
+    """``planner.split``'s ``layers`` for an overlapped load of ``n`` layers: the fill is ``1 / this`` of the
+    overlapped time, the larger edge group's share (``overlap_spans``)."""
+    spans = overlap_spans(n)
+    if not spans:
+        return 1
+    return max(1, n // max(spans[0][1] - spans[0][0], spans[-1][1] - spans[-1][0]))
 
 
 def overlap_possible(cfg: ConnectorConfig, groups: int, rank_chunk_nbytes: int) -> str | None:

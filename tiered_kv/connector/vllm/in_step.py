@@ -151,11 +151,13 @@ class InStepLoader:
 
     def __init__(self, parts: Sequence[tuple[KVLayout, torch.Tensor, Sequence[str]]], cfg: ConnectorConfig,
                  rank: int, plain_fallback: bool = False, timing: bool = False,
-                 pipeline: tuple[int, int] | None = None) -> None:
+                 pipeline: tuple[int, int] | None = None,
+                 spans: Callable[[KVLayout], list[tuple[int, int]]] | None = None) -> None:
         """Bind each KV cache group's layout (tensor i = one layer's, in ``layer_names`` order), its CPU
         plane viewed as block rows, and its layer names. ``timing`` (``trace_path``): every load gets timing
         events (``_InStepLoad.marks``) the trace reads back later, without blocking. ``pipeline`` = (layer
-        groups, bytes submitted ahead): layerwise and pipelined whatever ``cfg`` says (``in_step_disk``)."""
+        groups, bytes submitted ahead): layerwise and pipelined whatever ``cfg`` says (``in_step_disk``); ``spans``:
+        a layout's layer groups, instead of ``layer_groups`` (``in_step_disk``: ``config.overlap_spans``)."""
         self.kvs = [kv for kv, _, _ in parts]
         self.kv = self.kvs[0]
         self.rank = rank
@@ -175,6 +177,7 @@ class InStepLoader:
             self._layerwise = self._pipelined = True
             self._groups_wanted, self._ahead = pipeline
         self._plain_fallback = plain_fallback
+        self._spans = spans
         #: called with a span's end (tensor index) before that layer group's copy is submitted, and returns once
         #: its source bytes are in the plane (``in_step_disk``: the disk reads); None: they always are
         self.span_ready: Callable[[int], None] | None = None
@@ -283,6 +286,8 @@ class InStepLoader:
             staged = auto and auto_copy(kv, len(gpu), self._runs[g]) is Mechanism.STAGED
             if not split:
                 spans = [(0, len(kv.tensors))]
+            elif self._spans is not None:
+                spans = self._spans(kv)
             elif ahead:
                 wanted = self._groups_wanted or -(-nbytes * PIPELINED_GROUP_FRACTION // self._ahead)
                 spans = layer_groups(kv, nbytes, wanted)

@@ -8,7 +8,7 @@ front mover:
 - ``start(job, parts_of)``: its records get a row each in a pinned staging slab (``disk_overlap_bytes`` of whole
   record images, slot-row format), are leased (``DiskTier.open_ranges``), and reader threads begin at once: layer
   group 0's byte range of every block of every record of the step, then group 1's, ... (the groups are
-  ``in_step.layer_groups`` of ``OVERLAP_GROUPS``), each range one positional read (O_DIRECT where the file system
+  ``config.overlap_spans``: a small first and last group, large ones between), each range one positional read (O_DIRECT where the file system
   allows), ``READERS`` at once with the next group's queued behind (no drain at a group's end);
 - ``submit``: this loader's own ``InStepLoader`` over the staging plane, pipelined with nothing submitted ahead,
   so it hands the driver a layer group's copy only when the forward reaches that group's first layer
@@ -43,8 +43,8 @@ from tiered_kv.copy import KVLayout, allocate_slab
 from tiered_kv.errors import StoreClosedError
 from tiered_kv.values.jobs import Completion, JobKind, TransferJob
 from tiered_kv.connector.vllm.common import CPU
-from tiered_kv.connector.vllm.config import OVERLAP_GROUPS, ConnectorConfig, overlap_possible
-from tiered_kv.connector.vllm.in_step import InStepLoader, layer_groups
+from tiered_kv.connector.vllm.config import OVERLAP_GROUPS, ConnectorConfig, overlap_possible, overlap_spans
+from tiered_kv.connector.vllm.in_step import InStepLoader
 from tiered_kv.connector.vllm.runner import WorkerCounters
 from tiered_kv.tiers.cpu import aligned_empty
 from tiered_kv.tiers.disk.aio import AioReader, aio_available
@@ -111,7 +111,8 @@ class InStepDiskLoader:
         self.staging = allocate_slab(self.capacity, chunk_nbytes, pin=True) if pin else \
             aligned_empty(self.capacity, chunk_nbytes)
         self.plane = self.staging.view(self.capacity * chunk_blocks, chunk_nbytes // chunk_blocks)
-        self.loader = InStepLoader([(kv, self.plane, layer_names)], cfg, rank, pipeline=(OVERLAP_GROUPS, 0))
+        self.loader = InStepLoader([(kv, self.plane, layer_names)], cfg, rank, pipeline=(OVERLAP_GROUPS, 0),
+                                   spans=lambda layout: overlap_spans(len(layout.tensors)))
         self.loader.span_ready = self.ready
         self._flat = flat
         self._cpu_slab = cpu_slab
@@ -169,7 +170,7 @@ class InStepDiskLoader:
         jobs = [job for job, _ in self._pending]
         records = [(j, i, slot) for j, (_, slots) in enumerate(self._pending) for i, slot in enumerate(slots)
                    if slot >= 0]
-        spans = layer_groups(self.kv, 1, OVERLAP_GROUPS) if layerwise_ok else [(0, len(self.kv.tensors))]
+        spans = overlap_spans(len(self.kv.tensors)) if layerwise_ok else [(0, len(self.kv.tensors))]
         reads = []
         for job in jobs:
             try:

@@ -11,7 +11,7 @@ docs/design.md, "Load or recompute: the split"):
   vLLM's steps (``StepMeter``) unless ``prefill_learn`` is false;
 - with ``disk_overlap_bytes`` (one KV cache group, ``config.overlap_possible``): ``overlap=True``, a hit's disk
   part read under the forward layer group by layer group (``in_step_disk.py``; ``layers`` = its
-  ``OVERLAP_GROUPS``), so the split may load a run's first part and recompute the rest; otherwise
+  ``config.overlap_fill_layers`` of its ``config.overlap_spans``), so the split may load a run's first part and recompute the rest; otherwise
 - no overlap of load and compute (``overlap=False``): a disk or remote hit is loaded before the request's forward
   runs. With one KV cache group its records go straight to the GPU blocks vLLM allocated, while the request waits
   in ``WAITING_FOR_REMOTE_KVS``; hybrid models promote them to the CPU tier first and load from there. Nothing
@@ -67,7 +67,7 @@ from tiered_kv.planner.gate import SplitGate
 from tiered_kv.planner.rates import (DECODE_TOKENS, REFIT_EVERY, WINDOW, PrefillEstimator, PrefillModel, ReadRate,
                                      StepTimer)
 from tiered_kv.planner.split import MEMORY_TIERS
-from tiered_kv.connector.vllm.config import OVERLAP_GROUPS, ConnectorConfig, overlap_possible
+from tiered_kv.connector.vllm.config import ConnectorConfig, overlap_fill_layers, overlap_possible
 from tiered_kv.connector.vllm.geometry import Geometry
 
 log = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ def split_gate(cfg: ConnectorConfig, geo: Geometry, tiers: Sequence[str]) -> Spl
         any(t not in MEMORY_TIERS for t in tiers)
     return SplitGate(cfg.disk_load_policy, cfg.disk_probe_every, rates, estimator, overlap=overlap,
                      unit_tokens=geo.block_size, unit_nbytes=unit_nbytes,
-                     layers=OVERLAP_GROUPS if overlap else layers, step_tokens=geo.step_tokens)
+                     layers=overlap_fill_layers(layers) if overlap else layers, step_tokens=geo.step_tokens)
 
 
 def step_parts(scheduler_output) -> list[tuple[int, int]]:
