@@ -766,7 +766,8 @@ def table(results: list[dict]) -> str:
     return "\n".join(rows)
 
 
-def overlap_summary(results: list[dict], tier: str = "disk", chunk_blocks: int = 16) -> dict | None:
+def overlap_summary(results: list[dict], tier: str = "disk", chunk_blocks: int = 16,
+                    step_tokens: int = 0) -> dict | None:
     """Issue 32 item 2: ``tiered-<tier>-overlap``'s turn-2 median (median over starts) against min(recompute =
     ``none``, full load = ``tiered-<tier>-always``) of the same call; None without those three modes."""
     def med(mode: str) -> float | None:
@@ -780,16 +781,17 @@ def overlap_summary(results: list[dict], tier: str = "disk", chunk_blocks: int =
     out = {"tier": tier, "overlap_s": split, "recompute_s": recompute, "load_all_s": load_all,
            "ratio": round(split / best, 3), "goal": 0.8, "met": split <= 0.8 * best}
     floor = split_floor([r for r in results if r["mode"] == f"tiered-{tier}-overlap" and "error" not in r], tier,
-                        recompute, chunk_blocks * BLOCK)
+                        recompute, chunk_blocks * BLOCK, step_tokens)
     if floor is not None:
         out.update(floor, floor_ratio=round(split / floor["floor_s"], 3))
     return out
 
 
-def split_floor(runs: list[dict], tier: str, recompute_s: float, chunk: int) -> dict | None:
+def split_floor(runs: list[dict], tier: str, recompute_s: float, chunk: int, step_tokens: int = 0) -> dict | None:
     """The best a split can do at the read rate the overlap mode's own reads got (its loaded bytes over its read
-    seconds, all starts together) and its learned prefill model: ``planner.split.plan_split`` with the overlap
-    (the fill of ``config.overlap_spans``, ``chunk`` tokens the unit) for the prefix, scaled so the model's recompute time is the measured one
+    seconds, all starts together) and its learned prefill model: ``planner.split.plan_split`` with the overlap (the
+    fill of ``config.overlap_spans``, ``chunk`` tokens the unit, ``step_tokens`` a step: vLLM's
+    ``max_num_batched_tokens``) for the prefix, scaled so the model's recompute time is the measured one
     (``recompute_s``). None when no start read anything under the forward or none learned a model."""
     from tiered_kv.connector.vllm.config import overlap_fill_layers
     from tiered_kv.planner.rates import PrefillModel
@@ -799,7 +801,8 @@ def split_floor(runs: list[dict], tier: str, recompute_s: float, chunk: int) -> 
     coeffs = per_token = prefix = None
     for r in runs:
         c = r.get("connector_counters") or {}
-        read_s = sum(v for k, v in c.items() if k.endswith("_overlap_read_seconds"))
+        # the ranks read at once: the slowest rank's seconds for all ranks' bytes
+        read_s = max((v for k, v in c.items() if k.endswith("_overlap_read_seconds")), default=0.0)
         if read_s > 0 and r.get("bytes_per_hit_token"):
             nbytes += c.get(f"split_{tier}_loaded_tokens", 0) * r["bytes_per_hit_token"]
             secs += read_s
@@ -810,7 +813,7 @@ def split_floor(runs: list[dict], tier: str, recompute_s: float, chunk: int) -> 
     gbps = nbytes / secs / 1e9
     held = prefix // chunk * chunk
     plan = plan_split([Segment(tier, held, per_token, gbps)], prefix - held + FOLLOW, 0, PrefillModel(*coeffs),
-                      overlap=True, unit_tokens=chunk, step_tokens=prefix + 512,
+                      overlap=True, unit_tokens=chunk, step_tokens=step_tokens or prefix + 512,
                       layers=overlap_fill_layers(MODELS[runs[0]["model"]]["num_hidden_layers"]))
     return {"read_gbps": round(gbps, 3), "floor_load_tokens": plan.load_tokens,
             "floor_s": round(recompute_s * plan.seconds / plan.seconds_recompute, 4)}
@@ -1018,9 +1021,11 @@ def merge(paths: list[str]) -> dict:
     w = docs[0].get("workload") or workload(model)
     summary = item2_summary(results, pcie, model, w)
     overlap = {t: o for t in ("disk", "remote")
-               if (o := overlap_summary(results, t, w.get("chunk_blocks", 16))) is not None} or None
+               if (o := overlap_summary(results, t, w.get("chunk_blocks", 16), w.get("max_batched", 0))) is not None}
+    overlap = overlap or None
     return {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "model": model, "merged_from": paths,
-            "device": next((r["device"] for r in results if r.get("device")), "unknown"), "command": "; ".join(commands),
+            "device": next((r["device"] for r in results if r.get("device")), "unknown"),
+            "command": "; ".join(commands),
             "workload": w, "results": results, "pcie": pcie, "item2": summary, "overlap": overlap,
             "table": table(results), "item2_table": item2_table(summary)}
 
@@ -1097,7 +1102,8 @@ def main() -> None:
     summary = item2_summary(doc["results"], doc["pcie"], args.model, w)
     text, text2 = table(doc["results"]), item2_table(summary)
     overlap = {t: o for t in ("disk", "remote")
-               if (o := overlap_summary(doc["results"], t, w["chunk_blocks"])) is not None} or None
+               if (o := overlap_summary(doc["results"], t, w["chunk_blocks"], w["max_batched"])) is not None}
+    overlap = overlap or None
     print(text + "\n\n" + text2 + "".join("\n" + overlap_line(o) for o in (overlap or {}).values()))
     for s_ in doc["skipped"]:
         print(f"skipped: {s_}")

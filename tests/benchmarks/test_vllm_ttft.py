@@ -291,8 +291,8 @@ def _overlap_run(loaded_tokens: int, read_s: float, t2: float) -> dict:
 def test_the_split_floor_is_priced_at_the_rate_the_overlap_reads_got():
     """The restated item 2: the split's best at the read rate its own reads got (bytes loaded over read seconds,
     all starts together), scaled to the measured recompute. A disk at 4 GB/s: the floor loads much of the prefix
-    and beats recompute by far; at 0.5 GB/s (an eighth of this model's prefill rate in bytes) it loads a chunk or two
-    and gains a few percent (the fill of 32 layers' edge groups is 1/32 of the overlapped time)."""
+    and beats recompute by far; at 0.5 GB/s (an eighth of this model's prefill rate in bytes) no split pays once the
+    pipeline's fill (1/8 with 32 layers in 8 groups) is counted: the floor is recompute itself."""
     base = [{"mode": "none", "turn2_median_s": 0.21}, {"mode": "tiered-disk-always", "turn2_median_s": 0.40}]
     fast = vt.overlap_summary(base + [_overlap_run(4096, 4096 * 131072 / 4e9, 0.16)])
     assert fast["read_gbps"] == 4.0 and 0 < fast["floor_load_tokens"] < 8192
@@ -301,7 +301,7 @@ def test_the_split_floor_is_priced_at_the_rate_the_overlap_reads_got():
     assert "the split's floor at the 4.00 GB/s" in vt.overlap_line(fast)
     slow = vt.overlap_summary(base + [_overlap_run(1024, 1024 * 131072 / 0.5e9, 0.22),
                                       _overlap_run(0, 0.0, 0.21)])  # a start that read nothing adds nothing
-    assert slow["read_gbps"] == 0.5 and 0 < slow["floor_load_tokens"] <= 512 < fast["floor_load_tokens"]
-    assert 0.19 < slow["floor_s"] < 0.21 and fast["floor_s"] < 0.15
+    assert slow["read_gbps"] == 0.5 and slow["floor_load_tokens"] == 0 and slow["floor_s"] == 0.21
+    assert fast["floor_s"] < 0.15
     none_read = vt.overlap_summary(base + [_overlap_run(0, 0.0, 0.21)])
     assert "floor_s" not in none_read and "floor" not in vt.overlap_line(none_read)

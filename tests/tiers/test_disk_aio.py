@@ -12,6 +12,7 @@ from tiered_kv.tiers.cpu import aligned_empty
 from tiered_kv.tiers.disk import SlotFile
 from tiered_kv.tiers.disk.aio import AioReader, aio_available
 from tiered_kv.tiers.disk.indexed import RangeReads
+from tiered_kv.errors import RecordError
 from tiered_kv.values.record import RecordHeader
 
 pytestmark = pytest.mark.skipif(not aio_available(), reason="this kernel or sandbox refuses io_setup (the callers "
@@ -110,6 +111,8 @@ def test_range_reads_by_aio_make_the_record_and_a_short_read_marks_it_damaged(tm
     assert all(q is not None for q in reqs)
     unaligned = torch.zeros(nbytes + 1, dtype=torch.uint8)[1:]
     assert f.range_request(hdr, 0, 4096, unaligned) is None  # not page-aligned: the caller reads it another way
+    with pytest.raises(RecordError, match="past the"):  # the kernel would write past a row too short for the record
+        f.range_request(hdr, 0, nbytes, aligned_empty(1, 4096)[0])
     r = AioReader(depth=2)
     try:
         r.run(reqs, lambda i, res: None)

@@ -288,8 +288,9 @@ def sweep_table(res: dict) -> str:
              "|---|---|---|---|---|---|---|"]
     raw = res["raw"][16]
     for c in res["cells"]:
-        lines.append(f"| {c['reader']} | {c['in_flight']} | {c['groups']} | {c['range_bytes'] >> 10} | "
-                     f"{'yes' if c['busy_python_thread'] else 'no'} | {c['read_GBps']:.2f} | {c['read_GBps'] / raw:.2f} |")
+        busy = "yes" if c["busy_python_thread"] else "no"
+        lines.append(f"| {c['reader']} | {c['in_flight']} | {c['groups']} | {c['range_bytes'] >> 10} | {busy} | "
+                     f"{c['read_GBps']:.2f} | {c['read_GBps'] / raw:.2f} |")
     return "\n".join(lines)
 
 

@@ -14,8 +14,10 @@ pytest.importorskip("vllm")
 
 from tests.connector.vllm.harness import Engine, write_model_dir  # noqa: E402
 from tests.connector.vllm.test_split import CHUNK, CHUNK_BYTES, K, chunk_keys, hold_on_disk_only, prompt  # noqa: E402
-from tiered_kv.connector.vllm.config import (OVERLAP_EDGE, OVERLAP_GROUPS, ConnectorConfig,  # noqa: E402
-                                             overlap_fill_layers, overlap_possible, overlap_spans)
+from tiered_kv.connector.vllm.config import (OVERLAP_GROUPS, ConnectorConfig, overlap_fill_layers,  # noqa: E402
+                                             overlap_possible, overlap_spans)
+from tiered_kv.planner.rates import PrefillModel  # noqa: E402
+from tiered_kv.planner.split import Segment, split_at  # noqa: E402
 from tiered_kv.errors import ConfigError  # noqa: E402
 from tiered_kv.tiers.disk.aio import aio_available  # noqa: E402
 from tiered_kv.values.record import RecordHeader  # noqa: E402
@@ -144,21 +146,35 @@ def test_a_hit_larger_than_the_staging_loads_what_fits(model_dir, tmp_path):
         eng.close()
 
 
-def test_overlap_spans_cover_every_tensor_once_with_small_edge_groups():
-    """The read and copy order of an overlapped load: every tensor once, in order, at most ``OVERLAP_GROUPS`` groups,
-    the first and last about 1/``OVERLAP_EDGE`` of the layers (the pipeline's fill), the middle ones large; the
-    split's fill follows them."""
+def _pipeline_seconds(spans, n: int, load_s: float, compute_s: float) -> float:
+    """Groups read in order, each computed once read and after the one before: ``max_g (L * end_g + C * (n -
+    start_g)) / n`` (the time until group g is in, then every layer from its start on)."""
+    return max(load_s * b / n + compute_s * (n - a) / n for a, b in spans)
+
+
+def test_overlap_spans_and_the_fill_the_split_prices():
+    """The read and copy order of an overlapped load: every tensor once, in order, at most ``OVERLAP_GROUPS`` groups;
+    the split's pipeline model with ``overlap_fill_layers`` is never below the pipeline's real time for those
+    groups (exact for equal ones), whatever load and compute times, down to a 2-layer model (fill 1/2, not 1/8)."""
     for n in range(0, 130):
         spans = overlap_spans(n)
         assert [t for a, b in spans for t in range(a, b)] == list(range(n)), n
-        assert len(spans) <= max(OVERLAP_GROUPS, 0) and all(b > a for a, b in spans)
-        if n > 2:
-            edge = -(-n // OVERLAP_EDGE)
-            assert spans[0] == (0, edge) and spans[-1] == (n - edge, n)
-            assert max(b - a for a, b in spans) >= (n - 2 * edge) / (OVERLAP_GROUPS - 2)
-    assert [b - a for a, b in overlap_spans(32)] == [1, 5, 5, 5, 5, 5, 5, 1]  # Llama-3-8B: 320 KiB ranges between
-    assert overlap_fill_layers(32) == 32 and overlap_fill_layers(64) == 32 and overlap_fill_layers(2) == 2
-    assert overlap_fill_layers(0) == 1
+        assert len(spans) <= OVERLAP_GROUPS and all(b > a for a, b in spans)
+        fill = overlap_fill_layers(n)
+        for load_s, compute_s in [(1.0, 1.0), (2.0, 1.0), (1.0, 3.0), (0.1, 1.0)]:
+            if n:
+                modelled = max(load_s, compute_s) + min(load_s, compute_s) / fill
+                real = _pipeline_seconds(spans, n, load_s, compute_s)
+                assert modelled >= real - 1e-9, (n, load_s, compute_s)
+                if len({b - a for a, b in spans}) == 1:
+                    assert modelled == pytest.approx(real)
+    assert overlap_fill_layers(32) == 8 and overlap_fill_layers(2) == 2 and overlap_fill_layers(27) == 6
+    # the split uses it: the same half-loaded plan costs more with the 2-layer fill than with an assumed 8 groups
+    seg = [Segment("disk", 512, 256, 0.01)]
+    model = PrefillModel.from_rate(50000.0, 32768)
+    two = split_at(seg, 256, 4, 0, model, overlap=True, layers=overlap_fill_layers(2), step_tokens=256).seconds
+    eight = split_at(seg, 256, 4, 0, model, overlap=True, layers=OVERLAP_GROUPS, step_tokens=256).seconds
+    assert two > eight
 
 
 def test_overlap_needs_raw_records_a_disk_and_in_step_loads(tmp_path):

@@ -532,34 +532,31 @@ def disk_slot_nbytes(geo: Geometry) -> int:
     return -(-geo.rank_chunk_nbytes // ALIGN) * ALIGN
 
 
-#: Layer groups of an overlapped disk load (``in_step_disk``, ``overlap_spans``): at most this many. The pipeline's
-#: fill is the first group's read (the forward's first layer waits for it) or the last group's compute (after the
-#: last read), so those two are small, about 1/OVERLAP_EDGE of the layers each; the middle ones are large, which
-#: makes their ranges large (Llama-3-8B: 320 KiB per block and group), and large ranges read faster beside vLLM's
-#: thread (docs/notes/2026-11-29-gpu-round4.md: 512 KiB 1.39 GB/s, 256 KiB 0.87 on the H200 host)
+#: Layer groups of an overlapped disk load (``in_step_disk``, ``overlap_spans``): at most this many, equal. The
+#: pipeline's fill (the forward's first layer waits for the first group's read; the last group computes after the
+#: last read) is the largest group's share of the overlapped time: with load L and compute C, groups read and
+#: computed in order take ``max_g (L * end_g + C * (n - start_g)) / n``, which for equal groups of n/G layers is
+#: ``max(L, C) + min(L, C) / G`` exactly (``planner.split``'s model with ``layers=G``). Smaller edge groups do not
+#: help where the split sits (L about C: a middle group sets the fill). More groups mean smaller ranges, and small
+#: ranges read slower beside vLLM's thread (Llama-3-8B, 8 groups: 256 KiB per block and group; 512 KiB read 1.6x
+#: faster on the H200 host, docs/notes/2026-11-29-gpu-round4.md)
 OVERLAP_GROUPS = 8
-OVERLAP_EDGE = 32
 
 
 def overlap_spans(n: int) -> list[tuple[int, int]]:
-    """Tensor spans ``[a, b)`` an overlapped load of ``n`` tensors reads and copies group by group: a first and a
-    last group of about ``n / OVERLAP_EDGE`` tensors (at least one), the rest in at most ``OVERLAP_GROUPS - 2``
-    equal groups."""
-    if n <= 2:
-        return [(i, i + 1) for i in range(n)]
-    edge = -(-n // OVERLAP_EDGE)
-    mid = n - 2 * edge
-    per = -(-mid // max(1, min(mid, OVERLAP_GROUPS - 2)))
-    return [(0, edge)] + [(a, min(n - edge, a + per)) for a in range(edge, n - edge, per)] + [(n - edge, n)]
+    """Tensor spans ``[a, b)`` an overlapped load of ``n`` tensors reads and copies group by group: at most
+    ``OVERLAP_GROUPS`` of ``ceil(n / groups)`` tensors each (the last may be shorter)."""
+    if n <= 0:
+        return []
+    per = -(-n // min(n, OVERLAP_GROUPS))
+    return [(a, min(n, a + per)) for a in range(0, n, per)]
 
 
 def overlap_fill_layers(n: int) -> int:
     """``planner.split``'s ``layers`` for an overlapped load of ``n`` layers: the fill is ``1 / this`` of the
-    overlapped time, the larger edge group's share (``overlap_spans``)."""
+    overlapped time, the largest group's share (``overlap_spans``; rounded down: never an optimistic fill)."""
     spans = overlap_spans(n)
-    if not spans:
-        return 1
-    return max(1, n // max(spans[0][1] - spans[0][0], spans[-1][1] - spans[-1][0]))
+    return max(1, n // max((b - a for a, b in spans), default=n or 1))
 
 
 def overlap_possible(cfg: ConnectorConfig, groups: int, rank_chunk_nbytes: int) -> str | None:

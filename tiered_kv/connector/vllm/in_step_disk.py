@@ -8,8 +8,9 @@ front mover:
 - ``start(job, parts_of)``: its records get a row each in a pinned staging slab (``disk_overlap_bytes`` of whole
   record images, slot-row format), are leased (``DiskTier.open_ranges``), and reader threads begin at once: layer
   group 0's byte range of every block of every record of the step, then group 1's, ... (the groups are
-  ``config.overlap_spans``: a small first and last group, large ones between), each range one positional read (O_DIRECT where the file system
-  allows), ``READERS`` at once with the next group's queued behind (no drain at a group's end);
+  ``config.overlap_spans``: at most ``OVERLAP_GROUPS`` equal ones), each range one positional read (O_DIRECT where
+  the file system allows; through Linux AIO, ``tiers/disk/aio.py``, for the disk tier), the next group's reads
+  queued behind this one's (no drain at a group's end);
 - ``submit``: this loader's own ``InStepLoader`` over the staging plane, pipelined with nothing submitted ahead,
   so it hands the driver a layer group's copy only when the forward reaches that group's first layer
   (``wait_layer``), and first waits (on the CPU, ``ready``) until the readers have that group's bytes: vLLM's
@@ -24,7 +25,8 @@ front mover:
   compete with these.
 
 Threading contract: ``start``, ``adopt``, ``submit``, ``wait_layer``, ``finish`` and ``busy`` on vLLM's worker
-thread; the reads on this loader's reader threads, which touch only the staging rows of the step's records, the CPU
+thread; the reads on this loader's step thread (through AIO) or its reader threads, which touch only the staging
+rows of the step's records, the CPU
 slots of its adopted promotions (reserved for them by the planner) and the step's progress (under ``_cond``).
 """
 from __future__ import annotations

@@ -64,8 +64,8 @@ _available: bool | None = None
 def _syscalls():
     """(syscall function, numbers) on Linux x86_64 / aarch64; None elsewhere."""
     nr = _NR.get(platform.machine())
-    if not sys.platform.startswith("linux") or nr is None:
-        return None
+    if not sys.platform.startswith("linux") or nr is None or ctypes.sizeof(ctypes.c_void_p) != 8:
+        return None  # the numbers and struct layouts below are the 64-bit ABI's
     libc = ctypes.CDLL(None, use_errno=True)
     fn = libc.syscall
     fn.restype = ctypes.c_long
@@ -128,8 +128,8 @@ class AioReader:
                     k = min(self.depth - inflight, n - submitted)
                     got = self._syscall(self._submit, self._ctx, ctypes.c_long(k),
                                         ctypes.byref(ptrs, submitted * psize))
-                    if got < 0:
-                        err = ctypes.get_errno()
+                    if got <= 0:  # 0 never happens for k >= 1; taken as "try again" with reads in flight
+                        err = ctypes.get_errno() if got < 0 else errno_mod.EAGAIN
                         if err != errno_mod.EAGAIN or not inflight:
                             raise OSError(err, f"io_submit: {errno_mod.errorcode.get(err, err)}")
                     else:
@@ -140,8 +140,12 @@ class AioReader:
                 for e in self._events[:got]:
                     done(int(e.data), int(e.res))
         finally:
-            while inflight:  # never leave a read in flight into memory the caller may reuse
-                inflight -= self._reap(1)
+            try:
+                while inflight:  # never leave a read in flight into memory the caller may reuse
+                    inflight -= self._reap(1)
+            except OSError:  # io_getevents itself failed: io_destroy waits for the reads; this reader is done
+                self.close()
+                raise
 
     def _reap(self, at_least: int) -> int:
         """Wait (without the GIL) for ``at_least`` completions; returns how many landed in ``_events``."""
@@ -155,7 +159,7 @@ class AioReader:
                 raise OSError(err, f"io_getevents: {errno_mod.errorcode.get(err, err)}")
 
     def close(self) -> None:
-        """Destroy the context (after the last ``run``). Idempotent."""
+        """Destroy the context (after the last ``run``; the kernel waits for reads still in flight). Idempotent."""
         if self._ctx.value:
             self._syscall(self._destroy, self._ctx)
             self._ctx = ctypes.c_ulong(0)

@@ -194,12 +194,15 @@ class SlotFile:
         if got != n:
             raise OSError(f"short read {got} of {n} at byte {start} of slot {hdr.slot}")
 
-    def range_request(self, hdr: RecordHeader, start: int, end: int, image: torch.Tensor) -> tuple[int, int, int, int] | None:
+    def range_request(self, hdr: RecordHeader, start: int, end: int,
+                      image: torch.Tensor) -> tuple[int, int, int, int] | None:
         """``read_range``'s read as ``(fd, buffer address, nbytes, file offset)`` for ``tiers.disk.aio.AioReader``,
         or None where it cannot go straight into ``image`` with O_DIRECT (buffered file, unaligned memory): the
         caller then uses ``read_range``. Raises RecordError as ``read_range`` does."""
         start, end, off = self._range(hdr, start, end)
         n = end - start
+        if end > image.numel() * image.element_size():
+            raise RecordError(f"range [{start}, {end}) ends past the {image.numel()}-byte image")
         addr = image.data_ptr() + start
         if not self.direct or addr % ALIGN or n % ALIGN:
             return None
