@@ -133,6 +133,26 @@ def test_split_gate_shares_a_mixed_read_between_its_slow_tiers_and_ignores_memor
     assert g.rates["disk"].reads == 1
 
 
+def test_an_overlapped_plan_bets_one_chunk_on_a_guessed_rate_until_a_read_replaces_it():
+    """A rate nobody set (``ReadRate.guess``): the overlapped plan loads one chunk of that tier, however fast the
+    guess says it reads; the first read replaces the guess, and the next plan uses the measured rate. Without the
+    overlap, or with a user's rate, nothing is capped."""
+    rates = {"disk": ReadRate(3.0, guess=True)}
+    g = SplitGate("auto", 0, rates, PrefillEstimator(LLAMA, fixed=True), overlap=True, unit_tokens=16,
+                  unit_nbytes=16 * KV)
+    plan, outcome = g.decide([("cpu", 512), ("disk", 8192)], 0, 0, align=256)
+    assert outcome == SPLIT and plan.load_tokens == 512 + 256  # the CPU part, then one chunk of disk
+    assert _split_gate(disk=3.0).decide([("disk", 8192)], 0, 0, align=256)[0].load_tokens > 256  # a user's 3.0
+    unlapped = SplitGate("auto", 0, {"disk": ReadRate(50.0, guess=True)}, PrefillEstimator(LLAMA, fixed=True),
+                         overlap=False, unit_tokens=16, unit_nbytes=16 * KV)
+    assert unlapped.decide([("disk", 8192)], 0, 0)[1] == BEATS  # no overlap: all or nothing, as before
+    g.observe_reads({"disk": 256 * KV}, 256 * KV / 20e9)  # the chunk read at 20 GB/s
+    assert rates["disk"].gbps == pytest.approx(20.0)  # replaced, not averaged with the guess
+    assert g.decide([("disk", 8192)], 0, 0, align=256)[1] == BEATS  # now planned at the measured rate
+    g.observe_reads({"disk": 256 * KV}, 256 * KV / 10e9)
+    assert rates["disk"].gbps == pytest.approx(0.8 * 20.0 + 0.2 * 10.0)  # then the average
+
+
 def test_split_gate_needs_a_rate_for_every_slow_tier():
     with pytest.raises(InvalidInputError, match="no read rate for tier 'nvmeof'"):
         _split_gate().decide([("nvmeof", 256)], 0, 0)

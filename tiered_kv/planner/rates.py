@@ -85,9 +85,12 @@ def _positive(name: str, v: object) -> float:
 class ReadRate:
     """One tier's read-rate estimate (GB/s): ``start``, then an exponential average of observed reads."""
 
-    def __init__(self, start_gbps: float, fixed: bool = False, weight: float = EWMA_NEW) -> None:
+    def __init__(self, start_gbps: float, fixed: bool = False, weight: float = EWMA_NEW, guess: bool = False) -> None:
+        """``guess``: the start value is a built-in default, not a figure anyone measured or set: the first
+        observed read replaces it (an average with it would keep most of the guess for several reads), and
+        ``SplitGate`` plans at most one chunk from this tier until then."""
         self._gbps = _positive("read rate (GB/s)", start_gbps)
-        self.fixed = bool(fixed)
+        self.fixed, self.guess = bool(fixed), bool(guess)
         self.weight = float(weight)
         self._reads = 0
         self._lock = threading.Lock()
@@ -114,7 +117,8 @@ class ReadRate:
             return
         gbps = nbytes / seconds / 1e9
         with self._lock:
-            self._gbps = (1 - self.weight) * self._gbps + self.weight * gbps
+            first = self.guess and self._reads == 0
+            self._gbps = gbps if first else (1 - self.weight) * self._gbps + self.weight * gbps
             self._reads += 1
 
 

@@ -38,6 +38,10 @@ LOAD_SUBMITS = ("pipelined", "upfront")
 SWA_STORES = ("window", "all")
 
 
+#: ``disk_read_gbps``'s built-in start. With ``disk_overlap_bytes`` it is a guess (``planner.rates.ReadRate.guess``):
+#: the split plans at most a chunk from the disk (or remote) tier until a read is measured, which then replaces it
+DEFAULT_DISK_READ_GBPS = 3.0
+
 @dataclass(frozen=True)
 class ConnectorConfig(RemoteKeys):
     """Every ``kv_connector_extra_config`` key the connector accepts, one ``config_key`` each (the table in
@@ -202,8 +206,12 @@ class ConnectorConfig(RemoteKeys):
                                                "part, each loaded only while the estimated read time beats "
                                                "recomputing it; see \"Disk or recompute\"); `always` every held "
                                                "chunk; `never` only CPU chunks")
-    disk_read_gbps: float = config_key(3.0, "the disk tier's read rate (GB/s, all ranks together) the split starts "
-                                            "from; then a running average of the measured disk loads", "GB/s")
+    disk_read_gbps: float = config_key(DEFAULT_DISK_READ_GBPS, "the disk tier's read rate (GB/s, all ranks together) "
+                                                               "the split starts from; then a running average of the "
+                                                               "measured disk loads. With `disk_overlap_bytes` the "
+                                                               "built-in 3.0 is a guess: the first hit loads one chunk "
+                                                               "from the disk (or remote) tier and its read replaces "
+                                                               "it", "GB/s")
     remote_read_gbps: float | None = config_key(None, "the remote tier's read rate (GB/s, all ranks together) the "
                                                       "split starts from, then measured like the disk's; `null`: "
                                                       "`disk_read_gbps`", "GB/s")

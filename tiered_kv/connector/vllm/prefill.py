@@ -67,7 +67,8 @@ from tiered_kv.planner.gate import SplitGate
 from tiered_kv.planner.rates import (DECODE_TOKENS, REFIT_EVERY, WINDOW, PrefillEstimator, PrefillModel, ReadRate,
                                      StepTimer)
 from tiered_kv.planner.split import MEMORY_TIERS
-from tiered_kv.connector.vllm.config import ConnectorConfig, overlap_fill_layers, overlap_possible
+from tiered_kv.connector.vllm.config import (DEFAULT_DISK_READ_GBPS, ConnectorConfig, overlap_fill_layers,
+                                             overlap_possible)
 from tiered_kv.connector.vllm.geometry import Geometry
 
 log = logging.getLogger(__name__)
@@ -93,18 +94,21 @@ def split_gate(cfg: ConnectorConfig, geo: Geometry, tiers: Sequence[str]) -> Spl
     """The gate of an engine with these tiers (``tier_names``; see the module)."""
     copies = 1 if geo.replicated else geo.tp_size
     remote_gbps = cfg.remote_read_gbps if cfg.remote_read_gbps is not None else cfg.disk_read_gbps
+    overlap = overlap_possible(cfg, len(geo.groups), geo.rank_chunk_nbytes) is None and \
+        any(t not in MEMORY_TIERS for t in tiers)
+    # with the overlap a rate nobody set is a guess: the first plans load a chunk from that tier, its first read
+    # replaces the guess (``ReadRate.guess``); a user's figure is trusted from the start
     rates = {}
     for name in tiers:
         if name in MEMORY_TIERS:
             rates[name] = ReadRate(cfg.load_gbps * copies, fixed=True)
         else:
-            rates[name] = ReadRate(remote_gbps if name == "remote" else cfg.disk_read_gbps)
+            gbps = remote_gbps if name == "remote" else cfg.disk_read_gbps
+            rates[name] = ReadRate(gbps, guess=overlap and gbps == DEFAULT_DISK_READ_GBPS)
     start = PrefillModel.from_rate(cfg.prefill_tokens_per_s, cfg.prefill_half_rate_context)
     estimator = PrefillEstimator(start, fixed=not cfg.prefill_learn, fit_on_read=False)
     unit_nbytes = max(1, geo.hit_nbytes(geo.chunk_tokens) * copies // geo.chunk_blocks)
     layers = len({name for g in geo.groups for name in g.layer_names})
-    overlap = overlap_possible(cfg, len(geo.groups), geo.rank_chunk_nbytes) is None and \
-        any(t not in MEMORY_TIERS for t in tiers)
     return SplitGate(cfg.disk_load_policy, cfg.disk_probe_every, rates, estimator, overlap=overlap,
                      unit_tokens=geo.block_size, unit_nbytes=unit_nbytes,
                      layers=overlap_fill_layers(layers) if overlap else layers, step_tokens=geo.step_tokens)
