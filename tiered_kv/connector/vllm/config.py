@@ -551,13 +551,19 @@ def disk_slot_nbytes(geo: Geometry) -> int:
 OVERLAP_GROUPS = 8
 
 
-def overlap_spans(n: int) -> list[tuple[int, int]]:
-    """Tensor spans ``[a, b)`` an overlapped load of ``n`` tensors reads and copies group by group: at most
-    ``OVERLAP_GROUPS`` of ``ceil(n / groups)`` tensors each (the last may be shorter)."""
+def layer_spans(n: int, count: int) -> list[tuple[int, int]]:
+    """``n`` tensors as consecutive spans ``[a, b)`` of ``ceil(n / count)`` each (the last may be shorter), at most
+    ``count`` (>= 1) of them: the layer groups of an in-step load (``in_step.layer_groups``)."""
     if n <= 0:
         return []
-    per = -(-n // min(n, OVERLAP_GROUPS))
+    per = -(-n // min(n, count))
     return [(a, min(n, a + per)) for a in range(0, n, per)]
+
+
+def overlap_spans(n: int) -> list[tuple[int, int]]:
+    """Tensor spans an overlapped load of ``n`` tensors reads and copies group by group: ``OVERLAP_GROUPS`` groups
+    (``in_step_disk``'s reads; its ``InStepLoader``, pipelined with that many groups, copies the same ones)."""
+    return layer_spans(n, OVERLAP_GROUPS)
 
 
 def overlap_fill_layers(n: int) -> int:

@@ -65,7 +65,7 @@ import torch
 from tiered_kv.copy import BackendUnavailableError, BlockCopier, CopyLaunchError, CopyResult, KVLayout, Mechanism
 from tiered_kv.copy.segments import ChunkTable, block_runs
 from tiered_kv.values.jobs import Completion, TransferJob
-from tiered_kv.connector.vllm.config import ConnectorConfig
+from tiered_kv.connector.vllm.config import ConnectorConfig, layer_spans
 
 log = logging.getLogger(__name__)
 
@@ -151,13 +151,11 @@ class InStepLoader:
 
     def __init__(self, parts: Sequence[tuple[KVLayout, torch.Tensor, Sequence[str]]], cfg: ConnectorConfig,
                  rank: int, plain_fallback: bool = False, timing: bool = False,
-                 pipeline: tuple[int, int] | None = None,
-                 spans: Callable[[KVLayout], list[tuple[int, int]]] | None = None) -> None:
+                 pipeline: tuple[int, int] | None = None) -> None:
         """Bind each KV cache group's layout (tensor i = one layer's, in ``layer_names`` order), its CPU
         plane viewed as block rows, and its layer names. ``timing`` (``trace_path``): every load gets timing
         events (``_InStepLoad.marks``) the trace reads back later, without blocking. ``pipeline`` = (layer
-        groups, bytes submitted ahead): layerwise and pipelined whatever ``cfg`` says (``in_step_disk``); ``spans``:
-        a layout's layer groups, instead of ``layer_groups`` (``in_step_disk``: ``config.overlap_spans``)."""
+        groups, bytes submitted ahead): layerwise and pipelined whatever ``cfg`` says (``in_step_disk``)."""
         self.kvs = [kv for kv, _, _ in parts]
         self.kv = self.kvs[0]
         self.rank = rank
@@ -177,7 +175,6 @@ class InStepLoader:
             self._layerwise = self._pipelined = True
             self._groups_wanted, self._ahead = pipeline
         self._plain_fallback = plain_fallback
-        self._spans = spans
         #: called with a span's end (tensor index) before that layer group's copy is submitted, and returns once
         #: its source bytes are in the plane (``in_step_disk``: the disk reads); None: they always are
         self.span_ready: Callable[[int], None] | None = None
@@ -286,8 +283,6 @@ class InStepLoader:
             staged = auto and auto_copy(kv, len(gpu), self._runs[g]) is Mechanism.STAGED
             if not split:
                 spans = [(0, len(kv.tensors))]
-            elif self._spans is not None:
-                spans = self._spans(kv)
             elif ahead:
                 wanted = self._groups_wanted or -(-nbytes * PIPELINED_GROUP_FRACTION // self._ahead)
                 spans = layer_groups(kv, nbytes, wanted)
@@ -533,9 +528,5 @@ def layer_groups(kv: KVLayout, nbytes: int, wanted: int = 0) -> list[tuple[int, 
     group per tensor); 0 takes as many as ``MIN_GROUP_BYTES`` allows, at most ``MAX_AUTO_GROUPS``.
     """
     layers = len(kv.tensors)
-    if wanted > 0:
-        count = min(layers, wanted)
-    else:
-        count = max(1, min(layers, nbytes // MIN_GROUP_BYTES, MAX_AUTO_GROUPS))
-    per = -(-layers // count)
-    return [(a, min(layers, a + per)) for a in range(0, layers, per)]
+    count = wanted if wanted > 0 else max(1, min(layers, nbytes // MIN_GROUP_BYTES, MAX_AUTO_GROUPS))
+    return layer_spans(layers, count)

@@ -113,8 +113,8 @@ class InStepDiskLoader:
         self.staging = allocate_slab(self.capacity, chunk_nbytes, pin=True) if pin else \
             aligned_empty(self.capacity, chunk_nbytes)
         self.plane = self.staging.view(self.capacity * chunk_blocks, chunk_nbytes // chunk_blocks)
-        self.loader = InStepLoader([(kv, self.plane, layer_names)], cfg, rank, pipeline=(OVERLAP_GROUPS, 0),
-                                   spans=lambda layout: overlap_spans(len(layout.tensors)))
+        # pipelined with OVERLAP_GROUPS groups: it copies the groups ``overlap_spans`` reads
+        self.loader = InStepLoader([(kv, self.plane, layer_names)], cfg, rank, pipeline=(OVERLAP_GROUPS, 0))
         self.loader.span_ready = self.ready
         self._flat = flat
         self._cpu_slab = cpu_slab

@@ -10,8 +10,9 @@ docs/design.md, "Load or recompute: the split"):
 - the prefill model: ``prefill_tokens_per_s`` and ``prefill_half_rate_context`` as the start, then fitted to
   vLLM's steps (``StepMeter``) unless ``prefill_learn`` is false;
 - with ``disk_overlap_bytes`` (one KV cache group, ``config.overlap_possible``): ``overlap=True``, a hit's disk
-  part read under the forward layer group by layer group (``in_step_disk.py``; ``layers`` = its
-  ``config.overlap_fill_layers`` of its ``config.overlap_spans``), so the split may load a run's first part and recompute the rest; otherwise
+  part read under the forward layer group by layer group (``in_step_disk.py``; ``layers`` =
+  ``config.overlap_fill_layers``, the fill of its ``config.overlap_spans``), so the split may load a run's first
+  part and recompute the rest; otherwise
 - no overlap of load and compute (``overlap=False``): a disk or remote hit is loaded before the request's forward
   runs. With one KV cache group its records go straight to the GPU blocks vLLM allocated, while the request waits
   in ``WAITING_FOR_REMOTE_KVS``; hybrid models promote them to the CPU tier first and load from there. Nothing
