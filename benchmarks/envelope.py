@@ -78,7 +78,10 @@ BOUND = 1.05  # ours / none and ours / offloading, per cell
 NEAR = 1.10  # a cell whose ratio is within 10% of a bound wants 3 starts
 GPU_FIT = {"tight": 1.8, "roomy": 4.0}
 SHAPES = ("llama3-8b", "qwen2.5-7b", "qwen2.5-32b", "gpt-oss", "gemma3", "gemma2", "dsv2-lite")
-MODES = ("none", "offloading", "tiered", "tiered-disk", "offloading-small", "tiered-disk-restart")
+MODES = ("none", "offloading", "tiered", "tiered-disk", "offloading-small", "tiered-disk-restart", "none-chunked")
+#: ``none-chunked``: no connector, prompts prefilled in pieces of this many tokens; a control for the greedy check
+#: (recompute in other pieces is just as right: where its tokens differ from ``none``'s, bf16 decides, not a load)
+CONTROL_CHUNK = 2048
 #: where a mode names one setting of ours beside the defaults: ``tiered+in_step_copy=copy_engine+load_mode=async``
 
 
@@ -150,6 +153,8 @@ def engine_kwargs(shape: str, mode: str, gpu: str, w: dict, model_dir: str, trac
               gpu_memory_utilization=w["gpu_util"], max_model_len=w["max_len"], seed=0,
               num_gpu_blocks_override=gpu_blocks(shape, GPU_FIT[gpu], w["max_len"]), enable_prefix_caching=True,
               max_num_batched_tokens=w["prefix"] + 512, tensor_parallel_size=w["tp"])
+    if mode == "none-chunked":
+        kw["max_num_batched_tokens"] = CONTROL_CHUNK
     if mode in ("offloading", "offloading-small"):
         kw.update(kv_offloading_size=w["cpu_gib"] if mode == "offloading" else w["disk_cpu_gib"],
                   kv_offloading_backend="native")
@@ -169,7 +174,7 @@ def engine_kwargs(shape: str, mode: str, gpu: str, w: dict, model_dir: str, trac
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="TieredKVConnector", kv_connector_module_path="tiered_kv.connector.vllm",
             kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
-    elif mode != "none":
+    elif mode not in ("none", "none-chunked"):
         raise SystemExit(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
     return kw
 
@@ -285,11 +290,22 @@ def run_one(shape: str, mode: str, gpu: str) -> dict:
     c2 = _tiered_counters(llm) if ours else {}
     batch = [s + t for s, t in zip(seconds, thirds)]
     t_batch = time.time()
+    sp[4] = SamplingParams(max_tokens=4, temperature=0.0, detokenize=False, ignore_eos=True, logprobs=2)
     dt, outs = generate(batch, 4)
     rec.update(batch_s=round(dt, 4), batch_tokens=[list(o.outputs[0].token_ids) for o in outs],
-               batch_cached_tokens=[int(o.num_cached_tokens or 0) for o in outs])
+               batch_cached_tokens=[int(o.num_cached_tokens or 0) for o in outs],
+               batch_margins=[first_margin(o) for o in outs])
     time.sleep(1.0)
     return _finish(rec, llm, c0, c1, c2, trace, (t_batch, t_batch + dt))
+
+
+def first_margin(out) -> float | None:
+    """The first output token's logprob lead over the runner-up (vLLM's ``logprobs=2``): how close greedy was."""
+    lp = (out.outputs[0].logprobs or [None])[0]
+    if not lp or len(lp) < 2:
+        return None
+    top = sorted((v.logprob for v in lp.values()), reverse=True)
+    return round(top[0] - top[1], 5)
 
 
 def _finish(rec: dict, llm, c0: dict, c1: dict, c2: dict | None, trace: str | None,
@@ -404,6 +420,23 @@ def serving_cells(path: str) -> list[dict]:
     return out
 
 
+def _differences(ok: list[dict], got: dict, refs: dict, shape: str, gpu: str, tok_key: str, none: str,
+                 mine: str) -> dict:
+    """Where ours' greedy tokens differ from no connector's: the requests, no connector's first-token margins there
+    (``batch_margins``), and where the ``none-chunked`` control (recompute in other pieces) differs too."""
+    def diff(rs):
+        return sorted({i for r in rs if _prompts(r) in refs for i, t in enumerate(r[tok_key]) if t != refs[_prompts(r)][i]})
+
+    out = {"differs_at": diff(got[mine])}
+    margins = [r.get("batch_margins") for r in got[none] if r.get("batch_margins")]
+    if margins and tok_key == "batch_tokens":
+        out["none_margins_there"] = [margins[0][i] for i in out["differs_at"]]
+    control = [r for r in ok if r["shape"] == shape and r["gpu"] == gpu and r["mode"] == "none-chunked" and tok_key in r]
+    if control:
+        out["control_differs_at"] = diff(control)
+    return out
+
+
 def _judge(row: dict, none: str, peer: str, mine: str) -> dict:
     """Ratios of ``mine`` over ``none`` and ``peer`` medians, the pass/fail verdict and the near-a-bound flag."""
     med, starts = row["median_s"], row["starts"]
@@ -417,7 +450,13 @@ def _judge(row: dict, none: str, peer: str, mine: str) -> dict:
             if ratio > BOUND / NEAR and min(starts.get(mine, 0), starts.get(m, 0)) < 3:
                 row.setdefault("wants_3_starts", True)
     if row["greedy_equal"] is False:
-        fails.append("greedy outputs differ")
+        at, ctl = row.get("differs_at", []), row.get("control_differs_at")
+        where = f" at request(s) {at}" if at else ""
+        if ctl is not None and at and set(at) <= set(ctl):
+            row["greedy_explained"] = True  # recompute in other pieces flips the same requests: bf16, not a load
+        else:
+            fails.append(f"greedy outputs differ{where}" + (f" (none-chunked control differs at {ctl})"
+                                                             if ctl is not None else " (no control run)"))
     row["pass"] = not fails
     row["why"] = "; ".join(fails)
     return row
@@ -450,6 +489,8 @@ def verdict(results: list[dict], serving: list[dict] = ()) -> list[dict]:
                 equal = all(r[tok_key] == refs[_prompts(r)] for r in checked) if ours_checked else None
                 row = {"shape": shape, "workload": work, "gpu": gpu, "starts": {m: len(rs) for m, rs in got.items()},
                        "median_s": med, "min_max_s": spread, "greedy_equal": equal}
+                if equal is False:
+                    row.update(_differences(ok, got, refs, shape, gpu, tok_key, none, mine))
                 rows.append(_judge(row, none, peer, mine))
     rows += [_judge(dict(c), "none", "offloading", "tiered") for c in serving]
     return rows
@@ -469,6 +510,8 @@ def table(doc: dict) -> str:
         if r.get("wants_3_starts") and r["pass"]:
             verdict_ += " (near a bound: wants 3 starts)"
         eq = {True: "yes", False: "NO", None: "-"}[r["greedy_equal"]]
+        if r.get("greedy_explained"):
+            eq = f"no at {r['differs_at']}, as the none-chunked control"
         lines.append(f"| {r['shape']} | {r['workload']} | {r['gpu']} | {cell('none')} | {cell(p)} | {cell(m)} | "
                      f"{r.get('vs_none', '-')} | {r.get('vs_peer', '-')} | {eq} | {r['starts'].get(m, 0)} | {verdict_} |")
     for shape, why in doc.get("not_runnable", {}).items():

@@ -114,3 +114,45 @@ def test_rank_rates_read_each_ranks_trace_in_the_window(tmp_path):
             f.write(json.dumps({"t": 100.0, "landed": [{"bytes": b, "gpu_ms": ms}]}) + "\n")
             f.write(json.dumps({"t": 500.0, "landed": [{"bytes": 9e9, "gpu_ms": 1.0}]}) + "\n")  # outside
     assert envelope.rank_rates(base, 99.0, 101.0) == {"0": 40.0, "1": 50.0}
+
+
+def _batch(mode, start, tokens, margins=None):
+    r = {"shape": "g", "mode": mode, "gpu": "tight", "start": start, "turn2_p50_s": 0.1,
+         "turn2_tokens": [[1, 1]], "batch_s": 1.0, "batch_tokens": [list(t) for t in tokens]}
+    if margins is not None:
+        r["batch_margins"] = margins
+    return r
+
+
+def test_a_greedy_difference_names_the_requests_and_passes_only_where_the_control_differs_too():
+    """The batch's greedy check says which requests differ and no connector's first-token margin there; where the
+    ``none-chunked`` control (recompute in 2,048-token pieces) flips the same requests, bf16 decided, not a load."""
+    none = _batch("none", 0, [(1, 1), (2, 2), (3, 3)], margins=[2.5, 0.0625, 1.0])
+    ours = _batch("tiered", 0, [(1, 1), (9, 9), (3, 3)])
+    base = [none, _batch("offloading", 0, [(1, 1), (2, 2), (3, 3)]), ours]
+    rows = {r["workload"]: r for r in envelope.verdict(base)}
+    b = rows["batch"]
+    assert b["differs_at"] == [1] and b["none_margins_there"] == [0.0625]
+    assert not b["pass"] and "at request(s) [1] (no control run)" in b["why"], b
+    other = base + [_batch("none-chunked", 0, [(1, 1), (2, 2), (4, 4)])]  # the control flips request 2 only
+    b = {r["workload"]: r for r in envelope.verdict(other)}["batch"]
+    assert not b["pass"] and b["control_differs_at"] == [2] and "control differs at [2]" in b["why"], b
+    same = base + [_batch("none-chunked", 0, [(1, 1), (9, 9), (3, 3)])]
+    b = {r["workload"]: r for r in envelope.verdict(same)}["batch"]
+    assert b["pass"] and b["greedy_explained"] and b["greedy_equal"] is False, b
+    text = envelope.table({"results": same, "not_runnable": {}, "skipped": []})
+    assert "no at [1], as the none-chunked control" in text
+
+
+def test_first_margin_reads_vllms_top_two_logprobs():
+    from types import SimpleNamespace as NS
+    lp = {5: NS(logprob=-0.25), 7: NS(logprob=-1.5)}
+    assert envelope.first_margin(NS(outputs=[NS(logprobs=[lp, {}])])) == 1.25
+    assert envelope.first_margin(NS(outputs=[NS(logprobs=None)])) is None
+
+
+def test_the_control_mode_prefills_in_smaller_pieces_with_no_connector():
+    w = envelope.knobs("llama3-8b")
+    kw = envelope.engine_kwargs("llama3-8b", "none-chunked", "tight", w, "/m", None)
+    assert kw["max_num_batched_tokens"] == envelope.CONTROL_CHUNK and "kv_transfer_config" not in kw
+    assert envelope.engine_kwargs("llama3-8b", "none", "tight", w, "/m", None)["max_num_batched_tokens"] > 8192

@@ -10,6 +10,8 @@ for MLA; a ``MambaSpec`` padded to the attention page for Mamba layers). vLLM's 
   2 groups; with 4-block chunks of 16-token blocks a chunk stores 2 of its 4 window blocks.
 - ``gemma3``: Gemma-3-like, 6 layers (5 sliding window of 48 tokens : 1 full): 6 groups of one
   layer; a chunk stores 3 of its 4 window blocks.
+- ``gemma3pad``: the same layers x 17 (15 window : 2 full): vLLM pads the window layers to 16 and makes 8 window
+  groups (one of a single layer) and 1 full group, as it does for Gemma-3-4B on the GPU.
 - ``gemma2``: Gemma-2-like, 4 layers alternating sliding window (256 tokens: four 64-token chunks, as Gemma-2's
   4,096-token window is sixteen 256-token chunks) and full attention: 2 groups of equal block bytes.
 - ``dsv2``: DeepSeek-V2-Lite-like MLA, 3 layers: one MLA group.
@@ -43,6 +45,11 @@ GEMMA3 = {
     "attn_logit_softcapping": None, "final_logit_softcapping": None, "hidden_activation": "gelu_pytorch_tanh",
     "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
 }
+#: Gemma-3-like with vLLM's padding: 17 layers (15 window : 2 full), so vLLM groups them by 2 and pads the
+#: window layers with one layer: 8 window groups (one of 1 layer) + 1 full group, as Gemma-3-4B's 34 layers
+#: (29 : 5) make 6 + 1 groups of 5 with one padding layer on the H200
+GEMMA3_PADDED = dict(GEMMA3, num_hidden_layers=17,
+                     layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 2 + ["sliding_attention"] * 5)
 GEMMA2 = {
     "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2",
     "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -69,7 +76,7 @@ LLAMA4 = {  # a plain Llama config: the Mamba hybrid's layer specs are written b
     "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16", "bos_token_id": 1,
     "eos_token_id": 2,
 }
-HF_CONFIGS = {"gptoss": GPTOSS, "gemma3": GEMMA3, "gemma2": GEMMA2, "dsv2": DSV2, "mamba": LLAMA4}
+HF_CONFIGS = {"gptoss": GPTOSS, "gemma3": GEMMA3, "gemma3pad": GEMMA3_PADDED, "gemma2": GEMMA2, "dsv2": DSV2, "mamba": LLAMA4}
 #: Mamba layers' state tensors (conv state, SSM state) of the ``mamba`` model
 MAMBA_SHAPES = ((3, 32), (4, 16, 8))
 

@@ -128,6 +128,8 @@ class LoadPlanner:
         if got < len(hit.keys):  # vLLM calls match and this back to back: cannot happen
             raise RuntimeError(f"TieredKVConnector: {len(hit.keys) - got} part(s) of request {rid} vanished between "
                                f"the lookup and the load; with several KV cache groups vLLM takes no block errors")
+        if not st.sync:
+            self._requests.async_waiting.add(rid)  # until vLLM schedules it (``SchedulerPlanner.build``)
         self._plan_loads(st, jobs, num_external_tokens)
         self.counters.hit_tokens_cpu += num_external_tokens  # several groups load only from the CPU tier
         st.stored = max(st.stored, hit.end)

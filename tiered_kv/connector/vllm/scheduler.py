@@ -184,6 +184,9 @@ class SchedulerPlanner:
         if preempted and blocks.req_jobs:  # their blocks may be re-allocated in this very step
             for rid in preempted:
                 blocks.release(rid)
+        waiting = self._requests.async_waiting
+        if waiting:  # scheduled at last: its remaining blocks are allocated, the next hybrid load may be admitted
+            waiting.difference_update(scheduler_output.num_scheduled_tokens)
         blocks.scan(scheduler_output, step, fences)  # first: stale table entries go before a store reads them
         self._stores.plan_step(scheduler_output, step)
         stores = router.take_valid_stores(step)
@@ -248,6 +251,7 @@ class SchedulerPlanner:
         """
         rid = request.request_id
         st = self._requests.reqs.pop(rid, None)
+        self._requests.async_waiting.discard(rid)
         self._stores.storing.pop(rid, None)
         if self._blocks.req_jobs:
             self._blocks.release(rid)

@@ -59,6 +59,9 @@ class RequestTable:
 
     def __init__(self, geo: Geometry, ns: Namespace) -> None:
         self.reqs: dict[str, RequestState] = {}
+        # hybrid models: requests whose hit vLLM allocated for a load between steps and has not scheduled since
+        # (``LookupPlanner.match`` admits one at a time: see lookup.py, "Hybrid loads between steps")
+        self.async_waiting: set[str] = set()
         self._keys = ns.keys  # keyed hasher cached on the namespace
         self._hashes_per_chunk = geo.chunk_tokens // geo.hash_block_size
         self._groups = geo.groups
@@ -96,6 +99,7 @@ class PlannerCounters:
     hit_tokens_cpu: int = 0
     hit_tokens_disk: int = 0
     sync_loads: int = 0
+    async_hybrid_deferred: int = 0  # hybrid hits asked to wait a step: another one's load between steps was pending
     disk_hits_declined: int = 0  # split decisions that left held disk or remote chunks to recompute (wholly or in part)
     disk_probes: int = 0  # such decisions that loaded everything anyway, to re-measure the tiers (disk_probe_every)
     load_jobs: int = 0
