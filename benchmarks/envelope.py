@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import operator
 import os
 import random
 import shutil
@@ -264,7 +265,7 @@ def run_one(shape: str, mode: str, gpu: str) -> dict:
     generate([convs[0][:BLOCK]], 1)  # a step, so the planner applies the last stores' completions (an idle engine
     # takes none; the 2026-11-28 runs counted 9 of 10 conversations' stores without it)
     c1 = _tiered_counters(llm) if ours else {}
-    turn2_s, first_tokens, cached = [], [], []
+    turn2_s, first_tokens, cached, firsts = [], [], [], []
     seconds = []
     t_turn2 = time.time()
     for i, (out1, f) in enumerate(zip(turn1, follows)):
@@ -274,12 +275,14 @@ def run_one(shape: str, mode: str, gpu: str) -> dict:
         cached.append(int(outs[0].num_cached_tokens or 0))
         if i < 2:
             first_tokens.append(list(outs[0].outputs[0].token_ids))
+        firsts.append(outs[0].outputs[0].token_ids[0])
         seconds.append(prompt + list(outs[0].outputs[0].token_ids))
     rec: dict = {"shape": shape, "mode": mode, "gpu": gpu, "device": torch.cuda.get_device_name(0),
                  "startup_s": round(startup, 1), "knobs": w,
                  "gpu_blocks": gpu_blocks(shape, GPU_FIT[gpu], w["max_len"]),
                  "turn2_p50_s": round(statistics.median(turn2_s[2:]), 4), "turn2_s": [round(x, 4) for x in turn2_s],
-                 "turn2_cached_tokens": cached, "turn2_tokens": first_tokens, **turn1_extra}
+                 "turn2_cached_tokens": cached, "turn2_tokens": first_tokens,
+                 "turn2_tokens_all": firsts, **turn1_extra}
     if trace:  # each TP rank's own load rate over turn 2 (its bytes over its loads' GPU time)
         rec["turn2_rank_gbps"] = rank_rates(trace, t_turn2, time.time())
     if split_mode(mode)[0] in ("tiered-disk", "offloading-small", "tiered-disk-restart") or "batch" not in w["workloads"]:
@@ -420,12 +423,21 @@ def serving_cells(path: str) -> list[dict]:
     return out
 
 
+def _tokens(r: dict, ref: dict, key: str) -> tuple[list, list]:
+    """The greedy tokens to compare of a start and its no-connector reference: every conversation's first turn-2
+    token where both recorded them (``turn2_tokens_all``, since round 5), else ``key``'s."""
+    if f"{key}_all" in r and f"{key}_all" in ref:
+        key = f"{key}_all"
+    return r[key], ref[key]
+
+
 def _differences(ok: list[dict], got: dict, refs: dict, shape: str, gpu: str, tok_key: str, none: str,
                  mine: str) -> dict:
     """Where ours' greedy tokens differ from no connector's: the requests, no connector's first-token margins there
     (``batch_margins``), and where the ``none-chunked`` control (recompute in other pieces) differs too."""
     def diff(rs):
-        return sorted({i for r in rs if _prompts(r) in refs for i, t in enumerate(r[tok_key]) if t != refs[_prompts(r)][i]})
+        return sorted({i for r in rs if _prompts(r) in refs
+                       for i, (t, u) in enumerate(zip(*_tokens(r, refs[_prompts(r)], tok_key))) if t != u})
 
     out = {"differs_at": diff(got[mine])}
     margins = [r.get("batch_margins") for r in got[none] if r.get("batch_margins")]
@@ -483,10 +495,10 @@ def verdict(results: list[dict], serving: list[dict] = ()) -> list[dict]:
                 med = {m: statistics.median(r[key] for r in rs) for m, rs in got.items() if rs}
                 spread = {m: (min(r[key] for r in rs), max(r[key] for r in rs)) for m, rs in got.items() if rs}
                 # greedy tokens are compared within one workload (calls with other knobs draw other prompts)
-                refs = {_prompts(r): r[tok_key] for r in got[none]}
+                refs = {_prompts(r): r for r in got[none]}
                 checked = [r for r in got[mine] + got[peer] if _prompts(r) in refs]
                 ours_checked = any(_prompts(r) in refs for r in got[mine])  # else the cell says nothing of ours
-                equal = all(r[tok_key] == refs[_prompts(r)] for r in checked) if ours_checked else None
+                equal = all(operator.eq(*_tokens(r, refs[_prompts(r)], tok_key)) for r in checked) if ours_checked else None
                 row = {"shape": shape, "workload": work, "gpu": gpu, "starts": {m: len(rs) for m, rs in got.items()},
                        "median_s": med, "min_max_s": spread, "greedy_equal": equal}
                 if equal is False:

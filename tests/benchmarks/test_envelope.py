@@ -156,3 +156,13 @@ def test_the_control_mode_prefills_in_smaller_pieces_with_no_connector():
     kw = envelope.engine_kwargs("llama3-8b", "none-chunked", "tight", w, "/m", None)
     assert kw["max_num_batched_tokens"] == envelope.CONTROL_CHUNK and "kv_transfer_config" not in kw
     assert envelope.engine_kwargs("llama3-8b", "none", "tight", w, "/m", None)["max_num_batched_tokens"] > 8192
+
+
+def test_turn2_compares_every_conversations_first_token_where_both_recorded_them():
+    none = dict(_rec("t", "none", 0, 0.2), turn2_tokens_all=[5, 6, 7])
+    same_two = dict(_rec("t", "tiered", 0, 0.1), turn2_tokens_all=[5, 6, 9])  # the first two agree, the third not
+    (row,) = envelope.verdict([none, same_two])
+    assert row["greedy_equal"] is False and row["differs_at"] == [2], row
+    old = _rec("t", "tiered", 1, 0.1)  # a start from before round 5: only the first two conversations' tokens
+    (row,) = envelope.verdict([none, old])
+    assert row["greedy_equal"] is True, row

@@ -100,14 +100,16 @@ def padded_dir(tmp_path_factory):
     return models.write_model_dir(str(tmp_path_factory.mktemp("gemma3pad") / "gemma3pad"), "gemma3pad")
 
 
-@pytest.mark.parametrize("load_mode", ["async", "layerwise"])
-def test_hybrid_loads_between_steps_never_deadlock_a_full_pool(padded_dir, load_mode):
+@pytest.mark.parametrize("load_mode,async_sched", [("async", False), ("async", True), ("layerwise", False)],
+                         ids=["async", "async-sched", "layerwise"])
+def test_hybrid_loads_between_steps_never_deadlock_a_full_pool(padded_dir, load_mode, async_sched):
     """Ten hits loaded between steps on a pool where few fit: vLLM admits such a load if the whole request fits
     the free blocks, but for window groups the rest needs more than it counted, so five admitted loads held 60
     blocks each and waited for 144 more with 99 free: no request ran again (before the fix). With at most one
     such hybrid load waiting for its first step, every request finishes, every load bit-exact."""
     eng = Engine.create(padded_dir, {"chunk_blocks": K, "cpu_bytes": 1 << 30, "load_mode": load_mode},
-                        shape="gemma3pad", num_blocks=400, max_model_len=1000, max_batched=256)
+                        shape="gemma3pad", num_blocks=400, max_model_len=1000, max_batched=256,
+                        async_sched=async_sched)
     try:
         groups = eng.sched.kv_cache_manager.kv_cache_config.kv_cache_groups
         assert [len(g.layer_names) for g in groups].count(1) == 1 and len(groups) == 9  # vLLM padded one group
