@@ -266,14 +266,13 @@ class InStepDiskLoader:
         try:
             off, k, bn = self._offsets, self.k, self.chunk_nbytes // self.k
             t0 = time.perf_counter()
-            tasks = [(g, j, i, slot, off[a], off[b], b0, min(k, b0 + RANGES_PER_TASK), bn)
+            # a task: (group, job, item, staging slot, the byte ranges of its blocks in the record)
+            tasks = [(g, j, i, slot, [(blk * bn + off[a], blk * bn + off[b])
+                                      for blk in range(b0, min(k, b0 + RANGES_PER_TASK))])
                      for g, (a, b) in enumerate(step.spans) for j, i, slot in step.records
                      for b0 in range(0, k, RANGES_PER_TASK)]
             if not self._read_aio(step, tasks):
-                step.left = [0] * len(step.spans)
-                for t in tasks:
-                    step.left[t[0]] += 1
-                self._advance(step)  # a span with no records is complete at once
+                self._expect(step, (t[0] for t in tasks))
                 futures = [self._pool.submit(self._read_ranges, step, *t) for t in tasks]
                 wait(futures)
                 errors = [f.exception() for f in futures if f.exception() is not None]
@@ -297,18 +296,14 @@ class InStepDiskLoader:
         if self._aio is None:
             return False
         reqs, owner = [], []  # owner[n]: (group, job, item, nbytes) of request n
-        for g, j, i, slot, lo, hi, b0, b1, bn in tasks:
+        for g, j, i, slot, ranges in tasks:
             reads = step.reads[j]
-            got = reads.requests(i, [(blk * bn + lo, blk * bn + hi) for blk in range(b0, b1)], self.staging[slot]) \
-                if hasattr(reads, "requests") else None
+            got = reads.requests(i, ranges, self.staging[slot]) if hasattr(reads, "requests") else None
             if got is None:
                 return False
             reqs.extend(got)
             owner.extend((g, j, i, r[2]) for r in got)
-        step.left = [0] * len(step.spans)
-        for g, *_ in owner:
-            step.left[g] += 1
-        self._advance(step)
+        self._expect(step, (g for g, *_ in owner))
 
         def done(n: int, result: int) -> None:
             g, j, i, nbytes = owner[n]
@@ -320,6 +315,14 @@ class InStepDiskLoader:
         self._aio.run(reqs, done)
         self.counters.overlap_aio_reads += len(reqs)
         return True
+
+    def _expect(self, step: _StepReads, groups) -> None:
+        """Count the reads (or read tasks) still due per layer group, one per item of ``groups`` (its group), and
+        mark complete at once any leading group that has none (a span with no records)."""
+        step.left = [0] * len(step.spans)
+        for g in groups:
+            step.left[g] += 1
+        self._advance(step)
 
     def _advance(self, step: _StepReads) -> None:
         """Move ``read_upto`` past every leading group whose reads are all done, and wake ``ready``."""
@@ -342,12 +345,11 @@ class InStepDiskLoader:
             self._cpu_slab[dst].copy_(image)
         return True
 
-    def _read_ranges(self, step: _StepReads, g: int, j: int, i: int, slot: int, lo: int, hi: int, b0: int, b1: int,
-                     bn: int) -> None:
-        """Bytes ``[lo, hi)`` of blocks ``[b0, b1)`` of record ``(j, i)`` into its staging row (group ``g``'s part);
-        a failed read marks the record damaged (``RangeReads``) and still counts the task done."""
+    def _read_ranges(self, step: _StepReads, g: int, j: int, i: int, slot: int, ranges: list[tuple[int, int]]) -> None:
+        """Byte ``ranges`` of record ``(j, i)`` into its staging row (group ``g``'s part of some of its blocks); a
+        failed read marks the record damaged (``RangeReads``) and still counts the task done."""
         try:
-            step.reads[j].read_many(i, [(blk * bn + lo, blk * bn + hi) for blk in range(b0, b1)], self.staging[slot])
+            step.reads[j].read_many(i, ranges, self.staging[slot])
         finally:
             with self._cond:
                 step.left[g] -= 1

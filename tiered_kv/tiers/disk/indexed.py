@@ -400,8 +400,7 @@ class RangeReads:
             self.tier.slots.read_range(hdr, start, end, image)
             return True
         except (RecordError, OSError) as exc:
-            with self._lock:
-                self._bad.setdefault(i, exc)
+            self._damaged(i, exc)
             return False
 
     def requests(self, i: int, ranges: Sequence[tuple[int, int]], image: torch.Tensor
@@ -415,8 +414,7 @@ class RangeReads:
         try:
             reqs = [self.tier.slots.range_request(hdr, a, b, image) for a, b in ranges]
         except RecordError as exc:
-            with self._lock:
-                self._bad.setdefault(i, exc)
+            self._damaged(i, exc)
             return []
         return None if any(r is None for r in reqs) else reqs
 
@@ -427,9 +425,13 @@ class RangeReads:
             return True
         exc = OSError(-result, f"AIO read failed: {os.strerror(-result)}") if result < 0 else \
             OSError(f"short AIO read {result} of {nbytes}")
+        self._damaged(i, exc)
+        return False
+
+    def _damaged(self, i: int, exc: Exception) -> None:
+        """Record i counts as damaged from now on; the first cause is the one kept (any reader thread)."""
         with self._lock:
             self._bad.setdefault(i, exc)
-        return False
 
     def read_many(self, i: int, ranges: Sequence[tuple[int, int]], image: torch.Tensor) -> bool:
         """``read`` of each range in turn; False at the first that fails."""
