@@ -19,6 +19,8 @@ cache groups of 2 layers, 2 KV heads of 16 (2,048 B per layer-block), 4-block (6
 """
 from __future__ import annotations
 
+import time
+
 import pytest
 
 pytest.importorskip("vllm")
@@ -95,6 +97,19 @@ def test_batch_of_cpu_hits_under_gpu_pressure_loads_every_prefix(model_dir):
         eng.close()
 
 
+def _run_with_movers_caught_up(eng: Engine, timeout: float = 30.0) -> None:
+    """Step until no request is left, each step only once the workers' movers ran every job handed to them: a window
+    block vLLM frees mid-prefill goes to the same request's next chunk a step later, and a store not begun by then
+    is cancelled (never copied from someone else's KV); on a loaded 2-core box that lost turn-1 chunks at random."""
+    deadline = time.monotonic() + timeout
+    while eng.sched.has_requests():
+        eng.step()
+        while any(w.connector.worker.front.depth for w in eng.workers):
+            assert time.monotonic() < deadline, "movers did not catch up"
+            time.sleep(0.001)
+    eng.flush()
+
+
 @pytest.fixture(scope="module")
 def padded_dir(tmp_path_factory):
     return models.write_model_dir(str(tmp_path_factory.mktemp("gemma3pad") / "gemma3pad"), "gemma3pad")
@@ -117,7 +132,7 @@ def test_hybrid_loads_between_steps_never_deadlock_a_full_pool(padded_dir, load_
         firsts = []
         for i in range(CONVERSATIONS):
             firsts.append(eng.add(f"c{i}-t1", prompt(100 + i, prefix), max_tokens=4))
-            eng.run()
+            _run_with_movers_caught_up(eng)
         eng.settle()
         assert eng.sched.reset_prefix_cache()  # every hit now comes from the CPU tier
         before, verified = eng.connector.stats()["sched_hit_tokens_cpu"], eng.verified_blocks
