@@ -297,7 +297,7 @@ def run_one(shape: str, mode: str, gpu: str) -> dict:
     dt, outs = generate(batch, 4)
     rec.update(batch_s=round(dt, 4), batch_tokens=[list(o.outputs[0].token_ids) for o in outs],
                batch_cached_tokens=[int(o.num_cached_tokens or 0) for o in outs],
-               batch_margins=[first_margin(o) for o in outs])
+               batch_margins=[first_margin(o) for o in outs], batch_top2=[first_top2(o) for o in outs])
     time.sleep(1.0)
     return _finish(rec, llm, c0, c1, c2, trace, (t_batch, t_batch + dt))
 
@@ -309,6 +309,15 @@ def first_margin(out) -> float | None:
         return None
     top = sorted((v.logprob for v in lp.values()), reverse=True)
     return round(top[0] - top[1], 5)
+
+
+def first_top2(out) -> list[int] | None:
+    """The first output token's two most likely token ids, the likelier first (vLLM's ``logprobs=2``): with
+    ``first_margin`` 0.0 the two tie, and which one greedy answers is a matter of rounding."""
+    lp = (out.outputs[0].logprobs or [None])[0]
+    if not lp or len(lp) < 2:
+        return None
+    return [int(t) for t, _ in sorted(lp.items(), key=lambda kv: -kv[1].logprob)[:2]]
 
 
 def _finish(rec: dict, llm, c0: dict, c1: dict, c2: dict | None, trace: str | None,
@@ -434,15 +443,27 @@ def _tokens(r: dict, ref: dict, key: str) -> tuple[list, list]:
 def _differences(ok: list[dict], got: dict, refs: dict, shape: str, gpu: str, tok_key: str, none: str,
                  mine: str) -> dict:
     """Where ours' greedy tokens differ from no connector's: the requests, no connector's first-token margins there
-    (``batch_margins``), and where the ``none-chunked`` control (recompute in other pieces) differs too."""
+    (``batch_margins``), the ones where no connector's top two tie (``ties_at``: margin 0.0 in every start of no
+    connector that recorded it, and, where its top two ids were recorded, ours answered one of them), and where the
+    ``none-chunked`` control (recompute in other pieces) differs too."""
     def diff(rs):
         return sorted({i for r in rs if _prompts(r) in refs
                        for i, (t, u) in enumerate(zip(*_tokens(r, refs[_prompts(r)], tok_key))) if t != u})
 
     out = {"differs_at": diff(got[mine])}
-    margins = [r.get("batch_margins") for r in got[none] if r.get("batch_margins")]
-    if margins and tok_key == "batch_tokens":
-        out["none_margins_there"] = [margins[0][i] for i in out["differs_at"]]
+    nones = [r for r in got[none] if r.get("batch_margins") and _prompts(r) in refs]
+    if nones and tok_key == "batch_tokens":
+        at = out["differs_at"]
+        out["none_margins_there"] = [nones[0]["batch_margins"][i] for i in at]
+        ours = [r[tok_key] for r in got[mine] if _prompts(r) in refs]
+
+        def tie(i: int) -> bool:
+            if any(r["batch_margins"][i] != 0.0 for r in nones):
+                return False
+            tops = [r["batch_top2"][i] for r in nones if (r.get("batch_top2") or [None] * (i + 1))[i]]
+            return all(toks[i][0] in top for top in tops for toks in ours)
+
+        out["ties_at"] = [i for i in at if tie(i)]
     control = [r for r in ok if r["shape"] == shape and r["gpu"] == gpu and r["mode"] == "none-chunked" and tok_key in r]
     if control:
         out["control_differs_at"] = diff(control)
@@ -465,7 +486,9 @@ def _judge(row: dict, none: str, peer: str, mine: str) -> dict:
         at, ctl = row.get("differs_at", []), row.get("control_differs_at")
         where = f" at request(s) {at}" if at else ""
         if ctl is not None and at and set(at) <= set(ctl):
-            row["greedy_explained"] = True  # recompute in other pieces flips the same requests: bf16, not a load
+            row["greedy_explained"] = "control"  # recompute in other pieces flips the same requests: bf16, not a load
+        elif at and set(at) <= set(row.get("ties_at", ())):
+            row["greedy_explained"] = "tie"  # no connector's own top two tie there: rounding picks, not a load
         else:
             fails.append(f"greedy outputs differ{where}" + (f" (none-chunked control differs at {ctl})"
                                                              if ctl is not None else " (no control run)"))
@@ -508,6 +531,15 @@ def verdict(results: list[dict], serving: list[dict] = ()) -> list[dict]:
     return rows
 
 
+def greedy_text(row: dict) -> str:
+    """A verdict row's greedy-equality cell: yes, NO, or which requests differ and what explains it."""
+    how = {"control": "as the none-chunked control",
+           "tie": "where no connector's top two tie (margin 0)"}.get(row.get("greedy_explained"))
+    if how:
+        return f"no at {row['differs_at']}, {how}"
+    return {True: "yes", False: "NO", None: "-"}[row["greedy_equal"]]
+
+
 def table(doc: dict) -> str:
     """The envelope as markdown: one row per cell that ran, then the cells that did not."""
     rows = verdict(doc["results"], doc.get("serving", ()))
@@ -521,9 +553,7 @@ def table(doc: dict) -> str:
         verdict_ = "pass" if r["pass"] else f"FAIL ({r['why']})"
         if r.get("wants_3_starts") and r["pass"]:
             verdict_ += " (near a bound: wants 3 starts)"
-        eq = {True: "yes", False: "NO", None: "-"}[r["greedy_equal"]]
-        if r.get("greedy_explained"):
-            eq = f"no at {r['differs_at']}, as the none-chunked control"
+        eq = greedy_text(r)
         lines.append(f"| {r['shape']} | {r['workload']} | {r['gpu']} | {cell('none')} | {cell(p)} | {cell(m)} | "
                      f"{r.get('vs_none', '-')} | {r.get('vs_peer', '-')} | {eq} | {r['starts'].get(m, 0)} | {verdict_} |")
     for shape, why in doc.get("not_runnable", {}).items():

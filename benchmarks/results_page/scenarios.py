@@ -189,7 +189,7 @@ def envelope(r: Result) -> str:
         rows.append([v["shape"], ENVELOPE_WORK.get(v["workload"], v["workload"]), v["gpu"], s("none"), s(peer),
                      f"{s(mine)} [{num(span[0], 3)}-{num(span[1], 3)}]" if span else s(mine),
                      v.get("vs_none", "-"), v.get("vs_peer", "-"),
-                     {True: "yes", False: "NO", None: "-"}[v["greedy_equal"]], v["starts"].get(mine, 0), verdict])
+                     env.greedy_text(v), v["starts"].get(mine, 0), verdict])
     for shape, why in r.doc.get("not_runnable", {}).items():
         rows.append([shape, "all", "-", "-", "-", "-", "-", "-", "-", 0, f"not run: {why}"])
     out = table(["shape", "workload", "GPU cache", "none s", "`OffloadingConnector` s", "ours s [min-max]",

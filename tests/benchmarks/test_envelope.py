@@ -139,9 +139,36 @@ def test_a_greedy_difference_names_the_requests_and_passes_only_where_the_contro
     assert not b["pass"] and b["control_differs_at"] == [2] and "control differs at [2]" in b["why"], b
     same = base + [_batch("none-chunked", 0, [(1, 1), (9, 9), (3, 3)])]
     b = {r["workload"]: r for r in envelope.verdict(same)}["batch"]
-    assert b["pass"] and b["greedy_explained"] and b["greedy_equal"] is False, b
+    assert b["pass"] and b["greedy_explained"] == "control" and b["greedy_equal"] is False, b
     text = envelope.table({"results": same, "not_runnable": {}, "skipped": []})
     assert "no at [1], as the none-chunked control" in text
+
+
+def test_a_difference_where_no_connectors_top_two_tie_is_rounding_not_a_load():
+    """No connector's first token at request 1 ties with the runner-up (margin 0.0): greedy takes whichever rounding
+    favours, so ours answering the other of the two passes; a token outside that pair, or a margin above 0 in any
+    start of no connector, still fails."""
+    none = _batch("none", 0, [(1, 1), (2, 2), (3, 3)], margins=[2.5, 0.0, 1.0])
+    none["batch_top2"] = [[1, 5], [2, 9], [3, 4]]
+    ours = _batch("tiered", 0, [(1, 1), (9, 9), (3, 3)])
+    base = [none, _batch("offloading", 0, [(1, 1), (2, 2), (3, 3)]), ours]
+    b = {r["workload"]: r for r in envelope.verdict(base)}["batch"]
+    assert b["pass"] and b["ties_at"] == [1] and b["greedy_explained"] == "tie", b
+    text = envelope.table({"results": base, "not_runnable": {}, "skipped": []})
+    assert "no at [1], where no connector's top two tie (margin 0)" in text
+    outside = [none, ours | {"batch_tokens": [[1, 1], [7, 7], [3, 3]]}]
+    b = {r["workload"]: r for r in envelope.verdict(outside)}["batch"]
+    assert not b["pass"] and b["ties_at"] == [], b
+    second = _batch("none", 1, [(1, 1), (2, 2), (3, 3)], margins=[2.5, 0.0039, 1.0])
+    b = {r["workload"]: r for r in envelope.verdict(base + [second])}["batch"]
+    assert not b["pass"] and "greedy outputs differ at request(s) [1]" in b["why"], b
+
+
+def test_first_top2_orders_the_two_likeliest_ids():
+    from types import SimpleNamespace as NS
+    lp = {5: NS(logprob=-0.5), 9: NS(logprob=-0.2), 3: NS(logprob=-4.0)}
+    assert envelope.first_top2(NS(outputs=[NS(logprobs=[lp])])) == [9, 5]
+    assert envelope.first_top2(NS(outputs=[NS(logprobs=[{1: NS(logprob=0.0)}])])) is None
 
 
 def test_first_margin_reads_vllms_top_two_logprobs():

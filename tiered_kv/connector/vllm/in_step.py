@@ -190,6 +190,9 @@ class InStepLoader:
         self._auto = cfg.in_step_copy == "auto"
         self._runs = [runs_per_block(kv) for kv in self.kvs]  # ``auto``'s rule, per KV cache group
         self.staged_copies = 0  # merged group copies that went through the staging buffer (forced or ``auto``)
+        #: descriptors (1-D runs, 2-D copies, kernel runs) the copies of the loads ``finish`` returned last took:
+        #: a step's 1 GiB of 64 KiB layer-blocks is 16,384 when no two blocks are adjacent on both sides
+        self.step_descriptors = 0
         # tensor i of group g belongs to layer _names[g][i] (a layer with several state tensors repeats)
         self._names = []
         for kv, _, names in parts:
@@ -429,6 +432,7 @@ class InStepLoader:
                         "%s; submitting them after the forward", self.rank, copy.done, _job_ids(copy))
             self._submit_spans(copy, len(copy.spans))
         loads, self.loads = self.loads, []
+        self.step_descriptors = sum(res.num_runs for res in {id(r): r for load in loads for r in load.results}.values())
         forward_done = None
         if self._debug and any(load.marks is not None for load in loads):  # the debug log waits for the forward
             forward_done = torch.cuda.Event(enable_timing=True)

@@ -6,7 +6,10 @@ neither, e.g. plain decode steps, write nothing), with
 
 - ``step`` (the scheduler's step number), ``t`` (wall clock, seconds since the epoch, at the step's
   ``get_finished``), ``in_step`` / ``async`` (loads started this step and their bytes on this rank;
-  ``in_step.staged``: how many of its merged copies, one per KV cache group, went through the staging buffer),
+  ``in_step.staged``: how many of its merged copies, one per KV cache group, went through the staging buffer;
+  ``in_step.descriptors``: the runs those copies took on the copy engine, or the staged DMAs and scatters, or the
+  SM kernel's runs: a step's 1 GiB of 64 KiB layer-blocks is 16,384 where no two blocks are adjacent on both
+  sides, fewer where vLLM's blocks for a chunk lie in a row),
   ``start_load_ms`` (how long ``start_load_kv`` held vLLM's thread submitting them), ``fence_ms``
   (of that, waiting for fenced copies), ``forward_submit_ms`` (``load_submit: pipelined``: how long
   ``wait_for_layer_load`` held it submitting later layer groups, between the forward's layers),
@@ -50,6 +53,7 @@ class _Step:
     step: int = -1
     in_step: list[int] = field(default_factory=lambda: [0, 0])  # loads, bytes
     staged: int = 0  # in-step merged copies (one per KV cache group) that went staged
+    descriptors: int = 0  # what those copies took (``CopyResult.num_runs``)
     async_: list[int] = field(default_factory=lambda: [0, 0])
     start_load_ms: float = 0.0
     fence_ms: float = 0.0
@@ -86,6 +90,10 @@ class LoadTrace:
     def staged(self, copies: int) -> None:
         """This step's in-step loads went as ``copies`` staged merged copies (``in_step_copy`` staged or auto)."""
         self._step.staged += copies
+
+    def descriptors(self, n: int) -> None:
+        """This step's in-step copies took ``n`` descriptors (runs, staged DMAs and scatters, or kernel runs)."""
+        self._step.descriptors += n
 
     def started(self, kind: str, job: int, nbytes: int, marks: tuple | None = None) -> None:
         """A load of ``kind`` ("in_step" | "async") started in this step; ``marks``: its timing events, if any."""
@@ -130,7 +138,8 @@ class LoadTrace:
         if not (st.in_step[0] or st.async_[0] or self._landed):
             return
         line = {"step": st.step, "t": round(time.time(), 4),
-                "in_step": {"loads": st.in_step[0], "bytes": st.in_step[1], "staged": st.staged},
+                "in_step": {"loads": st.in_step[0], "bytes": st.in_step[1], "staged": st.staged,
+                            "descriptors": st.descriptors},
                 "async": {"loads": st.async_[0], "bytes": st.async_[1]},
                 "start_load_ms": round(st.start_load_ms, 3), "fence_ms": round(st.fence_ms, 3),
                 "forward_submit_ms": round(st.forward_submit_ms, 3),

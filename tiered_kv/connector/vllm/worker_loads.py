@@ -71,6 +71,7 @@ class StepLoads:
         submit_ms = in_step.take_forward_submit_ms()
         if self.trace is not None:
             self.trace.held_in_forward(submit_ms)
+            self.trace.descriptors(in_step.step_descriptors)
         for job, done in finished:
             self.runner.count(job, done.nbytes, done.seconds, done.ok, done.corrupt)
             self._on_done(job, done)
