@@ -188,8 +188,9 @@ def test_load_mode_is_validated(mode):
         assert ConnectorConfig(load_mode=mode).load_mode == mode
 
 
-def test_fence_cancels_a_queued_store_and_waits_for_a_started_one():
-    """A fence waits for a store whose copy began and cancels one still queued behind it."""
+def test_fence_cancels_a_queued_store_and_waits_for_a_started_one(caplog):
+    """A fence waits for a store whose copy began and cancels one still queued behind it, and says so in a
+    warning (at most one per ``DROP_WARN_INTERVAL_S``)."""
     import threading
     import time
 
@@ -217,8 +218,18 @@ def test_fence_cancels_a_queued_store_and_waits_for_a_started_one():
         assert entered.wait(10)  # store 1 is copying; store 2 is queued behind it on the front mover
         rt.on_plan(StepPlan(2, fences=[1, 2]))
         threading.Timer(0.2, release.set).start()
-        rt.fence()  # returns once store 1 finished; store 2 is cancelled, not waited for
+        with caplog.at_level("WARNING", logger="tiered_kv.connector.vllm.worker"):
+            rt.fence()  # returns once store 1 finished; store 2 is cancelled, not waited for
         assert release.is_set()
+        warned = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+        assert len(warned) == 1 and "1 stored chunk(s) dropped" in warned[0] and "cpu_bytes" in warned[0], warned
+        caplog.clear()
+        rt._warn_dropped(3)  # within the interval: counted, not logged
+        assert not [r for r in caplog.records if "dropped" in r.getMessage()]
+        rt._drops_warned_at -= 61.0
+        with caplog.at_level("WARNING", logger="tiered_kv.connector.vllm.worker"):
+            rt._warn_dropped(2)
+        assert [r.getMessage() for r in caplog.records if "5 stored chunk(s) dropped" in r.getMessage()]
         stats = rt.stats()
         assert stats["fences_waited"] == 1 and stats["stores_cancelled"] == 1
         deadline = time.monotonic() + 10

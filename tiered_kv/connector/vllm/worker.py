@@ -98,6 +98,8 @@ log = logging.getLogger(__name__)
 _FRONT_KINDS = (JobKind.INGRESS, JobKind.EGRESS)
 #: How long a fence lets a queued store start before cancelling it (most are next in line).
 FENCE_PATIENCE_S = 0.002
+#: At most one warning this often (seconds) while fences cancel queued stores.
+DROP_WARN_INTERVAL_S = 60.0
 
 
 def slab_planes(slab: torch.Tensor, sections: list[tuple[int, int]]) -> list[torch.Tensor]:
@@ -236,6 +238,8 @@ class WorkerRuntime(StepLoads):
         self._plan: StepPlan | None = None
         self._early_done = self._stores_done = self._fenced = True
         self._held_stores: list[TransferJob] = []  # this step's stores, until its in-step loads are known good
+        self._drops_warned_at = -DROP_WARN_INTERVAL_S  # monotonic time of the last dropped-stores warning
+        self._drops_unwarned = 0  # chunks cancelled since that warning
         self.copier: BlockCopier | None = None  # group 0's (the only one for most models)
         self.copiers: list[BlockCopier] = []
         # in-step loads, on vLLM's thread; None before ``register`` and with load_mode "async"
@@ -335,6 +339,7 @@ class WorkerRuntime(StepLoads):
         for _, ev in queued:  # most queued stores are about to run: give them a moment
             ev.wait(max(0.0, deadline - time.perf_counter()))
         waits = []
+        dropped = 0
         with self._lock:
             for job_id, ev in fenced:
                 items = self.runner.queued_stores.pop(job_id, None)
@@ -342,15 +347,32 @@ class WorkerRuntime(StepLoads):
                     self.runner.cancelled.add(job_id)
                     pending.discard(job_id)
                     self.counters.stores_cancelled += items
+                    dropped += items
                     log.debug("rank %d: fence cancelled queued store job %d", self.rank, job_id)
                 else:
                     waits.append(ev)
         self.counters.fences_waited += len(pending)  # fenced jobs not done when the fence began
+        if dropped:
+            self._warn_dropped(dropped)
         for ev in waits:
             ev.wait()
         if pending:
             log.debug("rank %d: fence waited %.1f ms for %d job(s)", self.rank, (time.perf_counter() - t0) * 1e3,
                       len(pending))
+
+    def _warn_dropped(self, items: int) -> None:
+        """Say, at most once per ``DROP_WARN_INTERVAL_S``, that fences cancelled queued stores: each is a later miss."""
+        self._drops_unwarned += items
+        now = time.monotonic()
+        if now - self._drops_warned_at < DROP_WARN_INTERVAL_S:
+            return
+        log.warning("TieredKVConnector rank %d: %d stored chunk(s) dropped since the last such message (%d in all): "
+                    "their copies were still queued when vLLM re-used the GPU blocks, so those prefixes will be "
+                    "recomputed. The movers fall behind the engine; most often a full CPU tier that must first move "
+                    "chunks down to a slower disk tier. A larger cpu_bytes absorbs longer bursts",
+                    self.rank, self._drops_unwarned, self.counters.stores_cancelled)
+        self._drops_warned_at = now
+        self._drops_unwarned = 0
 
     def before_forward(self, layerwise_ok: bool = False) -> None:
         """Submit loads and tier moves (``start_load_kv``); idempotent per step.
