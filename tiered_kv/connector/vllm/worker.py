@@ -238,7 +238,7 @@ class WorkerRuntime(StepLoads):
         self._plan: StepPlan | None = None
         self._early_done = self._stores_done = self._fenced = True
         self._held_stores: list[TransferJob] = []  # this step's stores, until its in-step loads are known good
-        self._drops_warned_at = -DROP_WARN_INTERVAL_S  # monotonic time of the last dropped-stores warning
+        self._drops_warned_at: float | None = None  # monotonic time of the last dropped-stores warning
         self._drops_unwarned = 0  # chunks cancelled since that warning
         self.copier: BlockCopier | None = None  # group 0's (the only one for most models)
         self.copiers: list[BlockCopier] = []
@@ -364,13 +364,13 @@ class WorkerRuntime(StepLoads):
         """Say, at most once per ``DROP_WARN_INTERVAL_S``, that fences cancelled queued stores: each is a later miss."""
         self._drops_unwarned += items
         now = time.monotonic()
-        if now - self._drops_warned_at < DROP_WARN_INTERVAL_S:
+        if self._drops_warned_at is not None and now - self._drops_warned_at < DROP_WARN_INTERVAL_S:
             return
-        log.warning("TieredKVConnector rank %d: %d stored chunk(s) dropped since the last such message (%d in all): "
-                    "their copies were still queued when vLLM re-used the GPU blocks, so those prefixes will be "
-                    "recomputed. The movers fall behind the engine; most often a full CPU tier that must first move "
-                    "chunks down to a slower disk tier. A larger cpu_bytes absorbs longer bursts",
-                    self.rank, self._drops_unwarned, self.counters.stores_cancelled)
+        log.warning("TieredKVConnector rank %d: %d stored chunk(s) dropped so far (%d since the last warning): their "
+                    "copies were still queued when vLLM re-used the GPU blocks, so those prefixes will be recomputed. "
+                    "The movers fall behind the engine; most often a full CPU tier that must first move chunks down "
+                    "to a slower disk tier. A larger cpu_bytes absorbs longer bursts",
+                    self.rank, self.counters.stores_cancelled, self._drops_unwarned)
         self._drops_warned_at = now
         self._drops_unwarned = 0
 
