@@ -305,22 +305,26 @@ def run_one(shape: str, mode: str, gpu: str) -> dict:
     return _finish(rec, llm, c0, c1, c2, trace, (t_batch, t_batch + dt))
 
 
-def first_margin(out) -> float | None:
-    """The first output token's logprob lead over the runner-up (vLLM's ``logprobs=2``): how close greedy was."""
+def _first_ranked(out) -> list[tuple[int, float]] | None:
+    """The first output token's candidates from vLLM's ``logprobs=2`` as (token id, logprob), likeliest first; None
+    when fewer than two came back."""
     lp = (out.outputs[0].logprobs or [None])[0]
     if not lp or len(lp) < 2:
         return None
-    top = sorted((v.logprob for v in lp.values()), reverse=True)
-    return round(top[0] - top[1], 5)
+    return sorted(((int(t), v.logprob) for t, v in lp.items()), key=lambda tv: -tv[1])
+
+
+def first_margin(out) -> float | None:
+    """The first output token's logprob lead over the runner-up (vLLM's ``logprobs=2``): how close greedy was."""
+    ranked = _first_ranked(out)
+    return None if ranked is None else round(ranked[0][1] - ranked[1][1], 5)
 
 
 def first_top2(out) -> list[int] | None:
     """The first output token's two most likely token ids, the likelier first (vLLM's ``logprobs=2``): with
     ``first_margin`` 0.0 the two tie, and which one greedy answers is a matter of rounding."""
-    lp = (out.outputs[0].logprobs or [None])[0]
-    if not lp or len(lp) < 2:
-        return None
-    return [int(t) for t, _ in sorted(lp.items(), key=lambda kv: -kv[1].logprob)[:2]]
+    ranked = _first_ranked(out)
+    return None if ranked is None else [t for t, _ in ranked[:2]]
 
 
 def _finish(rec: dict, llm, c0: dict, c1: dict, c2: dict | None, trace: str | None,
@@ -463,7 +467,7 @@ def _differences(ok: list[dict], got: dict, refs: dict, shape: str, gpu: str, to
         def tie(i: int) -> bool:
             if any(r["batch_margins"][i] != 0.0 for r in nones):
                 return False
-            tops = [r["batch_top2"][i] for r in nones if (r.get("batch_top2") or [None] * (i + 1))[i]]
+            tops = [top[i] for r in nones if (top := r.get("batch_top2")) and top[i]]
             return all(toks[i][0] in top for top in tops for toks in ours)
 
         out["ties_at"] = [i for i in at if tie(i)]
