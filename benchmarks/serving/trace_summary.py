@@ -73,6 +73,8 @@ def summarize_phase(lines: list[dict], t_start: float, t_end: float) -> dict:
     out["forward_submit_ms"] = _dist([x["forward_submit_ms"] for x in loading if "forward_submit_ms" in x])
     # in_step_copy staged / auto: steps whose in-step copy went through the staging buffer (older traces: none)
     out["staged_steps"] = sum(1 for x in loading if x["in_step"].get("staged"))
+    # in_step_copy sm_kernel / auto in small steps (in_step_sm_max_tokens): steps whose copy took the SM kernel
+    out["sm_steps"] = sum(1 for x in loading if x["in_step"].get("sm"))
     return out
 
 
@@ -86,6 +88,7 @@ def line(mode: str, phase: str, s: dict) -> str:
             + (f" | between layers p50 {s['forward_submit_ms'].get('p50')} max {s['forward_submit_ms'].get('max')} ms"
                if s.get("forward_submit_ms", {}).get("n") else "")
             + (f" | staged in {s['staged_steps']} steps" if s.get("staged_steps") else "")
+            + (f" | SM kernel in {s['sm_steps']} steps" if s.get("sm_steps") else "")
             + (f" | steps >= {BIG_STEP_BYTES / 1e9:g} GB in-step: {s['big_step_hold_gbps']['n']}, held the thread "
                f"for bytes / {s['big_step_hold_gbps']['p50']} GB/s (p50)" if s.get("big_step_hold_gbps", {}).get("n")
                else ""))

@@ -690,6 +690,10 @@ def test_trace_summary_per_phase(tmp_path):
     big[0]["in_step"]["staged"] = 1  # in_step_copy staged / auto: that step's copy went through the staging buffer
     b = trace_summary.summarize_phase(big, 29.9, 30.3)
     assert b["staged_steps"] == 1 and "staged in 1 steps" in trace_summary.line("tiered", "c32", b)
+    assert b["sm_steps"] == 0 and "SM kernel in" not in trace_summary.line("tiered", "c32", b)
+    big[1]["in_step"]["sm"] = 1  # in_step_copy auto in a step of few tokens: that step's copy took the SM kernel
+    b = trace_summary.summarize_phase(big, 29.9, 30.3)
+    assert b["sm_steps"] == 1 and "SM kernel in 1 steps" in trace_summary.line("tiered", "c32", b)
 
 
 def test_trace_flag_collects_each_start_and_summarises_its_phases(tmp_path):

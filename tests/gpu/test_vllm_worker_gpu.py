@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.connector.vllm.test_worker_in_step import run_in_step_load
-from tiered_kv.connector.vllm.in_step import MAX_AUTO_GROUPS, MIN_GROUP_BYTES
+from tiered_kv.connector.vllm.in_step import AUTO_SM_MIN_DESCRIPTORS, MAX_AUTO_GROUPS, MIN_GROUP_BYTES
 
 
 @pytest.mark.parametrize("load_submit", ["pipelined", "upfront"])
@@ -46,3 +46,17 @@ def test_in_step_load_groups_on_cuda(cross_layer, groups, copy):
     # auto: 16 KiB layer-blocks (2 heads) are descriptor-bound on the copy engine: staged; a cross-layer
     # tensor's block is one 512 KiB run: the copy engine
     assert stats["sync_staged_copies"] == (1 if copy == "staged" or (copy == "auto" and not cross_layer) else 0)
+
+
+@pytest.mark.parametrize("step_tokens", [66, 4096, None], ids=["small-step", "large-step", "unknown"])
+def test_auto_takes_the_sm_kernel_for_a_large_copy_in_a_small_step(step_tokens):
+    # 32 layers x 8 heads x 128 dims: 64 KiB layer-blocks; 40 chunks of 4 blocks (one held locally): 159 blocks,
+    # 5,088 descriptors on the copy engine (>= AUTO_SM_MIN_DESCRIPTORS), 318 MiB: past load_ahead_bytes, so the
+    # SM kernel's later layer groups are submitted from wait_layer, each read checked against the slab
+    stats = run_in_step_load("cuda", layers=32, heads=8, head_dim=128, chunks=40, layerwise=True,
+                             slow_stream=True, step_tokens=step_tokens)
+    assert 159 * 32 >= AUTO_SM_MIN_DESCRIPTORS
+    assert stats["sync_loads"] == 1 and stats["failed_items"] == 0
+    assert stats["bytes_loaded"] == 159 * 32 * 8 * 16 * 256 * 2
+    assert stats["sync_sm_copies"] == (1 if step_tokens == 66 else 0)
+    assert stats["sync_staged_copies"] == 0

@@ -149,6 +149,10 @@ class BlockCopier:
         """Let queued copies be submitted, then stop the submitter threads (results stay valid)."""
         self._lanes.close()
 
+    def sm_kernel_available(self) -> bool:
+        """Whether ``Mechanism.SM_KERNEL`` can run for this layout (CUDA tensors and Triton present)."""
+        return self._gpu is not None and self._gpu.sm_available()
+
     @property
     def num_slots(self) -> int:
         """Slots in the slab."""

@@ -253,9 +253,9 @@ def test_auto_stages_the_copies_its_rule_picks(monkeypatch):
 
     calls = []
 
-    def as_on_cuda(kv, blocks, runs=None):
+    def as_on_cuda(kv, blocks, runs=None, small_step=False):
         calls.append((blocks, runs))
-        return Mechanism.STAGED if in_step_mod.descriptor_bound(kv, blocks, runs) else None
+        return in_step_mod.auto_rule(kv, blocks, runs, small_step)
 
     monkeypatch.setattr(in_step_mod, "auto_copy", as_on_cuda)
     rt, kv, names, items = _step("pipelined", groups=4, ahead=GROUP)

@@ -49,11 +49,13 @@ def make_runtime(device: str, layers: int, heads: int, head_dim: int, num_blocks
 
 
 def run_in_step_load(device: str, layers: int = 4, heads: int = 2, head_dim: int = 64, chunks: int = 3,
-                     layerwise: bool = True, slow_stream: bool = False, cross_layer: bool = False, **extra) -> dict:
+                     layerwise: bool = True, slow_stream: bool = False, cross_layer: bool = False,
+                     step_tokens: int | None = None, **extra) -> dict:
     """Load ``chunks`` chunks from CPU slots into scattered GPU blocks in-step; check every layer as read.
 
     Returns the worker's stats. With ``slow_stream`` (CUDA only) the engine's stream is kept busy
-    before the load starts, so a read that did not wait would see the old (zero) bytes.
+    before the load starts, so a read that did not wait would see the old (zero) bytes. ``step_tokens``:
+    the tokens the plan says the step schedules (``in_step_sm_max_tokens``; None: not known).
     """
     num_blocks = chunks * K * 2 + 3
     rt, kv, names = make_runtime(device, layers, heads, head_dim, num_blocks, cpu_chunks=chunks + 2,
@@ -67,7 +69,7 @@ def run_in_step_load(device: str, layers: int = 4, heads: int = 2, head_dim: int
         gpu[1] = -1  # a block held locally already: must stay untouched
         job = TransferJob(7, JobKind.EGRESS, CPU, EXT, [b"k%d" % c for c in range(chunks)], slots,
                           list(range(chunks)))
-        plan = StepPlan(1, early=[job], ext={7: gpu}, sync=[7])
+        plan = StepPlan(1, early=[job], ext={7: gpu}, sync=[7], tokens=step_tokens)
         rt.on_plan(plan)
         if slow_stream:
             a = torch.randn(4096, 4096, device=device)

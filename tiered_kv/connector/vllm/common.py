@@ -36,7 +36,9 @@ class StepPlan:
     ``finished_recving`` when all are done) and ``load_fail`` to GPU blocks its load cannot
     fill (reported as load errors, so vLLM recomputes them). ``idle``: vLLM scheduled no token in
     this step (every request waits: for its loads, a promotion...), so a worker with loads in flight
-    may wait for them in ``get_finished`` (``idle.py``).
+    may wait for them in ``get_finished`` (``idle.py``). ``tokens``: every token vLLM scheduled in this step
+    (its ``total_num_scheduled_tokens``; None where unknown): how much the step's forward computes beside its
+    in-step loads (``in_step_sm_max_tokens``).
     """
 
     step: int
@@ -49,6 +51,7 @@ class StepPlan:
     sync: list[int] = field(default_factory=list)
     sync_fail: list[int] = field(default_factory=list)
     idle: bool = False
+    tokens: int | None = None
 
     def empty(self) -> bool:
         """True when the workers have nothing to do."""

@@ -25,7 +25,8 @@ copy of each in-step load (``StepPlan.sync``):
   those are ordered after the in-step copies, which must exist by then.
 - ``in_step_copy`` "auto" (default) picks the mechanism per KV cache group and step (``auto_copy``):
   the staged load where the copy engine is descriptor-bound (small layer-blocks, or a step of very
-  many), the copier's choice otherwise.
+  many), the SM kernel for a copy of many descriptors in a step with few tokens (``small_step``), the
+  copier's choice otherwise.
 - ``wait_layer`` (vLLM's ``wait_for_layer_load``) submits what is due (above), then makes the
   engine's stream wait, on the GPU, for that layer's group (no host wait for the bytes).
 - ``finish`` (from ``poll``: vLLM's ``get_finished`` of the same step) submits any group vLLM
@@ -83,6 +84,13 @@ AUTO_STAGED_MAX_CHUNK = 32 << 10
 #: 86.2 ms) and on the 64-layer shape (c8 188 against 219 ms: ~2.4 GB steps), and the 8B shape's c32 waves
 #: (4.7 GB steps: 225.7 against 241.6 ms), but lost the 8B shape's c8 (1.2 GB steps: 99.5 against 80.3 ms).
 AUTO_STAGED_MIN_DESCRIPTORS = 1 << 15
+#: ``in_step_copy: auto``: a copy the rules above leave on the copy engine goes through the SM kernel when it needs
+#: at least this many descriptors (256 MiB of 64 KiB layer-blocks: ~4 ms of vLLM's thread) and the step schedules
+#: at most ``in_step_sm_max_tokens`` tokens, so the forward the kernel shares the SMs with is small. H200, vLLM
+#: 0.26, Llama-3-8B turn 2 with a roomy GPU cache (2026-11-29, docs/notes/2026-11-29-gpu-round7.md): the 1 GiB
+#: load's 16,384 descriptors held vLLM's thread 15-22 ms and the copy engine moved 36-52 GB/s as the host allowed;
+#: the SM kernel held it 5-8 ms at a steady 48 GB/s: TTFT 36.4 ms median over 5 starts against 49.4.
+AUTO_SM_MIN_DESCRIPTORS = 1 << 12
 #: At most this many layer groups by default (``load_groups`` = 0) with ``load_submit: upfront``.
 #: The whole load is submitted on vLLM's thread before the forward is launched, so every group's
 #: driver calls and event delay the launch; with few new tokens the forward's GPU work after the
@@ -188,8 +196,10 @@ class InStepLoader:
         self._forced = {"sm_kernel": Mechanism.SM_KERNEL if self._cuda else None,
                         "staged": Mechanism.STAGED}.get(cfg.in_step_copy)
         self._auto = cfg.in_step_copy == "auto"
+        self._sm_max_tokens = cfg.in_step_sm_max_tokens  # ``auto``'s SM kernel in steps of at most this many tokens
         self._runs = [runs_per_block(kv) for kv in self.kvs]  # ``auto``'s rule, per KV cache group
         self.staged_copies = 0  # merged group copies that went through the staging buffer (forced or ``auto``)
+        self.sm_copies = 0  # merged group copies that went through the SM kernel (forced or ``auto``)
         #: descriptors (1-D runs, 2-D copies, kernel runs) the copies of the loads ``finish`` returned last took:
         #: a step's 1 GiB of 64 KiB layer-blocks is 16,384 when no two blocks are adjacent on both sides
         self.step_descriptors = 0
@@ -242,13 +252,15 @@ class InStepLoader:
         promotions of the records they read anyway)."""
         return self.disk.adopt(jobs, events, lock) if self.disk is not None and self.disk.busy else jobs
 
-    def submit(self, layerwise_ok: bool, mechanism: Mechanism | None, pipelined: bool = True) -> tuple[int, int]:
+    def submit(self, layerwise_ok: bool, mechanism: Mechanism | None, pipelined: bool = True,
+               step_tokens: int | None = None) -> tuple[int, int]:
         """Submit the loads ``start`` took since the last call, merged per KV cache group.
 
         ``layerwise_ok``: vLLM will call ``wait_layer`` for every attention layer of this step's
         forward. ``mechanism``: what the movers use now (None: the copier chooses), unless
         ``in_step_copy`` forces the SM kernel or the staged load, or (``auto``) ``auto_copy`` stages a
-        group's copy. ``pipelined``: False submits every
+        group's copy or, ``step_tokens`` (the step's scheduled tokens; None: unknown) being at most
+        ``in_step_sm_max_tokens``, sends it through the SM kernel. ``pipelined``: False submits every
         layer group now even with ``load_submit: pipelined`` (the caller orders more copies after
         these). Returns (loads started, layer groups planned); a load that could not start is
         counted in neither and ``finish`` reports it failed.
@@ -273,6 +285,7 @@ class InStepLoader:
             mechanism = self._forced
         # auto: not over the SM kernel the worker fell back to (a staged layer group needs cuda-python too)
         auto = self._auto and mechanism in (None, Mechanism.COPY_ENGINE)
+        small = auto and step_tokens is not None and 0 < self._sm_max_tokens and step_tokens <= self._sm_max_tokens
         planned = 0
         for g in self._order:
             members = [load for load in pending if load.parts[g][0]]
@@ -283,7 +296,8 @@ class InStepLoader:
             kv = self.kvs[g]
             nbytes = len(gpu) * kv.block_nbytes
             ahead = lazy and nbytes > self._ahead
-            staged = auto and auto_copy(kv, len(gpu), self._runs[g]) is Mechanism.STAGED
+            chosen = auto_copy(kv, len(gpu), self._runs[g], small and self.copiers[g].sm_kernel_available()) \
+                if auto else None
             if not split:
                 spans = [(0, len(kv.tensors))]
             elif ahead:
@@ -291,7 +305,7 @@ class InStepLoader:
                 spans = layer_groups(kv, nbytes, wanted)
             else:
                 spans = layer_groups(kv, nbytes, self._groups_wanted)
-            copy = _StepCopy(g, rows, gpu, members, spans, Mechanism.STAGED if staged else mechanism)
+            copy = _StepCopy(g, rows, gpu, members, spans, chosen or mechanism)
             for load in members:
                 load.open_copies += 1
             planned += len(spans)
@@ -330,6 +344,8 @@ class InStepLoader:
             elif results:
                 if first and results[0].mechanism is Mechanism.STAGED:  # not when the copier had no staging memory
                     self.staged_copies += 1
+                elif first and results[0].mechanism is Mechanism.SM_KERNEL:
+                    self.sm_copies += 1
                 copy.results.extend(results)
                 for load in copy.loads:
                     load.results.extend(results)
@@ -501,13 +517,25 @@ def _stream_waits(results: list[CopyResult], stream) -> None:
             pass
 
 
-def auto_copy(kv: KVLayout, blocks: int, runs: int | None = None) -> Mechanism | None:
-    """``in_step_copy: auto`` for one KV cache group's copy of ``blocks`` blocks: ``Mechanism.STAGED`` on CUDA
+def auto_copy(kv: KVLayout, blocks: int, runs: int | None = None, small_step: bool = False) -> Mechanism | None:
+    """``in_step_copy: auto`` for one KV cache group's copy of ``blocks`` blocks, on CUDA: ``Mechanism.STAGED``
     where the copy engine is descriptor-bound (layer-blocks of at most ``AUTO_STAGED_MAX_CHUNK`` bytes, or at
-    least ``AUTO_STAGED_MIN_DESCRIPTORS`` of them in this copy), else None (the copier's choice). On CPU
-    tensors always None: there is no descriptor cost, and staging would only add a copy. ``runs``:
-    ``runs_per_block(kv)`` if the caller keeps it. Pure function, like the two below: any thread."""
-    return Mechanism.STAGED if kv.device.type == "cuda" and descriptor_bound(kv, blocks, runs) else None
+    least ``AUTO_STAGED_MIN_DESCRIPTORS`` of them in this copy); else ``Mechanism.SM_KERNEL`` where
+    ``small_step`` (the step schedules few tokens and the SM kernel can run) and the copy takes at least
+    ``AUTO_SM_MIN_DESCRIPTORS``; else None (the copier's choice). On CPU tensors always None: there is no
+    descriptor cost to save. ``runs``: ``runs_per_block(kv)`` if the caller keeps it. Pure function, like the
+    ones below: any thread."""
+    return auto_rule(kv, blocks, runs, small_step) if kv.device.type == "cuda" else None
+
+
+def auto_rule(kv: KVLayout, blocks: int, runs: int | None = None, small_step: bool = False) -> Mechanism | None:
+    """``auto_copy``'s choice as it would be on CUDA, whatever the device (what the CPU tests check)."""
+    runs = runs_per_block(kv) if runs is None else runs
+    if descriptor_bound(kv, blocks, runs):
+        return Mechanism.STAGED
+    if small_step and blocks * runs >= AUTO_SM_MIN_DESCRIPTORS:
+        return Mechanism.SM_KERNEL
+    return None
 
 
 def descriptor_bound(kv: KVLayout, blocks: int, runs: int | None = None) -> bool:

@@ -70,6 +70,7 @@ class WorkerCounters:
     sync_loads: int = 0
     sync_load_groups: int = 0
     sync_staged_copies: int = 0  # in-step merged copies (one per KV cache group and step) that went staged
+    sync_sm_copies: int = 0  # in-step merged copies that went through the SM kernel (forced or ``auto``)
     async_loads: int = 0  # asynchronous CPU-tier loads submitted through the AsyncLoader
     async_batches: int = 0  # steps that submitted such loads (one submission each)
     plain_copy_fallbacks: int = 0  # several groups: batched copies retried as plain torch copies

@@ -7,6 +7,7 @@ neither, e.g. plain decode steps, write nothing), with
 - ``step`` (the scheduler's step number), ``t`` (wall clock, seconds since the epoch, at the step's
   ``get_finished``), ``in_step`` / ``async`` (loads started this step and their bytes on this rank;
   ``in_step.staged``: how many of its merged copies, one per KV cache group, went through the staging buffer;
+  ``in_step.sm``: how many through the SM kernel;
   ``in_step.descriptors``: the runs those copies took on the copy engine, or the staged DMAs and scatters, or the
   SM kernel's runs: a step's 1 GiB of 64 KiB layer-blocks is 16,384 where no two blocks are adjacent on both
   sides, fewer where vLLM's blocks for a chunk lie in a row),
@@ -53,6 +54,7 @@ class _Step:
     step: int = -1
     in_step: list[int] = field(default_factory=lambda: [0, 0])  # loads, bytes
     staged: int = 0  # in-step merged copies (one per KV cache group) that went staged
+    sm: int = 0  # ... and through the SM kernel
     descriptors: int = 0  # what those copies took (``CopyResult.num_runs``)
     async_: list[int] = field(default_factory=lambda: [0, 0])
     start_load_ms: float = 0.0
@@ -87,9 +89,11 @@ class LoadTrace:
         """``wait_for_layer_load`` of this step held vLLM's thread this long submitting layer groups."""
         self._step.forward_submit_ms += ms
 
-    def staged(self, copies: int) -> None:
-        """This step's in-step loads went as ``copies`` staged merged copies (``in_step_copy`` staged or auto)."""
-        self._step.staged += copies
+    def copies(self, staged: int, sm: int = 0) -> None:
+        """This step's in-step loads went as ``staged`` staged merged copies and ``sm`` through the SM kernel
+        (``in_step_copy`` staged or sm_kernel, or auto's choice)."""
+        self._step.staged += staged
+        self._step.sm += sm
 
     def descriptors(self, n: int) -> None:
         """This step's in-step copies took ``n`` descriptors (runs, staged DMAs and scatters, or kernel runs)."""
@@ -139,7 +143,7 @@ class LoadTrace:
             return
         line = {"step": st.step, "t": round(time.time(), 4),
                 "in_step": {"loads": st.in_step[0], "bytes": st.in_step[1], "staged": st.staged,
-                            "descriptors": st.descriptors},
+                            "sm": st.sm, "descriptors": st.descriptors},
                 "async": {"loads": st.async_[0], "bytes": st.async_[1]},
                 "start_load_ms": round(st.start_load_ms, 3), "fence_ms": round(st.fence_ms, 3),
                 "forward_submit_ms": round(st.forward_submit_ms, 3),

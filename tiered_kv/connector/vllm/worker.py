@@ -411,15 +411,16 @@ class WorkerRuntime(StepLoads):
             early = in_step.adopt([j for j in early if j.job_id not in sync], self._events, self._lock)
             # asynchronous loads of this step are ordered after the in-step copies: those must all exist
             pipelined = not (self.async_loads is not None and any(async_load(j) for j in early))
-            staged = in_step.staged_copies
-            loads, groups = in_step.submit(layerwise_ok, self.runner.mechanism, pipelined)
+            staged, sm = in_step.staged_copies, in_step.sm_copies
+            loads, groups = in_step.submit(layerwise_ok, self.runner.mechanism, pipelined, plan.tokens)
             c.sync_loads += loads
             c.sync_load_groups += groups
-            staged = in_step.staged_copies - staged
+            staged, sm = in_step.staged_copies - staged, in_step.sm_copies - sm
             c.sync_staged_copies += staged
+            c.sync_sm_copies += sm
             if trace is not None:
-                if staged:
-                    trace.staged(staged)
+                if staged or sm:
+                    trace.copies(staged, sm)
                 for load in in_step.loads[first:]:
                     trace.started("in_step", load.job.job_id, load.nbytes, load.marks)
         if self.async_loads is not None and plan.loads:
