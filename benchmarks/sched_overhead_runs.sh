@@ -9,6 +9,9 @@
 # numbers are per-step times and other processes move them; SCHED_CLOCK=thread times the scheduler
 # thread's CPU time instead (benchmarks/probes/thread_clock.py), which a busy box moves much less.
 # SCHED_GC=engine: a control with the garbage collector as vLLM's engine leaves it (benchmarks/probes/engine_gc.py).
+# SCHED_CALIB=1: each run also times a fixed piece of Python work in its own process
+# beside every step (benchmarks/probes/box_speed.py), and the table adds the comparison over the runs at the set's best
+# box speed (benchmarks/sched_overhead_json.py).
 #
 # With TKV_REMOTE_URL (and TKV_REMOTE_PASSWORD_ENV) set, a fourth mode runs TieredKVConnector with the
 # remote tier on that cluster (benchmarks/remote_sched_mode.py; TKV_FLEET_KEYS_PER_S chunks/s announced
@@ -35,33 +38,21 @@ CLOCK_WRAPPER=""
 # SCHED_GC=engine: the collector state vLLM's EngineCore leaves (freeze_gc_heap after building the Scheduler),
 # so the ~95 measured steps do not depend on each mode's start-up allocations (benchmarks/probes/engine_gc.py)
 [ "${SCHED_GC:-tool}" = engine ] && CLOCK_WRAPPER="$CLOCK_WRAPPER benchmarks/probes/engine_gc.py"
+# SCHED_CALIB=1: last wrapper before the tool, so it calibrates on the clock the tool times with
+[ "${SCHED_CALIB:-0}" = 1 ] && CLOCK_WRAPPER="$CLOCK_WRAPPER benchmarks/probes/box_speed.py"
 echo "# $(date -u +%FT%TZ) host=$(hostname) cpus=$(nproc) python=$PY reps=$REPS clock=${SCHED_CLOCK:-wall}" \
-  "gc=${SCHED_GC:-tool}" | tee "$OUT.log"
+  "gc=${SCHED_GC:-tool} calib=${SCHED_CALIB:-0}" | tee "$OUT.log"
 for rep in $(seq 1 "$REPS"); do
   for mode in "${MODES[@]}"; do
-    line=$("$PY" ${CLOCK_WRAPPER} "$TOOL" "$mode" 2>/dev/null | grep '^RESULT ' | sed 's/^RESULT //')
+    run=$("$PY" ${CLOCK_WRAPPER} "$TOOL" "$mode" 2>/dev/null)
+    line=$(echo "$run" | grep '^RESULT ' | sed 's/^RESULT //')
+    calib=$(echo "$run" | grep '^CALIB ' | sed 's/^CALIB //' || true)
+    if [ -n "$calib" ]; then  # one JSON line: the run's result and its box speed
+      line=$("$PY" -c 'import json, sys; print(json.dumps({**json.loads(sys.argv[1]), **json.loads(sys.argv[2])}))' \
+        "$line" "$calib")
+    fi
     echo "$line" | tee -a "$OUT"
   done
 done
-"$PY" - "$OUT" <<'EOF'
-import json, statistics, sys
-rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
-by = {}
-for r in rows:
-    by.setdefault(r["mode"], []).append(r["us_per_step"])
-base = statistics.median(by["none"])
-null = [m for m in by if m.endswith(":NullConnector")]
-floor = statistics.median(by[null[0]]) if null else None
-print(f"| mode | runs (us/step) | median us/step | vs none | vs NullConnector |")
-print(f"|---|---|---|---|---|")
-for mode, xs in by.items():
-    med = statistics.median(xs)
-    vs_null = f"{100 * (med / floor - 1):+.1f}%" if floor else "-"
-    print(f"| `{mode}` | {', '.join(f'{x:.0f}' for x in xs)} | {med:.0f} | {100 * (med / base - 1):+.1f}% | {vs_null} |")
-# paired: each rep's modes ran back to back, so a per-rep ratio cancels the box's slow drifts
-reps = min(len(xs) for xs in by.values())
-for mode in by:
-    if mode != "none":
-        ratios = sorted(by[mode][i] / by["none"][i] for i in range(reps))
-        print(f"paired median {mode} / none: {100 * (statistics.median(ratios) - 1):+.1f}%")
-EOF
+# one implementation of the medians and paired ratios: the results JSON's
+"$PY" benchmarks/sched_overhead_json.py --table "$OUT"

@@ -259,7 +259,14 @@ def sched(r: Result) -> str:
         m = s["modes"]
 
         def cell(k: str) -> str:
-            return f"{num(m[k]['median_us_per_step'], 0)}, {_pct(m[k]['paired_median_vs_none_pct'])}" if k in m else "-"
+            if k not in m:
+                return "-"
+            out = f"{num(m[k]['median_us_per_step'], 0)}, {_pct(m[k]['paired_median_vs_none_pct'])}"
+            quiet = m[k].get("quiet_runs_us_per_step")  # SCHED_CALIB=1 sets: the runs at the set's best box speed
+            if quiet and m[k].get("quiet_median_vs_none_pct") is not None:
+                out += (f"; at the best box speed {_pct(m[k]['quiet_median_vs_none_pct'])} ({len(quiet)} "
+                        f"run{'s' if len(quiet) != 1 else ''})")
+            return out
 
         rows.append([when, clock, notes.get(s["file"], ""), num(m["none"]["median_us_per_step"], 0),
                      cell(NULL), cell(TIERED)])

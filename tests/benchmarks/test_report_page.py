@@ -96,3 +96,20 @@ def test_files_saved_without_their_facts_get_them_from_the_name_or_the_notes():
     assert "4 x H200" in by["neighbor_probe_2026-11-28_h200x4.json"].device
     assert all(r.command != "?" and r.date != "?" for r in by.values()), [r.name for r in by.values()
                                                                            if "?" in (r.command, r.date)]
+
+
+def test_the_step_cost_row_adds_the_best_box_speed_comparison_where_a_set_has_it(tmp_path):
+    """``SCHED_CALIB=1`` sets (``sched_overhead_json.summarize``): the row adds the comparison over the runs at the
+    set's best box speed; older sets render as before."""
+    from benchmarks.results_page.scenarios import TIERED, sched
+    from benchmarks.sched_overhead_json import summarize
+
+    rows = [{"mode": m, "us_per_step": us, "calib_us": c} for m, us, c in
+            (("none", 1000.0, 100.0), (TIERED, 1100.0, 100.0), ("none", 1000.0, 100.0), (TIERED, 2200.0, 200.0))]
+    sets = [{"file": "a.jsonl", "header": "2026-11-29T13:17:00Z host=vm clock=thread", "modes": summarize(rows)},
+            {"file": "b.jsonl", "header": "2026-11-23T20:22:00Z host=vm clock=thread",
+             "modes": summarize([{k: v for k, v in r.items() if k != "calib_us"} for r in rows])}]
+    text = sched(Result(tmp_path / "sched_overhead_2026-11-29_cpu-box.json", {"sets": sets}))
+    calibrated, plain = [line for line in text.splitlines() if line.startswith("| 13:17") or line.startswith("| 20:22")]
+    assert "at the best box speed +10.0% (1 run)" in calibrated and "+65.0%" in calibrated  # paired: 1.1, 2.2
+    assert "best box speed" not in plain
