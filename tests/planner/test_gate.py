@@ -158,3 +158,22 @@ def test_split_gate_needs_a_rate_for_every_slow_tier():
         _split_gate().decide([("nvmeof", 256)], 0, 0)
     with pytest.raises(ConfigError, match="disk_load_policy"):
         _split_gate("sometimes")
+
+
+def test_a_hybrid_hit_is_priced_at_its_own_bytes():
+    """A sliding-window layer reads its window once per hit, not once per chunk: priced per unit (a 256-token chunk
+    carrying both layers' blocks), an 8k hit looks like 1 GiB and is declined at 3 GB/s against 0.22 s of
+    recompute; priced at its own bytes (512 MiB of the full-attention layer + the 8 MiB window) it loads."""
+    per_layer_token = 64 << 10
+
+    def hit_nbytes(tokens: int) -> int:
+        return tokens * per_layer_token + min(tokens, 128) * per_layer_token
+
+    def gate(exact):
+        return SplitGate("auto", 0, {"disk": ReadRate(3.0)}, PrefillEstimator(LLAMA, fixed=True), overlap=False,
+                         unit_tokens=256, unit_nbytes=2 * 256 * per_layer_token, hit_nbytes=exact)
+
+    assert gate(None).decide([("disk", 8192)], 64, 0)[1] == DECLINED
+    plan, outcome = gate(hit_nbytes).decide([("disk", 8192)], 64, 0)
+    assert outcome == BEATS and plan.load_tokens == 8192
+    assert gate(hit_nbytes).segments([("cpu", 4096), ("disk", 4096)])[1].nbytes_per_token == hit_nbytes(8192) / 8192

@@ -20,7 +20,7 @@ once (SGLang's prefetch and prefetch-IO threads); both gates take their lock, th
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from tiered_kv.errors import ConfigError, InvalidInputError
 from tiered_kv.planner.rates import EWMA_NEW, PrefillEstimator, ReadRate
@@ -118,13 +118,16 @@ class SplitGate:
     tokens unloaded loads them all instead (``PROBE``), so a tier that got faster (a warm page cache) is seen.
     ``always``: every held token. ``never``: the memory-tier ones. ``rates`` holds one ``ReadRate`` per tier a
     hit may come from; a memory tier without one reads for free (always loaded anyway; without overlap its time
-    is the same in every plan). ``unit_tokens``/``unit_nbytes``: one chunk or page. ``overlap``, ``layers``,
-    ``extra_recompute`` and ``step_tokens``: ``planner.split.plan_split``'s.
+    is the same in every plan). ``unit_tokens``/``unit_nbytes``: one chunk or page. ``hit_nbytes``: the bytes a
+    hit of so many tokens reads, where that is not tokens x ``unit_nbytes / unit_tokens`` (hybrid models: a
+    sliding-window layer reads its window once, not per chunk); a hit is then priced at its own average per
+    token. ``overlap``, ``layers``, ``extra_recompute`` and ``step_tokens``: ``planner.split.plan_split``'s.
     """
 
     def __init__(self, policy: str, probe_every: int, rates: Mapping[str, ReadRate], prefill: PrefillEstimator, *,
                  overlap: bool, unit_tokens: int, unit_nbytes: int, layers: int = 0,
-                 extra_recompute: bool = False, step_tokens: int = 0) -> None:
+                 extra_recompute: bool = False, step_tokens: int = 0,
+                 hit_nbytes: Callable[[int], int] | None = None) -> None:
         _check_policy(policy)
         if unit_tokens <= 0 or unit_nbytes <= 0 or layers < 0:
             raise ConfigError(f"split gate: unit of {unit_tokens} tokens / {unit_nbytes} B (both must be > 0), "
@@ -134,6 +137,7 @@ class SplitGate:
         self.overlap, self.layers, self.extra_recompute = bool(overlap), int(layers), bool(extra_recompute)
         self.step_tokens = int(step_tokens)
         self.unit_tokens, self.unit_nbytes = int(unit_tokens), int(unit_nbytes)
+        self.hit_nbytes = hit_nbytes
         self._lock = threading.Lock()
         self._declined = 0
         self._decisions = dict.fromkeys(SPLIT_OUTCOMES, 0)
@@ -144,8 +148,11 @@ class SplitGate:
 
     # ------------------------------------------------------------------ the decision
     def segments(self, runs: Sequence[tuple[str, int]]) -> list[Segment]:
-        """``runs`` ((tier, tokens) in prefix order) as segments at the current read estimates (equal tiers merged)."""
-        per_token = self.unit_nbytes / self.unit_tokens
+        """``runs`` ((tier, tokens) in prefix order) as segments at the current read estimates (equal tiers merged),
+        every token at the hit's average bytes (``hit_nbytes``; else one unit's)."""
+        total = sum(tokens for _, tokens in runs)
+        per_token = (self.hit_nbytes(total) / total if self.hit_nbytes is not None and total > 0
+                     else self.unit_nbytes / self.unit_tokens)
         out: list[Segment] = []
         for tier, tokens in runs:
             if out and out[-1].tier == tier:

@@ -187,6 +187,14 @@ def test_hybrid_geometry_keeps_one_part_per_group_and_tags_every_group():
     assert (wide.groups[0].window_blocks, wide.groups[0].window_chunks) == (64, 4)  # a window of 4 chunks
     # a hit's bytes: full attention for every token, the window's blocks only
     assert geo.hit_nbytes(4096) == 256 * 2 * page + 8 * 2 * page
+    # the split gate prices a hybrid hit at those bytes (a single-group model keeps the per-unit price)
+    from tiered_kv.connector.vllm.config import ConnectorConfig
+    from tiered_kv.connector.vllm.prefill import split_gate
+
+    gate = split_gate(ConnectorConfig(), geo, ["cpu", "disk"])
+    assert gate.hit_nbytes is not None and gate.hit_nbytes(4096) == geo.hit_nbytes(4096)
+    single = geometry(_vllm_config(), _groups(_spec("full")), chunk_blocks=16)
+    assert split_gate(ConnectorConfig(), single, ["cpu", "disk"]).hit_nbytes is None
 
 
 def test_parts_slot_fits_every_groups_blocks():

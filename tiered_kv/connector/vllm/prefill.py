@@ -110,9 +110,13 @@ def split_gate(cfg: ConnectorConfig, geo: Geometry, tiers: Sequence[str]) -> Spl
     estimator = PrefillEstimator(start, fixed=not cfg.prefill_learn, fit_on_read=False)
     unit_nbytes = max(1, geo.hit_nbytes(geo.chunk_tokens) * copies // geo.chunk_blocks)
     layers = len({name for g in geo.groups for name in g.layer_names})
+    def exact(tokens: int) -> int:  # hybrid models: full-attention layers for every token, a window only once
+        return geo.hit_nbytes(tokens) * copies
+
     return SplitGate(cfg.disk_load_policy, cfg.disk_probe_every, rates, estimator, overlap=overlap,
                      unit_tokens=geo.block_size, unit_nbytes=unit_nbytes,
-                     layers=overlap_fill_layers(layers) if overlap else layers, step_tokens=geo.step_tokens)
+                     layers=overlap_fill_layers(layers) if overlap else layers, step_tokens=geo.step_tokens,
+                     hit_nbytes=exact if geo.parts else None)
 
 
 def step_parts(scheduler_output) -> list[tuple[int, int]]:
