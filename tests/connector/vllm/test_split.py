@@ -90,6 +90,9 @@ def test_disk_hit_follows_the_configured_rates(model_dir, tmp_path, gbps, loaded
             2 * CHUNK if loaded else 0), st
         decisions = eng.connector.planner.store_stats()["gate"]["decisions"]
         assert decisions["beats" if loaded else "declined"] == 1, decisions
+        # what the decision weighed: the plan taken is the faster of the two estimates
+        chosen, recompute, load_all = (st[f"split_est_{k}_s"] for k in ("chosen", "recompute", "load_all"))
+        assert chosen == min(recompute, load_all) > 0 and (chosen == load_all) is loaded, st
     finally:
         eng.close()
 

@@ -266,7 +266,9 @@ class StepMeter:
 
 def split_stats(gate: SplitGate) -> dict:
     """The split's estimates and counters for ``SchedulerPlanner.stats``: read rates per slow tier, the prefill rate
-    of a 2048-token chunk at context 0 and its source and samples, held tokens loaded and recomputed per tier."""
+    of a 2048-token chunk at context 0 and its source and samples, held tokens loaded and recomputed per tier, and
+    the summed estimated seconds of the plans taken, of recomputing and of loading every held token
+    (``split_est_<plan>_s``: what the decisions weighed, so a benchmark can tell a near call from a clear one)."""
     rep = gate.report()["split"]
     out: dict = {f"{t}_gbps_estimate": float(f"{g:.4g}") for t, g in rep["read_gbps"].items() if t not in MEMORY_TIERS}
     prefill = rep["prefill"]
@@ -275,4 +277,6 @@ def split_stats(gate: SplitGate) -> dict:
     for tier, t in rep["tokens"].items():
         out[f"split_{tier}_loaded_tokens"] = t["loaded"]
         out[f"split_{tier}_recomputed_tokens"] = t["recomputed"]
+    for plan, seconds in rep["estimated_seconds"].items():
+        out[f"split_est_{plan}_s"] = round(seconds, 6)
     return out
