@@ -196,8 +196,8 @@ def test_the_trace_records_the_time_spent_submitting_between_layers(tmp_path):
         rt.close()
     lines = [json.loads(x) for x in open(tmp_path / "t.rank0.jsonl")]
     step = lines[0]["in_step"]
-    assert len(lines) == 1 and {k: step[k] for k in ("loads", "bytes", "staged")} == {"loads": 2, "bytes": 4 * GROUP,
-                                                                                      "staged": 0}
+    assert len(lines) == 1 and {k: step[k] for k in ("loads", "bytes", "staged", "sm")} == {
+        "loads": 2, "bytes": 4 * GROUP, "staged": 0, "sm": 0}
     # one copy-engine run per layer and block: a CPU slot holds a block's layers together, so no two of one
     # layer's blocks are adjacent on the CPU side, however vLLM's blocks lie
     assert step["descriptors"] == LAYERS * len(items) * K
