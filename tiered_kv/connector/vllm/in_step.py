@@ -89,7 +89,7 @@ AUTO_STAGED_MIN_DESCRIPTORS = 1 << 15
 #: at most ``in_step_sm_max_tokens`` tokens, so the forward the kernel shares the SMs with is small. H200, vLLM
 #: 0.26, Llama-3-8B turn 2 with a roomy GPU cache (2026-11-29, docs/notes/2026-11-29-gpu-round7.md): the 1 GiB
 #: load's 16,384 descriptors held vLLM's thread 15-22 ms and the copy engine moved 36-52 GB/s as the host allowed;
-#: the SM kernel held it 5-8 ms at a steady 48 GB/s: TTFT 36.4 ms median over 5 starts against 49.4.
+#: the SM kernel held it 6-8 ms at a steady 47-49 GB/s: TTFT 36.4 ms median over 5 starts against 49.4.
 AUTO_SM_MIN_DESCRIPTORS = 1 << 12
 #: At most this many layer groups by default (``load_groups`` = 0) with ``load_submit: upfront``.
 #: The whole load is submitted on vLLM's thread before the forward is launched, so every group's
