@@ -32,24 +32,24 @@ QUIET = 0.10
 TOOL = "/work/shared/tools/sched_overhead.py (vLLM's real Scheduler, 64 x 8,192-token prompts, 32 output tokens)"
 
 
-def _figures(by: dict[str, list[float]], prefix: str = "") -> dict[str, dict]:
-    """Per mode: runs, median, median vs ``none`` and paired median vs ``none`` (percent), keys with ``prefix``."""
+def _figures(by: dict[str, list[float]]) -> dict[str, dict]:
+    """Per mode: runs, median, median vs ``none`` and paired median vs ``none`` (percent)."""
     base = statistics.median(by["none"])
     reps = min(len(xs) for xs in by.values())
     out = {}
     for mode, xs in by.items():
         med = statistics.median(xs)
         paired = statistics.median(xs[i] / by["none"][i] for i in range(reps))
-        out[mode] = {f"{prefix}runs_us_per_step": [round(x, 1) for x in xs],
-                     f"{prefix}median_us_per_step": round(med, 1),
-                     f"{prefix}median_vs_none_pct": round(100 * (med / base - 1), 1),
-                     f"{prefix}paired_median_vs_none_pct": round(100 * (paired - 1), 1)}
+        out[mode] = {"runs_us_per_step": [round(x, 1) for x in xs], "median_us_per_step": round(med, 1),
+                     "median_vs_none_pct": round(100 * (med / base - 1), 1),
+                     "paired_median_vs_none_pct": round(100 * (paired - 1), 1)}
     return out
 
 
 def summarize(rows: list[dict]) -> dict:
     """Runs, median, median vs ``none`` and paired median vs ``none`` (percent) per mode of one set; where every
-    run has ``calib_us``, also each mode's ``calib_us`` and the ``norm_`` figures (module docstring)."""
+    run has ``calib_us``, also each mode's ``calib_us``, the set's fastest (``calib_fastest_us``) and the
+    ``quiet_`` figures (module docstring)."""
     by: dict[str, list[float]] = {}
     for r in rows:
         by.setdefault(r["mode"], []).append(float(r["us_per_step"]))
@@ -63,9 +63,9 @@ def summarize(rows: list[dict]) -> dict:
             out[r["mode"]].setdefault("calib_us", []).append(float(r["calib_us"]))
             if float(r["calib_us"]) <= fastest * (1 + QUIET):
                 quiet.setdefault(r["mode"], []).append(float(r["us_per_step"]))
+        base = statistics.median(quiet["none"]) if "none" in quiet else None
         for mode, xs in quiet.items():
             med = statistics.median(xs)
-            base = statistics.median(quiet["none"]) if "none" in quiet else None
             out[mode].update(quiet_runs_us_per_step=[round(x, 1) for x in xs], quiet_median_us_per_step=round(med, 1),
                              quiet_median_vs_none_pct=None if base is None else round(100 * (med / base - 1), 1))
         for v in out.values():
@@ -86,11 +86,13 @@ def table(modes: dict) -> str:
         row = (f"| `{mode}` | {', '.join(f'{x:.0f}' for x in v['runs_us_per_step'])} | {v['median_us_per_step']:.0f} "
                f"| {v['median_vs_none_pct']:+.1f}% | {v['paired_median_vs_none_pct']:+.1f}% |")
         if calib:
-            q = v.get("quiet_runs_us_per_step", [])
-            vs = v.get("quiet_median_vs_none_pct")
-            row += (f" {', '.join(f'{x:.0f}' for x in v['calib_us'])} | {', '.join(f'{x:.0f}' for x in q) or '-'} | "
-                    f"{v['quiet_median_us_per_step']:.0f} | {'-' if vs is None else f'{vs:+.1f}%'} |"
-                    if q else f" {', '.join(f'{x:.0f}' for x in v['calib_us'])} | - | - | - |")
+            row += f" {', '.join(f'{x:.0f}' for x in v['calib_us'])} |"
+            quiet, vs = v.get("quiet_runs_us_per_step"), v.get("quiet_median_vs_none_pct")
+            if quiet:
+                row += (f" {', '.join(f'{x:.0f}' for x in quiet)} | {v['quiet_median_us_per_step']:.0f} | "
+                        f"{'-' if vs is None else f'{vs:+.1f}%'} |")
+            else:
+                row += " - | - | - |"
         lines.append(row)
     return "\n".join(lines)
 

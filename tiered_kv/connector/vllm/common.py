@@ -34,11 +34,9 @@ class StepPlan:
     ``fences`` are job ids that must have finished touching GPU memory before this step's
     forward runs; ``loads`` maps a request to its load job ids (reported in
     ``finished_recving`` when all are done) and ``load_fail`` to GPU blocks its load cannot
-    fill (reported as load errors, so vLLM recomputes them). ``idle``: vLLM scheduled no token in
-    this step (every request waits: for its loads, a promotion...), so a worker with loads in flight
-    may wait for them in ``get_finished`` (``idle.py``). ``tokens``: every token vLLM scheduled in this step
-    (its ``total_num_scheduled_tokens``; None where unknown): how much the step's forward computes beside its
-    in-step loads (``in_step_sm_max_tokens``).
+    fill (reported as load errors, so vLLM recomputes them). ``tokens``: every token vLLM scheduled in
+    this step (its ``total_num_scheduled_tokens``; None where unknown): how much the step's forward
+    computes beside its in-step loads (``in_step_sm_max_tokens``), and with 0 the step is ``idle``.
     """
 
     step: int
@@ -50,8 +48,13 @@ class StepPlan:
     load_fail: dict[str, list[int]] = field(default_factory=dict)
     sync: list[int] = field(default_factory=list)
     sync_fail: list[int] = field(default_factory=list)
-    idle: bool = False
     tokens: int | None = None
+
+    @property
+    def idle(self) -> bool:
+        """vLLM scheduled no token in this step (every request waits: for its loads, a promotion...), so a worker
+        with loads in flight may wait for them in ``get_finished`` (``idle.py``)."""
+        return self.tokens == 0
 
     def empty(self) -> bool:
         """True when the workers have nothing to do."""

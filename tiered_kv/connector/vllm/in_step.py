@@ -200,9 +200,7 @@ class InStepLoader:
         self._runs = [runs_per_block(kv) for kv in self.kvs]  # ``auto``'s rule, per KV cache group
         self.staged_copies = 0  # merged group copies that went through the staging buffer (forced or ``auto``)
         self.sm_copies = 0  # merged group copies that went through the SM kernel (forced or ``auto``)
-        #: descriptors (1-D runs, 2-D copies, kernel runs) the copies of the loads ``finish`` returned last took:
-        #: a step's 1 GiB of 64 KiB layer-blocks is 16,384 when no two blocks are adjacent on both sides
-        self.step_descriptors = 0
+        self._finished: list[_InStepLoad] = []  # the loads ``finish`` returned last (``step_descriptors``)
         # tensor i of group g belongs to layer _names[g][i] (a layer with several state tensors repeats)
         self._names = []
         for kv, _, names in parts:
@@ -429,6 +427,13 @@ class InStepLoader:
         if self.disk is not None:
             self.disk.wait_layer(layer_name)
 
+    @property
+    def step_descriptors(self) -> int:
+        """Descriptors (1-D runs, 2-D copies, kernel runs) the copies of the loads ``finish`` returned last took (a
+        copy the step's loads share counts once): a step's 1 GiB of 64 KiB layer-blocks is 16,384 when no two blocks
+        are adjacent on both sides. Counted when asked (the load trace), not in every step."""
+        return sum(res.num_runs for res in {id(r): r for load in self._finished for r in load.results}.values())
+
     def take_forward_submit_ms(self) -> float:
         """Host ms ``wait_layer`` spent submitting layer groups since the last call (the trace's per-step figure)."""
         ms, self.forward_submit_ms = self.forward_submit_ms, 0.0
@@ -448,7 +453,7 @@ class InStepLoader:
                         "%s; submitting them after the forward", self.rank, copy.done, _job_ids(copy))
             self._submit_spans(copy, len(copy.spans))
         loads, self.loads = self.loads, []
-        self.step_descriptors = sum(res.num_runs for res in {id(r): r for load in loads for r in load.results}.values())
+        self._finished = loads
         forward_done = None
         if self._debug and any(load.marks is not None for load in loads):  # the debug log waits for the forward
             forward_done = torch.cuda.Event(enable_timing=True)

@@ -123,14 +123,15 @@ class JobRouter:
             self.route(self.chain.complete(Completion.failed(job, "GPU block re-allocated before the store")))
         return out
 
-    def take_plan(self, step: int, stores: list[TransferJob], fences: set[int], idle: bool = False) -> StepPlan:
-        """Hand out every job routed since the last plan, with ``stores`` (valid ones) and ``fences``; ``idle``:
-        the step schedules no token."""
+    def take_plan(self, step: int, stores: list[TransferJob], fences: set[int], tokens: int | None = None
+                  ) -> StepPlan:
+        """Hand out every job routed since the last plan, with ``stores`` (valid ones) and ``fences``; ``tokens``:
+        what vLLM scheduled in the step (``StepPlan.tokens``)."""
         ext = {j.job_id: self.ext.pop(j.job_id) for j in stores}
         if self.early:
             ext.update((j.job_id, self.ext.pop(j.job_id)) for j in self.early if j.job_id in self.ext)
         plan = StepPlan(step, self.early, stores, ext, sorted(fences), self.loads, self.load_fail, self.sync,
-                        self.sync_fail, idle)
+                        self.sync_fail, tokens)
         if (plan.early or plan.stores or plan.fences) and log.isEnabledFor(logging.DEBUG):
             log.debug("step %d: %d early jobs, %d store jobs (%d keys), %d fences, %d in flight", step,
                       len(plan.early), len(stores), sum(len(j) for j in stores), len(plan.fences),

@@ -192,9 +192,7 @@ class SchedulerPlanner:
         stores = router.take_valid_stores(step)
         router.drain_finished()
         self.counters.fences += len(fences)
-        plan = router.take_plan(step, stores, fences, idle=not scheduler_output.total_num_scheduled_tokens)
-        plan.tokens = int(scheduler_output.total_num_scheduled_tokens)
-        return plan
+        return router.take_plan(step, stores, fences, int(scheduler_output.total_num_scheduled_tokens))
 
     # ------------------------------------------------------------------ completions
     def apply_reports(self, reports: dict[int, JobReport]) -> None:

@@ -89,7 +89,7 @@ class LoadTrace:
         """``wait_for_layer_load`` of this step held vLLM's thread this long submitting layer groups."""
         self._step.forward_submit_ms += ms
 
-    def copies(self, staged: int, sm: int = 0) -> None:
+    def copies(self, staged: int, sm: int) -> None:
         """This step's in-step loads went as ``staged`` staged merged copies and ``sm`` through the SM kernel
         (``in_step_copy`` staged or sm_kernel, or auto's choice)."""
         self._step.staged += staged
