@@ -14,7 +14,10 @@ one), gemma2 (9B: 42 layers alternating a 4,096-token window and full attention,
 (MLA), and mamba: on vLLM 0.26 no Mamba / linear-attention hybrid can run with a KV connector that stores
 prefixes, see ``NOT_RUNNABLE``.
 
-Workloads, all run by one engine start per (shape, mode, GPU cache), one after the other:
+Workloads, all run by one engine start per (shape, mode, GPU cache), one after the other, after a warm-up
+(``kernel_jit.py``: one prefill per band of vLLM's fused-MoE tiles and a decode of N sequences, from an RNG of
+its own) so that no mode pays the machine's first Triton compilations inside a measured phase; the start's ``jit``
+record counts what still compiled, per phase, and a slow compilation in turn2 or batch is printed with its line:
   turn2    N conversations of PREFIX tokens; turn 1 of each one at a time, then turn 2 of each one at a time
            (the prefix + FOLLOW new tokens): TTFT p50 (``generate(max_tokens=1)`` wall time; the first two
            conversations generate 4 tokens, compared across modes, and are left out of the p50)
@@ -81,6 +84,8 @@ FOLLOW = 64
 BOUND = 1.05  # ours / none and ours / offloading, per cell
 NEAR = 1.10  # a cell whose ratio is within 10% of a bound wants 3 starts
 GPU_FIT = {"tight": 1.8, "roomy": 4.0}
+#: the phases of a start whose times the verdict uses (compilations inside them are printed with the start's line)
+MEASURED_PHASES = ("turn2", "batch")
 SHAPES = ("llama3-8b", "qwen2.5-7b", "qwen2.5-32b", "gpt-oss", "gemma3", "gemma2", "dsv2-lite")
 MODES = ("none", "offloading", "tiered", "tiered-disk", "offloading-small", "tiered-disk-restart", "none-chunked")
 #: ``none-chunked``: no connector, prompts prefilled in pieces of this many tokens; a control for the greedy check
@@ -240,9 +245,13 @@ def run_one(shape: str, mode: str, gpu: str) -> dict:
         json.dump(MODELS[shape], f)
     trace = (os.path.join(os.environ.get("OUT", "."), f"trace_{shape}_{mode.replace('=', '-').replace('+', '.')}_{gpu}")
              if mode.startswith("tiered") else None)
+    from kernel_jit import JitWatch, warm_prompts
+
+    jit = JitWatch()
     t0 = time.perf_counter()
     llm = LLM(**engine_kwargs(shape, mode, gpu, w, model_dir, trace))
     startup = time.perf_counter() - t0
+    jit.install()  # after LLM(): vLLM's own JIT monitor hooks in at the end of its start, ours chains after it
     rng = random.Random(0)
     vocab = min(120000, MODELS[shape]["vocab_size"] - 1)
     toks = lambda n: [rng.randrange(1000, vocab) for _ in range(n)]  # noqa: E731
@@ -257,8 +266,16 @@ def run_one(shape: str, mode: str, gpu: str) -> dict:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp[n], use_tqdm=False)
         return time.perf_counter() - t, outs
 
-    generate([convs[0][:512]], 1)  # warm-up
+    # warm-up, from an RNG of its own (the measured prompts stay those of earlier rounds): one prefill per fused-MoE
+    # tile band and a decode of n_conv sequences, so no mode pays the machine's first kernel compilations inside a
+    # measured phase (kernel_jit.py); what still compiles there is recorded per phase
+    jit.phase("warm-up")
+    singles, warm_batch = warm_prompts(vocab, w["max_len"], w["n_conv"])
+    for p in singles:
+        generate([p], 1)
+    generate(warm_batch, 4)
     ours = mode.startswith("tiered")
+    jit.phase("turn1")
     c0 = _tiered_counters(llm) if ours else {}
     turn1_runs = [generate([c], 2) for c in convs]
     turn1 = [o[0] for _, o in turn1_runs]
@@ -271,6 +288,7 @@ def run_one(shape: str, mode: str, gpu: str) -> dict:
     turn2_s, first_tokens, cached, firsts = [], [], [], []
     seconds = []
     t_turn2 = time.time()
+    jit.phase("turn2")
     for i, (out1, f) in enumerate(zip(turn1, follows)):
         prompt = list(out1.prompt_token_ids) + list(out1.outputs[0].token_ids) + f
         dt, outs = generate([prompt], 4 if i < 2 else 1)
@@ -285,22 +303,25 @@ def run_one(shape: str, mode: str, gpu: str) -> dict:
                  "gpu_blocks": gpu_blocks(shape, GPU_FIT[gpu], w["max_len"]),
                  "turn2_p50_s": round(statistics.median(turn2_s[2:]), 4), "turn2_s": [round(x, 4) for x in turn2_s],
                  "turn2_cached_tokens": cached, "turn2_tokens": first_tokens,
-                 "turn2_tokens_all": firsts, **turn1_extra}
+                 "turn2_tokens_all": firsts, **turn1_extra, "jit": jit.summary()}
     if trace:  # each TP rank's own load rate over turn 2 (its bytes over its loads' GPU time)
         rec["turn2_rank_gbps"] = rank_rates(trace, t_turn2, time.time())
     if split_mode(mode)[0] in ("tiered-disk", "offloading-small", "tiered-disk-restart") or "batch" not in w["workloads"]:
         return _finish(rec, llm, c0, c1, None, None, None)
+    jit.phase("pressure")
     for p in unrelated:
         generate([p], 2)
     time.sleep(2.0)
     c2 = _tiered_counters(llm) if ours else {}
     batch = [s + t for s, t in zip(seconds, thirds)]
     t_batch = time.time()
+    jit.phase("batch")
     sp[4] = SamplingParams(max_tokens=4, temperature=0.0, detokenize=False, ignore_eos=True, logprobs=2)
     dt, outs = generate(batch, 4)
     rec.update(batch_s=round(dt, 4), batch_tokens=[list(o.outputs[0].token_ids) for o in outs],
                batch_cached_tokens=[int(o.num_cached_tokens or 0) for o in outs],
-               batch_margins=[first_margin(o) for o in outs], batch_top2=[first_top2(o) for o in outs])
+               batch_margins=[first_margin(o) for o in outs], batch_top2=[first_top2(o) for o in outs],
+               jit=jit.summary())
     time.sleep(1.0)
     return _finish(rec, llm, c0, c1, c2, trace, (t_batch, t_batch + dt))
 
@@ -371,6 +392,18 @@ def plan(shapes: list[str], modes: list[str], gpus: list[str], starts: int,
     return out
 
 
+def jit_note(jit: dict | None) -> str:
+    """``", compiled in turn2: 2 kernels 840 ms (...)"`` for Triton compilations over ``SLOW_MS`` inside a measured
+    phase of a start's ``jit`` record (kernel_jit.py), else ``""``."""
+    out = []
+    for phase in MEASURED_PHASES:
+        slow = (jit or {}).get(phase, {}).get("slow", [])
+        if slow:
+            names = ", ".join(sorted({fn for fn, _ in slow}))
+            out.append(f"{phase}: {len(slow)} kernel(s) {sum(ms for _, ms in slow):.0f} ms ({names})")
+    return f", compiled in {'; '.join(out)}" if out else ""
+
+
 def run_matrix(shapes, modes, gpus, starts, deadline_s: float, offset: int = 0) -> dict:
     """Every start of the plan in its own process; none begins unless its estimate fits the deadline."""
     t_begin = time.monotonic()
@@ -403,7 +436,8 @@ def run_matrix(shapes, modes, gpus, starts, deadline_s: float, offset: int = 0) 
         else:
             print(f"[{shape} {mode} {gpu} #{start}] {wall:.0f} s: turn-2 p50 {r['turn2_p50_s'] * 1e3:.1f} ms"
                   + (f", batch {r['batch_s']:.3f} s" if "batch_s" in r else "")
-                  + (f", batch hit tokens {r['batch_hit_tokens']}" if "batch_hit_tokens" in r else ""), flush=True)
+                  + (f", batch hit tokens {r['batch_hit_tokens']}" if "batch_hit_tokens" in r else "")
+                  + jit_note(r.get("jit")), flush=True)
         r.update(start=start, wall_s=round(wall, 1))
         doc["results"].append(r)
         with open(os.path.join(out_dir, "envelope_partial.json"), "w") as f:
