@@ -15,9 +15,10 @@ one), gemma2 (9B: 42 layers alternating a 4,096-token window and full attention,
 prefixes, see ``NOT_RUNNABLE``.
 
 Workloads, all run by one engine start per (shape, mode, GPU cache), one after the other, after a warm-up
-(``kernel_jit.py``: one prefill per band of vLLM's fused-MoE tiles and a decode of N sequences, from an RNG of
-its own) so that no mode pays the machine's first Triton compilations inside a measured phase; the start's ``jit``
-record counts what still compiled, per phase, and a slow compilation in turn2 or batch is printed with its line:
+(``kernel_jit.py``: one prefill per band of vLLM's fused-MoE tiles, a turn-2-shaped step over a GPU-cached context,
+a decode of N sequences, all from an RNG of its own) so that no mode pays the machine's first Triton compilations
+inside a measured phase; the start's ``jit`` record counts what still compiled, per phase, and a slow compilation in
+turn2 or batch is printed with its line:
   turn2    N conversations of PREFIX tokens; turn 1 of each one at a time, then turn 2 of each one at a time
            (the prefix + FOLLOW new tokens): TTFT p50 (``generate(max_tokens=1)`` wall time; the first two
            conversations generate 4 tokens, compared across modes, and are left out of the p50)
@@ -270,8 +271,8 @@ def run_one(shape: str, mode: str, gpu: str) -> dict:
     # tile band and a decode of n_conv sequences, so no mode pays the machine's first kernel compilations inside a
     # measured phase (kernel_jit.py); what still compiles there is recorded per phase
     jit.phase("warm-up")
-    singles, warm_batch = warm_prompts(vocab, w["max_len"], w["n_conv"])
-    for p in singles:
+    singles, followup, warm_batch = warm_prompts(vocab, w["max_len"], w["n_conv"], FOLLOW)
+    for p in singles + [followup]:
         generate([p], 1)
     generate(warm_batch, 4)
     ours = mode.startswith("tiered")

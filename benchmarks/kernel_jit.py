@@ -14,8 +14,8 @@ machine's first compilations, and a run says so only when it records them.
   vLLM's JIT monitor included) and records, per phase the benchmark names, how many kernels were compiled (or
   loaded from Triton's disk cache into this process: the hooks cannot tell, the time can) and how long each
   took.
-- ``warm_prompts``: one prompt per fused-MoE tile band (``MOE_BAND_LENGTHS``) plus a batch for decode with
-  several sequences; the benchmark runs them before its first measured phase, from an RNG of its own so the
+- ``warm_prompts``: one prompt per fused-MoE tile band (``MOE_BAND_LENGTHS``), a follow-up over a GPU-cached
+  context (a turn 2's shape), and a batch for decode with several sequences; the benchmark runs them before its first measured phase, from an RNG of its own so the
   measured prompts stay what they were.
 
 Threading: the hooks run on the thread that compiles (the engine's thread, in-process with
@@ -97,15 +97,20 @@ class JitWatch:
         return [[p, fn, ms] for p in phases for fn, ms in s.get(p, {}).get("slow", [])]
 
 
-def warm_prompts(vocab: int, max_len: int, batch: int, seed: int = 1) -> tuple[list[list[int]], list[list[int]]]:
-    """(single prompts, one batch) of random token ids in ``[1000, vocab)`` from ``random.Random(seed)``.
+def warm_prompts(vocab: int, max_len: int, batch: int, follow: int = 64,
+                 seed: int = 1) -> tuple[list[list[int]], list[int], list[list[int]]]:
+    """(single prompts, a follow-up, one batch) of random token ids in ``[1000, vocab)`` from ``random.Random(seed)``.
 
-    The singles: one per ``MOE_BAND_LENGTHS`` length that fits ``max_len`` (less room for the output); the batch:
-    ``batch`` prompts of 64 tokens, run together, for decode steps of ``batch`` sequences.
+    The singles: one per ``MOE_BAND_LENGTHS`` length that fits ``max_len`` (less room for the output), run one at a
+    time; the follow-up: the longest single plus ``follow`` new tokens, run after the singles, so its step computes
+    ``follow`` tokens over a context that vLLM's GPU prefix cache holds (the shape of every turn 2 and of a loaded
+    hit: attention kernels specialise on it); the batch: ``batch`` prompts of 64 tokens, run together, for decode
+    steps of ``batch`` sequences.
     """
     if vocab <= 1000:
         raise ValueError(f"vocab={vocab}: the warm-up draws ids from 1000 up; pass the model's vocab size")
     rng = random.Random(seed)
     toks = lambda n: [rng.randrange(1000, vocab) for _ in range(n)]  # noqa: E731
-    singles = [toks(n) for n in MOE_BAND_LENGTHS if n <= max_len - 16]
-    return singles, [toks(64) for _ in range(max(1, batch))]
+    singles = [toks(n) for n in MOE_BAND_LENGTHS if n <= max_len - 16 - follow]
+    followup = singles[-1] + toks(follow) if singles else toks(follow)
+    return singles, followup, [toks(64) for _ in range(max(1, batch))]

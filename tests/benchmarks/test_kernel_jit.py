@@ -68,13 +68,15 @@ def test_a_cache_hook_that_skips_compilation_keeps_its_answer(hooks):
 
 
 def test_warm_prompts_cover_every_band_that_fits_and_leave_the_measured_rng_alone():
-    singles, batch = kernel_jit.warm_prompts(120000, 8512, 10)
+    singles, followup, batch = kernel_jit.warm_prompts(120000, 8512, 10)
     assert [len(p) for p in singles] == list(kernel_jit.MOE_BAND_LENGTHS)
+    # a turn 2's shape: 64 new tokens over the longest single, which the GPU prefix cache holds by then
+    assert followup[:len(singles[-1])] == singles[-1] and len(followup) == len(singles[-1]) + 64
     assert len(batch) == 10 and all(len(p) == 64 for p in batch)
-    assert all(1000 <= t < 120000 for p in singles + batch for t in p)
-    assert kernel_jit.warm_prompts(120000, 8512, 10) == (singles, batch)  # its own seeded RNG
-    short, _ = kernel_jit.warm_prompts(120000, 1024, 1)
-    assert max(len(p) for p in short) <= 1024 - 16 and len(short) == 5
+    assert all(1000 <= t < 120000 for p in singles + batch + [followup] for t in p)
+    assert kernel_jit.warm_prompts(120000, 8512, 10) == (singles, followup, batch)  # its own seeded RNG
+    short, followup, _ = kernel_jit.warm_prompts(120000, 1024, 1, follow=32)
+    assert len(short) == 5 and len(followup) <= 1024 - 16
     with pytest.raises(ValueError, match="vocab=500"):
         kernel_jit.warm_prompts(500, 8512, 1)
 
