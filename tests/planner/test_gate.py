@@ -153,6 +153,34 @@ def test_an_overlapped_plan_bets_one_chunk_on_a_guessed_rate_until_a_read_replac
     assert rates["disk"].gbps == pytest.approx(0.8 * 20.0 + 0.2 * 10.0)  # then the average
 
 
+def test_writes_lower_a_guessed_read_rate_until_the_first_read():
+    """Demotions to a tier whose read rate is the built-in guess bound the guess by their rate (a running average),
+    never raise it; the first read still replaces it; a user's rate and a measured one ignore writes."""
+    rates = {"disk": ReadRate(3.0, guess=True), "remote": ReadRate(3.0, guess=True), "cpu": ReadRate(50.0, fixed=True)}
+    slow = PrefillModel(0.0, 1.0 / 8192, 0.0)  # 8k tokens recomputed in 1 s
+    g = SplitGate("auto", 0, rates, PrefillEstimator(slow, fixed=True), overlap=False, unit_tokens=16,
+                  unit_nbytes=16 * KV)
+    assert g.decide([("disk", 8192)], 0, 0)[1] == BEATS  # 8k tokens of 128 KiB (1 GiB) at 3 GB/s: 0.36 s
+    g.hint_writes({"disk": 1 << 30}, (1 << 30) / 0.5e9)  # the disk took writes at 0.5 GB/s
+    assert rates["disk"].gbps == pytest.approx(0.5) and rates["disk"].hints == 1
+    assert rates["remote"].gbps == 3.0 and rates["cpu"].gbps == 50.0  # other tiers untouched
+    assert g.decide([("disk", 8192)], 0, 0)[1] == DECLINED  # 2.1 s of reads now: recompute wins
+    g.hint_writes({"disk": 1 << 30}, (1 << 30) / 10.5e9)  # faster writes: the average, capped at the guess
+    assert rates["disk"].gbps == pytest.approx(min(3.0, 0.8 * 0.5 + 0.2 * 10.5))
+    g.hint_writes({"disk": 1 << 30}, (1 << 30) / 100e9)
+    assert rates["disk"].gbps == 3.0  # never above the guess
+    g.observe_reads({"disk": 1 << 30}, (1 << 30) / 1.5e9)
+    assert rates["disk"].gbps == pytest.approx(1.5)  # the first read replaces it
+    g.hint_writes({"disk": 1 << 30}, (1 << 30) / 0.1e9)
+    assert rates["disk"].gbps == pytest.approx(1.5) and rates["disk"].hints == 3  # measured: writes ignored
+    user = ReadRate(3.0)  # a user's figure (or a tier that is not a guess)
+    user.hint(1 << 30, 10.0)
+    assert user.gbps == 3.0 and user.hints == 0
+    g.hint_writes({"disk": 0, "cpu": 1 << 30}, 1.0)  # nothing slow written: nothing to do
+    g.hint_writes({"remote": 1 << 30}, 0.0)
+    assert rates["remote"].hints == 0
+
+
 def test_split_gate_needs_a_rate_for_every_slow_tier():
     with pytest.raises(InvalidInputError, match="no read rate for tier 'nvmeof'"):
         _split_gate().decide([("nvmeof", 256)], 0, 0)

@@ -256,6 +256,16 @@ class SplitGate:
         for t, n in slow.items():
             self.rates[t].observe(n, seconds * est[t] / total)
 
+    def hint_writes(self, nbytes_by_tier: Mapping[str, int], seconds: float) -> None:
+        """A write to slow tiers moved ``nbytes_by_tier`` in ``seconds``: a tier whose read rate is still the
+        built-in guess takes it as a bound (``ReadRate.hint``); the time is shared as ``observe_reads`` does."""
+        slow = {t: n for t, n in nbytes_by_tier.items() if n > 0 and t not in MEMORY_TIERS and t in self.rates}
+        if not slow or seconds <= 0:
+            return
+        total = sum(slow.values())
+        for t, n in slow.items():
+            self.rates[t].hint(n, seconds * n / total)
+
     # ------------------------------------------------------------------ reporting
     def break_even_gbps(self, tier_context: int = 0) -> float:
         """The read rate above which loading one unit beats recomputing it (no overlap, after ``tier_context``)."""
@@ -265,7 +275,8 @@ class SplitGate:
 
     def report(self) -> dict:
         """For metrics, as ``LoadGate.report`` (``decisions``, ``declined_units``, ``read_gbps`` of the first slow
-        tier, ``break_even_gbps``) plus ``split``: held tokens loaded/recomputed per tier, every tier's read rate,
+        tier, ``break_even_gbps``) plus ``split``: held tokens loaded/recomputed per tier, every tier's read rate and
+        its source (``ReadRate.source``),
         the prefill model in use (rates for a ``REPORT_CHUNK``-token chunk after each of ``REPORT_CONTEXTS``,
         its source and samples), the summed estimated seconds of the plans taken, of recompute-all and of
         load-all, and the mode (``overlap``)."""
@@ -276,7 +287,8 @@ class SplitGate:
         with self._lock:
             tokens = {t: {"loaded": v[0], "recomputed": v[1]} for t, v in self._tokens.items()}
             declined = sum(v["recomputed"] for v in tokens.values()) // self.unit_tokens
-            split = {"tokens": tokens, "read_gbps": gbps, "estimated_seconds": dict(self._seconds),
+            split = {"tokens": tokens, "read_gbps": gbps, "read_source": {t: r.source for t, r in self.rates.items()},
+                     "estimated_seconds": dict(self._seconds),
                      "overlap": self.overlap,
                      "prefill": {"source": prefill["source"], "samples": prefill["samples"],
                                  "coefficients": model.coefficients(),

@@ -108,15 +108,18 @@ def test_without_the_overlap_the_same_hit_is_all_or_nothing(model_dir, tmp_path)
 
 def test_the_first_overlapped_hit_on_the_built_in_rate_loads_one_chunk(model_dir, tmp_path):
     """No ``disk_read_gbps`` set: the split's 3 GB/s is a guess, so the first overlapped disk hit loads one chunk
-    (bit-exact, the rest recomputed) and that read replaces the guess in the estimate the next hit plans with."""
+    (bit-exact, the rest recomputed) and that read replaces the guess in the estimate the next hit plans with.
+    Before it, the write-through copies the scheduler saw complete bounded the guess by their rate (``writes``)."""
     eng = Engine.create(model_dir, cfg(tmp_path, prefill_learn=False))
     try:
         tokens = prompt(17, HELD * CHUNK + 4)
         _on_disk(eng, "a", tokens)
+        st0 = eng.connector.stats()
+        assert st0["disk_gbps_source"] == "writes" and 0 < st0["disk_gbps_estimate"] <= 3.0, st0
         _turn(eng, "a2", tokens)
         assert eng.cached_at_start["a2"] == CHUNK
         st = eng.connector.stats()
-        assert st["split_disk_loaded_tokens"] == CHUNK and st["disk_gbps_estimate"] != 3.0, st
+        assert st["split_disk_loaded_tokens"] == CHUNK and st["disk_gbps_source"] == "reads", st
         assert eng.workers[0].connector.stats()["failed_items"] == 0
     finally:
         eng.close()

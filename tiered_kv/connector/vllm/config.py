@@ -38,8 +38,9 @@ LOAD_SUBMITS = ("pipelined", "upfront")
 SWA_STORES = ("window", "all")
 
 
-#: ``disk_read_gbps``'s built-in start. With ``disk_overlap_bytes`` it is a guess (``planner.rates.ReadRate.guess``):
-#: the split plans at most a chunk from the disk (or remote) tier until a read is measured, which then replaces it
+#: ``disk_read_gbps``'s built-in start, a guess (``planner.rates.ReadRate.guess``): the tier's measured writes lower it
+#: to their rate, the first measured read replaces it, and with ``disk_overlap_bytes`` the split plans at most a chunk
+#: from the disk (or remote) tier until then
 DEFAULT_DISK_READ_GBPS = 3.0
 
 @dataclass(frozen=True)
@@ -219,10 +220,11 @@ class ConnectorConfig(RemoteKeys):
                                                "chunk; `never` only CPU chunks")
     disk_read_gbps: float = config_key(DEFAULT_DISK_READ_GBPS, "the disk tier's read rate (GB/s, all ranks together) "
                                                                "the split starts from; then a running average of the "
-                                                               "measured disk loads. With `disk_overlap_bytes` the "
-                                                               "built-in 3.0 is a guess: the first hit loads one chunk "
-                                                               "from the disk (or remote) tier and its read replaces "
-                                                               "it", "GB/s")
+                                                               "measured disk loads. The built-in 3.0 is a guess: "
+                                                               "writes to the tier lower it to their measured rate, "
+                                                               "the first measured read replaces it, and with "
+                                                               "`disk_overlap_bytes` the first hit loads only one "
+                                                               "chunk from the disk (or remote) tier", "GB/s")
     remote_read_gbps: float | None = config_key(None, "the remote tier's read rate (GB/s, all ranks together) the "
                                                       "split starts from, then measured like the disk's; `null`: "
                                                       "`disk_read_gbps`", "GB/s")

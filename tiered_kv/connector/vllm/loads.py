@@ -13,7 +13,8 @@ first blocks of its slot.
 It also counts the split gate's plan for the hit once vLLM allocated the request (``RequestState.split``: the
 tokens loaded and recomputed per tier), keeps each request's prefix in order in the CPU tier's eviction policy
 (``refresh``), and feeds what completed loads measured back to the split's read rates per tier and the adaptive
-load budget (``load_done``).
+load budget (``load_done``), and what completed writes to a tier measured to its read rate while that is a guess
+(``write_done``).
 
 Threading contract: vLLM's scheduler thread only; no I/O, no torch.
 """
@@ -193,3 +194,9 @@ class LoadPlanner:
                     self._budget.observe(rep.nbytes // max(1, rep.count), rep.seconds)
         if job.src_tier != CPU and (egress or job.dst_tier == CPU):
             self._gate.observe_reads({self._tier_names[job.src_tier]: rep.nbytes}, rep.seconds)
+
+    def write_done(self, job: TransferJob, rep: JobReport) -> None:
+        """A demotion or write-through (CPU tier -> disk or remote) completed on every rank: before the tier's first
+        measured read, its write rate bounds the split's built-in read-rate guess (``ReadRate.hint``)."""
+        if job.src_tier == CPU and job.dst_tier != CPU and all(rep.ok) and rep.nbytes > 0:
+            self._gate.hint_writes({self._tier_names[job.dst_tier]: rep.nbytes}, rep.seconds)

@@ -97,15 +97,16 @@ def split_gate(cfg: ConnectorConfig, geo: Geometry, tiers: Sequence[str]) -> Spl
     remote_gbps = cfg.remote_read_gbps if cfg.remote_read_gbps is not None else cfg.disk_read_gbps
     overlap = overlap_possible(cfg, len(geo.groups), geo.rank_chunk_nbytes) is None and \
         any(t not in MEMORY_TIERS for t in tiers)
-    # with the overlap a rate nobody set is a guess: the first plans load a chunk from that tier, its first read
-    # replaces the guess (``ReadRate.guess``); a user's figure is trusted from the start
+    # a rate nobody set is a guess (``ReadRate.guess``): the tier's measured writes lower it to their rate, its first
+    # read replaces it, and with the overlap the first plans load only a chunk from that tier; a user's figure is
+    # trusted from the start
     rates = {}
     for name in tiers:
         if name in MEMORY_TIERS:
             rates[name] = ReadRate(cfg.load_gbps * copies, fixed=True)
         else:
             gbps = remote_gbps if name == "remote" else cfg.disk_read_gbps
-            rates[name] = ReadRate(gbps, guess=overlap and gbps == DEFAULT_DISK_READ_GBPS)
+            rates[name] = ReadRate(gbps, guess=gbps == DEFAULT_DISK_READ_GBPS)
     start = PrefillModel.from_rate(cfg.prefill_tokens_per_s, cfg.prefill_half_rate_context)
     estimator = PrefillEstimator(start, fixed=not cfg.prefill_learn, fit_on_read=False)
     unit_nbytes = max(1, geo.hit_nbytes(geo.chunk_tokens) * copies // geo.chunk_blocks)
@@ -265,12 +266,14 @@ class StepMeter:
 
 
 def split_stats(gate: SplitGate) -> dict:
-    """The split's estimates and counters for ``SchedulerPlanner.stats``: read rates per slow tier, the prefill rate
+    """The split's estimates and counters for ``SchedulerPlanner.stats``: read rates per slow tier and their sources
+    (``<tier>_gbps_source``: guess, writes, reads or set), the prefill rate
     of a 2048-token chunk at context 0 and its source and samples, held tokens loaded and recomputed per tier, and
     the summed estimated seconds of the plans taken, of recomputing and of loading every held token
     (``split_est_<plan>_s``: what the decisions weighed, so a benchmark can tell a near call from a clear one)."""
     rep = gate.report()["split"]
     out: dict = {f"{t}_gbps_estimate": float(f"{g:.4g}") for t, g in rep["read_gbps"].items() if t not in MEMORY_TIERS}
+    out.update({f"{t}_gbps_source": src for t, src in rep["read_source"].items() if t not in MEMORY_TIERS})
     prefill = rep["prefill"]
     out.update({"prefill_tokens_per_s": round(prefill["tokens_per_s"][0]), "prefill_source": prefill["source"],
                 "prefill_samples": prefill["samples"]})

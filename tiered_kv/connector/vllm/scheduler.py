@@ -222,6 +222,8 @@ class SchedulerPlanner:
             self._loads.load_done(job, rep)
         elif kind is JobKind.INGRESS:
             self.counters.bytes_stored += rep.nbytes
+        elif kind in (JobKind.DEMOTE, JobKind.COPY_DOWN):
+            self._loads.write_done(job, rep)
         if not all(rep.ok) and kind is JobKind.INGRESS and fenced:
             log.debug("store job %d dropped %d of %d chunks: vLLM re-allocated its blocks before the copy began",
                       job_id, len(rep.ok) - sum(rep.ok), len(rep.ok))
