@@ -435,7 +435,9 @@ def run_matrix(shapes, modes, gpus, starts, deadline_s: float, offset: int = 0) 
             r = {"shape": shape, "mode": mode, "gpu": gpu, "error": f"rc={rc}", "log_tail": (out + err)[-2000:]}
             print(f"[{shape} {mode} {gpu} #{start}] FAILED rc={rc}\n{(out + err)[-1500:]}", flush=True)
         else:
+            first = ", ".join(f"{x * 1e3:.0f}" for x in r.get("turn2_s", [])[:2])
             print(f"[{shape} {mode} {gpu} #{start}] {wall:.0f} s: turn-2 p50 {r['turn2_p50_s'] * 1e3:.1f} ms"
+                  f" (the first two, 4 tokens each, left out: {first} ms)"
                   + (f", batch {r['batch_s']:.3f} s" if "batch_s" in r else "")
                   + (f", batch hit tokens {r['batch_hit_tokens']}" if "batch_hit_tokens" in r else "")
                   + jit_note(r.get("jit")), flush=True)
