@@ -234,6 +234,7 @@ def test_fence_cancels_a_queued_store_and_waits_for_a_started_one(caplog):
         assert [r.getMessage() for r in caplog.records if "(5 since the last warning)" in r.getMessage()]
         stats = rt.stats()
         assert stats["fences_waited"] == 1 and stats["stores_cancelled"] == 1
+        assert stats["fence_wait_seconds"] > 0  # vLLM's thread waited for the running store
         deadline = time.monotonic() + 10
         reports = {}
         while len(reports) < 2 and time.monotonic() < deadline:

@@ -66,6 +66,7 @@ class WorkerCounters:
     failed_items: int = 0
     corrupt_items: int = 0
     fences_waited: int = 0
+    fence_wait_seconds: float = 0.0  # vLLM's thread in fences (re-used blocks whose store or load had not finished)
     stores_cancelled: int = 0
     sync_loads: int = 0
     sync_load_groups: int = 0

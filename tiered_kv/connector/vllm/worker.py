@@ -356,9 +356,10 @@ class WorkerRuntime(StepLoads):
             self._warn_dropped(dropped)
         for ev in waits:
             ev.wait()
-        if pending:
-            log.debug("rank %d: fence waited %.1f ms for %d job(s)", self.rank, (time.perf_counter() - t0) * 1e3,
-                      len(pending))
+        if pending or queued:
+            waited = time.perf_counter() - t0
+            self.counters.fence_wait_seconds += waited
+            log.debug("rank %d: fence waited %.1f ms for %d job(s)", self.rank, waited * 1e3, len(pending))
 
     def _warn_dropped(self, items: int) -> None:
         """Say, at most once per ``DROP_WARN_INTERVAL_S``, that fences cancelled queued stores: each is a later miss."""
