@@ -38,9 +38,7 @@ LOAD_SUBMITS = ("pipelined", "upfront")
 SWA_STORES = ("window", "all")
 
 
-#: ``disk_read_gbps``'s built-in start, a guess (``planner.rates.ReadRate.guess``): the tier's measured writes lower it
-#: to their rate, the first measured read replaces it, and with ``disk_overlap_bytes`` the split plans at most a chunk
-#: from the disk (or remote) tier until then
+#: ``disk_read_gbps``'s built-in start, a guess (``planner.rates.ReadRate.guess``; see the key's description)
 DEFAULT_DISK_READ_GBPS = 3.0
 
 @dataclass(frozen=True)
@@ -220,11 +218,10 @@ class ConnectorConfig(RemoteKeys):
                                                "chunk; `never` only CPU chunks")
     disk_read_gbps: float = config_key(DEFAULT_DISK_READ_GBPS, "the disk tier's read rate (GB/s, all ranks together) "
                                                                "the split starts from; then a running average of the "
-                                                               "measured disk loads. The built-in 3.0 is a guess: "
-                                                               "writes to the tier lower it to their measured rate, "
-                                                               "the first measured read replaces it, and with "
-                                                               "`disk_overlap_bytes` the first hit loads only one "
-                                                               "chunk from the disk (or remote) tier", "GB/s")
+                                                               "measured disk loads. The built-in 3.0 is a guess: the "
+                                                               "tier's writes lower it to their rate, its first read "
+                                                               "replaces it, and with `disk_overlap_bytes` the first "
+                                                               "hit loads one chunk from that tier", "GB/s")
     remote_read_gbps: float | None = config_key(None, "the remote tier's read rate (GB/s, all ranks together) the "
                                                       "split starts from, then measured like the disk's; `null`: "
                                                       "`disk_read_gbps`", "GB/s")
