@@ -177,6 +177,7 @@ def test_writes_lower_a_guessed_read_rate_until_the_first_read():
     user.hint(1 << 30, 10.0)
     assert user.gbps == 3.0 and user.hints == 0
     g.hint_writes({"disk": 0, "cpu": 1 << 30}, 1.0)  # nothing slow written: nothing to do
+    g.hint_writes({"remote": (4 << 20) - 1}, 1.0)  # under HINT_MIN_BYTES: latency, not rate
     g.hint_writes({"remote": 1 << 30}, 0.0)
     assert rates["remote"].hints == 0
 

@@ -61,6 +61,8 @@ from tiered_kv.errors import ConfigError
 
 #: Weight of the newest read in a tier's read-rate average.
 EWMA_NEW = 0.2
+#: A write smaller than this measures the medium's latency more than its rate: ``ReadRate.hint`` ignores it.
+HINT_MIN_BYTES = 4 << 20
 #: A request that computes this many tokens or fewer in a step is decoding (speculative decoding: a few).
 DECODE_TOKENS = 16
 #: Steps the fit keeps, and the age (in samples) at which a sample weighs half as much as the newest.
@@ -138,9 +140,9 @@ class ReadRate:
         """A *write* to the tier moved ``nbytes`` in ``seconds``. While the estimate is still the built-in guess (no
         read yet), it becomes the smaller of the guess and the writes' running average: the rate the tier has shown
         bounds the bet of its first read (on the H200 host's virtio disk the 3.0 GB/s guess met 1.3 GB/s writes and,
-        under them, a 0.5 GB/s first read). Ignored once a read was measured, for a rate set by the user, or when
-        either number is not > 0."""
-        if nbytes <= 0 or seconds <= 0 or self.fixed or not self.guess:
+        under them, a 0.5 GB/s first read). Ignored once a read was measured, for a rate set by the user, for a write
+        of less than ``HINT_MIN_BYTES`` (small records: latency, not rate), or when ``seconds`` is not > 0."""
+        if nbytes < HINT_MIN_BYTES or seconds <= 0 or self.fixed or not self.guess:
             return
         gbps = nbytes / seconds / 1e9
         with self._lock:

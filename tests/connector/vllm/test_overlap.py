@@ -21,6 +21,8 @@ from tiered_kv.planner.split import Segment, split_at  # noqa: E402
 from tiered_kv.errors import ConfigError  # noqa: E402
 from tiered_kv.tiers.disk.aio import aio_available  # noqa: E402
 from tiered_kv.values.record import RecordHeader  # noqa: E402
+from tiered_kv.connector.vllm.common import CPU, DISK, JobReport  # noqa: E402
+from tiered_kv.values.jobs import JobKind, TransferJob  # noqa: E402
 
 HELD = 8  # chunks of the prefix: 512 tokens
 #: recompute 50k tokens/s, the disk 10 MB/s (256 B a token): loading all 8 chunks (13.2 ms by the planner) and
@@ -109,13 +111,17 @@ def test_without_the_overlap_the_same_hit_is_all_or_nothing(model_dir, tmp_path)
 def test_the_first_overlapped_hit_on_the_built_in_rate_loads_one_chunk(model_dir, tmp_path):
     """No ``disk_read_gbps`` set: the split's 3 GB/s is a guess, so the first overlapped disk hit loads one chunk
     (bit-exact, the rest recomputed) and that read replaces the guess in the estimate the next hit plans with.
-    Before it, the write-through copies the scheduler saw complete bounded the guess by their rate (``writes``)."""
+    Before it, the scheduler's completed write-throughs reach the guess: this tiny model's (a few KiB, latency more
+    than rate) leave it alone, a 64 MiB one (its report fed to the real planner) bounds it by its rate."""
     eng = Engine.create(model_dir, cfg(tmp_path, prefill_learn=False))
     try:
         tokens = prompt(17, HELD * CHUNK + 4)
-        _on_disk(eng, "a", tokens)
+        keys = _on_disk(eng, "a", tokens)
+        assert eng.connector.stats()["disk_gbps_source"] == "guess"  # every write under HINT_MIN_BYTES
+        big = TransferJob(10 ** 6, JobKind.COPY_DOWN, CPU, DISK, keys[:1], [0], [0])
+        eng.connector.planner._loads.write_done(big, JobReport(1, [True], [False], 64 << 20, (64 << 20) / 0.9e9))
         st0 = eng.connector.stats()
-        assert st0["disk_gbps_source"] == "writes" and 0 < st0["disk_gbps_estimate"] <= 3.0, st0
+        assert st0["disk_gbps_source"] == "writes" and st0["disk_gbps_estimate"] == 0.9, st0
         _turn(eng, "a2", tokens)
         assert eng.cached_at_start["a2"] == CHUNK
         st = eng.connector.stats()
