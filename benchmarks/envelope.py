@@ -73,6 +73,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from kernel_jit import JitWatch, slow_in, warm_prompts  # noqa: E402
 from vllm_ttft import (  # noqa: E402
     MODELS,
     _result_line,
@@ -246,8 +247,6 @@ def run_one(shape: str, mode: str, gpu: str) -> dict:
         json.dump(MODELS[shape], f)
     trace = (os.path.join(os.environ.get("OUT", "."), f"trace_{shape}_{mode.replace('=', '-').replace('+', '.')}_{gpu}")
              if mode.startswith("tiered") else None)
-    from kernel_jit import JitWatch, warm_prompts
-
     jit = JitWatch()
     t0 = time.perf_counter()
     llm = LLM(**engine_kwargs(shape, mode, gpu, w, model_dir, trace))
@@ -268,8 +267,8 @@ def run_one(shape: str, mode: str, gpu: str) -> dict:
         return time.perf_counter() - t, outs
 
     # warm-up, from an RNG of its own (the measured prompts stay those of earlier rounds): one prefill per fused-MoE
-    # tile band and a decode of n_conv sequences, so no mode pays the machine's first kernel compilations inside a
-    # measured phase (kernel_jit.py); what still compiles there is recorded per phase
+    # tile band, a turn-2-shaped step over a GPU-cached context and a decode of n_conv sequences, so no mode pays the
+    # machine's first kernel compilations inside a measured phase (kernel_jit.py); what still compiles is recorded
     jit.phase("warm-up")
     singles, followup, warm_batch = warm_prompts(vocab, w["max_len"], w["n_conv"], FOLLOW)
     for p in singles + [followup]:
@@ -396,12 +395,13 @@ def plan(shapes: list[str], modes: list[str], gpus: list[str], starts: int,
 def jit_note(jit: dict | None) -> str:
     """``", compiled in turn2: 2 kernels 840 ms (...)"`` for Triton compilations over ``SLOW_MS`` inside a measured
     phase of a start's ``jit`` record (kernel_jit.py), else ``""``."""
+    slow = slow_in(jit, MEASURED_PHASES)
     out = []
     for phase in MEASURED_PHASES:
-        slow = (jit or {}).get(phase, {}).get("slow", [])
-        if slow:
-            names = ", ".join(sorted({fn for fn, _ in slow}))
-            out.append(f"{phase}: {len(slow)} kernel(s) {sum(ms for _, ms in slow):.0f} ms ({names})")
+        mine = [(fn, ms) for p, fn, ms in slow if p == phase]
+        if mine:
+            names = ", ".join(sorted({fn for fn, _ in mine}))
+            out.append(f"{phase}: {len(mine)} kernel(s) {sum(ms for _, ms in mine):.0f} ms ({names})")
     return f", compiled in {'; '.join(out)}" if out else ""
 
 

@@ -14,9 +14,11 @@ machine's first compilations, and a run says so only when it records them.
   vLLM's JIT monitor included) and records, per phase the benchmark names, how many kernels were compiled (or
   loaded from Triton's disk cache into this process: the hooks cannot tell, the time can) and how long each
   took.
+- ``slow_in``: the slow compilations of a ``summary`` (in-process, or a start's record in the parent) inside the
+  phases named.
 - ``warm_prompts``: one prompt per fused-MoE tile band (``MOE_BAND_LENGTHS``), a follow-up over a GPU-cached
-  context (a turn 2's shape), and a batch for decode with several sequences; the benchmark runs them before its first measured phase, from an RNG of its own so the
-  measured prompts stay what they were.
+  context (a turn 2's shape), and a batch for decode with several sequences; the benchmark runs them before its
+  first measured phase, from an RNG of its own so the measured prompts stay what they were.
 
 Threading: the hooks run on the thread that compiles (the engine's thread, in-process with
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``); records are appended under a lock; ``phase`` and ``summary`` from the
@@ -93,8 +95,12 @@ class JitWatch:
 
     def slow_in(self, phases: tuple[str, ...]) -> list[list]:
         """The slow compilations ([phase, fn, ms]) inside ``phases`` (the measured ones)."""
-        s = self.summary()
-        return [[p, fn, ms] for p in phases for fn, ms in s.get(p, {}).get("slow", [])]
+        return slow_in(self.summary(), phases)
+
+
+def slow_in(summary: dict | None, phases: tuple[str, ...]) -> list[list]:
+    """The slow compilations ([phase, fn, ms]) of a ``JitWatch.summary`` (None: none) inside ``phases``."""
+    return [[p, fn, ms] for p in phases for fn, ms in (summary or {}).get(p, {}).get("slow", [])]
 
 
 def warm_prompts(vocab: int, max_len: int, batch: int, follow: int = 64,

@@ -116,8 +116,8 @@ def serve_shared(results: list[Result]) -> str:
 
 
 # ------------------------------------------------------------------------ single-request turn-2 TTFT
-MODELS = {"llama3-8b": "Llama-3-8B", "qwen2.5-7b": "Qwen2.5-7B", "qwen2.5-32b": "Qwen2.5-32B", "gpt-oss": "gpt-oss-20b shape",
-          "dsv2-lite": "DeepSeek-V2-Lite (MLA)", "gemma3": "Gemma-3-4B (7 KV cache groups)"}
+MODELS = {**SHAPES, "gpt-oss": "gpt-oss-20b shape", "dsv2-lite": "DeepSeek-V2-Lite (MLA)",
+          "gemma3": "Gemma-3-4B (7 KV cache groups)"}
 TTFT_MODES = ("none", "floor", "offloading", "simple", "tiered-cpu")
 
 
