@@ -192,7 +192,8 @@ def engine_kwargs(shape: str, mode: str, gpu: str, w: dict, model_dir: str, trac
 
 def _stored_per_conversation(llm, prefix: int) -> dict:
     """Our geometry's bytes for one stored prefix: what a later hit can use (full-attention layers x the prefix's
-    whole chunks + sliding-window layers x the window) and what the parts take in slots."""
+    whole chunks + sliding-window layers x the window, on every TP rank; once for MLA, whose ranks hold the same
+    latent KV: ``geo.replicated``) and what the parts take in slots."""
     try:
         geo = llm.llm_engine.engine_core.engine_core.scheduler.connector.geo
     except AttributeError:
@@ -204,7 +205,8 @@ def _stored_per_conversation(llm, prefix: int) -> dict:
             usable += g.window_blocks * g.block_nbytes
         elif g.kind != "mamba":
             usable += chunks * g.chunk_blocks * g.block_nbytes
-    return {"usable_bytes_per_conversation": usable * geo.tp_size, "slot_bytes": geo.chunk_nbytes,
+    ranks = 1 if geo.replicated else geo.tp_size
+    return {"usable_bytes_per_conversation": usable * ranks, "slot_bytes": geo.chunk_nbytes,
             "chunk_tokens": geo.chunk_tokens}
 
 

@@ -433,7 +433,8 @@ class Bench:
             rec["trace_path"] = os.path.basename(trace)
         else:
             trace = None
-        for key in ("error", "log_tail", "startup_s", "warmup_s", "repeats", "pool_shm_bytes"):  # left by a failed try
+        for key in ("error", "log_tail", "startup_s", "warmup_s", "repeats", "pool_shm_bytes",
+                    "replica_memory"):  # left by a failed try
             rec.pop(key, None)
         rec.update(status="running", graphs=graphs, tokenizer=tok, command=shell_line(reps[0].argv, reps[0].delta),
                    log=os.path.basename(reps[0].log), disk_dir=specs[0].disk_dir)
@@ -483,6 +484,8 @@ class Bench:
                 self.workloads.append((time.monotonic() - t1) / max(1, len(rec["repeats"])))
                 if pool:
                     rec["pool_shm_bytes"] = replicas.pool_bytes(pool)  # every replica up: one pool's memory
+                # each server's resident memory, private vs shared (issue 33: one pool, no per-replica copy)
+                rec["replica_memory"] = [replicas.group_memory(srv.proc.pid) for srv in srvs if srv.proc is not None]
                 dead = [i for i, srv in enumerate(srvs) if not srv.alive]
                 if not dead:
                     rec["status"] = "ok"

@@ -12,7 +12,7 @@ import fnmatch
 from typing import Callable
 
 from benchmarks.results_page.results import Result, median, num, ratio, table
-from benchmarks.results_page.scenarios import NULL, REMOTE, SHAPES, TIERED, same_call
+from benchmarks.results_page.scenarios import MODELS, NULL, REMOTE, SHAPES, TIERED, same_call
 
 Row = list[str]
 
@@ -171,6 +171,45 @@ def envelope(r: Result) -> Row:
             _where([r]), f"**{passed} of {len(rows)} cells pass**{cliff}; failing: {fails}", base]
 
 
+@from_latest("envelope_*_h200x*-tp*.json")
+def tensor_parallel(r: Result) -> Row:
+    from benchmarks import envelope as env
+
+    turn2 = next((x for x in env.verdict(r.doc["results"], ()) if x["workload"] == "turn2"
+                  and "offloading" in x["median_s"]), None)
+    tp = max(x.get("knobs", {}).get("tp", 1) for x in r.doc["results"])
+    rates = [v for x in r.doc["results"] if x["mode"] == "tiered" and x.get("shape") == (turn2 or {}).get("shape")
+             for v in x.get("turn2_rank_gbps", {}).values()]
+    mla = [x["stored_bytes_per_conversation"] for x in r.doc["results"]
+           if x["shape"] == "dsv2-lite" and x["mode"] == "tiered" and "stored_bytes_per_conversation" in x]
+    if turn2 is None:
+        return [f"TP={tp} turn 2", _where([r]), "-", "-"]
+    m = turn2["median_s"]
+    result = (f"**{num(m['tiered'] * 1e3, 1)} ms** ({turn2['starts']['tiered']} starts) = "
+              f"{ratio(m['tiered'], m['offloading'])} of `OffloadingConnector`; each rank loading at "
+              f"{num(min(rates), 1)}-{num(max(rates), 1)} GB/s at once" if rates else "")
+    if mla:
+        result += f"; MLA (DeepSeek-V2-Lite) stores {num(mla[-1] / 1e6, 1)} MB per conversation, once for all ranks"
+    return [f"vLLM at TP={tp} on {tp} GPUs, {MODELS.get(turn2['shape'], turn2['shape'])} shape: turn-2 TTFT from the "
+            f"CPU tier, median over starts",
+            _where([r]), result, f"`OffloadingConnector` {num(m['offloading'] * 1e3, 1)} ms, no connector "
+            f"{num(m['none'] * 1e3, 1)} ms"]
+
+
+@from_latest("serve_bench_*_h200x*-rr*.json")
+def replicas(r: Result) -> Row:
+    summary = r.doc["summary"]
+
+    def c32(mode: str) -> float | None:
+        return _ttft(summary, mode, "c32")
+    n = r.doc.get("replicas", 2)
+    return [f"`vllm serve`, {n} replicas (one per GPU) behind a round-robin router: TTFT p50 of the turn that lands on "
+            f"a different replica from the user's last (c32), one start per mode", _where([r]),
+            f"one host pool (`cpu_pool`): **{num(c32('tiered-pool'), 1)} ms** = {ratio(c32('tiered-pool'), c32('offloading'))} "
+            f"of `OffloadingConnector`", f"`OffloadingConnector` {num(c32('offloading'), 1)} ms, ours with a private "
+            f"CPU tier per replica {num(c32('tiered'), 1)}, no connector {num(c32('none'), 1)}"]
+
+
 @from_latest("gpu_copy_2*.json")
 def gpu_copy(r: Result) -> Row:
     pick = {(c["case"], c["direction"]): c for c in r.doc["copies"]
@@ -287,7 +326,7 @@ def disk(r: Result) -> Row:
 
 
 HIGHLIGHTS: tuple[Callable[[list[Result]], Row | None], ...] = (
-    serve_lone, serve_every_start, serve_shared, envelope, vllm_item2, vllm_hybrid, gpu_copy, staged, sched, sched_remote,
+    serve_lone, serve_every_start, serve_shared, envelope, tensor_parallel, replicas, vllm_item2, vllm_hybrid, gpu_copy, staged, sched, sched_remote,
     sglang_ttft, sglang_restart, sglang_bench, remote, disk)
 
 

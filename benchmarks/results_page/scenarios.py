@@ -39,9 +39,18 @@ SERVE_PEERS = ("offloading", "lmcache", "none-resident")
 OURS = "tiered"
 
 
+def _shape(doc: dict) -> str:
+    """A serving file's shape as the tables name it (a replicas run's merged name ``<shape>_rr<N>`` without the
+    suffix: its table says it is N replicas)."""
+    shape = doc.get("shape", "")
+    n = doc.get("replicas") or 1
+    shape = shape[:-len(f"_rr{n}")] if n > 1 and shape.endswith(f"_rr{n}") else shape
+    return SHAPES.get(shape, shape)
+
+
 def _shape_key(r: Result) -> tuple[int, str]:
-    order = list(SHAPES)
-    shape = r.doc.get("shape", "")
+    order = list(SHAPES.values())
+    shape = _shape(r.doc)
     return (order.index(shape) if shape in order else len(order), shape)
 
 
@@ -54,16 +63,17 @@ def _med(summary: dict, mode: str, phase: str, what: str) -> float | None:
     return None if d is None else d["median"]
 
 
-def serve_table(results: list[Result]) -> str:
-    """Per shape and mode: starts, TTFT p50 and output tok/s at c32 and c8, TTFT p50 at c1."""
+def serve_table(results: list[Result], modes: dict[str, str] = SERVE_MODES) -> str:
+    """Per shape and mode (those of ``modes``, with their labels): starts, TTFT p50 and output tok/s at c32 and c8,
+    TTFT p50 at c1."""
     rows = []
     for r in sorted(results, key=_shape_key):
         summary, first = r.doc["summary"], True
-        for mode, label in SERVE_MODES.items():
+        for mode, label in modes.items():
             if mode not in summary:
                 continue
             cell = lambda p, what, d=1: spread(_phase(summary, mode, p, what), d)  # noqa: E731
-            rows.append([SHAPES.get(r.doc["shape"], r.doc["shape"]) if first else "", label,
+            rows.append([_shape(r.doc) if first else "", label,
                          summary[mode]["starts_ok"], cell("c32", "ttft_p50_ms"), cell("c32", "output_tok_s", 0),
                          cell("c8", "ttft_p50_ms"), cell("c8", "output_tok_s", 0), cell("c1", "ttft_p50_ms")])
             first = False
@@ -81,23 +91,25 @@ def same_call(doc: dict, mode: str = OURS) -> tuple[int, dict] | None:
     return last["run"], serve_report.summarize(starts)
 
 
-def same_call_table(results: list[Result]) -> str:
-    """Ours against each peer started in the same call (one start each): TTFT p50 and tok/s, c32 and c8."""
+def same_call_table(results: list[Result], ours: str = OURS, peers: tuple[str, ...] = SERVE_PEERS,
+                    modes: dict[str, str] = SERVE_MODES) -> str:
+    """``ours`` against each of ``peers`` started in the same call (one start each): TTFT p50 and tok/s, c32 and
+    c8."""
     rows = []
     for r in sorted(results, key=_shape_key):
-        call = same_call(r.doc)
+        call = same_call(r.doc, ours)
         if call is None:
             continue
         run, summary = call
-        for peer in SERVE_PEERS:
+        for peer in peers:
             if peer not in summary:
                 continue
             cells = []
             for phase in ("c32", "c8"):
                 for what, d in (("ttft_p50_ms", 1), ("output_tok_s", 0)):
-                    a, b = _med(summary, OURS, phase, what), _med(summary, peer, phase, what)
+                    a, b = _med(summary, ours, phase, what), _med(summary, peer, phase, what)
                     cells.append(f"{num(a, d)} vs {num(b, d)}: {ratio(a, b)}")
-            rows.append([SHAPES.get(r.doc["shape"], r.doc["shape"]), run, SERVE_MODES[peer], *cells])
+            rows.append([_shape(r.doc), run, modes[peer], *cells])
     head = ["shape", "run", "ours vs", "c32 TTFT p50 ms", "c32 tok/s", "c8 TTFT p50 ms", "c8 tok/s"]
     return table(head, rows)
 
@@ -107,6 +119,36 @@ def serve(results: list[Result]) -> str:
     results = sorted(results, key=_shape_key)
     return (serve_table(results) + "\n" + source(results) + "\nOurs (`auto`) against the peers started in the same "
             "call (the last call with an `auto` start; one start each):\n\n" + same_call_table(results))
+
+
+#: the round-robin replica runs' modes (issue 33): every mode is one engine per GPU, its counters summed
+REPLICA_MODES = {"none": "no connector", "offloading": "`OffloadingConnector`, one per replica",
+                 "tiered": "ours, a private CPU tier per replica", "tiered-pool": "**ours, one host pool (`cpu_pool`)**"}
+
+
+def serve_replicas(results: list[Result]) -> str:
+    """Replicas behind a round-robin router: the serving table of their modes, then the host pool against each
+    other mode of its last call."""
+    results = sorted(results, key=_shape_key)
+    out = (serve_table(results, REPLICA_MODES) + "\n" + source(results) + "\nOne host pool against the others "
+           "started in the same call:\n\n" + same_call_table(results, "tiered-pool", ("tiered", "offloading", "none"),
+                                                               REPLICA_MODES))
+    memory = replica_memory_table(results)
+    return out + ("\nEach replica's resident memory at the end of its workload (private pages / shared pages, GiB; "
+                  "the pool's pages count in every replica that touched them, once in /dev/shm):\n\n" + memory
+                  if memory else "")
+
+
+def replica_memory_table(results: list[Result]) -> str:
+    """Per start that recorded it: each replica's RssAnon / RssShmem (its server's process group) and the host
+    pool's bytes in /dev/shm; empty when no start did."""
+    gib = lambda b: num(b / 2**30, 2)  # noqa: E731
+    rows = [[_shape(r.doc), REPLICA_MODES.get(s["mode"], s["mode"]), s["run"],
+             ", ".join(f"{gib(m['rss_anon_bytes'])} / {gib(m['rss_shmem_bytes'])}" for m in s["replica_memory"]),
+             gib(s["pool_shm_bytes"]) if s.get("pool_shm_bytes") else "-"]
+            for r in results for s in r.doc["starts"] if s.get("replica_memory")]
+    return table(["shape", "mode", "run", "per replica: private / shared GiB", "host pool in /dev/shm GiB"],
+                 rows) if rows else ""
 
 
 def serve_shared(results: list[Result]) -> str:
@@ -206,15 +248,17 @@ def envelope(r: Result) -> str:
     if stores:
         out += "\n" + table(["shape", "stored per conversation MB", "full layers x prefix + window layers x window MB",
                              "ratio (goal <= 1.1)", "conversations per GiB"], stores)
-    ranks = [[x["mode"], x["knobs"].get("tp", 1), num(x["turn2_p50_s"] * 1e3, 1),
+    ranks = [[x["shape"], x["mode"], x["knobs"].get("tp", 1), x.get("call", "-"), num(x["turn2_p50_s"] * 1e3, 1),
               ", ".join(f"{k}: {num(v, 1)}" for k, v in sorted(x["turn2_rank_gbps"].items())) or "-",
+              num(x["stored_bytes_per_conversation"] / 1e6, 1) if x["mode"] == "tiered" else "-",
               f"{x['turn1_cached_tokens'][0]:,}" if "restart" in x["mode"] else "-",
               f"{x['counters'].get('sched_hit_tokens_disk', 0):,}" if "disk" in x["mode"] else "-"]
              for x in r.doc["results"] if x.get("knobs", {}).get("tp", 1) > 1 and "turn2_rank_gbps" in x
              and (x["mode"] == "tiered" or "restart" in x["mode"] or "=always" in x["mode"])]
     if ranks:
-        out += "\n" + table(["mode", "TP", "turn 2 p50 ms", "per-rank load GB/s (turn 2)",
-                             "restart: turn 1's first hit tokens", "disk-hit tokens"], ranks)
+        out += "\n" + table(["shape", "mode", "TP", "call", "turn 2 p50 ms", "per-rank load GB/s (turn 2)",
+                             "stored per conversation MB (all ranks)", "restart: turn 1's first hit tokens",
+                             "disk-hit tokens"], ranks)
     return out
 
 
@@ -512,14 +556,19 @@ def disk_sweep(r: Result) -> str:
 
 #: the probes' README: their answers, from the same files
 PROBES = "benchmarks/probes/README.md"
+#: the page of runs on several GPUs of one host (TP, replicas, engines side by side)
+MULTI_GPU = "docs/benchmarks-multi-gpu.md"
 #: every section's block, by the result files it shows; each file in docs/results/ must match exactly one
 SCENARIOS: tuple[Scenario, ...] = (
     Scenario("serve", ("serve_bench_*_h200.json",), serve),
-    Scenario("serve-shared-host", ("serve_bench_*_h200x4-shared.json",), serve_shared),
-    Scenario("neighbor", ("neighbor_probe_*.json",), each(neighbor)),
+    Scenario("serve-shared-host", ("serve_bench_*_h200x4-shared.json",), serve_shared, MULTI_GPU),
+    Scenario("serve-tp", ("serve_bench_*_h200x*-tp*.json",), serve, MULTI_GPU),
+    Scenario("serve-replicas", ("serve_bench_*_h200x*-rr*.json",), serve_replicas, MULTI_GPU),
+    Scenario("neighbor", ("neighbor_probe_*.json",), each(neighbor), MULTI_GPU),
     Scenario("vllm-ttft", ("vllm_ttft_*.json",), vllm_ttft),
-    Scenario("envelope", ("envelope_*.json",), each(envelope)),
-    Scenario("pool-replicas", ("pool_replicas_*.json",), each(pool_replicas)),
+    Scenario("envelope", ("envelope_*_h200.json",), each(envelope)),
+    Scenario("envelope-tp", ("envelope_*_h200x*-tp*.json",), each(envelope), MULTI_GPU),
+    Scenario("pool-replicas", ("pool_replicas_*.json",), each(pool_replicas), MULTI_GPU),
     Scenario("sched", ("sched_overhead_2*.json",), each(sched)),
     Scenario("sched-remote", ("sched_overhead_remote_*.json",), each(sched_remote)),
     Scenario("gpu-copy", ("gpu_copy_2*.json",), each(gpu_copy)),

@@ -175,6 +175,39 @@ def stop_servers(servers) -> float:
     return sum(s.stop() for s in servers)
 
 
+#: /proc/<pid>/status lines ``group_memory`` sums, and the keys it reports them under
+_MEMORY_KEYS = {"VmRSS:": "rss_bytes", "RssAnon:": "rss_anon_bytes", "RssShmem:": "rss_shmem_bytes"}
+
+
+def group_memory(pgid: int) -> dict[str, int]:
+    """Resident memory of every live process in process group ``pgid`` (a server started in a session of its
+    own: the API server and its engine core), summed: ``rss_bytes`` (VmRSS: a host pool's shared pages count in
+    every process that touched them), ``rss_anon_bytes`` (private pages: a private CPU tier) and
+    ``rss_shmem_bytes`` (shared memory: the host pool's pages, or vLLM's own shared buffers); ``processes`` counted.
+    Several replicas on one pool show the pool in each one's ``rss_shmem_bytes`` and once in ``pool_bytes``."""
+    out = dict.fromkeys(_MEMORY_KEYS.values(), 0)
+    out["processes"] = 0
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", encoding="ascii", errors="replace") as f:
+                stat = f.read()
+            # the command name (field 2) may hold spaces and parentheses: the fields after its last ")"
+            if int(stat[stat.rindex(")") + 2:].split()[2]) != pgid:
+                continue
+            with open(f"/proc/{name}/status", encoding="ascii", errors="replace") as f:
+                lines = f.read().splitlines()
+        except (OSError, ValueError, IndexError):  # gone meanwhile, or not ours to read
+            continue
+        out["processes"] += 1
+        for line in lines:
+            key = _MEMORY_KEYS.get(line.split(None, 1)[0] if line else "")
+            if key:
+                out[key] += int(line.split()[1]) * 1024  # kB
+    return out
+
+
 def pool_dir(pool: str) -> str:
     """Where the host pool ``pool`` of this user lives (``tiered_kv/tiers/pool/place.py``)."""
     return os.path.join(SHM_DIR, f"tiered_kv-{os.getuid()}", pool)

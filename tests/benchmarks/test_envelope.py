@@ -193,3 +193,25 @@ def test_turn2_compares_every_conversations_first_token_where_both_recorded_them
     old = _rec("t", "tiered", 1, 0.1)  # a start from before round 5: only the first two conversations' tokens
     (row,) = envelope.verdict([none, old])
     assert row["greedy_equal"] is True, row
+
+
+def test_usable_bytes_count_mla_once_and_other_kv_per_rank():
+    """MLA's ranks hold the same latent KV (``replicated``): a conversation's usable bytes are one rank's, while a
+    sharded model's are every rank's (the TP=2 MLA run once reported half of what it stored as usable)."""
+    from types import SimpleNamespace
+
+    from tiered_kv.connector.vllm.geometry import Geometry
+
+    def usable(replicated: bool) -> int:
+        geo = Geometry(block_size=16, chunk_blocks=16, layer_names=("l0", "l1"), rank_block_nbytes=4096, tp_size=2,
+                       tag="t", replicated=replicated)
+        sched = SimpleNamespace(connector=SimpleNamespace(geo=geo))
+        llm = SimpleNamespace(llm_engine=SimpleNamespace(engine_core=SimpleNamespace(
+            engine_core=SimpleNamespace(scheduler=sched))))
+        out = envelope._stored_per_conversation(llm, 1024)
+        assert out["chunk_tokens"] == 256
+        return out["usable_bytes_per_conversation"]
+
+    one_rank = (1024 // 256) * 16 * 4096
+    assert usable(True) == one_rank
+    assert usable(False) == 2 * one_rank

@@ -33,23 +33,29 @@ def test_the_results_page_is_short_and_every_scenario_has_its_block():
     assert report_page.PREFIX + "highlights" in names((ROOT / "README.md").read_text())
 
 
-def test_every_generated_table_names_its_result_files():
-    text = PAGE.read_text()
+#: every page the scenarios write to under docs/ (the main page and the multi-GPU one)
+DOC_PAGES = sorted({ROOT / s.page for s in SCENARIOS if s.page.startswith("docs/")})
+
+
+@pytest.mark.parametrize("page", DOC_PAGES, ids=lambda p: p.name)
+def test_every_generated_table_names_its_result_files(page):
+    text = page.read_text()
     for m in re.finditer(r"<!-- generated:(results:[\w-]+)[^\n]*-->\n(.*?)<!-- /generated", text, re.S):
         assert "Source: [`" in m.group(2), m.group(1)
         for name in re.findall(r"\]\(results/([^)]+\.json)\)", m.group(2)):
             assert (ROOT / "docs" / "results" / name).is_file(), name
 
 
-def test_the_page_links_resolve():
-    text = PAGE.read_text()
+@pytest.mark.parametrize("page", DOC_PAGES, ids=lambda p: p.name)
+def test_the_page_links_resolve(page):
+    text = page.read_text()
     for target in re.findall(r"\]\(([^)#]+?)(?:#[^)]*)?\)", text):
         if "://" not in target:
-            assert (PAGE.parent / target).exists(), target
+            assert (page.parent / target).exists(), target
 
 
 def test_a_stale_table_is_found(tmp_path):
-    for rel in ("docs/benchmarks.md", "README.md", "benchmarks/probes/README.md"):
+    for rel in sorted({s.page for s in SCENARIOS} | {"README.md"}):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / rel, tmp_path / rel)
     page = tmp_path / "docs/benchmarks.md"
@@ -113,3 +119,16 @@ def test_the_step_cost_row_adds_the_best_box_speed_comparison_where_a_set_has_it
     calibrated, plain = [line for line in text.splitlines() if line.startswith("| 13:17") or line.startswith("| 20:22")]
     assert "at the best box speed +10.0% (1 run)" in calibrated and "+65.0%" in calibrated  # paired: 1.1, 2.2
     assert "best box speed" not in plain
+
+
+def test_the_replica_memory_table_shows_private_and_shared_pages_per_replica(tmp_path):
+    from benchmarks.results_page import scenarios
+
+    start = {"mode": "tiered-pool", "run": 0, "status": "ok", "pool_shm_bytes": 16 * 2**30,
+             "replica_memory": [{"rss_anon_bytes": 3 * 2**30, "rss_shmem_bytes": 16 * 2**30, "rss_bytes": 19 * 2**30,
+                                 "processes": 2}] * 2}
+    doc = {"shape": "llama3-8b_rr2", "replicas": 2, "starts": [start, {"mode": "none", "run": 0, "status": "ok"}]}
+    text = scenarios.replica_memory_table([Result(tmp_path / "serve_bench_llama3-8b_2026-12-01_h200x2-rr2.json", doc)])
+    rows = [line for line in text.splitlines() if line.startswith("| Llama-3-8B")]
+    assert rows == ["| Llama-3-8B | **ours, one host pool (`cpu_pool`)** | 0 | 3.00 / 16.00, 3.00 / 16.00 | 16.00 |"]
+    assert scenarios.replica_memory_table([Result(tmp_path / "x.json", {**doc, "starts": doc["starts"][1:]})]) == ""

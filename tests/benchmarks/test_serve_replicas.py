@@ -196,6 +196,9 @@ def test_two_replica_starts_launch_route_stop_and_pack_their_logs(tmp_path, monk
             alive = False
         assert not alive  # every server of every start was stopped
     assert doc["starts"][0]["pool_shm_bytes"] > 0
+    for start in doc["starts"]:  # each server's memory, read from /proc while it ran
+        assert [m["processes"] for m in start["replica_memory"]] == [1, 1]
+        assert all(m["rss_bytes"] > 0 for m in start["replica_memory"])
     assert not os.listdir(shm / f"tiered_kv-{os.getuid()}")  # the killed start's pool is removed
     assert [r["gpu"] for r in doc["starts"][0]["replicas"]] == ["0", "1"]
     c4 = next(p for p in doc["starts"][0]["repeats"][0]["phases"] if p["name"] == "c4")
@@ -206,6 +209,37 @@ def test_two_replica_starts_launch_route_stop_and_pack_their_logs(tmp_path, monk
     with tarfile.open(out / "serve_logs_llama3-8b_rr2.tgz") as tar:
         assert sorted(tar.getnames()) == ["serve_llama3-8b_none_r0_g0.log", "serve_llama3-8b_none_r0_g1.log",
                                           "serve_llama3-8b_tiered-pool_r0_g0.log", "serve_llama3-8b_tiered-pool_r0_g1.log"]
+
+
+def test_group_memory_sums_a_server_groups_private_and_shared_pages(tmp_path):
+    """``group_memory`` on real processes: a session leader and its child, one holding 64 MiB of private pages and
+    the other 32 MiB of a shared mapping (a file in /dev/shm, as a host pool's), read from /proc."""
+    import subprocess
+    import time
+
+    shm_dir = "/dev/shm" if os.path.isdir("/dev/shm") else str(tmp_path)
+    shared = os.path.join(shm_dir, f"tkv-test-group-memory-{os.getpid()}")
+    child = ("import mmap, os, time\n"
+             f"fd = os.open({shared!r}, os.O_RDWR | os.O_CREAT, 0o600); os.ftruncate(fd, 32 << 20)\n"
+             "m = mmap.mmap(fd, 32 << 20); m.write(b'x' * (32 << 20)); print('ready', flush=True); time.sleep(60)\n")
+    leader = ("import subprocess, sys, time\n"
+              f"c = subprocess.Popen([sys.executable, '-c', {child!r}], stdout=subprocess.PIPE, text=True)\n"
+              "c.stdout.readline(); buf = bytearray(b'y' * (64 << 20)); print('ready', flush=True); time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", leader], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        mem = replicas.group_memory(proc.pid)
+        assert mem["processes"] == 2
+        assert mem["rss_anon_bytes"] >= 64 << 20
+        assert mem["rss_shmem_bytes"] >= 32 << 20
+        assert mem["rss_bytes"] >= mem["rss_anon_bytes"] + (32 << 20)
+        assert replicas.group_memory(proc.pid + 10_000_000)["processes"] == 0  # no such group
+    finally:
+        os.killpg(proc.pid, 9)
+        proc.wait(timeout=10)
+        time.sleep(0.1)
+        if os.path.exists(shared):
+            os.remove(shared)
 
 
 def test_files_of_several_replicas_merge_apart_from_single_server_files():
