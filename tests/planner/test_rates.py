@@ -62,6 +62,22 @@ def test_fixed_read_rate_ignores_reads_and_a_bad_start_names_itself():
         ReadRate(0)
 
 
+def test_a_guess_waits_for_a_large_read_to_replace_it_when_told_to():
+    """``replace_min_bytes`` (the SGLang gate: pages may be tiny): a small first read is averaged into the guess,
+    the first read of at least that size replaces it, and later reads average as usual. Without it (vLLM's chunks)
+    the first read of any size replaces the guess."""
+    r = ReadRate(3.0, guess=True, replace_min_bytes=4 << 20)
+    r.observe(512, 512 / 1e6)  # 512 B at 1 MB/s: latency, not a rate
+    assert r.gbps == pytest.approx(0.8 * 3.0 + 0.2 * 0.001) and r.source == "reads"
+    r.observe(8 << 20, (8 << 20) / 0.5e9)  # 8 MiB at 0.5 GB/s: replaces
+    assert r.gbps == pytest.approx(0.5)
+    r.observe(8 << 20, (8 << 20) / 1.5e9)  # then an average
+    assert r.gbps == pytest.approx(0.8 * 0.5 + 0.2 * 1.5)
+    plain = ReadRate(3.0, guess=True)
+    plain.observe(512, 512 / 1e6)
+    assert plain.gbps == pytest.approx(0.001)
+
+
 # ---------------------------------------------------------------------------------------------- the model
 
 def test_model_terms_by_hand():

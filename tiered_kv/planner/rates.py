@@ -88,14 +88,18 @@ def _positive(name: str, v: object) -> float:
 class ReadRate:
     """One tier's read-rate estimate (GB/s): ``start``, then an exponential average of observed reads."""
 
-    def __init__(self, start_gbps: float, fixed: bool = False, weight: float = EWMA_NEW, guess: bool = False) -> None:
+    def __init__(self, start_gbps: float, fixed: bool = False, weight: float = EWMA_NEW, guess: bool = False,
+                 replace_min_bytes: int = 0) -> None:
         """``guess``: the start value is a built-in default, not a figure anyone measured or set: the first
         observed read replaces it (an average with it would keep most of the guess for several reads), writes to
         the tier may lower it before then (``hint``), and ``SplitGate`` plans at most one chunk from this tier in an
-        overlapped plan until then."""
+        overlapped plan until then. ``replace_min_bytes``: only a read of at least this many bytes replaces the
+        guess; smaller ones are averaged in (an engine whose reads may be a few small pages: they measure latency)."""
         self._start = self._gbps = _positive("read rate (GB/s)", start_gbps)
         self.fixed, self.guess = bool(fixed), bool(guess)
         self.weight = float(weight)
+        self._replace_min = int(replace_min_bytes)
+        self._replaced = False
         self._reads = 0
         self._hint: float | None = None
         self._hints = 0
@@ -158,7 +162,8 @@ class ReadRate:
             return
         gbps = nbytes / seconds / 1e9
         with self._lock:
-            first = self.guess and self._reads == 0
+            first = self.guess and not self._replaced and nbytes >= self._replace_min
+            self._replaced = self._replaced or first
             self._gbps = gbps if first else (1 - self.weight) * self._gbps + self.weight * gbps
             self._reads += 1
 

@@ -431,6 +431,13 @@ class TieredStore:
                 "remote": None if self._remote is None else self._remote_counters(),
             }
 
+    def recent_writes(self, tier: str, seen: int = 0) -> tuple[int, list[tuple[int, float]]]:
+        """Write jobs into the tier named ``tier`` that finished after the first ``seen``: ``(jobs so far, [(bytes,
+        seconds) of each newer one, the last 64 at most])``, the rate a tier has shown (``ReadRate.hint``)."""
+        with self._lock:
+            total, recent = self.chain.transfers.writes_since(tier, seen)
+        return total, [(blocks * self.layout.nbytes, seconds) for blocks, seconds in recent]
+
     def _remote_counters(self) -> dict:
         """The remote tier's counters and its client's (``client_*``): plain ints, read without their writers'
         locks (a scrape may see one counter a job ahead of another)."""

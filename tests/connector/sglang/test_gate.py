@@ -13,7 +13,7 @@ import pytest
 
 from tests._redis import PASSWORD_ENV
 from tests.connector.sglang.harness import (
-    PAGE_SIZE, extra_config, fill_random, mha_pool, pages_bytes, running_controller,
+    PAGE_SIZE, attached_backend, extra_config, fill_random, mha_pool, pages_bytes, running_controller,
 )
 from tests.connector.sglang.test_controller import _backup, _prefetch, _tokens, _wait_backup
 
@@ -92,6 +92,37 @@ def test_probe_every_nth_declined_query_then_the_estimate_follows_the_reads():
         g.observe_read({"disk": 1}, MIB8 / 20e9)
     assert g.snapshot()["disk_gbps_estimate"] > 3.932
     assert g.worth_loading(["disk"] * 4) == 4
+
+
+def test_the_default_rate_is_a_guess_the_disks_writes_bound_and_its_first_large_read_replaces():
+    """``disk_read_gbps`` left at 3.0 is a guess: a disk that wrote at 0.5 GB/s is bet to read no faster, so its
+    pages are declined before any read; a write under 4 MiB says nothing; the first read of 8 MiB replaces the
+    estimate (20 GB/s: loaded). A rate the user set is no guess: writes leave it alone."""
+    g = _gate()
+    assert g.guessing() == ["disk"] and g.snapshot()["read_gbps_source"] == {"disk": "guess"}
+    assert g.worth_loading(["disk"] * 4, context_pages=512) == 4  # the guess beats recompute deep in a prompt
+    g.hint_write("disk", 1 << 20, (1 << 20) / 0.1e9)  # 1 MiB: latency, ignored
+    assert g.snapshot()["disk_gbps_estimate"] == 3.0
+    g.hint_write("disk", 64 << 20, (64 << 20) / 0.5e9)
+    snap = g.snapshot()
+    assert snap["disk_gbps_estimate"] == 0.5 and snap["read_gbps_source"] == {"disk": "writes"}
+    assert g.worth_loading(["disk"] * 4, context_pages=512) == 0
+    g.observe_read({"disk": 1}, MIB8 / 20e9)
+    snap = g.snapshot()
+    assert snap["disk_gbps_estimate"] == 20.0 and snap["read_gbps_source"] == {"disk": "reads"}
+    assert g.guessing() == [] and g.worth_loading(["disk"] * 4) == 4
+    user = _gate(gbps=2.0)
+    user.hint_write("disk", 64 << 20, (64 << 20) / 0.5e9)
+    assert user.guessing() == [] and user.snapshot()["read_gbps_source"] == {"disk": "set"}
+    assert user.snapshot()["disk_gbps_estimate"] == 2.0
+
+
+def test_tiny_pages_average_into_the_guess_instead_of_replacing_it():
+    """512 B pages (the controller tests'): a read of a few of them measures latency; it is averaged into the guess
+    as before, so one slow small read does not make the disk look 3,000x slower."""
+    g = PageGate("auto", 0, {"disk": 3.0}, PrefillModel.from_rate(30000.0, 32768), 4, 512)
+    g.observe_read({"disk": 2}, 1024 / 1e6)  # 1 MB/s
+    assert g.snapshot()["disk_gbps_estimate"] == pytest.approx(0.8 * 3.0 + 0.2 * 0.001, rel=1e-3)
 
 
 def test_observe_ignores_empty_reads_and_memory_pages():
@@ -253,3 +284,36 @@ def _hashes(tokens):
     from sglang.srt.mem_cache.utils import get_hash_str
 
     return get_hash_str(tokens, None, page_size=PAGE_SIZE)
+
+
+def test_backend_bounds_the_guess_by_the_disks_own_writes_then_replaces_it_by_a_read(tmp_path):
+    """A real host pool of 1 MiB pages (64 tokens, 4 layers, 8 heads of 128, bf16) on a real disk tier, the read
+    rate left at its default: the 8-page write job (8 MiB, the disk's own) bounds the guess at its rate (when below
+    3.0 GB/s) before any read, as ``batch_exists`` hands it to the gate; the 8 MiB read of ``batch_get_v1`` then
+    replaces it, and writes no longer move it."""
+    pool = mha_pool("page_first", page_size=64, layers=4, heads=8, head_dim=128, dev_tokens=512)
+    backend = attached_backend(extra_config(tmp_path, disk_load_policy="always"), pool)
+    try:
+        assert backend.pages.page_nbytes == 1 << 20
+        rate = backend.gate.split.rates["disk"]
+        assert backend.gate.guessing() == ["disk"] and rate.source == "guess"
+        fill_random(pool, 5)
+        keys = [f"w{i}" for i in range(8)]
+        assert all(backend.batch_set_v1(keys, pool.alloc(8 * 64)))
+        assert backend.store.drain(30)
+        jobs, writes = backend.store.recent_writes("disk")
+        assert jobs == 1 and writes[0][0] == 8 << 20  # one job of the batch's 8 pages
+        assert backend.batch_exists(keys) == 8  # the query feeds the write to the gate
+        written = writes[0][0] / writes[0][1] / 1e9
+        assert rate.source == "writes" and rate.gbps == pytest.approx(min(3.0, written))
+        dst = pool.alloc(8 * 64)
+        assert backend.batch_get_v1(keys, dst) == [True] * 8
+        assert rate.source == "reads" and rate.reads == 1 and backend.gate.guessing() == []
+        after_read = rate.gbps
+        pool.free(dst)
+        assert all(backend.batch_set_v1([f"x{i}" for i in range(8)], pool.alloc(8 * 64)))
+        assert backend.store.drain(30) and backend.batch_exists(keys) == 8
+        assert rate.gbps == after_read  # a measured rate follows reads only
+    finally:
+        backend.close()
+

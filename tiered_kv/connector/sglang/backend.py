@@ -77,6 +77,8 @@ class TieredHiCacheStorage(HiCacheStorage):
         self._radix_lock = threading.Lock()
         self._refresh_lock = threading.Lock()
         self._last_refresh = 0.0
+        self._writes_seen: dict[str, int] = {}  # per slow tier: the store's write jobs already hinted to the gate
+        self._hint_lock = threading.Lock()
         if self.options.metrics_port is not None:
             self._serve_metrics(self.options.metrics_port + self.scope.metrics_offset())
 
@@ -127,6 +129,7 @@ class TieredHiCacheStorage(HiCacheStorage):
             raise ConfigError(f"store namespace {self.namespace} differs from the one the disk directory "
                               f"{disk_dir} was named for ({probe}); this is a tiered_kv bug, please report it")
         self.pages, self.store, self.disk_dir = pages, store, disk_dir
+        self._writes_seen = {}  # a new store counts its writes from 0
         tiers = [t.name for t in store.tiers]
         self._gated = any(t not in MEMORY_TIERS for t in tiers)
         if self.gate is None or self.gate.page_nbytes != pages.page_nbytes:  # keep the estimates on re-attach
@@ -160,6 +163,7 @@ class TieredHiCacheStorage(HiCacheStorage):
             if hits < len(ks) and self._adopt_if_reader(ks[hits:]):
                 hits = store.lookup(ks)
             if hits and self._gated:
+                self._hint_writes(store)
                 hits = self.gate.worth_loading(store.locate(ks[:hits]), _context_pages(extra_info))
             self.counters.add(exists_calls=1, exists_pages=len(ks), exists_hits=hits)
             if hits and self.options.cpu_bytes and self.options.disk_path is not None:
@@ -168,6 +172,20 @@ class TieredHiCacheStorage(HiCacheStorage):
         except Exception as exc:  # never raise into SGLang's prefetch thread
             self.counters.fail("batch_exists", exc)
             return 0
+
+    def _hint_writes(self, store: TieredStore) -> None:
+        """Hand the gate the slow tiers' writes finished since the last query, while their read rate is still the
+        built-in guess (``PageGate.hint_write``): the rate a disk has shown on writes bounds what its first read is
+        bet to do. Runs on SGLang's prefetch thread (``batch_exists``); the tally takes a lock of its own."""
+        guessing = self.gate.guessing()
+        if not guessing:
+            return
+        with self._hint_lock:
+            for tier in guessing:
+                seen, recent = store.recent_writes(tier, self._writes_seen.get(tier, 0))
+                self._writes_seen[tier] = seen
+                for nbytes, seconds in recent:
+                    self.gate.hint_write(tier, nbytes, seconds)
 
     def exists(self, key: str) -> bool:
         """Whether one page is held."""

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, fields
 
 from tiered_kv.errors import ConfigError
-from tiered_kv.connector.sglang.gate import check_gate_options
+from tiered_kv.connector.sglang.gate import DEFAULT_READ_GBPS, check_gate_options
 from tiered_kv.connector.sglang.versions import check_supported, dp_rank, storage_writer
 from tiered_kv.planner.policy import POLICIES
 from tiered_kv.tiers.remote.settings import RemoteKeys
@@ -85,9 +85,12 @@ class SGLangBackendConfig(RemoteKeys):
                                                "(memory-tier pages, then each slower tier's pages while loading them "
                                                "beats recomputing them), `always` (every page held), `never` "
                                                "(memory-tier pages only)")
-    disk_read_gbps: float = config_key(3.0, "the disk tier's read rate the gate starts from; it then follows the "
-                                            "reads the backend times. Set it to your disk's cold read rate "
-                                            "(`tiered-kv bench --dir /nvme`)", "GB/s")
+    disk_read_gbps: float = config_key(DEFAULT_READ_GBPS, "the disk tier's read rate the gate starts from; it then "
+                                                          "follows the reads the backend times. Left at 3.0 it is a "
+                                                          "guess: the tier's own writes of 4 MiB or more lower it and "
+                                                          "its first read of 4 MiB or more replaces it. Set it to your "
+                                                          "disk's cold read rate (`tiered-kv bench --dir /nvme`)",
+                                       "GB/s")
     remote_read_gbps: float | None = config_key(None, "the remote tier's read rate the gate starts from (then "
                                                       "measured like the disk's); `null`: `disk_read_gbps`", "GB/s")
     disk_probe_every: int = config_key(32, "`auto` reads every N-th hit it declined (wholly or in part) anyway, so "

@@ -20,7 +20,10 @@ recompute than one near its start).
 
 The estimates: each slow tier's read rate starts at ``disk_read_gbps`` (``remote_read_gbps`` for the
 remote tier) and follows the reads the backend times (an exponential average; a read that moved
-pages of two slow tiers is shared between them by their estimated times). The prefill model is the
+pages of two slow tiers is shared between them by their estimated times). Left at its default
+(``DEFAULT_READ_GBPS``) the start is a guess (``ReadRate``): the tier's write jobs of 4 MiB or more bound
+it until a read is measured (``hint_write``; the backend hands them over in ``batch_exists``), and the
+first read of 4 MiB or more replaces it (smaller ones, a few small pages, are averaged in). The prefill model is the
 configured one, ``prefill_tokens_per_s`` at short context and ``prefill_half_rate_context``: SGLang
 gives a storage backend no step or forward timing (its calls are ``batch_exists``, ``batch_get*``,
 ``batch_set*``, ``get_stats``, ``clear``), so it is not learned here. The context of a query is the
@@ -42,10 +45,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from tiered_kv.errors import ConfigError
 from tiered_kv.planner import gate as core
 from tiered_kv.planner.gate import DISK_LOAD_POLICIES, SplitGate
-from tiered_kv.planner.rates import PrefillEstimator, PrefillModel, ReadRate
+from tiered_kv.planner.rates import HINT_MIN_BYTES, PrefillEstimator, PrefillModel, ReadRate
 from tiered_kv.planner.split import MEMORY_TIERS
 
-__all__ = ["MEMORY_TIERS", "PageGate", "check_gate_options"]
+__all__ = ["DEFAULT_READ_GBPS", "MEMORY_TIERS", "PageGate", "check_gate_options"]
+
+#: ``disk_read_gbps``'s default: a start rate nobody measured or set (``ReadRate``'s guess)
+DEFAULT_READ_GBPS = 3.0
 
 
 def check_gate_options(policy: object, read_gbps: object, probe_every: object, prefill_tps: object,
@@ -69,10 +75,13 @@ class PageGate:
 
     def __init__(self, policy: str, probe_every: int, read_gbps: Mapping[str, float], prefill: PrefillModel,
                  page_tokens: int, page_nbytes: int) -> None:
-        """``read_gbps``: the start rate of every slow tier the store has (``disk``, ``remote``)."""
+        """``read_gbps``: the start rate of every slow tier the store has (``disk``, ``remote``); the default
+        ``DEFAULT_READ_GBPS`` is a guess (``ReadRate``): the tier's writes of 4 MiB or more bound it (``hint_write``)
+        and its first read of 4 MiB or more replaces it; a rate the user set is averaged from, as before."""
         if page_tokens <= 0 or page_nbytes <= 0:
             raise ConfigError(f"load gate: page of {page_tokens} tokens / {page_nbytes} B; both must be > 0")
-        rates = {tier: ReadRate(gbps) for tier, gbps in read_gbps.items()}
+        rates = {tier: ReadRate(gbps, guess=gbps == DEFAULT_READ_GBPS, replace_min_bytes=HINT_MIN_BYTES)
+                 for tier, gbps in read_gbps.items()}
         self.split = SplitGate(policy, probe_every, rates, PrefillEstimator(prefill, fixed=True), overlap=False,
                                unit_tokens=page_tokens, unit_nbytes=page_nbytes)
         self.policy = policy
@@ -118,6 +127,16 @@ class PageGate:
         self.split.observe_reads(nbytes, seconds)
         self._count(gate_reads_observed=1)
 
+    def guessing(self) -> list[str]:
+        """The slow tiers whose read rate is still the built-in guess (no read measured yet): those ``hint_write``
+        can lower."""
+        return [t for t, r in self.split.rates.items() if r.guess and not r.reads]
+
+    def hint_write(self, tier: str, nbytes: int, seconds: float) -> None:
+        """A finished write of ``nbytes`` into ``tier`` took ``seconds``: it bounds that tier's guessed read rate
+        (``ReadRate.hint``: writes under 4 MiB, a rate someone set and one already measured are left alone)."""
+        self.split.hint_writes({tier: nbytes}, seconds)
+
     def disk_beats_recompute(self) -> bool:
         """Whether, at the current disk-rate estimate, a disk page at the start of a prompt loads faster than it is
         recomputed."""
@@ -145,6 +164,7 @@ class PageGate:
         # significant digits: small test pages too
         out["disk_gbps_estimate"] = float(f"{self._gbps('disk'):.4g}")
         out["read_gbps"] = {t: float(f"{r.gbps:.4g}") for t, r in self.split.rates.items()}
+        out["read_gbps_source"] = {t: r.source for t, r in self.split.rates.items()}  # guess / writes / reads / set
         # the disk rate above which a page at a prompt's start loads faster than the prefill recomputes it
         out["break_even_gbps"] = float(f"{self.split.break_even_gbps():.4g}")
         split = self.split.report()["split"]
