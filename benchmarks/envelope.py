@@ -360,6 +360,8 @@ def _finish(rec: dict, llm, c0: dict, c1: dict, c2: dict | None, trace: str | No
     n = rec["knobs"]["n_conv"]
     stored = d(c1, c0, "sched_bytes_stored") / n
     rec.update(stored_bytes_per_conversation=round(stored), **_stored_per_conversation(llm, rec["knobs"]["prefix"]))
+    if "workers_bytes_to_disk" in c1:  # every rank's disk writes, summed by vLLM (MLA at TP>1: rank 0's alone)
+        rec["disk_bytes_per_conversation"] = round(d(c1, c0, "workers_bytes_to_disk") / n)
     if rec.get("usable_bytes_per_conversation"):
         rec["stored_vs_usable"] = round(stored / rec["usable_bytes_per_conversation"], 3)
         rec["conversations_per_gib"] = round(2**30 / stored, 3) if stored else None

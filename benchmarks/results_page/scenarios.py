@@ -248,12 +248,15 @@ def envelope(r: Result) -> str:
     if stores:
         out += "\n" + table(["shape", "stored per conversation MB", "full layers x prefix + window layers x window MB",
                              "ratio (goal <= 1.1)", "conversations per GiB"], stores)
+    tp_shapes = {x["shape"] for x in r.doc["results"] if x.get("knobs", {}).get("tp", 1) > 1}
     ranks = [[x["shape"], x["mode"], x["knobs"].get("tp", 1), x.get("call", "-"), num(x["turn2_p50_s"] * 1e3, 1),
               ", ".join(f"{k}: {num(v, 1)}" for k, v in sorted(x["turn2_rank_gbps"].items())) or "-",
-              num(x["stored_bytes_per_conversation"] / 1e6, 1) if x["mode"] == "tiered" else "-",
+              num(x["stored_bytes_per_conversation"] / 1e6, 1) if x["mode"] == "tiered" else
+              (f"disk {num(x['disk_bytes_per_conversation'] / 1e6, 1)}" if "disk_bytes_per_conversation" in x else "-"),
               f"{x['turn1_cached_tokens'][0]:,}" if "restart" in x["mode"] else "-",
               f"{x['counters'].get('sched_hit_tokens_disk', 0):,}" if "disk" in x["mode"] else "-"]
-             for x in r.doc["results"] if x.get("knobs", {}).get("tp", 1) > 1 and "turn2_rank_gbps" in x
+             for x in r.doc["results"] if "turn2_rank_gbps" in x and (x.get("knobs", {}).get("tp", 1) > 1 or (
+                 x["shape"] in tp_shapes and "disk_bytes_per_conversation" in x))  # a TP=1 run beside, for its bytes
              and (x["mode"] == "tiered" or "restart" in x["mode"] or "=always" in x["mode"])]
     if ranks:
         out += "\n" + table(["shape", "mode", "TP", "call", "turn 2 p50 ms", "per-rank load GB/s (turn 2)",

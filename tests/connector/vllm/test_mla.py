@@ -81,6 +81,9 @@ def test_tp2_disk_tier_is_one_directory_read_by_every_rank_and_survives_restart(
         paths = {str(w.connector.worker.disk.path) for w in first.workers}
         assert len(paths) == 1 and paths.pop().endswith("/replicated")
         assert first.workers[1].connector.stats()["bytes_to_disk"] == 0  # rank 0 wrote the one copy
+        rank0 = first.workers[0].connector.stats()["bytes_to_disk"]
+        # the scheduler's view (vLLM sums the ranks' flow stats): what a TP=1 engine writes, not twice that
+        assert rank0 >= 5 * CHUNK_BYTES and first.connector.stats()["workers_bytes_to_disk"] == rank0
         assert first.sched.reset_prefix_cache()
         verified = first.verified_blocks
         first.add("big-2", turn2(a), max_tokens=2)

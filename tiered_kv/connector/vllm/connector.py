@@ -205,6 +205,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
                      self.ns.prefix.hex(), self.ns.model, ", tenant_salt set" if self.cfg.tenant_salt else "")
         cpu_chunks, disk_chunks = capacities(self.cfg, self.geo)
         self._stats_sent: dict[str, float] = {}
+        self._workers_flow: dict[str, float] = {}  # scheduler: the workers' flow stats (vLLM sums the ranks), summed
         self._out_reports: dict[int, JobReport] = {}
         self._out_invalid: set[int] = set()
         self._bound_step = -1  # worker: the step of the plan bound now (echoed to time steps, prefill_learn)
@@ -335,7 +336,12 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         return TieredKVMetadata(plan)
 
     def update_connector_output(self, connector_output) -> None:
-        """A step's output arrived: stop its clock, and apply the workers' job reports (merged over ranks by vLLM)."""
+        """A step's output arrived: stop its clock, apply the workers' job reports (merged over ranks by vLLM) and
+        add their flow stats (``kv_connector_stats``, summed over ranks by vLLM) to ``stats()``'s ``workers_*``."""
+        flow = getattr(connector_output, "kv_connector_stats", None)
+        if isinstance(flow, TieredKVStats) and flow.data:
+            for k, v in flow.data.items():
+                self._workers_flow[k] = self._workers_flow.get(k, 0) + v
         wm = connector_output.kv_connector_worker_meta
         if isinstance(wm, TieredKVWorkerMeta):
             if wm.step >= 0 or wm.forward:
@@ -386,8 +392,11 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         return TieredKVStats(data=dict(data)) if data is not None else TieredKVStats()
 
     def stats(self) -> dict:
-        """Our own state for tests and logs: planner state (scheduler) or rank counters (worker)."""
-        return self.planner.stats() if self.planner is not None else self.worker.stats()
+        """Our own state for tests and logs: planner state (scheduler; with ``workers_<key>``, the flow counters of
+        every rank summed: ``bytes_to_disk`` of a TP=2 MLA engine is rank 0's alone) or rank counters (worker)."""
+        if self.planner is None:
+            return self.worker.stats()
+        return {**self.planner.stats(), **{f"workers_{k}": v for k, v in self._workers_flow.items()}}
 
     # ================================================================== worker role
     @property
