@@ -57,6 +57,7 @@ from tiered_kv.connector.vllm.config import (
 )
 from tiered_kv.connector.vllm.common import JobReport, StepPlan
 from tiered_kv.connector.vllm.forward_clock import ForwardClock
+from tiered_kv.connector.vllm import hook_profile
 from tiered_kv.connector.vllm.geometry import geometry
 from tiered_kv.connector.vllm.scheduler import SchedulerPlanner
 from tiered_kv.connector.vllm.worker import WorkerRuntime
@@ -158,11 +159,14 @@ def worker_rank() -> int:
 
 
 def _timed_hook(fn):
-    """Debug log only: say when one of vLLM's worker-side hooks held vLLM's thread over 1 ms."""
+    """Debug log only: say when one of vLLM's worker-side hooks held vLLM's thread over 1 ms; with
+    ``TIERED_KV_PROFILE`` set, run it under the worker's hook profile instead."""
     name = fn.__name__
 
     @functools.wraps(fn)
     def wrapper(self, *args, **kwargs):
+        if self._profile is not None:  # TIERED_KV_PROFILE (hook_profile.py)
+            return self._profile.call(name, fn, self, *args, **kwargs)
         if not log.isEnabledFor(logging.DEBUG):
             return fn(self, *args, **kwargs)
         t0 = time.perf_counter()
@@ -210,6 +214,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._out_invalid: set[int] = set()
         self._bound_step = -1  # worker: the step of the plan bound now (echoed to time steps, prefill_learn)
         self._forward: ForwardClock | None = None  # worker: times this rank's forwards (prefill_learn)
+        self._profile = hook_profile.from_env() if role == KVConnectorRole.WORKER else None
         self.planner: SchedulerPlanner | None = None
         self.worker: WorkerRuntime | None = None
         self._prom_snapshot: dict = {}
@@ -441,6 +446,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self.cfg.prefill_learn:
             self._forward = ForwardClock(self.worker.kv.device)
 
+    @_timed_hook
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Take this step's plan."""
         super().bind_connector_metadata(connector_metadata)
@@ -465,6 +471,9 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Make the forward's stream wait until this layer's in-step loads have landed (no host wait)."""
+        if self._profile is not None:
+            self._profile.call("wait_for_layer_load", self.worker.wait_layer, layer_name)
+            return
         self.worker.wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
