@@ -485,7 +485,8 @@ class Bench:
                 if pool:
                     rec["pool_shm_bytes"] = replicas.pool_bytes(pool)  # every replica up: one pool's memory
                 # each server's resident memory, private vs shared (issue 33: one pool, no per-replica copy)
-                rec["replica_memory"] = [replicas.group_memory(srv.proc.pid) for srv in srvs if srv.proc is not None]
+                rec["replica_memory"] = [None if srv.proc is None else replicas.group_memory(srv.proc.pid)
+                                         for srv in srvs]  # in replica order (None: no process)
                 dead = [i for i, srv in enumerate(srvs) if not srv.alive]
                 if not dead:
                     rec["status"] = "ok"

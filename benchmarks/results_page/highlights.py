@@ -177,23 +177,26 @@ def tensor_parallel(r: Result) -> Row:
 
     turn2 = next((x for x in env.verdict(r.doc["results"], ()) if x["workload"] == "turn2"
                   and "offloading" in x["median_s"]), None)
-    tp = max(x.get("knobs", {}).get("tp", 1) for x in r.doc["results"])
-    rates = [v for x in r.doc["results"] if x["mode"] == "tiered" and x.get("shape") == (turn2 or {}).get("shape")
-             for v in x.get("turn2_rank_gbps", {}).values()]
-    mla = [x["stored_bytes_per_conversation"] for x in r.doc["results"]
-           if x["shape"] == "dsv2-lite" and x["mode"] == "tiered" and "stored_bytes_per_conversation" in x]
+    tp_of = lambda x: x.get("knobs", {}).get("tp", 1)  # noqa: E731
+    tp = max((tp_of(x) for x in r.doc["results"]), default=1)
+    rates = [v for x in r.doc["results"] if x["mode"] == "tiered" and tp_of(x) > 1
+             and x.get("shape") == (turn2 or {}).get("shape") for v in x.get("turn2_rank_gbps", {}).values()]
+    mla = [x["stored_bytes_per_conversation"] for x in r.doc["results"] if x["shape"] == "dsv2-lite"
+           and x["mode"] == "tiered" and tp_of(x) > 1 and "stored_bytes_per_conversation" in x]
     if turn2 is None:
         return [f"TP={tp} turn 2", _where([r]), "-", "-"]
     m = turn2["median_s"]
     result = (f"**{num(m['tiered'] * 1e3, 1)} ms** ({turn2['starts']['tiered']} starts) = "
-              f"{ratio(m['tiered'], m['offloading'])} of `OffloadingConnector`; each rank loading at "
-              f"{num(min(rates), 1)}-{num(max(rates), 1)} GB/s at once" if rates else "")
+              f"{ratio(m['tiered'], m['offloading'])} of `OffloadingConnector`")
+    if rates:
+        result += f"; each rank loading at {num(min(rates), 1)}-{num(max(rates), 1)} GB/s at once"
     if mla:
         result += f"; MLA (DeepSeek-V2-Lite) stores {num(mla[-1] / 1e6, 1)} MB per conversation, once for all ranks"
+    none = m.get("none")
     return [f"vLLM at TP={tp} on {tp} GPUs, {MODELS.get(turn2['shape'], turn2['shape'])} shape: turn-2 TTFT from the "
             f"CPU tier, median over starts",
             _where([r]), result, f"`OffloadingConnector` {num(m['offloading'] * 1e3, 1)} ms, no connector "
-            f"{num(m['none'] * 1e3, 1)} ms"]
+            f"{num(none * 1e3 if none is not None else None, 1)} ms"]
 
 
 @from_latest("serve_bench_*_h200x*-rr*.json")

@@ -144,7 +144,8 @@ def replica_memory_table(results: list[Result]) -> str:
     pool's bytes in /dev/shm; empty when no start did."""
     gib = lambda b: num(b / 2**30, 2)  # noqa: E731
     rows = [[_shape(r.doc), REPLICA_MODES.get(s["mode"], s["mode"]), s["run"],
-             ", ".join(f"{gib(m['rss_anon_bytes'])} / {gib(m['rss_shmem_bytes'])}" for m in s["replica_memory"]),
+             ", ".join("-" if m is None else f"{gib(m['rss_anon_bytes'])} / {gib(m['rss_shmem_bytes'])}"
+                       for m in s["replica_memory"]),
              gib(s["pool_shm_bytes"]) if s.get("pool_shm_bytes") else "-"]
             for r in results for s in r.doc["starts"] if s.get("replica_memory")]
     return table(["shape", "mode", "run", "per replica: private / shared GiB", "host pool in /dev/shm GiB"],

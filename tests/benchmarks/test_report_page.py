@@ -132,3 +132,22 @@ def test_the_replica_memory_table_shows_private_and_shared_pages_per_replica(tmp
     rows = [line for line in text.splitlines() if line.startswith("| Llama-3-8B")]
     assert rows == ["| Llama-3-8B | **ours, one host pool (`cpu_pool`)** | 0 | 3.00 / 16.00, 3.00 / 16.00 | 16.00 |"]
     assert scenarios.replica_memory_table([Result(tmp_path / "x.json", {**doc, "starts": doc["starts"][1:]})]) == ""
+
+
+def test_the_tp_highlight_survives_a_missing_mode_and_an_empty_file(tmp_path):
+    """The TP row reads the file it is given: without the no-connector mode it says "-" there, with no results at all
+    it still renders, and a TP=1 MLA run beside does not stand for "once for all ranks"."""
+    from benchmarks.results_page import highlights
+
+    real = json.loads((ROOT / "docs/results/envelope_2026-11-29_h200x2-tp2.json").read_text())
+    name = "envelope_2026-12-01_h200x2-tp2.json"
+    no_none = {**real, "results": [x for x in real["results"] if x["mode"] != "none"]}
+    row = highlights.tensor_parallel([Result(tmp_path / name, no_none)])
+    assert row is not None and "no connector - ms" in row[3] and "of `OffloadingConnector`" in row[2]
+    tp1 = {**real["results"][-1], "shape": "dsv2-lite", "mode": "tiered", "knobs": {"tp": 1},
+           "stored_bytes_per_conversation": 999e6}
+    row = highlights.tensor_parallel([Result(tmp_path / name, {**real, "results": real["results"] + [tp1]})])
+    assert "999.0 MB" not in row[2] and "254.8 MB" in row[2]
+    empty = highlights.tensor_parallel([Result(tmp_path / name, {**real, "results": []})])
+    assert empty[0].startswith("TP=1")
+

@@ -68,8 +68,13 @@ def test_a_guess_waits_for_a_large_read_to_replace_it_when_told_to():
     the first read of any size replaces the guess."""
     r = ReadRate(3.0, guess=True, replace_min_bytes=4 << 20)
     r.observe(512, 512 / 1e6)  # 512 B at 1 MB/s: latency, not a rate
-    assert r.gbps == pytest.approx(0.8 * 3.0 + 0.2 * 0.001) and r.source == "reads"
+    assert r.gbps == pytest.approx(0.8 * 3.0 + 0.2 * 0.001)
+    assert r.source == "guess" and not r.replaced and r.reads == 1  # still the guess, mostly
+    r.hint(64 << 20, (64 << 20) / 1.0e9)  # so the tier's writes still bound it
+    assert r.gbps == pytest.approx(1.0) and r.source == "writes"
     r.observe(8 << 20, (8 << 20) / 0.5e9)  # 8 MiB at 0.5 GB/s: replaces
+    assert r.gbps == pytest.approx(0.5) and r.replaced and r.source == "reads"
+    r.hint(64 << 20, (64 << 20) / 0.1e9)  # a measured rate ignores writes
     assert r.gbps == pytest.approx(0.5)
     r.observe(8 << 20, (8 << 20) / 1.5e9)  # then an average
     assert r.gbps == pytest.approx(0.8 * 0.5 + 0.2 * 1.5)

@@ -122,17 +122,22 @@ class ReadRate:
         return nbytes / (self.gbps * 1e9)
 
     @property
+    def replaced(self) -> bool:
+        """A built-in guess that a read (of at least ``replace_min_bytes``) has replaced: the estimate is measured."""
+        with self._lock:
+            return self._replaced
+
+    @property
     def source(self) -> str:
         """Where the estimate comes from: ``fixed`` (pinned), ``reads`` (measured reads), ``writes`` (the built-in
-        guess lowered by the tier's writes), ``guess`` (the built-in start) or ``set`` (a start someone gave)."""
+        guess lowered by the tier's writes), ``guess`` (the built-in start, perhaps averaged with reads too small to
+        replace it) or ``set`` (a start someone gave, then its reads)."""
         with self._lock:
             if self.fixed:
                 return "fixed"
-            if self._reads:
-                return "reads"
             if self.guess:
-                return "writes" if self._hints else "guess"
-            return "set"
+                return "reads" if self._replaced else "writes" if self._hints else "guess"
+            return "reads" if self._reads else "set"
 
     @property
     def hints(self) -> int:
@@ -144,13 +149,13 @@ class ReadRate:
         """A *write* to the tier moved ``nbytes`` in ``seconds``. While the estimate is still the built-in guess (no
         read yet), it becomes the smaller of the guess and the writes' running average: the rate the tier has shown
         bounds the bet of its first read (on the H200 host's virtio disk the 3.0 GB/s guess met 1.3 GB/s writes and,
-        under them, a 0.5 GB/s first read). Ignored once a read was measured, for a rate set by the user, for a write
+        under them, a 0.5 GB/s first read). Ignored once a read replaced the guess, for a rate set by the user, for a write
         of less than ``HINT_MIN_BYTES`` (small records: latency, not rate), or when ``seconds`` is not > 0."""
         if nbytes < HINT_MIN_BYTES or seconds <= 0 or self.fixed or not self.guess:
             return
         gbps = nbytes / seconds / 1e9
         with self._lock:
-            if self._reads:
+            if self._replaced:
                 return
             self._hint = gbps if self._hint is None else (1 - self.weight) * self._hint + self.weight * gbps
             self._hints += 1

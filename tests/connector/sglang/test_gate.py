@@ -317,3 +317,25 @@ def test_backend_bounds_the_guess_by_the_disks_own_writes_then_replaces_it_by_a_
     finally:
         backend.close()
 
+
+def test_a_re_attached_backend_hints_its_new_stores_writes_from_zero(tmp_path):
+    """SGLang re-attaches (``register_mem_pool_host`` again: a new store, its job count from 0): the write tally
+    follows the store, so the new store's first 8 MiB write still bounds the guess the old one's bounded."""
+    pool = mha_pool("page_first", page_size=64, layers=4, heads=8, head_dim=128, dev_tokens=512)
+    backend = attached_backend(extra_config(tmp_path, disk_load_policy="always"), pool)
+    try:
+        rate = backend.gate.split.rates["disk"]
+        fill_random(pool, 6)
+        for round_, keys in enumerate(([f"a{i}" for i in range(8)], [f"b{i}" for i in range(8)])):
+            if round_:
+                backend.register_mem_pool_host(pool)  # the re-attach: same gate, a new store
+            src = pool.alloc(8 * 64)
+            assert all(backend.batch_set_v1(keys, src))
+            pool.free(src)
+            assert backend.store.drain(30) and backend.store.recent_writes("disk")[0] == 1
+            assert backend.batch_exists(keys) == 8
+            assert rate.hints == round_ + 1 and rate.source == "writes"
+            assert backend._writes_seen[0] is backend.store
+    finally:
+        backend.close()
+

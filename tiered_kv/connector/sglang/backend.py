@@ -77,7 +77,7 @@ class TieredHiCacheStorage(HiCacheStorage):
         self._radix_lock = threading.Lock()
         self._refresh_lock = threading.Lock()
         self._last_refresh = 0.0
-        self._writes_seen: dict[str, int] = {}  # per slow tier: the store's write jobs already hinted to the gate
+        self._writes_seen: tuple[object, dict[str, int]] = (None, {})  # (store, per slow tier: its write jobs hinted)
         self._hint_lock = threading.Lock()
         if self.options.metrics_port is not None:
             self._serve_metrics(self.options.metrics_port + self.scope.metrics_offset())
@@ -129,7 +129,6 @@ class TieredHiCacheStorage(HiCacheStorage):
             raise ConfigError(f"store namespace {self.namespace} differs from the one the disk directory "
                               f"{disk_dir} was named for ({probe}); this is a tiered_kv bug, please report it")
         self.pages, self.store, self.disk_dir = pages, store, disk_dir
-        self._writes_seen = {}  # a new store counts its writes from 0
         tiers = [t.name for t in store.tiers]
         self._gated = any(t not in MEMORY_TIERS for t in tiers)
         if self.gate is None or self.gate.page_nbytes != pages.page_nbytes:  # keep the estimates on re-attach
@@ -181,9 +180,12 @@ class TieredHiCacheStorage(HiCacheStorage):
         if not guessing:
             return
         with self._hint_lock:
+            owner, seen = self._writes_seen
+            if owner is not store:  # a re-attached backend's new store counts its writes from 0
+                seen = {}
+                self._writes_seen = (store, seen)
             for tier in guessing:
-                seen, recent = store.recent_writes(tier, self._writes_seen.get(tier, 0))
-                self._writes_seen[tier] = seen
+                seen[tier], recent = store.recent_writes(tier, seen.get(tier, 0))
                 for nbytes, seconds in recent:
                     self.gate.hint_write(tier, nbytes, seconds)
 

@@ -128,9 +128,9 @@ class PageGate:
         self._count(gate_reads_observed=1)
 
     def guessing(self) -> list[str]:
-        """The slow tiers whose read rate is still the built-in guess (no read measured yet): those ``hint_write``
-        can lower."""
-        return [t for t, r in self.split.rates.items() if r.guess and not r.reads]
+        """The slow tiers whose read rate is still the built-in guess (no read large enough to replace it yet): those
+        ``hint_write`` can lower."""
+        return [t for t, r in self.split.rates.items() if r.guess and not r.replaced]
 
     def hint_write(self, tier: str, nbytes: int, seconds: float) -> None:
         """A finished write of ``nbytes`` into ``tier`` took ``seconds``: it bounds that tier's guessed read rate
