@@ -63,6 +63,8 @@ from tiered_kv.errors import ConfigError
 EWMA_NEW = 0.2
 #: A write smaller than this measures the medium's latency more than its rate: ``ReadRate.hint`` ignores it.
 HINT_MIN_BYTES = 4 << 20
+#: The built-in start of a slow tier's read rate (the engines' ``disk_read_gbps`` default): a ``ReadRate.guess``.
+DEFAULT_READ_GBPS = 3.0
 #: A request that computes this many tokens or fewer in a step is decoding (speculative decoding: a few).
 DECODE_TOKENS = 16
 #: Steps the fit keeps, and the age (in samples) at which a sample weighs half as much as the newest.

@@ -45,13 +45,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from tiered_kv.errors import ConfigError
 from tiered_kv.planner import gate as core
 from tiered_kv.planner.gate import DISK_LOAD_POLICIES, SplitGate
-from tiered_kv.planner.rates import HINT_MIN_BYTES, PrefillEstimator, PrefillModel, ReadRate
+from tiered_kv.planner.rates import DEFAULT_READ_GBPS, HINT_MIN_BYTES, PrefillEstimator, PrefillModel, ReadRate
 from tiered_kv.planner.split import MEMORY_TIERS
 
 __all__ = ["DEFAULT_READ_GBPS", "MEMORY_TIERS", "PageGate", "check_gate_options"]
-
-#: ``disk_read_gbps``'s default: a start rate nobody measured or set (``ReadRate``'s guess)
-DEFAULT_READ_GBPS = 3.0
 
 
 def check_gate_options(policy: object, read_gbps: object, probe_every: object, prefill_tps: object,

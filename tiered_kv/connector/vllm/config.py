@@ -26,6 +26,7 @@ from tiered_kv.values.keys import Namespace
 from tiered_kv.values.layout import BlockLayout
 from tiered_kv.planner.policy import POLICIES, WRITE_POLICIES
 from tiered_kv.planner.gate import DISK_LOAD_POLICIES
+from tiered_kv.planner.rates import DEFAULT_READ_GBPS
 from tiered_kv.tiers.remote.settings import RemoteKeys
 from tiered_kv.values.record import CODECS
 from tiered_kv.values.units import parse_size
@@ -37,9 +38,6 @@ IN_STEP_COPIES = ("auto", "copy_engine", "sm_kernel", "staged")
 LOAD_SUBMITS = ("pipelined", "upfront")
 SWA_STORES = ("window", "all")
 
-
-#: ``disk_read_gbps``'s built-in start, a guess (``planner.rates.ReadRate.guess``; see the key's description)
-DEFAULT_DISK_READ_GBPS = 3.0
 
 @dataclass(frozen=True)
 class ConnectorConfig(RemoteKeys):
@@ -216,7 +214,7 @@ class ConnectorConfig(RemoteKeys):
                                                "part, each loaded only while the estimated read time beats "
                                                "recomputing it; see \"Disk or recompute\"); `always` every held "
                                                "chunk; `never` only CPU chunks")
-    disk_read_gbps: float = config_key(DEFAULT_DISK_READ_GBPS, "the disk tier's read rate (GB/s, all ranks together) "
+    disk_read_gbps: float = config_key(DEFAULT_READ_GBPS, "the disk tier's read rate (GB/s, all ranks together) "
                                                                "the split starts from; then a running average of the "
                                                                "measured disk loads. The built-in 3.0 is a guess: the "
                                                                "tier's writes lower it to their rate, its first read "

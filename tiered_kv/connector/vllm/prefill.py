@@ -65,11 +65,10 @@ from collections.abc import Callable, Sequence
 
 from tiered_kv.planner.chain import TierChain
 from tiered_kv.planner.gate import SplitGate
-from tiered_kv.planner.rates import (DECODE_TOKENS, REFIT_EVERY, WINDOW, PrefillEstimator, PrefillModel, ReadRate,
-                                     StepTimer)
+from tiered_kv.planner.rates import (DECODE_TOKENS, DEFAULT_READ_GBPS, REFIT_EVERY, WINDOW, PrefillEstimator,
+                                     PrefillModel, ReadRate, StepTimer)
 from tiered_kv.planner.split import MEMORY_TIERS
-from tiered_kv.connector.vllm.config import (DEFAULT_DISK_READ_GBPS, ConnectorConfig, overlap_fill_layers,
-                                             overlap_possible)
+from tiered_kv.connector.vllm.config import ConnectorConfig, overlap_fill_layers, overlap_possible
 from tiered_kv.connector.vllm.geometry import Geometry
 
 log = logging.getLogger(__name__)
@@ -106,7 +105,7 @@ def split_gate(cfg: ConnectorConfig, geo: Geometry, tiers: Sequence[str]) -> Spl
             rates[name] = ReadRate(cfg.load_gbps * copies, fixed=True)
         else:
             gbps = remote_gbps if name == "remote" else cfg.disk_read_gbps
-            rates[name] = ReadRate(gbps, guess=gbps == DEFAULT_DISK_READ_GBPS)
+            rates[name] = ReadRate(gbps, guess=gbps == DEFAULT_READ_GBPS)
     start = PrefillModel.from_rate(cfg.prefill_tokens_per_s, cfg.prefill_half_rate_context)
     estimator = PrefillEstimator(start, fixed=not cfg.prefill_learn, fit_on_read=False)
     unit_nbytes = max(1, geo.hit_nbytes(geo.chunk_tokens) * copies // geo.chunk_blocks)
