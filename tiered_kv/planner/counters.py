@@ -7,11 +7,7 @@ Threading contract: plain values, changed only under the owning ``TierChain``'s 
 """
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
-
-#: Finished write jobs ``TransferCounters`` keeps per destination tier for ``writes_since`` (older ones drop).
-WRITE_LOG = 64
 
 
 @dataclass
@@ -87,8 +83,6 @@ class TransferCounters:
         self._names = list(tier_names)
         self.edge_blocks: dict[tuple[str, str], int] = {}
         self.load_seconds: dict[str, LatencyHistogram] = {}
-        self.writes: dict[str, int] = {}  # write jobs into each tier, ever (stores, demotions, write-throughs)
-        self._write_log: dict[str, deque[tuple[int, float]]] = {}  # the newest: (blocks, seconds) each
 
     def record(self, src: int, dst: int, blocks: int, seconds: float, is_load: bool) -> None:
         """One finished job from tier ``src`` to ``dst`` (-1: the caller's side) that moved ``blocks`` blocks in
@@ -100,16 +94,6 @@ class TransferCounters:
             if hist is None:
                 hist = self.load_seconds[edge[0]] = LatencyHistogram()
             hist.observe(seconds)
-        elif not is_load and dst >= 0 and blocks > 0 and seconds > 0:
-            self.writes[edge[1]] = self.writes.get(edge[1], 0) + 1
-            self._write_log.setdefault(edge[1], deque(maxlen=WRITE_LOG)).append((blocks, seconds))
-
-    def writes_since(self, tier: str, seen: int) -> tuple[int, list[tuple[int, float]]]:
-        """Write jobs into ``tier`` (by name) recorded after the first ``seen``: ``(jobs so far, [(blocks, seconds)
-        of each newer one])``, at most the last ``WRITE_LOG`` of them."""
-        total, log = self.writes.get(tier, 0), self._write_log.get(tier, ())
-        new = min(total - seen, len(log))
-        return total, list(log)[len(log) - new:] if new > 0 else []
 
     def snapshot(self, block_nbytes: int) -> dict:
         """Plain copy for ``stats()``: ``edges`` (``{"src", "dst", "blocks", "bytes"}`` each, bytes at

@@ -89,6 +89,7 @@ class TieredStore:
         self._buffers: dict[int, torch.Tensor] = {}
         self._ids = itertools.count(1)
         self._bytes = {t.name: [0, 0] for t in self.tiers}  # bytes in, bytes out per tier
+        self._write_listeners: list = []  # on_write's functions, called on the movers' threads
         self._executor = JobExecutor(self.tiers, self._buffers)
         self._gpu_dev = self._executor.cuda_device
         self.movers = EdgeMovers([t.name for t in self.tiers], self._edge_workers, self._executor.execute,
@@ -373,6 +374,9 @@ class TieredStore:
             finished = self.chain.take_finished()
         self._submit(jobs)
         self._resolve(finished)
+        if (self._write_listeners and job.dst_tier != EXT and not job.kind.is_load and job.kind is not JobKind.DELETE
+                and done.nbytes > 0 and done.seconds > 0):
+            _tell(self._write_listeners, self.tiers[job.dst_tier].name, done.nbytes, done.seconds)
 
     def _resolve(self, finished: list[tuple[int, object]]) -> None:
         for hid, result in finished:
@@ -431,12 +435,11 @@ class TieredStore:
                 "remote": None if self._remote is None else self._remote_counters(),
             }
 
-    def recent_writes(self, tier: str, seen: int = 0) -> tuple[int, list[tuple[int, float]]]:
-        """Write jobs into the tier named ``tier`` that finished after the first ``seen``: ``(jobs so far, [(bytes,
-        seconds) of each newer one, the last 64 at most])``, the rate a tier has shown (``ReadRate.hint``)."""
-        with self._lock:
-            total, recent = self.chain.transfers.writes_since(tier, seen)
-        return total, [(blocks * self.layout.nbytes, seconds) for blocks, seconds in recent]
+    def on_write(self, fn) -> None:
+        """Call ``fn(tier_name, nbytes, seconds)`` for every finished job that wrote into a tier (store, demotion,
+        write-through): the rate a tier has shown (``ReadRate.hint``). On a mover thread, after the job's outcome is
+        applied: keep it quick and off the store; an exception is logged and dropped."""
+        self._write_listeners.append(fn)
 
     def _remote_counters(self) -> dict:
         """The remote tier's counters and its client's (``client_*``): plain ints, read without their writers'
@@ -508,3 +511,14 @@ def open_tiers(c: StoreConfig, layout: BlockLayout, owner: bytes) -> tuple[list[
             t.close()
         raise
     return tiers, edge_workers, quarantined
+
+
+def _tell(listeners: list, *args) -> None:
+    """Call each of ``TieredStore.on_write``'s listeners with ``args``; one that raises is logged, the rest still run
+    (a listener must not stop the movers)."""
+    for fn in listeners:
+        try:
+            fn(*args)
+        except Exception:  # noqa: BLE001
+            log.exception("on_write listener %r failed", fn)
+

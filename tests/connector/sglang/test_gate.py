@@ -289,7 +289,7 @@ def _hashes(tokens):
 def test_backend_bounds_the_guess_by_the_disks_own_writes_then_replaces_it_by_a_read(tmp_path):
     """A real host pool of 1 MiB pages (64 tokens, 4 layers, 8 heads of 128, bf16) on a real disk tier, the read
     rate left at its default: the 8-page write job (8 MiB, the disk's own) bounds the guess at its rate (when below
-    3.0 GB/s) before any read, as ``batch_exists`` hands it to the gate; the 8 MiB read of ``batch_get_v1`` then
+    3.0 GB/s) before any read, as the store reports it to the gate; the 8 MiB read of ``batch_get_v1`` then
     replaces it, and writes no longer move it."""
     pool = mha_pool("page_first", page_size=64, layers=4, heads=8, head_dim=128, dev_tokens=512)
     backend = attached_backend(extra_config(tmp_path, disk_load_policy="always"), pool)
@@ -297,13 +297,15 @@ def test_backend_bounds_the_guess_by_the_disks_own_writes_then_replaces_it_by_a_
         assert backend.pages.page_nbytes == 1 << 20
         rate = backend.gate.split.rates["disk"]
         assert backend.gate.guessing() == ["disk"] and rate.source == "guess"
+        got = []
+        backend.store.on_write(lambda tier, nbytes, seconds: got.append((tier, nbytes, seconds)))
         fill_random(pool, 5)
         keys = [f"w{i}" for i in range(8)]
         assert all(backend.batch_set_v1(keys, pool.alloc(8 * 64)))
         assert backend.store.drain(30)
-        jobs, writes = backend.store.recent_writes("disk")
-        assert jobs == 1 and writes[0][0] == 8 << 20  # one job of the batch's 8 pages
-        assert backend.batch_exists(keys) == 8  # the query feeds the write to the gate
+        writes = [(n, sec) for t, n, sec in got if t == "disk"]
+        assert len(writes) == 1 and writes[0][0] == 8 << 20  # one job of the batch's 8 pages
+        assert backend.batch_exists(keys) == 8
         written = writes[0][0] / writes[0][1] / 1e9
         assert rate.source == "writes" and rate.gbps == pytest.approx(min(3.0, written))
         dst = pool.alloc(8 * 64)
@@ -319,8 +321,8 @@ def test_backend_bounds_the_guess_by_the_disks_own_writes_then_replaces_it_by_a_
 
 
 def test_a_re_attached_backend_hints_its_new_stores_writes_from_zero(tmp_path):
-    """SGLang re-attaches (``register_mem_pool_host`` again: a new store, its job count from 0): the write tally
-    follows the store, so the new store's first 8 MiB write still bounds the guess the old one's bounded."""
+    """SGLang re-attaches (``register_mem_pool_host`` again: a new store): the gate, kept, listens to the new store
+    too, so its first 8 MiB write still bounds the guess the old one's bounded."""
     pool = mha_pool("page_first", page_size=64, layers=4, heads=8, head_dim=128, dev_tokens=512)
     backend = attached_backend(extra_config(tmp_path, disk_load_policy="always"), pool)
     try:
@@ -329,13 +331,14 @@ def test_a_re_attached_backend_hints_its_new_stores_writes_from_zero(tmp_path):
         for round_, keys in enumerate(([f"a{i}" for i in range(8)], [f"b{i}" for i in range(8)])):
             if round_:
                 backend.register_mem_pool_host(pool)  # the re-attach: same gate, a new store
+            got = []
+            backend.store.on_write(lambda tier, nbytes, seconds, got=got: got.append(tier))
             src = pool.alloc(8 * 64)
             assert all(backend.batch_set_v1(keys, src))
             pool.free(src)
-            assert backend.store.drain(30) and backend.store.recent_writes("disk")[0] == 1
+            assert backend.store.drain(30) and got.count("disk") == 1
             assert backend.batch_exists(keys) == 8
             assert rate.hints == round_ + 1 and rate.source == "writes"
-            assert backend._writes_seen[0] is backend.store
     finally:
         backend.close()
 

@@ -77,8 +77,6 @@ class TieredHiCacheStorage(HiCacheStorage):
         self._radix_lock = threading.Lock()
         self._refresh_lock = threading.Lock()
         self._last_refresh = 0.0
-        self._writes_seen: tuple[object, dict[str, int]] = (None, {})  # (store, per slow tier: its write jobs hinted)
-        self._hint_lock = threading.Lock()
         if self.options.metrics_port is not None:
             self._serve_metrics(self.options.metrics_port + self.scope.metrics_offset())
 
@@ -133,6 +131,7 @@ class TieredHiCacheStorage(HiCacheStorage):
         self._gated = any(t not in MEMORY_TIERS for t in tiers)
         if self.gate is None or self.gate.page_nbytes != pages.page_nbytes:  # keep the estimates on re-attach
             self.gate = PageGate.for_tiers(o, tiers, pages.page_size, pages.page_nbytes)
+        store.on_write(self.gate.hint_write)  # the slow tiers' writes bound their guessed read rates
         log.info("tiered_kv SGLang backend: %s, %d B/page, %s, tiers %s, %d pages held",
                  pages.layout.tag, pages.page_nbytes, "writer" if self.scope.is_writer else "reader",
                  [t.name for t in store.tiers], store.stats()["resident_blocks"])
@@ -162,7 +161,6 @@ class TieredHiCacheStorage(HiCacheStorage):
             if hits < len(ks) and self._adopt_if_reader(ks[hits:]):
                 hits = store.lookup(ks)
             if hits and self._gated:
-                self._hint_writes(store)
                 hits = self.gate.worth_loading(store.locate(ks[:hits]), _context_pages(extra_info))
             self.counters.add(exists_calls=1, exists_pages=len(ks), exists_hits=hits)
             if hits and self.options.cpu_bytes and self.options.disk_path is not None:
@@ -171,23 +169,6 @@ class TieredHiCacheStorage(HiCacheStorage):
         except Exception as exc:  # never raise into SGLang's prefetch thread
             self.counters.fail("batch_exists", exc)
             return 0
-
-    def _hint_writes(self, store: TieredStore) -> None:
-        """Hand the gate the slow tiers' writes finished since the last query, while their read rate is still the
-        built-in guess (``PageGate.hint_write``): the rate a disk has shown on writes bounds what its first read is
-        bet to do. Runs on SGLang's prefetch thread (``batch_exists``); the tally takes a lock of its own."""
-        guessing = self.gate.guessing()
-        if not guessing:
-            return
-        with self._hint_lock:
-            owner, seen = self._writes_seen
-            if owner is not store:  # a re-attached backend's new store counts its writes from 0
-                seen = {}
-                self._writes_seen = (store, seen)
-            for tier in guessing:
-                seen[tier], recent = store.recent_writes(tier, seen.get(tier, 0))
-                for nbytes, seconds in recent:
-                    self.gate.hint_write(tier, nbytes, seconds)
 
     def exists(self, key: str) -> bool:
         """Whether one page is held."""

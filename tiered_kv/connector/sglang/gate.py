@@ -22,7 +22,7 @@ The estimates: each slow tier's read rate starts at ``disk_read_gbps`` (``remote
 remote tier) and follows the reads the backend times (an exponential average; a read that moved
 pages of two slow tiers is shared between them by their estimated times). Left at its default
 (``DEFAULT_READ_GBPS``) the start is a guess (``ReadRate``): the tier's write jobs of 4 MiB or more bound
-it until a read is measured (``hint_write``; the backend hands them over in ``batch_exists``), and the
+it until a read is measured (``hint_write``, which the backend registers with its store's ``on_write``), and the
 first read of 4 MiB or more replaces it (smaller ones, a few small pages, are averaged in). The prefill model is the
 configured one, ``prefill_tokens_per_s`` at short context and ``prefill_half_rate_context``: SGLang
 gives a storage backend no step or forward timing (its calls are ``batch_exists``, ``batch_get*``,
@@ -131,7 +131,8 @@ class PageGate:
 
     def hint_write(self, tier: str, nbytes: int, seconds: float) -> None:
         """A finished write of ``nbytes`` into ``tier`` took ``seconds``: it bounds that tier's guessed read rate
-        (``ReadRate.hint``: writes under 4 MiB, a rate someone set and one already measured are left alone)."""
+        (``ReadRate.hint``: writes under 4 MiB, a rate someone set and one already measured are left alone; memory
+        tiers and tiers the gate does not rate are ignored). Any thread (the store's movers call it)."""
         self.split.hint_writes({tier: nbytes}, seconds)
 
     def disk_beats_recompute(self) -> bool:
