@@ -364,7 +364,11 @@ class TieredStore:
         self.movers.submit(jobs)
 
     def _on_done(self, job: TransferJob, done: Completion) -> None:
-        # On a mover thread: apply the outcome to the planner, start what it unblocked, resolve handles.
+        # On a mover thread: tell on_write's listeners, apply the outcome to the planner, start what it unblocked,
+        # resolve handles. The listeners go first, so that a job drain() sees finished has been reported.
+        if (self._write_listeners and job.dst_tier != EXT and not job.kind.is_load and job.kind is not JobKind.DELETE
+                and done.nbytes > 0 and done.seconds > 0):
+            _tell(self._write_listeners, self.tiers[job.dst_tier].name, done.nbytes, done.seconds)
         with self._lock:
             if job.src_tier != EXT and job.kind is not JobKind.DELETE:
                 self._bytes[self.tiers[job.src_tier].name][1] += done.nbytes
@@ -374,9 +378,6 @@ class TieredStore:
             finished = self.chain.take_finished()
         self._submit(jobs)
         self._resolve(finished)
-        if (self._write_listeners and job.dst_tier != EXT and not job.kind.is_load and job.kind is not JobKind.DELETE
-                and done.nbytes > 0 and done.seconds > 0):
-            _tell(self._write_listeners, self.tiers[job.dst_tier].name, done.nbytes, done.seconds)
 
     def _resolve(self, finished: list[tuple[int, object]]) -> None:
         for hid, result in finished:
@@ -437,8 +438,9 @@ class TieredStore:
 
     def on_write(self, fn) -> None:
         """Call ``fn(tier_name, nbytes, seconds)`` for every finished job that wrote into a tier (store, demotion,
-        write-through): the rate a tier has shown (``ReadRate.hint``). On a mover thread, after the job's outcome is
-        applied: keep it quick and off the store; an exception is logged and dropped."""
+        write-through): the rate a tier has shown (``ReadRate.hint``). On a mover thread, before the job counts as
+        finished (``drain`` returns after its listeners ran): keep it quick and off the store; an exception is logged
+        and dropped."""
         self._write_listeners.append(fn)
 
     def _remote_counters(self) -> dict:
