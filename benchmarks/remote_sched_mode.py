@@ -58,9 +58,10 @@ class ExtraFromEnvConnector(TieredKVConnector):
         ktc.kv_connector_extra_config = {**(ktc.kv_connector_extra_config or {}), **extra}
         super().__init__(vllm_config, role, kv_cache_config)
         rate = float(os.environ.get("TKV_FLEET_KEYS_PER_S", "0"))
+        self._fleet = None
         if rate > 0 and self._presence is not None:
-            subprocess.Popen([sys.executable, __file__, "fleet", self._presence.stream.hex(), str(rate),
-                              str(os.getpid())])
+            self._fleet = subprocess.Popen([sys.executable, __file__, "fleet", self._presence.stream.hex(), str(rate),
+                                           str(os.getpid())])
             # the tool's steps take ~0.15 s, less than the fleet process's start: wait until its announcements
             # arrive, so the measured steps run beside a fleet that is writing (and a feed that is reading)
             seen, deadline = self._presence.entries, time.monotonic() + 60
@@ -68,3 +69,12 @@ class ExtraFromEnvConnector(TieredKVConnector):
                 time.sleep(0.01)
             if self._presence.entries < seen + 2:
                 raise RuntimeError("remote_sched_mode: the fleet process announced nothing within 60 s")
+
+    def shutdown(self) -> None:
+        """Stop this connector's fleet process (``benchmarks/sched_interleaved.py`` builds one connector a round in
+        one process), then shut the connector down."""
+        if self._fleet is not None:
+            self._fleet.terminate()
+            self._fleet.wait(10)
+            self._fleet = None
+        super().shutdown()

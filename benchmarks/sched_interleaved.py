@@ -36,6 +36,7 @@ import gc
 import json
 import os
 import random
+import shlex
 import statistics
 import subprocess
 import sys
@@ -326,7 +327,7 @@ def _measure(a: argparse.Namespace, modes: list[str], tmp: str) -> int:
 
     doc = {"benchmark": "sched_interleaved", "started": started, "device": a.device, "code": _code(),
            "vllm": vllm.__version__, "python": sys.version.split()[0], "cpus": os.cpu_count(),
-           "load_average": os.getloadavg(), "command": " ".join([Path(sys.executable).name, *sys.argv]),
+           "load_average": os.getloadavg(), "command": shlex.join([Path(sys.executable).name, *sys.argv]),
            "workload": f"{NREQ} requests x {PROMPT}-token distinct prompts, {OUT_TOK} output tokens, {LAYERS} layers "
                        f"of {BS}-token blocks; no connector job completes",
            "rounds": rounds, "summary": summary}

@@ -12,7 +12,7 @@ import fnmatch
 from typing import Callable
 
 from benchmarks.results_page.results import Result, median, num, ratio, table
-from benchmarks.results_page.scenarios import MODELS, NULL, REMOTE, SHAPES, TIERED, same_call
+from benchmarks.results_page.scenarios import MODELS, SHAPES, same_call
 
 Row = list[str]
 
@@ -244,32 +244,21 @@ def staged(r: Result) -> Row:
             f"{num(ce['gbps'])} GB/s"]
 
 
-@from_latest("sched_overhead_2*.json")
+@from_latest("sched_interleaved_*.json")
 def sched(r: Result) -> Row:
-    notes = r.doc.get("set_notes", {})
-    after = [s for s in r.doc["sets"] if notes.get(s["file"], "").startswith("after")]
-    paired = sorted(s["modes"][TIERED]["paired_median_vs_none_pct"] for s in after)
-    null = sorted(s["modes"][NULL]["paired_median_vs_none_pct"] for s in after if NULL in s["modes"])
-    workload = r.doc["tool"].split("(", 1)[1].rstrip(")").split(", ")[1]
-    return [f"vLLM scheduler step cost, {workload} (vLLM's real `Scheduler`, our connector's scheduler side)",
-            _where([r]), f"+{paired[0]:.1f}..+{paired[-1]:.1f}% over no connector (paired medians, {len(paired)} "
-            "sets of the latest code)",
-            f"vLLM's connector plumbing alone (`NullConnector`) +{null[0]:.1f}..+{null[-1]:.1f}%"]
+    sets = r.doc.get("sets", [r.doc])
 
+    def over(mode: str) -> str:
+        got = sorted(s["summary"][mode]["median_paired_cpu_vs_none_pct"] for s in sets if mode in s["summary"])
+        return "-" if not got else (f"{got[0]:+.1f}%" if len(got) == 1 else f"{got[0]:+.1f}..{got[-1]:+.1f}%")
 
-@from_latest("sched_overhead_remote_*.json")
-def sched_remote(r: Result) -> Row:
-    last = [s for s in r.doc["sets"] if s["name"].startswith("merged")]
-
-    def clock(s: dict) -> str:
-        what = "wall" if s["clock"].startswith("wall") else "thread CPU"
-        return what + (", vLLM's GC state" if "EngineCore" in s["gc"] else "")
-
-    cell = lambda k: ", ".join(f"{s['summary'][k]['paired_vs_none_pct']:+.1f}% ({clock(s)})"  # noqa: E731
-                               for s in last if k in s["summary"])
-    return [f"the same with the remote tier configured, a fleet announcing {r.doc['fleet_chunks_per_s']:,} "
-            "chunks/s", _where([r]), f"{cell(REMOTE)} over no connector (paired medians, the latest sets)",
-            f"the connector without the remote tier {cell(TIERED)}"]
+    rounds = sum(len(s["rounds"]) for s in sets)
+    return ["vLLM scheduler step cost, 64 x 8,192-token prompts (vLLM's real `Scheduler`, every mode's steps "
+            "interleaved in one process)", _where([r]),
+            f"ours {over('tiered')}, with the remote tier {over('remote')} over no connector (medians of paired "
+            f"rounds, {len(sets)} sets, {rounds} rounds; bounds +15% / +20%)",
+            f"vLLM's connector plumbing alone (`NullConnector`) {over('null')}; `OffloadingConnector` "
+            f"{over('offloading')}"]
 
 
 def sglang_ttft(results: list[Result]) -> Row | None:
@@ -329,7 +318,7 @@ def disk(r: Result) -> Row:
 
 
 HIGHLIGHTS: tuple[Callable[[list[Result]], Row | None], ...] = (
-    serve_lone, serve_every_start, serve_shared, envelope, tensor_parallel, replicas, vllm_item2, vllm_hybrid, gpu_copy, staged, sched, sched_remote,
+    serve_lone, serve_every_start, serve_shared, envelope, tensor_parallel, replicas, vllm_item2, vllm_hybrid, gpu_copy, staged, sched,
     sglang_ttft, sglang_restart, sglang_bench, remote, disk)
 
 

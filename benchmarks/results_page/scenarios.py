@@ -343,6 +343,31 @@ def sched_remote(r: Result) -> str:
     return table(head, rows)
 
 
+def sched_interleaved(r: Result) -> str:
+    """One row per set of ``benchmarks/sched_interleaved.py``: every mode's paired median over ``none`` (the per-round
+    range beside it), the rule's bound where one applies."""
+    names = {"null": "`NullConnector`", "tiered": "**ours**", "remote": "**ours + remote tier**",
+             "offloading": "`OffloadingConnector`"}
+    sets = r.doc.get("sets", [r.doc])
+    shown = [m for m in names if any(m in s["summary"] for s in sets)]
+
+    def cell(v: dict | None) -> str:
+        if v is None:
+            return "-"
+        per = v["paired_cpu_vs_none_pct"]
+        bound = f", bound {v['bound_pct']:+.0f}%" if "bound_pct" in v else ""
+        return f"{_pct(v['median_paired_cpu_vs_none_pct'])} ({min(per):+.1f}..{max(per):+.1f}{bound})"
+
+    rows = []
+    for s in sets:
+        none = s["summary"]["none"]["cpu_us_per_step"]
+        rows.append([s["started"][11:16], s["code"], len(s["rounds"]),
+                     f"{num(median(none), 0)} ({num(min(none), 0)}..{num(max(none), 0)})",
+                     *[cell(s["summary"].get(m)) for m in shown]])
+    head = ["set (UTC)", "code", "rounds", "`none` us/step (rounds' range)", *[names[m] for m in shown]]
+    return table(head, rows)
+
+
 # ------------------------------------------------------------------------------------ GPU <-> CPU copies
 def _gbps(row: dict | None) -> str:
     return "-" if row is None else f"{num(row['gbps'])} ({row['ratio']:.2f})"
@@ -575,6 +600,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("pool-replicas", ("pool_replicas_*.json",), each(pool_replicas), MULTI_GPU),
     Scenario("sched", ("sched_overhead_2*.json",), each(sched)),
     Scenario("sched-remote", ("sched_overhead_remote_*.json",), each(sched_remote)),
+    Scenario("sched-interleaved", ("sched_interleaved_*.json",), each(sched_interleaved)),
     Scenario("gpu-copy", ("gpu_copy_2*.json",), each(gpu_copy)),
     Scenario("gpu-copy-staged", ("gpu_copy_staged_*.json",), each(gpu_copy_staged)),
     Scenario("gpu-probes", ("copy_probe_*.json", "in_step_probe_*.json", "host_memory_probe_*.json"), gpu_probes,
