@@ -73,8 +73,14 @@ class ExtraFromEnvConnector(TieredKVConnector):
     def shutdown(self) -> None:
         """Stop this connector's fleet process (``benchmarks/sched_interleaved.py`` builds one connector a round in
         one process), then shut the connector down."""
-        if self._fleet is not None:
-            self._fleet.terminate()
-            self._fleet.wait(10)
-            self._fleet = None
-        super().shutdown()
+        fleet, self._fleet = self._fleet, None
+        try:
+            if fleet is not None:
+                fleet.terminate()
+                try:
+                    fleet.wait(10)
+                except subprocess.TimeoutExpired:
+                    fleet.kill()
+                    fleet.wait(10)
+        finally:
+            super().shutdown()

@@ -4,8 +4,7 @@
 2-core box the speed of the box moved by 1.3-1.9x between runs minutes apart (2026-11-29), more than a
 connector costs, and a run's ~95 measured steps (~0.13 s) can hold a whole generation-1 collection or none.
 Here every mode gets its own vLLM ``Scheduler`` (the real one, CPU only) in *one* process, and the modes take
-turns step by step: step i of ``none``, step i of ours, step i of ``NullConnector``, ..., then step i + 1 (the
-order rotates every step). A change of the box's speed lands on all modes within a few milliseconds, so the
+turns step by step: step i of every mode, in a fresh random order (seeded) each step, then step i + 1. A change of the box's speed lands on all modes within a few milliseconds, so the
 per-round ratio ``mode / none`` (the same steps' CPU time summed) is what the connector costs, and the median
 over rounds is the figure. Each round builds fresh schedulers, then freezes the collector's heap as vLLM's
 ``EngineCore`` does after building its scheduler (``freeze_gc_heap``), so no mode starts its steps with another's
@@ -57,6 +56,11 @@ MODES = {
     "remote": ("ExtraFromEnvConnector", "benchmarks.remote_sched_mode"),
     "offloading": ("OffloadingConnector", None),
 }
+#: a round stops (with an error) after this many steps: the workload takes ~95
+MAX_STEPS = 5000
+#: our connector's scheduler-side counters kept per round (the remote mode's feed and lookups at work)
+CONNECTOR_STATS = ("sched_lookups", "sched_store_chunks", "remote_known", "sched_remote_announced",
+                   "sched_remote_adopted")
 #: the rule of issue 31 item 4: ours within this much of no connector (percent), and with the remote tier
 BOUND_PCT = {"tiered": 15.0, "remote": 20.0}
 
@@ -134,6 +138,7 @@ class Driver:
         self.mode, self.s = mode, sched
         self.cpu: list[float] = []
         self.wall: list[float] = []
+        self.connector: dict = {}
         self.owm = None
         if mode == "offloading":
             from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
@@ -170,6 +175,14 @@ class Driver:
         self.wall.append((w1 - w0) + (w3 - w2))
         return True
 
+    def snapshot(self) -> None:
+        """Keep what our connector's scheduler side did (``CONNECTOR_STATS``): that the remote mode's feed and
+        lookups ran, not only that it was configured."""
+        conn = getattr(self.s, "connector", None)
+        if conn is not None and hasattr(conn, "stats") and self.mode in ("tiered", "remote"):
+            st = conn.stats()
+            self.connector = {k: st[k] for k in CONNECTOR_STATS if k in st}
+
     def close(self) -> None:
         """Shut the scheduler's connector down (ours joins its threads)."""
         conn = getattr(self.s, "connector", None)
@@ -177,24 +190,37 @@ class Driver:
             conn.shutdown()
 
 
-def run_round(modes: list[str], model_dir: str, seed: int, rotate: int) -> dict[str, Driver]:
-    """Build a scheduler per mode, freeze the heap as the engine does, step every mode in turn until all end."""
+def run_round(modes: list[str], model_dir: str, seed: int, order_seed: int) -> dict[str, Driver]:
+    """Build a scheduler per mode, freeze the heap as the engine does, step every mode in turn until all end.
+
+    Each step runs the live modes in a fresh random order (``order_seed``: reproducible), so no mode keeps running
+    right after another (whose step may have evicted its caches). A round longer than ``MAX_STEPS`` steps stops with
+    the modes still running named."""
     from vllm.utils.gc_utils import freeze_gc_heap
 
     rng = random.Random(seed)
     prompts = [[rng.randrange(10, 990) for _ in range(PROMPT)] for _ in range(NREQ)]
-    drivers = [Driver(m, build(m, model_dir, prompts)) for m in modes]
-    freeze_gc_heap()
-    step, live = 0, list(drivers)
-    while live:
-        k = (step + rotate) % len(live)
-        order = live[k:] + live[:k]  # who goes first rotates: no mode always runs right after another
-        live = [d for d in order if d.step()]
-        step += 1
-    for d in drivers:
-        d.close()
-    gc.unfreeze()
-    gc.collect()
+    drivers: list[Driver] = []
+    try:
+        for m in modes:
+            drivers.append(Driver(m, build(m, model_dir, prompts)))
+        freeze_gc_heap()
+        order, live = random.Random(order_seed), list(drivers)
+        for _ in range(MAX_STEPS):
+            if not live:
+                break
+            order.shuffle(live)
+            live = [d for d in live if d.step()]
+        else:
+            raise SystemExit(f"a round ran {MAX_STEPS} steps and {[d.mode for d in live]} still had requests: "
+                             "a connector's job the fake worker never completes?")
+        for d in drivers:
+            d.snapshot()
+    finally:
+        for d in drivers:
+            d.close()
+        gc.unfreeze()
+        gc.collect()
     return {d.mode: d for d in drivers}
 
 
@@ -225,10 +251,13 @@ def round_figures(drivers: dict[str, Driver]) -> dict[str, dict]:
     base = drivers["none"]
     figs = {}
     for m, d in drivers.items():
-        n = min(len(d.cpu), len(base.cpu))
+        n = min(len(d.cpu), len(base.cpu))  # every mode runs the same schedule here; "paired_steps" says if not
         f = {"steps": len(d.cpu), "cpu_us_per_step": round(1e6 * sum(d.cpu) / len(d.cpu), 1),
              "wall_us_per_step": round(1e6 * sum(d.wall) / len(d.wall), 1)}
+        if d.connector:
+            f["connector"] = d.connector
         if m != "none":
+            f["paired_steps"] = n
             f["paired_cpu_vs_none_pct"] = round(100 * (sum(d.cpu[:n]) / sum(base.cpu[:n]) - 1), 1)
             f["paired_wall_vs_none_pct"] = round(100 * (sum(d.wall[:n]) / sum(base.wall[:n]) - 1), 1)
         figs[m] = f
@@ -270,8 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default="none,null,tiered",
                     help=f"comma-separated, from {sorted(MODES)}; 'none' is always run (default: %(default)s)")
     ap.add_argument("--rounds", type=int, default=10, help="rounds of fresh schedulers (default: %(default)s)")
-    ap.add_argument("--remote-url", default=os.environ.get("TKV_REMOTE_URL", ""),
-                    help="redis:// URL of a Redis Cluster for the 'remote' mode")
+    ap.add_argument("--remote-url", default="",
+                    help="redis:// URL of a Redis Cluster for the 'remote' mode (default: $TKV_REMOTE_URL)")
     ap.add_argument("--start-cluster", action="store_true",
                     help="for the 'remote' mode: start a local 3-master Redis Cluster on 127.0.0.1 (tests/_redis.py) "
                          "and stop it at the end")
@@ -280,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="results JSON (default: bench_out/sched_interleaved_<UTC>.json)")
     ap.add_argument("--device", default="", help="the machine, in words")
     a = ap.parse_args(argv)
-    modes = ["none"] + [m for m in a.modes.split(",") if m and m != "none"]
+    modes = list(dict.fromkeys(["none"] + [m for m in a.modes.split(",") if m]))
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise SystemExit(f"--modes: unknown mode(s) {bad}; choose from {sorted(MODES)}")
@@ -288,7 +317,13 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--rounds {a.rounds}: need at least 1")
     with tempfile.TemporaryDirectory() as tmp:
         cluster = None
+        if "remote" in modes and not a.start_cluster:
+            a.remote_url = a.remote_url or os.environ.get("TKV_REMOTE_URL", "")
+        if "remote" not in modes and (a.start_cluster or a.remote_url):
+            raise SystemExit("--start-cluster / --remote-url configure the 'remote' mode: add it to --modes")
         if "remote" in modes:
+            if a.start_cluster and a.remote_url:
+                raise SystemExit("--start-cluster and --remote-url: give one (a local cluster, or yours)")
             extra = {"remote_url": a.remote_url}
             if a.start_cluster:
                 from tests._redis import PASSWORD, PASSWORD_ENV, RedisCluster
@@ -316,7 +351,9 @@ def _measure(a: argparse.Namespace, modes: list[str], tmp: str) -> int:
     model_dir = _model_dir(tmp)
     for r in range(a.rounds):
         t0 = time.perf_counter()
-        figs = round_figures(run_round(modes, model_dir, seed=0, rotate=r))
+        if "remote" in modes:  # a namespace of its own per round: a round's feed starts empty, as round 1's did
+            os.environ["TKV_EXTRA"] = json.dumps({**json.loads(os.environ["TKV_EXTRA"]), "tenant_salt": f"round-{r}"})
+        figs = round_figures(run_round(modes, model_dir, seed=0, order_seed=r))
         rounds.append(figs)
         print(f"round {r + 1}/{a.rounds} ({time.perf_counter() - t0:.1f} s): " + ", ".join(
             f"{m} {f['cpu_us_per_step']:,.0f} us" + (f" ({f['paired_cpu_vs_none_pct']:+.1f}%)" if m != "none" else "")
@@ -328,7 +365,7 @@ def _measure(a: argparse.Namespace, modes: list[str], tmp: str) -> int:
     doc = {"benchmark": "sched_interleaved", "started": started, "device": a.device, "code": _code(),
            "vllm": vllm.__version__, "python": sys.version.split()[0], "cpus": os.cpu_count(),
            "load_average": os.getloadavg(), "command": shlex.join([Path(sys.executable).name, *sys.argv]),
-           "workload": f"{NREQ} requests x {PROMPT}-token distinct prompts, {OUT_TOK} output tokens, {LAYERS} layers "
+           "workload": f"{NREQ} requests x {PROMPT:,}-token distinct prompts, {OUT_TOK} output tokens, {LAYERS} layers "
                        f"of {BS}-token blocks; no connector job completes",
            "rounds": rounds, "summary": summary}
     out = a.out or ROOT / "bench_out" / f"sched_interleaved_{started.replace(':', '').replace('-', '')}.json"

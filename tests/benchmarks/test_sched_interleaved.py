@@ -36,7 +36,7 @@ def test_the_rule_is_judged_on_the_median_of_paired_rounds():
 
 
 def test_one_real_round_steps_every_mode_through_the_same_workload(tmp_path):
-    drivers = si.run_round(["none", "null", "tiered"], si._model_dir(str(tmp_path)), seed=0, rotate=1)
+    drivers = si.run_round(["none", "null", "tiered"], si._model_dir(str(tmp_path)), seed=0, order_seed=1)
     steps = {m: len(d.cpu) for m, d in drivers.items()}
     # 64 prompts of 8,192 tokens at 8,256 tokens a step, then 31 decode steps: the same schedule in every mode
     assert steps["none"] > si.OUT_TOK and len(set(steps.values())) == 1, steps
@@ -47,6 +47,7 @@ def test_one_real_round_steps_every_mode_through_the_same_workload(tmp_path):
     assert st["sched_store_chunks"] == si.NREQ * si.PROMPT // 256 and st["tracked_requests"] == 0  # 256-token chunks
     figs = si.round_figures(drivers)
     assert set(figs) == {"none", "null", "tiered"} and "paired_cpu_vs_none_pct" in figs["tiered"]
+    assert figs["tiered"]["paired_steps"] == steps["none"] and figs["tiered"]["connector"]["sched_lookups"] == si.NREQ
 
 
 def test_unknown_modes_and_a_remote_mode_without_a_cluster_are_refused(tmp_path):
@@ -54,6 +55,8 @@ def test_unknown_modes_and_a_remote_mode_without_a_cluster_are_refused(tmp_path)
         si.main(["--modes", "none,lmcache", "--out", str(tmp_path / "x.json")])
     with pytest.raises(SystemExit, match="needs a Redis Cluster"):
         si.main(["--modes", "tiered,remote", "--remote-url", "", "--out", str(tmp_path / "x.json")])
+    with pytest.raises(SystemExit, match="configure the 'remote' mode"):
+        si.main(["--modes", "tiered", "--start-cluster", "--out", str(tmp_path / "x.json")])
     assert not (tmp_path / "x.json").exists()
 
 
