@@ -249,14 +249,19 @@ def sched(r: Result) -> Row:
     sets = r.doc.get("sets", [r.doc])
 
     def over(mode: str) -> str:
-        got = sorted(s["summary"][mode]["median_paired_cpu_vs_none_pct"] for s in sets if mode in s["summary"])
-        return "-" if not got else (f"{got[0]:+.1f}%" if len(got) == 1 else f"{got[0]:+.1f}..{got[-1]:+.1f}%")
+        got = [s["summary"][mode] for s in sets if mode in s["summary"]]
+        if not got:
+            return "-"
+        pct = sorted(v["median_paired_cpu_vs_none_pct"] for v in got)
+        span = f"{pct[0]:+.1f}%" if len(pct) == 1 else f"{pct[0]:+.1f}..{pct[-1]:+.1f}%"
+        bound = f", bound {got[0]['bound_pct']:+.0f}%" if "bound_pct" in got[0] else ""
+        return f"{span} ({len(got)} set{'s' if len(got) != 1 else ''}{bound})"
 
-    rounds = sum(len(s["rounds"]) for s in sets)
-    return ["vLLM scheduler step cost, 64 x 8,192-token prompts (vLLM's real `Scheduler`, every mode's steps "
-            "interleaved in one process)", _where([r]),
-            f"ours {over('tiered')}, with the remote tier {over('remote')} over no connector (medians of paired "
-            f"rounds, {len(sets)} sets, {rounds} rounds; bounds +15% / +20%)",
+    workload = sets[0]["workload"].split(";")[0]
+    return [f"vLLM scheduler step cost, {workload} (vLLM's real `Scheduler`, every mode's steps interleaved in one "
+            "process)", _where([r]),
+            f"ours {over('tiered')}, with the remote tier {over('remote')} over no connector (medians of "
+            f"{len(sets[0]['rounds'])} paired rounds per set)",
             f"vLLM's connector plumbing alone (`NullConnector`) {over('null')}; `OffloadingConnector` "
             f"{over('offloading')}"]
 
