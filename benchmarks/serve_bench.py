@@ -12,8 +12,9 @@ the next start. Modes are interleaved: run r starts every mode once, in an order
 
 Per mode and phase: TTFT p50/p90/p99, inter-token latency p50, output tokens/s, requests,
 prompt tokens by source (recomputed / GPU prefix cache / connector: vLLM's
-``vllm:prompt_tokens_by_source_total``), our per-tier loads (``tiered_kv_tier_hits_total``),
-greedy-output equality with mode ``none`` (same prompts, dummy weights seeded), and min / median /
+``vllm:prompt_tokens_by_source_total``), our per-tier loads (``tiered_kv_tier_hits_total``), what our
+workers cost vLLM's thread (``phase["worker_time"]``: ms per engine step inside our hooks, by hook, fence waits,
+stores cancelled, in-step copies by mechanism: ``tiered_kv_worker_*``), greedy-output equality with mode ``none`` (same prompts, dummy weights seeded), and min / median /
 max over engine starts. Output: a table on stdout, ``$OUT/serve_bench_<shape>[_<tag>].json`` (and
 a ``.partial.json`` rewritten after every phase), a PNG of TTFT p50 vs concurrency per mode, and
 one server log per start (``serve_<shape>_<mode>_r<run>.log``). ``--trace``: every ``tiered*`` start writes
@@ -564,6 +565,7 @@ def phase_record(ph, run, before: dict, after: dict, spec) -> dict:
             **stats.summarize(results, run.wall_s), "error_samples": errors,
             "sources": stats.token_sources(vdelta),
             "tiers": stats.tier_hits(tdelta, spec.chunk_tokens) if spec.metrics_port else {},
+            "worker_time": stats.worker_time(tdelta, vdelta),
             "vllm_metrics": vdelta, "tiered_kv_metrics": tdelta,
             "rows_columns": ["user", "turn", "prompt_len", "ttft_ms", "cached", "queue_ms", "out_sha1", "first_ids"],
             "rows": rows}
@@ -575,7 +577,14 @@ def _print_phase(mode: str, r: dict) -> None:
     print(f"[{mode}] {r['name']:>6}: {r['requests']} req ({r['errors']} err) in {r['wall_s']:.1f} s | TTFT ms p50 "
           f"{r['ttft_ms']['p50']} p90 {r['ttft_ms']['p90']} p99 {r['ttft_ms']['p99']} | ITL p50 {r['itl_ms']['p50']} ms "
           f"| {r['output_tok_s']} tok/s | tokens computed {src['computed']:.0f} gpu {src['gpu_hit']:.0f} "
-          f"connector {src['connector_hit']:.0f} {tiers}", flush=True)
+          f"connector {src['connector_hit']:.0f} {tiers}{_worker_line(r.get('worker_time'))}", flush=True)
+
+
+def _worker_line(w: dict | None) -> str:
+    """`` | hooks X ms/step (fences Y ms)``, where the workers' counters came (``stats.worker_time``)."""
+    if not w or w.get("hook_ms_per_step") is None:
+        return ""
+    return f" | hooks {w['hook_ms_per_step']:.2f} ms/step (fences {w['fence_wait_ms']:.0f} ms)"
 
 
 def _scrape(base: str, spec) -> dict:

@@ -148,7 +148,7 @@ def combine(scrapes: list[dict]) -> dict:
 
 def per_replica(results, before: list[dict], after: list[dict], specs: list[ModeSpec]) -> list[dict]:
     """Each replica's share of a phase: requests routed to it, their TTFT p50, its token sources, its tier
-    hits, its gauges after the phase."""
+    hits, what our workers cost its thread (``stats.worker_time``), its gauges after the phase."""
     n = len(specs)
     out = []
     for i, spec in enumerate(specs):
@@ -161,6 +161,7 @@ def per_replica(results, before: list[dict], after: list[dict], specs: list[Mode
                     "ttft_ms_p50": None if p50 is None else round(p50 * 1e3, 3),
                     "sources": stats.token_sources(vdelta),
                     "tiers": stats.tier_hits(tdelta, spec.chunk_tokens) if spec.metrics_port else {},
+                    "worker_time": stats.worker_time(tdelta, vdelta),
                     "gauges": {k: v for k, v in after[i]["vllm"].items() if not stats.is_total(k)}})
     return out
 

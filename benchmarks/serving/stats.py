@@ -134,3 +134,26 @@ def token_sources(vllm_delta: dict[str, float]) -> dict[str, float]:
 def tier_hits(tkv_delta: dict[str, float], chunk_tokens: int) -> dict[str, float]:
     """Our connector's loads per tier (``tiered_kv_tier_hits_total``, in chunks) as tokens."""
     return {tier: n * chunk_tokens for tier, n in by_label(tkv_delta, "tiered_kv_tier_hits_total", "tier").items()}
+
+
+def worker_time(tkv_delta: dict[str, float], vllm_delta: dict[str, float]) -> dict:
+    """What our vLLM workers cost vLLM's thread in a phase (``tiered_kv_worker_seconds_total``, every rank summed):
+    ms per engine step (steps: ``vllm:iteration_tokens_total_count``) inside our hooks (``hook_*``, plus the in-step
+    submissions between layers, ``layer_submit``), of which fence waits; ms per hook; stores cancelled by fences. Empty
+    without the workers' counters (no ``metrics_port``, or a connector that ships none)."""
+    secs = by_label(tkv_delta, "tiered_kv_worker_seconds_total", "what")
+    if not secs:
+        return {}
+    events = by_label(tkv_delta, "tiered_kv_worker_events_total", "what")
+    steps = vllm_delta.get("vllm:iteration_tokens_total_count", 0.0)
+    hooks = {k.removeprefix("hook_"): v * 1e3 for k, v in secs.items() if k.startswith("hook_")}
+    hooks["layer_submit"] = secs.get("layer_submit", 0.0) * 1e3
+    total = sum(hooks.values())
+    return {"steps": steps, "hook_ms": round(total, 3),
+            "hook_ms_per_step": round(total / steps, 4) if steps else None,
+            "by_hook_ms": {k: round(v, 3) for k, v in sorted(hooks.items())},
+            "fence_wait_ms": round(secs.get("fence_wait", 0.0) * 1e3, 3),
+            "stores_cancelled": events.get("stores_cancelled", 0.0),
+            "copies": {k: events.get(k, 0.0) for k in ("sync_loads", "sync_staged_copies", "sync_sm_copies",
+                                                       "async_loads")}}
+

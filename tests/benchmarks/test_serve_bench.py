@@ -176,6 +176,31 @@ def test_prometheus_deltas_sources_and_tiers():
     assert stats.tier_hits(d, chunk_tokens=256) == {"cpu": 2048.0}
 
 
+def test_worker_time_per_step_from_our_real_metrics_page():
+    """``stats.worker_time``: the workers' counters as our Prometheus page shows them (``tiered_kv.store.metrics``),
+    a phase's delta, per engine step (vLLM's iteration count)."""
+    from prometheus_client import generate_latest
+
+    from tiered_kv.store.metrics import make_registry
+
+    def page(workers: dict, steps: int) -> dict:
+        base = {"lookups": 0, "hits": 0, "misses": 0, "bytes_in": 0, "bytes_out": 0, "puts_refused": 0,
+                "resident_bytes": 0, "inflight_jobs": 0, "tiers": {}, "workers": workers}
+        text = generate_latest(make_registry(lambda: base, "vllm")).decode()
+        text += f'vllm:iteration_tokens_total_count{{engine="0",model_name="m"}} {steps}.0\n'
+        return stats.parse_prometheus(text)
+
+    a = page({"hook_start_load_kv_seconds": 0.010, "layer_submit_seconds": 0.0, "fence_wait_seconds": 0.0,
+              "stores_cancelled": 0, "sync_loads": 2, "bytes_loaded": 1 << 20}, steps=10)
+    b = page({"hook_start_load_kv_seconds": 0.110, "hook_get_finished_seconds": 0.020, "layer_submit_seconds": 0.070,
+              "fence_wait_seconds": 0.005, "stores_cancelled": 3, "sync_loads": 42, "bytes_loaded": 1 << 30}, steps=110)
+    w = stats.worker_time(stats.prom_delta(a, b), stats.prom_delta(a, b))
+    assert w["steps"] == 100 and w["hook_ms"] == pytest.approx(190.0) and w["hook_ms_per_step"] == pytest.approx(1.9)
+    assert w["by_hook_ms"] == pytest.approx({"start_load_kv": 100.0, "get_finished": 20.0, "layer_submit": 70.0})
+    assert w["fence_wait_ms"] == pytest.approx(5.0) and w["stores_cancelled"] == 3 and w["copies"]["sync_loads"] == 40
+    assert stats.worker_time(stats.prom_delta(a, a), {}) == {}  # nothing moved: no section
+
+
 # ============================================================================ modes and command lines
 def _argv(name: str, reg: ModeRegistry | None = None, **opts) -> tuple[list[str], dict]:
     spec = (reg or ModeRegistry()).spec(name, SIZES, metrics_port=9400 if name.startswith("tiered") else None)

@@ -34,7 +34,7 @@ def test_dashboard_is_grafana_json_with_a_datasource_variable():
         assert {"x", "y", "w", "h"} <= p["gridPos"].keys()
     titles = " ".join(p["title"].lower() for p in dash["panels"])
     for what in ("hit rate per tier", "bytes/s per tier edge", "load latency", "evictions", "load gate",
-                 "remote tier errors"):
+                 "remote tier errors", "our hooks"):
         assert what in titles, what
 
 

@@ -16,10 +16,12 @@ the SGLang backend); ``METRICS`` lists them, and ``deploy/grafana/tiered_kv.json
   recomputed per tier, the read-rate estimate per tier, the prefill rate in use at a few contexts,
   the prefill samples fitted, and the summed estimated seconds of the plans taken against
   recompute-all and load-all;
-- the remote tier, where this process holds its client (Python API, SGLang): errors by kind.
+- the remote tier, where this process holds its client (Python API, SGLang): errors by kind;
+- the vLLM workers' own counters (vLLM's scheduler process, which sums every rank's): bytes, seconds (vLLM's
+  thread inside each of our hooks, fence waits, copies) and events.
 
-Optional sections of ``stats()`` (``transfers``, ``gate``, ``gate["split"]``, ``remote``) yield their families
-only when present.
+Optional sections of ``stats()`` (``transfers``, ``gate``, ``gate["split"]``, ``remote``, ``workers``) yield their
+families only when present.
 
 Threading contract: ``collect()`` runs on the scraping thread (prometheus-client's HTTP
 server) and only calls ``stats()``, which takes the store's lock briefly (or returns a snapshot).
@@ -48,6 +50,7 @@ METRICS = (
     "tiered_kv_gate_break_even_gbps", "tiered_kv_remote_errors_total",
     "tiered_kv_split_tokens_total", "tiered_kv_split_read_gbps", "tiered_kv_split_prefill_tokens_per_s",
     "tiered_kv_split_prefill_samples_total", "tiered_kv_split_estimated_seconds_total",
+    "tiered_kv_worker_bytes_total", "tiered_kv_worker_seconds_total", "tiered_kv_worker_events_total",
 )
 
 
@@ -73,6 +76,8 @@ class StoreCollector:
                 yield from _split_families(s["gate"]["split"], self._name)
         if s.get("remote") is not None:
             yield from _remote_families(s["remote"], self._name)
+        if s.get("workers"):
+            yield from _worker_families(s["workers"], self._name)
 
 
 def _store_families(s: dict, name: str) -> Iterator:
@@ -178,6 +183,32 @@ def _remote_families(remote: dict, name: str) -> Iterator:
     for kind in REMOTE_ERRORS:
         m.add_metric([name, kind], remote.get(kind, 0))
     yield m
+
+
+def _worker_families(workers: dict, name: str) -> Iterator:
+    """The vLLM workers' own counters, summed over ranks by vLLM (``stats()["workers"]``): bytes by what moved them,
+    seconds by what took them (``hook_<hook>``: vLLM's thread inside that hook; ``fence_wait``, ``layer_submit``,
+    ``load``, ``store``...), the rest as event counts."""
+    fams = {
+        "bytes": CounterMetricFamily("tiered_kv_worker_bytes", "bytes the vLLM workers moved, by what (loaded, stored, "
+                                     "to_disk, from_disk, to_remote, from_remote), summed over ranks",
+                                     labels=["store", "what"]),
+        "seconds": CounterMetricFamily("tiered_kv_worker_seconds", "seconds in the vLLM workers, by what: hook_<hook> "
+                                       "is vLLM's thread inside that hook, fence_wait its waits for copies of re-used "
+                                       "blocks, layer_submit its in-step submissions between layers, load/store the "
+                                       "copies' own time; summed over ranks", labels=["store", "what"]),
+        "events": CounterMetricFamily("tiered_kv_worker_events", "counts in the vLLM workers, by what (sync_loads, "
+                                      "stores_cancelled, fences_waited, sync_staged_copies, ...), summed over ranks",
+                                      labels=["store", "what"]),
+    }
+    for key, value in sorted(workers.items()):
+        if key.startswith("bytes_"):
+            fams["bytes"].add_metric([name, key[len("bytes_"):]], value)
+        elif key.endswith("_seconds"):
+            fams["seconds"].add_metric([name, key[:-len("_seconds")]], value)
+        else:
+            fams["events"].add_metric([name, key], value)
+    yield from fams.values()
 
 
 def make_registry(stats: Callable[[], dict], store_name: str = "default") -> CollectorRegistry:

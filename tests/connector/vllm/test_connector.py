@@ -644,6 +644,18 @@ def test_prometheus_metrics_show_hits_per_tier(model_dir):
         line = next(x for x in text.splitlines() if x.startswith('tiered_kv_tier_hits_total{') and 'tier="cpu"' in x)
         assert float(line.split()[-1]) == 2  # the two chunks turn 2 loaded
         assert "tiered_kv_inflight_jobs" in text
+        # the worker's own counters, shipped through vLLM's kv_connector_stats and summed by the scheduler
+        sample = lambda fam, what: float(next(  # noqa: E731
+            x for x in text.splitlines() if x.startswith(f'{fam}{{store="vllm",what="{what}"}}')).split()[-1])
+        w = eng.workers[0].connector.stats()
+        assert w["sync_loads"] == 1 and sample("tiered_kv_worker_events_total", "sync_loads") == 1
+        assert sample("tiered_kv_worker_bytes_total", "loaded") == w["bytes_loaded"] == 2 * CHUNK_BYTES
+        hooks = {k: v for k, v in eng.connector.stats().items() if k.startswith("workers_hook_")}
+        assert {"workers_hook_start_load_kv_seconds", "workers_hook_wait_for_save_seconds",
+                "workers_hook_get_finished_seconds"} <= set(hooks) and all(v > 0 for v in hooks.values()), hooks
+        # the scrape reads the snapshot of the last build_connector_meta: the steps settle() ran after add a little
+        assert 0 < sample("tiered_kv_worker_seconds_total", "hook_start_load_kv") <= hooks[
+            "workers_hook_start_load_kv_seconds"]
     finally:
         eng.close()
 
@@ -651,3 +663,18 @@ def test_prometheus_metrics_show_hits_per_tier(model_dir):
 def test_unknown_extra_config_key_fails_at_start_naming_it(model_dir):
     with pytest.raises(ConfigError, match="cpu_byts"):
         Engine.create(model_dir, {"cpu_byts": "1GiB"})
+
+
+def test_connector_stats_log_line_keeps_the_flow_and_sums_hook_time():
+    """``TieredKVStats``: ranks' numbers sum; vLLM's log line (``reduce``) shows bytes, GB/s, failures, hook and fence
+    seconds, not every counter; an interval with hook time alone is empty (vLLM logs nothing for it)."""
+    from tiered_kv.connector.vllm.connector import TieredKVStats
+
+    a = TieredKVStats(data={"bytes_loaded": 2 << 30, "load_seconds": 0.5, "hook_start_load_kv_seconds": 0.002,
+                            "layer_submit_seconds": 0.001, "sync_loads": 3, "fence_wait_seconds": 0.004})
+    b = TieredKVStats(data={"bytes_loaded": 2 << 30, "load_seconds": 0.5, "hook_get_finished_seconds": 0.001})
+    out = a.aggregate(b).reduce()
+    assert out["bytes_loaded"] == 4 << 30 and out["load_gbps"] == round((4 << 30) / 1.0 / 1e9, 3)
+    assert out["hook_seconds"] == 0.004 and out["fence_wait_seconds"] == 0.004
+    assert "sync_loads" not in out and "hook_start_load_kv_seconds" not in out and not a.is_empty()
+    assert TieredKVStats(data={"hook_get_finished_seconds": 0.001, "sync_loads": 1}).is_empty()

@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import time
+import dataclasses
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -57,6 +58,7 @@ from tiered_kv.connector.vllm.config import (
 )
 from tiered_kv.connector.vllm.common import JobReport, StepPlan
 from tiered_kv.connector.vllm.forward_clock import ForwardClock
+from tiered_kv.connector.vllm.runner import WorkerCounters
 from tiered_kv.connector.vllm import hook_profile
 from tiered_kv.connector.vllm.geometry import geometry
 from tiered_kv.connector.vllm.scheduler import SchedulerPlanner
@@ -123,17 +125,25 @@ class TieredKVStats(KVConnectorStats):
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        """The interval's totals, plus load/store GB/s where time was spent."""
-        out = dict(self.data)
+        """vLLM's log line of the interval: bytes moved, load/store GB/s where time was spent, failures, and the
+        seconds vLLM's thread spent in our hooks and fences (the other counters stay in ``data``: the scheduler's
+        ``stats()["workers_<key>"]`` and the Prometheus ``tiered_kv_worker_*`` families)."""
+        data = self.data
+        out = {k: data[k] for k in _FLOW_KEYS if data.get(k)}
         for what in ("load", "store"):
             secs = out.get(f"{what}_seconds", 0.0)
             if secs:
                 out[f"{what}_gbps"] = round(out.get(f"bytes_{what}ed", 0) / secs / 1e9, 3)
+        hooks = sum(v for k, v in data.items() if k.startswith("hook_")) + data.get("layer_submit_seconds", 0.0)
+        if hooks:
+            out["hook_seconds"] = round(hooks, 4)
+        if data.get("fence_wait_seconds"):
+            out["fence_wait_seconds"] = round(data["fence_wait_seconds"], 4)
         return out
 
     def is_empty(self) -> bool:
-        """True when nothing moved in the interval."""
-        return not any(self.data.values())
+        """True when nothing moved in the interval (hook time alone is not logged)."""
+        return not any(self.data.get(k) for k in _FLOW_KEYS)
 
 
 def _log_from_env() -> None:
@@ -159,23 +169,24 @@ def worker_rank() -> int:
 
 
 def _timed_hook(fn):
-    """Debug log only: say when one of vLLM's worker-side hooks held vLLM's thread over 1 ms; with
-    ``TIERED_KV_PROFILE`` set, run it under the worker's hook profile instead."""
+    """Count the seconds one of vLLM's worker-side hooks holds vLLM's thread (``hook_<name>_seconds`` in the flow
+    stats the scheduler sums); debug log: say when one call held it over 1 ms. With ``TIERED_KV_PROFILE`` set, run it
+    under the worker's hook profile too."""
     name = fn.__name__
+    key = f"hook_{name}_seconds"
 
     @functools.wraps(fn)
     def wrapper(self, *args, **kwargs):
-        if self._profile is not None:  # TIERED_KV_PROFILE (hook_profile.py)
-            return self._profile.call(name, fn, self, *args, **kwargs)
-        if not log.isEnabledFor(logging.DEBUG):
-            return fn(self, *args, **kwargs)
         t0 = time.perf_counter()
         try:
+            if self._profile is not None:  # TIERED_KV_PROFILE (hook_profile.py)
+                return self._profile.call(name, fn, self, *args, **kwargs)
             return fn(self, *args, **kwargs)
         finally:
-            ms = (time.perf_counter() - t0) * 1e3
-            if ms > 1.0:
-                log.debug("%s held vLLM's thread %.1f ms", name, ms)
+            dt = time.perf_counter() - t0
+            self._hook_s[key] = self._hook_s.get(key, 0.0) + dt
+            if dt > 1e-3 and log.isEnabledFor(logging.DEBUG):
+                log.debug("%s held vLLM's thread %.1f ms", name, dt * 1e3)
 
     return wrapper
 
@@ -209,6 +220,8 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
                      self.ns.prefix.hex(), self.ns.model, ", tenant_salt set" if self.cfg.tenant_salt else "")
         cpu_chunks, disk_chunks = capacities(self.cfg, self.geo)
         self._stats_sent: dict[str, float] = {}
+        self._stats_at = 0.0  # monotonic time the last counters were shipped
+        self._hook_s: dict[str, float] = {}  # worker: seconds vLLM's thread spent in each timed hook (_timed_hook)
         self._workers_flow: dict[str, float] = {}  # scheduler: the workers' flow stats (vLLM sums the ranks), summed
         self._out_reports: dict[int, JobReport] = {}
         self._out_invalid: set[int] = set()
@@ -233,7 +246,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             if self._events_on:
                 self.planner.enable_events()
             if self.cfg.metrics_port is not None:
-                self._prom_snapshot = self.planner.store_stats()
+                self._prom_snapshot = {**self.planner.store_stats(), "workers": dict(self._workers_flow)}
                 # the HTTP thread reads a snapshot the scheduler thread replaces: the planner is not thread-safe
                 serve(make_registry(lambda: self._prom_snapshot, "vllm"), self.cfg.metrics_port)
         else:
@@ -337,7 +350,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.planner.steps.scheduled(plan.step, scheduler_output)
         if self.cfg.metrics_port is not None and time.monotonic() - self._prom_at > 1.0:
             self._prom_at = time.monotonic()
-            self._prom_snapshot = self.planner.store_stats()
+            self._prom_snapshot = {**self.planner.store_stats(), "workers": dict(self._workers_flow)}
         return TieredKVMetadata(plan)
 
     def update_connector_output(self, connector_output) -> None:
@@ -511,13 +524,19 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         return TieredKVWorkerMeta(out, step, forward)
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        """Bytes and seconds moved since the last call (worker), or None (scheduler)."""
+        """This rank's counters and hook seconds since they were last shipped (worker), or None (scheduler). A step
+        that moved nothing ships nothing until ``STATS_EVERY_S`` passed (its hook time waits in the next delta)."""
         if self.worker is None:
             return None
-        now = {k: v for k, v in self.worker.stats().items() if k in _FLOW_KEYS}
-        delta = {k: v - self._stats_sent.get(k, 0) for k, v in now.items()}
-        self._stats_sent = now
-        return TieredKVStats(data=delta) if any(delta.values()) else None
+        now = {k: v for k, v in self.worker.stats().items() if k in _WORKER_COUNTERS}
+        sent = self._stats_sent
+        if (time.monotonic() - self._stats_at < STATS_EVERY_S
+                and all(now[k] == sent.get(k, 0) for k in _FLOW_KEYS if k in now)):
+            return None
+        now.update(self._hook_s)
+        delta = {k: d for k, v in now.items() if (d := v - sent.get(k, 0))}
+        self._stats_sent, self._stats_at = now, time.monotonic()
+        return TieredKVStats(data=delta) if delta else None
 
     def shutdown(self) -> None:
         """Finish queued jobs and close the tiers (worker); stop the presence feed and the pool watch (scheduler)."""
@@ -548,3 +567,7 @@ def _runs_attention_eagerly(forward_context) -> bool:
 
 _FLOW_KEYS = ("bytes_loaded", "bytes_stored", "bytes_to_disk", "bytes_from_disk", "bytes_to_remote",
               "bytes_from_remote", "load_seconds", "store_seconds", "failed_items", "corrupt_items")
+#: a worker step that moved nothing ships its counters (hook seconds, ...) at most this often
+STATS_EVERY_S = 1.0
+#: every rank counter shipped to the scheduler (monotonic numbers: deltas sum over ranks and steps)
+_WORKER_COUNTERS = frozenset(f.name for f in dataclasses.fields(WorkerCounters))

@@ -69,6 +69,7 @@ class StepLoads:
         whether any of them failed (in part): the forward then read wrong KV for some of its requests."""
         finished = in_step.finish()
         submit_ms = in_step.take_forward_submit_ms()
+        self.counters.layer_submit_seconds += submit_ms / 1e3
         if self.trace is not None:
             self.trace.held_in_forward(submit_ms)
             self.trace.descriptors(in_step.step_descriptors)
