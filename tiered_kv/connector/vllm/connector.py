@@ -28,9 +28,9 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import operator
 import os
 import time
-import dataclasses
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -58,7 +58,6 @@ from tiered_kv.connector.vllm.config import (
 )
 from tiered_kv.connector.vllm.common import JobReport, StepPlan
 from tiered_kv.connector.vllm.forward_clock import ForwardClock
-from tiered_kv.connector.vllm.runner import WorkerCounters
 from tiered_kv.connector.vllm import hook_profile
 from tiered_kv.connector.vllm.geometry import geometry
 from tiered_kv.connector.vllm.scheduler import SchedulerPlanner
@@ -221,6 +220,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         cpu_chunks, disk_chunks = capacities(self.cfg, self.geo)
         self._stats_sent: dict[str, float] = {}
         self._stats_at = 0.0  # monotonic time the last counters were shipped
+        self._flow_sent: tuple = ()  # the flow counters (``_FLOW_KEYS``) as last shipped
         self._hook_s: dict[str, float] = {}  # worker: seconds vLLM's thread spent in each timed hook (_timed_hook)
         self._workers_flow: dict[str, float] = {}  # scheduler: the workers' flow stats (vLLM sums the ranks), summed
         self._out_reports: dict[int, JobReport] = {}
@@ -528,14 +528,16 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         that moved nothing ships nothing until ``STATS_EVERY_S`` passed (its hook time waits in the next delta)."""
         if self.worker is None:
             return None
-        now = {k: v for k, v in self.worker.stats().items() if k in _WORKER_COUNTERS}
-        sent = self._stats_sent
-        if (time.monotonic() - self._stats_at < STATS_EVERY_S
-                and all(now[k] == sent.get(k, 0) for k in _FLOW_KEYS if k in now)):
+        counters = self.worker.counters  # plain numbers the movers add to: a copy without the lock is one snapshot
+        flow = _flow_of(counters)
+        now_s = time.monotonic()
+        if flow == self._flow_sent and now_s - self._stats_at < STATS_EVERY_S:
             return None
+        now = dict(vars(counters))
         now.update(self._hook_s)
+        sent = self._stats_sent
         delta = {k: d for k, v in now.items() if (d := v - sent.get(k, 0))}
-        self._stats_sent, self._stats_at = now, time.monotonic()
+        self._stats_sent, self._stats_at, self._flow_sent = now, now_s, flow
         return TieredKVStats(data=delta) if delta else None
 
     def shutdown(self) -> None:
@@ -569,5 +571,5 @@ _FLOW_KEYS = ("bytes_loaded", "bytes_stored", "bytes_to_disk", "bytes_from_disk"
               "bytes_from_remote", "load_seconds", "store_seconds", "failed_items", "corrupt_items")
 #: a worker step that moved nothing ships its counters (hook seconds, ...) at most this often
 STATS_EVERY_S = 1.0
-#: every rank counter shipped to the scheduler (monotonic numbers: deltas sum over ranks and steps)
-_WORKER_COUNTERS = frozenset(f.name for f in dataclasses.fields(WorkerCounters))
+#: the flow counters of a rank's ``WorkerCounters``, read in one call (a step that moved nothing ships nothing)
+_flow_of = operator.attrgetter(*_FLOW_KEYS)
