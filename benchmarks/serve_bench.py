@@ -13,8 +13,10 @@ the next start. Modes are interleaved: run r starts every mode once, in an order
 Per mode and phase: TTFT p50/p90/p99, inter-token latency p50, output tokens/s, requests,
 prompt tokens by source (recomputed / GPU prefix cache / connector: vLLM's
 ``vllm:prompt_tokens_by_source_total``), our per-tier loads (``tiered_kv_tier_hits_total``), what our
-workers cost vLLM's thread (``phase["worker_time"]``: ms per engine step inside our hooks, by hook, fence waits,
-stores cancelled, in-step copies by mechanism: ``tiered_kv_worker_*``), greedy-output equality with mode ``none`` (same prompts, dummy weights seeded), and min / median /
+workers cost vLLM's thread (``phase["worker_time"]``: ms per engine step inside our hooks, summed over TP
+ranks, by hook, fence waits, stores cancelled, in-step copies by mechanism: ``tiered_kv_worker_*``; a rank ships
+a quiet step's counters within a second, so up to about a second of them lands in the next phase), greedy-output
+equality with mode ``none`` (same prompts, dummy weights seeded), and min / median /
 max over engine starts. Output: a table on stdout, ``$OUT/serve_bench_<shape>[_<tag>].json`` (and
 a ``.partial.json`` rewritten after every phase), a PNG of TTFT p50 vs concurrency per mode, and
 one server log per start (``serve_<shape>_<mode>_r<run>.log``). ``--trace``: every ``tiered*`` start writes

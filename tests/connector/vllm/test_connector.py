@@ -652,10 +652,13 @@ def test_prometheus_metrics_show_hits_per_tier(model_dir):
         assert sample("tiered_kv_worker_bytes_total", "loaded") == w["bytes_loaded"] == 2 * CHUNK_BYTES
         hooks = {k: v for k, v in eng.connector.stats().items() if k.startswith("workers_hook_")}
         assert {"workers_hook_start_load_kv_seconds", "workers_hook_wait_for_save_seconds",
-                "workers_hook_get_finished_seconds"} <= set(hooks) and all(v > 0 for v in hooks.values()), hooks
-        # the scrape reads the snapshot of the last build_connector_meta: the steps settle() ran after add a little
-        assert 0 < sample("tiered_kv_worker_seconds_total", "hook_start_load_kv") <= hooks[
-            "workers_hook_start_load_kv_seconds"]
+                "workers_hook_get_finished_seconds", "workers_hook_handle_preemptions_seconds",
+                "workers_hook_bind_connector_metadata_seconds"} <= set(hooks), hooks
+        # what the rank timed, less only what it has not shipped yet (a step that moved nothing waits up to 1 s)
+        mine = eng.workers[0].connector._hook_s["hook_start_load_kv_seconds"]
+        assert 0 < hooks["workers_hook_start_load_kv_seconds"] <= mine
+        # the scrape reads the snapshot of the last build_connector_meta (the workers' sums at that step)
+        assert 0 < sample("tiered_kv_worker_seconds_total", "hook_start_load_kv") <= mine
     finally:
         eng.close()
 
@@ -665,9 +668,9 @@ def test_unknown_extra_config_key_fails_at_start_naming_it(model_dir):
         Engine.create(model_dir, {"cpu_byts": "1GiB"})
 
 
-def test_connector_stats_log_line_keeps_the_flow_and_sums_hook_time():
-    """``TieredKVStats``: ranks' numbers sum; vLLM's log line (``reduce``) shows bytes, GB/s, failures, hook and fence
-    seconds, not every counter; an interval with hook time alone is empty (vLLM logs nothing for it)."""
+def test_connector_stats_log_line_keeps_the_flow_and_fence_waits():
+    """``TieredKVStats``: ranks' numbers sum; vLLM's log line (``reduce``) shows bytes, GB/s, failures and fence
+    waits, not every counter (nor hook time); an interval with hook time alone is empty (vLLM logs nothing for it)."""
     from tiered_kv.connector.vllm.connector import TieredKVStats
 
     a = TieredKVStats(data={"bytes_loaded": 2 << 30, "load_seconds": 0.5, "hook_start_load_kv_seconds": 0.002,
@@ -675,6 +678,33 @@ def test_connector_stats_log_line_keeps_the_flow_and_sums_hook_time():
     b = TieredKVStats(data={"bytes_loaded": 2 << 30, "load_seconds": 0.5, "hook_get_finished_seconds": 0.001})
     out = a.aggregate(b).reduce()
     assert out["bytes_loaded"] == 4 << 30 and out["load_gbps"] == round((4 << 30) / 1.0 / 1e9, 3)
-    assert out["hook_seconds"] == 0.004 and out["fence_wait_seconds"] == 0.004
-    assert "sync_loads" not in out and "hook_start_load_kv_seconds" not in out and not a.is_empty()
+    assert out["fence_wait_seconds"] == 0.004 and not a.is_empty()
+    assert not {"sync_loads", "hook_start_load_kv_seconds", "layer_submit_seconds", "hook_seconds"} & set(out)
     assert TieredKVStats(data={"hook_get_finished_seconds": 0.001, "sync_loads": 1}).is_empty()
+
+
+def test_a_step_that_moved_nothing_ships_nothing_until_a_second_passed(model_dir, monkeypatch):
+    """``get_kv_connector_stats``: a step with no bytes moved returns None (its hook time and other counters wait);
+    the next shipment carries them whole; a second after the last one, a quiet step ships them too."""
+    import tiered_kv.connector.vllm.connector as conn_mod
+
+    eng = Engine.create(model_dir, cfg())
+    try:
+        eng.add("q1", prompt(31, 4 * BS + 1), max_tokens=1)
+        eng.run()
+        eng.settle()
+        w = eng.workers[0].connector
+        w.get_kv_connector_stats()  # ship what the run moved
+        before = dict(w._hook_s)
+        w.wait_for_save()  # a hook call that moves nothing
+        w.worker.counters.fences_waited += 2  # a counter that is not a flow
+        assert w.get_kv_connector_stats() is None
+        monkeypatch.setattr(conn_mod, "STATS_EVERY_S", 0.0)
+        shipped = w.get_kv_connector_stats()
+        assert shipped is not None and shipped.data["fences_waited"] == 2
+        assert shipped.data["hook_wait_for_save_seconds"] == pytest.approx(
+            w._hook_s["hook_wait_for_save_seconds"] - before.get("hook_wait_for_save_seconds", 0.0))
+        assert shipped.is_empty() and w.get_kv_connector_stats() is None  # nothing new since: nothing at all
+    finally:
+        eng.close()
+

@@ -124,18 +124,16 @@ class TieredKVStats(KVConnectorStats):
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        """vLLM's log line of the interval: bytes moved, load/store GB/s where time was spent, failures, and the
-        seconds vLLM's thread spent in our hooks and fences (the other counters stay in ``data``: the scheduler's
-        ``stats()["workers_<key>"]`` and the Prometheus ``tiered_kv_worker_*`` families)."""
+        """vLLM's log line of the interval: bytes moved, load/store GB/s where time was spent, failures and fence waits
+        (the other counters, the hook seconds among them, stay in ``data``: the scheduler's ``stats()["workers_<key>"]``
+        and the Prometheus ``tiered_kv_worker_*`` families; vLLM's logger keeps adding intervals it found empty into
+        the next one, which would make a sum of hook time over an unknown span)."""
         data = self.data
         out = {k: data[k] for k in _FLOW_KEYS if data.get(k)}
         for what in ("load", "store"):
             secs = out.get(f"{what}_seconds", 0.0)
             if secs:
                 out[f"{what}_gbps"] = round(out.get(f"bytes_{what}ed", 0) / secs / 1e9, 3)
-        hooks = sum(v for k, v in data.items() if k.startswith("hook_")) + data.get("layer_submit_seconds", 0.0)
-        if hooks:
-            out["hook_seconds"] = round(hooks, 4)
         if data.get("fence_wait_seconds"):
             out["fence_wait_seconds"] = round(data["fence_wait_seconds"], 4)
         return out
@@ -357,7 +355,9 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         """A step's output arrived: stop its clock, apply the workers' job reports (merged over ranks by vLLM) and
         add their flow stats (``kv_connector_stats``, summed over ranks by vLLM) to ``stats()``'s ``workers_*``."""
         flow = getattr(connector_output, "kv_connector_stats", None)
-        if isinstance(flow, TieredKVStats) and flow.data:
+        if flow is not None and not isinstance(flow, TieredKVStats):  # under vLLM's MultiConnector: ours among them
+            flow = next((v for v in (getattr(flow, "data", None) or {}).values() if isinstance(v, TieredKVStats)), None)
+        if flow is not None and flow.data:
             for k, v in flow.data.items():
                 self._workers_flow[k] = self._workers_flow.get(k, 0) + v
         wm = connector_output.kv_connector_worker_meta

@@ -85,7 +85,8 @@ class WorkerCounters:
     overlap_aio_reads: int = 0  # their range reads that went through Linux AIO (tiers/disk/aio.py)
     overlap_promotions: int = 0  # promotions to the CPU tier served from the staged images (no second disk read)
     stores_dropped_after_failed_load: int = 0  # store jobs of steps whose in-step loads failed (worker_loads.py)
-    layer_submit_seconds: float = 0.0  # vLLM's thread in wait_for_layer_load submitting later in-step layer groups
+    layer_submit_seconds: float = 0.0  # vLLM's thread in wait_for_layer_load submitting in-step layer groups (and
+    # waiting for an overlapped disk load's bytes)
 
 
 class JobRunner:

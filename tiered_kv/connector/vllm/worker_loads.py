@@ -69,7 +69,10 @@ class StepLoads:
         whether any of them failed (in part): the forward then read wrong KV for some of its requests."""
         finished = in_step.finish()
         submit_ms = in_step.take_forward_submit_ms()
-        self.counters.layer_submit_seconds += submit_ms / 1e3
+        # vLLM's thread between layers: the CPU-tier groups' submissions, and the overlapped disk loader's (with its
+        # waits for the disk's bytes: overlap_wait_seconds is part of this)
+        disk_ms = in_step.disk.loader.take_forward_submit_ms() if in_step.disk is not None else 0.0
+        self.counters.layer_submit_seconds += (submit_ms + disk_ms) / 1e3
         if self.trace is not None:
             self.trace.held_in_forward(submit_ms)
             self.trace.descriptors(in_step.step_descriptors)
