@@ -94,6 +94,9 @@ def summarize(starts: list[dict]) -> dict:
             a["tokens_" + k].append(v)
         for tier, v in (ph.get("tiers") or {}).items():
             a["tier_" + tier].append(v)
+        hooks = (ph.get("worker_time") or {}).get("hook_ms_per_step")
+        if hooks is not None:  # our workers' time on vLLM's thread (stats.worker_time; files from 2026-11-29 on)
+            a["hook_ms_per_step"].append(hooks)
         if mode != "none":
             g = greedy[mode][ph["name"]]
             for row in ph.get("rows", ()):
@@ -169,6 +172,8 @@ def table(summary: dict) -> str:
             if ph is None:
                 continue
             tiers = ", ".join(f"{k[5:]} {_k(v)}" for k, v in ph.items() if k.startswith("tier_")) or "-"
+            if ph.get("hook_ms_per_step"):
+                tiers += f"; hooks {_fmt(ph['hook_ms_per_step'], 2)} ms/step"
             g, gp = ph.get("greedy_vs_none"), ph.get("greedy_vs_peer")
             greedy = "-" if not g or not g["compared"] else f"{g['equal']}/{g['compared']}"
             if gp:

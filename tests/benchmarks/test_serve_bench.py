@@ -335,6 +335,18 @@ def test_summary_min_median_max_greedy_and_ratios():
     assert "| c8 | tiered | none | 0.45x | 1.32x | yes |" in rows
 
 
+def test_summary_carries_our_hooks_ms_per_step_where_the_starts_have_it():
+    starts = [_start("tiered", 50.0, 1300.0, {0: "a"}), _start("tiered", 40.0, 1250.0, {0: "a"}),
+              _start("offloading", 80.0, 1100.0, {0: "a"})]
+    for st, ms in zip(starts, (1.9, 2.3)):
+        st["repeats"][0]["phases"][0]["worker_time"] = {"hook_ms_per_step": ms, "fence_wait_ms": 0.0}
+    s = report.summarize(starts)
+    assert s["tiered"]["phases"]["c8"]["hook_ms_per_step"] == {"min": 1.9, "median": 2.1, "max": 2.3, "n": 2}
+    assert "hook_ms_per_step" not in s["offloading"]["phases"]["c8"]  # older files and peers: no figure
+    text = report.table(s)
+    assert "cpu 90; hooks 2.10 [1.90-2.30] ms/step |" in text
+
+
 def test_floor_table_puts_every_mode_against_the_resident_floor():
     starts = [_start("none-resident", 40.0, 1400.0, {0: "a"}), _start("offloading", 80.0, 1100.0, {0: "a"}),
               _start("tiered", 50.0, 1300.0, {0: "a"}), _start("none", 100.0, 1000.0, {0: "a"})]
