@@ -583,10 +583,11 @@ def _print_phase(mode: str, r: dict) -> None:
 
 
 def _worker_line(w: dict | None) -> str:
-    """`` | hooks X ms/step (fences Y ms)``, where the workers' counters came (``stats.worker_time``)."""
+    """`` | hooks X ms/step (fences Y ms), movers Z ms CPU``, where the workers' counters came (``stats.worker_time``)."""
     if not w or w.get("hook_ms_per_step") is None:
         return ""
-    return f" | hooks {w['hook_ms_per_step']:.2f} ms/step (fences {w['fence_wait_ms']:.0f} ms)"
+    return (f" | hooks {w['hook_ms_per_step']:.2f} ms/step (fences {w['fence_wait_ms']:.0f} ms), movers "
+            f"{w.get('mover_cpu_ms', 0.0):.0f} ms CPU")
 
 
 def _scrape(base: str, spec) -> dict:

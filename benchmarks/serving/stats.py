@@ -140,7 +140,8 @@ def worker_time(tkv_delta: dict[str, float], vllm_delta: dict[str, float]) -> di
     """What our vLLM workers cost vLLM's thread in a phase (``tiered_kv_worker_seconds_total``, every rank summed):
     ms per engine step (steps: ``vllm:iteration_tokens_total_count``) inside our hooks (``hook_*``, plus the in-step
     submissions between layers, ``layer_submit``), of which fence waits; ms per hook; stores cancelled by fences. Empty
-    without the workers' counters (no ``metrics_port``, or a connector that ships none)."""
+    without the workers' counters (no ``metrics_port``, or a connector that ships none). Also the movers' threads'
+    CPU ms (``mover_cpu_ms``, of it ``store_cpu_ms``): time they may have held the GIL vLLM's thread needs."""
     secs = by_label(tkv_delta, "tiered_kv_worker_seconds_total", "what")
     if not secs:
         return {}
@@ -153,6 +154,9 @@ def worker_time(tkv_delta: dict[str, float], vllm_delta: dict[str, float]) -> di
             "hook_ms_per_step": round(total / steps, 4) if steps else None,
             "by_hook_ms": {k: round(v, 3) for k, v in sorted(hooks.items())},
             "fence_wait_ms": round(secs.get("fence_wait", 0.0) * 1e3, 3),
+            # the movers' threads' CPU (time the GIL may have been taken from vLLM's thread), of it the stores'
+            "mover_cpu_ms": round(secs.get("mover_cpu", 0.0) * 1e3, 3),
+            "store_cpu_ms": round(secs.get("store_cpu", 0.0) * 1e3, 3),
             "stores_cancelled": events.get("stores_cancelled", 0.0),
             "copies": {k: events.get(k, 0.0) for k in ("sync_loads", "sync_staged_copies", "sync_sm_copies",
                                                        "async_loads")}}

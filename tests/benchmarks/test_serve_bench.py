@@ -193,11 +193,13 @@ def test_worker_time_per_step_from_our_real_metrics_page():
     a = page({"hook_start_load_kv_seconds": 0.010, "layer_submit_seconds": 0.0, "fence_wait_seconds": 0.0,
               "stores_cancelled": 0, "sync_loads": 2, "bytes_loaded": 1 << 20}, steps=10)
     b = page({"hook_start_load_kv_seconds": 0.110, "hook_get_finished_seconds": 0.020, "layer_submit_seconds": 0.070,
-              "fence_wait_seconds": 0.005, "stores_cancelled": 3, "sync_loads": 42, "bytes_loaded": 1 << 30}, steps=110)
+              "fence_wait_seconds": 0.005, "stores_cancelled": 3, "sync_loads": 42, "bytes_loaded": 1 << 30,
+              "mover_cpu_seconds": 0.25, "store_cpu_seconds": 0.125}, steps=110)
     w = stats.worker_time(stats.prom_delta(a, b), stats.prom_delta(a, b))
     assert w["steps"] == 100 and w["hook_ms"] == pytest.approx(190.0) and w["hook_ms_per_step"] == pytest.approx(1.9)
     assert w["by_hook_ms"] == pytest.approx({"start_load_kv": 100.0, "get_finished": 20.0, "layer_submit": 70.0})
     assert w["fence_wait_ms"] == pytest.approx(5.0) and w["stores_cancelled"] == 3 and w["copies"]["sync_loads"] == 40
+    assert w["mover_cpu_ms"] == pytest.approx(250.0) and w["store_cpu_ms"] == pytest.approx(125.0)
     assert stats.worker_time(stats.prom_delta(a, a), {}) == {}  # nothing moved: no section
 
 

@@ -650,6 +650,8 @@ def test_prometheus_metrics_show_hits_per_tier(model_dir):
         w = eng.workers[0].connector.stats()
         assert w["sync_loads"] == 1 and sample("tiered_kv_worker_events_total", "sync_loads") == 1
         assert sample("tiered_kv_worker_bytes_total", "loaded") == w["bytes_loaded"] == 2 * CHUNK_BYTES
+        # the movers' CPU: turn 1's stores ran on them (the in-step load ran on vLLM's thread: not counted there)
+        assert 0 < w["store_cpu_seconds"] <= w["mover_cpu_seconds"]
         hooks = {k: v for k, v in eng.connector.stats().items() if k.startswith("workers_hook_")}
         assert {"workers_hook_start_load_kv_seconds", "workers_hook_wait_for_save_seconds",
                 "workers_hook_get_finished_seconds", "workers_hook_handle_preemptions_seconds",

@@ -85,6 +85,9 @@ class WorkerCounters:
     overlap_aio_reads: int = 0  # their range reads that went through Linux AIO (tiers/disk/aio.py)
     overlap_promotions: int = 0  # promotions to the CPU tier served from the staged images (no second disk read)
     stores_dropped_after_failed_load: int = 0  # store jobs of steps whose in-step loads failed (worker_loads.py)
+    mover_cpu_seconds: float = 0.0  # the movers' threads' CPU time running jobs (stores, loads, tier moves): time the
+    # GIL may have been taken from vLLM's thread
+    store_cpu_seconds: float = 0.0  # of it, the stores' (GPU -> CPU tier)
     layer_submit_seconds: float = 0.0  # vLLM's thread in wait_for_layer_load submitting in-step layer groups (and
     # waiting for an overlapped disk load's bytes)
 
@@ -126,7 +129,7 @@ class JobRunner:
 
     def execute(self, job: TransferJob) -> Completion:
         """Run ``job`` (on a mover thread) and return its outcome."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         n = len(job)
         ok, corrupt = [True] * n, [False] * n
         kind = job.kind
@@ -191,7 +194,7 @@ class JobRunner:
             nbytes = sum(ok) * self.layout.nbytes
         log.debug("rank %d job %d %s %d->%d: %d items in %.1f ms (%.1f GB/s)", self.rank, job.job_id, kind.name,
                   job.src_tier, job.dst_tier, n, secs * 1e3, nbytes / secs / 1e9 if secs else 0.0)
-        self.count(job, nbytes, secs, ok, corrupt)
+        self.count(job, nbytes, secs, ok, corrupt, cpu=time.thread_time() - c0)
         return Completion(job.job_id, ok, corrupt, nbytes, secs, missing=missing, evicted=evicted)
 
     def load_rows(self, job: TransferJob) -> list[tuple[list[int], list[int]]]:
@@ -311,10 +314,16 @@ class JobRunner:
                 nbytes += self._copy(self.staging_copiers, job, self.flat(job, local, good), to_cpu=False)
         return ok, corrupt, missing, nbytes
 
-    def count(self, job: TransferJob, nbytes: int, secs: float, ok: list[bool], corrupt: list[bool]) -> None:
-        """Count a finished job's bytes, seconds and failed items."""
+    def count(self, job: TransferJob, nbytes: int, secs: float, ok: list[bool], corrupt: list[bool],
+              cpu: float = 0.0) -> None:
+        """Count a finished job's bytes, seconds and failed items; ``cpu``: the mover thread's CPU seconds on it
+        (0 for the in-step loads vLLM's own thread copies)."""
         c = self.counters
         with self.lock:
+            if cpu:
+                c.mover_cpu_seconds += cpu
+                if job.kind is JobKind.INGRESS:
+                    c.store_cpu_seconds += cpu
             c.failed_items += len(ok) - sum(ok)
             c.corrupt_items += sum(corrupt)
             if job.kind is JobKind.EGRESS:
