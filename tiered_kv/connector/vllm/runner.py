@@ -85,8 +85,9 @@ class WorkerCounters:
     overlap_aio_reads: int = 0  # their range reads that went through Linux AIO (tiers/disk/aio.py)
     overlap_promotions: int = 0  # promotions to the CPU tier served from the staged images (no second disk read)
     stores_dropped_after_failed_load: int = 0  # store jobs of steps whose in-step loads failed (worker_loads.py)
-    mover_cpu_seconds: float = 0.0  # the movers' threads' CPU time running jobs (stores, loads, tier moves): time the
-    # GIL may have been taken from vLLM's thread
+    mover_cpu_seconds: float = 0.0  # the movers' threads' CPU time running jobs (stores, loads, tier moves), less
+    # their waits for copies to land (CUDA spins there, GIL released): time the GIL may have been taken from vLLM's
+    # thread
     store_cpu_seconds: float = 0.0  # of it, the stores' (GPU -> CPU tier)
     layer_submit_seconds: float = 0.0  # vLLM's thread in wait_for_layer_load submitting in-step layer groups (and
     # waiting for an overlapped disk load's bytes)
@@ -105,6 +106,7 @@ class JobRunner:
         self.layout = layout  # one row = one chunk of this rank's share
         self.cpu = cpu  # CpuTier, SharedSlab or PoolTier
         self.pool = pool  # with a host pool: its reservations and leases
+        self._waits = threading.local()  # per mover thread: CPU seconds of this job's waits for copies to land
         self.keyed = keyed  # chain index -> keyed tier (disk, remote)
         self.disk = disk
         self.writes_copies = writes_copies
@@ -130,6 +132,7 @@ class JobRunner:
     def execute(self, job: TransferJob) -> Completion:
         """Run ``job`` (on a mover thread) and return its outcome."""
         t0, c0 = time.perf_counter(), time.thread_time()
+        self._waits.cpu = 0.0
         n = len(job)
         ok, corrupt = [True] * n, [False] * n
         kind = job.kind
@@ -194,7 +197,7 @@ class JobRunner:
             nbytes = sum(ok) * self.layout.nbytes
         log.debug("rank %d job %d %s %d->%d: %d items in %.1f ms (%.1f GB/s)", self.rank, job.job_id, kind.name,
                   job.src_tier, job.dst_tier, n, secs * 1e3, nbytes / secs / 1e9 if secs else 0.0)
-        self.count(job, nbytes, secs, ok, corrupt, cpu=time.thread_time() - c0)
+        self.count(job, nbytes, secs, ok, corrupt, cpu=max(0.0, time.thread_time() - c0 - self._waits.cpu))
         return Completion(job.job_id, ok, corrupt, nbytes, secs, missing=missing, evicted=evicted)
 
     def load_rows(self, job: TransferJob) -> list[tuple[list[int], list[int]]]:
@@ -252,6 +255,7 @@ class JobRunner:
                 if self.geo.block_level_errors:
                     raise
                 self._plain_copy(copier, src, dst, to_cpu, exc)
+        w0 = time.thread_time()
         for copier, src, dst, res in results:
             try:
                 res.wait()
@@ -259,6 +263,8 @@ class JobRunner:
                 if self.geo.block_level_errors:
                     raise
                 self._plain_copy(copier, src, dst, to_cpu, exc)
+        # CUDA spins while a copy lands (GIL released): not the movers' Python time ``execute`` counts
+        self._waits.cpu = getattr(self._waits, "cpu", 0.0) + time.thread_time() - w0
         return nbytes
 
     def _start_copy(self, copier: BlockCopier, src: list[int], dst: list[int], stream, to_cpu: bool):
