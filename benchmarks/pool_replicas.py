@@ -82,14 +82,10 @@ def _memory() -> dict:
     """This process's resident bytes from /proc/self/status: ``rss_bytes`` (VmRSS: the shared pool's pages count
     in every process that touched them), ``rss_anon_bytes`` (private memory: a private CPU tier's pinned pages)
     and ``rss_shmem_bytes`` (shared memory: the host pool)."""
-    keys = {"VmRSS:": "rss_bytes", "RssAnon:": "rss_anon_bytes", "RssShmem:": "rss_shmem_bytes"}
-    out = {}
+    from serving.replicas import status_memory  # noqa: PLC0415 (benchmarks/ is this script's sys.path[0])
+
     with open("/proc/self/status") as f:
-        for line in f:
-            key = line.split(None, 1)[0] if line.strip() else ""
-            if key in keys:
-                out[keys[key]] = int(line.split()[1]) * 1024
-    return out
+        return status_memory(f.read().splitlines())
 
 
 def replica(model: str, mode: str, role: str, sync_dir: str, pool: str) -> dict:

@@ -202,10 +202,18 @@ def group_memory(pgid: int) -> dict[str, int]:
         except (OSError, ValueError, IndexError):  # gone meanwhile, or not ours to read
             continue
         out["processes"] += 1
-        for line in lines:
-            key = _MEMORY_KEYS.get(line.split(None, 1)[0] if line else "")
-            if key:
-                out[key] += int(line.split()[1]) * 1024  # kB
+        for key, value in status_memory(lines).items():
+            out[key] += value
+    return out
+
+
+def status_memory(lines: list[str]) -> dict[str, int]:
+    """``rss_bytes``, ``rss_anon_bytes`` and ``rss_shmem_bytes`` from the lines of one ``/proc/<pid>/status``."""
+    out = {}
+    for line in lines:
+        key = _MEMORY_KEYS.get(line.split(None, 1)[0] if line else "")
+        if key:
+            out[key] = int(line.split()[1]) * 1024  # kB
     return out
 
 

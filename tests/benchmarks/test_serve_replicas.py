@@ -248,3 +248,14 @@ def test_files_of_several_replicas_merge_apart_from_single_server_files():
     merged = report.merge([one, two])
     assert sorted(merged) == ["llama3-8b", "llama3-8b_rr2"]
     assert list(report.merge([merged["llama3-8b_rr2"]])) == ["llama3-8b_rr2"]  # a merged file merges again
+
+
+def test_pool_replicas_reads_its_own_memory_the_same_way():
+    """``pool_replicas._memory`` (one replica's record) and ``group_memory`` parse /proc's status alike."""
+    import pool_replicas
+
+    mine = pool_replicas._memory()
+    assert set(mine) == {"rss_bytes", "rss_anon_bytes", "rss_shmem_bytes"}
+    assert 0 < mine["rss_anon_bytes"] <= mine["rss_bytes"]
+    assert replicas.status_memory(["VmRSS:\t  2048 kB", "RssShmem:\t 1 kB", "Threads: 3"]) == {
+        "rss_bytes": 2048 * 1024, "rss_shmem_bytes": 1024}
