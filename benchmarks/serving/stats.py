@@ -160,4 +160,3 @@ def worker_time(tkv_delta: dict[str, float], vllm_delta: dict[str, float]) -> di
             "stores_cancelled": events.get("stores_cancelled", 0.0),
             "copies": {k: events.get(k, 0.0) for k in ("sync_loads", "sync_staged_copies", "sync_sm_copies",
                                                        "async_loads")}}
-

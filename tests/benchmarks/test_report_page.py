@@ -150,4 +150,3 @@ def test_the_tp_highlight_survives_a_missing_mode_and_an_empty_file(tmp_path):
     assert "999.0 MB" not in row[2] and "254.8 MB" in row[2]
     empty = highlights.tensor_parallel([Result(tmp_path / name, {**real, "results": []})])
     assert empty[0].startswith("TP=1")
-

@@ -523,4 +523,3 @@ def _tell(listeners: list, *args) -> None:
             fn(*args)
         except Exception:  # noqa: BLE001
             log.exception("on_write listener %r failed", fn)
-

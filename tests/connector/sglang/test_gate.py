@@ -341,4 +341,3 @@ def test_a_re_attached_backend_hints_its_new_stores_writes_from_zero(tmp_path):
             assert rate.hints == round_ + 1 and rate.source == "writes"
     finally:
         backend.close()
-

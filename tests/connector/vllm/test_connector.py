@@ -709,4 +709,3 @@ def test_a_step_that_moved_nothing_ships_nothing_until_a_second_passed(model_dir
         assert shipped.is_empty() and w.get_kv_connector_stats() is None  # nothing new since: nothing at all
     finally:
         eng.close()
-

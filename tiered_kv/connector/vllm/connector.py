@@ -244,7 +244,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             if self._events_on:
                 self.planner.enable_events()
             if self.cfg.metrics_port is not None:
-                self._prom_snapshot = {**self.planner.store_stats(), "workers": dict(self._workers_flow)}
+                self._prom_snapshot = self._prom_stats()
                 # the HTTP thread reads a snapshot the scheduler thread replaces: the planner is not thread-safe
                 serve(make_registry(lambda: self._prom_snapshot, "vllm"), self.cfg.metrics_port)
         else:
@@ -348,8 +348,13 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.planner.steps.scheduled(plan.step, scheduler_output)
         if self.cfg.metrics_port is not None and time.monotonic() - self._prom_at > 1.0:
             self._prom_at = time.monotonic()
-            self._prom_snapshot = {**self.planner.store_stats(), "workers": dict(self._workers_flow)}
+            self._prom_snapshot = self._prom_stats()
         return TieredKVMetadata(plan)
+
+    def _prom_stats(self) -> dict:
+        """What the Prometheus endpoint serves until the next refresh: the planner's numbers and the workers' counters
+        summed (``tiered_kv.store.metrics``, ``workers``)."""
+        return {**self.planner.store_stats(), "workers": dict(self._workers_flow)}
 
     def update_connector_output(self, connector_output) -> None:
         """A step's output arrived: stop its clock, apply the workers' job reports (merged over ranks by vLLM) and

@@ -264,7 +264,7 @@ class JobRunner:
                     raise
                 self._plain_copy(copier, src, dst, to_cpu, exc)
         # CUDA spins while a copy lands (GIL released): not the movers' Python time ``execute`` counts
-        self._waits.cpu = getattr(self._waits, "cpu", 0.0) + time.thread_time() - w0
+        self._waits.cpu += time.thread_time() - w0  # execute set it to 0 for this job
         return nbytes
 
     def _start_copy(self, copier: BlockCopier, src: list[int], dst: list[int], stream, to_cpu: bool):
