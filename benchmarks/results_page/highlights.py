@@ -183,6 +183,8 @@ def tensor_parallel(r: Result) -> Row:
              and x.get("shape") == (turn2 or {}).get("shape") for v in x.get("turn2_rank_gbps", {}).values()]
     mla = [x["stored_bytes_per_conversation"] for x in r.doc["results"] if x["shape"] == "dsv2-lite"
            and x["mode"] == "tiered" and tp_of(x) > 1 and "stored_bytes_per_conversation" in x]
+    disk = {tp_of(x): x["disk_bytes_per_conversation"] for x in r.doc["results"]
+            if x["shape"] == "dsv2-lite" and "disk_bytes_per_conversation" in x}  # written through, every rank's writes
     if turn2 is None:
         return [f"TP={tp} turn 2", _where([r]), "-", "-"]
     m = turn2["median_s"]
@@ -192,6 +194,9 @@ def tensor_parallel(r: Result) -> Row:
         result += f"; each rank loading at {num(min(rates), 1)}-{num(max(rates), 1)} GB/s at once"
     if mla:
         result += f"; MLA (DeepSeek-V2-Lite) stores {num(mla[-1] / 1e6, 1)} MB per conversation, once for all ranks"
+        if len(disk) > 1:
+            result += (" (to disk: " + " / ".join(f"{num(disk[t] / 1e6, 1)} MB at TP={t}" for t in sorted(disk))
+                       + ")")
     none = m.get("none")
     return [f"vLLM at TP={tp} on {tp} GPUs, {MODELS.get(turn2['shape'], turn2['shape'])} shape: turn-2 TTFT from the "
             f"CPU tier, median over starts",
@@ -205,12 +210,15 @@ def replicas(r: Result) -> Row:
 
     def c32(mode: str) -> float | None:
         return _ttft(summary, mode, "c32")
+    def starts(mode: str) -> str:
+        return f" ({summary.get(mode, {}).get('starts_ok', 0)})"
     n = r.doc.get("replicas", 2)
     return [f"`vllm serve`, {n} replicas (one per GPU) behind a round-robin router: TTFT p50 of the turn that lands on "
-            f"a different replica from the user's last (c32), one start per mode", _where([r]),
-            f"one host pool (`cpu_pool`): **{num(c32('tiered-pool'), 1)} ms** = {ratio(c32('tiered-pool'), c32('offloading'))} "
-            f"of `OffloadingConnector`", f"`OffloadingConnector` {num(c32('offloading'), 1)} ms, ours with a private "
-            f"CPU tier per replica {num(c32('tiered'), 1)}, no connector {num(c32('none'), 1)}"]
+            f"a different replica from the user's last (c32), median over starts (their number in brackets)", _where([r]),
+            f"one host pool (`cpu_pool`){starts('tiered-pool')}: **{num(c32('tiered-pool'), 1)} ms** = "
+            f"{ratio(c32('tiered-pool'), c32('offloading'))} of `OffloadingConnector`",
+            f"`OffloadingConnector`{starts('offloading')} {num(c32('offloading'), 1)} ms, ours with a private CPU tier "
+            f"per replica{starts('tiered')} {num(c32('tiered'), 1)}, no connector{starts('none')} {num(c32('none'), 1)}"]
 
 
 @from_latest("gpu_copy_2*.json")
