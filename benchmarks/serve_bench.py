@@ -38,7 +38,7 @@ only what that replica computed, so under this router it is no floor.
 GPU machine (vLLM 0.26 + LMCache 0.5.3 installed into /tmp/site by scripts/gpu/serve_setup.sh):
   PYTHONPATH=/tmp/site:. python3 benchmarks/serve_bench.py --shape llama3-8b --deadline-s 540
   PYTHONPATH=/tmp/site:. python3 benchmarks/serve_bench.py --shape qwen2.5-32b --modes tiered,offloading
-Two replicas (kind nvidia-h200-x2, after scripts/gpu/README.md's install calls 1-4, ~2 min; the dry run
+Two replicas (kind nvidia-h200-x2, after scripts/gpu/README.md's install calls 1-5, ~2 min; the dry run
 guesses ~420 s of the 540: per start ~60 s start-up, +15 s while the pool reserves its 30 GiB, ~20 s of
 workload, ~20 s to stop both; ~10 min of device time in all). The pool needs 30 GiB in /dev/shm (the dry
 run prints what is free; if less, give every mode a smaller --cpu-gib, >= the run's 23.4 GiB of KV), the

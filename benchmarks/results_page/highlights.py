@@ -183,8 +183,9 @@ def tensor_parallel(r: Result) -> Row:
              and x.get("shape") == (turn2 or {}).get("shape") for v in x.get("turn2_rank_gbps", {}).values()]
     mla = [x["stored_bytes_per_conversation"] for x in r.doc["results"] if x["shape"] == "dsv2-lite"
            and x["mode"] == "tiered" and tp_of(x) > 1 and "stored_bytes_per_conversation" in x]
-    disk = {tp_of(x): x["disk_bytes_per_conversation"] for x in r.doc["results"]
-            if x["shape"] == "dsv2-lite" and "disk_bytes_per_conversation" in x}  # written through, every rank's writes
+    # MLA written through to disk: every rank's writes summed, per TP size
+    disk = {tp_of(x): x["disk_bytes_per_conversation"] for x in r.doc["results"] if x["shape"] == "dsv2-lite"
+            and "write_policy=write_through" in x["mode"] and "disk_bytes_per_conversation" in x}
     if turn2 is None:
         return [f"TP={tp} turn 2", _where([r]), "-", "-"]
     m = turn2["median_s"]
@@ -210,15 +211,19 @@ def replicas(r: Result) -> Row:
 
     def c32(mode: str) -> float | None:
         return _ttft(summary, mode, "c32")
+
     def starts(mode: str) -> str:
-        return f" ({summary.get(mode, {}).get('starts_ok', 0)})"
+        """`` (n)``: the starts behind ``mode``'s c32 median (older files: the phase's count), or nothing."""
+        d = summary.get(mode, {}).get("phases", {}).get("c32", {}).get("ttft_p50_ms")
+        return f" ({d['n']})" if d and d.get("n") else ""
     n = r.doc.get("replicas", 2)
-    return [f"`vllm serve`, {n} replicas (one per GPU) behind a round-robin router: TTFT p50 of the turn that lands on "
-            f"a different replica from the user's last (c32), median over starts (their number in brackets)", _where([r]),
-            f"one host pool (`cpu_pool`){starts('tiered-pool')}: **{num(c32('tiered-pool'), 1)} ms** = "
+    return [f"`vllm serve`, {n} replicas (one per GPU) behind a round-robin router: TTFT p50 of the turn that lands "
+            f"on a different replica from the user's last (c32), median over starts (their number in brackets)",
+            _where([r]), f"one host pool (`cpu_pool`){starts('tiered-pool')}: **{num(c32('tiered-pool'), 1)} ms** = "
             f"{ratio(c32('tiered-pool'), c32('offloading'))} of `OffloadingConnector`",
-            f"`OffloadingConnector`{starts('offloading')} {num(c32('offloading'), 1)} ms, ours with a private CPU tier "
-            f"per replica{starts('tiered')} {num(c32('tiered'), 1)}, no connector{starts('none')} {num(c32('none'), 1)}"]
+            f"`OffloadingConnector`{starts('offloading')} {num(c32('offloading'), 1)} ms, ours with a private CPU "
+            f"tier per replica{starts('tiered')} {num(c32('tiered'), 1)}, no connector{starts('none')} "
+            f"{num(c32('none'), 1)}"]
 
 
 @from_latest("gpu_copy_2*.json")

@@ -268,7 +268,8 @@ def envelope(r: Result) -> str:
 
 def pool_replicas(r: Result) -> str:
     """Replica B's turn 2 per kind of hit (issue 33): a conversation replica A served (through the host pool),
-    its own (through the pool, and with a private CPU tier), and recompute; median [min-max] over starts."""
+    its own (through the pool, and with a private CPU tier), and recompute; median [min-max] over starts, with B's
+    resident memory (private / shared pages, the median over the starts that recorded them: since 2026-11-29)."""
     got: dict[tuple[str, str], list[float]] = {}
     memory: dict[tuple[str, str], list[tuple[int, int]]] = {}  # B's (RssAnon, RssShmem), recorded since 2026-11-29
     for run in r.doc["runs"]:
@@ -277,19 +278,21 @@ def pool_replicas(r: Result) -> str:
             if kind in b:
                 order = run.get("b_order", "warm") if run["mode"] == "pool" else "-"
                 got.setdefault((f"{run['mode']} / {kind}", order), []).append(b[kind]["p50_s"] * 1e3)
-                if "rss_anon_bytes" in b:
+                if "rss_anon_bytes" in b and "rss_shmem_bytes" in b:
                     memory.setdefault((f"{run['mode']} / {kind}", order), []).append(
                         (b["rss_anon_bytes"], b["rss_shmem_bytes"]))
     label = {"pool / cross": "host pool: A's conversation", "pool / own": "host pool: B's own conversation",
              "private / own": "private CPU tier: B's own conversation", "private / recompute": "recompute"}
     shm = max((run["replicas"]["b"].get("pool_shm_bytes", 0) for run in r.doc["runs"] if "b" in run["replicas"]),
               default=0)
+
     def resident(key: tuple[str, str]) -> str:
         got_memory = memory.get(key)
         if not got_memory:
             return "-"
         return (f"{num(median(a for a, _ in got_memory) / 2**30, 2)} / "
                 f"{num(median(sh for _, sh in got_memory) / 2**30, 2)}")
+
     rows = [[label.get(k, k), order, len(v), spread({"min": min(v), "max": max(v), "median": median(v),
                                                       "n": len(v)}),
              num(shm / 2**30, 2) if k.startswith("pool") else "-", resident((k, order))]

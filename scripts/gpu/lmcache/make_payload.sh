@@ -3,7 +3,7 @@
 # no network there; vLLM 0.26.0 comes from the vLLM recipe in ../shared/tools/vllm-on-gpu).
 # Run on a CPU machine that reaches PyPI, from the repo root:
 #   bash scripts/gpu/lmcache/make_payload.sh .carry-lmcache        (.carry-*/ must be git-ignored:
-#                                                                    .git/info/exclude has /.carry-*/)
+#                                                                    .gitignore has /.carry-*/)
 # Output: OUTDIR/p0/lmc_part_0 (.. pN) + lmc_payload.sha256 in the last folder, parts <= 60 MiB (today: one
 # part, ~34 MB). Carry one folder per device call into /tmp/stage-lmc (scripts/gpu/README.md has the whole
 # sequence); scripts/gpu/serve_setup.sh then runs install_on_gpu.sh (this folder) on the GPU machine. A copy
