@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -117,6 +118,8 @@ class JobRunner:
         self.queued_stores: dict[int, int] = {}  # store job -> items, submitted, GPU read not started
         self.cancelled: set[int] = set()  # queued store jobs a fence cancelled
         self.mechanism: Mechanism | None = None  # None: the copier chooses per call
+        # job id -> None, called on the mover once a host-pool store's copy landed (before its publish)
+        self.gpu_released: Callable[[int], None] | None = None
         self.copiers: list[BlockCopier] = []
         self.staging_copiers: list[BlockCopier] = []
         self._staging_rows: torch.Tensor | None = None
@@ -157,8 +160,10 @@ class JobRunner:
             (src if src is not None else self.cpu).delete(job.keys)  # a keyed tier, or a host pool
             return Completion(job.job_id, ok, corrupt)
         if kind is JobKind.INGRESS and self.pool is not None:
+            released = self.gpu_released
             ok, nbytes, evicted = self.pool.store(job, lambda slots, items: self._copy(
-                self.copiers, job, self.flat(job, slots, items), to_cpu=True))
+                self.copiers, job, self.flat(job, slots, items), to_cpu=True),
+                None if released is None else lambda: released(job.job_id))
         elif kind is JobKind.INGRESS:
             nbytes = self._copy(self.copiers, job, self.flat(job, job.dst_slots), to_cpu=True)
         elif kind is JobKind.EGRESS and job.src_tier == CPU:

@@ -46,7 +46,8 @@ engine would spin through such steps and starve the copying threads of the GIL.
 Ordering on CUDA: a store starts after an event recorded on the engine's current stream at
 ``after_forward`` (the KV it reads has been written); a load starts after an event recorded
 at ``before_forward``'s submission point (after vLLM's block zeroing); ``JobRunner`` makes its
-side stream wait for it. A fence waits on the CPU until the fenced job finished, so a
+side stream wait for it. A fence waits on the CPU until the fenced job is done with GPU memory (it
+finished, or, for a store into a host pool, its copy landed: the publish goes on after), so a
 re-allocated block is never overwritten under a copy.
 
 Threading contract: ``register``/``on_plan``/``before_forward``/``wait_layer``/``after_forward``/
@@ -232,6 +233,7 @@ class WorkerRuntime(StepLoads):
         # what the movers run, and the job tables they share with this thread (under _lock)
         self.runner = JobRunner(geo, rank, self.layout, self.cpu, self.keyed, self.disk, self.writes_copies,
                                 self.counters, self._lock, self.pool)
+        self.runner.gpu_released = self._gpu_released  # a pool store's fence waits for its copy, not its publish
         self._load_reqs: dict[str, set[int]] = {}  # request -> load job ids not finished yet
         self._job_req: dict[int, str] = {}
         self._pending_fail: dict[str, list[int]] = {}
@@ -519,6 +521,14 @@ class WorkerRuntime(StepLoads):
             return not self._events and not self._load_reqs
 
     # ------------------------------------------------------------------ mover side
+    def _gpu_released(self, job_id: int) -> None:
+        """A host-pool store's copy landed (a mover thread, before its publish): its job is done with GPU memory,
+        which is all a fence waits for (``fence``); its completion still comes with ``_on_done``."""
+        with self._lock:
+            ev = self._events.get(job_id)
+        if ev is not None:
+            ev.set()
+
     def _on_done(self, job: TransferJob, done: Completion) -> None:
         if self.pool is not None:  # a load's lease ends with its copy; items whose record was gone fail
             done = self.pool.done(job, done)
