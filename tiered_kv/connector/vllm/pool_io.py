@@ -112,14 +112,12 @@ class PoolIO:
         res = self.pool.reserve(job.keys)
         items = [i for i, v in enumerate(res.views) if v is not None]
         nbytes, written = 0, None
-        try:
-            if items:
-                try:
-                    nbytes = copy(res.slots, items)
-                except Exception as exc:  # noqa: BLE001 - the reservation must end in publish, whatever failed
-                    log.warning("store job %d into the host pool failed: %s", job.job_id, exc)
-                    written = [False] * len(job)
-        finally:
-            if copied is not None:
-                copied()
+        if items:
+            try:
+                nbytes = copy(res.slots, items)
+            except Exception as exc:  # noqa: BLE001 - the reservation must end in publish, whatever failed
+                log.warning("store job %d into the host pool failed: %s", job.job_id, exc)
+                written = [False] * len(job)
+        if copied is not None:  # the GPU blocks are read (or the copy failed): nothing below touches them
+            copied()
         return self.pool.publish(res, written), nbytes, res.evicted
