@@ -74,6 +74,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from kernel_jit import JitWatch, slow_in, warm_prompts  # noqa: E402
+from serving.shapes import kv_groups as shape_groups  # noqa: E402
 from vllm_ttft import (  # noqa: E402
     MODELS,
     _result_line,
@@ -138,17 +139,8 @@ def knobs(shape: str) -> dict:
 
 
 def kv_groups(shape: str) -> int:
-    """KV cache groups vLLM's hybrid manager makes (one per ``group_size`` layers of a kind; full attention
-    and MLA: one)."""
-    types = MODELS[shape].get("layer_types")
-    if not types:
-        return 1
-    full = sum(1 for t in types if t == "full_attention")
-    window = len(types) - full
-    if not full or not window:
-        return 1
-    size = min(full, window)
-    return -(-full // size) + -(-window // size)
+    """KV cache groups vLLM's hybrid manager makes (``serving.shapes.kv_groups``; full attention and MLA: one)."""
+    return len(shape_groups(shape))
 
 
 def gpu_blocks(shape: str, fit: float, max_len: int) -> int:

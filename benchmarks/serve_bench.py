@@ -71,15 +71,28 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from serving import replicas, report, server, stats, trace_summary  # noqa: E402
 from serving.modes import ModeRegistry, ServerOptions, Sizes, pool_of, shell_line, validate_argv  # noqa: E402
-from serving.shapes import DEFAULT_GPU_BLOCKS, DEFAULT_USERS, SHAPES, kv_bytes_per_token, weight_bytes, write_model_dir, write_wordlevel_tokenizer  # noqa: E402
+from serving.shapes import (  # noqa: E402
+    DEFAULT_GPU_BLOCKS,
+    DEFAULT_USERS,
+    SHAPES,
+    kv_bytes_per_token,
+    kv_groups,
+    pool_blocks,
+    weight_bytes,
+    write_model_dir,
+    write_wordlevel_tokenizer,
+)
 from serving.workload import Workload, WorkloadParams, plan_phases, resident_gpu_blocks, sizes  # noqa: E402
 
 T0 = time.monotonic()
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_MODES = "none,offloading,tiered,lmcache"
 #: rough H200 rates for the time estimate (prefill tokens/s, decode step ms at small batch)
-RATES = {"llama3-8b": (37000, 8.0), "qwen2.5-7b": (40000, 8.0), "qwen2.5-32b": (9000, 22.0)}
-STARTUP_GUESS_S = {"llama3-8b": 60.0, "qwen2.5-7b": 60.0, "qwen2.5-32b": 120.0}
+RATES = {"llama3-8b": (37000, 8.0), "qwen2.5-7b": (40000, 8.0), "qwen2.5-32b": (9000, 22.0),
+         # guesses from the envelope's turn-2 recomputes (8k tokens: gemma2 12k in 0.49 s, gpt-oss 0.135 s, ...)
+         "gemma2": (25000, 10.0), "gemma3": (50000, 8.0), "gpt-oss": (60000, 10.0), "dsv2-lite": (80000, 10.0)}
+STARTUP_GUESS_S = {"llama3-8b": 60.0, "qwen2.5-7b": 60.0, "qwen2.5-32b": 120.0, "gemma2": 75.0, "gemma3": 60.0,
+                   "gpt-oss": 90.0, "dsv2-lite": 75.0}
 STOP_MARGIN_S = 25.0  # stop the server, wait for the GPU, write the files
 #: what LMCache logs when its compiled CUDA ops did not load and it runs on pure-torch ops (0.5.3; 0.5.1)
 LMCACHE_FALLBACK_LINES = ("compiled extension not found", "Failed to import backend lmcache.c_ops")
@@ -106,7 +119,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--replicas", type=int, default=1,
                    help="servers per start, server i on GPU i, round robin per turn (serving/replicas.py)")
     w = ap.add_argument_group("workload")
-    w.add_argument("--users", type=int, default=0, help="default per shape: 128 (32B: 96)")
+    w.add_argument("--users", type=int, default=0, help="default per shape: 128 (32B and gemma2: 96)")
     w.add_argument("--turns", type=int, default=1, help="turns per user in each measured phase")
     w.add_argument("--concurrency", default="32,8,1", help="levels, one measured phase each, in this order")
     w.add_argument("--c1-users", type=int, default=16, help="users served in a concurrency-1 phase")
@@ -121,7 +134,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     w.add_argument("--preset", choices=("smoke",), help="smoke: 24 users, concurrency 8,1, 4 users at c1, 1536 GPU blocks")
     s = ap.add_argument_group("server")
     s.add_argument("--gpu-blocks", type=int, default=0,
-                   help="--num-gpu-blocks-override (16-token blocks); default 6912 (32B: 6144)")
+                   help="16-token blocks of sequence the GPU holds: vLLM's --num-gpu-blocks-override for one KV "
+                        "cache group (a hybrid's window groups add theirs); default 6912 (32B: 6144, gemma2: 5760)")
     s.add_argument("--max-model-len", type=int, default=8192)
     s.add_argument("--max-num-seqs", type=int, default=0, help="default max(64, highest concurrency)")
     s.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -197,7 +211,7 @@ def server_options(a, wp: WorkloadParams, graphs: str, tokenizer: str) -> Server
         raise SystemExit(f"the longest turn needs {wp.max_seq_len} tokens > --max-model-len {a.max_model_len}")
     return ServerOptions(python=a.python, max_model_len=a.max_model_len,
                          max_num_seqs=a.max_num_seqs or max(64, max(wp.concurrency + (wp.warm_c,))),
-                         max_num_batched_tokens=a.max_num_batched_tokens, gpu_blocks=a.gpu_blocks,
+                         max_num_batched_tokens=a.max_num_batched_tokens, gpu_blocks=vllm_blocks(a, wp, a.gpu_blocks),
                          gpu_memory_utilization=a.gpu_memory_utilization, graphs=graphs, tokenizer=tokenizer,
                          extra_args=tuple(a.serve_arg))
 
@@ -207,7 +221,15 @@ def mode_options(a, wp: WorkloadParams, spec, opts: ServerOptions) -> ServerOpti
     if not spec.gpu_resident:
         return opts
     blocks = resident_gpu_blocks(wp, sizes(wp, kv_bytes_per_token(a.shape), a.gpu_blocks))
-    return replace(opts, gpu_blocks=max(blocks, opts.gpu_blocks))
+    return replace(opts, gpu_blocks=vllm_blocks(a, wp, max(blocks, a.gpu_blocks)))
+
+
+def vllm_blocks(a, wp: WorkloadParams, history_blocks: int) -> int:
+    """``--num-gpu-blocks-override`` for a GPU cache holding ``history_blocks`` 16-token blocks of sequence:
+    the same number for one KV cache group; a hybrid's pool adds its window groups' blocks
+    (``serving.shapes.pool_blocks``)."""
+    running = max(wp.concurrency + (wp.warm_c,))
+    return pool_blocks(a.shape, history_blocks, running, wp.max_seq_len, a.max_num_batched_tokens)
 
 
 def workload_id(wp: WorkloadParams) -> str:
@@ -245,7 +267,10 @@ def dry_run(a) -> None:
     opts = server_options(a, wp, graphs, tok)
     gib = lambda b: b / (1 << 30)  # noqa: E731
     print(f"# shape {a.shape}: KV {kvb / 1024:.0f} KiB/token, bf16 weights ~{weight_bytes(a.shape) / 1e9:.1f} GB; "
-          f"GPU KV cache {a.gpu_blocks} blocks = {sz['gpu_cache_tokens']} tokens ({gib(sz['gpu_cache_tokens'] * kvb):.1f} GiB)")
+          f"GPU KV cache {a.gpu_blocks} blocks = {sz['gpu_cache_tokens']} tokens ({gib(sz['gpu_cache_tokens'] * kvb):.1f} GiB)"
+          + ("" if len(kv_groups(a.shape)) == 1 else
+             f"; KV cache groups {kv_groups(a.shape)} (None: full attention, else the window): vLLM's pool "
+             f"{opts.gpu_blocks} blocks"))
     print(f"# workload {workload_id(wp)}: {wp.users} users, system {wp.system_tokens}, context {wp.context_tokens}, "
           f"+{wp.turn_tokens} per turn, {wp.answer_tokens} output tokens; longest sequence {sz['max_seq_len']}")
     for ph in sz["phases"]:
@@ -348,7 +373,8 @@ class Bench:
         self.path = os.path.join(a.out_dir, f"serve_bench_{a.shape}{suffix}.json")
         self.doc = {"schema": "serve_bench/1", "shape": a.shape, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     "device": server.device_name(), "gpu_share": server.gpu_share(), "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
-                    "workload": {**self.wp.__dict__, "id": self.wid}, "sizes": sizes(self.wp, kv_bytes_per_token(a.shape), a.gpu_blocks),
+                    "workload": {**self.wp.__dict__, "id": self.wid}, "sizes": {**sizes(self.wp, kv_bytes_per_token(a.shape), a.gpu_blocks),
+                              "vllm_gpu_blocks": vllm_blocks(a, self.wp, a.gpu_blocks), "kv_groups": kv_groups(a.shape)},
                     "tiers_gib": self.sizes.__dict__, "replicas": a.replicas, "starts": []}
 
     # ---------------------------------------------------------------- time

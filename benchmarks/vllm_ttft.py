@@ -107,6 +107,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from serving.shapes import DSV2_LITE, GEMMA2_9B, GEMMA3_4B, GPTOSS_20B  # noqa: E402,F401 (re-exported: sglang_ttft)
 from serving.shapes import SHAPES as _SERVE_SHAPES  # noqa: E402
 
 MODES = ("none", "offloading", "simple", "tiered-cpu", "tiered-cpu-swa-all", "tiered-disk")
@@ -141,57 +142,6 @@ LLAMA3_8B = {
     "max_position_embeddings": 16384, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
     "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 128256,
     "bos_token_id": 1, "eos_token_id": 2, "attention_bias": False, "mlp_bias": False,
-}
-GEMMA3_4B = {
-    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
-    "hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 34,
-    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
-    "sliding_window": 1024, "sliding_window_pattern": 6,
-    "layer_types": [("full_attention" if (i + 1) % 6 == 0 else "sliding_attention") for i in range(34)],
-    "query_pre_attn_scalar": 256, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
-    "rope_scaling": {"rope_type": "linear", "factor": 8.0},
-    "max_position_embeddings": 131072, "vocab_size": 262208, "rms_norm_eps": 1e-6,
-    "hidden_activation": "gelu_pytorch_tanh", "attn_logit_softcapping": None, "final_logit_softcapping": None,
-    "attention_bias": False, "torch_dtype": "bfloat16", "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0,
-}
-#: Gemma-2-9B's shape (issue 28's cliff): 42 layers alternating a 4,096-token window and full attention, 8 KV heads
-#: of 256 (2 KV cache groups); max_position_embeddings raised from 8,192 so 12k-token prompts fit
-GEMMA2_9B = {
-    "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2",
-    "hidden_size": 3584, "intermediate_size": 14336, "num_hidden_layers": 42,
-    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256, "sliding_window": 4096,
-    "layer_types": ["sliding_attention", "full_attention"] * 21, "query_pre_attn_scalar": 256,
-    "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "hidden_activation": "gelu_pytorch_tanh",
-    "max_position_embeddings": 16384, "vocab_size": 256000, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-    "attention_bias": False, "torch_dtype": "bfloat16", "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0,
-}
-GPTOSS_20B = {
-    "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
-    "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": 24,
-    "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
-    "num_local_experts": 32, "num_experts_per_tok": 4, "experts_per_token": 4,
-    "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"] * 12,
-    "rope_theta": 150000.0,
-    "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                     "truncate": False, "original_max_position_embeddings": 4096},
-    "max_position_embeddings": 131072, "vocab_size": 201088, "rms_norm_eps": 1e-5,
-    "attention_bias": True, "swiglu_limit": 7.0, "hidden_act": "silu", "tie_word_embeddings": False,
-    "initial_context_length": 4096, "torch_dtype": "bfloat16", "eos_token_id": 200002, "pad_token_id": 199999,
-}
-DSV2_LITE = {
-    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
-    "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408,
-    "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16,
-    "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-    "n_routed_experts": 64, "n_shared_experts": 2, "num_experts_per_tok": 6, "first_k_dense_replace": 1,
-    "moe_layer_freq": 1, "topk_method": "greedy", "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
-    "scoring_func": "softmax", "norm_topk_prob": False, "aux_loss_alpha": 0.001, "seq_aux": True,
-    "rope_theta": 10000.0,
-    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
-                     "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
-    "max_position_embeddings": 163840, "vocab_size": 102400, "rms_norm_eps": 1e-6, "hidden_act": "silu",
-    "attention_bias": False, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-    "bos_token_id": 100000, "eos_token_id": 100001,
 }
 QWEN25_7B = {
     "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",

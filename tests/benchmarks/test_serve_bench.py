@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serve_bench  # noqa: E402
 from serving import report, stats  # noqa: E402
 from serving.modes import BUILTIN, ModeRegistry, ServerOptions, Sizes, serve_argv, serve_env  # noqa: E402
-from serving.shapes import SHAPES, kv_bytes_per_token, write_model_dir  # noqa: E402
+from serving.shapes import SHAPES, kv_bytes_per_token, kv_groups, pool_blocks, write_model_dir  # noqa: E402
 from serving.workload import Workload, WorkloadParams, plan_phases, resident_gpu_blocks, sizes  # noqa: E402
 
 SIZES = Sizes(cpu_gib=30, disk_cpu_gib=6, disk_gib=36, disk_root="/data/sb")
@@ -86,6 +86,35 @@ def test_default_workload_history_exceeds_the_gpu_cache_for_every_shape():
         assert s["history_over_gpu"] > 1.3 and s["evict_ratio"] > 1.1, shape
         assert s["running_tokens_max"] <= s["gpu_cache_tokens"], shape  # 32 users fit: no preemption
         assert s["max_seq_len"] <= 8192
+
+
+def test_hybrid_shapes_name_vllms_groups_and_size_the_pool_per_group():
+    assert kv_groups("llama3-8b") == [None] and kv_groups("dsv2-lite") == [None]
+    assert kv_groups("gpt-oss") == [None, 128] and kv_groups("gemma2") == [None, 4096]
+    assert kv_groups("gemma3") == [None] + [1024] * 6  # 5 full, 29 window layers: groups of 5
+    assert pool_blocks("llama3-8b", 6912, 32, 2688, 8192) == 6912  # one group: the history itself
+    # gpt-oss: the 128-token window keeps 9 blocks per running request plus one step's prefill (512 blocks)
+    assert pool_blocks("gpt-oss", 6912, 32, 2688, 8192) == 6912 + 32 * 9 + 512
+    # gemma2: the 4,096-token window spans every sequence, so its group keeps the whole history too
+    assert pool_blocks("gemma2", 5760, 32, 2688, 8192) == 2 * 5760
+    assert pool_blocks("gemma2", 5760, 32, 8192, 8192) == 5760 + 32 * 257 + 512  # longer sequences: the window
+    assert kv_bytes_per_token("dsv2-lite") == 27 * 576 * 2  # MLA: one latent per layer
+    assert kv_bytes_per_token("gemma2") == 2 * 42 * 8 * 256 * 2
+
+
+def test_a_hybrid_shape_starts_vllm_with_the_pool_of_its_groups(tmp_path, monkeypatch):
+    rec_path = tmp_path / "rec.jsonl"
+    monkeypatch.setenv("FAKE_SERVE_RECORD", str(rec_path))
+    args = ["--shape", "gpt-oss"] + SMALL_ARGS[2:]
+    out = tmp_path / "out"
+    serve_bench.main(args + ["--python", _fake_python(tmp_path), "--modes", "none,none-resident",
+                             "--gpu-blocks", "8", "--out-dir", str(out)])
+    got = sorted(int(r["argv"][r["argv"].index("--num-gpu-blocks-override") + 1]) for r in _records(rec_path))
+    # 4 running requests x (8 window blocks + 1) + one step's 8,192-token prefill (512 blocks) beside the history
+    assert got[0] == 8 + 4 * 9 + 512, got
+    doc = json.loads((out / "serve_bench_gpt-oss.json").read_text())
+    assert doc["sizes"]["vllm_gpu_blocks"] == got[0] and doc["sizes"]["kv_groups"] == [None, 128]
+    assert got[1] > got[0]  # the resident floor: the whole history plus the same window blocks
 
 
 def test_smoke_preset_is_small_but_still_evicts():
