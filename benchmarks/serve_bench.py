@@ -38,6 +38,11 @@ only what that replica computed, so under this router it is no floor.
 GPU machine (vLLM 0.26 + LMCache 0.5.3 installed into /tmp/site by scripts/gpu/serve_setup.sh):
   PYTHONPATH=/tmp/site:. python3 benchmarks/serve_bench.py --shape llama3-8b --deadline-s 540
   PYTHONPATH=/tmp/site:. python3 benchmarks/serve_bench.py --shape qwen2.5-32b --modes tiered,offloading
+Shapes (``serving/shapes.py``): llama3-8b, qwen2.5-7b, qwen2.5-32b, the sliding-window hybrids gpt-oss, gemma2
+(96 users: 336 KiB a token) and gemma3, and dsv2-lite (MLA). ``--gpu-blocks`` is the history the GPU holds in
+16-token blocks of sequence; for a hybrid, vLLM's ``--num-gpu-blocks-override`` adds its window groups' blocks
+(``pool_blocks``; the dry run prints both), so every shape evicts about as much as Llama-3-8B:
+  PYTHONPATH=/tmp/site:. python3 benchmarks/serve_bench.py --shape gpt-oss --modes none,offloading,tiered --trace
 Two replicas (kind nvidia-h200-x2, after scripts/gpu/README.md's install calls 1-5, ~2 min; the dry run
 guesses ~420 s of the 540: per start ~60 s start-up, +15 s while the pool reserves its 30 GiB, ~20 s of
 workload, ~20 s to stop both; ~10 min of device time in all). The pool needs 30 GiB in /dev/shm (the dry

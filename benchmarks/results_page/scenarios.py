@@ -29,7 +29,8 @@ class Scenario:
 
 
 # ------------------------------------------------------------------------------------ serving load
-SHAPES = {"llama3-8b": "Llama-3-8B", "qwen2.5-7b": "Qwen2.5-7B", "qwen2.5-32b": "Qwen2.5-32B"}
+SHAPES = {"llama3-8b": "Llama-3-8B", "qwen2.5-7b": "Qwen2.5-7B", "qwen2.5-32b": "Qwen2.5-32B", "gpt-oss": "gpt-oss-20b",
+          "gemma2": "Gemma-2-9B", "gemma3": "Gemma-3-4B", "dsv2-lite": "DeepSeek-V2-Lite"}
 #: the modes the serving table shows, in order, with their labels (the other modes stay in the files)
 SERVE_MODES = {"none": "no connector", "none-resident": "the floor (`none-resident`)",
                "offloading": "`OffloadingConnector`", "lmcache": "LMCache", "tiered": "**ours, `auto` (default)**",
