@@ -452,13 +452,14 @@ CELLS = (("turn2", "turn2_p50_s", "turn2_tokens", ("none", "offloading", "tiered
 
 def serving_cells(path: str) -> list[dict]:
     """Cells of one ``serve_bench.py`` result file (its ``summary``: per mode and phase the TTFT p50 over starts):
-    workload ``serving c8`` / ``serving c32``, GPU cache ``serve``, greedy equality from its own comparison with
-    no connector (``greedy_vs_none``)."""
+    workload ``serving c8`` / ``serving c32`` / ``serving c1``, GPU cache ``serve``, greedy equality from its own
+    comparison with no connector (``greedy_vs_none``). The issue's matrix names c8 and c32; c1 (one request in flight)
+    is judged too, since the promise is "never slower than recompute" at any load."""
     with open(path) as f:
         doc = json.load(f)
     out = []
     summary = doc.get("summary", {})
-    for phase in ("c8", "c32"):
+    for phase in ("c8", "c32", "c1"):
         got = {m: summary.get(m, {}).get("phases", {}).get(phase) for m in ("none", "offloading", "tiered")}
         if not got["tiered"]:
             continue

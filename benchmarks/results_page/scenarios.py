@@ -214,7 +214,8 @@ def vllm_ttft(results: list[Result]) -> str:
 
 # ------------------------------------------------------------------------------------------ the envelope
 ENVELOPE_WORK = {"turn2": "turn 2 TTFT p50", "batch": "batch of turn 3 (wall)", "disk": "turn 2 from disk",
-                 "serving c8": "serving, c8 TTFT p50", "serving c32": "serving, c32 TTFT p50"}
+                 "serving c8": "serving, c8 TTFT p50", "serving c32": "serving, c32 TTFT p50",
+                 "serving c1": "serving, c1 TTFT p50"}
 
 
 def envelope(r: Result) -> str:

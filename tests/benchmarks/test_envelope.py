@@ -95,9 +95,9 @@ def test_serving_cells_are_judged_by_the_same_rule(tmp_path):
     phase = lambda ms, n=1: {"ttft_p50_ms": {"min": ms, "median": ms, "max": ms, "n": n},  # noqa: E731
                              "greedy_vs_none": {"compared": 4, "equal": 4}}
     doc = {"shape": "llama3-8b", "summary": {
-        "none": {"phases": {"c8": phase(200.0), "c32": phase(500.0)}},
-        "offloading": {"phases": {"c8": phase(120.0), "c32": phase(300.0)}},
-        "tiered": {"phases": {"c8": phase(80.0, 3), "c32": phase(320.0, 3)}}}}
+        "none": {"phases": {"c8": phase(200.0), "c32": phase(500.0), "c1": phase(40.0)}},
+        "offloading": {"phases": {"c8": phase(120.0), "c32": phase(300.0), "c1": phase(50.0)}},
+        "tiered": {"phases": {"c8": phase(80.0, 3), "c32": phase(320.0, 3), "c1": phase(52.0, 3)}}}}
     path = tmp_path / "serve_bench_llama3-8b.json"
     path.write_text(json.dumps(doc))
     cells = envelope.serving_cells(str(path))
@@ -105,6 +105,8 @@ def test_serving_cells_are_judged_by_the_same_rule(tmp_path):
     assert rows["serving c8"]["pass"] and rows["serving c8"]["vs_peer"] == round(80 / 120, 3)
     assert not rows["serving c32"]["pass"] and "1.07x offloading" in rows["serving c32"]["why"]
     assert rows["serving c8"]["greedy_equal"] is True
+    # c1 is judged too: slower than recompute fails however it compares with the peer
+    assert not rows["serving c1"]["pass"] and "1.30x none" in rows["serving c1"]["why"], rows["serving c1"]
 
 
 def test_rank_rates_read_each_ranks_trace_in_the_window(tmp_path):
