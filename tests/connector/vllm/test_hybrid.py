@@ -195,6 +195,41 @@ def test_three_turns_extend_the_stored_prefix(model_dirs):
         eng.close()
 
 
+@pytest.mark.parametrize("async_sched", [False, True])
+def test_a_hit_gets_its_first_token_after_as_many_steps_as_a_miss(model_dirs, async_sched):
+    """A CPU-tier hit adds no engine step before the first token (an in-step load runs inside the step that
+    computes the rest): the c1 cells of 2026-11-29's serving runs were slower than recompute, and this rules out
+    the scheduler side as the cause."""
+    eng = make(model_dirs, "gptoss", cfg(), async_sched=async_sched)
+
+    def steps_to_first_token(rid: str, ids: list[int]) -> int:
+        r = eng.add(rid, ids, max_tokens=4)
+        n0 = eng.steps
+        while not r.output_token_ids:
+            eng.step()
+            assert eng.steps - n0 < 20, rid
+        return eng.steps - n0
+
+    try:
+        a = eng.add("t1", prompt(1, 12 * BS + 5), max_tokens=3)
+        eng.run()
+        eng.settle()
+        assert eng.sched.reset_prefix_cache()
+        t2 = turn2(a)
+        hit = steps_to_first_token("t2", t2)
+        eng.run()
+        eng.settle()
+        assert eng.connector.stats()["sched_hit_tokens_cpu"] == 12 * BS
+        miss = steps_to_first_token("miss", prompt(7, len(t2)))
+        eng.run()
+        eng.settle()
+        assert eng.connector.stats()["sched_hit_tokens_cpu"] == 12 * BS  # the second prompt found nothing
+        assert hit == miss == (2 if async_sched else 1), (hit, miss)  # async: outputs land one step late
+        assert_clean(eng)
+    finally:
+        eng.close()
+
+
 def test_full_prompt_hit_leaves_one_token(model_dirs):
     """n-1 rule before the lookup: a prompt of exactly two chunks hits one, so the window at the hit
     boundary is the window the stored chunk was stored for."""
