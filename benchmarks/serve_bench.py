@@ -312,8 +312,9 @@ def dry_run(a) -> None:
         print(f"\n## mode {m} ({spec.family}{', disk ' + spec.disk_dir if spec.disk_dir and n == 1 else ''})")
         if spec.gpu_resident:
             mopts = mode_options(a, wp, spec, opts)
-            print(f"# {m}: GPU KV cache {mopts.gpu_blocks} blocks = {mopts.gpu_blocks * 16} tokens "
-                  f"({gib(mopts.gpu_blocks * 16 * kvb):.1f} GiB) so that no prefix leaves the GPU")
+            hist = max(resident_gpu_blocks(wp, sz), a.gpu_blocks)
+            print(f"# {m}: GPU KV cache {hist} blocks = {hist * 16} tokens ({gib(hist * 16 * kvb):.1f} GiB) so that no "
+                  f"prefix leaves the GPU" + ("" if mopts.gpu_blocks == hist else f"; vLLM's pool {mopts.gpu_blocks} blocks"))
         if n > 1:
             print(f"# {m}: " + (f"one host pool host:{reps[0].pool} of {ts.cpu_gib} GiB for all {n} replicas"
                                 if reps[0].pool else "each replica its own tiers" if spec.kv_transfer else "no connector"))
