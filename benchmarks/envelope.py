@@ -74,7 +74,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from kernel_jit import JitWatch, slow_in, warm_prompts  # noqa: E402
-from serving.shapes import kv_groups as shape_groups  # noqa: E402
+from serving.shapes import kv_groups_of  # noqa: E402
 from vllm_ttft import (  # noqa: E402
     MODELS,
     _result_line,
@@ -139,8 +139,8 @@ def knobs(shape: str) -> dict:
 
 
 def kv_groups(shape: str) -> int:
-    """KV cache groups vLLM's hybrid manager makes (``serving.shapes.kv_groups``; full attention and MLA: one)."""
-    return len(shape_groups(shape))
+    """KV cache groups vLLM's hybrid manager makes (``serving.shapes.kv_groups_of``; full attention and MLA: one)."""
+    return len(kv_groups_of(MODELS[shape]))
 
 
 def gpu_blocks(shape: str, fit: float, max_len: int) -> int:

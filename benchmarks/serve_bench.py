@@ -225,8 +225,13 @@ def mode_options(a, wp: WorkloadParams, spec, opts: ServerOptions) -> ServerOpti
     """``opts`` for one mode: ``none-resident`` gets a GPU KV cache that holds the run's whole history."""
     if not spec.gpu_resident:
         return opts
-    blocks = resident_gpu_blocks(wp, sizes(wp, kv_bytes_per_token(a.shape), a.gpu_blocks))
-    return replace(opts, gpu_blocks=vllm_blocks(a, wp, max(blocks, a.gpu_blocks)))
+    return replace(opts, gpu_blocks=vllm_blocks(a, wp, resident_history_blocks(a, wp)))
+
+
+def resident_history_blocks(a, wp: WorkloadParams) -> int:
+    """16-token blocks of sequence a ``none-resident`` GPU cache holds: the run's whole history, at least
+    ``--gpu-blocks``."""
+    return max(resident_gpu_blocks(wp, sizes(wp, kv_bytes_per_token(a.shape), a.gpu_blocks)), a.gpu_blocks)
 
 
 def vllm_blocks(a, wp: WorkloadParams, history_blocks: int) -> int:
@@ -312,7 +317,7 @@ def dry_run(a) -> None:
         print(f"\n## mode {m} ({spec.family}{', disk ' + spec.disk_dir if spec.disk_dir and n == 1 else ''})")
         if spec.gpu_resident:
             mopts = mode_options(a, wp, spec, opts)
-            hist = max(resident_gpu_blocks(wp, sz), a.gpu_blocks)
+            hist = resident_history_blocks(a, wp)
             print(f"# {m}: GPU KV cache {hist} blocks = {hist * 16} tokens ({gib(hist * 16 * kvb):.1f} GiB) so that no "
                   f"prefix leaves the GPU" + ("" if mopts.gpu_blocks == hist else f"; vLLM's pool {mopts.gpu_blocks} blocks"))
         if n > 1:

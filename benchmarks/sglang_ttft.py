@@ -59,6 +59,7 @@ import tempfile
 import time
 
 from vllm_ttft import DSV2_LITE as _VLLM_DSV2_LITE, LLAMA3_8B as _VLLM_LLAMA3_8B  # benchmarks/ is on sys.path
+from serving.shapes import kv_bytes_of  # noqa: E402 (vllm_ttft put benchmarks/ on sys.path)
 
 MODES = ("none", "l2", "file", "tiered", "tiered-always", "restart", "mla-none", "mla-tiered", "mla-gated")
 DEFAULT_MODES = ("none", "file", "tiered-always", "tiered", "l2")
@@ -74,10 +75,7 @@ MODELS = {"llama3-8b": LLAMA3_8B, "dsv2-lite": DSV2_LITE}
 
 def kv_bytes_per_token(model: str) -> int:
     """KV bytes per token of the model shape across all layers (bf16)."""
-    c = MODELS[model]
-    if "kv_lora_rank" in c:
-        return c["num_hidden_layers"] * (c["kv_lora_rank"] + c["qk_rope_head_dim"]) * 2
-    return c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * c["head_dim"] * 2
+    return kv_bytes_of(MODELS[model])
 
 
 def mode_model(mode: str) -> str:

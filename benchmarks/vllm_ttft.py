@@ -107,8 +107,8 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from serving.shapes import DSV2_LITE, GEMMA2_9B, GEMMA3_4B, GPTOSS_20B  # noqa: E402,F401 (re-exported: sglang_ttft)
-from serving.shapes import SHAPES as _SERVE_SHAPES  # noqa: E402
+from serving.shapes import DSV2_LITE, GEMMA2_9B, GEMMA3_4B, GPTOSS_20B  # noqa: E402 (sglang_ttft imports DSV2_LITE here)
+from serving.shapes import SHAPES as _SERVE_SHAPES, kv_bytes_of  # noqa: E402
 
 MODES = ("none", "offloading", "simple", "tiered-cpu", "tiered-cpu-swa-all", "tiered-disk")
 #: tiered-cpu variants: one extra ``kv_connector_extra_config`` setting each
@@ -563,12 +563,9 @@ def kv_bytes_per_token(model: str) -> int | None:
     """KV bytes one token occupies over all layers (bf16): K and V per KV head, or MLA's one latent. None for
     the sliding-window hybrids, where what a hit loads depends on the window (the dry run computes that)."""
     c = MODELS[model]
-    if "kv_lora_rank" in c:
-        return c["num_hidden_layers"] * (c["kv_lora_rank"] + c["qk_rope_head_dim"]) * 2
-    if any(t != "full_attention" for t in c.get("layer_types", ())):
+    if "kv_lora_rank" not in c and any(t != "full_attention" for t in c.get("layer_types", ())):
         return None
-    head = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head * 2
+    return kv_bytes_of(c)
 
 
 def expected_hit_tokens(w: dict) -> int:

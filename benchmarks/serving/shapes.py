@@ -104,10 +104,14 @@ DEFAULT_GPU_BLOCKS = {"llama3-8b": 6912, "qwen2.5-7b": 6912, "qwen2.5-32b": 6144
 
 
 def kv_bytes_per_token(shape: str) -> int:
-    """KV bytes of one token over all layers, bf16: K and V per KV head, or MLA's one latent per layer. For a
-    sliding-window hybrid this is the bound a prefix within every window takes (a longer one keeps only the
-    window in those layers)."""
-    c = SHAPES[shape]
+    """KV bytes of one token of ``shape`` over all layers (``kv_bytes_of``)."""
+    return kv_bytes_of(SHAPES[shape])
+
+
+def kv_bytes_of(c: dict) -> int:
+    """KV bytes of one token over all layers of the model config ``c``, bf16: K and V per KV head, or MLA's one
+    latent per layer. For a sliding-window hybrid this is the bound a prefix within every window takes (a longer
+    one keeps only the window in those layers)."""
     if "kv_lora_rank" in c:
         return c["num_hidden_layers"] * (c["kv_lora_rank"] + c["qk_rope_head_dim"]) * 2
     head = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
@@ -115,10 +119,14 @@ def kv_bytes_per_token(shape: str) -> int:
 
 
 def kv_groups(shape: str) -> list[int | None]:
-    """vLLM's KV cache groups of ``shape``, one entry each: None for full attention (and MLA), the window in
-    tokens for a sliding-window group. vLLM puts the layers of each kind into groups of the smaller kind's
-    layer count (Gemma-3's 5 full and 29 window layers: one full group, six window groups)."""
-    c = SHAPES[shape]
+    """vLLM's KV cache groups of ``shape`` (``kv_groups_of``)."""
+    return kv_groups_of(SHAPES[shape])
+
+
+def kv_groups_of(c: dict) -> list[int | None]:
+    """vLLM's KV cache groups of the model config ``c``, one entry each: None for full attention (and MLA), the
+    window in tokens for a sliding-window group. vLLM puts the layers of each kind into groups of the smaller
+    kind's layer count (Gemma-3's 5 full and 29 window layers: one full group, six window groups)."""
     types = c.get("layer_types") or ()
     full = sum(1 for t in types if t == "full_attention")
     window = len(types) - full
