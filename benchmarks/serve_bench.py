@@ -99,6 +99,9 @@ RATES = {"llama3-8b": (37000, 8.0), "qwen2.5-7b": (40000, 8.0), "qwen2.5-32b": (
 STARTUP_GUESS_S = {"llama3-8b": 60.0, "qwen2.5-7b": 60.0, "qwen2.5-32b": 120.0, "gemma2": 75.0, "gemma3": 60.0,
                    "gpt-oss": 90.0, "dsv2-lite": 75.0}
 STOP_MARGIN_S = 25.0  # stop the server, wait for the GPU, write the files
+#: ``--graphs compile``: extra start-up of a start, torch.compile and the capture of vLLM's default graph sizes (a
+#: guess: vLLM caches the compiled graphs per configuration, so a mode's later starts take less)
+COMPILE_GUESS_S = 60.0
 #: what LMCache logs when its compiled CUDA ops did not load and it runs on pure-torch ops (0.5.3; 0.5.1)
 LMCACHE_FALLBACK_LINES = ("compiled extension not found", "Failed to import backend lmcache.c_ops")
 
@@ -145,8 +148,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     s.add_argument("--max-num-seqs", type=int, default=0, help="default max(64, highest concurrency)")
     s.add_argument("--max-num-batched-tokens", type=int, default=8192)
     s.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    s.add_argument("--graphs", choices=("auto", "decode", "eager"), default="auto",
-                   help="decode: -cc.mode=none + FULL_DECODE_ONLY graphs; auto: that, eager if the first start fails")
+    s.add_argument("--graphs", choices=("auto", "decode", "eager", "compile"), default="auto",
+                   help="decode: -cc.mode=none + FULL_DECODE_ONLY graphs (starts in seconds; prefill steps run "
+                        "eagerly); auto: that, eager if the first start fails; compile: vLLM's defaults "
+                        "(torch.compile and piecewise + full CUDA graphs: what a user gets; each start "
+                        "compiles or reads vLLM's compile cache, ~60 s more)")
     s.add_argument("--enforce-eager", action="store_true", help="same as --graphs eager")
     s.add_argument("--tokenizer", choices=("auto", "skip", "word"), default="auto",
                    help="skip: --skip-tokenizer-init; word: offline word-level tokenizer; auto: skip, word on failure")
@@ -301,7 +307,8 @@ def dry_run(a) -> None:
               f"{'-' if shm is None else f'{shm:.1f} GiB'} (a host pool needs {ts.cpu_gib} GiB)")
     est_none, est_conn = estimate_s(a.shape, wp, False, n), estimate_s(a.shape, wp, True, n)
     # a host pool's first replica reserves its pages (~0.5 s per GiB); several servers stop and free their GPUs
-    per_start = [STARTUP_GUESS_S[a.shape] + (est_none if m == "none" else est_conn) + 15 + 5 * (n > 1)
+    per_start = [STARTUP_GUESS_S[a.shape] + COMPILE_GUESS_S * (a.graphs == "compile")
+                 + (est_none if m == "none" else est_conn) + 15 + 5 * (n > 1)
                  + (0.5 * ts.cpu_gib if pool_of(reg.spec(m, ts)) else 0) for m in modes]
     print(f"# time guess (H200): workload ~{est_none:.0f} s (none) / ~{est_conn:.0f} s (connector) per start, "
           f"start-up ~{STARTUP_GUESS_S[a.shape]:.0f} s, stop ~15 s: ~{sum(per_start) * a.runs * a.repeats:.0f} s "
@@ -393,7 +400,8 @@ class Bench:
         return math.inf if not self.a.deadline_s else self.a.deadline_s - (time.monotonic() - T0)
 
     def need_s(self, mode: str) -> float:
-        start = max(self.startups, default=STARTUP_GUESS_S[self.a.shape])
+        start = max(self.startups, default=STARTUP_GUESS_S[self.a.shape]
+                    + COMPILE_GUESS_S * (self.a.graphs == "compile"))
         work = max(self.workloads, default=estimate_s(self.a.shape, self.wp, mode != "none", self.a.replicas)) * self.a.repeats
         return start + work + STOP_MARGIN_S
 

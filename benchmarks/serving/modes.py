@@ -252,7 +252,7 @@ class ServerOptions:
     max_num_batched_tokens: int = 8192
     gpu_blocks: int = 6912
     gpu_memory_utilization: float = 0.9
-    graphs: str = "decode"  # "decode": no compile, full graphs for decode-only batches; "eager"
+    graphs: str = "decode"  # "decode": no compile, full graphs for decode-only batches; "eager"; "compile": vLLM's own
     capture_size: int = 64
     tokenizer: str = "skip"  # "skip": --skip-tokenizer-init; "word": the model dir's offline tokenizer
     extra_args: tuple[str, ...] = ()
@@ -273,6 +273,8 @@ def serve_argv(spec: ModeSpec, opts: ServerOptions, model_dir: str, port: int) -
         argv.append("--skip-tokenizer-init")
     if opts.graphs == "eager":
         argv.append("--enforce-eager")
+    elif opts.graphs == "compile":  # what `vllm serve` does unasked: torch.compile and its default CUDA graph mode
+        pass
     else:  # no torch.compile (seconds to start), CUDA graphs only for uniform decode batches
         argv += ["-cc.mode=none", "-cc.cudagraph_mode=FULL_DECODE_ONLY",
                  "--max-cudagraph-capture-size", str(opts.capture_size)]

@@ -15,6 +15,12 @@ the forward launched only after the bytes had (nearly) landed: no layer-by-layer
 (H200, 2026-11-28: 46-70 GB/s per start on per-layer tensors with every group submitted before the
 forward, docs/benchmarks.md).
 
+``steps``: the forward of each lined step, ``loading`` (steps with loads) beside ``recompute`` (steps of at least
+``PREFILL_LINE_TOKENS`` scheduled tokens without loads): tokens scheduled, ``launch_ms`` (vLLM's thread from
+``start_load_kv``'s end to ``wait_for_save``: launching the forward) and ``gpu_fwd_ms`` (the forward on the GPU,
+``prefill_learn``'s clock). A GPU time about equal to the launch time says the GPU waited for the host's launches:
+such a step costs its launch, whatever it computes.
+
 Threading contract: plain functions, no state.
 """
 from __future__ import annotations
@@ -28,6 +34,9 @@ from serving.stats import percentile
 TAIL_S = 1.0
 #: in-step bytes from which a step counts for ``big_step_hold_gbps``
 BIG_STEP_BYTES = 1_000_000_000
+#: scheduled tokens from which a step without loads counts as a recomputing prefill step (the connector's trace
+#: writes such steps from the same size: ``tiered_kv/connector/vllm/trace.py`` PREFILL_LINE_TOKENS)
+PREFILL_LINE_TOKENS = 128
 
 
 def read_lines(trace_path: str) -> list[dict]:
@@ -50,8 +59,24 @@ def _dist(values: list[float]) -> dict:
             "max": round(max(values), 3), "sum": round(sum(values), 3)}
 
 
+def forward_times(lines: list[dict]) -> dict[int, float]:
+    """``{step: GPU forward ms}`` from every line's ``fwd`` (the slowest rank's where ranks share a step)."""
+    out: dict[int, float] = {}
+    for x in lines:
+        for step, ms in (x.get("fwd") or {}).items():
+            out[int(step)] = max(out.get(int(step), 0.0), ms)
+    return out
+
+
+def _forwards(steps: list[dict], fwd: dict[int, float]) -> dict:
+    return {"n": len(steps), "tokens": _dist([x["tokens"] for x in steps if x.get("tokens") is not None]),
+            "launch_ms": _dist([x["launch_ms"] for x in steps if x.get("launch_ms") is not None]),
+            "gpu_fwd_ms": _dist([fwd[x["step"]] for x in steps if x.get("step") in fwd])}
+
+
 def summarize_phase(lines: list[dict], t_start: float, t_end: float) -> dict:
-    """The trace of one phase (lines with ``t_start <= t <= t_end + TAIL_S``)."""
+    """The trace of one phase (lines with ``t_start <= t <= t_end + TAIL_S``; ``lines``: the whole start's, where
+    the GPU forward times of a phase's last steps may sit in a later line)."""
     mine = [x for x in lines if t_start <= x.get("t", 0.0) <= t_end + TAIL_S]
     loading = [x for x in mine if x["in_step"]["loads"] or x["async"]["loads"]]
     out: dict = {"lines": len(mine), "loading_steps": len(loading)}
@@ -75,7 +100,21 @@ def summarize_phase(lines: list[dict], t_start: float, t_end: float) -> dict:
     out["staged_steps"] = sum(1 for x in loading if x["in_step"].get("staged"))
     # in_step_copy sm_kernel / auto in small steps (in_step_sm_max_tokens): steps whose copy took the SM kernel
     out["sm_steps"] = sum(1 for x in loading if x["in_step"].get("sm"))
+    fwd = forward_times(lines)
+    recompute = [x for x in mine if not (x["in_step"]["loads"] or x["async"]["loads"])
+                 and (x.get("tokens") or 0) >= PREFILL_LINE_TOKENS]
+    out["steps"] = {"loading": _forwards([x for x in loading if "launch_ms" in x], fwd),
+                    "recompute": _forwards(recompute, fwd)}
     return out
+
+
+def _steps_text(s: dict) -> str:
+    parts = []
+    for kind, v in (s.get("steps") or {}).items():
+        if v.get("n"):
+            parts.append(f"{kind} {v['n']} steps: tokens p50 {v['tokens'].get('p50')}, launch p50 "
+                         f"{v['launch_ms'].get('p50')} ms, GPU forward p50 {v['gpu_fwd_ms'].get('p50')} ms")
+    return (" | " + "; ".join(parts)) if parts else ""
 
 
 def line(mode: str, phase: str, s: dict) -> str:
@@ -91,4 +130,5 @@ def line(mode: str, phase: str, s: dict) -> str:
             + (f" | SM kernel in {s['sm_steps']} steps" if s.get("sm_steps") else "")
             + (f" | steps >= {BIG_STEP_BYTES / 1e9:g} GB in-step: {s['big_step_hold_gbps']['n']}, held the thread "
                f"for bytes / {s['big_step_hold_gbps']['p50']} GB/s (p50)" if s.get("big_step_hold_gbps", {}).get("n")
-               else ""))
+               else "")
+            + _steps_text(s))

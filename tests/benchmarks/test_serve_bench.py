@@ -304,6 +304,10 @@ def test_graph_and_tokenizer_options():
     assert "--enforce-eager" in argv and "-cc.mode=none" not in argv and "--skip-tokenizer-init" not in argv
     a = serve_bench.parse_args(["--shape", "llama3-8b", "--enforce-eager"])
     assert a.graphs == "eager"
+    argv, _ = _argv("tiered", graphs="compile")  # vLLM's own defaults: no compilation or graph flag at all
+    assert not any(x.startswith("-cc.") or x in ("--enforce-eager", "--max-cudagraph-capture-size") for x in argv)
+    assert "-cc.mode=none" in _argv("tiered")[0]
+    assert serve_bench.parse_args(["--shape", "gpt-oss", "--graphs", "compile"]).graphs == "compile"
 
 
 def test_schedule_interleaves_and_rotates_modes():
@@ -762,6 +766,29 @@ def test_trace_summary_per_phase(tmp_path):
     big[1]["in_step"]["sm"] = 1  # in_step_copy auto in a step of few tokens: that step's copy took the SM kernel
     b = trace_summary.summarize_phase(big, 29.9, 30.3)
     assert b["sm_steps"] == 1 and "SM kernel in 1 steps" in trace_summary.line("tiered", "c32", b)
+    assert b["steps"]["loading"]["n"] == 0  # traces written before launch_ms: no forward figures, nothing claimed
+
+
+def test_trace_summary_sets_loading_forwards_beside_recomputing_ones():
+    """Lined steps (loads, or >= PREFILL_LINE_TOKENS scheduled): launch time and the GPU forward time that a later
+    line carries, loading steps apart from recomputing ones; decode lines that only carry ``fwd`` count for neither."""
+    from serving import trace_summary
+
+    def ln(step, t, tokens, loads, launch, fwd=None):
+        return {"step": step, "t": t, "tokens": tokens, "launch_ms": launch,
+                "in_step": {"loads": loads, "bytes": loads * 60_000_000}, "async": {"loads": 0, "bytes": 0},
+                "start_load_ms": 2.5 if loads else 0.0, "fence_ms": 0.0, "landed": [], "fwd": fwd or {}}
+
+    lines = [ln(1, 1.0, 353, 1, 40.0), ln(2, 1.1, 1633, 0, 30.0, {"1": 41.0}), ln(3, 1.2, 4, 0, 0.5, {"2": 31.0}),
+             ln(4, 1.3, 353, 1, 44.0, {}), ln(5, 9.0, 2, 0, 0.4, {"4": 12.0, "99": 5.0})]  # 4's time after the phase
+    s = trace_summary.summarize_phase(lines, 0.9, 1.35)
+    lo, re_ = s["steps"]["loading"], s["steps"]["recompute"]
+    assert lo["n"] == 2 and lo["launch_ms"]["p50"] == 42.0 and lo["gpu_fwd_ms"]["n"] == 2
+    assert lo["gpu_fwd_ms"]["p50"] == 26.5 and lo["gpu_fwd_ms"]["max"] == 41.0  # 12.0 from the line after
+    assert re_["n"] == 1 and re_["tokens"]["p50"] == 1633 and re_["gpu_fwd_ms"]["p50"] == 31.0
+    text = trace_summary.line("tiered", "c1", s)
+    assert "loading 2 steps: tokens p50 353.0, launch p50 42.0 ms, GPU forward p50 26.5 ms" in text
+    assert "recompute 1 steps: tokens p50 1633.0, launch p50 30.0 ms, GPU forward p50 31.0 ms" in text
 
 
 def test_trace_flag_collects_each_start_and_summarises_its_phases(tmp_path):

@@ -364,6 +364,8 @@ def test_trace_path_writes_one_line_per_loading_step_with_every_load_landed(mode
         eng.close()
     import json
 
+    from tiered_kv.connector.vllm.trace import PREFILL_LINE_TOKENS
+
     lines = [json.loads(x) for x in (tmp_path / "trace.rank0.jsonl").read_text().splitlines()]
     burst = [ln for ln in lines if ln["in_step"]["loads"] == 2]
     assert len(burst) == 1, lines
@@ -375,8 +377,15 @@ def test_trace_path_writes_one_line_per_loading_step_with_every_load_landed(mode
     assert sorted(x["kind"] for x in landed) == ["async"] * (USERS - 2) + ["in_step"] * 2
     assert all(x["bytes"] == HIT_BYTES and x["gpu_ms"] >= 0 and x["host_ms"] >= 0 for x in landed)
     assert len({x["job"] for x in landed}) == USERS
-    # turn 1's steps loaded nothing: no line is written for a step without loads
-    assert all(ln["in_step"]["loads"] or ln["async"]["loads"] or ln["landed"] for ln in lines)
+    # turn 1's steps loaded nothing: lined as prefill steps (tokens scheduled, the forward's launch on the host);
+    # decode steps write nothing, or only the GPU forward times (``fwd``) of lined steps that resolved since
+    loads = lambda ln: ln["in_step"]["loads"] or ln["async"]["loads"]  # noqa: E731
+    prefill = [ln for ln in lines if not loads(ln) and (ln["tokens"] or 0) >= PREFILL_LINE_TOKENS]
+    assert prefill and all(ln["launch_ms"] >= 0 for ln in prefill) and b["launch_ms"] >= 0
+    assert all(loads(ln) or ln["landed"] or ln in prefill or ln["fwd"] for ln in lines)
+    lined = {ln["step"] for ln in lines if loads(ln) or ln in prefill}
+    timed = {int(k) for ln in lines for k in ln["fwd"]}
+    assert b["step"] in timed and timed <= lined and len(timed) >= len(lined) - 1  # the last may end after the run
 
 
 def test_no_trace_file_by_default(model_dir, tmp_path, monkeypatch):

@@ -523,6 +523,8 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         last call (``forward_clock.py``)."""
         step, self._bound_step = self._bound_step, -1
         forward = self._forward.take() if self._forward is not None else None
+        if forward and self.worker.trace is not None:
+            self.worker.trace.forwards(forward)
         if not self._out_reports and step < 0 and not forward:
             return None
         out, self._out_reports = self._out_reports, {}

@@ -22,6 +22,18 @@ neither, e.g. plain decode steps, write nothing), with
   stream); ``host_ms``: from submission to the ``get_finished`` that reported it. On CPU tensors
   both are wall times.
 
+Every step that schedules at least ``PREFILL_LINE_TOKENS`` tokens writes a line too, loads or not, so a step that
+loaded can be set beside one that recomputed (the c1 question of 2026-11-29: is a loading step's time the copy, or
+what the host spends launching the forward?):
+
+- ``tokens``: what vLLM scheduled in the step (``StepPlan.tokens``; null where unknown);
+- ``launch_ms``: host time from the end of ``start_load_kv`` (else the plan's binding) to ``wait_for_save``, i.e.
+  vLLM's thread launching the forward, our per-layer hooks included. A forward whose kernels the GPU runs faster
+  than the host launches them (eager prefill) takes about this long whatever it computes;
+- ``fwd``: ``{step: ms}``, the GPU time of earlier lined steps' forwards from ``bind_connector_metadata`` to
+  ``wait_for_save`` (``forward_clock.py``, with ``prefill_learn``), known a step or more later: a GPU time near
+  ``launch_ms`` says the GPU waited for the host.
+
 Cheap when on: a few ``perf_counter`` calls and event queries per step, one line write (line-buffered, so
 a server stopped by a signal keeps every line written).
 
@@ -32,6 +44,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
@@ -49,9 +62,19 @@ class _Pending:
     cpu_ms: float | None = None  # CPU tensors: the copy's own wall time
 
 
+#: a step that schedules at least this many tokens writes a line even without loads (decode steps do not)
+PREFILL_LINE_TOKENS = 128
+#: GPU forward times kept for lined steps not written yet, at most (older ones are dropped)
+FWD_KEEP = 256
+
+
 @dataclass
 class _Step:
     step: int = -1
+    tokens: int | None = None  # what vLLM scheduled (StepPlan.tokens)
+    t_bound: float = 0.0  # perf_counter at the plan's binding
+    t_loads: float | None = None  # perf_counter when start_load_kv returned
+    launch_ms: float | None = None  # start_load_kv's end (else the binding) to wait_for_save
     in_step: list[int] = field(default_factory=lambda: [0, 0])  # loads, bytes
     staged: int = 0  # in-step merged copies (one per KV cache group) that went staged
     sm: int = 0  # ... and through the SM kernel
@@ -73,17 +96,36 @@ class LoadTrace:
         self._step = _Step()
         self._pending: list[_Pending] = []
         self._landed: list[dict] = []
+        self._lined: deque[int] = deque(maxlen=FWD_KEEP)  # steps written, whose GPU forward time is wanted
+        self._fwd: dict[int, float] = {}  # their GPU forward times not written yet
         log.info("TieredKVConnector rank %d: load trace in %s", rank, self.path)
 
-    def begin(self, step: int) -> None:
-        """A new step's plan was bound."""
+    def begin(self, step: int, tokens: int | None = None) -> None:
+        """A new step's plan was bound; ``tokens``: what vLLM scheduled in it."""
         if self._step.step != step:
-            self._step = _Step(step)
+            self._step = _Step(step, tokens, time.perf_counter())
 
     def held(self, start_load_ms: float, fence_ms: float) -> None:
-        """``start_load_kv`` of this step held vLLM's thread this long (of which ``fence_ms`` in fences)."""
+        """``start_load_kv`` of this step held vLLM's thread this long (of which ``fence_ms`` in fences); it
+        returns now, and the forward's launch begins."""
         self._step.start_load_ms += start_load_ms
         self._step.fence_ms += fence_ms
+        self._step.t_loads = time.perf_counter()
+
+    def launched(self) -> None:
+        """``wait_for_save``: the forward of this step has been launched (first call of the step counts)."""
+        st = self._step
+        if st.launch_ms is None and st.t_bound:
+            st.launch_ms = (time.perf_counter() - (st.t_loads if st.t_loads is not None else st.t_bound)) * 1e3
+
+    def forwards(self, timed: dict[int, tuple[float, bool]] | None) -> None:
+        """GPU forward times (``ForwardClock.take``: ``{step: (seconds, loaded)}``); those of lined steps are
+        written with the next line."""
+        if not timed:
+            return
+        for step, (seconds, _) in timed.items():
+            if step in self._lined:
+                self._fwd[step] = round(seconds * 1e3, 3)
 
     def held_in_forward(self, ms: float) -> None:
         """``wait_for_layer_load`` of this step held vLLM's thread this long submitting layer groups."""
@@ -139,18 +181,22 @@ class LoadTrace:
                                  "gpu_ms": round(gpu_ms, 3), "host_ms": round(p.host_ms, 3)})
         self._pending = keep
         st = self._step
-        if not (st.in_step[0] or st.async_[0] or self._landed):
+        prefill = st.tokens is not None and st.tokens >= PREFILL_LINE_TOKENS
+        if not (st.in_step[0] or st.async_[0] or self._landed or prefill or self._fwd):
             return
-        line = {"step": st.step, "t": round(time.time(), 4),
+        line = {"step": st.step, "t": round(time.time(), 4), "tokens": st.tokens,
+                "launch_ms": round(st.launch_ms, 3) if st.launch_ms is not None else None,
                 "in_step": {"loads": st.in_step[0], "bytes": st.in_step[1], "staged": st.staged,
                             "sm": st.sm, "descriptors": st.descriptors},
                 "async": {"loads": st.async_[0], "bytes": st.async_[1]},
                 "start_load_ms": round(st.start_load_ms, 3), "fence_ms": round(st.fence_ms, 3),
                 "forward_submit_ms": round(st.forward_submit_ms, 3),
-                "async_in_flight": async_in_flight, "landed": self._landed}
+                "async_in_flight": async_in_flight, "landed": self._landed, "fwd": self._fwd}
         self._f.write(json.dumps(line, separators=(",", ":")) + "\n")
-        self._landed = []
-        self._step = _Step(st.step)
+        if st.in_step[0] or st.async_[0] or prefill:
+            self._lined.append(st.step)
+        self._landed, self._fwd = [], {}
+        self._step = _Step(st.step, st.tokens, st.t_bound)
 
     def close(self) -> None:
         """Write what is left and close the file."""

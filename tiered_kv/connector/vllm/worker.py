@@ -312,7 +312,7 @@ class WorkerRuntime(StepLoads):
         self._plan = plan
         self._early_done = self._stores_done = self._fenced = False
         if self.trace is not None:
-            self.trace.begin(plan.step)
+            self.trace.begin(plan.step, plan.tokens)
 
     def fence(self) -> None:
         """Make every fenced job done with GPU memory (``handle_preemptions``).
@@ -440,6 +440,8 @@ class WorkerRuntime(StepLoads):
 
     def after_forward(self) -> None:
         """Submit stores of this step's KV (``wait_for_save``, or ``get_finished`` without a forward)."""
+        if self.trace is not None:
+            self.trace.launched()
         self.before_forward()
         if self._stores_done or self._plan is None:
             return
