@@ -454,9 +454,14 @@ def serving_cells(path: str) -> list[dict]:
     """Cells of one ``serve_bench.py`` result file (its ``summary``: per mode and phase the TTFT p50 over starts):
     workload ``serving c8`` / ``serving c32`` / ``serving c1``, GPU cache ``serve``, greedy equality from its own
     comparison with no connector (``greedy_vs_none``). The issue's matrix names c8 and c32; c1 (one request in flight)
-    is judged too, since the promise is "never slower than recompute" at any load."""
+    is judged too, since the promise is "never slower than recompute" at any load. A file whose starts ran vLLM's
+    own compilation (``serve_bench.py --graphs compile``: torch.compile and its CUDA graphs, what ``vllm serve`` does
+    unasked) gives cells of GPU cache ``serve, compiled``: a separate configuration, where a small prefill step is
+    not held by the host's eager launches (docs/notes/2026-11-30-gpu-round12.md)."""
     with open(path) as f:
         doc = json.load(f)
+    graphs = {s.get("graphs") for s in doc.get("starts", ()) if s.get("status") == "ok"}
+    gpu = "serve, compiled" if graphs == {"compile"} else "serve" if "compile" not in graphs else "serve, mixed graphs"
     out = []
     summary = doc.get("summary", {})
     for phase in ("c8", "c32", "c1"):
@@ -466,7 +471,7 @@ def serving_cells(path: str) -> list[dict]:
         med = {m: p["ttft_p50_ms"]["median"] / 1e3 for m, p in got.items() if p}
         span = {m: (p["ttft_p50_ms"]["min"] / 1e3, p["ttft_p50_ms"]["max"] / 1e3) for m, p in got.items() if p}
         g = got["tiered"].get("greedy_vs_none") or {}
-        out.append({"shape": doc.get("shape", "?"), "workload": f"serving {phase}", "gpu": "serve",
+        out.append({"shape": doc.get("shape", "?"), "workload": f"serving {phase}", "gpu": gpu,
                     "median_s": med, "min_max_s": span, "starts": {m: p["ttft_p50_ms"]["n"] for m, p in got.items() if p},
                     "greedy_equal": (g.get("compared") == g.get("equal")) if g.get("compared") else None,
                     "source": os.path.basename(path)})

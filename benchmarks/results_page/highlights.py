@@ -161,8 +161,10 @@ def envelope(r: Result) -> Row:
         m = gemma["median_s"]
         cliff = (f"; the Gemma-2 batch under GPU pressure **{num(m['tiered'], 2)} s** ({gemma['starts']['tiered']} "
                  f"starts)")
-    fails = ", ".join(f"{x['shape']} {x['workload']} ({x['why']})" for x in rows if not x["pass"]) or "none"
-    near = [f"{x['shape']} {x['workload']}" for x in rows if x["pass"] and x.get("wants_3_starts")]
+    label = lambda x: f"{x['shape']} {x['workload']}" + (f" [{x['gpu']}]" if x.get("gpu", "").startswith(  # noqa: E731
+        "serve,") else "")
+    fails = ", ".join(f"{label(x)} ({x['why']})" for x in rows if not x["pass"]) or "none"
+    near = [label(x) for x in rows if x["pass"] and x.get("wants_3_starts")]
     if near:
         fails += f"; within 10% of a bound on one start (3 wanted): {', '.join(near)}"
     base = (f"`OffloadingConnector` {num(gemma['median_s']['offloading'], 2)} s, no connector "

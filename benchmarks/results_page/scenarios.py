@@ -116,10 +116,23 @@ def same_call_table(results: list[Result], ours: str = OURS, peers: tuple[str, .
 
 
 def serve(results: list[Result]) -> str:
-    """The serving table, then ours against the peers of its last call."""
+    """The serving table, then ours against the peers of its last call (left out where no peer ran beside ours)."""
     results = sorted(results, key=_shape_key)
-    return (serve_table(results) + "\n" + source(results) + "\nOurs (`auto`) against the peers started in the same "
-            "call (the last call with an `auto` start; one start each):\n\n" + same_call_table(results))
+    same = same_call_table(results)
+    return (serve_table(results) + "\n" + source(results) + ("\nOurs (`auto`) against the peers started in the same "
+            "call (the last call with an `auto` start; one start each):\n\n" + same if same.count("\n") > 2 else ""))
+
+
+#: the modes of serving runs in other configurations and of controls: ours with stores off is the connector doing
+#: nothing; ``none-resident`` of a sliding-window hybrid computes what no connector computes (no floor there)
+CONTROL_MODES = {**SERVE_MODES, "none-resident": "`none-resident` (the floor; on the hybrids another no-connector start)",
+                 "tiered-nostore": "ours, stores off (`store_policy: none`: nothing stored or loaded)"}
+
+
+def serve_configs(results: list[Result]) -> str:
+    """The serving table with the control modes (no same-call comparison: these runs answer a question each)."""
+    results = sorted(results, key=_shape_key)
+    return serve_table(results, CONTROL_MODES) + "\n" + source(results)
 
 
 #: the round-robin replica runs' modes (issue 33): every mode is one engine per GPU, its counters summed
@@ -604,9 +617,13 @@ def disk_sweep(r: Result) -> str:
 PROBES = "benchmarks/probes/README.md"
 #: the page of runs on several GPUs of one host (TP, replicas, engines side by side)
 MULTI_GPU = "docs/benchmarks-multi-gpu.md"
+#: the page of serving runs in other configurations (vLLM's own compilation) and of controls
+SERVING_CONFIGS = "docs/benchmarks-serving-configs.md"
 #: every section's block, by the result files it shows; each file in docs/results/ must match exactly one
 SCENARIOS: tuple[Scenario, ...] = (
     Scenario("serve", ("serve_bench_*_h200.json",), serve),
+    Scenario("serve-compiled", ("serve_bench_*_h200-compile.json",), serve_configs, SERVING_CONFIGS),
+    Scenario("serve-controls", ("serve_bench_*_h200-ctl.json",), serve_configs, SERVING_CONFIGS),
     Scenario("serve-shared-host", ("serve_bench_*_h200x4-shared.json",), serve_shared, MULTI_GPU),
     Scenario("serve-tp", ("serve_bench_*_h200x*-tp*.json",), serve, MULTI_GPU),
     Scenario("serve-replicas", ("serve_bench_*_h200x*-rr*.json",), serve_replicas, MULTI_GPU),

@@ -107,6 +107,15 @@ def test_serving_cells_are_judged_by_the_same_rule(tmp_path):
     assert rows["serving c8"]["greedy_equal"] is True
     # c1 is judged too: slower than recompute fails however it compares with the peer
     assert not rows["serving c1"]["pass"] and "1.30x none" in rows["serving c1"]["why"], rows["serving c1"]
+    assert {c["gpu"] for c in cells} == {"serve"}  # no starts recorded: the file's configuration is the default
+    # a file whose starts all ran vLLM's own compilation is another configuration: cells of their own
+    doc["starts"] = [{"mode": m, "status": "ok", "graphs": "compile"} for m in ("none", "offloading", "tiered")]
+    doc["starts"].append({"mode": "tiered", "status": "skipped"})
+    path.write_text(json.dumps(doc))
+    assert {c["gpu"] for c in envelope.serving_cells(str(path))} == {"serve, compiled"}
+    doc["starts"][0]["graphs"] = "decode"
+    path.write_text(json.dumps(doc))
+    assert {c["gpu"] for c in envelope.serving_cells(str(path))} == {"serve, mixed graphs"}
 
 
 def test_rank_rates_read_each_ranks_trace_in_the_window(tmp_path):

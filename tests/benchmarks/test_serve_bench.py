@@ -299,6 +299,20 @@ def test_extra_settings_from_the_command_line():
         reg.spec("tiered-x", SIZES)
 
 
+def test_the_warm_up_covers_every_moe_band_a_follow_up_and_a_batch_of_the_highest_concurrency(tmp_path):
+    """Before the first phase: one prefill per fused-MoE tile band that fits the model length, a follow-up over the
+    longest, then as many short prompts at once as the busiest phase runs (their seconds recorded, batch as one)."""
+    from kernel_jit import MOE_BAND_LENGTHS
+
+    out = tmp_path / "out"
+    serve_bench.main(SMALL_ARGS + ["--python", _fake_python(tmp_path), "--modes", "none", "--out-dir", str(out),
+                                   "--max-model-len", "4096"])
+    (start,) = json.loads((out / "serve_bench_llama3-8b.json").read_text())["starts"]
+    fits = [n for n in MOE_BAND_LENGTHS if n <= 4096 - 16 - 64]
+    assert start["status"] == "ok" and len(fits) == len(MOE_BAND_LENGTHS) - 1  # 6,144 does not fit
+    assert len(start["warmup_s"]) == len(fits) + 2 and all(x >= 0 for x in start["warmup_s"])
+
+
 def test_graph_and_tokenizer_options():
     argv, _ = _argv("none", graphs="eager", tokenizer="word")
     assert "--enforce-eager" in argv and "-cc.mode=none" not in argv and "--skip-tokenizer-init" not in argv
@@ -679,7 +693,10 @@ def test_deadline_skips_starts_that_would_not_fit(tmp_path):
 
 
 def test_a_server_that_dies_mid_run_fails_its_start_without_fallbacks(tmp_path, monkeypatch):
-    monkeypatch.setenv("FAKE_SERVE_EXIT_AFTER", "5")  # 2 warm-up requests, then 3 of the warm phase
+    from kernel_jit import MOE_BAND_LENGTHS
+
+    warm = len(MOE_BAND_LENGTHS) + 1 + 4  # the warm-up: a prefill per MoE band (all fit 8,192), a follow-up, a batch of 4
+    monkeypatch.setenv("FAKE_SERVE_EXIT_AFTER", str(warm + 3))  # then 3 of the warm phase
     out = tmp_path / "out"
     serve_bench.main(SMALL_ARGS + ["--python", _fake_python(tmp_path), "--modes", "none", "--out-dir", str(out)])
     (start,) = json.loads((out / "serve_bench_llama3-8b.json").read_text())["starts"]

@@ -123,9 +123,11 @@ class ConnectorConfig(RemoteKeys):
                                         "window (clamped to 1-500 GB/s)", "GB/s")
     trace_path: str | None = config_key(None, "a per-step load trace: each worker rank appends JSON lines to "
                                               "`<trace_path>.rank<r>.jsonl`, one per step that started or landed "
-                                              "CPU-tier loads (in-step and asynchronous loads and bytes, how long "
-                                              "`start_load_kv` held vLLM's thread, and per load its GPU time from "
-                                              "CUDA timing events read back a step later without blocking); "
+                                              "CPU-tier loads or scheduled >= 128 tokens (in-step and asynchronous "
+                                              "loads and bytes, how long `start_load_kv` held vLLM's thread, per load "
+                                              "its GPU time from CUDA timing events read back a step later without "
+                                              "blocking, and per step the tokens scheduled, the forward's launch time "
+                                              "on vLLM's thread and its GPU time); "
                                               "`connector/vllm/trace.py` has the fields. Off by default; "
                                               "`benchmarks/serve_bench.py --trace` sets it per engine start and "
                                               "summarises it per phase")
