@@ -463,7 +463,11 @@ def serving_cells(path: str) -> list[dict]:
     graphs = {s.get("graphs") for s in doc.get("starts", ()) if s.get("status") == "ok"}
     gpu = "serve, compiled" if graphs == {"compile"} else "serve" if "compile" not in graphs else "serve, mixed graphs"
     out = []
-    summary = doc.get("summary", {})
+    from serving import report  # noqa: PLC0415 (the serving package only where serving files are read)
+
+    # the summary again from the starts' rows: files written before a summary field existed get it too
+    starts = doc.get("starts") or []
+    summary = report.summarize(starts) if any(s.get("repeats") for s in starts) else doc.get("summary", {})
     for phase in ("c8", "c32", "c1"):
         got = {m: summary.get(m, {}).get("phases", {}).get(phase) for m in ("none", "offloading", "tiered")}
         if not got["tiered"]:
@@ -471,9 +475,12 @@ def serving_cells(path: str) -> list[dict]:
         med = {m: p["ttft_p50_ms"]["median"] / 1e3 for m, p in got.items() if p}
         span = {m: (p["ttft_p50_ms"]["min"] / 1e3, p["ttft_p50_ms"]["max"] / 1e3) for m, p in got.items() if p}
         g = got["tiered"].get("greedy_vs_none") or {}
+        d = got["tiered"].get("greedy_reference_outputs")
+        outputs = [d, g["compared"]] if g.get("compared") and d is not None else None
         out.append({"shape": doc.get("shape", "?"), "workload": f"serving {phase}", "gpu": gpu,
                     "median_s": med, "min_max_s": span, "starts": {m: p["ttft_p50_ms"]["n"] for m, p in got.items() if p},
                     "greedy_equal": (g.get("compared") == g.get("equal")) if g.get("compared") else None,
+                    "greedy_outputs": outputs,
                     "source": os.path.basename(path)})
     return out
 
@@ -569,7 +576,8 @@ def verdict(results: list[dict], serving: list[dict] = ()) -> list[dict]:
                 ours_checked = any(_prompts(r) in refs for r in got[mine])  # else the cell says nothing of ours
                 equal = all(operator.eq(*_tokens(r, refs[_prompts(r)], tok_key)) for r in checked) if ours_checked else None
                 row = {"shape": shape, "workload": work, "gpu": gpu, "starts": {m: len(rs) for m, rs in got.items()},
-                       "median_s": med, "min_max_s": spread, "greedy_equal": equal}
+                       "median_s": med, "min_max_s": spread, "greedy_equal": equal,
+                       "greedy_outputs": greedy_outputs(list(refs.values()), tok_key)}
                 if equal is False:
                     row.update(_differences(ok, got, refs, shape, gpu, tok_key, none, mine))
                 rows.append(_judge(row, none, peer, mine))
@@ -577,13 +585,31 @@ def verdict(results: list[dict], serving: list[dict] = ()) -> list[dict]:
     return rows
 
 
+def greedy_outputs(refs: list[dict], tok_key: str) -> list[int] | None:
+    """[distinct outputs, requests] of the no-connector start (of ``refs``) whose requests' outputs differ most:
+    how much an equality of ours with it can say (None: no outputs recorded)."""
+    best = None
+    for ref in refs:
+        key = f"{tok_key}_all" if f"{tok_key}_all" in ref else tok_key
+        seqs = [tuple(t) if isinstance(t, list) else t for t in ref.get(key, ())]
+        if seqs and (best is None or len(set(seqs)) > best[0]):
+            best = [len(set(seqs)), len(seqs)]
+    return best
+
+
 def greedy_text(row: dict) -> str:
-    """A verdict row's greedy-equality cell: yes, NO, or which requests differ and what explains it."""
+    """A verdict row's greedy-equality cell: yes, NO, or which requests differ and what explains it; a "yes" over
+    outputs that hardly differ from request to request (fewer distinct than a quarter of them, from 4 on: dummy
+    weights make the sliding-window hybrids answer alike) says so."""
     how = {"control": "as the none-chunked control",
            "tie": "where no connector's top two tie (margin 0)"}.get(row.get("greedy_explained"))
     if how:
         return f"no at {row['differs_at']}, {how}"
-    return {True: "yes", False: "NO", None: "-"}[row["greedy_equal"]]
+    text = {True: "yes", False: "NO", None: "-"}[row["greedy_equal"]]
+    d, n = row.get("greedy_outputs") or (None, 0)
+    if row["greedy_equal"] and d is not None and n >= 4 and 4 * d < n:
+        text += f" (weak: {d} distinct of {n} outputs)"
+    return text
 
 
 def table(doc: dict) -> str:

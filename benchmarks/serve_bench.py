@@ -65,10 +65,10 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import signal
 import sys
-import tempfile
 import time
 from dataclasses import replace
 
@@ -84,6 +84,7 @@ from serving.shapes import (  # noqa: E402
     kv_groups,
     pool_blocks,
     weight_bytes,
+    stable_model_dir,
     write_model_dir,
     write_wordlevel_tokenizer,
 )
@@ -317,7 +318,7 @@ def dry_run(a) -> None:
     problems = 0
     for k, m in enumerate(modes):
         trace = os.path.join(a.out_dir, f"trace_{a.shape}_{m}_r0") if a.trace else None
-        reps = plan_start(a, reg, ts, wp, opts, m, f"/tmp/serve-bench-{a.shape}", [8000 + i for i in range(n)],
+        reps = plan_start(a, reg, ts, wp, opts, m, stable_model_dir(a.shape), [8000 + i for i in range(n)],
                           [9400 + i for i in range(n)], replicas.pool_name(k), trace, "serve.log",
                           {"PYTHONPATH": os.environ.get("PYTHONPATH", "")})
         spec = reps[0].spec
@@ -381,8 +382,7 @@ class Bench:
         self.graphs = "decode" if a.graphs == "auto" else a.graphs
         self.tokenizer = "skip" if a.tokenizer == "auto" else a.tokenizer
         self.settled = False  # a start succeeded: no more fallbacks
-        self.model_dir = write_model_dir(a.shape, tempfile.mkdtemp(prefix=f"serve-bench-{a.shape}-"),
-                                         tokenizer=self.tokenizer == "word")
+        self.model_dir = write_model_dir(a.shape, stable_model_dir(a.shape), tokenizer=self.tokenizer == "word")
         self.tokenizer_written = self.tokenizer == "word"
         self.startups: list[float] = []
         self.workloads: list[float] = []
@@ -553,6 +553,7 @@ class Bench:
                 _wipe(s.disk_dir)
             if trace is not None:
                 add_trace(rec, [replicas.suffixed(trace, i, n) for i in range(n)], mode)
+            add_jit(rec, [r.log for r in reps], mode)
 
     async def drive(self, bases: list[str], specs: list, wl: Workload, out: list) -> None:
         """The phases of one workload run over the start's servers (round robin per turn when several),
@@ -597,6 +598,48 @@ def add_trace(rec: dict, trace_paths: list[str], mode: str) -> None:
             if "t_start" in ph:
                 ph["trace"] = trace_summary.summarize_phase(lines, ph["t_start"], ph["t_end"])
                 print(trace_summary.line(mode, ph["name"], ph["trace"]), flush=True)
+
+
+#: vLLM's JIT monitor (``--jit-monitor-verbose``: one line per compilation): ``<MM-DD HH:MM:SS> [jit_monitor.py:N]
+#: <backend> kernel JIT compilation during inference: <kernel>``, the time in the server's local time
+JIT_LINE = re.compile(r"(\d\d)-(\d\d) (\d\d):(\d\d):(\d\d)(?:\.\d+)? \[jit_monitor\.py:\d+\] (\w+) .*? during "
+                      r"inference: ([\w.<>-]+)")
+
+
+def jit_events(log_path: str, year: int) -> list[tuple[float, str]]:
+    """(epoch seconds, "<backend>:<kernel>") of every kernel JIT compilation vLLM's monitor logged in ``log_path``
+    (a missing log: none). ``year``: the log's lines carry month and day only."""
+    try:
+        with open(log_path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return []
+    out = []
+    for m in JIT_LINE.finditer(text):
+        mon, day, hh, mm, ss = (int(x) for x in m.groups()[:5])
+        out.append((time.mktime((year, mon, day, hh, mm, ss, 0, 0, -1)), f"{m.group(6)}:{m.group(7)}"))
+    return out
+
+
+def add_jit(rec: dict, log_paths: list[str], mode: str) -> None:
+    """Kernel compilations inside each measured phase (``phase["jit"]``: count and kernels), from the servers' logs
+    (``--jit-monitor-verbose``). The log's times have whole seconds, so a compilation up to a second either side of a
+    phase counts for it. A first compilation inside a phase stalls every request in flight (2026-11-30, GPU round 12:
+    likely the four 1.0-1.4 s steps of a call's first start, whose c32 read 818 ms against 315 a round earlier; vLLM
+    logged only the first compilation per kernel then, so the logs could not tell). The warm-up (``warmup``) exists
+    to make these rare; where one remains, the phase line says so."""
+    phases = [ph for rep in rec.get("repeats", ()) for ph in rep["phases"] if "t_start" in ph]
+    if not phases:
+        return
+    year = time.localtime(phases[0]["t_start"]).tm_year
+    events = [e for p in log_paths for e in jit_events(p, year)]
+    rec["jit_compiles"] = len(events)
+    for ph in phases:
+        inside = [k for t, k in events if ph["t_start"] - 1.0 <= t <= ph["t_end"] + 1.0]
+        ph["jit"] = {"n": len(inside), "kernels": sorted(set(inside))}
+        if inside:
+            print(f"[{mode}] {ph['name']:>6}: {len(inside)} kernel compilation(s) inside the phase "
+                  f"({', '.join(sorted(set(inside)))}): its requests in flight waited for them", flush=True)
 
 
 def phase_record(ph, run, before: dict, after: dict, spec) -> dict:
@@ -659,9 +702,9 @@ async def warmup(base: str, wp: WorkloadParams, max_len: int) -> tuple[list[floa
     ``max_len`` (``kernel_jit.warm_prompts``, the envelope's warm-up), a follow-up over the longest one's GPU-cached
     context, then the workload's highest concurrency of short prompts at once (decode of that many sequences), all
     from an RNG of their own. So no mode pays the machine's first Triton compilations inside a measured phase: on
-    2026-11-30 (GPU round 12, gpt-oss) the first start of a call held steps of 2,176-8,065 tokens 1.0-1.4 s, with
-    loads and without, and its c32 TTFT p50 read 818 ms where round 11 read 315. Returns each request's seconds
-    (the batch as one) and the first error, if any."""
+    2026-11-30 (GPU round 12, gpt-oss) the first start of a call held four steps 1.0-1.4 s (two warm-phase steps
+    without loads, two c32 steps with), likely such compilations, and its c32 TTFT p50 read 818 ms where round 11
+    read 315. Returns each request's seconds (the batch as one) and the first error, if any."""
     from kernel_jit import warm_prompts
     from serving import client
 
@@ -777,10 +820,7 @@ def main(argv=None) -> None:
 
     signal.signal(signal.SIGTERM, on_signal)
     bench = Bench(a)
-    try:
-        bench.run()
-    finally:
-        shutil.rmtree(bench.model_dir, ignore_errors=True)
+    bench.run()  # the model directory stays (stable_model_dir: vLLM's compile cache is keyed on its path)
     finish(bench.doc, bench.path, plot=not a.no_plot)
     if a.replicas > 1:  # a device call brings back a few files: one archive for every replica's log
         tgz = replicas.pack_logs(a.out_dir, a.shape, os.path.basename(bench.path).replace("serve_bench_", "serve_logs_")

@@ -268,7 +268,7 @@ def serve_argv(spec: ModeSpec, opts: ServerOptions, model_dir: str, port: int) -
             "--num-gpu-blocks-override", str(opts.gpu_blocks),
             "--gpu-memory-utilization", str(opts.gpu_memory_utilization),
             "--enable-prefix-caching", "--enable-prompt-tokens-details", "--enable-per-request-metrics",
-            "--disable-uvicorn-access-log"]
+            "--disable-uvicorn-access-log", "--jit-monitor-verbose"]  # every kernel compilation logged (add_jit)
     if opts.tokenizer == "skip":
         argv.append("--skip-tokenizer-init")
     if opts.graphs == "eager":

@@ -14,8 +14,10 @@ Threading: plain data and pure functions; no shared state.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import tempfile
 
 _COMMON = {"hidden_act": "silu", "torch_dtype": "bfloat16", "tie_word_embeddings": False,
            "bos_token_id": 1, "eos_token_id": 2, "head_dim": 128}
@@ -165,11 +167,25 @@ def weight_bytes(shape: str) -> int:
     return 2 * (layers * per_layer + 2 * v * h)
 
 
+def stable_model_dir(shape: str, root: str | None = None) -> str:
+    """Where ``serve_bench.py`` writes ``shape``'s model directory: the same path for the same config on a machine.
+
+    vLLM keys its torch.compile cache (``~/.cache/vllm/torch_compile_cache``) on the model path among others, so a
+    fresh temporary directory per call made every call of a session compile again: on 2026-11-30 (H200, Gemma-2
+    shape, ``--graphs compile``) three calls each spent 28.6-29.6 s in torch.compile, where a later start of the same
+    call with the same settings loaded the compiled graph in 3.9 s. The name holds a digest of the config, so a
+    changed shape never meets an old cache entry. The directory is left in place (a few KiB): runs on several GPUs
+    of one host may share it."""
+    digest = hashlib.sha256(json.dumps(SHAPES[shape], sort_keys=True).encode()).hexdigest()[:12]
+    return os.path.join(root or tempfile.gettempdir(), f"serve-bench-{shape}-{digest}")
+
+
 def write_model_dir(shape: str, path: str, tokenizer: bool) -> str:
-    """Write ``config.json`` (and, with ``tokenizer``, an offline word-level tokenizer) into ``path``."""
+    """Write ``config.json`` (and, with ``tokenizer``, an offline word-level tokenizer) into ``path``; each file
+    replaced whole (written aside, then renamed), so a server of another run reading the same directory never sees
+    one half written."""
     os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(SHAPES[shape], f, indent=1)
+    _replace_file(os.path.join(path, "config.json"), json.dumps(SHAPES[shape], indent=1))
     if tokenizer:
         write_wordlevel_tokenizer(path, SHAPES[shape]["vocab_size"])
     return path
@@ -185,8 +201,20 @@ def write_wordlevel_tokenizer(path: str, vocab_size: int) -> None:
     tok = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # no "##" words here: plain space join
-    tok.save(os.path.join(path, "tokenizer.json"))
-    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 20,
-                   "bos_token": "t1", "eos_token": "t2", "unk_token": "t0",
-                   "clean_up_tokenization_spaces": False}, f)
+    _replace_file(os.path.join(path, "tokenizer.json"), tok.to_str())
+    _replace_file(os.path.join(path, "tokenizer_config.json"),
+                  json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 20,
+                              "bos_token": "t1", "eos_token": "t2", "unk_token": "t0",
+                              "clean_up_tokenization_spaces": False}))
+
+
+def _replace_file(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in the same directory and a rename."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise

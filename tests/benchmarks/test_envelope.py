@@ -226,3 +226,18 @@ def test_usable_bytes_count_mla_once_and_other_kv_per_rank():
     one_rank = (1024 // 256) * 16 * 4096
     assert usable(True) == one_rank
     assert usable(False) == 2 * one_rank
+
+
+def test_a_greedy_yes_over_outputs_that_hardly_differ_says_it_is_weak():
+    """Dummy weights make the sliding-window hybrids answer nearly every prompt alike: equal outputs then say little,
+    and the table says so (fewer distinct outputs than a quarter of the requests, from 4 requests on)."""
+    alike = [{"turn2_tokens_all": [[7, 8]] * 9 + [[7, 9]]}, {"turn2_tokens_all": [[7, 8]] * 10}]
+    assert envelope.greedy_outputs(alike, "turn2_tokens") == [2, 10]  # the start whose outputs differ most
+    assert envelope.greedy_outputs([{"batch_tokens": [[i, 1] for i in range(10)]}], "batch_tokens") == [10, 10]
+    assert envelope.greedy_outputs([{}], "batch_tokens") is None
+    row = {"greedy_equal": True, "greedy_outputs": [2, 10]}
+    assert envelope.greedy_text(row) == "yes (weak: 2 distinct of 10 outputs)"
+    assert envelope.greedy_text({**row, "greedy_outputs": [3, 10]}) == "yes"  # a quarter or more: the check has power
+    assert envelope.greedy_text({**row, "greedy_outputs": [1, 3]}) == "yes"  # too few requests to tell
+    assert envelope.greedy_text({**row, "greedy_equal": False}) == "NO"  # a difference is a difference
+    assert envelope.greedy_text({"greedy_equal": True}) == "yes"  # files without the count

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import time
 import os
 import subprocess
 import sys
@@ -133,6 +134,27 @@ def test_shapes_kv_bytes_and_model_dir(tmp_path):
     cfg = json.loads((Path(d) / "config.json").read_text())
     assert cfg["num_hidden_layers"] == 28 and cfg["num_key_value_heads"] == 4 and cfg["architectures"] == ["Qwen2ForCausalLM"]
     assert not (Path(d) / "tokenizer.json").exists()
+    assert list(Path(d).iterdir()) == [Path(d) / "config.json"]  # written aside and renamed: no temporary file left
+
+
+def test_the_model_dir_is_one_path_per_shape_config(tmp_path, monkeypatch):
+    """vLLM keys its compile cache on the model path: one path per shape's config, so later calls find it; another
+    config gets another path; a run leaves the directory for the next (and for neighbours on the same host)."""
+    from serving import shapes
+
+    a, b = shapes.stable_model_dir("gemma2", str(tmp_path)), shapes.stable_model_dir("gemma2", str(tmp_path))
+    assert a == b and a.startswith(str(tmp_path / "serve-bench-gemma2-"))
+    assert shapes.stable_model_dir("gpt-oss", str(tmp_path)) != a
+    changed = {**SHAPES["gemma2"], "num_hidden_layers": 40}
+    monkeypatch.setitem(shapes.SHAPES, "gemma2", changed)
+    assert shapes.stable_model_dir("gemma2", str(tmp_path)) != a
+    monkeypatch.setattr(shapes.tempfile, "tempdir", str(tmp_path))
+    out = tmp_path / "out"
+    serve_bench.main(SMALL_ARGS + ["--python", _fake_python(tmp_path), "--modes", "none", "--out-dir", str(out)])
+    (start,) = json.loads((out / "serve_bench_llama3-8b.json").read_text())["starts"]
+    model = shapes.stable_model_dir("llama3-8b")
+    assert model.startswith(str(tmp_path)) and f" serve {model} " in start["command"]
+    assert (Path(model) / "config.json").is_file()  # left for the next call
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tokenizers") is None, reason="needs tokenizers")
@@ -313,6 +335,41 @@ def test_the_warm_up_covers_every_moe_band_a_follow_up_and_a_batch_of_the_highes
     assert len(start["warmup_s"]) == len(fits) + 2 and all(x >= 0 for x in start["warmup_s"])
 
 
+def test_kernel_compilations_inside_a_phase_are_counted_from_the_server_log(tmp_path, capsys):
+    """vLLM's JIT monitor lines (the form of 2026-11-30's H200 logs, and ``--jit-monitor-verbose``'s detail) are
+    placed in the phases whose times hold them, a second either side; none from the warm-up before the first."""
+    t0 = time.mktime((2026, 11, 30, 0, 24, 10, 0, 0, -1))
+    stamp = lambda dt: time.strftime("%m-%d %H:%M:%S", time.localtime(t0 + dt))  # noqa: E731
+    log = tmp_path / "serve.log"
+    log.write_text(
+        f"(EngineCore pid=1787) WARNING {stamp(-5)} [jit_monitor.py:135] Triton kernel JIT compilation during "
+        "inference: fused_moe_kernel. This causes a latency spike; consider extending warmup to cover this shape.\n"
+        f"(EngineCore pid=1787) WARNING {stamp(3)} [jit_monitor.py:132] Triton kernel JIT compilation during "
+        "inference: fused_moe_kernel (BLOCK_SIZE_M=64, M=288). This causes a latency spike; ...\n"
+        f"(EngineCore pid=1787) WARNING {stamp(3)} [jit_monitor.py:132] Triton kernel JIT compilation during "
+        "inference: copy_pieces (ELEM=8). This causes a latency spike; ...\n"
+        f"(EngineCore pid=1787) INFO {stamp(4)} [core.py:1] nothing to see\n")
+    rec = {"repeats": [{"phases": [{"name": "warm", "t_start": t0, "t_end": t0 + 1.5},
+                                   {"name": "c32", "t_start": t0 + 2.5, "t_end": t0 + 6.0},
+                                   {"name": "c1", "t_start": t0 + 8.0, "t_end": t0 + 9.0}]}]}
+    serve_bench.add_jit(rec, [str(log), str(tmp_path / "missing.log")], "tiered")
+    warm, c32, c1 = rec["repeats"][0]["phases"]
+    assert rec["jit_compiles"] == 3 and warm["jit"]["n"] == 0 and c1["jit"] == {"n": 0, "kernels": []}
+    assert c32["jit"] == {"n": 2, "kernels": ["Triton:copy_pieces", "Triton:fused_moe_kernel"]}
+    assert "c32: 2 kernel compilation(s) inside the phase" in capsys.readouterr().out
+    assert "--jit-monitor-verbose" in _argv("none")[0]
+
+
+def test_greedy_equality_over_alike_outputs_is_called_weak():
+    from serving.report import weak_check
+
+    assert weak_check(16, 1) == " (1 distinct output: a weak check)"
+    assert weak_check(128, 3) == " (3 distinct outputs: a weak check)"
+    assert weak_check(16, 4) == ""  # a quarter: the check has power
+    assert weak_check(3, 1) == ""  # too few requests to tell
+    assert weak_check(16, None) == ""  # summaries written before the count
+
+
 def test_graph_and_tokenizer_options():
     argv, _ = _argv("none", graphs="eager", tokenizer="word")
     assert "--enforce-eager" in argv and "-cc.mode=none" not in argv and "--skip-tokenizer-init" not in argv
@@ -375,7 +432,7 @@ def test_summary_min_median_max_greedy_and_ratios():
     t = s["tiered"]["phases"]["c8"]
     assert t["ttft_p50_ms"] == {"min": 40.0, "median": 50.0, "max": 60.0, "n": 3}  # the truncated phase is not a sample
     assert t["output_tok_s"]["median"] == 1250.0 and t["tier_cpu"]["median"] == 90.0
-    assert t["greedy_vs_none"] == {"compared": 6, "equal": 5}
+    assert t["greedy_vs_none"] == {"compared": 6, "equal": 5} and t["greedy_reference_outputs"] == 2
     assert s["lmcache"]["failed"] == 1 and s["lmcache"]["phases"] == {}
     text = report.table(s)
     assert "| c8 | tiered | 3 | 50.0 [40.0-60.0] |" in text and "5/6" in text
