@@ -476,7 +476,8 @@ def serving_cells(path: str) -> list[dict]:
         span = {m: (p["ttft_p50_ms"]["min"] / 1e3, p["ttft_p50_ms"]["max"] / 1e3) for m, p in got.items() if p}
         g = got["tiered"].get("greedy_vs_none") or {}
         d = got["tiered"].get("greedy_reference_outputs")
-        outputs = [d, g["compared"]] if g.get("compared") and d is not None else None
+        outputs = ([d, got["tiered"].get("greedy_requests", g["compared"])] if g.get("compared") and d is not None
+                   else None)
         out.append({"shape": doc.get("shape", "?"), "workload": f"serving {phase}", "gpu": gpu,
                     "median_s": med, "min_max_s": span, "starts": {m: p["ttft_p50_ms"]["n"] for m, p in got.items() if p},
                     "greedy_equal": (g.get("compared") == g.get("equal")) if g.get("compared") else None,

@@ -495,6 +495,7 @@ class Bench:
                 os.makedirs(s.disk_dir, exist_ok=True)
         if pool and replicas.shm_problem(self.sizes.cpu_gib):
             raise RuntimeError(replicas.shm_problem(self.sizes.cpu_gib))  # no start-up setting would help
+        started_at = time.time()  # the servers' logs are appended to: this start's lines come after this
         srvs = [server.ServerProcess(r.argv, r.env, r.log) for r in reps]
         bad = 0  # the replica whose log tells why a start failed
         try:
@@ -513,7 +514,8 @@ class Bench:
                       f"{f', {n} replicas' if n > 1 else ''})", flush=True)
                 if specs[0].family == "lmcache":
                     rec["lmcache_native_ops"] = all([lmcache_native_ops(r.log) for r in reps])
-                warm = [_run_async(warmup(r.base, self.wp, self.a.max_model_len)) for r in reps]
+                # each replica its own prompts: with one host pool a replica would load another's instead of computing
+                warm = [_run_async(warmup(r.base, self.wp, self.a.max_model_len, seed=1 + i)) for i, r in enumerate(reps)]
                 rec["warmup_s"] = [round(x, 3) for w in warm for x in w[0]]
                 err = next((w[1] for w in warm if w[1]), None)
                 if err:
@@ -553,7 +555,7 @@ class Bench:
                 _wipe(s.disk_dir)
             if trace is not None:
                 add_trace(rec, [replicas.suffixed(trace, i, n) for i in range(n)], mode)
-            add_jit(rec, [r.log for r in reps], mode)
+            add_jit(rec, [r.log for r in reps], mode, started_at, graphs)
 
     async def drive(self, bases: list[str], specs: list, wl: Workload, out: list) -> None:
         """The phases of one workload run over the start's servers (round robin per turn when several),
@@ -621,18 +623,25 @@ def jit_events(log_path: str, year: int) -> list[tuple[float, str]]:
     return out
 
 
-def add_jit(rec: dict, log_paths: list[str], mode: str) -> None:
+def add_jit(rec: dict, log_paths: list[str], mode: str, since: float = 0.0, graphs: str = "decode") -> None:
     """Kernel compilations inside each measured phase (``phase["jit"]``: count and kernels), from the servers' logs
     (``--jit-monitor-verbose``). The log's times have whole seconds, so a compilation up to a second either side of a
     phase counts for it. A first compilation inside a phase stalls every request in flight (2026-11-30, GPU round 12:
     likely the four 1.0-1.4 s steps of a call's first start, whose c32 read 818 ms against 315 a round earlier; vLLM
     logged only the first compilation per kernel then, so the logs could not tell). The warm-up (``warmup``) exists
-    to make these rare; where one remains, the phase line says so."""
+    to make these rare; where one remains, the phase line says so. Only lines from ``since`` on count (a log of the
+    same name from an earlier call is appended to); with ``graphs`` eager vLLM turns its monitor off, so every phase
+    records ``jit: null`` (unknown) rather than zero. Two phases less than two seconds apart may both count one
+    compilation; Triton's autotuning is not a compilation the monitor logs."""
     phases = [ph for rep in rec.get("repeats", ()) for ph in rep["phases"] if "t_start" in ph]
     if not phases:
         return
+    if graphs == "eager":
+        for ph in phases:
+            ph["jit"] = None
+        return
     year = time.localtime(phases[0]["t_start"]).tm_year
-    events = [e for p in log_paths for e in jit_events(p, year)]
+    events = [e for p in log_paths for e in jit_events(p, year) if e[0] >= since - 1.0]
     rec["jit_compiles"] = len(events)
     for ph in phases:
         inside = [k for t, k in events if ph["t_start"] - 1.0 <= t <= ph["t_end"] + 1.0]
@@ -697,11 +706,11 @@ def _fresh_ids(wp: WorkloadParams, n: int, tag: str) -> list[int]:
     return [rng.randrange(1000, wp.vocab_size - 1000) for _ in range(n)]
 
 
-async def warmup(base: str, wp: WorkloadParams, max_len: int) -> tuple[list[float], str | None]:
+async def warmup(base: str, wp: WorkloadParams, max_len: int, seed: int = 1) -> tuple[list[float], str | None]:
     """Requests before the first phase, not measured: one prefill per band of vLLM's fused-MoE tiles that fits
     ``max_len`` (``kernel_jit.warm_prompts``, the envelope's warm-up), a follow-up over the longest one's GPU-cached
     context, then the workload's highest concurrency of short prompts at once (decode of that many sequences), all
-    from an RNG of their own. So no mode pays the machine's first Triton compilations inside a measured phase: on
+    from an RNG of their own (``seed``: one per replica). So no mode pays the machine's first Triton compilations inside a measured phase: on
     2026-11-30 (GPU round 12, gpt-oss) the first start of a call held four steps 1.0-1.4 s (two warm-phase steps
     without loads, two c32 steps with), likely such compilations, and its c32 TTFT p50 read 818 ms where round 11
     read 315. Returns each request's seconds (the batch as one) and the first error, if any."""
@@ -709,7 +718,7 @@ async def warmup(base: str, wp: WorkloadParams, max_len: int) -> tuple[list[floa
     from serving import client
 
     batch = max(wp.concurrency)
-    singles, followup, many = warm_prompts(wp.vocab_size - 1000, max_len, batch)
+    singles, followup, many = warm_prompts(wp.vocab_size - 1000, max_len, batch, seed=seed)
     times, err = [], None
     async with client.make_session(batch, 120) as session:
         for prompt in [*singles, followup]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -53,7 +54,8 @@ def run(model_dir: str, extra: dict) -> list[dict]:
 
     def spy(request, num_computed_tokens):
         n, load_async = asked(request, num_computed_tokens)
-        seen.setdefault(request.request_id, [num_computed_tokens, n or 0])
+        if n is not None:  # None: "ask again next step" (a disk hit being promoted): the later answer counts
+            seen[request.request_id] = [num_computed_tokens, n]
         return n, load_async
 
     conn.get_num_new_matched_tokens = spy
@@ -83,7 +85,13 @@ def run(model_dir: str, extra: dict) -> list[dict]:
 
 def main() -> None:
     root = tempfile.mkdtemp(prefix="hybrid-shared-prefix-")
-    model_dir = models.write_model_dir(os.path.join(root, "gptoss"), "gptoss")
+    try:
+        _main(models.write_model_dir(os.path.join(root, "gptoss"), "gptoss"))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _main(model_dir: str) -> None:
     doc = {"system_tokens": SYSTEM, "context_tokens": CONTEXT, "users": USERS, "noise_prompts": NOISE,
            "num_blocks_per_group": NUM_BLOCKS, "modes": {}}
     print(f"system prompt {SYSTEM} tokens, context {CONTEXT}, {USERS} users, {NOISE} unrelated prompts between the "

@@ -112,7 +112,7 @@ def same_call_table(results: list[Result], ours: str = OURS, peers: tuple[str, .
                     cells.append(f"{num(a, d)} vs {num(b, d)}: {ratio(a, b)}")
             rows.append([_shape(r.doc), run, modes[peer], *cells])
     head = ["shape", "run", "ours vs", "c32 TTFT p50 ms", "c32 tok/s", "c8 TTFT p50 ms", "c8 tok/s"]
-    return table(head, rows)
+    return table(head, rows) if rows else ""
 
 
 def serve(results: list[Result]) -> str:
@@ -120,7 +120,7 @@ def serve(results: list[Result]) -> str:
     results = sorted(results, key=_shape_key)
     same = same_call_table(results)
     return (serve_table(results) + "\n" + source(results) + ("\nOurs (`auto`) against the peers started in the same "
-            "call (the last call with an `auto` start; one start each):\n\n" + same if same.count("\n") > 2 else ""))
+            "call (the last call with an `auto` start; one start each):\n\n" + same if same else ""))
 
 
 #: the modes of serving runs in other configurations and of controls: ours with stores off is the connector doing

@@ -76,7 +76,8 @@ def summarize(starts: list[dict]) -> dict:
     floor_base = _greedy_index(starts, FLOOR_MODES)
     peer_base = _greedy_index(starts, (GREEDY_PEER,))
     acc: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
-    greedy: dict = defaultdict(lambda: defaultdict(lambda: [0, 0, set()]))  # compared, equal, reference outputs
+    # compared, equal, reference outputs, the requests compared (merged calls may compare one request several times)
+    greedy: dict = defaultdict(lambda: defaultdict(lambda: [0, 0, set(), set()]))
     greedy_peer: dict = defaultdict(lambda: defaultdict(lambda: [0, 0]))
     concurrency: dict = {}
     for mode, s, rep, ph in _phase_samples(starts):
@@ -108,6 +109,7 @@ def summarize(starts: list[dict]) -> dict:
                     g[0] += 1
                     g[1] += int(ref == row[6])
                     g[2].add(ref)
+                    g[3].add(key)
                 elif mode not in FLOOR_MODES and mode != GREEDY_PEER and key in peer_base:
                     gp = greedy_peer[mode][ph["name"]]
                     gp[0] += 1
@@ -120,10 +122,11 @@ def summarize(starts: list[dict]) -> dict:
             phases[name] = {"concurrency": concurrency[name], **{k: spread(v) for k, v in a.items() if k != "errors"},
                             "errors": sum(a["errors"])}
             if mode != "none":
-                cmp_, eq, refs = greedy[mode][name]
+                cmp_, eq, refs, keys = greedy[mode][name]
                 phases[name]["greedy_vs_none"] = {"compared": cmp_, "equal": eq}
-                if cmp_:  # how many different outputs those requests had in the reference: the check's power
+                if cmp_:  # how many different outputs the requests compared had in the reference: the check's power
                     phases[name]["greedy_reference_outputs"] = len(refs)
+                    phases[name]["greedy_requests"] = len(keys)
                 cmp_, eq = greedy_peer[mode][name]
                 if cmp_:  # outputs no `none` or floor start shares (calls that ran neither)
                     phases[name]["greedy_vs_peer"] = {"peer": GREEDY_PEER, "compared": cmp_, "equal": eq}
@@ -134,12 +137,12 @@ def summarize(starts: list[dict]) -> dict:
     return out
 
 
-def weak_check(compared: int, distinct: int | None) -> str:
-    """`` (N distinct outputs: a weak check)`` when the reference's outputs of the ``compared`` requests are so alike that equal outputs
+def weak_check(requests: int, distinct: int | None) -> str:
+    """`` (N distinct outputs: a weak check)`` when the reference's outputs of the ``requests`` compared are so alike that equal outputs
     say little (fewer distinct than a quarter of the requests, from 4 requests on), else "". With dummy weights the
     sliding-window hybrids answer nearly every prompt alike: on 2026-11-30 (H200) gpt-oss gave 1-3 distinct outputs
     to 128 requests, Gemma-2 one, where Llama-3-8B gave 128."""
-    n, d = compared or 0, distinct
+    n, d = requests or 0, distinct
     if d is None or n < 4 or 4 * d >= n:
         return ""
     return f" ({d} distinct output{'s' if d != 1 else ''}: a weak check)"
@@ -189,8 +192,9 @@ def table(summary: dict) -> str:
             if ph.get("hook_ms_per_step"):
                 tiers += f"; hooks {_fmt(ph['hook_ms_per_step'], 2)} ms/step"
             g, gp = ph.get("greedy_vs_none"), ph.get("greedy_vs_peer")
-            greedy = "-" if not g or not g["compared"] else (f"{g['equal']}/{g['compared']}"
-                                                             + weak_check(g["compared"], ph.get("greedy_reference_outputs")))
+            greedy = "-" if not g or not g["compared"] else (
+                f"{g['equal']}/{g['compared']}" + weak_check(ph.get("greedy_requests", g["compared"]),
+                                                             ph.get("greedy_reference_outputs")))
             if gp:
                 more = f"{gp['equal']}/{gp['compared']} vs {gp['peer']}"
                 greedy = more if greedy == "-" else f"{greedy}; {more}"

@@ -175,7 +175,9 @@ def stable_model_dir(shape: str, root: str | None = None) -> str:
     shape, ``--graphs compile``) three calls each spent 28.6-29.6 s in torch.compile, where a later start of the same
     call with the same settings loaded the compiled graph in 3.9 s. The name holds a digest of the config, so a
     changed shape never meets an old cache entry. The directory is left in place (a few KiB): runs on several GPUs
-    of one host may share it."""
+    of one host may share it, and with it vLLM's compile cache entry (vLLM's cache writes have raced between
+    servers compiling one entry at once: vllm-project/vllm#24601; the serving runs meant for comparisons start
+    one engine at a time)."""
     digest = hashlib.sha256(json.dumps(SHAPES[shape], sort_keys=True).encode()).hexdigest()[:12]
     return os.path.join(root or tempfile.gettempdir(), f"serve-bench-{shape}-{digest}")
 
@@ -214,6 +216,7 @@ def _replace_file(path: str, text: str) -> None:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp makes it 0600: another user's run on the host reads the same directory
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)

@@ -15,8 +15,8 @@ the forward launched only after the bytes had (nearly) landed: no layer-by-layer
 (H200, 2026-11-28: 46-70 GB/s per start on per-layer tensors with every group submitted before the
 forward, docs/benchmarks.md).
 
-``steps``: the forward of each lined step, ``loading`` (steps with loads) beside ``recompute`` (steps of at least
-``PREFILL_LINE_TOKENS`` scheduled tokens without loads): tokens scheduled, ``launch_ms`` (vLLM's thread from
+``steps``: the forward of each lined step, ``loading`` (steps whose forward waits for in-step loads) beside
+``recompute`` (steps of at least ``PREFILL_LINE_TOKENS`` scheduled tokens without in-step loads): tokens scheduled, ``launch_ms`` (vLLM's thread from
 ``start_load_kv``'s end to ``wait_for_save``: launching the forward) and ``gpu_fwd_ms`` (the forward on the GPU,
 ``prefill_learn``'s clock). A GPU time about equal to the launch time says the GPU waited for the host's launches:
 such a step costs its launch, whatever it computes.
@@ -34,21 +34,25 @@ from serving.stats import percentile
 TAIL_S = 1.0
 #: in-step bytes from which a step counts for ``big_step_hold_gbps``
 BIG_STEP_BYTES = 1_000_000_000
-#: scheduled tokens from which a step without loads counts as a recomputing prefill step (the connector's trace
-#: writes such steps from the same size: ``tiered_kv/connector/vllm/trace.py`` PREFILL_LINE_TOKENS)
+#: scheduled tokens from which a step without loads counts as a recomputing prefill step: the size from which the
+#: connector's trace writes such steps (``tiered_kv/connector/vllm/trace.py``; a test keeps the two equal; not
+#: imported, so that reading traces does not import torch)
 PREFILL_LINE_TOKENS = 128
 
 
 def read_lines(trace_path: str) -> list[dict]:
-    """Every line of every rank's file of ``trace_path`` (unreadable lines skipped), sorted by time."""
+    """Every line of every rank's file of ``trace_path`` (unreadable lines skipped), sorted by time; each line gets
+    ``_src``, its file's path (step numbers are an engine's own, and a rank's GPU times its own)."""
     out = []
     for path in sorted(glob.glob(glob.escape(trace_path) + ".rank*.jsonl")):
         with open(path, encoding="utf-8", errors="replace") as f:
             for raw in f:
                 try:
-                    out.append(json.loads(raw))
+                    line = json.loads(raw)
                 except ValueError:
                     continue  # a line cut short when the server was stopped
+                line["_src"] = path
+                out.append(line)
     return sorted(out, key=lambda x: x.get("t", 0.0))
 
 
@@ -59,19 +63,22 @@ def _dist(values: list[float]) -> dict:
             "max": round(max(values), 3), "sum": round(sum(values), 3)}
 
 
-def forward_times(lines: list[dict]) -> dict[int, float]:
-    """``{step: GPU forward ms}`` from every line's ``fwd`` (the slowest rank's where ranks share a step)."""
-    out: dict[int, float] = {}
+def forward_times(lines: list[dict]) -> dict[tuple, float]:
+    """``{(file, step): GPU forward ms}`` from every line's ``fwd``: a step's time as the rank (and engine) that
+    wrote its line measured it (lines without ``_src``: one file)."""
+    out: dict[tuple, float] = {}
     for x in lines:
         for step, ms in (x.get("fwd") or {}).items():
-            out[int(step)] = max(out.get(int(step), 0.0), ms)
+            out[(x.get("_src"), int(step))] = ms
     return out
 
 
-def _forwards(steps: list[dict], fwd: dict[int, float]) -> dict:
+def _forwards(steps: list[dict], fwd: dict[tuple, float]) -> dict:
+    """Tokens, launch and GPU forward times of ``steps`` (one line per rank: a TP engine's step counts once a rank)."""
+    timed = [fwd[key] for x in steps if (key := (x.get("_src"), x.get("step"))) in fwd]
     return {"n": len(steps), "tokens": _dist([x["tokens"] for x in steps if x.get("tokens") is not None]),
             "launch_ms": _dist([x["launch_ms"] for x in steps if x.get("launch_ms") is not None]),
-            "gpu_fwd_ms": _dist([fwd[x["step"]] for x in steps if x.get("step") in fwd])}
+            "gpu_fwd_ms": _dist(timed)}
 
 
 def summarize_phase(lines: list[dict], t_start: float, t_end: float) -> dict:
@@ -101,10 +108,11 @@ def summarize_phase(lines: list[dict], t_start: float, t_end: float) -> dict:
     # in_step_copy sm_kernel / auto in small steps (in_step_sm_max_tokens): steps whose copy took the SM kernel
     out["sm_steps"] = sum(1 for x in loading if x["in_step"].get("sm"))
     fwd = forward_times(lines)
-    recompute = [x for x in mine if not (x["in_step"]["loads"] or x["async"]["loads"])
-                 and (x.get("tokens") or 0) >= PREFILL_LINE_TOKENS]
-    out["steps"] = {"loading": _forwards([x for x in loading if "launch_ms" in x], fwd),
-                    "recompute": _forwards(recompute, fwd)}
+    # a loading step: its forward waits for in-step loads; a recomputing one: a prefill without them (a step that
+    # only starts asynchronous loads computes beside them, and counts here)
+    waits = [x for x in mine if x["in_step"]["loads"] and "launch_ms" in x]
+    recompute = [x for x in mine if not x["in_step"]["loads"] and (x.get("tokens") or 0) >= PREFILL_LINE_TOKENS]
+    out["steps"] = {"loading": _forwards(waits, fwd), "recompute": _forwards(recompute, fwd)}
     return out
 
 

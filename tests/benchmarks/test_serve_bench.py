@@ -358,6 +358,12 @@ def test_kernel_compilations_inside_a_phase_are_counted_from_the_server_log(tmp_
     assert c32["jit"] == {"n": 2, "kernels": ["Triton:copy_pieces", "Triton:fused_moe_kernel"]}
     assert "c32: 2 kernel compilation(s) inside the phase" in capsys.readouterr().out
     assert "--jit-monitor-verbose" in _argv("none")[0]
+    # a log of the same name is appended to by later calls: lines before this start's servers began do not count
+    serve_bench.add_jit(rec, [str(log)], "tiered", since=t0 + 4.5)  # the log has whole seconds: 1 s of slack
+    assert rec["jit_compiles"] == 0 and rec["repeats"][0]["phases"][1]["jit"] == {"n": 0, "kernels": []}
+    # eager: vLLM's monitor is off, so nothing logged means nothing known
+    serve_bench.add_jit(rec, [str(log)], "tiered", graphs="eager")
+    assert all(ph["jit"] is None for ph in rec["repeats"][0]["phases"])
 
 
 def test_greedy_equality_over_alike_outputs_is_called_weak():
@@ -841,6 +847,28 @@ def test_trace_summary_per_phase(tmp_path):
     b = trace_summary.summarize_phase(big, 29.9, 30.3)
     assert b["sm_steps"] == 1 and "SM kernel in 1 steps" in trace_summary.line("tiered", "c32", b)
     assert b["steps"]["loading"]["n"] == 0  # traces written before launch_ms: no forward figures, nothing claimed
+
+
+def test_the_summary_counts_prefill_steps_from_the_size_the_trace_writes_them():
+    from serving import trace_summary
+    from tiered_kv.connector.vllm import trace
+
+    assert trace_summary.PREFILL_LINE_TOKENS == trace.PREFILL_LINE_TOKENS
+
+
+def test_forward_times_belong_to_the_file_that_wrote_them():
+    """Two engines (replicas) or ranks number their steps alike: a step's GPU time is the one its own file gave."""
+    from serving import trace_summary
+
+    def ln(src, step, tokens, fwd):
+        return {"_src": src, "step": step, "t": 1.0, "tokens": tokens, "launch_ms": 5.0, "fwd": fwd,
+                "in_step": {"loads": 0, "bytes": 0}, "async": {"loads": 0, "bytes": 0}, "landed": []}
+
+    lines = [ln("a", 7, 1000, {}), ln("b", 7, 200, {}), ln("a", 8, 4, {"7": 40.0}), ln("b", 8, 4, {"7": 9.0})]
+    assert trace_summary.forward_times(lines) == {("a", 7): 40.0, ("b", 7): 9.0}
+    s = trace_summary.summarize_phase(lines, 0.0, 2.0)
+    assert s["steps"]["recompute"]["n"] == 2 and s["steps"]["recompute"]["gpu_fwd_ms"]["max"] == 40.0
+    assert s["steps"]["recompute"]["gpu_fwd_ms"]["sum"] == 49.0  # not 80: b's step 7 keeps b's time
 
 
 def test_trace_summary_sets_loading_forwards_beside_recomputing_ones():

@@ -350,9 +350,21 @@ def test_async_loader_hands_loads_back_in_submission_order_with_bytes(model_dir)
         eng.close()
 
 
-def test_trace_path_writes_one_line_per_loading_step_with_every_load_landed(model_dir, tmp_path):
+FORWARD_S = 0.003  # what each forward of the trace test takes on the host
+
+
+def test_trace_path_writes_one_line_per_loading_step_with_every_load_landed(model_dir, tmp_path, monkeypatch):
     """``trace_path``: the burst's step lists 2 in-step and 4 async loads with their bytes and the time
     start_load_kv held the thread; every load shows up once under ``landed`` with its kind, bytes and times."""
+    import time as _time
+
+    real_forward = Engine._forward
+
+    def slow_forward(self, w, rows):
+        _time.sleep(FORWARD_S)
+        return real_forward(self, w, rows)
+
+    monkeypatch.setattr(Engine, "_forward", slow_forward)
     path = tmp_path / "trace"
     eng = Engine.create(model_dir, cfg(load_mode="adaptive", step_load_bytes=int(2.5 * HIT_BYTES),
                                        trace_path=str(path)), num_blocks=160, tweak=_more_seqs)
@@ -386,6 +398,10 @@ def test_trace_path_writes_one_line_per_loading_step_with_every_load_landed(mode
     lined = {ln["step"] for ln in lines if loads(ln) or ln in prefill}
     timed = {int(k) for ln in lines for k in ln["fwd"]}
     assert b["step"] in timed and timed <= lined and len(timed) >= len(lined) - 1  # the last may end after the run
+    # the launch holds the forward (each one here sleeps FORWARD_S) whichever side of it vLLM calls start_load_kv (the
+    # harness, like vLLM 0.33, calls it after the forward in steps without in-step loads), and not start_load_kv's hold
+    assert all(ln["launch_ms"] >= FORWARD_S * 1e3 for ln in prefill + [b]), [ln["launch_ms"] for ln in prefill]
+    assert all(ln["launch_ms"] < FORWARD_S * 1e3 + 200 for ln in prefill)
 
 
 def test_no_trace_file_by_default(model_dir, tmp_path, monkeypatch):

@@ -1,8 +1,9 @@
 """Per-step load trace of a vLLM worker rank (``trace_path``): what each step loaded and how long it took.
 
 Off by default. With ``trace_path: /some/file`` each worker rank appends JSON lines to
-``/some/file.rank<r>.jsonl``: one line per step that loaded or saw loads land (steps with
-neither, e.g. plain decode steps, write nothing), with
+``/some/file.rank<r>.jsonl``: one line per step that loaded, saw loads land, scheduled at least
+``PREFILL_LINE_TOKENS`` tokens (below) or carries GPU forward times of earlier lined steps (``fwd``); other steps,
+e.g. most decode steps, write nothing. A line has
 
 - ``step`` (the scheduler's step number), ``t`` (wall clock, seconds since the epoch, at the step's
   ``get_finished``), ``in_step`` / ``async`` (loads started this step and their bytes on this rank;
@@ -27,9 +28,10 @@ loaded can be set beside one that recomputed (the c1 question of 2026-11-29: is 
 what the host spends launching the forward?):
 
 - ``tokens``: what vLLM scheduled in the step (``StepPlan.tokens``; null where unknown);
-- ``launch_ms``: host time from the end of ``start_load_kv`` (else the plan's binding) to ``wait_for_save``, i.e.
-  vLLM's thread launching the forward, our per-layer hooks included. A forward whose kernels the GPU runs faster
-  than the host launches them (eager prefill) takes about this long whatever it computes;
+- ``launch_ms``: host time from ``bind_connector_metadata`` to ``wait_for_save`` less what ``start_load_kv`` held,
+  i.e. vLLM's thread launching the forward, our per-layer hooks included, whether vLLM calls ``start_load_kv`` before
+  the forward (0.26) or after its launch in steps without in-step loads (0.32, 0.33). A forward whose kernels the GPU
+  runs faster than the host launches them (eager prefill) takes about this long whatever it computes;
 - ``fwd``: ``{step: ms}``, the GPU time of earlier lined steps' forwards from ``bind_connector_metadata`` to
   ``wait_for_save`` (``forward_clock.py``, with ``prefill_learn``), known a step or more later: a GPU time near
   ``launch_ms`` says the GPU waited for the host.
@@ -72,9 +74,8 @@ FWD_KEEP = 256
 class _Step:
     step: int = -1
     tokens: int | None = None  # what vLLM scheduled (StepPlan.tokens)
-    t_bound: float = 0.0  # perf_counter at the plan's binding
-    t_loads: float | None = None  # perf_counter when start_load_kv returned
-    launch_ms: float | None = None  # start_load_kv's end (else the binding) to wait_for_save
+    t_bound: float = 0.0  # perf_counter at ``bind_connector_metadata`` (0: not bound yet)
+    launch_ms: float | None = None  # the binding to wait_for_save, less start_load_kv's hold
     in_step: list[int] = field(default_factory=lambda: [0, 0])  # loads, bytes
     staged: int = 0  # in-step merged copies (one per KV cache group) that went staged
     sm: int = 0  # ... and through the SM kernel
@@ -101,22 +102,26 @@ class LoadTrace:
         log.info("TieredKVConnector rank %d: load trace in %s", rank, self.path)
 
     def begin(self, step: int, tokens: int | None = None) -> None:
-        """A new step's plan was bound; ``tokens``: what vLLM scheduled in it."""
+        """A new step's plan reached the worker (``handle_preemptions`` or ``bind_connector_metadata``, whichever
+        came first); ``tokens``: what vLLM scheduled in it."""
         if self._step.step != step:
-            self._step = _Step(step, tokens, time.perf_counter())
+            self._step = _Step(step, tokens)
+
+    def bound(self) -> None:
+        """``bind_connector_metadata``: the forward's clock starts here (the first call of the step counts)."""
+        if not self._step.t_bound:
+            self._step.t_bound = time.perf_counter()
 
     def held(self, start_load_ms: float, fence_ms: float) -> None:
-        """``start_load_kv`` of this step held vLLM's thread this long (of which ``fence_ms`` in fences); it
-        returns now, and the forward's launch begins."""
+        """``start_load_kv`` of this step held vLLM's thread this long (of which ``fence_ms`` in fences)."""
         self._step.start_load_ms += start_load_ms
         self._step.fence_ms += fence_ms
-        self._step.t_loads = time.perf_counter()
 
     def launched(self) -> None:
-        """``wait_for_save``: the forward of this step has been launched (first call of the step counts)."""
+        """``wait_for_save``: the forward of this step has been launched (the first call of the step counts)."""
         st = self._step
         if st.launch_ms is None and st.t_bound:
-            st.launch_ms = (time.perf_counter() - (st.t_loads if st.t_loads is not None else st.t_bound)) * 1e3
+            st.launch_ms = max(0.0, (time.perf_counter() - st.t_bound) * 1e3 - st.start_load_ms)
 
     def forwards(self, timed: dict[int, tuple[float, bool]] | None) -> None:
         """GPU forward times (``ForwardClock.take``: ``{step: (seconds, loaded)}``); those of lined steps are
@@ -193,13 +198,20 @@ class LoadTrace:
                 "forward_submit_ms": round(st.forward_submit_ms, 3),
                 "async_in_flight": async_in_flight, "landed": self._landed, "fwd": self._fwd}
         self._f.write(json.dumps(line, separators=(",", ":")) + "\n")
-        if st.in_step[0] or st.async_[0] or prefill:
+        if (st.in_step[0] or st.async_[0] or prefill) and st.step not in self._lined:
             self._lined.append(st.step)
         self._landed, self._fwd = [], {}
-        self._step = _Step(st.step, st.tokens, st.t_bound)
+        self._step = _Step(st.step)  # a second flush of the step writes only what lands after this one
 
     def close(self) -> None:
-        """Write what is left and close the file."""
-        if not self._f.closed:
-            self._f.flush()
-            self._f.close()
+        """Write what is left (loads landed and forward times not written yet, on a line of their own) and close the
+        file."""
+        if self._f.closed:
+            return
+        if self._landed or self._fwd:
+            self._f.write(json.dumps({"step": self._step.step, "t": round(time.time(), 4), "tokens": None,
+                                      "launch_ms": None, "in_step": {"loads": 0, "bytes": 0},
+                                      "async": {"loads": 0, "bytes": 0}, "landed": self._landed, "fwd": self._fwd,
+                                      "closing": True}, separators=(",", ":")) + "\n")
+        self._f.flush()
+        self._f.close()
