@@ -7,9 +7,9 @@ prefix from a connector gets window blocks only at the end of its hit, so once t
 the GPU nothing puts it back, while without a connector the next request recomputes it and re-caches it.
 
 This probe drives vLLM's real ``Scheduler`` (CPU, the test harness's gpt-oss-like model: 4 layers alternating a
-32-token window and full attention, 16-token blocks, 4-block chunks) through one workload twice: ours with its
-defaults, and ours with ``store_policy: none`` (the connector present, nothing stored: vLLM's own prefix cache alone,
-as without a connector). Every user's prompt is a shared system prompt of ``SYSTEM`` tokens and a context of its own;
+32-token window and full attention, 16-token blocks, 4-block chunks) through one workload three times: ours with its
+defaults, ours with ``store_policy: none`` (the connector present, nothing stored: vLLM's own prefix cache alone,
+as without a connector), and ours with ``hybrid_reseed`` (``tiered_kv/connector/vllm/reseed.py``). Every user's prompt is a shared system prompt of ``SYSTEM`` tokens and a context of its own;
 turn 1 of every user, then unrelated prompts that push the system prompt's window blocks (and more) out of the GPU
 cache, then turn 2 of every user, one at a time. Per turn 2 it records the local hit vLLM found (what the scheduler
 passes the connector as ``num_computed_tokens``) and the connector's hit.
@@ -37,15 +37,17 @@ CONTEXT = 8 * BS  # each user's own context: 2 chunks
 USERS = 6
 NOISE = 8  # unrelated prompts of SYSTEM + CONTEXT tokens between turn 1 and turn 2
 NUM_BLOCKS = 96  # per KV cache group: about 3 users' prompts
-MODES = {"ours (defaults)": {}, "ours, stores off (vLLM's prefix cache alone)": {"store_policy": "none"}}
+MODES = {"ours (defaults)": {}, "ours, stores off (vLLM's prefix cache alone)": {"store_policy": "none"},
+         "ours, `hybrid_reseed`": {"hybrid_reseed": True, "hybrid_reseed_interval_s": 0}}
 
 
 def _tokens(seed: int, n: int) -> list[int]:
     return [100 + (seed * 7919 + i * 31) % 800 for i in range(n)]
 
 
-def run(model_dir: str, extra: dict) -> list[dict]:
-    """Turn 2 of every user after the noise: ``{"user", "prompt", "local", "connector"}`` tokens each."""
+def run(model_dir: str, extra: dict) -> tuple[list[dict], dict]:
+    """Turn 2 of every user after the noise: ``{"user", "prompt", "local", "connector"}`` tokens each, and the
+    connector's stats at the end (``tests/connector/vllm/test_reseed.py`` asserts on both)."""
     eng = Engine.create(model_dir, {"chunk_blocks": 4, "cpu_bytes": "8MiB", **extra}, shape="gptoss",
                         num_blocks=NUM_BLOCKS, max_model_len=1024)
     seen: dict[str, list[int]] = {}
@@ -78,7 +80,7 @@ def run(model_dir: str, extra: dict) -> list[dict]:
             eng.settle()
             local, connector = seen[f"t2-{u}"]
             out.append({"user": u, "prompt": len(prompt), "local": local, "connector": connector})
-        return out
+        return out, eng.connector.stats()
     finally:
         eng.close()
 
@@ -99,7 +101,7 @@ def _main(model_dir: str) -> None:
     print("| mode | turn 2 of user | prompt | GPU prefix hit (vLLM) | connector hit | recomputed |")
     print("|---|---|---|---|---|---|")
     for name, extra in MODES.items():
-        rows = run(model_dir, extra)
+        rows, _ = run(model_dir, extra)
         doc["modes"][name] = rows
         for r in rows:
             print(f"| {name} | {r['user']} | {r['prompt']} | {r['local']} | {r['connector']} | "

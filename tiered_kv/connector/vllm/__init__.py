@@ -7,7 +7,7 @@ name this package; the class is imported on first access so that the config and 
 Modules: ``connector`` (the vLLM-facing class, a facade over either side by role), ``config``
 (extra-config keys, namespace, capacities), ``geometry`` (block geometry and KV cache groups),
 ``common`` (the messages each way); the scheduler side, in vLLM's scheduler process:
-``scheduler`` (``SchedulerPlanner``) and its parts ``lookup``, ``loads``, ``stores``, ``blocks``,
+``scheduler`` (``SchedulerPlanner``) and its parts ``lookup`` (with ``reseed``), ``loads``, ``stores``, ``blocks``,
 ``routing``, ``presence``, ``state``, ``parts``, ``admission``; the byte side, in each GPU worker
 process: ``worker`` (``WorkerRuntime``), ``runner`` (the mover threads' jobs), ``in_step``,
 ``async_loads``, ``shared_slab`` (one CPU slab that every TP rank maps, for MLA stored once).

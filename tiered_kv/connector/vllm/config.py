@@ -251,6 +251,14 @@ class ConnectorConfig(RemoteKeys):
                                        "larger disk I/O; the full blocks after a prompt's last whole chunk are "
                                        "stored as a tail piece (`tail_chunks`). Mamba hybrids always use 1 (see "
                                        "\"Hybrid models\")", "GPU blocks")
+    hybrid_reseed: bool = config_key(False, "hybrid models with sliding-window layers: when a hit shares its start "
+                                             "with another conversation's over chunks vLLM's own prefix cache does "
+                                             "not hold (a system prompt whose last window left the GPU, which loads "
+                                             "never put back), answer that request no hit, at most once per "
+                                             "`hybrid_reseed_interval_s`: it recomputes, vLLM caches the shared "
+                                             "prefix, and later requests hit it in the GPU (see \"Hybrid models\"). "
+                                             "Off until a GPU run prices the trade")
+    hybrid_reseed_interval_s: float = config_key(2.0, "`hybrid_reseed`: at most one such recompute this often", "s")
     swa_store: str = config_key("window", "hybrid models, sliding-window groups: `window` keeps a chunk's window part "
                                           "only inside the window before the end of a request's stored prefix (what "
                                           "the next turn's hit reads: full-attention layers x the prefix + window "
@@ -304,7 +312,7 @@ class ConnectorConfig(RemoteKeys):
         _int(self.disk_weight, "disk_weight", 1, 1 << 20)
         _int(self.load_stream_priority, "load_stream_priority", -16, 0)
         for key in ("promote_on_hit", "store_decode_tokens", "disk_sync", "cross_layer_blocks", "mla_store_once",
-                    "tail_chunks", "prefill_learn"):
+                    "tail_chunks", "prefill_learn", "hybrid_reseed"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"{key}: expected true or false, got {getattr(self, key)!r}")
         _int(self.min_hit_blocks, "min_hit_blocks", 1)
@@ -325,6 +333,11 @@ class ConnectorConfig(RemoteKeys):
                 raise ConfigError(f"{key}: expected a number > 0{also}, got {v!r}")
             set_(key, float(v))
         _int(self.prefill_half_rate_context, "prefill_half_rate_context", 1)
+        v = self.hybrid_reseed_interval_s
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+            raise ConfigError(f"hybrid_reseed_interval_s: expected seconds >= 0 (at most one recompute of a shared "
+                              f"prefix this often), got {v!r}")
+        set_("hybrid_reseed_interval_s", float(v))
         if self.metrics_port is not None:
             _int(self.metrics_port, "metrics_port", 1, 65535)
         for key in ("model_id", "tenant_salt"):

@@ -19,7 +19,9 @@ in the remote tier is adopted when the walk reaches it (``RemotePresence``). The
   with ``load_mode`` adaptive within the step's budget, ``admission.py``) or between steps;
 - hybrid models (``parts.PartPlanner``): the longest hit over parts; its disk parts are promoted to the CPU
   tier first (``match`` answers None, "ask again", while they move), because vLLM takes no per-block load
-  errors with several KV cache groups.
+  errors with several KV cache groups. With ``hybrid_reseed`` a hit that runs alike with another conversation's
+  over chunks vLLM does not hold (a shared system prompt whose window left the GPU) is answered "no hit", at most
+  once per ``hybrid_reseed_interval_s``, so vLLM recomputes and caches that prefix for the rest (``reseed.py``).
 
 Hybrid loads between steps (``load_mode: async``, or a hit above ``sync_max_tokens``): vLLM allocates such a hit's
 blocks alone, admits it if the whole request fits the free blocks at that moment, and allocates the rest when the
@@ -51,6 +53,7 @@ from tiered_kv.connector.vllm.geometry import Geometry
 from tiered_kv.connector.vllm.parts import PartPlanner
 from tiered_kv.connector.vllm.prefill import tier_names
 from tiered_kv.connector.vllm.presence import RemotePresence
+from tiered_kv.connector.vllm.reseed import SharedPrefixWatch
 from tiered_kv.connector.vllm.routing import JobRouter
 from tiered_kv.connector.vllm.state import PlannerCounters, RequestState, RequestTable
 
@@ -62,7 +65,8 @@ class LookupPlanner:
 
     def __init__(self, cfg: ConnectorConfig, geo: Geometry, chain: TierChain, requests: RequestTable,
                  router: JobRouter, parts: PartPlanner | None, tails: bool, gate: SplitGate,
-                 budget: StepLoadBudget | None, presence: RemotePresence | None, counters: PlannerCounters) -> None:
+                 budget: StepLoadBudget | None, presence: RemotePresence | None, counters: PlannerCounters,
+                 reseed: SharedPrefixWatch | None = None) -> None:
         self.cfg, self.geo = cfg, geo
         self.bs = geo.block_size
         self.k = geo.chunk_blocks
@@ -79,6 +83,7 @@ class LookupPlanner:
         self._presence = presence
         self._known: set[bytes] = presence.known if presence is not None else set()  # announced, not adopted
         self.counters = counters
+        self._reseed = reseed  # hybrid models with sliding windows and ``hybrid_reseed`` (reseed.py)
         # chunks of the slow tiers an in-step load may read under the forward: with the gate planning the overlap
         # (``prefill.split_gate``: ``disk_overlap_bytes``), as many as the staging holds; else none (those load
         # between steps)
@@ -211,6 +216,9 @@ class LookupPlanner:
         if hit is None:
             log.debug("match %s: computed %d, no hit over parts", st.request.request_id, computed)
             return 0
+        if self._reseed is not None and self._reseeds(st, c0, hit.end, chunk_key):
+            st.split = None
+            return 0
         tokens = hit.end * self.chunk - computed
         if tokens // self.bs < self.cfg.min_hit_blocks:
             st.split = None
@@ -222,6 +230,19 @@ class LookupPlanner:
         if st.sync and self._budget is not None:
             st.sync = self._budget.admit(self.geo.hit_nbytes(tokens))
         return tokens
+
+    def _reseeds(self, st: RequestState, c0: int, end: int, chunk_key) -> bool:
+        """``hybrid_reseed``: whether this hit (chunks ``c0`` to ``end``, none of them in vLLM's own cache) shares its
+        start with another conversation's and a reseed is due: then the request gets no hit and recomputes."""
+        shared = self._reseed.branch([chunk_key(c) for c in range(c0, end)])
+        if not shared or not self._reseed.due():
+            return False
+        self._reseed.fired()
+        self.counters.hybrid_reseeds += 1
+        log.info("TieredKVConnector: request %s recomputes its prompt: its first %d chunk(s) beyond vLLM's own hit "
+                 "are shared with another conversation, and vLLM can cache them only from a recompute "
+                 "(hybrid_reseed)", st.request.request_id, shared)
+        return True
 
     def _best(self, key: bytes) -> int | None:
         """The fastest tier holding ``key``; a chunk the fleet announced is adopted here, when a lookup reaches it."""

@@ -79,6 +79,7 @@ from tiered_kv.connector.vllm.config import ConnectorConfig
 from tiered_kv.connector.vllm.geometry import Geometry
 from tiered_kv.connector.vllm.loads import LoadPlanner
 from tiered_kv.connector.vllm.lookup import LookupPlanner
+from tiered_kv.connector.vllm.reseed import SharedPrefixWatch
 from tiered_kv.connector.vllm.parts import PartPlanner
 from tiered_kv.connector.vllm.prefill import StepMeter, split_gate, split_stats, tier_names
 from tiered_kv.connector.vllm.presence import PoolPresence, PoolSource, PresenceSource, RemotePresence
@@ -147,8 +148,10 @@ class SchedulerPlanner:
                         if presence is not None else None)
         self._pool = PoolPresence(pool, self.chain, CPU, self._router, counters) if pool is not None else None
         self._events = ChunkEvents(geo, self.chain)
+        reseed = (SharedPrefixWatch(cfg.hybrid_reseed_interval_s) if cfg.hybrid_reseed and not geo.has_mamba
+                  and any(g.kind == "swa" for g in geo.groups) else None)
         self._lookup = LookupPlanner(cfg, geo, self.chain, self._requests, self._router, self._parts, self._tails,
-                                     self._gate, self._budget, self._presence, counters)
+                                     self._gate, self._budget, self._presence, counters, reseed)
         self._loads = LoadPlanner(geo, self.chain, self._requests, self._router, self._parts, self._gate,
                                   self._budget, counters)
         self._stores = StorePlanner(cfg, geo, self.chain, self._requests, self._blocks, self._router, self._parts,

@@ -100,6 +100,7 @@ class PlannerCounters:
     hit_tokens_disk: int = 0
     sync_loads: int = 0
     async_hybrid_deferred: int = 0  # hybrid hits asked to wait a step: another one's load between steps was pending
+    hybrid_reseeds: int = 0  # hybrid hits answered "no hit" so vLLM recomputes and caches a shared prefix (reseed.py)
     disk_hits_declined: int = 0  # split decisions that left held disk or remote chunks to recompute (wholly or in part)
     disk_probes: int = 0  # such decisions that loaded everything anyway, to re-measure the tiers (disk_probe_every)
     load_jobs: int = 0
