@@ -121,16 +121,11 @@ class ConnectorConfig(RemoteKeys):
                                         "(GB/s) assumed until asynchronous CPU loads were measured; it counts as a "
                                         "64 MiB load in the measured rate until 64 MiB of measured loads are in its "
                                         "window (clamped to 1-500 GB/s)", "GB/s")
-    trace_path: str | None = config_key(None, "a per-step load trace: each worker rank appends JSON lines to "
-                                              "`<trace_path>.rank<r>.jsonl`, one per step that started or landed "
-                                              "CPU-tier loads or scheduled >= 128 tokens (in-step and asynchronous "
-                                              "loads and bytes, how long `start_load_kv` held vLLM's thread, per load "
-                                              "its GPU time from CUDA timing events read back a step later without "
-                                              "blocking, and per step the tokens scheduled, the forward's launch time "
-                                              "on vLLM's thread and its GPU time); "
-                                              "`connector/vllm/trace.py` has the fields. Off by default; "
-                                              "`benchmarks/serve_bench.py --trace` sets it per engine start and "
-                                              "summarises it per phase")
+    trace_path: str | None = config_key(None, "a per-step trace: each worker rank appends to `<trace_path>.rank<r>"
+                                              ".jsonl` a line per step that loaded or scheduled >= 128 tokens (loads, "
+                                              "bytes, their GPU times, the forward's launch and GPU time; fields in "
+                                              "`connector/vllm/trace.py`). `benchmarks/serve_bench.py --trace` sets "
+                                              "it per engine start and summarises it per phase")
     load_groups: int = config_key(0, "`layerwise`/`adaptive` only: how many layer groups (one CUDA event each) a "
                                      "step's in-step copy is cut into. `0` = automatic: a copy within "
                                      "`load_ahead_bytes` one group per 32 MiB, at most 2 (it is submitted before the "
@@ -251,13 +246,9 @@ class ConnectorConfig(RemoteKeys):
                                        "larger disk I/O; the full blocks after a prompt's last whole chunk are "
                                        "stored as a tail piece (`tail_chunks`). Mamba hybrids always use 1 (see "
                                        "\"Hybrid models\")", "GPU blocks")
-    hybrid_reseed: bool = config_key(False, "hybrid models with sliding-window layers: when a hit shares its start "
-                                             "with another conversation's over chunks vLLM's own prefix cache does "
-                                             "not hold (a system prompt whose last window left the GPU, which loads "
-                                             "never put back), answer that request no hit, at most once per "
-                                             "`hybrid_reseed_interval_s`: it recomputes, vLLM caches the shared "
-                                             "prefix, and later requests hit it in the GPU (see \"Hybrid models\"). "
-                                             "Off until a GPU run prices the trade")
+    hybrid_reseed: bool = config_key(False, "sliding-window hybrids: recompute, at most once per "
+                                             "`hybrid_reseed_interval_s` (s, default 2), a prefix other conversations "
+                                             "share that vLLM lost, so vLLM caches it again (\"Hybrid models\")")
     hybrid_reseed_interval_s: float = config_key(2.0, "`hybrid_reseed`: at most one such recompute this often", "s")
     swa_store: str = config_key("window", "hybrid models, sliding-window groups: `window` keeps a chunk's window part "
                                           "only inside the window before the end of a request's stored prefix (what "
@@ -333,11 +324,8 @@ class ConnectorConfig(RemoteKeys):
                 raise ConfigError(f"{key}: expected a number > 0{also}, got {v!r}")
             set_(key, float(v))
         _int(self.prefill_half_rate_context, "prefill_half_rate_context", 1)
-        v = self.hybrid_reseed_interval_s
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-            raise ConfigError(f"hybrid_reseed_interval_s: expected seconds >= 0 (at most one recompute of a shared "
-                              f"prefix this often), got {v!r}")
-        set_("hybrid_reseed_interval_s", float(v))
+        if isinstance(v := self.hybrid_reseed_interval_s, bool) or not isinstance(v, (int, float)) or v < 0:
+            raise ConfigError(f"hybrid_reseed_interval_s: expected seconds >= 0 (one recompute this often), got {v!r}")
         if self.metrics_port is not None:
             _int(self.metrics_port, "metrics_port", 1, 65535)
         for key in ("model_id", "tenant_salt"):
