@@ -94,6 +94,9 @@ def main() -> None:
 
 
 def _main(model_dir: str) -> None:
+    import tiered_kv.connector.vllm.worker as worker
+
+    worker.FENCE_PATIENCE_S = 1.0  # every store lands (a busy box may not start one within 2 ms): hits are counted
     doc = {"system_tokens": SYSTEM, "context_tokens": CONTEXT, "users": USERS, "noise_prompts": NOISE,
            "num_blocks_per_group": NUM_BLOCKS, "modes": {}}
     print(f"system prompt {SYSTEM} tokens, context {CONTEXT}, {USERS} users, {NOISE} unrelated prompts between the "

@@ -62,6 +62,15 @@ def test_the_keys_are_checked():
         SharedPrefixWatch(-1)
 
 
+@pytest.fixture(autouse=True)
+def patient_fences(monkeypatch):
+    """Every store should land here (hits are counted): give a queued store a second before a fence cancels it, as
+    ``test_hybrid.py`` does, for the same reason (a busy 2-core box may not start one within 2 ms)."""
+    import tiered_kv.connector.vllm.worker as worker
+
+    monkeypatch.setattr(worker, "FENCE_PATIENCE_S", 1.0)
+
+
 @pytest.fixture(scope="module")
 def gptoss_dir(tmp_path_factory):
     return models.write_model_dir(str(tmp_path_factory.mktemp("reseed") / "gptoss"), "gptoss")
