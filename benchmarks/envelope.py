@@ -74,6 +74,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from kernel_jit import JitWatch, slow_in, warm_prompts  # noqa: E402
+from serving import report  # noqa: E402
 from serving.shapes import kv_groups_of  # noqa: E402
 from vllm_ttft import (  # noqa: E402
     MODELS,
@@ -463,8 +464,6 @@ def serving_cells(path: str) -> list[dict]:
     graphs = {s.get("graphs") for s in doc.get("starts", ()) if s.get("status") == "ok"}
     gpu = "serve, compiled" if graphs == {"compile"} else "serve" if "compile" not in graphs else "serve, mixed graphs"
     out = []
-    from serving import report  # noqa: PLC0415 (the serving package only where serving files are read)
-
     # the summary again from the starts' rows: files written before a summary field existed get it too
     starts = doc.get("starts") or []
     summary = report.summarize(starts) if any(s.get("repeats") for s in starts) else doc.get("summary", {})
@@ -608,7 +607,7 @@ def greedy_text(row: dict) -> str:
         return f"no at {row['differs_at']}, {how}"
     text = {True: "yes", False: "NO", None: "-"}[row["greedy_equal"]]
     d, n = row.get("greedy_outputs") or (None, 0)
-    if row["greedy_equal"] and d is not None and n >= 4 and 4 * d < n:
+    if row["greedy_equal"] and report.weak_greedy(n, d):
         text += f" (weak: {d} distinct of {n} outputs)"
     return text
 

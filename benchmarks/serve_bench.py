@@ -648,7 +648,7 @@ def add_jit(rec: dict, log_paths: list[str], mode: str, since: float = 0.0, grap
         ph["jit"] = {"n": len(inside), "kernels": sorted(set(inside))}
         if inside:
             print(f"[{mode}] {ph['name']:>6}: {len(inside)} kernel compilation(s) inside the phase "
-                  f"({', '.join(sorted(set(inside)))}): its requests in flight waited for them", flush=True)
+                  f"({', '.join(ph['jit']['kernels'])}): its requests in flight waited for them", flush=True)
 
 
 def phase_record(ph, run, before: dict, after: dict, spec) -> dict:
@@ -710,8 +710,8 @@ async def warmup(base: str, wp: WorkloadParams, max_len: int, seed: int = 1) -> 
     """Requests before the first phase, not measured: one prefill per band of vLLM's fused-MoE tiles that fits
     ``max_len`` (``kernel_jit.warm_prompts``, the envelope's warm-up), a follow-up over the longest one's GPU-cached
     context, then the workload's highest concurrency of short prompts at once (decode of that many sequences), all
-    from an RNG of their own (``seed``: one per replica). So no mode pays the machine's first Triton compilations inside a measured phase: on
-    2026-11-30 (GPU round 12, gpt-oss) the first start of a call held four steps 1.0-1.4 s (two warm-phase steps
+    from an RNG of their own (``seed``: one per replica). So no mode pays the machine's first Triton compilations
+    inside a measured phase: on 2026-11-30 (GPU round 12, gpt-oss) the first start of a call held four steps 1.0-1.4 s (two warm-phase steps
     without loads, two c32 steps with), likely such compilations, and its c32 TTFT p50 read 818 ms where round 11
     read 315. Returns each request's seconds (the batch as one) and the first error, if any."""
     from kernel_jit import warm_prompts

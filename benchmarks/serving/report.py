@@ -137,15 +137,19 @@ def summarize(starts: list[dict]) -> dict:
     return out
 
 
-def weak_check(requests: int, distinct: int | None) -> str:
-    """`` (N distinct outputs: a weak check)`` when the reference's outputs of the ``requests`` compared are so alike that equal outputs
-    say little (fewer distinct than a quarter of the requests, from 4 requests on), else "". With dummy weights the
+def weak_greedy(requests: int, distinct: int | None) -> bool:
+    """Whether the reference's outputs of the ``requests`` compared are so alike that equal outputs say little:
+    fewer ``distinct`` than a quarter of them, from 4 requests on (None: not counted). With dummy weights the
     sliding-window hybrids answer nearly every prompt alike: on 2026-11-30 (H200) gpt-oss gave 1-3 distinct outputs
-    to 128 requests, Gemma-2 one, where Llama-3-8B gave 128."""
-    n, d = requests or 0, distinct
-    if d is None or n < 4 or 4 * d >= n:
+    to 128 requests, Gemma-2 one, where Llama-3-8B gave 128. The envelope's table uses the same rule."""
+    return distinct is not None and (requests or 0) >= 4 and 4 * distinct < requests
+
+
+def weak_check(requests: int, distinct: int | None) -> str:
+    """`` (N distinct outputs: a weak check)`` for the serving table's greedy cell when ``weak_greedy``, else ""."""
+    if not weak_greedy(requests, distinct):
         return ""
-    return f" ({d} distinct output{'s' if d != 1 else ''}: a weak check)"
+    return f" ({distinct} distinct output{'s' if distinct != 1 else ''}: a weak check)"
 
 
 def _med(d: dict | None) -> float | None:

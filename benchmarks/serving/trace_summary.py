@@ -16,10 +16,11 @@ the forward launched only after the bytes had (nearly) landed: no layer-by-layer
 forward, docs/benchmarks.md).
 
 ``steps``: the forward of each lined step, ``loading`` (steps whose forward waits for in-step loads) beside
-``recompute`` (steps of at least ``PREFILL_LINE_TOKENS`` scheduled tokens without in-step loads): tokens scheduled, ``launch_ms`` (vLLM's thread from
-``start_load_kv``'s end to ``wait_for_save``: launching the forward) and ``gpu_fwd_ms`` (the forward on the GPU,
-``prefill_learn``'s clock). A GPU time about equal to the launch time says the GPU waited for the host's launches:
-such a step costs its launch, whatever it computes.
+``recompute`` (steps of at least ``PREFILL_LINE_TOKENS`` scheduled tokens without in-step loads): tokens scheduled,
+``launch_ms`` (vLLM's thread launching the forward: ``bind_connector_metadata`` to ``wait_for_save`` less
+``start_load_kv``'s hold) and ``gpu_fwd_ms`` (the forward on the GPU, ``prefill_learn``'s clock). A GPU time about
+equal to the launch time says the GPU waited for the host's launches: such a step costs its launch, whatever it
+computes.
 
 Threading contract: plain functions, no state.
 """

@@ -187,7 +187,8 @@ class LoadTrace:
         self._pending = keep
         st = self._step
         prefill = st.tokens is not None and st.tokens >= PREFILL_LINE_TOKENS
-        if not (st.in_step[0] or st.async_[0] or self._landed or prefill or self._fwd):
+        lined = bool(st.in_step[0] or st.async_[0] or prefill)  # a step whose GPU forward time is wanted
+        if not (lined or self._landed or self._fwd):
             return
         line = {"step": st.step, "t": round(time.time(), 4), "tokens": st.tokens,
                 "launch_ms": round(st.launch_ms, 3) if st.launch_ms is not None else None,
@@ -198,20 +199,15 @@ class LoadTrace:
                 "forward_submit_ms": round(st.forward_submit_ms, 3),
                 "async_in_flight": async_in_flight, "landed": self._landed, "fwd": self._fwd}
         self._f.write(json.dumps(line, separators=(",", ":")) + "\n")
-        if (st.in_step[0] or st.async_[0] or prefill) and st.step not in self._lined:
+        if lined and st.step not in self._lined:
             self._lined.append(st.step)
         self._landed, self._fwd = [], {}
         self._step = _Step(st.step)  # a second flush of the step writes only what lands after this one
 
     def close(self) -> None:
-        """Write what is left (loads landed and forward times not written yet, on a line of their own) and close the
-        file."""
+        """Write what is left (a last ``flush``: loads landed and forward times not written yet) and close the file."""
         if self._f.closed:
             return
-        if self._landed or self._fwd:
-            self._f.write(json.dumps({"step": self._step.step, "t": round(time.time(), 4), "tokens": None,
-                                      "launch_ms": None, "in_step": {"loads": 0, "bytes": 0},
-                                      "async": {"loads": 0, "bytes": 0}, "landed": self._landed, "fwd": self._fwd,
-                                      "closing": True}, separators=(",", ":")) + "\n")
+        self.flush(0)
         self._f.flush()
         self._f.close()
