@@ -146,7 +146,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="16-token blocks of sequence the GPU holds: vLLM's --num-gpu-blocks-override for one KV "
                         "cache group (a hybrid's window groups add theirs); default 6912 (32B: 6144, gemma2: 5760)")
     s.add_argument("--max-model-len", type=int, default=8192)
-    s.add_argument("--max-num-seqs", type=int, default=0, help="default max(64, highest concurrency)")
+    s.add_argument("--max-num-seqs", type=int, default=0,
+                   help="default max(64, highest concurrency); with --graphs compile vLLM's own (1,024 on an H200), "
+                        "which sets its CUDA graph sizes: up to min(2 x max-num-seqs, 512) tokens unless the model "
+                        "sets its own (gpt-oss: 1,024)")
     s.add_argument("--max-num-batched-tokens", type=int, default=8192)
     s.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     s.add_argument("--graphs", choices=("auto", "decode", "eager", "compile"), default="auto",
@@ -218,11 +221,20 @@ def registry(a) -> ModeRegistry:
     return reg
 
 
+def default_max_num_seqs(wp: WorkloadParams, graphs: str) -> int:
+    """``--max-num-seqs`` when not given: 0 (vLLM's own default, no flag) when serving compiled, as a user's
+    ``vllm serve`` does; else 64 or the highest concurrency. vLLM derives its largest CUDA graph from it
+    (2 x max-num-seqs, at most 512 tokens, unless the model sets its own): 64 gave Gemma-2 graphs of at most 128
+    tokens on 2026-11-30 (GPU round 12), where vLLM's default on an H200 gives 512, and its c1 prefill steps of 192
+    tokens ran without one."""
+    return 0 if graphs == "compile" else max(64, max(wp.concurrency + (wp.warm_c,)))
+
+
 def server_options(a, wp: WorkloadParams, graphs: str, tokenizer: str) -> ServerOptions:
     if wp.max_seq_len > a.max_model_len:
         raise SystemExit(f"the longest turn needs {wp.max_seq_len} tokens > --max-model-len {a.max_model_len}")
     return ServerOptions(python=a.python, max_model_len=a.max_model_len,
-                         max_num_seqs=a.max_num_seqs or max(64, max(wp.concurrency + (wp.warm_c,))),
+                         max_num_seqs=a.max_num_seqs or default_max_num_seqs(wp, graphs),
                          max_num_batched_tokens=a.max_num_batched_tokens, gpu_blocks=vllm_blocks(a, wp, a.gpu_blocks),
                          gpu_memory_utilization=a.gpu_memory_utilization, graphs=graphs, tokenizer=tokenizer,
                          extra_args=tuple(a.serve_arg))
@@ -556,6 +568,9 @@ class Bench:
             if trace is not None:
                 add_trace(rec, [replicas.suffixed(trace, i, n) for i in range(n)], mode)
             add_jit(rec, [r.log for r in reps], mode, started_at, graphs)
+            rec["cudagraph_max_tokens"] = graph_capture_max(reps[0].log)
+            if rec["cudagraph_max_tokens"] is not None:
+                print(f"[{mode} r{run_idx}] CUDA graphs up to {rec['cudagraph_max_tokens']} tokens a step", flush=True)
 
     async def drive(self, bases: list[str], specs: list, wl: Workload, out: list) -> None:
         """The phases of one workload run over the start's servers (round robin per turn when several),
@@ -621,6 +636,22 @@ def jit_events(log_path: str, year: int) -> list[tuple[float, str]]:
         mon, day, hh, mm, ss = (int(x) for x in m.groups()[:5])
         out.append((time.mktime((year, mon, day, hh, mm, ss, 0, 0, -1)), f"{m.group(6)}:{m.group(7)}"))
     return out
+
+
+#: vLLM's engine config line: ``compilation_config={... 'max_cudagraph_capture_size': 512, ...}``
+CAPTURE_SIZE = re.compile(r"""["']max_cudagraph_capture_size["']\s*:\s*(\d+)""")
+
+
+def graph_capture_max(log_path: str) -> int | None:
+    """The largest step (tokens) vLLM captured a CUDA graph for, from the last engine config line of ``log_path``
+    (the start just ended: a log of the same name from an earlier call is appended to); None when no line says
+    (eager, or a log without it). A prefill step above it runs without a graph, op by op from Python."""
+    try:
+        with open(log_path, encoding="utf-8", errors="replace") as f:
+            found = CAPTURE_SIZE.findall(f.read())
+    except OSError:
+        return None
+    return int(found[-1]) if found else None
 
 
 def add_jit(rec: dict, log_paths: list[str], mode: str, since: float = 0.0, graphs: str = "decode") -> None:

@@ -248,7 +248,7 @@ class ServerOptions:
 
     python: str = "python3"
     max_model_len: int = 8192
-    max_num_seqs: int = 64
+    max_num_seqs: int = 64  # 0: vLLM's own default (no flag; 1,024 on an H100/H200 server)
     max_num_batched_tokens: int = 8192
     gpu_blocks: int = 6912
     gpu_memory_utilization: float = 0.9
@@ -263,7 +263,8 @@ def serve_argv(spec: ModeSpec, opts: ServerOptions, model_dir: str, port: int) -
     argv = [opts.python, "-m", "vllm.entrypoints.cli.main", "serve", model_dir,
             "--served-model-name", "m", "--load-format", "dummy", "--generation-config", "vllm", "--seed", "0",
             "--host", "127.0.0.1", "--port", str(port),
-            "--max-model-len", str(opts.max_model_len), "--max-num-seqs", str(opts.max_num_seqs),
+            "--max-model-len", str(opts.max_model_len),
+            *(("--max-num-seqs", str(opts.max_num_seqs)) if opts.max_num_seqs else ()),
             "--max-num-batched-tokens", str(opts.max_num_batched_tokens),
             "--num-gpu-blocks-override", str(opts.gpu_blocks),
             "--gpu-memory-utilization", str(opts.gpu_memory_utilization),

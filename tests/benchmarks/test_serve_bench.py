@@ -951,3 +951,21 @@ def test_on_each_gpu_refuses_more_commands_than_gpus(tmp_path):
     with tarfile.open(tmp_path / "out" / "gpus.tgz") as tar:  # packed: the device tool returns 8 files a call
         assert "g0/log.txt" in tar.getnames()
     assert not (tmp_path / "out" / "g0").exists()
+
+
+def test_compiled_serving_leaves_max_num_seqs_and_graph_sizes_to_vllm(tmp_path):
+    """Compiled, a start gets vLLM's own --max-num-seqs (the graph sizes follow from it); the log's config line
+    says the largest graph, the last start's line counting."""
+    wp = serve_bench.workload_params(serve_bench.parse_args(["--shape", "gemma2", "--graphs", "compile"]))
+    assert serve_bench.default_max_num_seqs(wp, "compile") == 0
+    assert serve_bench.default_max_num_seqs(wp, "decode") == max(64, max(wp.concurrency + (wp.warm_c,)))
+    argv, _ = _argv("tiered", graphs="compile", max_num_seqs=0)
+    assert "--max-num-seqs" not in argv and "--max-num-batched-tokens" in argv
+    assert _argv("none", max_num_seqs=96)[0][_argv("none", max_num_seqs=96)[0].index("--max-num-seqs") + 1] == "96"
+    log = tmp_path / "server.log"
+    log.write_text("INFO engine: compilation_config={'mode': 3, 'max_cudagraph_capture_size': 128, 'x': 1}\n"
+                   "INFO later start: compilation_config={\"max_cudagraph_capture_size\": 512}\n")
+    assert serve_bench.graph_capture_max(str(log)) == 512
+    log.write_text("INFO eager: no config line of that kind\n")
+    assert serve_bench.graph_capture_max(str(log)) is None
+    assert serve_bench.graph_capture_max(str(tmp_path / "missing.log")) is None
