@@ -93,8 +93,8 @@ def serve_every_start(results: list[Result]) -> Row | None:
     name = lambda r: SHAPES.get(r.doc["shape"], r.doc["shape"])  # noqa: E731
     return ["the same, every lone-engine start per shape, ours with each in-step copy mechanism alone "
             "(median over starts (n), c8 / c32 ms)", _where(rs, _vllm(rs[0].doc)),
-            "; ".join(f"{name(r)}: {_by_mode(r, ours)}" for r in rs),
-            "; ".join(f"{name(r)}: {_by_mode(r, peers)}" for r in rs)]
+            "; ".join(f"{name(r)}: {_by_mode(r, ours)}" for r in rs if _by_mode(r, ours)),  # shapes run with both
+            "; ".join(f"{name(r)}: {_by_mode(r, peers)}" for r in rs if _by_mode(r, peers))]
 
 
 def serve_shared(results: list[Result]) -> Row | None:
