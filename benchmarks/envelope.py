@@ -15,7 +15,7 @@ one), gemma2 (9B: 42 layers alternating a 4,096-token window and full attention,
 prefixes, see ``NOT_RUNNABLE``.
 
 Workloads, all run by one engine start per (shape, mode, GPU cache), one after the other, after a warm-up
-(``kernel_jit.py``: one prefill per band of vLLM's fused-MoE tiles, a turn-2-shaped step over a GPU-cached context,
+(``kernel_jit.py``: two prefills per band of vLLM's fused-MoE tiles, a turn-2-shaped step over a GPU-cached context,
 a decode of N sequences, all from an RNG of its own) so that no mode pays the machine's first Triton compilations
 inside a measured phase; the start's ``jit`` record counts what still compiled, per phase, and a slow compilation in
 turn2 or batch is printed with its line:
@@ -261,7 +261,7 @@ def run_one(shape: str, mode: str, gpu: str) -> dict:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp[n], use_tqdm=False)
         return time.perf_counter() - t, outs
 
-    # warm-up, from an RNG of its own (the measured prompts stay those of earlier rounds): one prefill per fused-MoE
+    # warm-up, from an RNG of its own (the measured prompts stay those of earlier rounds): two prefills per fused-MoE
     # tile band, a turn-2-shaped step over a GPU-cached context and a decode of n_conv sequences, so no mode pays the
     # machine's first kernel compilations inside a measured phase (kernel_jit.py); what still compiles is recorded
     jit.phase("warm-up")

@@ -16,7 +16,8 @@ machine's first compilations, and a run says so only when it records them.
   took.
 - ``slow_in``: the slow compilations of a ``summary`` (in-process, or a start's record in the parent) inside the
   phases named.
-- ``warm_prompts``: one prompt per fused-MoE tile band (``MOE_BAND_LENGTHS``), a follow-up over a GPU-cached
+- ``warm_prompts``: two prompts per fused-MoE tile band (``MOE_BAND_LENGTHS``, and one token more: Triton compiles
+  the kernel again when its token count is not a multiple of 16), a follow-up over a GPU-cached
   context (a turn 2's shape), and a batch for decode with several sequences; the benchmark runs them before its
   first measured phase, from an RNG of its own so the measured prompts stay what they were.
 
@@ -107,8 +108,14 @@ def warm_prompts(vocab: int, max_len: int, batch: int, follow: int = 64,
                  seed: int = 1) -> tuple[list[list[int]], list[int], list[list[int]]]:
     """(single prompts, a follow-up, one batch) of random token ids in ``[1000, vocab)`` from ``random.Random(seed)``.
 
-    The singles: one per ``MOE_BAND_LENGTHS`` length that fits ``max_len`` (less room for the output), run one at a
-    time; the follow-up: the longest single plus ``follow`` new tokens, run after the singles, so its step computes
+    The singles: two per ``MOE_BAND_LENGTHS`` length ``n`` that fits ``max_len`` (less room for the output), of ``n``
+    and ``n + 1`` tokens, run one at a time. Triton specialises a kernel's integer arguments on being a multiple of 16
+    unless told not to, and vLLM's fused-MoE kernel takes the step's routed token count (tokens x top-k) and the
+    sorted ids' length as plain integers: every band has a variant for counts that are multiples of 16 and one for
+    counts that are not. The band lengths are multiples of 16, so before 2026-11-30 only the first variant was warmed,
+    and a serving step of, say, 3,030 tokens (x 4 experts: not a multiple of 16) compiled inside a measured phase
+    (GPU round 13: two fused-MoE compilations in gpt-oss's c32 phase without a connector, the warm-up
+    notwithstanding). The follow-up: the longest single plus ``follow`` new tokens, run after the singles, so its step computes
     ``follow`` tokens over a context that vLLM's GPU prefix cache holds (the shape of every turn 2 and of a loaded
     hit: attention kernels specialise on it); the batch: ``batch`` prompts of 64 tokens, run together, for decode
     steps of ``batch`` sequences.
@@ -117,6 +124,6 @@ def warm_prompts(vocab: int, max_len: int, batch: int, follow: int = 64,
         raise ValueError(f"vocab={vocab}: the warm-up draws ids from 1000 up; pass the model's vocab size")
     rng = random.Random(seed)
     toks = lambda n: [rng.randrange(1000, vocab) for _ in range(n)]  # noqa: E731
-    singles = [toks(n) for n in MOE_BAND_LENGTHS if n <= max_len - 16 - follow]
+    singles = [toks(n + odd) for n in MOE_BAND_LENGTHS if n + 1 <= max_len - 16 - follow for odd in (0, 1)]
     followup = singles[-1] + toks(follow) if singles else toks(follow)
     return singles, followup, [toks(64) for _ in range(max(1, batch))]

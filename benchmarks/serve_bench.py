@@ -3,7 +3,7 @@
 For each engine start (one mode, one run) the script writes a dummy-weight model directory
 (``config.json`` of the shape; vLLM fills the weights), starts ``python3 -m
 vllm.entrypoints.cli.main serve`` in its own process group, waits for ``/health``, sends warm-up
-requests (one prefill per fused-MoE tile band, a follow-up, a batch: ``warmup``), drives the workload (``serving/workload.py``: a shared system prompt, per-user
+requests (two prefills per fused-MoE tile band, a follow-up, a batch: ``warmup``), drives the workload (``serving/workload.py``: a shared system prompt, per-user
 history growing each turn, a warm phase, then closed-loop phases at concurrency 32, 8 and 1;
 history larger than the GPU KV cache), scrapes ``/metrics`` (and our connector's metrics
 endpoint) around each phase, then kills the process group and waits for the GPU to empty before
@@ -738,8 +738,8 @@ def _fresh_ids(wp: WorkloadParams, n: int, tag: str) -> list[int]:
 
 
 async def warmup(base: str, wp: WorkloadParams, max_len: int, seed: int = 1) -> tuple[list[float], str | None]:
-    """Requests before the first phase, not measured: one prefill per band of vLLM's fused-MoE tiles that fits
-    ``max_len`` (``kernel_jit.warm_prompts``, the envelope's warm-up), a follow-up over the longest one's GPU-cached
+    """Requests before the first phase, not measured: two prefills per band of vLLM's fused-MoE tiles that fits
+    ``max_len``, of a multiple of 16 tokens and one more (``kernel_jit.warm_prompts``, the envelope's warm-up), a follow-up over the longest one's GPU-cached
     context, then the workload's highest concurrency of short prompts at once (decode of that many sequences), all
     from an RNG of their own (``seed``: one per replica). So no mode pays the machine's first Triton compilations
     inside a measured phase: on 2026-11-30 (GPU round 12, gpt-oss) the first start of a call held four steps 1.0-1.4 s (two warm-phase steps

@@ -69,14 +69,16 @@ def test_a_cache_hook_that_skips_compilation_keeps_its_answer(hooks):
 
 def test_warm_prompts_cover_every_band_that_fits_and_leave_the_measured_rng_alone():
     singles, followup, batch = kernel_jit.warm_prompts(120000, 8512, 10)
-    assert [len(p) for p in singles] == list(kernel_jit.MOE_BAND_LENGTHS)
+    # each band twice: a token count that is a multiple of 16 and one that is not (Triton compiles both)
+    assert [len(p) for p in singles] == [n + odd for n in kernel_jit.MOE_BAND_LENGTHS for odd in (0, 1)]
+    assert {len(p) * 4 % 16 == 0 for p in singles} == {True, False}  # gpt-oss routes each token to 4 experts
     # a turn 2's shape: 64 new tokens over the longest single, which the GPU prefix cache holds by then
     assert followup[:len(singles[-1])] == singles[-1] and len(followup) == len(singles[-1]) + 64
     assert len(batch) == 10 and all(len(p) == 64 for p in batch)
     assert all(1000 <= t < 120000 for p in singles + batch + [followup] for t in p)
     assert kernel_jit.warm_prompts(120000, 8512, 10) == (singles, followup, batch)  # its own seeded RNG
     short, followup, _ = kernel_jit.warm_prompts(120000, 1024, 1, follow=32)
-    assert len(short) == 5 and len(followup) <= 1024 - 16
+    assert len(short) == 2 * 5 and len(followup) <= 1024 - 16
     with pytest.raises(ValueError, match="vocab=500"):
         kernel_jit.warm_prompts(500, 8512, 1)
 

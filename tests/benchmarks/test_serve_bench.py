@@ -322,17 +322,17 @@ def test_extra_settings_from_the_command_line():
 
 
 def test_the_warm_up_covers_every_moe_band_a_follow_up_and_a_batch_of_the_highest_concurrency(tmp_path):
-    """Before the first phase: one prefill per fused-MoE tile band that fits the model length, a follow-up over the
-    longest, then as many short prompts at once as the busiest phase runs (their seconds recorded, batch as one)."""
+    """Before the first phase: two prefills per fused-MoE tile band that fits the model length (a token count that is
+    a multiple of 16 and one that is not), a follow-up over the longest, then as many short prompts at once as the busiest phase runs (their seconds recorded, batch as one)."""
     from kernel_jit import MOE_BAND_LENGTHS
 
     out = tmp_path / "out"
     serve_bench.main(SMALL_ARGS + ["--python", _fake_python(tmp_path), "--modes", "none", "--out-dir", str(out),
                                    "--max-model-len", "4096"])
     (start,) = json.loads((out / "serve_bench_llama3-8b.json").read_text())["starts"]
-    fits = [n for n in MOE_BAND_LENGTHS if n <= 4096 - 16 - 64]
+    fits = [n for n in MOE_BAND_LENGTHS if n + 1 <= 4096 - 16 - 64]
     assert start["status"] == "ok" and len(fits) == len(MOE_BAND_LENGTHS) - 1  # 6,144 does not fit
-    assert len(start["warmup_s"]) == len(fits) + 2 and all(x >= 0 for x in start["warmup_s"])
+    assert len(start["warmup_s"]) == 2 * len(fits) + 2 and all(x >= 0 for x in start["warmup_s"])
 
 
 def test_kernel_compilations_inside_a_phase_are_counted_from_the_server_log(tmp_path, capsys):
@@ -758,7 +758,7 @@ def test_deadline_skips_starts_that_would_not_fit(tmp_path):
 def test_a_server_that_dies_mid_run_fails_its_start_without_fallbacks(tmp_path, monkeypatch):
     from kernel_jit import MOE_BAND_LENGTHS
 
-    warm = len(MOE_BAND_LENGTHS) + 1 + 4  # the warm-up: a prefill per MoE band (all fit 8,192), a follow-up, a batch of 4
+    warm = 2 * len(MOE_BAND_LENGTHS) + 1 + 4  # the warm-up: 2 prefills per MoE band (all fit 8,192), a follow-up, 4 at once
     monkeypatch.setenv("FAKE_SERVE_EXIT_AFTER", str(warm + 3))  # then 3 of the warm phase
     out = tmp_path / "out"
     serve_bench.main(SMALL_ARGS + ["--python", _fake_python(tmp_path), "--modes", "none", "--out-dir", str(out)])
