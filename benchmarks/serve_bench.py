@@ -153,10 +153,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     s.add_argument("--max-num-batched-tokens", type=int, default=8192)
     s.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     s.add_argument("--graphs", choices=("auto", "decode", "eager", "compile"), default="auto",
-                   help="decode: -cc.mode=none + FULL_DECODE_ONLY graphs (starts in seconds; prefill steps run "
-                        "eagerly); auto: that, eager if the first start fails; compile: vLLM's defaults "
-                        "(torch.compile and piecewise + full CUDA graphs: what a user gets; each start "
-                        "compiles or reads vLLM's compile cache, ~60 s more)")
+                   help="compile: vLLM's defaults (torch.compile and piecewise + full CUDA graphs, vLLM's own "
+                        "--max-num-seqs: what a user of vllm serve gets; a start compiles or reads vLLM's compile "
+                        "cache, ~60 s more); decode: -cc.mode=none + FULL_DECODE_ONLY graphs (starts in a minute; "
+                        "prefill steps launched op by op from Python: a c1 step costs its launch whatever it "
+                        "computes); auto (default): compile, then decode, then eager while no start has succeeded")
     s.add_argument("--enforce-eager", action="store_true", help="same as --graphs eager")
     s.add_argument("--tokenizer", choices=("auto", "skip", "word"), default="auto",
                    help="skip: --skip-tokenizer-init; word: offline word-level tokenizer; auto: skip, word on failure")
@@ -219,6 +220,16 @@ def registry(a) -> ModeRegistry:
         name, _, js = d.partition("=")
         reg.define(name.strip(), json.loads(js) if js.strip() else {})
     return reg
+
+
+#: ``--graphs auto``: the setting a call starts with, and the next one to try while no start has succeeded
+GRAPHS_AUTO_FIRST = "compile"
+GRAPHS_AUTO_NEXT = {"compile": "decode", "decode": "eager"}
+
+
+def first_graphs(a) -> str:
+    """The graph setting a call's first start uses: ``--graphs``, with ``auto`` resolved (``GRAPHS_AUTO_FIRST``)."""
+    return GRAPHS_AUTO_FIRST if a.graphs == "auto" else a.graphs
 
 
 def default_max_num_seqs(wp: WorkloadParams, graphs: str) -> int:
@@ -291,7 +302,7 @@ def dry_run(a) -> None:
     ts = tier_sizes(a, wp)
     reg = registry(a)
     modes = [m for m in a.modes.split(",") if m]
-    graphs = "decode" if a.graphs == "auto" else a.graphs
+    graphs = first_graphs(a)
     tok = "skip" if a.tokenizer == "auto" else a.tokenizer
     opts = server_options(a, wp, graphs, tok)
     gib = lambda b: b / (1 << 30)  # noqa: E731
@@ -320,7 +331,7 @@ def dry_run(a) -> None:
               f"{'-' if shm is None else f'{shm:.1f} GiB'} (a host pool needs {ts.cpu_gib} GiB)")
     est_none, est_conn = estimate_s(a.shape, wp, False, n), estimate_s(a.shape, wp, True, n)
     # a host pool's first replica reserves its pages (~0.5 s per GiB); several servers stop and free their GPUs
-    per_start = [STARTUP_GUESS_S[a.shape] + COMPILE_GUESS_S * (a.graphs == "compile")
+    per_start = [STARTUP_GUESS_S[a.shape] + COMPILE_GUESS_S * (first_graphs(a) == "compile")
                  + (est_none if m == "none" else est_conn) + 15 + 5 * (n > 1)
                  + (0.5 * ts.cpu_gib if pool_of(reg.spec(m, ts)) else 0) for m in modes]
     print(f"# time guess (H200): workload ~{est_none:.0f} s (none) / ~{est_conn:.0f} s (connector) per start, "
@@ -391,7 +402,7 @@ class Bench:
         self.wid = workload_id(self.wp)
         self.sizes = tier_sizes(a, self.wp)
         self.reg = registry(a)
-        self.graphs = "decode" if a.graphs == "auto" else a.graphs
+        self.graphs = first_graphs(a)
         self.tokenizer = "skip" if a.tokenizer == "auto" else a.tokenizer
         self.settled = False  # a start succeeded: no more fallbacks
         self.model_dir = write_model_dir(a.shape, stable_model_dir(a.shape), tokenizer=self.tokenizer == "word")
@@ -413,7 +424,7 @@ class Bench:
 
     def need_s(self, mode: str) -> float:
         start = max(self.startups, default=STARTUP_GUESS_S[self.a.shape]
-                    + COMPILE_GUESS_S * (self.a.graphs == "compile"))
+                    + COMPILE_GUESS_S * (self.graphs == "compile"))
         work = max(self.workloads, default=estimate_s(self.a.shape, self.wp, mode != "none", self.a.replicas)) * self.a.repeats
         return start + work + STOP_MARGIN_S
 
@@ -463,7 +474,7 @@ class Bench:
     def next_try(self, tried: list[tuple[str, str]], failure: str) -> tuple[str, str] | None:
         """The next (graphs, tokenizer) to try: the tokenizer first when the failure names it."""
         graphs, tok = tried[-1]
-        alt_g = "eager" if self.a.graphs == "auto" and graphs == "decode" else graphs
+        alt_g = GRAPHS_AUTO_NEXT.get(graphs, graphs) if self.a.graphs == "auto" else graphs
         alt_t = "word" if self.a.tokenizer == "auto" and tok == "skip" else tok
         # only error lines count: the log's command line and vLLM's "non-default args" name the tokenizer too
         named = any("tokeniz" in line and "error" in line for line in failure.lower().splitlines())
