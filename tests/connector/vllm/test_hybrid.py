@@ -176,9 +176,11 @@ def _multiturn(model_dirs, shape: str, extra: dict, async_sched: bool) -> Engine
     return eng
 
 
-def test_three_turns_extend_the_stored_prefix(model_dirs):
-    """Each turn loads the previous turns' chunks and stores its own new ones after them."""
-    eng = make(model_dirs, "gptoss", cfg())
+@pytest.mark.parametrize("tails,hit1,hit2", [(True, 6, 11), (False, 4, 8)], ids=["tails", "no-tails"])
+def test_three_turns_extend_the_stored_prefix(model_dirs, tails, hit1, hit2):
+    """Each turn loads the previous turns' chunks (and, with tail pieces, the full blocks after them) and stores
+    its own new ones after them."""
+    eng = make(model_dirs, "gptoss", cfg(tail_chunks=tails))
     try:
         conv = prompt(2, 6 * BS + 1)
         hits = []
@@ -189,7 +191,7 @@ def test_three_turns_extend_the_stored_prefix(model_dirs):
             hits.append(eng.connector.stats()["sched_hit_tokens_cpu"])
             assert eng.sched.reset_prefix_cache()
             conv = list(r.prompt_token_ids) + list(r.output_token_ids) + prompt(10 + turn, 5 * BS)
-        assert hits[0] == 0 and hits[1] == 4 * BS and hits[2] - hits[1] == 8 * BS, hits
+        assert hits[0] == 0 and hits[1] == hit1 * BS and hits[2] - hits[1] == hit2 * BS, hits
         assert_clean(eng)
     finally:
         eng.close()

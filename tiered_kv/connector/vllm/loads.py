@@ -117,10 +117,11 @@ class LoadPlanner:
         """``allocated`` for hybrid models: load the parts the last match found, every one a ready CPU copy."""
         c0, _, local = st.lookup
         hit, rid = st.parts, st.request.request_id
-        if local + num_external_tokens != hit.end * self.chunk:
+        end = hit.end * self.chunk + hit.tail * self.bs
+        if local + num_external_tokens != end:
             raise RuntimeError(f"TieredKVConnector: vLLM allocated {num_external_tokens} external tokens for request "
                                f"{rid} after {local} local ones, but the hit over parts ends at token "
-                               f"{hit.end * self.chunk}; this vLLM version schedules hybrid hits differently")
+                               f"{end}; this vLLM version schedules hybrid hits differently")
         gpu = self._parts.load_ids(self._requests.tables(block_ids), hit, c0, local)
         router = self._router
         hid = next(router.handle_ids)
@@ -133,6 +134,9 @@ class LoadPlanner:
             self._requests.async_waiting.add(rid)  # until vLLM schedules it (``SchedulerPlanner.build``)
         self._plan_loads(st, jobs, num_external_tokens)
         self.counters.hit_tokens_cpu += num_external_tokens  # several groups load only from the CPU tier
+        if hit.tail:
+            self.counters.tail_hits += 1
+            self.counters.hit_tokens_tail += end - max(local, hit.end * self.chunk)
         st.stored = max(st.stored, hit.end)
         st.parts = None
         st.owned += hit.keys

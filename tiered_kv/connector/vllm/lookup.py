@@ -6,8 +6,9 @@ in the remote tier is adopted when the walk reaches it (``RemotePresence``). The
 
 - n-1 rule: at least one prompt token is always left to compute; it caps the lookup itself, so a sliding
   window or a Mamba state is only ever taken at the boundary it was stored for;
-- tail pieces (one full-attention or MLA group): where the walk over whole chunks stopped, the tail keys of
-  that chunk are probed, longest first;
+- tail pieces (one full-attention or MLA group, or sliding windows and full attention): where the walk over
+  whole chunks stopped, the tail keys of that chunk are probed, longest first (hybrids: ``PartPlanner.find``,
+  every group's part of the piece and the windows before its end);
 - the split (``planner.gate.SplitGate``, shared with SGLang's backend; built in ``prefill.py``): the held chunks
   as runs per tier (CPU, then disk, then remote, as the walk found them), after the tokens vLLM holds, before
   the request's tokens still to compute; CPU chunks always load, a disk or remote run loads only while reading
@@ -115,7 +116,7 @@ class LookupPlanner:
         if st.promoting:
             return None  # its disk chunks are still moving up to the CPU tier
         if self._parts is not None:
-            tokens = self._match_parts(st, c0, usable, num_computed_tokens)
+            tokens = self._match_parts(st, c0, usable, num_computed_tokens, avail // bs)
             waiting = self._requests.async_waiting
             if tokens and not st.sync and waiting and request.request_id not in waiting:
                 self.counters.async_hybrid_deferred += 1  # the module's "Hybrid loads between steps"
@@ -188,17 +189,20 @@ class LookupPlanner:
             return keys[:n], where[:n], 0  # a tail piece is the last entry: cut with the rest
         return keys, where, tail
 
-    def _match_parts(self, st: RequestState, c0: int, usable: int, computed: int) -> int | None:
-        """``match`` for hybrid models: the longest hit over parts, its disk parts promoted to the CPU tier first."""
+    def _match_parts(self, st: RequestState, c0: int, usable: int, computed: int, avail_blocks: int) -> int | None:
+        """``match`` for hybrid models: the longest hit over parts (with ``tail_chunks`` it may end with a tail
+        piece), its disk parts promoted to the CPU tier first."""
         parts, hashes = self._parts, st.request.block_hashes
 
         def chunk_key(c: int) -> bytes:
             return self._chunk_keys(st, c + 1)[c]
 
-        hit = parts.find(hashes, chunk_key, c0, usable, self._best)
+        tails = (self._requests.tail_prefix, computed // self.bs, avail_blocks) if self._tails else None
+        hit = parts.find(hashes, chunk_key, c0, usable, self._best, tails)
         if hit is not None:
-            n = self._worth_loading(st, hit.chunk_tiers(c0), 0, computed, c0)
-            if n < hit.end - c0:  # disk chunks declined: a shorter hit needs its own window and state
+            where = hit.chunk_tiers(c0)
+            n = self._worth_loading(st, where, hit.tail, computed, c0)
+            if n < len(where):  # disk chunks declined: a shorter hit needs its own window and state
                 hit = parts.find(hashes, chunk_key, c0, n, self._best) if n else None
         if hit is not None and any(t != CPU for t in hit.tiers):
             if not st.promoted:  # load only from the CPU tier, so a bad disk record is a plain miss
@@ -219,11 +223,12 @@ class LookupPlanner:
         if self._reseed is not None and self._reseeds(st, c0, hit.end, chunk_key):
             st.split = None
             return 0
-        tokens = hit.end * self.chunk - computed
+        tokens = hit.end * self.chunk + hit.tail * self.bs - computed
         if tokens // self.bs < self.cfg.min_hit_blocks:
             st.split = None
             return 0
         st.lookup = (c0, hit.end - c0, computed)
+        st.hit_tail = hit.tail
         st.hit_keys = hit.keys
         st.parts = hit
         st.sync = self.cfg.load_mode != "async" and tokens <= self.cfg.sync_max_tokens

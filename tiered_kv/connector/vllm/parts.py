@@ -18,10 +18,19 @@ and the next turn, whose prompt extends this one, hits at exactly that boundary.
 request shares only up to some earlier chunk is no hit for it (its window there was not kept) unless
 ``swa_store`` is ``all``.
 
+Tail pieces (``tail_chunks``, sliding windows and full attention, no Mamba): a prompt's full blocks after
+its last whole chunk ``e`` (``m`` of them, ending at block ``T = e*k + m``) are stored per group too, once
+its prefill is complete: every full-attention group's ``m`` blocks, and each sliding-window group's of
+those a hit ending at ``T`` reads (the window before ``T``; the window's blocks before chunk ``e`` are
+the window parts kept for boundary ``e``). A hit ending at ``T`` reads every full-attention part below
+``T`` and each window's blocks ``[T - window, T)``; ``find`` probes tails where the full-attention walk
+stopped, longest first.
+
 Keys: the *main* group's part (the first full-attention or MLA group; else the first group) is named
 by the chunk's key, so chunk lookups, KV events and remote presence work as for one group; any other
 group's part by the namespace key of the chunk's last block hash, ``b"|part"`` and the group's
-position.
+position. A tail piece's main part is named by its tail key (``state.TAIL_MARK``), any other group's by
+that key, ``b"|part"`` and the group's position (never 32 bytes long, so never a chunk's or a part's key).
 
 Threading contract: vLLM's scheduler thread only (``SchedulerPlanner`` calls it); no I/O, no torch.
 """
@@ -38,17 +47,19 @@ Best = Callable[[bytes], "int | None"]
 
 @dataclass(slots=True)
 class PartHit:
-    """A hit over parts: it ends at chunk boundary ``end``; ``keys[i]`` is part ``items[i]`` = (chunk, group
-    position), held fastest in tier ``tiers[i]``; items are in chunk order, groups in group order."""
+    """A hit over parts: it ends at chunk boundary ``end``, or ``tail`` blocks after it with a tail piece;
+    ``keys[i]`` is part ``items[i]`` = (chunk, group position), held fastest in tier ``tiers[i]``; items are in
+    chunk order, groups in group order (a tail piece's parts are chunk ``end``'s)."""
 
     end: int
     keys: list[bytes]
     items: list[tuple[int, int]]
     tiers: list[int]
+    tail: int = 0
 
     def chunk_tiers(self, c0: int) -> list[int]:
-        """The slowest tier among each chunk's parts, for chunks ``[c0, end)``."""
-        out = [0] * (self.end - c0)
+        """The slowest tier among each chunk's parts, for chunks ``[c0, end)``, then the tail piece's if any."""
+        out = [0] * (self.end - c0 + (1 if self.tail else 0))
         for (c, _), t in zip(self.items, self.tiers):
             if t > out[c - c0]:
                 out[c - c0] = t
@@ -82,12 +93,14 @@ class PartPlanner:
 
     # ------------------------------------------------------------------ hits
     def find(self, hashes: Sequence[bytes], chunk_key: Callable[[int], bytes], c0: int, usable: int,
-             best: Best) -> PartHit | None:
+             best: Best, tails: tuple[bytes, int, int] | None = None) -> PartHit | None:
         """The longest hit from chunk ``c0`` within ``usable`` chunks, or None.
 
         Full-attention parts must be held for every chunk; the end is then moved back until each
         sliding-window group holds its window before it and each Mamba group its state at it. A window
         part missing at chunk c rules out every end whose window reaches c, so the search jumps there.
+        ``tails``: (tail key prefix, blocks vLLM holds, the last block the hit may end at): first the tail
+        pieces of the chunk where the full-attention walk stopped are probed, longest first.
         """
         tiers: dict[tuple[int, int], int] = {}
         n = 0
@@ -106,6 +119,10 @@ class PartPlanner:
         if not self.full:
             n = usable  # no group reads every chunk: the windows and states alone decide
         e = c0 + n
+        if tails is not None:
+            hit = self._find_tail(hashes, chunk_key, c0, e, best, tiers, *tails)
+            if hit is not None:
+                return hit
         while e > c0:
             stop = self._boundary_misses(hashes, chunk_key, c0, e, best, tiers)
             if stop is None:
@@ -131,23 +148,71 @@ class PartPlanner:
                 tiers[(c, i)] = t
         return None
 
-    def _hit(self, hashes, chunk_key, c0: int, e: int, tiers: dict[tuple[int, int], int]) -> PartHit:
+    def _find_tail(self, hashes, chunk_key, c0: int, e: int, best: Best, tiers: dict[tuple[int, int], int],
+                   prefix: bytes, local_blocks: int, last_block: int) -> PartHit | None:
+        """The longest tail-piece hit in chunk ``e`` (where the full-attention walk from ``c0`` stopped), or None:
+        every group's part of the piece and each window's parts before chunk ``e`` that a hit ending there reads
+        must be held. A piece of ``m`` blocks ends at block ``e*k + m``: at most ``last_block`` (the n-1 rule) and
+        past the ``local_blocks`` vLLM holds, or it would add nothing."""
+        k = self.groups[self.main].chunk_blocks
+        base = e * k
+        hi = min(k - 1, last_block - base)
+        lo = max(1, local_blocks - base + 1)
+        for m in range(hi, lo - 1, -1):
+            key = prefix + bytes(hashes[base + m - 1])
+            found: dict[tuple[int, int], int] = {}
+            for i in range(len(self.groups)):
+                t = best(self.tail_part_key(key, i))
+                if t is None:
+                    break
+                found[(e, i)] = t
+            else:
+                if self._tail_windows(hashes, chunk_key, c0, e, base + m, best, found):
+                    tail_tiers = dict(tiers)
+                    tail_tiers.update(found)
+                    return self._hit(hashes, chunk_key, c0, e, tail_tiers, m, key)
+        return None
+
+    def _tail_windows(self, hashes, chunk_key, c0: int, e: int, end: int, best: Best,
+                      found: dict[tuple[int, int], int]) -> bool:
+        """Whether each sliding-window group holds its parts of the chunks in ``[c0, e)`` that a hit ending at
+        block ``end`` reads (their tiers go into ``found``)."""
+        for i in self.swa:
+            for c in range(e - 1, c0 - 1, -1):
+                if not self._read("swa", i, c, e, end - e * self.groups[i].chunk_blocks):
+                    break
+                t = best(self.part_key(hashes, c, i, chunk_key(c)))
+                if t is None:
+                    return False
+                found[(c, i)] = t
+        return True
+
+    def _hit(self, hashes, chunk_key, c0: int, e: int, tiers: dict[tuple[int, int], int], tail: int = 0,
+             tail_key: bytes = b"") -> PartHit:
         keys: list[bytes] = []
         items: list[tuple[int, int]] = []
         out_tiers: list[int] = []
         for c in range(c0, e):
             ck = chunk_key(c)
             for i, g in enumerate(self.groups):
-                if self._read(g.kind, i, c, e):
+                if self._read(g.kind, i, c, e, tail):
                     keys.append(self.part_key(hashes, c, i, ck))
                     items.append((c, i))
                     out_tiers.append(tiers[(c, i)])
-        return PartHit(e, keys, items, out_tiers)
+        if tail:
+            for i in range(len(self.groups)):
+                keys.append(self.tail_part_key(tail_key, i))
+                items.append((e, i))
+                out_tiers.append(tiers[(e, i)])
+        return PartHit(e, keys, items, out_tiers, tail)
 
-    def _read(self, kind: str, i: int, c: int, e: int) -> bool:
-        """Whether a hit ending at ``e`` reads group position ``i``'s part of chunk ``c``."""
+    def _read(self, kind: str, i: int, c: int, e: int, tail: int = 0) -> bool:
+        """Whether a hit ending at ``e`` (and ``tail`` blocks of a tail piece after it) reads group position
+        ``i``'s part of chunk ``c`` (``c < e``)."""
         if kind == "swa":
-            return c >= e - self.groups[i].window_chunks
+            g = self.groups[i]
+            k = g.chunk_blocks
+            return (c + 1) * k > e * k + tail - g.window_blocks  # a block of c lies in the window before the end
         if kind == "mamba":
             return c == e - 1
         return True
@@ -160,7 +225,7 @@ class PartPlanner:
         older blocks, one state block for Mamba); a block allocated where the stored parts hold nothing
         would be computed on garbage, so it raises instead.
         """
-        self._check_allocation(tables, c0, hit.end, local)
+        self._check_allocation(tables, c0, hit.end, local, hit.tail)
         p, width = self.p, self.width
         out: list[int] = []
         for c, i in hit.items:
@@ -168,25 +233,27 @@ class PartPlanner:
             g = self.groups[i]
             table = tables[i]
             base = i * p
+            end = hit.end * g.chunk_blocks + hit.tail  # a tail piece's slot holds its first blocks only
             for j, pos in enumerate(self._positions(g.kind, g.chunk_blocks, c)):
                 b = table[pos] if pos < len(table) else 0
-                if b and (pos + 1) * g.block_size > local:
+                if b and (pos + 1) * g.block_size > local and pos < end:
                     ids[base + j] = b
             out += ids
         return out
 
-    def _check_allocation(self, tables, c0: int, e: int, local: int) -> None:
+    def _check_allocation(self, tables, c0: int, e: int, local: int, tail: int = 0) -> None:
         for i, g in enumerate(self.groups):
             if g.kind not in ("swa", "mamba"):
                 continue
             k, bs, table = g.chunk_blocks, g.block_size, tables[i]
-            # the first block a hit ending at e reads: the window's oldest block, or the state block
-            first = e * k - g.window_blocks if g.kind == "swa" else e * k - 1
+            end = e * k + tail  # the hit's end, in this group's blocks
+            # the first block a hit ending there reads: the window's oldest block, or the state block
+            first = end - g.window_blocks if g.kind == "swa" else end - 1
             for pos in range(c0 * k, min(first, len(table))):
                 if table[pos] and (pos + 1) * bs > local:
                     raise RuntimeError(
                         f"TieredKVConnector: vLLM allocated block {table[pos]} of KV cache group {g.index} "
-                        f"({g.kind}) at position {pos} for an external hit ending at token {e * self.chunk}, "
+                        f"({g.kind}) at position {pos} for an external hit ending at token {end * bs}, "
                         f"where the stored parts hold nothing for it; this vLLM version allocates hits "
                         f"differently")
 
@@ -247,6 +314,26 @@ class PartPlanner:
         if any(not b for pos, b in zip(range(c * k, (c + 1) * k), blocks) if pos >= first):
             return None
         return blocks
+
+    def tail_part_key(self, tail_key: bytes, i: int) -> bytes:
+        """Key of group position ``i``'s part of the tail piece named ``tail_key`` (the main part's key)."""
+        return tail_key if i == self.main else tail_key + self._suffix[i]
+
+    def store_tail(self, tail_key: bytes, tables: Sequence[Sequence[int]],
+                   blocks: int) -> list[tuple[bytes, list[int]]] | None:
+        """The parts of the tail piece that ends at block ``blocks`` (its full blocks after the last whole chunk),
+        ``(key, GPU ids)`` each, or None when a block a hit ending there reads is gone already (0): every
+        full-attention group's blocks of the piece, each sliding-window group's in the window before its end
+        (-1 for the older ones, which no hit reads)."""
+        out: list[tuple[bytes, list[int]]] = []
+        for i, g in enumerate(self.groups):
+            table = tables[i]
+            base = blocks - blocks % g.chunk_blocks
+            first = max(base, blocks - g.window_blocks) if g.kind == "swa" else base
+            if len(table) < blocks or not all(table[first:blocks]):
+                return None
+            out.append((self.tail_part_key(tail_key, i), self._ids(i, [0] * (first - base) + list(table[first:blocks]))))
+        return out
 
     def final_boundaries(self, prompt_tokens: int, store_decode_tokens: bool) -> tuple[int, int] | None:
         """The boundaries a later hit on a request's stored prefix ends at: its prompt's whole chunks, and one

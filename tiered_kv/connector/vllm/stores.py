@@ -9,7 +9,9 @@ finishes (``on_finish``) and put in the next step, valid only while vLLM did not
 - Tail pieces (``tail_chunks``, one full-attention or MLA group): once a prompt's prefill is complete, the
   full blocks after its last whole chunk are stored as one *tail* record (a chunk slot whose first ``m``
   blocks hold them; the job's other GPU ids are -1). An older turn's tail piece the request's lookup found
-  is dropped once the request stored past it (a whole chunk over it, or a longer piece).
+  is dropped once the request stored past it (a whole chunk over it, or a longer piece). Sliding-window
+  hybrids (no Mamba) store a tail piece per group, like parts (``PartPlanner.store_tail``), none when a
+  block a hit on it reads is gone already; they are left to the tier's eviction, not dropped.
 - Hybrid models (``parts.PartPlanner``): each chunk's parts that later hits can use, none when a block a
   hit needs was already freed.
 - KV events (``ChunkEvents``): what each stored chunk names in vLLM's terms, kept while a tier holds it.
@@ -206,6 +208,9 @@ class StorePlanner:
                 for c in range(st.stored, n):
                     self._offer(st, c, keys[c], end == (c + 1) * chunk, keys_out, gpu_out)
                 st.stored = n
+            if self._tails and not st.tail_done and end >= req.num_prompt_tokens and st.stored == n:
+                st.tail_done = True  # the prefill is complete: each group's part of its tail piece
+                self._offer_tail_parts(st, st.tables, computed, n, keys_out, gpu_out)
         if not self.cfg.store_decode_tokens and st.stored >= req.num_prompt_tokens // self.chunk and \
                 (st.tail_done or not self._tails):
             if self.storing.pop(req.request_id, None) is not None:  # every prompt chunk offered
@@ -238,6 +243,28 @@ class StorePlanner:
         self.counters.tail_stores += 1
         if self._events.meta is not None:  # a KV event names the piece's blocks like a chunk's
             self._events.remember_tail(key, req, base, blocks)
+
+    def _offer_tail_parts(self, st: RequestState, tables: Sequence[Sequence[int]], computed: int, n: int,
+                          keys_out: list[bytes], gpu_out: list[int]) -> None:
+        """Several groups: add each group's part of the tail piece after the ``n`` whole chunks (the full blocks of
+        ``computed`` tokens) to a store, if any; none when a block a hit on it reads is gone already."""
+        req = st.request
+        blocks = min(computed // self.bs, len(req.block_hashes), *(len(t) for t in tables))
+        if blocks // self.k != n or not blocks % self.k:
+            return
+        key = self._tail_prefix + req.block_hashes[blocks - 1]
+        parts = self._parts.store_tail(key, tables, blocks)
+        if parts is None:
+            if key not in self.chain.index:
+                self.counters.chunks_not_storable += 1
+            return
+        for part_key, ids in parts:
+            keys_out.append(part_key)
+            gpu_out.extend(ids)
+            st.owned.append(part_key)
+        self.counters.tail_stores += 1
+        if self._events.meta is not None:  # the piece's event rides on its main part, named like a chunk's blocks
+            self._events.remember_tail(key, req, n * self.k, blocks)
 
     def _offer(self, st: RequestState, c: int, key: bytes, state_at_end: bool, keys_out: list[bytes],
                gpu_out: list[int], tables: list[list[int]] | None = None) -> None:
@@ -281,6 +308,8 @@ class StorePlanner:
             all_keys = self._chunk_keys(st, n)
             for c in range(st.stored, n):  # only chunks whose needed blocks are still held
                 self._offer(st, c, all_keys[c], False, keys, gpu, tables)
+            if self._tails and not st.tail_done and st.stored <= n:
+                self._offer_tail_parts(st, tables, computed, n, keys, gpu)
         if keys and self._events.meta is not None and self._single:
             self._events.remember(st, st.stored, n)
         if keys:
