@@ -1,0 +1,234 @@
+"""Tail pieces of sliding-window hybrids: the full blocks after a prompt's last whole chunk, stored per group.
+
+vLLM's real Scheduler with the harness of ``harness.py`` (every block a forward reads is checked byte for byte
+against its token prefix: every full-attention block, the window's blocks of a sliding-window layer), on the
+``gptoss`` (2 groups, a 2-block window) and ``gemma3`` (6 groups, 3-block windows) shapes of ``models.py``, 4-block
+chunks of 16-token blocks. A hit ending at block ``T`` inside chunk ``e`` reads every full-attention block below
+``T`` and each window's blocks ``[T - window, T)``: the window parts kept for boundary ``e`` and the tail piece's
+parts. Mamba hybrids keep no tail pieces (a state at a tail's end is not kept).
+"""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from tests.connector.vllm.harness import BS  # noqa: E402
+from tests.connector.vllm.test_hybrid import (  # noqa: E402
+    FULL_BLOCK,
+    K,
+    VLLM_032,
+    WINDOW_BYTES,
+    WINDOW_PARTS,
+    _disk_engine,
+    assert_clean,
+    cfg,
+    make,
+    model_dirs,  # noqa: F401  (the fixture)
+    patient_fences,  # noqa: F401  (autouse fixture)
+    prompt,
+    turn2,
+)
+from tiered_kv.connector.vllm.state import TAIL_MARK  # noqa: E402
+
+#: turn 1: two whole chunks, a 3-block tail and 4 tokens of a partial block
+TURN1 = 2 * K * BS + 3 * BS + 4
+GROUPS = {"gptoss": 2, "gemma3": 6}
+
+
+def _tail_parts(eng) -> list[bytes]:
+    """The tail pieces' part keys the planner holds (namespace, TAIL_MARK, a 32-byte block hash[, group suffix])."""
+    ns = eng.connector.ns.prefix
+    return [k for k, _ in eng.connector.planner.chain.index.items()
+            if k[len(ns):len(ns) + 1] == TAIL_MARK and len(k) >= len(ns) + 1 + 32]
+
+
+def _turn(eng, rid: str, ids: list[int], max_tokens: int = 3):
+    r = eng.add(rid, ids, max_tokens=max_tokens)
+    eng.run()
+    eng.settle()
+    return r
+
+
+def _hit_bytes(eng, blocks: int) -> int:
+    """Bytes a hit ending at block ``blocks`` loads into one rank: every full-attention block, each window."""
+    geo = eng.connector.geo
+    return sum((blocks if g.kind == "full" else g.window_blocks) * g.block_nbytes for g in geo.groups)
+
+
+@pytest.mark.parametrize("shape", ["gptoss", "gemma3"])
+@pytest.mark.parametrize("load_mode", ["layerwise", "async"])
+@pytest.mark.parametrize("async_sched", [False, True], ids=["sync", "async"])
+def test_turn2_hits_whole_chunks_and_the_tail_bit_exact(model_dirs, shape, load_mode, async_sched):
+    eng = make(model_dirs, shape, cfg(load_mode=load_mode), async_sched=async_sched)
+    try:
+        assert eng.connector.planner._tails
+        a = _turn(eng, "t1", prompt(51, TURN1))
+        st = eng.connector.stats()
+        groups = GROUPS[shape]
+        # 2 full-attention parts, the window parts before boundary 2, one part of the tail per group
+        assert st["resident_cpu"] == 2 + WINDOW_PARTS[shape] + groups and st["sched_tail_stores"] == 1, st
+        tails = _tail_parts(eng)
+        key = eng.connector.ns.prefix + TAIL_MARK + a.block_hashes[2 * K + 3 - 1]
+        assert len(tails) == groups and key in tails  # the main group's part is named by the tail key itself
+        # the tail parts: every full-attention block of the piece, each window's blocks in the window before its end
+        window = sum(min(3, g.window_blocks) * g.block_nbytes for g in eng.connector.geo.groups if g.kind == "swa")
+        full = sum(g.chunk_blocks * g.block_nbytes for g in eng.connector.geo.groups if g.kind == "full")
+        assert st["sched_bytes_stored"] == 2 * full + WINDOW_BYTES[shape] + 3 * FULL_BLOCK[shape] + window, st
+        assert eng.sched.reset_prefix_cache()  # vLLM's GPU cache holds nothing of turn 1
+        verified = eng.verified_blocks
+        b = _turn(eng, "t2", turn2(a), max_tokens=2)
+        st = eng.connector.stats()
+        assert st["sched_hit_tokens_cpu"] == (2 * K + 3) * BS, st
+        assert st["sched_tail_hits"] == 1 and st["sched_hit_tokens_tail"] == 3 * BS, st
+        assert eng.cached_at_start[b.request_id] == (2 * K + 3) * BS  # vLLM computes only what follows it
+        assert eng.workers[0].connector.stats()["bytes_loaded"] == _hit_bytes(eng, 2 * K + 3)
+        assert eng.verified_blocks - verified >= 2 * K + 3  # every block the forwards read, byte for byte
+        assert b.is_finished()
+        assert_clean(eng)
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("shape", ["gptoss", "gemma3"])
+def test_a_one_block_tail_reads_the_window_before_its_chunk(model_dirs, shape):
+    """A 1-block tail: the window before its end reaches into the previous chunk, whose window part was kept for
+    the prompt's whole-chunk boundary."""
+    eng = make(model_dirs, shape, cfg())
+    try:
+        a = _turn(eng, "t1", prompt(52, 2 * K * BS + BS + 4))
+        assert eng.connector.stats()["sched_tail_stores"] == 1
+        assert eng.sched.reset_prefix_cache()
+        verified = eng.verified_blocks
+        b = _turn(eng, "t2", turn2(a), max_tokens=2)
+        st = eng.connector.stats()
+        assert st["sched_hit_tokens_cpu"] == (2 * K + 1) * BS and st["sched_tail_hits"] == 1, st
+        assert eng.cached_at_start[b.request_id] == (2 * K + 1) * BS
+        assert eng.workers[0].connector.stats()["bytes_loaded"] == _hit_bytes(eng, 2 * K + 1)
+        assert eng.verified_blocks - verified >= 2 * K + 1
+        assert_clean(eng)
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("shape", ["gptoss", "gemma3"])
+def test_tail_chunks_off_hits_whole_chunks_only(model_dirs, shape):
+    eng = make(model_dirs, shape, cfg(tail_chunks=False))
+    try:
+        assert not eng.connector.planner._tails
+        a = _turn(eng, "t1", prompt(53, TURN1))
+        st = eng.connector.stats()
+        assert st["resident_cpu"] == 2 + WINDOW_PARTS[shape] and st["sched_tail_stores"] == 0, st
+        assert eng.sched.reset_prefix_cache()
+        b = _turn(eng, "t2", turn2(a), max_tokens=2)
+        st = eng.connector.stats()
+        assert st["sched_hit_tokens_cpu"] == 2 * K * BS and st["sched_tail_hits"] == 0, st
+        assert eng.cached_at_start[b.request_id] == 2 * K * BS
+        assert_clean(eng)
+    finally:
+        eng.close()
+
+
+def test_prompt_shorter_than_a_chunk_is_stored_as_a_tail(model_dirs):
+    eng = make(model_dirs, "gptoss", cfg())
+    try:
+        a = _turn(eng, "t1", prompt(54, (K - 1) * BS + 5))
+        st = eng.connector.stats()
+        assert st["resident_cpu"] == 2 and st["sched_tail_stores"] == 1, st  # one tail part per group
+        assert eng.sched.reset_prefix_cache()
+        b = _turn(eng, "t2", turn2(a), max_tokens=2)
+        assert eng.connector.stats()["sched_hit_tokens_cpu"] == (K - 1) * BS
+        assert eng.cached_at_start[b.request_id] == (K - 1) * BS
+        assert_clean(eng)
+    finally:
+        eng.close()
+
+
+def test_n_minus_1_rule_holds_for_a_tail(model_dirs):
+    """The same prompt again, ending on a block boundary: its last full block may not come from the tail."""
+    eng = make(model_dirs, "gemma3", cfg())
+    try:
+        p = prompt(55, 2 * K * BS + 3 * BS)
+        _turn(eng, "a", p, max_tokens=1)
+        assert eng.sched.reset_prefix_cache()
+        b = _turn(eng, "b", p, max_tokens=1)
+        st = eng.connector.stats()
+        # the 3-block tail cannot load (its last block holds the last prompt token); no 2-block tail exists
+        assert st["sched_hit_tokens_cpu"] == 2 * K * BS and st["sched_tail_hits"] == 0, st
+        assert eng.cached_at_start[b.request_id] == 2 * K * BS
+        assert_clean(eng)
+    finally:
+        eng.close()
+
+
+def test_on_finish_stores_the_tail_too(model_dirs):
+    eng = make(model_dirs, "gptoss", cfg(store_policy="on_finish"))
+    try:
+        a = _turn(eng, "t1", prompt(56, TURN1))
+        assert eng.connector.stats()["sched_tail_stores"] == 1
+        assert eng.sched.reset_prefix_cache()
+        verified = eng.verified_blocks
+        b = _turn(eng, "t2", turn2(a), max_tokens=2)
+        st = eng.connector.stats()
+        assert st["sched_hit_tokens_cpu"] == (2 * K + 3) * BS and st["sched_tail_hits"] == 1, st
+        assert eng.cached_at_start[b.request_id] == (2 * K + 3) * BS
+        assert eng.verified_blocks - verified >= 2 * K + 3
+        assert_clean(eng)
+    finally:
+        eng.close()
+
+
+def test_local_hit_inside_the_tail_chunk_loads_only_the_rest(model_dirs):
+    """vLLM's own cache holds the start of turn 1's prefix, into the tail's chunk: the connector loads from there."""
+    eng = make(model_dirs, "gptoss", cfg())
+    try:
+        a = _turn(eng, "t1", prompt(57, TURN1))
+        assert eng.sched.reset_prefix_cache()
+        _turn(eng, "short", list(a.prompt_token_ids[:(2 * K + 1) * BS + 2]), max_tokens=1)
+        before = eng.connector.stats()["sched_hit_tokens_cpu"]
+        verified = eng.verified_blocks
+        b = _turn(eng, "t2", turn2(a), max_tokens=2)
+        st = eng.connector.stats()
+        local = eng.cached_at_start[b.request_id] - (st["sched_hit_tokens_cpu"] - before)
+        assert eng.cached_at_start[b.request_id] == (2 * K + 3) * BS, (local, st)
+        assert 0 < local <= (2 * K + 1) * BS and st["sched_tail_hits"] == 1, (local, st)
+        assert eng.verified_blocks - verified >= 2
+        assert_clean(eng)
+    finally:
+        eng.close()
+
+
+def test_tail_on_disk_is_promoted_and_hit_after_a_restart(model_dirs, tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    extra = {"write_policy": "write_through"}
+    parts = 2 + WINDOW_PARTS["gptoss"] + GROUPS["gptoss"]
+    first = _disk_engine(model_dirs, tmp_path, "gptoss", cpu_slots=parts + 2, extra=extra)
+    try:
+        a = _turn(first, "t1", prompt(58, TURN1))
+        assert first.connector.stats()["resident_disk"] == parts
+        conv = turn2(a)
+    finally:
+        first.close()
+    second = _disk_engine(model_dirs, tmp_path, "gptoss", cpu_slots=parts + 2, extra=extra)  # same disk path
+    try:
+        assert second.connector.stats()["resident_disk"] == parts  # tail parts are adopted like any other part
+        b = _turn(second, "t2", conv, max_tokens=2)
+        st = second.connector.stats()
+        assert st["sched_promotions"] == 1 and st["sched_tail_hits"] == 1, st
+        assert st["sched_hit_tokens_cpu"] == (2 * K + 3) * BS and st["sched_hit_tokens_disk"] == 0, st
+        assert second.cached_at_start[b.request_id] == (2 * K + 3) * BS
+        assert second.verified_blocks >= 2 * K + 3
+        assert_clean(second)
+    finally:
+        second.close()
+
+
+@pytest.mark.skipif(not VLLM_032, reason="vLLM 0.26 refuses Mamba hybrids")
+def test_mamba_hybrids_keep_no_tails(model_dirs):
+    eng = make(model_dirs, "mamba", cfg())
+    try:
+        assert not eng.connector.planner._tails  # a Mamba state at a tail's end is not kept
+        _turn(eng, "t1", prompt(59, 6 * BS + 5), max_tokens=2)
+        assert eng.connector.stats()["sched_tail_stores"] == 0
+    finally:
+        eng.close()
