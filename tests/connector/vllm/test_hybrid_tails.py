@@ -29,6 +29,8 @@ from tests.connector.vllm.test_hybrid import (  # noqa: E402
     prompt,
     turn2,
 )
+from tiered_kv.connector.vllm.geometry import Geometry, GroupGeo  # noqa: E402
+from tiered_kv.connector.vllm.parts import PartHit, PartPlanner  # noqa: E402
 from tiered_kv.connector.vllm.state import TAIL_MARK  # noqa: E402
 
 #: turn 1: two whole chunks, a 3-block tail and 4 tokens of a partial block
@@ -85,6 +87,10 @@ def test_turn2_hits_whole_chunks_and_the_tail_bit_exact(model_dirs, shape, load_
         assert eng.workers[0].connector.stats()["bytes_loaded"] == _hit_bytes(eng, 2 * K + 3)
         assert eng.verified_blocks - verified >= 2 * K + 3  # every block the forwards read, byte for byte
         assert b.is_finished()
+        # turn 2 stored chunk 2 (the tail's chunk, complete now) and its own 1-block tail: turn 1's tail piece, covered
+        # by that chunk, is dropped with every group's part
+        assert st["sched_tail_stores"] == 2 and st["sched_tails_superseded"] == 1, st
+        assert not set(tails) & set(_tail_parts(eng)) and len(_tail_parts(eng)) == groups
         assert_clean(eng)
     finally:
         eng.close()
@@ -106,6 +112,27 @@ def test_a_one_block_tail_reads_the_window_before_its_chunk(model_dirs, shape):
         assert eng.cached_at_start[b.request_id] == (2 * K + 1) * BS
         assert eng.workers[0].connector.stats()["bytes_loaded"] == _hit_bytes(eng, 2 * K + 1)
         assert eng.verified_blocks - verified >= 2 * K + 1
+        assert_clean(eng)
+    finally:
+        eng.close()
+
+
+def test_a_window_of_several_chunks_before_the_tail(model_dirs):
+    """``gemma2``: a 16-block window over 4-block chunks; a 1-block tail after 6 chunks reads the window parts of
+    chunks 2 to 5 (from block 9 on) and both groups' parts of the tail."""
+    eng = make(model_dirs, "gemma2", cfg())
+    try:
+        a = _turn(eng, "t1", prompt(60, 6 * K * BS + BS + 4))
+        st = eng.connector.stats()
+        assert st["resident_cpu"] == 6 + 4 + 2 and st["sched_tail_stores"] == 1, st
+        assert eng.sched.reset_prefix_cache()
+        verified = eng.verified_blocks
+        b = _turn(eng, "t2", turn2(a), max_tokens=2)
+        st = eng.connector.stats()
+        assert st["sched_hit_tokens_cpu"] == (6 * K + 1) * BS and st["sched_tail_hits"] == 1, st
+        assert eng.cached_at_start[b.request_id] == (6 * K + 1) * BS
+        assert eng.workers[0].connector.stats()["bytes_loaded"] == _hit_bytes(eng, 6 * K + 1)
+        assert eng.verified_blocks - verified >= 6 * K + 1
         assert_clean(eng)
     finally:
         eng.close()
@@ -232,3 +259,40 @@ def test_mamba_hybrids_keep_no_tails(model_dirs):
         assert eng.connector.stats()["sched_tail_stores"] == 0
     finally:
         eng.close()
+
+
+def _planner(window_blocks: int = 2) -> PartPlanner:
+    """A PartPlanner over a sliding-window group and a full-attention group, 4-block chunks of 16-token blocks."""
+    groups = (GroupGeo("swa", BS, ("w",), 64, K, K, window_blocks, "swa", index=0),
+              GroupGeo("full", BS, ("f",), 64, K, K, 0, "full", index=1))
+    geo = Geometry(BS, K, ("w", "f"), 128, 1, "test", groups, BS)
+    return PartPlanner(geo, lambda b: b"k" + b)
+
+
+def test_a_tail_is_not_stored_when_a_block_a_hit_reads_is_gone():
+    parts = _planner()
+    full = list(range(1, 12))  # blocks 0..10: two chunks and a 3-block tail
+    window = [0] * 9 + [20, 21]  # vLLM freed the window's blocks before 9
+    stored = parts.store_tail(b"T", [window, full], 11)
+    assert stored is not None
+    (wkey, wids), (fkey, fids) = stored
+    assert fkey == b"T" and wkey == b"T|part0"  # the main group's part is named by the tail key itself
+    assert fids == [-1] * K + [9, 10, 11, -1] and wids == [-1, 20, 21, -1] + [-1] * K  # the window before block 11
+    assert parts.store_tail(b"T", [window[:10] + [0], full], 11) is None  # a window block gone: nothing stored
+    assert parts.store_tail(b"T", [window, full[:9] + [0, 11]], 11) is None  # a full-attention block gone
+
+
+def test_vllm_allocating_where_a_tail_hit_holds_nothing_raises():
+    """A hit ending at block 9 (two chunks and a 1-block tail) reads the window's blocks 7 and 8 only: a block vLLM
+    allocated at position 6 would be computed on garbage."""
+    parts = _planner()
+    hit = PartHit(2, [b"a"] * 5, [(0, 1), (1, 0), (1, 1), (2, 0), (2, 1)], [0] * 5, tail=1, tail_key=b"T")
+    full = list(range(1, 13))
+    ok = [0] * 7 + [30, 31, 32, 33, 34]  # null blocks before the window, then its blocks and those to compute
+    none = [-1] * K
+    assert parts.load_ids([ok, full], hit, 0, 0) == (
+        none + [1, 2, 3, 4]  # chunk 0: full attention only
+        + [-1, -1, -1, 30] + none + none + [5, 6, 7, 8]  # chunk 1: the window's block 7, full attention
+        + [31, -1, -1, -1] + none + none + [9, -1, -1, -1])  # the tail: block 8 in both groups, nothing past it
+    with pytest.raises(RuntimeError, match="position 6"):
+        parts.load_ids([[0] * 6 + [29] + ok[7:], full], hit, 0, 0)

@@ -1,7 +1,8 @@
 """Tail pieces: the full blocks after a prompt's last whole chunk are stored and hit by the next turn.
 
 vLLM's real Scheduler/AsyncScheduler with the harness of ``harness.py`` (every block a forward
-reads is checked byte for byte against its token prefix), as in ``test_connector.py``.
+reads is checked byte for byte against its token prefix), as in ``test_connector.py``. Hybrid models' tail
+pieces (per KV cache group): ``test_hybrid_tails.py``.
 """
 from __future__ import annotations
 
@@ -211,29 +212,6 @@ def test_tail_slot_rows_past_the_piece_are_neither_written_nor_read(model_dir):
         rows = runtime.planes[0][slot * K:(slot + 1) * K]
         assert not (rows[:3] == 0xAB).all(dim=1).any()  # the 3 piece rows were written
         assert (rows[3:] == 0xAB).all()  # the rest of the slot was not
-    finally:
-        eng.close()
-
-
-def test_hybrid_groups_store_whole_chunks_only(tmp_path):
-    """Several KV cache groups (sliding window + full attention): no tail pieces, whole chunks as before."""
-    import tests.connector.vllm.models as models
-
-    model = models.write_model_dir(str(tmp_path / "gptoss"), "gptoss")
-    eng = Engine.create(model, {"chunk_blocks": K, "cpu_bytes": "4MiB"}, shape="gptoss", num_blocks=96,
-                        max_model_len=512)
-    try:
-        assert not eng.connector.planner._tails
-        a = eng.add("h1", prompt(39, 2 * K * BS + 3 * BS + 4), max_tokens=2)
-        eng.run()
-        eng.settle()
-        st = eng.connector.stats()
-        assert st["resident_cpu"] == 2 + 1 and st["sched_tail_stores"] == 0, st  # and the window part at the end
-        eng.sched.reset_prefix_cache()
-        eng.add("h2", turn2(eng, a), max_tokens=2)
-        eng.run()
-        eng.settle()
-        assert eng.connector.stats()["sched_hit_tokens_cpu"] == 2 * K * BS
     finally:
         eng.close()
 

@@ -85,13 +85,13 @@ class ConnectorConfig(RemoteKeys):
                                             "blocks were not re-used by then); `none`: never store (read-only, e.g. "
                                             "a warm disk)")
     store_decode_tokens: bool = config_key(False, "also store chunks made of generated tokens")
-    tail_chunks: bool = config_key(True, "one full-attention or MLA KV cache group: also store the full blocks after "
-                                         "a prompt's last whole chunk (a *tail piece*: one CPU slot / disk record "
-                                         "whose first blocks hold them, keyed by vLLM's hash of its last block), "
-                                         "once the prefill is complete (`on_finish`: at the finish), and hit them "
-                                         "after the whole chunks. Without it a turn recomputes on average half a "
-                                         "chunk of its prefix (see \"Tail pieces\"). Hybrid models store whole "
-                                         "chunks only")
+    tail_chunks: bool = config_key(True, "also store the full blocks after a prompt's last whole chunk (a *tail "
+                                         "piece*: one CPU slot / disk record, per KV cache group for hybrids, whose "
+                                         "first blocks hold them, keyed by vLLM's hash of its last block), once the "
+                                         "prefill is complete (`on_finish`: at the finish), and hit them after the "
+                                         "whole chunks. Without it a turn recomputes on average half a chunk of its "
+                                         "prefix (see \"Tail pieces\"). Full attention, MLA and sliding-window "
+                                         "hybrids; Mamba hybrids store whole chunks only")
     min_hit_blocks: int = config_key(1, "smallest external hit (in GPU blocks) worth a load", "GPU blocks")
     load_mode: str = config_key("layerwise", "how CPU-tier hits load (disk hits load asynchronously, unless "
                                              "`disk_overlap_bytes` reads them under the forward). "

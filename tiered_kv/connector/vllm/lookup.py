@@ -229,6 +229,8 @@ class LookupPlanner:
             return 0
         st.lookup = (c0, hit.end - c0, computed)
         st.hit_tail = hit.tail
+        if hit.tail:  # dropped once this request stores past it, as with one group
+            st.seen_tail = (hit.tail_key, hit.end * self.k + hit.tail)
         st.hit_keys = hit.keys
         st.parts = hit
         st.sync = self.cfg.load_mode != "async" and tokens <= self.cfg.sync_max_tokens

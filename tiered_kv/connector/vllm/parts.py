@@ -56,6 +56,7 @@ class PartHit:
     items: list[tuple[int, int]]
     tiers: list[int]
     tail: int = 0
+    tail_key: bytes = b""  # the tail piece's key (its main part's), with ``tail``
 
     def chunk_tiers(self, c0: int) -> list[int]:
         """The slowest tier among each chunk's parts, for chunks ``[c0, end)``, then the tail piece's if any."""
@@ -204,7 +205,7 @@ class PartPlanner:
                 keys.append(self.tail_part_key(tail_key, i))
                 items.append((e, i))
                 out_tiers.append(tiers[(e, i)])
-        return PartHit(e, keys, items, out_tiers, tail)
+        return PartHit(e, keys, items, out_tiers, tail, tail_key)
 
     def _read(self, kind: str, i: int, c: int, e: int, tail: int = 0) -> bool:
         """Whether a hit ending at ``e`` (and ``tail`` blocks of a tail piece after it) reads group position
@@ -318,6 +319,10 @@ class PartPlanner:
     def tail_part_key(self, tail_key: bytes, i: int) -> bytes:
         """Key of group position ``i``'s part of the tail piece named ``tail_key`` (the main part's key)."""
         return tail_key if i == self.main else tail_key + self._suffix[i]
+
+    def tail_part_keys(self, tail_key: bytes) -> list[bytes]:
+        """Every group's part key of the tail piece named ``tail_key``, in group order."""
+        return [self.tail_part_key(tail_key, i) for i in range(len(self.groups))]
 
     def store_tail(self, tail_key: bytes, tables: Sequence[Sequence[int]],
                    blocks: int) -> list[tuple[bytes, list[int]]] | None:

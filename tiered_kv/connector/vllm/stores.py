@@ -11,7 +11,7 @@ finishes (``on_finish``) and put in the next step, valid only while vLLM did not
   blocks hold them; the job's other GPU ids are -1). An older turn's tail piece the request's lookup found
   is dropped once the request stored past it (a whole chunk over it, or a longer piece). Sliding-window
   hybrids (no Mamba) store a tail piece per group, like parts (``PartPlanner.store_tail``), none when a
-  block a hit on it reads is gone already; they are left to the tier's eviction, not dropped.
+  block a hit on it reads is gone already; a superseded one is dropped with all its parts.
 - Hybrid models (``parts.PartPlanner``): each chunk's parts that later hits can use, none when a block a
   hit needs was already freed.
 - KV events (``ChunkEvents``): what each stored chunk names in vLLM's terms, kept while a tier holds it.
@@ -210,7 +210,11 @@ class StorePlanner:
                 st.stored = n
             if self._tails and not st.tail_done and end >= req.num_prompt_tokens and st.stored == n:
                 st.tail_done = True  # the prefill is complete: each group's part of its tail piece
-                self._offer_tail_parts(st, st.tables, computed, n, keys_out, gpu_out)
+                blocks = self._offer_tail_parts(st, st.tables, computed, n, keys_out, gpu_out)
+                if st.seen_tail is not None:
+                    self._drop_superseded_tail(st, blocks)
+            if st.seen_tail is not None:
+                self._drop_superseded_tail(st, st.stored * self.k)
         if not self.cfg.store_decode_tokens and st.stored >= req.num_prompt_tokens // self.chunk and \
                 (st.tail_done or not self._tails):
             if self.storing.pop(req.request_id, None) is not None:  # every prompt chunk offered
@@ -225,9 +229,13 @@ class StorePlanner:
             if self._events.meta is not None:
                 # no KV event retracts it: the chunk or piece that covers it holds the same block hashes
                 self._events.meta.pop(key, None)
+            keys = [key] if self._single else self._parts.tail_part_keys(key)
             if key in self.chain.index:
                 self.counters.tails_superseded += 1
-                self._router.route(self.chain.delete([key]))
+                self._router.route(self.chain.delete(keys))
+            if not self._single:  # no longer part of its prefix's eviction order
+                gone = set(keys)
+                st.owned = [k for k in st.owned if k not in gone]
 
     def _offer_tail(self, req, block_ids: list[int], blocks: int, keys_out: list[bytes], gpu_out: list[int]) -> None:
         """Add the tail piece (the ``blocks`` leading blocks past the last whole chunk) to a store, if any."""
@@ -245,19 +253,20 @@ class StorePlanner:
             self._events.remember_tail(key, req, base, blocks)
 
     def _offer_tail_parts(self, st: RequestState, tables: Sequence[Sequence[int]], computed: int, n: int,
-                          keys_out: list[bytes], gpu_out: list[int]) -> None:
+                          keys_out: list[bytes], gpu_out: list[int]) -> int:
         """Several groups: add each group's part of the tail piece after the ``n`` whole chunks (the full blocks of
-        ``computed`` tokens) to a store, if any; none when a block a hit on it reads is gone already."""
+        ``computed`` tokens) to a store, if any; none when a block a hit on it reads is gone already. Returns the
+        blocks stored up to its end (``n`` chunks' without one)."""
         req = st.request
         blocks = min(computed // self.bs, len(req.block_hashes), *(len(t) for t in tables))
         if blocks // self.k != n or not blocks % self.k:
-            return
+            return n * self.k
         key = self._tail_prefix + req.block_hashes[blocks - 1]
         parts = self._parts.store_tail(key, tables, blocks)
         if parts is None:
             if key not in self.chain.index:
                 self.counters.chunks_not_storable += 1
-            return
+            return n * self.k
         for part_key, ids in parts:
             keys_out.append(part_key)
             gpu_out.extend(ids)
@@ -265,6 +274,7 @@ class StorePlanner:
         self.counters.tail_stores += 1
         if self._events.meta is not None:  # the piece's event rides on its main part, named like a chunk's blocks
             self._events.remember_tail(key, req, n * self.k, blocks)
+        return blocks
 
     def _offer(self, st: RequestState, c: int, key: bytes, state_at_end: bool, keys_out: list[bytes],
                gpu_out: list[int], tables: list[list[int]] | None = None) -> None:
@@ -309,7 +319,9 @@ class StorePlanner:
             for c in range(st.stored, n):  # only chunks whose needed blocks are still held
                 self._offer(st, c, all_keys[c], False, keys, gpu, tables)
             if self._tails and not st.tail_done and st.stored <= n:
-                self._offer_tail_parts(st, tables, computed, n, keys, gpu)
+                blocks = self._offer_tail_parts(st, tables, computed, n, keys, gpu)
+                if st.seen_tail is not None:
+                    self._drop_superseded_tail(st, blocks)
         if keys and self._events.meta is not None and self._single:
             self._events.remember(st, st.stored, n)
         if keys:
