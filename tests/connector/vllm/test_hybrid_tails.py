@@ -97,6 +97,26 @@ def test_turn2_hits_whole_chunks_and_the_tail_bit_exact(model_dirs, shape, load_
 
 
 @pytest.mark.parametrize("shape", ["gptoss", "gemma3"])
+def test_staged_in_step_copy_loads_the_tail_bit_exact(model_dirs, shape):
+    """``in_step_copy: staged`` (one staging copy per run of slots, then a scatter per group's layers)."""
+    eng = make(model_dirs, shape, cfg(in_step_copy="staged"))
+    try:
+        a = _turn(eng, "t1", prompt(61, TURN1))
+        assert eng.sched.reset_prefix_cache()
+        verified = eng.verified_blocks
+        b = _turn(eng, "t2", turn2(a), max_tokens=2)
+        st = eng.connector.stats()
+        assert st["sched_hit_tokens_cpu"] == (2 * K + 3) * BS and st["sched_tail_hits"] == 1, st
+        assert eng.cached_at_start[b.request_id] == (2 * K + 3) * BS
+        assert eng.verified_blocks - verified >= 2 * K + 3
+        for w in eng.workers:
+            assert all(c._staged is not None for c in w.connector.worker.in_step.copiers)
+        assert_clean(eng)
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("shape", ["gptoss", "gemma3"])
 def test_a_one_block_tail_reads_the_window_before_its_chunk(model_dirs, shape):
     """A 1-block tail: the window before its end reaches into the previous chunk, whose window part was kept for
     the prompt's whole-chunk boundary."""
@@ -218,7 +238,9 @@ def test_local_hit_inside_the_tail_chunk_loads_only_the_rest(model_dirs):
         st = eng.connector.stats()
         local = eng.cached_at_start[b.request_id] - (st["sched_hit_tokens_cpu"] - before)
         assert eng.cached_at_start[b.request_id] == (2 * K + 3) * BS, (local, st)
-        assert 0 < local <= (2 * K + 1) * BS and st["sched_tail_hits"] == 1, (local, st)
+        # vLLM holds blocks 0..8 (the short request's full blocks): the connector loads blocks 9 and 10 of the tail
+        assert local == (2 * K + 1) * BS and st["sched_tail_hits"] == 1 and st["sched_hit_tokens_tail"] == 2 * BS, (
+            local, st)
         assert eng.verified_blocks - verified >= 2
         assert_clean(eng)
     finally:

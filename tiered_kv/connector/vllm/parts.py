@@ -331,13 +331,14 @@ class PartPlanner:
         full-attention group's blocks of the piece, each sliding-window group's in the window before its end
         (-1 for the older ones, which no hit reads)."""
         out: list[tuple[bytes, list[int]]] = []
-        for i, g in enumerate(self.groups):
+        for i, g in enumerate(self.groups):  # no Mamba group here (``SchedulerPlanner``: no tails with Mamba)
             table = tables[i]
             base = blocks - blocks % g.chunk_blocks
             first = max(base, blocks - g.window_blocks) if g.kind == "swa" else base
             if len(table) < blocks or not all(table[first:blocks]):
                 return None
-            out.append((self.tail_part_key(tail_key, i), self._ids(i, [0] * (first - base) + list(table[first:blocks]))))
+            piece = [0] * (first - base) + list(table[first:blocks])
+            out.append((self.tail_part_key(tail_key, i), self._ids(i, piece)))
         return out
 
     def final_boundaries(self, prompt_tokens: int, store_decode_tokens: bool) -> tuple[int, int] | None:
