@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from tests.connector.vllm.harness import BS  # noqa: E402
+from tests.connector.vllm.harness import BS, Gate  # noqa: E402
 from tests.connector.vllm.test_hybrid import (  # noqa: E402
     FULL_BLOCK,
     K,
@@ -36,6 +36,7 @@ from tiered_kv.connector.vllm.state import TAIL_MARK  # noqa: E402
 #: turn 1: two whole chunks, a 3-block tail and 4 tokens of a partial block
 TURN1 = 2 * K * BS + 3 * BS + 4
 GROUPS = {"gptoss": 2, "gemma3": 6}
+NUM_BLOCKS_TIGHT = {"gptoss": 80, "gemma3": 200}  # GPU blocks where two prefills re-use each other's freed blocks
 
 
 def _tail_parts(eng) -> list[bytes]:
@@ -318,3 +319,31 @@ def test_vllm_allocating_where_a_tail_hit_holds_nothing_raises():
         + [31, -1, -1, -1] + none + none + [9, -1, -1, -1])  # the tail: block 8 in both groups, nothing past it
     with pytest.raises(RuntimeError, match="position 6"):
         parts.load_ids([[0] * 6 + [29] + ok[7:], full], hit, 0, 0)
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["free", "gated"])
+@pytest.mark.parametrize("shape", ["gptoss", "gemma3"])
+def test_tails_of_two_chunked_prefills_sharing_freed_blocks_are_bit_exact(model_dirs, shape, gated):
+    """Two prompts prefilled at once in 32-token steps: vLLM frees each one's out-of-window blocks while it runs and
+    hands them to the other. Each tail is stored from blocks still its own (``gated``: every store is held until
+    vLLM re-allocates one of its blocks, so the fence keeps the bytes right); turn 2 of both hits it bit-exact."""
+    eng = make(model_dirs, shape, cfg(load_mode="async"), max_batched=32, num_blocks=NUM_BLOCKS_TIGHT[shape],
+               max_model_len=384)
+    gate = Gate(eng.workers[0].connector.worker, open_on_fence=True) if gated else None
+    try:
+        firsts = [eng.add(rid, prompt(80 + i, TURN1), max_tokens=2) for i, rid in enumerate(("a", "b"))]
+        eng.run()
+        if gate is not None:
+            gate.open()
+        eng.settle()
+        assert eng.connector.stats()["sched_tail_stores"] == 2
+        assert eng.sched.reset_prefix_cache()
+        seconds = [eng.add(f"{r.request_id}2", turn2(r), max_tokens=2) for r in firsts]
+        eng.run()
+        eng.settle()
+        st = eng.connector.stats()
+        assert st["sched_tail_hits"] == 2 and st["sched_stale_blocks_dropped"] > 0, st
+        assert all(eng.cached_at_start[r.request_id] == (2 * K + 3) * BS for r in seconds)
+        assert_clean(eng)
+    finally:
+        eng.close()
