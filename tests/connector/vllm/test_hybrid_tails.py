@@ -342,8 +342,12 @@ def test_tails_of_two_chunked_prefills_sharing_freed_blocks_are_bit_exact(model_
         eng.run()
         eng.settle()
         st = eng.connector.stats()
-        assert st["sched_tail_hits"] == 2 and st["sched_stale_blocks_dropped"] > 0, st
+        assert st["sched_tail_hits"] == 2, st
+        if VLLM_032:  # re-used window blocks were taken out of the tables (0.26 hands freed blocks on later)
+            assert st["sched_stale_blocks_dropped"] > 0, st
         assert all(eng.cached_at_start[r.request_id] == (2 * K + 3) * BS for r in seconds)
         assert_clean(eng)
     finally:
+        if gate is not None:
+            gate.open()
         eng.close()
