@@ -59,6 +59,22 @@ def _hit_bytes(eng, blocks: int) -> int:
     return sum((blocks if g.kind == "full" else g.window_blocks) * g.block_nbytes for g in geo.groups)
 
 
+def _turn2(eng, a, blocks: int, tails: int = 1):
+    """Turn 2 over ``a``'s prefix after vLLM's GPU cache was emptied: it hits ``blocks`` blocks from the CPU tier
+    (``tails`` of the hits with a tail piece), vLLM computes only what follows, the bytes loaded are those of a hit
+    ending there and every block the forwards read was checked byte for byte. Returns (the request, the
+    connector's stats)."""
+    assert eng.sched.reset_prefix_cache()  # vLLM's GPU cache holds nothing of turn 1
+    verified = eng.verified_blocks
+    b = _turn(eng, "t2", turn2(a), max_tokens=2)
+    st = eng.connector.stats()
+    assert st["sched_hit_tokens_cpu"] == blocks * BS and st["sched_tail_hits"] == tails, st
+    assert eng.cached_at_start[b.request_id] == blocks * BS  # vLLM computes only what follows the hit
+    assert eng.workers[0].connector.stats()["bytes_loaded"] == _hit_bytes(eng, blocks)
+    assert eng.verified_blocks - verified >= blocks
+    return b, st
+
+
 @pytest.mark.parametrize("shape", ["gptoss", "gemma3"])
 @pytest.mark.parametrize("load_mode", ["layerwise", "async"])
 @pytest.mark.parametrize("async_sched", [False, True], ids=["sync", "async"])
@@ -103,13 +119,7 @@ def test_staged_in_step_copy_loads_the_tail_bit_exact(model_dirs, shape):
     eng = make(model_dirs, shape, cfg(in_step_copy="staged"))
     try:
         a = _turn(eng, "t1", prompt(61, TURN1))
-        assert eng.sched.reset_prefix_cache()
-        verified = eng.verified_blocks
-        b = _turn(eng, "t2", turn2(a), max_tokens=2)
-        st = eng.connector.stats()
-        assert st["sched_hit_tokens_cpu"] == (2 * K + 3) * BS and st["sched_tail_hits"] == 1, st
-        assert eng.cached_at_start[b.request_id] == (2 * K + 3) * BS
-        assert eng.verified_blocks - verified >= 2 * K + 3
+        _turn2(eng, a, 2 * K + 3)
         for w in eng.workers:
             assert all(c._staged is not None for c in w.connector.worker.in_step.copiers)
         assert_clean(eng)
@@ -125,14 +135,7 @@ def test_a_one_block_tail_reads_the_window_before_its_chunk(model_dirs, shape):
     try:
         a = _turn(eng, "t1", prompt(52, 2 * K * BS + BS + 4))
         assert eng.connector.stats()["sched_tail_stores"] == 1
-        assert eng.sched.reset_prefix_cache()
-        verified = eng.verified_blocks
-        b = _turn(eng, "t2", turn2(a), max_tokens=2)
-        st = eng.connector.stats()
-        assert st["sched_hit_tokens_cpu"] == (2 * K + 1) * BS and st["sched_tail_hits"] == 1, st
-        assert eng.cached_at_start[b.request_id] == (2 * K + 1) * BS
-        assert eng.workers[0].connector.stats()["bytes_loaded"] == _hit_bytes(eng, 2 * K + 1)
-        assert eng.verified_blocks - verified >= 2 * K + 1
+        _turn2(eng, a, 2 * K + 1)
         assert_clean(eng)
     finally:
         eng.close()
@@ -146,14 +149,7 @@ def test_a_window_of_several_chunks_before_the_tail(model_dirs):
         a = _turn(eng, "t1", prompt(60, 6 * K * BS + BS + 4))
         st = eng.connector.stats()
         assert st["resident_cpu"] == 6 + 4 + 2 and st["sched_tail_stores"] == 1, st
-        assert eng.sched.reset_prefix_cache()
-        verified = eng.verified_blocks
-        b = _turn(eng, "t2", turn2(a), max_tokens=2)
-        st = eng.connector.stats()
-        assert st["sched_hit_tokens_cpu"] == (6 * K + 1) * BS and st["sched_tail_hits"] == 1, st
-        assert eng.cached_at_start[b.request_id] == (6 * K + 1) * BS
-        assert eng.workers[0].connector.stats()["bytes_loaded"] == _hit_bytes(eng, 6 * K + 1)
-        assert eng.verified_blocks - verified >= 6 * K + 1
+        _turn2(eng, a, 6 * K + 1)
         assert_clean(eng)
     finally:
         eng.close()
@@ -167,11 +163,7 @@ def test_tail_chunks_off_hits_whole_chunks_only(model_dirs, shape):
         a = _turn(eng, "t1", prompt(53, TURN1))
         st = eng.connector.stats()
         assert st["resident_cpu"] == 2 + WINDOW_PARTS[shape] and st["sched_tail_stores"] == 0, st
-        assert eng.sched.reset_prefix_cache()
-        b = _turn(eng, "t2", turn2(a), max_tokens=2)
-        st = eng.connector.stats()
-        assert st["sched_hit_tokens_cpu"] == 2 * K * BS and st["sched_tail_hits"] == 0, st
-        assert eng.cached_at_start[b.request_id] == 2 * K * BS
+        _turn2(eng, a, 2 * K, tails=0)
         assert_clean(eng)
     finally:
         eng.close()
@@ -183,10 +175,7 @@ def test_prompt_shorter_than_a_chunk_is_stored_as_a_tail(model_dirs):
         a = _turn(eng, "t1", prompt(54, (K - 1) * BS + 5))
         st = eng.connector.stats()
         assert st["resident_cpu"] == 2 and st["sched_tail_stores"] == 1, st  # one tail part per group
-        assert eng.sched.reset_prefix_cache()
-        b = _turn(eng, "t2", turn2(a), max_tokens=2)
-        assert eng.connector.stats()["sched_hit_tokens_cpu"] == (K - 1) * BS
-        assert eng.cached_at_start[b.request_id] == (K - 1) * BS
+        _turn2(eng, a, K - 1)
         assert_clean(eng)
     finally:
         eng.close()
@@ -214,13 +203,7 @@ def test_on_finish_stores_the_tail_too(model_dirs):
     try:
         a = _turn(eng, "t1", prompt(56, TURN1))
         assert eng.connector.stats()["sched_tail_stores"] == 1
-        assert eng.sched.reset_prefix_cache()
-        verified = eng.verified_blocks
-        b = _turn(eng, "t2", turn2(a), max_tokens=2)
-        st = eng.connector.stats()
-        assert st["sched_hit_tokens_cpu"] == (2 * K + 3) * BS and st["sched_tail_hits"] == 1, st
-        assert eng.cached_at_start[b.request_id] == (2 * K + 3) * BS
-        assert eng.verified_blocks - verified >= 2 * K + 3
+        _turn2(eng, a, 2 * K + 3)
         assert_clean(eng)
     finally:
         eng.close()
