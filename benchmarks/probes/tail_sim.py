@@ -9,9 +9,13 @@ recomputed. Per mode (``tail_chunks`` on / off) it counts the prompt tokens each
 already computed when vLLM first scheduled it (GPU prefix cache + connector) and the rest, which
 the engine computes.
 
+``--shape``: ``dense`` (the harness's tiny Llama, one KV cache group), or a sliding-window hybrid of
+``tests/connector/vllm/models.py`` (``gptoss``: a 32-token window beside full attention; ``gemma2``: a
+256-token window), whose tail pieces are stored per group (2026-11-30).
+
 Usage (from the repo root)::
 
-    PYTHONPATH=. .venv/bin/python benchmarks/probes/tail_sim.py [--users 16] [--turns 3] [--out DIR]
+    PYTHONPATH=. .venv/bin/python benchmarks/probes/tail_sim.py [--users 16] [--turns 3] [--shape dense] [--out DIR]
 
 Prints a table and writes ``tail_sim.json`` to ``--out`` (default ``$OUT`` or ``bench_out``).
 Threading contract: a single-threaded script (the connector's movers run their own threads).
@@ -40,9 +44,12 @@ worker.FENCE_PATIENCE_S = 1.0
 CHUNK_BLOCKS = 16  # the connector's default: 256-token chunks
 
 
-def run_mode(model_dir: str, extra: dict, wl: Workload, turns: int, num_blocks: int) -> dict:
-    """Serve every user's turns 0..turns-1, turn by turn; returns token counts."""
-    eng = Engine.create(model_dir, extra, num_blocks=num_blocks, max_batched=2048, max_model_len=4096)
+def run_mode(model_dir: str, extra: dict, wl: Workload, turns: int, num_blocks: int, shape: str | None = None) -> dict:
+    """Serve every user's turns 0..turns-1, turn by turn (``shape``: a hybrid of the tests' models, None: the tiny
+    Llama); returns token counts."""
+    # a hybrid's block pool serves every group: its model length is what one request may hold beside the windows
+    eng = Engine.create(model_dir, extra, num_blocks=num_blocks, max_batched=2048, shape=shape,
+                        max_model_len=4096 if shape is None else 3072)
     prompt_tokens = cached = 0
     t0 = time.perf_counter()
     try:
@@ -71,6 +78,8 @@ def main() -> None:
     ap.add_argument("--users", type=int, default=16)
     ap.add_argument("--turns", type=int, default=3, help="turns per user (turn 0 is cold and not counted)")
     ap.add_argument("--gpu-blocks", type=int, default=512, help="vLLM's KV cache (16-token blocks)")
+    ap.add_argument("--shape", choices=("dense", "gptoss", "gemma2"), default="dense",
+                    help="dense: one KV cache group; gptoss / gemma2: sliding window + full attention")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     a = ap.parse_args()
     params = WorkloadParams(users=a.users, concurrency=(8,), turns=a.turns - 1, vocab_size=4096)
@@ -78,12 +87,17 @@ def main() -> None:
     modes = {"tail_chunks on": {"tail_chunks": True}, "tail_chunks off": {"tail_chunks": False}}
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = write_model_dir(os.path.join(tmp, "tiny-llama"))
+        shape = None if a.shape == "dense" else a.shape
+        if shape is None:
+            model_dir = write_model_dir(os.path.join(tmp, "tiny-llama"))
+        else:  # the harness's model computes KV from token prefixes: ids past the config's vocab are fine
+            from tests.connector.vllm import models
+            model_dir = models.write_model_dir(os.path.join(tmp, shape), shape)
         for name, kw in modes.items():
             extra = {"chunk_blocks": CHUNK_BLOCKS, "cpu_bytes": "1GiB", **kw}
-            rows[name] = run_mode(model_dir, extra, wl, a.turns, a.gpu_blocks)
-    print(f"{a.users} users x {a.turns} turns (turns 1..{a.turns - 1} counted), GPU cache {a.gpu_blocks} blocks "
-          f"x {BS} tokens, {CHUNK_BLOCKS}-block chunks")
+            rows[name] = run_mode(model_dir, extra, wl, a.turns, a.gpu_blocks, shape)
+    print(f"{a.shape}: {a.users} users x {a.turns} turns (turns 1..{a.turns - 1} counted), GPU cache "
+          f"{a.gpu_blocks} blocks x {BS} tokens, {CHUNK_BLOCKS}-block chunks")
     print("| mode | prompt tokens | found computed (GPU + connector) | computed | from the connector | of it tails |")
     print("|---|---|---|---|---|---|")
     for name, r in rows.items():
@@ -91,10 +105,12 @@ def main() -> None:
               f"{r['connector_hit_tokens']} | {r['tail_hit_tokens']} |")
     os.makedirs(a.out, exist_ok=True)
     doc = {"bench": "tail_sim", "date": time.strftime("%Y-%m-%d", time.gmtime()), "device": "cpu-box",
-           "users": a.users, "turns": a.turns, "gpu_blocks": a.gpu_blocks, "block_size": BS,
+           "command": f"PYTHONPATH=. .venv/bin/python benchmarks/probes/tail_sim.py --shape {a.shape} --users {a.users} "
+                      f"--turns {a.turns} --gpu-blocks {a.gpu_blocks}",
+           "shape": a.shape, "users": a.users, "turns": a.turns, "gpu_blocks": a.gpu_blocks, "block_size": BS,
            "chunk_blocks": CHUNK_BLOCKS, "workload": vars(params) | {"concurrency": list(params.concurrency)},
            "modes": rows}
-    path = os.path.join(a.out, "tail_sim.json")
+    path = os.path.join(a.out, "tail_sim.json" if a.shape == "dense" else f"tail_sim_{a.shape}.json")
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
     print(f"wrote {path}")

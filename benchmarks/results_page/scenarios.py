@@ -595,10 +595,12 @@ def burst_sim(r: Result) -> str:
 
 
 def tail_sim(r: Result) -> str:
-    rows = [[mode.replace("tail_chunks ", ""), f"{x['prompt_tokens']:,}", f"{x['computed_tokens']:,}",
+    shape = {"dense": "Llama-like (one KV cache group)", "gptoss": "gpt-oss-like (32-token window + full)",
+             "gemma2": "Gemma-2-like (256-token window + full)"}.get(r.doc.get("shape", "dense"), r.doc.get("shape"))
+    rows = [[shape, mode.replace("tail_chunks ", ""), f"{x['prompt_tokens']:,}", f"{x['computed_tokens']:,}",
              f"{x['connector_hit_tokens']:,}", f"{x['tail_hit_tokens']:,}", x["tail_stores"],
              x["resident_cpu_chunks"]] for mode, x in r.doc["modes"].items()]
-    head = ["`tail_chunks`", "prompt tokens", "computed", "from the connector", "of it tail pieces",
+    head = ["shape", "`tail_chunks`", "prompt tokens", "computed", "from the connector", "of it tail pieces",
             "tail pieces stored", "CPU slots at the end"]
     return table(head, rows)
 
