@@ -132,16 +132,17 @@ class PartPlanner:
         return None
 
     def _boundary_misses(self, hashes, chunk_key, c0: int, e: int, best: Best,
-                         tiers: dict[tuple[int, int], int]) -> int | None:
-        """None when every window and state part a hit ending at ``e`` reads is held (their tiers go into
-        ``tiers``); else the latest end that is still possible."""
+                         tiers: dict[tuple[int, int], int], tail: int = 0) -> int | None:
+        """None when every window and state part of the chunks before ``e`` that a hit ending at ``e`` (and
+        ``tail`` blocks of a tail piece after it) reads is held (their tiers go into ``tiers``); else the latest
+        end that is still possible."""
         for i in self.mamba:
             t = best(self.part_key(hashes, e - 1, i, chunk_key(e - 1)))
             if t is None:
                 return e - 1
             tiers[(e - 1, i)] = t
         for i in self.swa:
-            lo = max(c0, e - self.groups[i].window_chunks)
+            lo = max(c0, self._window_start(i, e, tail))
             for c in range(e - 1, lo - 1, -1):  # the newest first: a miss there rules out the most ends
                 t = best(self.part_key(hashes, c, i, chunk_key(c)))
                 if t is None:
@@ -167,26 +168,12 @@ class PartPlanner:
                 if t is None:
                     break
                 found[(e, i)] = t
-            else:
-                if self._tail_windows(hashes, chunk_key, c0, e, base + m, best, found):
+            else:  # no Mamba group here (``SchedulerPlanner``: no tails with Mamba): the windows alone
+                if self._boundary_misses(hashes, chunk_key, c0, e, best, found, m) is None:
                     tail_tiers = dict(tiers)
                     tail_tiers.update(found)
                     return self._hit(hashes, chunk_key, c0, e, tail_tiers, m, key)
         return None
-
-    def _tail_windows(self, hashes, chunk_key, c0: int, e: int, end: int, best: Best,
-                      found: dict[tuple[int, int], int]) -> bool:
-        """Whether each sliding-window group holds its parts of the chunks in ``[c0, e)`` that a hit ending at
-        block ``end`` reads (their tiers go into ``found``)."""
-        for i in self.swa:
-            for c in range(e - 1, c0 - 1, -1):
-                if not self._read("swa", i, c, e, end - e * self.groups[i].chunk_blocks):
-                    break
-                t = best(self.part_key(hashes, c, i, chunk_key(c)))
-                if t is None:
-                    return False
-                found[(c, i)] = t
-        return True
 
     def _hit(self, hashes, chunk_key, c0: int, e: int, tiers: dict[tuple[int, int], int], tail: int = 0,
              tail_key: bytes = b"") -> PartHit:
@@ -211,12 +198,16 @@ class PartPlanner:
         """Whether a hit ending at ``e`` (and ``tail`` blocks of a tail piece after it) reads group position
         ``i``'s part of chunk ``c`` (``c < e``)."""
         if kind == "swa":
-            g = self.groups[i]
-            k = g.chunk_blocks
-            return (c + 1) * k > e * k + tail - g.window_blocks  # a block of c lies in the window before the end
+            return c >= self._window_start(i, e, tail)
         if kind == "mamba":
             return c == e - 1
         return True
+
+    def _window_start(self, i: int, e: int, tail: int = 0) -> int:
+        """The first chunk holding a block of sliding-window group position ``i``'s window before a hit's end
+        (chunk boundary ``e``, then ``tail`` blocks); below 0 when the window reaches back past the first chunk."""
+        g = self.groups[i]
+        return (e * g.chunk_blocks + tail - g.window_blocks) // g.chunk_blocks
 
     def load_ids(self, tables: Sequence[Sequence[int]], hit: PartHit, c0: int, local: int) -> list[int]:
         """GPU ids a load of ``hit`` fills: ``width`` per item, the item's group's ``p`` ids in its section, -1

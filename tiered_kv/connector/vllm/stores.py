@@ -183,8 +183,7 @@ class StorePlanner:
             computed = min(computed, req.num_prompt_tokens)
         if self._single:
             block_ids = st.tables[0]
-            blocks = min(computed // self.bs, len(req.block_hashes), len(block_ids))
-            n = blocks // self.k
+            n = min(computed // self.bs, len(req.block_hashes), len(block_ids)) // self.k
             if n > st.stored:
                 keys = self._chunk_keys(st, n)
                 keys_out.extend(keys[st.stored:n])
@@ -192,13 +191,6 @@ class StorePlanner:
                 if self._events.meta is not None:
                     self._events.remember(st, st.stored, n)
                 st.stored = n
-            if self._tails and not st.tail_done and end >= req.num_prompt_tokens and st.stored == n:
-                st.tail_done = True  # the prefill is complete: its full blocks after the last whole chunk
-                self._offer_tail(req, block_ids, blocks, keys_out, gpu_out)
-                if st.seen_tail is not None:
-                    self._drop_superseded_tail(st, blocks)
-            if st.seen_tail is not None:
-                self._drop_superseded_tail(st, st.stored * self.k)
         else:
             chunk = self.chunk
             n = min(computed // chunk, len(req.block_hashes) // self._hashes_per_chunk,
@@ -208,13 +200,13 @@ class StorePlanner:
                 for c in range(st.stored, n):
                     self._offer(st, c, keys[c], end == (c + 1) * chunk, keys_out, gpu_out)
                 st.stored = n
-            if self._tails and not st.tail_done and end >= req.num_prompt_tokens and st.stored == n:
-                st.tail_done = True  # the prefill is complete: each group's part of its tail piece
-                blocks = self._offer_tail_parts(st, st.tables, computed, n, keys_out, gpu_out)
-                if st.seen_tail is not None:
-                    self._drop_superseded_tail(st, blocks)
+        if self._tails and not st.tail_done and end >= req.num_prompt_tokens and st.stored == n:
+            st.tail_done = True  # the prefill is complete: its full blocks after the last whole chunk
+            blocks = self._offer_tail(st, st.tables, computed, n, keys_out, gpu_out)
             if st.seen_tail is not None:
-                self._drop_superseded_tail(st, st.stored * self.k)
+                self._drop_superseded_tail(st, blocks)
+        if st.seen_tail is not None:
+            self._drop_superseded_tail(st, st.stored * self.k)
         if not self.cfg.store_decode_tokens and st.stored >= req.num_prompt_tokens // self.chunk and \
                 (st.tail_done or not self._tails):
             if self.storing.pop(req.request_id, None) is not None:  # every prompt chunk offered
@@ -237,43 +229,35 @@ class StorePlanner:
                 gone = set(keys)
                 st.owned = [k for k in st.owned if k not in gone]
 
-    def _offer_tail(self, req, block_ids: list[int], blocks: int, keys_out: list[bytes], gpu_out: list[int]) -> None:
-        """Add the tail piece (the ``blocks`` leading blocks past the last whole chunk) to a store, if any."""
-        k = self.k
-        base = blocks - blocks % k
-        m = blocks - base
-        if not m:
-            return
-        key = self._tail_prefix + req.block_hashes[blocks - 1]
-        keys_out.append(key)
-        gpu_out.extend(block_ids[base:blocks])
-        gpu_out.extend([-1] * (k - m))
-        self.counters.tail_stores += 1
-        if self._events.meta is not None:  # a KV event names the piece's blocks like a chunk's
-            self._events.remember_tail(key, req, base, blocks)
-
-    def _offer_tail_parts(self, st: RequestState, tables: Sequence[Sequence[int]], computed: int, n: int,
-                          keys_out: list[bytes], gpu_out: list[int]) -> int:
-        """Several groups: add each group's part of the tail piece after the ``n`` whole chunks (the full blocks of
-        ``computed`` tokens) to a store, if any; none when a block a hit on it reads is gone already. Returns the
-        blocks stored up to its end (``n`` chunks' without one)."""
+    def _offer_tail(self, st: RequestState, tables: Sequence[Sequence[int]], computed: int, n: int,
+                    keys_out: list[bytes], gpu_out: list[int]) -> int:
+        """Add the tail piece after the ``n`` whole chunks (the full blocks of ``computed`` tokens) to a store, if
+        any: one record (one group: its blocks, then -1 for the rest of the slot), or each group's part (several;
+        none when a block a hit on it reads is gone already). Returns the blocks stored up to its end (``n``
+        chunks' without one)."""
         req = st.request
+        k, base = self.k, n * self.k
         blocks = min(computed // self.bs, len(req.block_hashes), *(len(t) for t in tables))
-        if blocks // self.k != n or not blocks % self.k:
-            return n * self.k
+        if blocks // k != n or not blocks % k:
+            return base
         key = self._tail_prefix + req.block_hashes[blocks - 1]
-        parts = self._parts.store_tail(key, tables, blocks)
-        if parts is None:
-            if key not in self.chain.index:
-                self.counters.chunks_not_storable += 1
-            return n * self.k
-        for part_key, ids in parts:
-            keys_out.append(part_key)
-            gpu_out.extend(ids)
-            st.owned.append(part_key)
+        if self._single:
+            keys_out.append(key)
+            gpu_out.extend(tables[0][base:blocks])
+            gpu_out.extend([-1] * (base + k - blocks))
+        else:
+            parts = self._parts.store_tail(key, tables, blocks)
+            if parts is None:
+                if key not in self.chain.index:
+                    self.counters.chunks_not_storable += 1
+                return base
+            for part_key, ids in parts:
+                keys_out.append(part_key)
+                gpu_out.extend(ids)
+                st.owned.append(part_key)
         self.counters.tail_stores += 1
-        if self._events.meta is not None:  # the piece's event rides on its main part, named like a chunk's blocks
-            self._events.remember_tail(key, req, n * self.k, blocks)
+        if self._events.meta is not None:  # a KV event names the piece's blocks like a chunk's (on its main part)
+            self._events.remember_tail(key, req, base, blocks)
         return blocks
 
     def _offer(self, st: RequestState, c: int, key: bytes, state_at_end: bool, keys_out: list[bytes],
@@ -303,14 +287,9 @@ class StorePlanner:
         tables = self._requests.tables(block_ids)
         if self._single:
             ids = tables[0]
-            blocks = min(computed // self.bs, len(request.block_hashes), len(ids))
-            n = blocks // self.k
+            n = min(computed // self.bs, len(request.block_hashes), len(ids)) // self.k
             keys = self._chunk_keys(st, n)[st.stored:n]
             gpu = ids[st.stored * self.k:n * self.k]
-            if self._tails and not st.tail_done and st.stored <= n:
-                self._offer_tail(request, ids, blocks, keys, gpu)
-                if st.seen_tail is not None:
-                    self._drop_superseded_tail(st, blocks)
         else:
             n = min(computed // self.chunk, len(request.block_hashes) // self._hashes_per_chunk,
                     *(len(t) // g.chunk_blocks for t, g in zip(tables, self._groups)))
@@ -318,10 +297,10 @@ class StorePlanner:
             all_keys = self._chunk_keys(st, n)
             for c in range(st.stored, n):  # only chunks whose needed blocks are still held
                 self._offer(st, c, all_keys[c], False, keys, gpu, tables)
-            if self._tails and not st.tail_done and st.stored <= n:
-                blocks = self._offer_tail_parts(st, tables, computed, n, keys, gpu)
-                if st.seen_tail is not None:
-                    self._drop_superseded_tail(st, blocks)
+        if self._tails and not st.tail_done and st.stored <= n:
+            blocks = self._offer_tail(st, tables, computed, n, keys, gpu)
+            if st.seen_tail is not None:
+                self._drop_superseded_tail(st, blocks)
         if keys and self._events.meta is not None and self._single:
             self._events.remember(st, st.stored, n)
         if keys:
