@@ -458,7 +458,8 @@ def serving_cells(path: str) -> list[dict]:
     is judged too, since the promise is "never slower than recompute" at any load. A file whose starts ran vLLM's
     own compilation (``serve_bench.py --graphs compile``: torch.compile and its CUDA graphs, what ``vllm serve`` does
     unasked) gives cells of GPU cache ``serve, compiled``: a separate configuration, where a small prefill step is
-    not held by the host's eager launches (docs/notes/2026-11-30-gpu-round12.md)."""
+    not held by the host's eager launches (docs/notes/2026-11-30-gpu-round12.md). A phase where neither no connector
+    nor ``OffloadingConnector`` ran gives no cell (a cell with no bound to judge would pass unjudged)."""
     with open(path) as f:
         doc = json.load(f)
     graphs = {s.get("graphs") for s in doc.get("starts", ()) if s.get("status") == "ok"}
@@ -469,8 +470,8 @@ def serving_cells(path: str) -> list[dict]:
     summary = report.summarize(starts) if any(s.get("repeats") for s in starts) else doc.get("summary", {})
     for phase in ("c8", "c32", "c1"):
         got = {m: summary.get(m, {}).get("phases", {}).get(phase) for m in ("none", "offloading", "tiered")}
-        if not got["tiered"]:
-            continue
+        if not got["tiered"] or not (got["none"] or got["offloading"]):
+            continue  # nothing of ours, or nothing to judge it against (a file of our own modes only)
         med = {m: p["ttft_p50_ms"]["median"] / 1e3 for m, p in got.items() if p}
         span = {m: (p["ttft_p50_ms"]["min"] / 1e3, p["ttft_p50_ms"]["max"] / 1e3) for m, p in got.items() if p}
         g = got["tiered"].get("greedy_vs_none") or {}

@@ -126,7 +126,8 @@ def serve(results: list[Result]) -> str:
 #: the modes of serving runs in other configurations and of controls: ours with stores off is the connector doing
 #: nothing; ``none-resident`` of a sliding-window hybrid computes what no connector computes (no floor there)
 CONTROL_MODES = {**SERVE_MODES, "none-resident": "`none-resident` (the floor; on the hybrids another no-connector start)",
-                 "tiered-nostore": "ours, stores off (`store_policy: none`: nothing stored or loaded)"}
+                 "tiered-nostore": "ours, stores off (`store_policy: none`: nothing stored or loaded)",
+                 "tiered-notail": "ours, tail pieces off (`tail_chunks: false`: hits end at a whole chunk)"}
 
 
 def serve_configs(results: list[Result]) -> str:
@@ -626,6 +627,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("serve", ("serve_bench_*_h200.json",), serve),
     Scenario("serve-compiled", ("serve_bench_*_h200-compile.json",), serve_configs, SERVING_CONFIGS),
     Scenario("serve-controls", ("serve_bench_*_h200-ctl.json",), serve_configs, SERVING_CONFIGS),
+    Scenario("serve-tails", ("serve_bench_*_h200-tails*.json",), serve_configs, SERVING_CONFIGS),
     Scenario("serve-shared-host", ("serve_bench_*_h200x4-shared.json",), serve_shared, MULTI_GPU),
     Scenario("serve-tp", ("serve_bench_*_h200x*-tp*.json",), serve, MULTI_GPU),
     Scenario("serve-replicas", ("serve_bench_*_h200x*-rr*.json",), serve_replicas, MULTI_GPU),

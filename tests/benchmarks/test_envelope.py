@@ -116,6 +116,10 @@ def test_serving_cells_are_judged_by_the_same_rule(tmp_path):
     doc["starts"][0]["graphs"] = "decode"
     path.write_text(json.dumps(doc))
     assert {c["gpu"] for c in envelope.serving_cells(str(path))} == {"serve, mixed graphs"}
+    # a file of our own modes only (a control: tails on and off) has nothing to judge ours by: no cells
+    doc["summary"] = {"tiered": doc["summary"]["tiered"], "tiered-notail": doc["summary"]["tiered"]}
+    path.write_text(json.dumps(doc))
+    assert envelope.serving_cells(str(path)) == []
 
 
 def test_rank_rates_read_each_ranks_trace_in_the_window(tmp_path):
