@@ -10,13 +10,14 @@ across layer views of one buffer.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 
 import pytest
 import torch
 
 from tiered_kv.copy import BackendUnavailableError, BlockCopier, Mechanism, allocate_slab, vllm_layer_layout
-from tiered_kv.copy.staged import StagedLoader, layout_rects
+from tiered_kv.copy.staged import StagedLoader, layout_rects, slot_runs
 from tiered_kv.copy.testing import (
     Shape,
     all_cases,
@@ -333,3 +334,54 @@ def test_two_halves_bit_exact_in_many_pieces_and_groups(case, pattern):
         results = copier.cpu_to_gpu_grouped(slots, blocks, [(0, 1), (1, t)], mechanism=Mechanism.STAGED)
         assert [r.mechanism for r in results] == [Mechanism.STAGED] * 2
         _assert_equal(layout, expected)
+
+
+def test_slot_runs_cut_at_each_piece():
+    """Runs of adjacent slots as ints; a piece takes the runs it overlaps, cut at its ends, packed from row 0."""
+    runs = slot_runs(torch.tensor([4, 5, 6, 9, 1, 2], dtype=torch.int64))
+    assert (runs.first, runs.slot) == ([0, 3, 4, 6], [4, 9, 1])
+    assert runs.piece(0, 6, 10) == [(0, 4, 3), (30, 9, 1), (40, 1, 2)]
+    assert runs.piece(1, 5, 10) == [(0, 5, 2), (20, 9, 1), (30, 1, 1)]  # cut inside the first and last runs
+    assert runs.piece(5, 6, 7) == [(0, 2, 1)] and runs.piece(3, 3, 7) == []
+
+
+class _HostRows:
+    """``RectMemcpy.gather_rows`` done with memmove between host addresses: the CUDA driver cannot run here, and
+    this checks the addresses the staged load computes for its column-range DMA (the path it takes on CUDA)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def gather_rows(self, dst, src, src_pitch, width, runs, stream_handle):
+        for d, r, h in runs:
+            for i in range(h):
+                ctypes.memmove(dst + d + i * width, src + (r + i) * src_pitch, width)
+        self.calls += len(runs)
+        return len(runs)
+
+
+@pytest.mark.parametrize("pattern", sorted(SLOT_PATTERNS))
+@pytest.mark.parametrize("case", [c for c in CASES if c.name.startswith("vllm")], ids=lambda c: c.name)
+def test_column_range_dma_addresses_are_bit_exact(case, pattern):
+    """The address path of the column-range DMA (one call per run of adjacent slots, addresses from the slab's
+    base): layer groups of slab rows wider than a block, a buffer of two rows (pieces cut the runs), = reference."""
+    gen, layout, _ = _setup(case, torch.bfloat16, 31)
+    wide = allocate_slab(SLOTS, layout.block_nbytes + 40, pin=False)
+    wide.copy_(torch.randint(0, 256, wide.shape, dtype=torch.uint8, generator=gen))
+    slots = SLOT_PATTERNS[pattern]
+    blocks = torch.randperm(SHAPE.num_blocks, generator=gen)[:len(slots)].tolist()
+    expected = _expected(layout, wide, blocks, slots)
+    loader = StagedLoader(layout, wide, staging_bytes=2 * layout.block_nbytes)
+    loader._rect2d = rows = _HostRows()
+    t = len(layout.tensors)
+    groups = [(0, 1), (1, t)] if t > 1 else [(0, 1)]
+    loader.load(torch.tensor(blocks), torch.tensor(slots), groups, None, lambda g, ops: None)
+    _assert_equal(layout, expected)
+    runs = len(slot_runs(torch.tensor(slots)).slot)
+    assert rows.calls >= runs * len(groups)  # every group's columns went through the address path
+
+
+def test_staged_loader_refuses_a_slab_that_is_not_byte_rows():
+    layout = CASES[0].build(SHAPE, torch.bfloat16, "cpu")
+    with pytest.raises(BackendUnavailableError, match="2-D uint8 slab"):
+        StagedLoader(layout, torch.zeros(SLOTS, layout.block_nbytes // 2, dtype=torch.int16))

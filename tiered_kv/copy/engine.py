@@ -185,19 +185,23 @@ class RectMemcpy:
         err, pitch = driver.cuDeviceGetAttribute(attr, driver.CUdevice(index))
         self.max_pitch = int(pitch) if err == driver.CUresult.CUDA_SUCCESS else _DEFAULT_MAX_PITCH
 
-    def copy_pitched(self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int,
-                     to_cpu: bool, stream_handle: int) -> None:
-        """One 2-D copy: ``height`` rows of ``width`` bytes, each side at its own pitch (device <-> pinned host)."""
+    def gather_rows(self, dst: int, src: int, src_pitch: int, width: int, runs: list[tuple[int, int, int]],
+                    stream_handle: int) -> int:
+        """Pinned host -> device, one driver call per run: run ``(d, r, h)`` copies ``h`` rows of ``width`` bytes,
+        ``src_pitch`` apart from ``src + r * src_pitch``, packed to ``dst + d``. One descriptor struct serves every
+        run (only its addresses and height change), so a call costs the driver call and a few field writes: the
+        staged load's DMA (``staged.py``) issues thousands of these per step on vLLM's thread. Returns the calls."""
         p = _Memcpy2D()
-        if to_cpu:
-            p.srcMemoryType, p.srcDevice, p.dstMemoryType, p.dstHost = _MEMORYTYPE_DEVICE, src, _MEMORYTYPE_HOST, dst
-        else:
-            p.srcMemoryType, p.srcHost, p.dstMemoryType, p.dstDevice = _MEMORYTYPE_HOST, src, _MEMORYTYPE_DEVICE, dst
-        p.srcPitch, p.dstPitch, p.WidthInBytes, p.Height = src_pitch, dst_pitch, width, height
-        err = self._fn(ctypes.addressof(p), stream_handle)
-        if err != 0:
-            raise CopyLaunchError(f"cuMemcpy2DAsync returned CUresult {err} (dst=0x{dst:x} pitch={dst_pitch} "
-                                  f"src=0x{src:x} pitch={src_pitch} width={width} height={height})")
+        p.srcMemoryType, p.dstMemoryType = _MEMORYTYPE_HOST, _MEMORYTYPE_DEVICE
+        p.srcPitch, p.dstPitch, p.WidthInBytes = src_pitch, width, width
+        ref, fn = ctypes.addressof(p), self._fn
+        for d, r, h in runs:
+            p.srcHost, p.dstDevice, p.Height = src + r * src_pitch, dst + d, h
+            err = fn(ref, stream_handle)
+            if err != 0:
+                raise CopyLaunchError(f"cuMemcpy2DAsync returned CUresult {err} (dst=0x{dst + d:x} src=0x"
+                                      f"{src + r * src_pitch:x} pitch={src_pitch} width={width} height={h})")
+        return len(runs)
 
     def submit(self, rects: Rects, to_cpu: bool, stream_handle: int) -> int:
         """Enqueue every rectangle on ``stream_handle``; return driver calls made."""
