@@ -385,3 +385,37 @@ def test_staged_loader_refuses_a_slab_that_is_not_byte_rows():
     layout = CASES[0].build(SHAPE, torch.bfloat16, "cpu")
     with pytest.raises(BackendUnavailableError, match="2-D uint8 slab"):
         StagedLoader(layout, torch.zeros(SLOTS, layout.block_nbytes // 2, dtype=torch.int16))
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.name.startswith("vllm")], ids=lambda c: c.name)
+def test_checked_pair_is_derived_once_across_layer_group_calls(case, monkeypatch):
+    """An in-step load's layer groups come in several calls with the pair ``load_indices`` checked once: the staged
+    loader derives the slots' runs once for them, and every group's bytes equal the reference."""
+    gen, layout, slab = _setup(case, torch.bfloat16, 41)
+    slots, blocks = [2, 3, 4, 9, 0], [8, 0, 3, 5, 6]
+    expected = _expected(layout, slab, blocks, slots)
+    copier = BlockCopier(layout, slab)
+    pair = copier.load_indices(slots, blocks)
+    assert [t.tolist() for t in pair] == [slots, blocks]
+    import tiered_kv.copy.staged as staged_mod
+    derived = []
+    real = staged_mod.slot_runs
+    monkeypatch.setattr(staged_mod, "slot_runs", lambda s: derived.append(1) or real(s))
+    for a in range(len(layout.tensors)):
+        copier.cpu_to_gpu_grouped(*pair, [(a, a + 1)], mechanism=Mechanism.STAGED, checked=True)
+    _assert_equal(layout, expected)
+    assert len(derived) == 1
+    copier.cpu_to_gpu_grouped(slots, blocks, [(0, 1)], mechanism=Mechanism.STAGED)  # unchecked lists: new tensors
+    assert len(derived) == 2
+
+
+def test_load_indices_refuses_bad_ids_and_checked_takes_only_its_tensors():
+    layout = CASES[0].build(SHAPE, torch.bfloat16, "cpu")
+    copier = BlockCopier(layout, allocate_slab(SLOTS, layout.block_nbytes, pin=False))
+    from tiered_kv.copy import BlockIndexError
+    with pytest.raises(BlockIndexError, match="repeats an id"):
+        copier.load_indices([0, 1], [3, 3])
+    with pytest.raises(BlockIndexError, match="outside"):
+        copier.load_indices([0, SLOTS], [1, 2])
+    with pytest.raises(BlockIndexError, match="load_indices"):
+        copier.cpu_to_gpu_grouped([0, 1], [1, 2], [(0, 1)], checked=True)

@@ -169,6 +169,15 @@ class BlockCopier:
         """Copy engine blocks ``gpu_block_ids[i]`` into slab slots ``cpu_slots[i]``."""
         return self._copy(gpu_block_ids, cpu_slots, True, stream, mechanism)
 
+    def load_indices(self, cpu_slots: BlockIds, gpu_block_ids: BlockIds) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cpu_slots, gpu_block_ids)`` of a load, checked (in range, equal lengths, each block written once) and
+        as private int64 CPU tensors, in the order ``cpu_to_gpu_grouped`` takes them; ``BlockIndexError``
+        otherwise. A caller that loads the same blocks in several calls (the layer groups of one in-step load)
+        checks them once here and passes the pair to ``cpu_to_gpu_grouped(..., checked=True)``, without changing
+        the tensors in between. Any thread."""
+        ids, slots = self._indices(gpu_block_ids, cpu_slots, False)
+        return slots, ids
+
     def cpu_to_gpu(
         self,
         cpu_slots: BlockIds,
@@ -189,6 +198,7 @@ class BlockCopier:
         stream: torch.cuda.Stream | None = None,
         mechanism: Mechanism | str | None = None,
         ordered: bool = True,
+        checked: bool = False,
     ) -> list[CopyResult]:
         """Copy slots into blocks one group of tensors at a time, in order; one result per group.
 
@@ -203,8 +213,16 @@ class BlockCopier:
         ``ordered=False`` skips waiting for the work on ``stream``: the copy is ordered only after this
         copier's earlier loads (its load side stream runs them in call order). For the later parts of a
         load whose first part was ordered, submitted while the forward that reads them is on ``stream``.
+        ``checked=True``: the ids are the pair ``load_indices`` returned (not checked again; a staged load also
+        reuses what it derived from the same pair in the previous call).
         """
-        ids, slots = self._indices(gpu_block_ids, cpu_slots, False)
+        if checked:
+            if not (isinstance(gpu_block_ids, torch.Tensor) and isinstance(cpu_slots, torch.Tensor)):
+                raise BlockIndexError("checked=True takes the tensors load_indices returned; pass them, or "
+                                      "checked=False to have the ids checked here")
+            ids, slots = gpu_block_ids, cpu_slots
+        else:
+            ids, slots = self._indices(gpu_block_ids, cpu_slots, False)
         spans = _check_groups(groups, len(self.layout.tensors))
         n = int(ids.numel())
         sizes = [sum(m.nbytes for m in self.layout.maps[a:b]) for a, b in spans]

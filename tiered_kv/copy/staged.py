@@ -202,6 +202,7 @@ class StagedLoader:
         self._rects: dict[tuple[int, int], list[_Rect]] = {}
         self._flats: dict[int, torch.Tensor] = {}  # tensor index -> its storage as uint8
         self._dst_views: dict[tuple, torch.Tensor] = {}  # a rectangle's blocks as words (``_scatter``)
+        self._last: tuple | None = None  # (ids, slots, device ids, runs) of the last load (``_derived``)
         self._rect2d = None  # engine.RectMemcpy (``gather_rows``) for column-range DMAs, made at the first on CUDA
 
     def rects(self, first: int, end: int) -> list[_Rect]:
@@ -272,9 +273,7 @@ class StagedLoader:
                     dma = self._dma_stream(current)
                     dma.wait_stream(current)  # after all the caller queued before (and the last call's scatters)
                     staging.record_stream(dma)
-            # pinned, so the upload is queued on the stream (a pageable one would synchronise it)
-            dev_ids = ids.pin_memory().to(self.layout.device, non_blocking=True) if self._on_cuda else ids
-            runs = slot_runs(slots)
+            dev_ids, runs = self._derived(ids, slots)
             read: list = [None, None]  # two halves on CUDA: the event after the scatter that last read each half
             k = 0  # pieces so far (over all groups): piece k uses half k % 2
             try:
@@ -307,6 +306,19 @@ class StagedLoader:
                 if dma is not None:  # an error mid-load: what follows on the load stream waits for every DMA queued
                     current.wait_stream(dma)
         return total
+
+    def _derived(self, ids: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, SlotRuns]:
+        """The block ids on the device and the slots' runs of a load; the previous call's again when it passed the
+        very same tensors (the layer groups of one in-step load, submitted in several calls; kept referenced, so
+        their identity is theirs). Called under the lock, on the load's stream."""
+        last = self._last
+        if last is not None and last[0] is ids and last[1] is slots:
+            return last[2], last[3]
+        # pinned, so the upload is queued on the stream (a pageable one would synchronise it)
+        dev_ids = ids.pin_memory().to(self.layout.device, non_blocking=True) if self._on_cuda else ids
+        runs = slot_runs(slots)
+        self._last = (ids, slots, dev_ids, runs)
+        return dev_ids, runs
 
     def _dma_stream(self, load: torch.cuda.Stream) -> torch.cuda.Stream:
         """The second stream of a two-half load: same device, same priority as the load stream (cached)."""

@@ -141,6 +141,7 @@ class _StepCopy:
     sizes: list[int] = field(default_factory=list)  # bytes of each group
     results: list[CopyResult] = field(default_factory=list)  # what was submitted, in order
     landed: int = 0
+    checked: tuple | None = None  # (slots, blocks) as the copier checked them at the first submission
 
     def in_flight(self) -> int:
         """Bytes of submitted groups not landed yet (groups land in order; never blocks)."""
@@ -375,8 +376,10 @@ class InStepLoader:
         whole = spans == [(0, len(self.kvs[copy.g].tensors))]
         stream = self._stream
         try:
-            results = copier.cpu_to_gpu_grouped(copy.rows, copy.gpu, spans, stream=stream, mechanism=copy.mechanism,
-                                                ordered=first)
+            if copy.checked is None:  # once per merged copy, however many calls its layer groups take
+                copy.checked = copier.load_indices(copy.rows, copy.gpu)
+            results = copier.cpu_to_gpu_grouped(*copy.checked, spans, stream=stream, mechanism=copy.mechanism,
+                                                ordered=first, checked=True)
             _raise_failed_start(results)
             return results
         except _START_ERRORS as exc:
