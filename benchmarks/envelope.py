@@ -65,6 +65,7 @@ import json
 import operator
 import os
 import random
+import shlex
 import shutil
 import statistics
 import sys
@@ -451,6 +452,13 @@ CELLS = (("turn2", "turn2_p50_s", "turn2_tokens", ("none", "offloading", "tiered
          ("disk", "turn2_p50_s", "turn2_tokens", ("none", "offloading-small", "tiered-disk")))
 
 
+def refold_command(command: str, argv: list[str]) -> str:
+    """``command`` (a table's calls, ``; ``-joined) with its serving refold replaced by this one (``argv``): the file
+    names the serving files its cells came from, once."""
+    calls = [c for c in command.split("; ") if c and "--serving" not in c]
+    return "; ".join(calls + ["python benchmarks/envelope.py " + " ".join(shlex.quote(x) for x in argv)])
+
+
 def serving_cells(path: str) -> list[dict]:
     """Cells of one ``serve_bench.py`` result file (its ``summary``: per mode and phase the TTFT p50 over starts):
     workload ``serving c8`` / ``serving c32`` / ``serving c1``, GPU cache ``serve``, greedy equality from its own
@@ -703,6 +711,7 @@ def main() -> None:
                 doc = json.load(f)
         if a.serving:
             doc["serving"] = [c for p in a.serving for c in serving_cells(p)]
+            doc["command"] = refold_command(doc.get("command", ""), sys.argv[1:])
         doc["verdict"] = verdict(doc["results"], doc.get("serving", ()))
         print(table(doc) + "\n\n" + stores_table(doc))
         if a.out:

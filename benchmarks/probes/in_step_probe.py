@@ -4,7 +4,8 @@ The vLLM connector submits an in-step load on vLLM's own thread before the forwa
 (``BlockCopier.cpu_to_gpu_grouped`` with inline submission), so every millisecond the call holds
 the thread delays the forward's launch. For the turn-2 load of ``benchmarks/vllm_ttft.py`` (512
 random Llama-3-8B-shaped blocks, 1 GiB) into vLLM 0.26's cross-layer KV tensor and into separate
-per-layer tensors, for several layer-group counts and both mechanisms, it measures:
+per-layer tensors, for several layer-group counts and the three mechanisms (the staged load also as one call per
+layer group, as a pipelined in-step load submits them), it measures:
 
 - ``call_ms``: host time of the call (what the forward's launch waits for);
 - ``first_ms`` / ``landed_ms``: GPU time from the submission point to the first / last group landed;
@@ -47,8 +48,10 @@ def kv_views(cross_layer: bool) -> list[torch.Tensor]:
                         device="cuda").permute(0, 2, 1, 3) for _ in range(s.layers)]
 
 
-def measure(copier: BlockCopier, slots, ids, groups, mech: Mechanism) -> dict:
-    """Median host call ms and GPU first/last landed ms of one grouped in-step load."""
+def measure(copier: BlockCopier, slots, ids, groups, mech: Mechanism, per_group: bool = False) -> dict:
+    """Median host call ms and GPU first/last landed ms of one grouped in-step load. ``per_group``: one call per
+    layer group, as a pipelined in-step load submits them, with the ids checked once (``load_indices``); ``call_ms``
+    is then the host time of all the calls together."""
     stream = torch.cuda.current_stream()
     calls, firsts, lasts = [], [], []
     for rep in range(REPS + 1):
@@ -58,7 +61,12 @@ def measure(copier: BlockCopier, slots, ids, groups, mech: Mechanism) -> dict:
         aux = torch.cuda.Stream()
         start.record(stream)
         t0 = time.perf_counter()
-        res = copier.cpu_to_gpu_grouped(slots, ids, groups, stream=stream, mechanism=mech)
+        if per_group:
+            pair = copier.load_indices(slots, ids)
+            res = [r for i, g in enumerate(groups) for r in copier.cpu_to_gpu_grouped(
+                *pair, [g], stream=stream, mechanism=mech, ordered=i == 0, checked=True)]
+        else:
+            res = copier.cpu_to_gpu_grouped(slots, ids, groups, stream=stream, mechanism=mech)
         call = (time.perf_counter() - t0) * 1e3
         res[0].wait_on(aux)
         first.record(aux)
@@ -91,11 +99,14 @@ def main() -> None:
         for count in (1, 4, 8, 16, 32):
             per = SHAPE.layers // count
             groups = [(a, a + per) for a in range(0, SHAPE.layers, per)]
-            for mech in (Mechanism.COPY_ENGINE, Mechanism.SM_KERNEL):
+            cases = [(m, False) for m in (Mechanism.COPY_ENGINE, Mechanism.SM_KERNEL, Mechanism.STAGED)]
+            cases += [(Mechanism.STAGED, True)] if count > 1 else []
+            for mech, per_group in cases:
                 rec = {"kv": "cross-layer" if cross else "per-layer", "groups": count, "mechanism": mech.value,
+                       "calls": "one per group" if per_group else "one",
                        "runs": copier.plan(ids, slots, False).count if count == 1 else None}
                 try:
-                    rec.update(measure(copier, slots, ids, groups, mech))
+                    rec.update(measure(copier, slots, ids, groups, mech, per_group))
                 except Exception as exc:  # noqa: BLE001 - a mechanism that cannot take this case: say so
                     rec["error"] = repr(exc)[:200]
                 rows.append(rec)
@@ -103,7 +114,7 @@ def main() -> None:
         copier.close()
         del layout
         torch.cuda.empty_cache()
-    cols = ["kv", "groups", "mechanism", "call_ms", "first_ms", "landed_ms", "gbps"]
+    cols = ["kv", "groups", "mechanism", "calls", "call_ms", "first_ms", "landed_ms", "gbps"]
     emit("in_step_probe", rows, cols)
 
 if __name__ == "__main__":

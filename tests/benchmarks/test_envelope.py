@@ -245,3 +245,10 @@ def test_a_greedy_yes_over_outputs_that_hardly_differ_says_it_is_weak():
     assert envelope.greedy_text({**row, "greedy_outputs": [1, 3]}) == "yes"  # too few requests to tell
     assert envelope.greedy_text({**row, "greedy_equal": False}) == "NO"  # a difference is a difference
     assert envelope.greedy_text({"greedy_equal": True}) == "yes"  # files without the count
+
+
+def test_a_refold_names_its_serving_files_once():
+    old = "python benchmarks/envelope.py --shapes a; python benchmarks/envelope.py --table t.json --serving x.json"
+    got = envelope.refold_command(old, ["--table", "t.json", "--serving", "x.json", "y z.json"])
+    assert got == ("python benchmarks/envelope.py --shapes a; "
+                   "python benchmarks/envelope.py --table t.json --serving x.json 'y z.json'")
