@@ -55,6 +55,17 @@ def _assert_equal(layout, expected):
         assert torch.equal(flat, expected[flat.untyped_storage().data_ptr()])
 
 
+def _wide_setup(case, pattern, seed):
+    """A layout, a slab whose rows are 40 bytes wider than a block (random bytes), the pattern's slots, random
+    distinct blocks and the bytes the load must leave."""
+    gen, layout, _ = _setup(case, torch.bfloat16, seed)
+    wide = allocate_slab(SLOTS, layout.block_nbytes + 40, pin=False)
+    wide.copy_(torch.randint(0, 256, wide.shape, dtype=torch.uint8, generator=gen))
+    slots = SLOT_PATTERNS[pattern]
+    blocks = torch.randperm(SHAPE.num_blocks, generator=gen)[:len(slots)].tolist()
+    return gen, layout, wide, slots, blocks, _expected(layout, wide, blocks, slots)
+
+
 # blocks in an order unrelated to slots; slots as one run, two runs, and scattered
 SLOT_PATTERNS = {
     "one-run": [3, 4, 5, 6, 7],
@@ -316,12 +327,7 @@ def test_two_halves_only_when_a_load_has_several_pieces_and_they_fit_the_cap():
 def test_two_halves_bit_exact_in_many_pieces_and_groups(case, pattern):
     """Pieces of one row alternate the halves (the second at an aligned offset): the bytes equal the reference,
     whole and in layer groups, with slab rows wider than a block."""
-    gen, layout, _ = _setup(case, torch.bfloat16, 21)
-    wide = allocate_slab(SLOTS, layout.block_nbytes + 40, pin=False)
-    wide.copy_(torch.randint(0, 256, wide.shape, dtype=torch.uint8, generator=gen))
-    slots = SLOT_PATTERNS[pattern]
-    blocks = torch.randperm(SHAPE.num_blocks, generator=gen)[:len(slots)].tolist()
-    expected = _expected(layout, wide, blocks, slots)
+    gen, layout, wide, slots, blocks, expected = _wide_setup(case, pattern, 21)
     copier = BlockCopier(layout, wide, mechanism="staged", staging_bytes=2 * layout.block_nbytes + 256,
                          staging_buffers=2)
     assert copier._staged_loader().plan(len(slots), [(0, len(layout.tensors))])[:2] == (2, [1])
@@ -365,12 +371,7 @@ class _HostRows:
 def test_column_range_dma_addresses_are_bit_exact(case, pattern):
     """The address path of the column-range DMA (one call per run of adjacent slots, addresses from the slab's
     base): layer groups of slab rows wider than a block, a buffer of two rows (pieces cut the runs), = reference."""
-    gen, layout, _ = _setup(case, torch.bfloat16, 31)
-    wide = allocate_slab(SLOTS, layout.block_nbytes + 40, pin=False)
-    wide.copy_(torch.randint(0, 256, wide.shape, dtype=torch.uint8, generator=gen))
-    slots = SLOT_PATTERNS[pattern]
-    blocks = torch.randperm(SHAPE.num_blocks, generator=gen)[:len(slots)].tolist()
-    expected = _expected(layout, wide, blocks, slots)
+    gen, layout, wide, slots, blocks, expected = _wide_setup(case, pattern, 31)
     loader = StagedLoader(layout, wide, staging_bytes=2 * layout.block_nbytes)
     loader._rect2d = rows = _HostRows()
     t = len(layout.tensors)
