@@ -19,9 +19,10 @@ Every batched copy carries ``srcAccessOrder = STREAM`` (the source is read in st
 order, so KV written by earlier kernels on the stream is what gets copied);
 ``prefer_overlap`` sets ``CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE``.
 
-Threading: a ``BatchMemcpy`` holds only immutable ctypes state after
-construction; ``submit`` may be called from several threads (each call passes
-its own arrays and stream). The driver reads the descriptor arrays during the
+Threading: a ``BatchMemcpy`` or ``RectMemcpy`` holds only immutable ctypes state
+after construction; ``submit`` (and ``RectMemcpy.gather_rows``, which fills a
+descriptor struct of its own per call) may be called from several threads (each
+call passes its own arrays and stream). The driver reads the descriptor arrays during the
 call, so they may be freed when ``submit`` returns.
 """
 

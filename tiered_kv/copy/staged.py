@@ -129,7 +129,7 @@ def layout_rects(layout: KVLayout, first: int, end: int) -> list[_Rect]:
 class SlotRuns:
     """A load's items as runs of adjacent slots, in plain ints: run ``k`` is items ``first[k] .. first[k+1]-1``,
     read from slots ``slot[k]``, ``slot[k]+1``, ... (``slot_runs``). Built once per load; ``piece`` answers for
-    each piece of it without touching a tensor."""
+    each piece of it without touching a tensor. Never changed after construction: any thread may read it."""
 
     __slots__ = ("first", "slot")
 
