@@ -76,7 +76,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from kernel_jit import JitWatch, slow_in, warm_prompts  # noqa: E402
 from serving import report  # noqa: E402
-from serving.shapes import kv_groups_of  # noqa: E402
+from serving.shapes import kv_bytes_of, kv_groups_of  # noqa: E402
 from vllm_ttft import (  # noqa: E402
     MODELS,
     _result_line,
@@ -646,9 +646,11 @@ def table(doc: dict) -> str:
 
 
 def stores_table(doc: dict) -> str:
-    """Bytes stored per conversation and conversations per GiB (ours), per shape."""
+    """Bytes stored per conversation and conversations per GiB, ours and (every layer of the prefix, as vLLM's
+    ``OffloadingConnector`` keeps it: from its code, not measured) the peer's, per shape."""
     lines = ["| shape | stored per conversation (MB) | full layers x prefix + window layers x window (MB) | "
-             "ratio | conversations per GiB |", "|---|---|---|---|---|"]
+             "ratio | conversations per GiB | `OffloadingConnector`'s (every layer x prefix, from its code) |",
+             "|---|---|---|---|---|---|"]
     seen = set()
     for r in doc["results"]:
         if r.get("mode") != "tiered" or "stored_vs_usable" not in r or r["shape"] in seen:
@@ -656,7 +658,8 @@ def stores_table(doc: dict) -> str:
         seen.add(r["shape"])
         lines.append(f"| {r['shape']} | {r['stored_bytes_per_conversation'] / 1e6:.1f} | "
                      f"{r['usable_bytes_per_conversation'] / 1e6:.1f} | {r['stored_vs_usable']:.3f} | "
-                     f"{r['conversations_per_gib']:.3f} |")
+                     f"{r['conversations_per_gib']:.3f} | "
+                     f"{2**30 / (kv_bytes_of(MODELS[r['shape']]) * r['knobs']['prefix']):.3f} |")
     return "\n".join(lines)
 
 

@@ -15,6 +15,7 @@ from typing import Callable
 
 from benchmarks.results_page.results import Result, each, median, num, ratio, source, spread, table
 from benchmarks.serving import report as serve_report
+from benchmarks.serving.shapes import SHAPES as SERVE_SHAPES, kv_bytes_of
 
 
 @dataclass(frozen=True)
@@ -232,6 +233,14 @@ ENVELOPE_WORK = {"turn2": "turn 2 TTFT p50", "batch": "batch of turn 3 (wall)", 
                  "serving c1": "serving, c1 TTFT p50"}
 
 
+def every_layer_bytes(shape: str, prefix: int | None) -> int | None:
+    """Bytes of a ``prefix``-token conversation kept in every layer: what vLLM's ``OffloadingConnector`` (0.26)
+    stores when a prefill is one step (it keeps every block of every KV cache group, sliding windows included;
+    read from its code, not measured). None for a shape or prefix the file does not name."""
+    c = SERVE_SHAPES.get(shape)
+    return kv_bytes_of(c) * prefix if c and prefix else None
+
+
 def envelope(r: Result) -> str:
     """The envelope's cells (shape x workload x GPU cache: none, the peer, ours, the ratios, the verdict), the
     cells that did not run, and the bytes each shape stores per conversation."""
@@ -259,12 +268,14 @@ def envelope(r: Result) -> str:
         if (x.get("mode") == "tiered" and x.get("stored_vs_usable") and x["shape"] not in seen
                 and x.get("knobs", {}).get("tp", 1) == 1):  # TP stores the same bytes, split over ranks
             seen.add(x["shape"])
+            every = every_layer_bytes(x["shape"], x.get("knobs", {}).get("prefix"))
             stores.append([x["shape"], num(x["stored_bytes_per_conversation"] / 1e6, 1),
                            num(x["usable_bytes_per_conversation"] / 1e6, 1), num(x["stored_vs_usable"], 3),
-                           num(x["conversations_per_gib"], 3)])
+                           num(x["conversations_per_gib"], 3), num(2**30 / every, 3) if every else "-"])
     if stores:
         out += "\n" + table(["shape", "stored per conversation MB", "full layers x prefix + window layers x window MB",
-                             "ratio (goal <= 1.1)", "conversations per GiB"], stores)
+                             "ratio (goal <= 1.1)", "conversations per GiB",
+                             "`OffloadingConnector`'s (every layer x prefix; from its code, not measured)"], stores)
     tp_shapes = {x["shape"] for x in r.doc["results"] if x.get("knobs", {}).get("tp", 1) > 1}
     ranks = [[x["shape"], x["mode"], x["knobs"].get("tp", 1), x.get("call", "-"), num(x["turn2_p50_s"] * 1e3, 1),
               ", ".join(f"{k}: {num(v, 1)}" for k, v in sorted(x["turn2_rank_gbps"].items())) or "-",
