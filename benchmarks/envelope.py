@@ -76,7 +76,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from kernel_jit import JitWatch, slow_in, warm_prompts  # noqa: E402
 from serving import report  # noqa: E402
-from serving.shapes import kv_bytes_of, kv_groups_of  # noqa: E402
+from serving.shapes import every_layer_bytes, kv_groups_of  # noqa: E402
 from vllm_ttft import (  # noqa: E402
     MODELS,
     _result_line,
@@ -659,7 +659,7 @@ def stores_table(doc: dict) -> str:
         lines.append(f"| {r['shape']} | {r['stored_bytes_per_conversation'] / 1e6:.1f} | "
                      f"{r['usable_bytes_per_conversation'] / 1e6:.1f} | {r['stored_vs_usable']:.3f} | "
                      f"{r['conversations_per_gib']:.3f} | "
-                     f"{2**30 / (kv_bytes_of(MODELS[r['shape']]) * r['knobs']['prefix']):.3f} |")
+                     f"{2**30 / every_layer_bytes(r['shape'], r['knobs']['prefix']):.3f} |")
     return "\n".join(lines)
 
 

@@ -15,7 +15,7 @@ from typing import Callable
 
 from benchmarks.results_page.results import Result, each, median, num, ratio, source, spread, table
 from benchmarks.serving import report as serve_report
-from benchmarks.serving.shapes import SHAPES as SERVE_SHAPES, kv_bytes_of
+from benchmarks.serving.shapes import every_layer_bytes
 
 
 @dataclass(frozen=True)
@@ -231,14 +231,6 @@ def vllm_ttft(results: list[Result]) -> str:
 ENVELOPE_WORK = {"turn2": "turn 2 TTFT p50", "batch": "batch of turn 3 (wall)", "disk": "turn 2 from disk",
                  "serving c8": "serving, c8 TTFT p50", "serving c32": "serving, c32 TTFT p50",
                  "serving c1": "serving, c1 TTFT p50"}
-
-
-def every_layer_bytes(shape: str, prefix: int | None) -> int | None:
-    """Bytes of a ``prefix``-token conversation kept in every layer: what vLLM's ``OffloadingConnector`` (0.26)
-    stores when a prefill is one step (it keeps every block of every KV cache group, sliding windows included;
-    read from its code, not measured). None for a shape or prefix the file does not name."""
-    c = SERVE_SHAPES.get(shape)
-    return kv_bytes_of(c) * prefix if c and prefix else None
 
 
 def envelope(r: Result) -> str:

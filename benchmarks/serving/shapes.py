@@ -110,6 +110,13 @@ def kv_bytes_per_token(shape: str) -> int:
     return kv_bytes_of(SHAPES[shape])
 
 
+def every_layer_bytes(shape: str, prefix: int | None) -> int | None:
+    """Bytes of a ``prefix``-token conversation kept in every layer (``kv_bytes_per_token``): what vLLM's
+    ``OffloadingConnector`` (0.26) stores when a prefill is one step (every block of every KV cache group, sliding
+    windows included; read from its code, not measured). None for a shape or prefix not known."""
+    return kv_bytes_per_token(shape) * prefix if shape in SHAPES and prefix else None
+
+
 def kv_bytes_of(c: dict) -> int:
     """KV bytes of one token over all layers of the model config ``c``, bf16: K and V per KV head, or MLA's one
     latent per layer. For a sliding-window hybrid this is the bound a prefix within every window takes (a longer

@@ -155,7 +155,7 @@ def test_the_tp_highlight_survives_a_missing_mode_and_an_empty_file(tmp_path):
 def test_the_peers_bytes_per_conversation_keep_every_layer():
     """`OffloadingConnector`'s column: every layer of the prefix (Gemma-2: 42 layers x 8 KV heads x 256 x K and V,
     bf16 = 344,064 bytes a token), where ours keeps the window layers' window only; unknown shapes: no figure."""
-    from benchmarks.results_page.scenarios import every_layer_bytes
+    from benchmarks.serving.shapes import every_layer_bytes
 
     assert every_layer_bytes("gemma2", 12288) == 344064 * 12288
     assert round(2**30 / every_layer_bytes("gemma2", 12288), 3) == 0.254
