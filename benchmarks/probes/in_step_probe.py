@@ -5,7 +5,8 @@ The vLLM connector submits an in-step load on vLLM's own thread before the forwa
 the thread delays the forward's launch. For the turn-2 load of ``benchmarks/vllm_ttft.py`` (512
 random Llama-3-8B-shaped blocks, 1 GiB) into vLLM 0.26's cross-layer KV tensor and into separate
 per-layer tensors, for several layer-group counts and the three mechanisms (the staged load also as one call per
-layer group, as a pipelined in-step load submits them), it measures:
+layer group, as a pipelined in-step load submits them, and from slots in runs of 16, as a request's chunks lie in
+the CPU tier), it measures:
 
 - ``call_ms``: host time of the call (what the forward's launch waits for);
 - ``first_ms`` / ``landed_ms``: GPU time from the submission point to the first / last group landed;
@@ -34,6 +35,7 @@ from probe_report import LLAMA3_8B, emit  # noqa: E402
 
 SHAPE = LLAMA3_8B
 N = 512
+CHUNK = 16  # a 256-token chunk of 16-token blocks: the slots a chunk takes in the CPU tier are adjacent
 REPS = 7
 
 
@@ -95,18 +97,23 @@ def main() -> None:
             flat.zero_()
         ids = torch.randperm(SHAPE.num_blocks, generator=gen)[:N]
         slots = torch.randperm(slab.shape[0], generator=gen)[:N]
+        # how a request's chunks lie in the CPU tier: runs of CHUNK adjacent slots, the runs in random order
+        chunked = (torch.randperm(slab.shape[0] // CHUNK, generator=gen)[:N // CHUNK][:, None] * CHUNK
+                   + torch.arange(CHUNK)).reshape(-1)
         copier = BlockCopier(layout, slab, threaded_submit=False)
         for count in (1, 4, 8, 16, 32):
             per = SHAPE.layers // count
             groups = [(a, a + per) for a in range(0, SHAPE.layers, per)]
-            cases = [(m, False) for m in (Mechanism.COPY_ENGINE, Mechanism.SM_KERNEL, Mechanism.STAGED)]
-            cases += [(Mechanism.STAGED, True)] if count > 1 else []
-            for mech, per_group in cases:
+            cases = [(m, False, slots) for m in (Mechanism.COPY_ENGINE, Mechanism.SM_KERNEL, Mechanism.STAGED)]
+            cases += [(Mechanism.STAGED, True, slots)] if count > 1 else []
+            cases += [(Mechanism.STAGED, False, chunked)]
+            for mech, per_group, which in cases:
                 rec = {"kv": "cross-layer" if cross else "per-layer", "groups": count, "mechanism": mech.value,
                        "calls": "one per group" if per_group else "one",
-                       "runs": copier.plan(ids, slots, False).count if count == 1 else None}
+                       "slots": "random" if which is slots else f"runs of {CHUNK}",
+                       "runs": copier.plan(ids, which, False).count if count == 1 else None}
                 try:
-                    rec.update(measure(copier, slots, ids, groups, mech, per_group))
+                    rec.update(measure(copier, which, ids, groups, mech, per_group))
                 except Exception as exc:  # noqa: BLE001 - a mechanism that cannot take this case: say so
                     rec["error"] = repr(exc)[:200]
                 rows.append(rec)
@@ -114,7 +121,7 @@ def main() -> None:
         copier.close()
         del layout
         torch.cuda.empty_cache()
-    cols = ["kv", "groups", "mechanism", "calls", "call_ms", "first_ms", "landed_ms", "gbps"]
+    cols = ["kv", "groups", "mechanism", "calls", "slots", "call_ms", "first_ms", "landed_ms", "gbps"]
     emit("in_step_probe", rows, cols)
 
 if __name__ == "__main__":

@@ -461,16 +461,23 @@ def copy_probe(r: Result) -> str:
 
 
 def in_step_probe(r: Result) -> str:
-    """A 1 GiB in-step load: host time of the call and GPU time until it landed, per layer-group count."""
-    by = {(x["kv"], x["groups"], x["mechanism"]): x for x in r.doc["rows"]}
+    """A 1 GiB in-step load: host time of the call and GPU time until it landed, per layer-group count and
+    mechanism (the staged load as one call, as one call per group and from slots in runs of 16, in files that
+    measured them)."""
+    by = {(x["kv"], x["groups"], x["mechanism"], x.get("calls", "one"), x.get("slots", "random")): x
+          for x in r.doc["rows"]}
 
     def cell(key: tuple) -> str:
         x = by.get(key)
         return "-" if x is None else f"{num(x['call_ms'])} / {num(x['landed_ms'])} ({num(x['gbps'])})"
 
-    rows = [[kv, g, cell((kv, g, "copy_engine")), cell((kv, g, "sm_kernel"))]
+    cols = [("copy_engine", "one", "random", "copy engine"), ("sm_kernel", "one", "random", "SM kernel"),
+            ("staged", "one", "random", "staged"), ("staged", "one per group", "random", "staged, a call per group"),
+            ("staged", "one", "runs of 16", "staged, slots in runs of 16")]
+    cols = [c for c in cols if any(k[2:] == c[:3] for k in by)]
+    rows = [[kv, g, *(cell((kv, g, *c[:3])) for c in cols)]
             for kv, g in dict.fromkeys((x["kv"], x["groups"]) for x in r.doc["rows"])]
-    head = ["KV tensors", "groups", "copy engine: call / landed ms (GB/s)", "SM kernel: call / landed ms (GB/s)"]
+    head = ["KV tensors", "groups", *(f"{c[3]}: call / landed ms (GB/s)" for c in cols)]
     return table(head, rows)
 
 

@@ -16,6 +16,7 @@ import threading
 import pytest
 import torch
 
+import tiered_kv.copy.staged as staged_mod
 from tiered_kv.copy import BackendUnavailableError, BlockCopier, Mechanism, allocate_slab, vllm_layer_layout
 from tiered_kv.copy.staged import StagedLoader, layout_rects, slot_runs
 from tiered_kv.copy.testing import (
@@ -382,6 +383,67 @@ def test_column_range_dma_addresses_are_bit_exact(case, pattern):
     assert rows.calls >= runs * len(groups)  # every group's columns went through the address path
 
 
+class _HostBatch:
+    """``BatchMemcpy.submit`` done with memmove between host addresses (the CUDA driver cannot run here): checks
+    the descriptors the staged load builds for its batched DMA (the path it takes on CUDA)."""
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+
+    def submit(self, runs, stream_handle):
+        for s, d, n in zip(runs.src.tolist(), runs.dst.tolist(), runs.size.tolist()):
+            ctypes.memmove(d, s, n)
+        self.sizes += runs.size.tolist()
+        return 1
+
+
+def _short_and_long(slots, per, width):
+    """(rows of runs shorter than RECT_MIN_ROWS, runs of at least that many) over pieces of ``per`` items."""
+    runs = slot_runs(torch.tensor(slots))
+    pieces = [runs.piece(i, min(len(slots), i + per), width) for i in range(0, len(slots), per)]
+    todo = [t for p in pieces for t in p]
+    return (sum(h for _, _, h in todo if h < staged_mod.RECT_MIN_ROWS),
+            sum(1 for _, _, h in todo if h >= staged_mod.RECT_MIN_ROWS))
+
+
+@pytest.mark.parametrize("pattern", sorted(SLOT_PATTERNS))
+@pytest.mark.parametrize("case", [c for c in CASES if c.name.startswith("vllm")], ids=lambda c: c.name)
+def test_batched_dma_descriptors_are_bit_exact(case, pattern):
+    """The batched DMA's descriptors: a column range sends the rows of runs shorter than ``RECT_MIN_ROWS`` as one
+    descriptor each and longer runs as one 2-D copy (pieces of two rows cut the runs); = reference."""
+    gen, layout, wide, slots, blocks, expected = _wide_setup(case, pattern, 37)
+    loader = StagedLoader(layout, wide, staging_bytes=2 * layout.block_nbytes)
+    loader._rect2d, loader._batch = rows, batch = _HostRows(), _HostBatch()
+    t = len(layout.tensors)
+    groups = [(0, 1), (1, t)] if t > 1 else [(0, 1)]
+    loader.load(torch.tensor(blocks), torch.tensor(slots), groups, None, lambda g, ops: None)
+    _assert_equal(layout, expected)
+    want_rows, want_rects = 0, 0
+    for g, (a, b) in enumerate(groups):
+        width = loader._width(a, b)
+        short, long_ = _short_and_long(slots, loader.plan(len(slots), groups)[1][g], width)
+        want_rows, want_rects = want_rows + short, want_rects + long_
+    assert (len(batch.sizes), rows.calls) == (want_rows, want_rects)
+
+
+@pytest.mark.parametrize("pattern", sorted(SLOT_PATTERNS))
+@pytest.mark.parametrize("case", [c for c in CASES if c.name.startswith("vllm")], ids=lambda c: c.name)
+def test_batched_dma_of_whole_rows_is_one_descriptor_a_run(case, pattern):
+    """Whole slot rows (a slab exactly a block wide, every tensor in one group): one batched descriptor per run of
+    adjacent slots, its size the run's rows, no 2-D copy; = reference."""
+    gen, layout, slab = _setup(case, torch.bfloat16, 43)
+    slots = SLOT_PATTERNS[pattern]
+    blocks = torch.randperm(SHAPE.num_blocks, generator=gen)[:len(slots)].tolist()
+    expected = _expected(layout, slab, blocks, slots)
+    loader = StagedLoader(layout, slab)
+    loader._rect2d, loader._batch = rows, batch = _HostRows(), _HostBatch()
+    loader.load(torch.tensor(blocks), torch.tensor(slots), [(0, len(layout.tensors))], None, lambda g, ops: None)
+    _assert_equal(layout, expected)
+    runs = slot_runs(torch.tensor(slots))
+    assert batch.sizes == [(b - a) * layout.block_nbytes for a, b in zip(runs.first, runs.first[1:])]
+    assert rows.calls == 0
+
+
 def test_staged_loader_refuses_a_slab_that_is_not_byte_rows():
     layout = CASES[0].build(SHAPE, torch.bfloat16, "cpu")
     with pytest.raises(BackendUnavailableError, match="2-D uint8 slab"):
@@ -398,7 +460,6 @@ def test_checked_pair_is_derived_once_across_layer_group_calls(case, monkeypatch
     copier = BlockCopier(layout, slab)
     pair = copier.load_indices(slots, blocks)
     assert [t.tolist() for t in pair] == [slots, blocks]
-    import tiered_kv.copy.staged as staged_mod
     derived = []
     real = staged_mod.slot_runs
     monkeypatch.setattr(staged_mod, "slot_runs", lambda s: derived.append(1) or real(s))

@@ -120,6 +120,26 @@ def test_staged_padded_rows_use_2d_dma_and_groups_are_exact():
     _check_storages_equal(gpu, cpu)
 
 
+def test_staged_short_runs_go_batched_and_are_exact():
+    """Scattered slots (runs of one row) on rows wider than a block, in layer groups, and on rows a block wide: the
+    rows go to the driver as batched descriptors (``cuMemcpyBatchAsync``), and the bytes equal the CPU copier's."""
+    gen = torch.Generator().manual_seed(13)
+    case = next(c for c in all_cases() if c.name == "vllm026-mla")
+    shape = Shape(layers=6, heads=1, block_size=16, head_dim=576, num_blocks=64)
+    for extra in (4096, 0):
+        gpu, cpu = _twins(case, shape, torch.bfloat16, gen)
+        src = _random_slab(80, gpu.block_nbytes + extra, gen)
+        slots = torch.randperm(80, generator=gen)[:40]
+        blocks = torch.randperm(64, generator=gen)[:40]
+        BlockCopier(cpu, src.clone()).cpu_to_gpu(slots, blocks)
+        copier = BlockCopier(gpu, src, staging_bytes=10 * gpu.block_nbytes)
+        spans = [(0, 2), (2, 3), (3, 6)] if extra else [(0, 6)]
+        for r in copier.cpu_to_gpu_grouped(slots, blocks, spans, mechanism="staged"):
+            r.wait()
+        assert type(copier._staged._batch).__name__ == "BatchMemcpy"
+        _check_storages_equal(gpu, cpu)
+
+
 @pytest.mark.parametrize("threaded", [True, False], ids=["threaded", "inline"])
 def test_staged_load_lands_after_work_on_the_callers_stream(threaded):
     """The engine zeroes the destination blocks (behind a busy stream), then loads: the load's bytes win."""

@@ -6,10 +6,15 @@ where the copy engine pays its per-descriptor cost once per (layer, block). A sl
 block's chunks back to back (``layouts.py``), and the slots of one chunk of a request are
 adjacent rows of the slab, so the load moves as:
 
-1. **DMA**: for each run of adjacent slots, one copy of their bytes into a staging buffer on
-   the device (``cudaMemcpyAsync`` of a contiguous range when the copy takes whole rows; one
-   ``cuMemcpy2DAsync`` when it takes a column range of the rows: a group of tensors of a
-   layer-by-layer load). Staged row ``i`` is item ``i`` of the call.
+1. **DMA**: the slots' bytes into a staging buffer on the device, staged row ``i`` being item
+   ``i`` of the call. On CUDA the copies go to the driver as addresses computed from plain ints:
+   one batched call (``cuMemcpyBatchAsync``, ``engine.BatchMemcpy``) takes a descriptor per run
+   of adjacent slots when the copy takes whole rows, and a descriptor per row for the short runs
+   of a column range (a group of tensors of a layer-by-layer load); a run of ``RECT_MIN_ROWS``
+   or more rows of a column range is one ``cuMemcpy2DAsync`` (``RectMemcpy.gather_rows``), which
+   costs the host about as much as that many batched descriptors. On the legacy default stream,
+   which the batched call refuses, whole rows go as torch copies and every column range as 2-D
+   copies.
 2. **Scatter**: for each *rectangle* of the layout (the chunks of one allocation at a fixed
    pitch: one per layer tensor, or one for all layers when they are views of one buffer), one
    torch ``index_put_`` from a strided view of the staging rows into a strided view of the
@@ -58,6 +63,7 @@ import torch
 
 from tiered_kv.copy.errors import BackendUnavailableError
 from tiered_kv.copy.layouts import KVLayout
+from tiered_kv.copy.segments import Runs
 
 #: The staging buffer grows in steps of this many bytes (fewer re-allocations as loads vary).
 GROW_STEP = 16 << 20
@@ -66,6 +72,11 @@ DEFAULT_STAGING_BYTES = 256 << 20
 #: With two buffers, the second half starts at a multiple of this (the scatter's word width stays the widest).
 HALF_ALIGN = 256
 _WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+#: A run of a column-range DMA with at least this many rows goes as one ``cuMemcpy2DAsync``, shorter ones as a
+#: batched descriptor per row: one 2-D call holds the host about as long as four batched descriptors (H200,
+#: 2026-11-30, ``benchmarks/probes/in_step_probe.py``: 16,384 2-D calls 68.8 ms, 16,384 batched descriptors of
+#: the copy engine 11.4 ms; ``dispatch.RECT_CALL_COST`` is the same ratio).
+RECT_MIN_ROWS = 4
 
 
 def check_buffers(buffers: object) -> int:
@@ -204,6 +215,7 @@ class StagedLoader:
         self._dst_views: dict[tuple, torch.Tensor] = {}  # a rectangle's blocks as words (``_scatter``)
         self._last: tuple | None = None  # (ids, slots, device ids, runs) of the last load (``_derived``)
         self._rect2d = None  # engine.RectMemcpy (``gather_rows``) for column-range DMAs, made at the first on CUDA
+        self._batch = None  # engine.BatchMemcpy for batched DMA descriptors, made at the first on CUDA (False: none)
 
     def rects(self, first: int, end: int) -> list[_Rect]:
         """The (cached) rectangles of tensors ``first..end-1``."""
@@ -334,34 +346,77 @@ class StagedLoader:
     # ------------------------------------------------------------------ steps
     def _dma(self, staging: torch.Tensor, runs: SlotRuns, i0: int, i1: int, c0: int, c1: int,
              stream: torch.cuda.Stream | None) -> int:
-        """Items ``i0..i1-1``: columns ``c0..c1-1`` of their slot rows into staging rows 0.. (packed), one copy per
-        run of adjacent slots, on ``stream`` (CUDA: the current stream). Returns the copies.
+        """Items ``i0..i1-1``: columns ``c0..c1-1`` of their slot rows into staging rows 0.. (packed), on ``stream``
+        (CUDA: the current stream). Returns the copies (descriptors and 2-D calls).
 
         A step's load may take thousands of runs, each issued on vLLM's thread: the runs are plain ints
-        (``slot_runs``) and a column-range copy goes to the driver with addresses computed here
-        (``RectMemcpy.gather_rows``), no tensor view per run (about 11 us a run with views and an index read
-        each, 2026-11-30 on the CPU box, against about 1 us of Python now, the driver call aside)."""
+        (``slot_runs``) and the copies reach the driver as addresses (``_dma_addresses``): no tensor view per
+        run. On the CPU (and on CUDA's legacy default stream, for whole rows) torch copies a run at a time."""
         width = c1 - c0
         pitch = self.slab.stride(0)
         todo = runs.piece(i0, i1, width)  # (staging byte offset, first slot, rows)
         if not todo:
             return 0
-        if width == pitch and self.slab.is_contiguous():  # whole rows: one contiguous range a run
+        whole = width == pitch and self.slab.is_contiguous()
+        if self._on_cuda:
+            self._engines()
+        handle = stream.cuda_stream if stream is not None else 0
+        # CUDA's batched call refuses the legacy default stream (the copier's side streams are never it)
+        batch = self._batch if self._batch and (handle or not self._on_cuda) else None
+        if batch is not None or (self._rect2d is not None and not whole):
+            return self._dma_addresses(staging.data_ptr(), self.slab.data_ptr() + c0, pitch, width, whole, todo,
+                                       batch, handle)
+        if whole:  # contiguous rows: one torch copy a run
             flat = self.slab.view(-1)
             for d, r, h in todo:
                 staging[d:d + h * width].copy_(flat[r * pitch:(r + h) * pitch], non_blocking=True)
             return len(todo)
-        if self._rect2d is None and self._on_cuda:
-            from tiered_kv.copy.engine import RectMemcpy
-
-            self._rect2d = RectMemcpy(self.layout.device)
-        if self._rect2d is not None:  # a byte slab: row r, column c0 sits at data_ptr + r * pitch + c0
-            handle = stream.cuda_stream if stream is not None else 0
-            return self._rect2d.gather_rows(staging.data_ptr(), self.slab.data_ptr() + c0, pitch, width, todo,
-                                            handle)
         for d, r, h in todo:
             staging[d:d + h * width].view(h, width).copy_(self.slab[r:r + h, c0:c1])
         return len(todo)
+
+    def _engines(self) -> None:
+        """Bind the driver's 2-D and batched copies at the first DMA on CUDA (a driver without the batched entry
+        point leaves the 2-D copies and torch's)."""
+        if self._rect2d is None:
+            from tiered_kv.copy.engine import RectMemcpy
+
+            self._rect2d = RectMemcpy(self.layout.device)
+        if self._batch is None:
+            from tiered_kv.copy.engine import BatchMemcpy
+
+            try:
+                self._batch = BatchMemcpy()
+            except BackendUnavailableError:
+                self._batch = False
+
+    def _dma_addresses(self, dst: int, src: int, pitch: int, width: int, whole: bool, todo: list[tuple[int, int, int]],
+                       batch, handle: int) -> int:
+        """The DMA of ``todo`` (``SlotRuns.piece``'s runs) as driver calls: row ``r`` of the slab, from column
+        ``src``'s offset, sits at ``src + r * pitch``; staging offset ``d`` at ``dst + d``. Whole rows: a batched
+        descriptor per run. A column range: a run of ``RECT_MIN_ROWS`` rows or more (or any, with no ``batch``)
+        as one 2-D copy, the rows of shorter runs as a batched descriptor each. Returns the copies."""
+        d_ptr, s_ptr, sizes, rects = [], [], [], []
+        if whole:
+            for d, r, h in todo:
+                d_ptr.append(dst + d)
+                s_ptr.append(src + r * pitch)
+                sizes.append(h * width)
+        else:
+            for d, r, h in todo:
+                if batch is None or h >= RECT_MIN_ROWS:
+                    rects.append((d, r, h))
+                    continue
+                for k in range(h):
+                    d_ptr.append(dst + d + k * width)
+                    s_ptr.append(src + (r + k) * pitch)
+                    sizes.append(width)
+        if sizes:
+            batch.submit(Runs(src=torch.tensor(s_ptr, dtype=torch.int64), dst=torch.tensor(d_ptr, dtype=torch.int64),
+                              size=torch.tensor(sizes, dtype=torch.int64)), handle)
+        if rects:
+            self._rect2d.gather_rows(dst, src, pitch, width, rects, handle)
+        return len(sizes) + len(rects)
 
     def _scatter(self, staging: torch.Tensor, dev_ids: torch.Tensor, rows: int, a: int, b: int, c0: int,
                  width: int) -> int:
