@@ -18,6 +18,7 @@ import torch
 
 import tiered_kv.copy.staged as staged_mod
 from tiered_kv.copy import BackendUnavailableError, BlockCopier, Mechanism, allocate_slab, vllm_layer_layout
+from tiered_kv.copy.errors import CopyLaunchError
 from tiered_kv.copy.staged import StagedLoader, layout_rects, slot_runs
 from tiered_kv.copy.testing import (
     Shape,
@@ -481,3 +482,51 @@ def test_load_indices_refuses_bad_ids_and_checked_takes_only_its_tensors():
         copier.load_indices([0, SLOTS], [1, 2])
     with pytest.raises(BlockIndexError, match="load_indices"):
         copier.cpu_to_gpu_grouped([0, 1], [1, 2], [(0, 1)], checked=True)
+
+
+class _HostRectBatch(_HostRows):
+    """``RectBatchMemcpy.gather_rows`` done with memmove (the driver cannot run here); ``fail_after`` runs it raises
+    ``CopyLaunchError`` once, after copying them, as a driver refusing a run in the middle of a batch would."""
+
+    def __init__(self, fail_after: int | None = None) -> None:
+        super().__init__()
+        self.fail_after = fail_after
+
+    def gather_rows(self, dst, src, src_pitch, width, runs, stream_handle):
+        if self.fail_after is not None:
+            super().gather_rows(dst, src, src_pitch, width, runs[:self.fail_after], stream_handle)
+            raise CopyLaunchError("cuMemcpy3DBatchAsync returned CUresult 1 (a host double)")
+        return super().gather_rows(dst, src, src_pitch, width, runs, stream_handle)
+
+
+@pytest.mark.parametrize("pattern", sorted(SLOT_PATTERNS))
+@pytest.mark.parametrize("case", [c for c in CASES if c.name.startswith("vllm")], ids=lambda c: c.name)
+def test_batched_2d_copies_take_every_run_of_a_column_range(case, pattern):
+    """With the driver's batched 2-D copies a column range's runs all go in them (short and long), none as 1-D
+    descriptors or single 2-D calls; = reference."""
+    gen, layout, wide, slots, blocks, expected = _wide_setup(case, pattern, 47)
+    loader = StagedLoader(layout, wide, staging_bytes=2 * layout.block_nbytes)
+    loader._rect2d, loader._batch, loader._rect_batch = rows, batch, rect = _HostRows(), _HostBatch(), _HostRectBatch()
+    t = len(layout.tensors)
+    groups = [(0, 1), (1, t)] if t > 1 else [(0, 1)]
+    loader.load(torch.tensor(blocks), torch.tensor(slots), groups, None, lambda g, ops: None)
+    _assert_equal(layout, expected)
+    runs, per = slot_runs(torch.tensor(slots)), loader.plan(len(slots), groups)[1]
+    want = sum(len(runs.piece(i, min(len(slots), i + per[g]), loader._width(a, b)))
+               for g, (a, b) in enumerate(groups) for i in range(0, len(slots), per[g]))
+    assert (rect.calls, rows.calls, batch.sizes) == (want, 0, [])
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.name.startswith("vllm")], ids=lambda c: c.name)
+def test_a_refused_batched_2d_call_falls_back_for_good(case):
+    """The driver refuses the batched 2-D copies after queuing part of them: the call's runs go again by the other
+    path (the same bytes), the loader stops using them, and the load is bit-exact."""
+    gen, layout, wide, slots, blocks, expected = _wide_setup(case, "two-runs", 53)
+    loader = StagedLoader(layout, wide, staging_bytes=2 * layout.block_nbytes)
+    loader._rect2d, loader._batch, loader._rect_batch = rows, batch, rect = (_HostRows(), _HostBatch(),
+                                                                            _HostRectBatch(fail_after=1))
+    t = len(layout.tensors)
+    groups = [(0, 1), (1, t)] if t > 1 else [(0, 1)]
+    loader.load(torch.tensor(blocks), torch.tensor(slots), groups, None, lambda g, ops: None)
+    _assert_equal(layout, expected)
+    assert loader._rect_batch is False and rect.calls == 1 and (rows.calls or batch.sizes)

@@ -121,8 +121,9 @@ def test_staged_padded_rows_use_2d_dma_and_groups_are_exact():
 
 
 def test_staged_short_runs_go_batched_and_are_exact():
-    """Scattered slots (runs of one row) on rows wider than a block, in layer groups, and on rows a block wide: the
-    rows go to the driver as batched descriptors (``cuMemcpyBatchAsync``), and the bytes equal the CPU copier's."""
+    """Scattered slots (runs of one row) on rows wider than a block, in layer groups (batched 2-D copies,
+    ``cuMemcpy3DBatchAsync``), and on rows a block wide (batched descriptors, ``cuMemcpyBatchAsync``): the driver
+    takes both batched forms (no fallback) and the bytes equal the CPU copier's."""
     gen = torch.Generator().manual_seed(13)
     case = next(c for c in all_cases() if c.name == "vllm026-mla")
     shape = Shape(layers=6, heads=1, block_size=16, head_dim=576, num_blocks=64)
@@ -137,6 +138,8 @@ def test_staged_short_runs_go_batched_and_are_exact():
         for r in copier.cpu_to_gpu_grouped(slots, blocks, spans, mechanism="staged"):
             r.wait()
         assert type(copier._staged._batch).__name__ == "BatchMemcpy"
+        if extra:
+            assert type(copier._staged._rect_batch).__name__ == "RectBatchMemcpy"  # not refused: False after a refusal
         _check_storages_equal(gpu, cpu)
 
 

@@ -7,14 +7,15 @@ block's chunks back to back (``layouts.py``), and the slots of one chunk of a re
 adjacent rows of the slab, so the load moves as:
 
 1. **DMA**: the slots' bytes into a staging buffer on the device, staged row ``i`` being item
-   ``i`` of the call. On CUDA the copies go to the driver as addresses computed from plain ints:
-   one batched call (``cuMemcpyBatchAsync``, ``engine.BatchMemcpy``) takes a descriptor per run
-   of adjacent slots when the copy takes whole rows, and a descriptor per row for the short runs
-   of a column range (a group of tensors of a layer-by-layer load); a run of ``RECT_MIN_ROWS``
-   or more rows of a column range is one ``cuMemcpy2DAsync`` (``RectMemcpy.gather_rows``), which
-   costs the host about as much as that many batched descriptors. On the legacy default stream,
-   which the batched call refuses, whole rows go as torch copies and every column range as 2-D
-   copies.
+   ``i`` of the call. On CUDA the copies go to the driver as addresses computed from plain ints,
+   in batched calls: a descriptor per run of adjacent slots when the copy takes whole rows
+   (``cuMemcpyBatchAsync``, ``engine.BatchMemcpy``), and a pitched 2-D copy per run when it takes
+   a column range of the rows, a group of tensors of a layer-by-layer load
+   (``cuMemcpy3DBatchAsync``, ``engine.RectBatchMemcpy``). Where the driver lacks the second, a
+   run of ``RECT_MIN_ROWS`` or more rows is one ``cuMemcpy2DAsync`` (``RectMemcpy.gather_rows``,
+   about as much host time as that many batched descriptors) and the rows of shorter runs go as
+   batched descriptors. On the legacy default stream, which the batched calls refuse, whole rows
+   go as torch copies and every column range as 2-D copies.
 2. **Scatter**: for each *rectangle* of the layout (the chunks of one allocation at a fixed
    pitch: one per layer tensor, or one for all layers when they are views of one buffer), one
    torch ``index_put_`` from a strided view of the staging rows into a strided view of the
@@ -54,6 +55,7 @@ load is created and used under the same lock.
 
 from __future__ import annotations
 
+import logging
 import threading
 from bisect import bisect_right
 from collections.abc import Callable
@@ -61,9 +63,11 @@ from dataclasses import dataclass
 
 import torch
 
-from tiered_kv.copy.errors import BackendUnavailableError
+from tiered_kv.copy.errors import BackendUnavailableError, CopyLaunchError
 from tiered_kv.copy.layouts import KVLayout
 from tiered_kv.copy.segments import Runs
+
+log = logging.getLogger(__name__)
 
 #: The staging buffer grows in steps of this many bytes (fewer re-allocations as loads vary).
 GROW_STEP = 16 << 20
@@ -216,6 +220,7 @@ class StagedLoader:
         self._last: tuple | None = None  # (ids, slots, device ids, runs) of the last load (``_derived``)
         self._rect2d = None  # engine.RectMemcpy (``gather_rows``) for column-range DMAs, made at the first on CUDA
         self._batch = None  # engine.BatchMemcpy for batched DMA descriptors, made at the first on CUDA (False: none)
+        self._rect_batch = None  # engine.RectBatchMemcpy for a column range's runs, likewise (False: none)
 
     def rects(self, first: int, end: int) -> list[_Rect]:
         """The (cached) rectangles of tensors ``first..end-1``."""
@@ -361,11 +366,13 @@ class StagedLoader:
         if self._on_cuda:
             self._engines()
         handle = stream.cuda_stream if stream is not None else 0
-        # CUDA's batched call refuses the legacy default stream (the copier's side streams are never it)
-        batch = self._batch if self._batch and (handle or not self._on_cuda) else None
-        if batch is not None or (self._rect2d is not None and not whole):
+        # CUDA's batched calls refuse the legacy default stream (the copier's side streams are never it)
+        batched = handle or not self._on_cuda
+        batch = self._batch if self._batch and batched else None
+        rect_batch = self._rect_batch if self._rect_batch and batched else None
+        if batch is not None or (not whole and (self._rect2d is not None or rect_batch is not None)):
             return self._dma_addresses(staging.data_ptr(), self.slab.data_ptr() + c0, pitch, width, whole, todo,
-                                       batch, handle)
+                                       batch, rect_batch, handle)
         if whole:  # contiguous rows: one torch copy a run
             flat = self.slab.view(-1)
             for d, r, h in todo:
@@ -376,26 +383,34 @@ class StagedLoader:
         return len(todo)
 
     def _engines(self) -> None:
-        """Bind the driver's 2-D and batched copies at the first DMA on CUDA (a driver without the batched entry
+        """Bind the driver's 2-D and batched copies at the first DMA on CUDA (a driver without a batched entry
         point leaves the 2-D copies and torch's)."""
+        from tiered_kv.copy.engine import BatchMemcpy, RectBatchMemcpy, RectMemcpy
+
         if self._rect2d is None:
-            from tiered_kv.copy.engine import RectMemcpy
-
             self._rect2d = RectMemcpy(self.layout.device)
-        if self._batch is None:
-            from tiered_kv.copy.engine import BatchMemcpy
-
-            try:
-                self._batch = BatchMemcpy()
-            except BackendUnavailableError:
-                self._batch = False
+        for name, make in (("_batch", BatchMemcpy), ("_rect_batch", RectBatchMemcpy)):
+            if getattr(self, name) is None:
+                try:
+                    setattr(self, name, make())
+                except BackendUnavailableError as exc:
+                    log.info("staged loads: %s unavailable (%s); per-run driver calls instead", make.__name__, exc)
+                    setattr(self, name, False)
 
     def _dma_addresses(self, dst: int, src: int, pitch: int, width: int, whole: bool, todo: list[tuple[int, int, int]],
-                       batch, handle: int) -> int:
+                       batch, rect_batch, handle: int) -> int:
         """The DMA of ``todo`` (``SlotRuns.piece``'s runs) as driver calls: row ``r`` of the slab, from column
         ``src``'s offset, sits at ``src + r * pitch``; staging offset ``d`` at ``dst + d``. Whole rows: a batched
-        descriptor per run. A column range: a run of ``RECT_MIN_ROWS`` rows or more (or any, with no ``batch``)
-        as one 2-D copy, the rows of shorter runs as a batched descriptor each. Returns the copies."""
+        descriptor per run. A column range: every run in batched 2-D copies (``rect_batch``); without them a run of
+        ``RECT_MIN_ROWS`` rows or more (or any, with no ``batch``) as one 2-D copy, the rows of shorter runs as a
+        batched descriptor each. A batched 2-D call the driver refuses is not tried again: the runs go the other
+        way (copying a run twice writes the same bytes). Returns the copies."""
+        if not whole and rect_batch is not None:
+            try:
+                return rect_batch.gather_rows(dst, src, pitch, width, todo, handle)
+            except CopyLaunchError as exc:
+                log.warning("staged loads: batched 2-D copies failed (%s); per-run driver calls from now on", exc)
+                self._rect_batch = False
         d_ptr, s_ptr, sizes, rects = [], [], [], []
         if whole:
             for d, r, h in todo:

@@ -39,6 +39,7 @@ def test_unknown_key_is_named_with_the_valid_ones():
     ("remote_feed_interval_s", True, "remote_feed_interval_s"),
     ("remote_read_gbps", 0, "remote_read_gbps.*or null"), ("prefill_half_rate_context", 0, "prefill_half_rate_context"),
     ("prefill_learn", "yes", "prefill_learn"), ("prefill_tokens_per_s", "fast", "prefill_tokens_per_s"),
+    ("tail_chunks", "yes", "tail_chunks.*auto"), ("tail_chunks", 1, "tail_chunks.*auto"),
 ])
 def test_bad_values_fail_naming_the_key(key, value, needle):
     with pytest.raises(ConfigError, match=needle):
@@ -245,3 +246,9 @@ def test_mla_with_tp_is_stored_once_unless_turned_off_or_sharded():
     ns = namespace(ConnectorConfig(), once, "m", SimpleNamespace(algo="sha256", seed="x", stable=True))
     assert ("tp", "replicated") in ns.extra
     assert str(rank_disk_dir(ConnectorConfig(disk_path="/d"), ns, 3, 4, True)).endswith("/replicated")
+
+
+@pytest.mark.parametrize("value", [True, False, "auto"])
+def test_tail_chunks_takes_a_bool_or_auto_and_defaults_to_auto(value):
+    assert ConnectorConfig.from_extra_config({"tail_chunks": value}).tail_chunks == value
+    assert ConnectorConfig.from_extra_config({}).tail_chunks == "auto"

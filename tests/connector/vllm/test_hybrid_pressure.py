@@ -55,8 +55,10 @@ def model_dir(tmp_path_factory):
 
 
 def _engine(model_dir: str, **extra) -> Engine:
-    # 120 blocks: a 12-chunk prefill holds 48 full + up to 48 window blocks at once, fewer than two of them fit
-    cpu = needed_bytes(CONVERSATIONS + UNRELATED, CONVERSATIONS) * 21 // 20  # 5% to spare
+    # 120 blocks: a 12-chunk prefill holds 48 full + up to 48 window blocks at once, fewer than two of them fit;
+    # the CPU tier: what every prompt stores (and each conversation's tail piece, with them on), 5% to spare
+    tails = CONVERSATIONS if extra.get("tail_chunks") is True else 0
+    cpu = needed_bytes(CONVERSATIONS + UNRELATED, tails) * 21 // 20
     return Engine.create(model_dir, {"chunk_blocks": K, "cpu_bytes": cpu, **extra}, shape="gemma2",
                          num_blocks=120, max_model_len=900, max_batched=1024)
 
@@ -65,8 +67,11 @@ def _follow(req, seed: int) -> list[int]:
     return list(req.prompt_token_ids) + list(req.output_token_ids) + prompt(seed, 40)
 
 
-def test_batch_of_cpu_hits_under_gpu_pressure_loads_every_prefix(model_dir):
-    eng = _engine(model_dir)
+@pytest.mark.parametrize("tail_chunks", ["auto", True], ids=["default", "tails"])
+def test_batch_of_cpu_hits_under_gpu_pressure_loads_every_prefix(model_dir, tail_chunks):
+    """The cliff of 2026-11-28 (issue 28): the batch's prefixes all load from the CPU tier under GPU pressure; with
+    the default (``auto``: no tail pieces on a sliding-window hybrid) and with ``tail_chunks: true``."""
+    eng = _engine(model_dir, tail_chunks=tail_chunks)
     try:
         geo = eng.connector.geo
         assert [g.kind for g in geo.groups] == ["swa", "full"]
@@ -96,7 +101,7 @@ def test_batch_of_cpu_hits_under_gpu_pressure_loads_every_prefix(model_dir):
         # and turn 2's tail piece where the tier still holds it: stored once and not hit yet, a piece is among the
         # first the batch's new chunks evict (S3-FIFO's small queue), before the later unrelated prompts
         tails = st["sched_tail_hits"]
-        assert 0 < tails <= CONVERSATIONS, st
+        assert (0 < tails <= CONVERSATIONS) if tail_chunks is True else tails == 0, st
         assert loaded == CONVERSATIONS * PREFIX_CHUNKS * CHUNK + tails * TAIL_BLOCKS * BS, (loaded, turn2_hits,
                                                                                               sorted(st.items()))
         assert all(r.is_finished() for r in batch)

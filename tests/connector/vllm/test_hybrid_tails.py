@@ -22,16 +22,23 @@ from tests.connector.vllm.test_hybrid import (  # noqa: E402
     WINDOW_PARTS,
     _disk_engine,
     assert_clean,
-    cfg,
     make,
     model_dirs,  # noqa: F401  (the fixture)
     patient_fences,  # noqa: F401  (autouse fixture)
     prompt,
     turn2,
 )
+from tests.connector.vllm.test_hybrid import cfg as hybrid_cfg  # noqa: E402
 from tiered_kv.connector.vllm.geometry import Geometry, GroupGeo  # noqa: E402
 from tiered_kv.connector.vllm.parts import PartHit, PartPlanner  # noqa: E402
 from tiered_kv.connector.vllm.state import TAIL_MARK  # noqa: E402
+
+
+def cfg(**kw) -> dict:
+    """The hybrid tests' config with tail pieces on for sliding-window hybrids (``tail_chunks: true``; the default
+    ``auto`` leaves them off there, ``test_tail_chunks_off_hits_whole_chunks_only``)."""
+    return hybrid_cfg(**{"tail_chunks": True, **kw})
+
 
 #: turn 1: two whole chunks, a 3-block tail and 4 tokens of a partial block
 TURN1 = 2 * K * BS + 3 * BS + 4
@@ -155,9 +162,12 @@ def test_a_window_of_several_chunks_before_the_tail(model_dirs):
         eng.close()
 
 
+@pytest.mark.parametrize("value", [False, "auto"], ids=["off", "auto"])
 @pytest.mark.parametrize("shape", ["gptoss", "gemma3"])
-def test_tail_chunks_off_hits_whole_chunks_only(model_dirs, shape):
-    eng = make(model_dirs, shape, cfg(tail_chunks=False))
+def test_tail_chunks_off_hits_whole_chunks_only(model_dirs, shape, value):
+    """``false``, and the default ``auto`` on a sliding-window hybrid: no tail piece stored or hit (``auto`` keeps
+    them for one full-attention or MLA group: ``test_tails.py``)."""
+    eng = make(model_dirs, shape, hybrid_cfg() if value == "auto" else cfg(tail_chunks=value))
     try:
         assert not eng.connector.planner._tails
         a = _turn(eng, "t1", prompt(53, TURN1))
@@ -233,7 +243,7 @@ def test_local_hit_inside_the_tail_chunk_loads_only_the_rest(model_dirs):
 
 def test_tail_on_disk_is_promoted_and_hit_after_a_restart(model_dirs, tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONHASHSEED", "0")
-    extra = {"write_policy": "write_through"}
+    extra = {"write_policy": "write_through", "tail_chunks": True}
     parts = 2 + WINDOW_PARTS["gptoss"] + GROUPS["gptoss"]
     first = _disk_engine(model_dirs, tmp_path, "gptoss", cpu_slots=parts + 2, extra=extra)
     try:

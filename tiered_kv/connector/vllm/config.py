@@ -85,13 +85,12 @@ class ConnectorConfig(RemoteKeys):
                                             "blocks were not re-used by then); `none`: never store (read-only, e.g. "
                                             "a warm disk)")
     store_decode_tokens: bool = config_key(False, "also store chunks made of generated tokens")
-    tail_chunks: bool = config_key(True, "also store the full blocks after a prompt's last whole chunk (a *tail "
-                                         "piece*: one CPU slot / disk record, per KV cache group for hybrids, whose "
-                                         "first blocks hold them, keyed by vLLM's hash of its last block), once the "
-                                         "prefill is complete (`on_finish`: at the finish), and hit them after the "
-                                         "whole chunks. Without it a turn recomputes on average half a chunk of its "
-                                         "prefix (see \"Tail pieces\"). Full attention, MLA and sliding-window "
-                                         "hybrids; Mamba hybrids store whole chunks only")
+    tail_chunks: bool | str = config_key("auto", (
+        "also store the full blocks after a prompt's last whole chunk once its prefill is complete (a *tail piece*: one "
+        "CPU slot / disk record, per KV cache group for hybrids) and hit them after the whole chunks; without it a turn "
+        "recomputes on average half a chunk of its prefix. `auto`: for one full-attention or MLA KV cache group, not "
+        "for sliding-window hybrids, where they cost more load than the compute they save (see \"Tail pieces\"); "
+        "`true`: there too; `false`: never. Mamba hybrids store whole chunks only"))
     min_hit_blocks: int = config_key(1, "smallest external hit (in GPU blocks) worth a load", "GPU blocks")
     load_mode: str = config_key("layerwise", "how CPU-tier hits load (disk hits load asynchronously, unless "
                                              "`disk_overlap_bytes` reads them under the forward). "
@@ -304,8 +303,9 @@ class ConnectorConfig(RemoteKeys):
         _int(self.load_stream_priority, "load_stream_priority", -16, 0)
         for key in ("promote_on_hit", "store_decode_tokens", "disk_sync", "cross_layer_blocks", "mla_store_once",
                     "tail_chunks", "prefill_learn", "hybrid_reseed"):
-            if not isinstance(getattr(self, key), bool):
-                raise ConfigError(f"{key}: expected true or false, got {getattr(self, key)!r}")
+            if not isinstance(getattr(self, key), bool) and (key != "tail_chunks" or self.tail_chunks != "auto"):
+                raise ConfigError(f"{key}: expected true or false{' or auto' if key == 'tail_chunks' else ''}, got "
+                                  f"{getattr(self, key)!r}")
         _int(self.min_hit_blocks, "min_hit_blocks", 1)
         _int(self.sync_max_tokens, "sync_max_tokens", 0)
         _int(self.load_groups, "load_groups", 0, 4096)

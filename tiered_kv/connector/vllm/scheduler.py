@@ -33,8 +33,8 @@ per-block load errors, so every load comes from a ready CPU copy (disk hits are 
 tier first; ``match`` answers "ask again" while they move) and the worker falls back to a plain copy
 rather than report a block.
 
-Tail pieces (``tail_chunks``; one full-attention or MLA group, or sliding windows and full attention,
-not Mamba: a Mamba state at a tail's end is not kept): a prompt rarely ends on a chunk boundary, so the
+Tail pieces (``tail_chunks``; one full-attention or MLA group, and with ``tail_chunks: true`` (not ``auto``)
+sliding windows and full attention too, not Mamba: a Mamba state at a tail's end is not kept): a prompt rarely ends on a chunk boundary, so the
 full blocks after its last whole chunk are stored too, once its prefill is complete (``on_finish``:
 when it finishes), as one *tail* record (hybrids: one per group, like parts, ``parts.py``): a chunk
 slot whose first ``m`` blocks hold them (the job's other GPU ids are -1, so the rest of the slot is
@@ -129,11 +129,12 @@ class SchedulerPlanner:
         copy_to = (self.remote,) if self.remote is not None and cfg.remote_write == "through" else ()
         self.chain = TierChain(specs, cfg.eviction, PlacementPolicy(write_policy, cfg.promote_on_hit, copy_to=copy_to))
         self.key = ns.key  # prefix and keyed hasher cached on the namespace
-        # tail pieces: only when a chunk has several blocks; one full-attention (or MLA) group, or full attention and
-        # sliding windows of one block size (a Mamba state at a tail's end is not kept)
-        windows = (not single and not geo.has_mamba and bool(self._parts.full) and geo.hash_block_size == geo.block_size
-                   and all(g.block_size == geo.block_size for g in geo.groups))
-        self._tails = cfg.tail_chunks and (single or windows) and geo.chunk_blocks > 1
+        # tail pieces: only when a chunk has several blocks; one full-attention (or MLA) group, or (``tail_chunks:
+        # true``, not ``auto``) full attention and sliding windows of one block size (a Mamba state at a tail's end
+        # is not kept)
+        windows = (cfg.tail_chunks is True and not single and not geo.has_mamba and bool(self._parts.full)
+                   and geo.hash_block_size == geo.block_size and all(g.block_size == geo.block_size for g in geo.groups))
+        self._tails = bool(cfg.tail_chunks) and (single or windows) and geo.chunk_blocks > 1
         self.counters = PlannerCounters()
         self._step = 0
         self._reports: dict[int, JobReport] = {}  # jobs some TP ranks reported, waiting for the others
