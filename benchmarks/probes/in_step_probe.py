@@ -5,8 +5,8 @@ The vLLM connector submits an in-step load on vLLM's own thread before the forwa
 the thread delays the forward's launch. For the turn-2 load of ``benchmarks/vllm_ttft.py`` (512
 random Llama-3-8B-shaped blocks, 1 GiB) into vLLM 0.26's cross-layer KV tensor and into separate
 per-layer tensors, for several layer-group counts and the three mechanisms (the staged load also as one call per
-layer group, as a pipelined in-step load submits them, and from slots in runs of 16, as a request's chunks lie in
-the CPU tier), it measures:
+layer group, as a pipelined in-step load submits them, from slots in runs of 16, as a request's chunks lie in
+the CPU tier, and with its column ranges as one 2-D driver call a run instead of batched), it measures:
 
 - ``call_ms``: host time of the call (what the forward's launch waits for);
 - ``first_ms`` / ``landed_ms``: GPU time from the submission point to the first / last group landed;
@@ -104,18 +104,26 @@ def main() -> None:
         for count in (1, 4, 8, 16, 32):
             per = SHAPE.layers // count
             groups = [(a, a + per) for a in range(0, SHAPE.layers, per)]
-            cases = [(m, False, slots) for m in (Mechanism.COPY_ENGINE, Mechanism.SM_KERNEL, Mechanism.STAGED)]
-            cases += [(Mechanism.STAGED, True, slots)] if count > 1 else []
-            cases += [(Mechanism.STAGED, False, chunked)]
-            for mech, per_group, which in cases:
+            cases = [(m, False, slots, True) for m in (Mechanism.COPY_ENGINE, Mechanism.SM_KERNEL, Mechanism.STAGED)]
+            cases += [(Mechanism.STAGED, True, slots, True)] if count > 1 else []
+            cases += [(Mechanism.STAGED, False, chunked, True)]
+            # the staged column ranges without the driver's batched 2-D copies (one cuMemcpy2DAsync a run), beside
+            cases += [(Mechanism.STAGED, False, which, False) for which in (slots, chunked)] if count > 1 else []
+            for mech, per_group, which, batched in cases:
                 rec = {"kv": "cross-layer" if cross else "per-layer", "groups": count, "mechanism": mech.value,
-                       "calls": "one per group" if per_group else "one",
+                       "calls": ("one per group" if per_group else "one") + ("" if batched else ", 2-D calls"),
                        "slots": "random" if which is slots else f"runs of {CHUNK}",
                        "runs": copier.plan(ids, which, False).count if count == 1 else None}
+                loader = copier._staged_loader()
+                kept = loader._rect_batch
+                if not batched:
+                    loader._rect_batch = False  # the per-run path (as with a driver that lacks the batched call)
                 try:
                     rec.update(measure(copier, which, ids, groups, mech, per_group))
                 except Exception as exc:  # noqa: BLE001 - a mechanism that cannot take this case: say so
                     rec["error"] = repr(exc)[:200]
+                finally:
+                    loader._rect_batch = kept
                 rows.append(rec)
                 print(json.dumps(rec), flush=True)
         copier.close()

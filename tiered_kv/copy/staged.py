@@ -363,7 +363,7 @@ class StagedLoader:
         if not todo:
             return 0
         whole = width == pitch and self.slab.is_contiguous()
-        if self._on_cuda:
+        if self._on_cuda and (self._rect2d is None or self._batch is None or self._rect_batch is None):
             self._engines()
         handle = stream.cuda_stream if stream is not None else 0
         # CUDA's batched calls refuse the legacy default stream (the copier's side streams are never it)
