@@ -68,6 +68,21 @@ def _wide_setup(case, pattern, seed):
     return gen, layout, wide, slots, blocks, _expected(layout, wide, blocks, slots)
 
 
+def _load_wide(case, pattern, seed, **doubles):
+    """A load from a wide slab (``_wide_setup``) in two layer groups (one for a one-tensor layout) through a loader
+    with a two-block buffer, its ``doubles`` set (loader attributes: host doubles of the driver paths); checks the
+    bytes against the reference and returns the loader, the slots and the groups."""
+    gen, layout, wide, slots, blocks, expected = _wide_setup(case, pattern, seed)
+    loader = StagedLoader(layout, wide, staging_bytes=2 * layout.block_nbytes)
+    for name, double in doubles.items():
+        setattr(loader, name, double)
+    t = len(layout.tensors)
+    groups = [(0, 1), (1, t)] if t > 1 else [(0, 1)]
+    loader.load(torch.tensor(blocks), torch.tensor(slots), groups, None, lambda g, ops: None)
+    _assert_equal(layout, expected)
+    return loader, slots, groups
+
+
 # blocks in an order unrelated to slots; slots as one run, two runs, and scattered
 SLOT_PATTERNS = {
     "one-run": [3, 4, 5, 6, 7],
@@ -373,13 +388,7 @@ class _HostRows:
 def test_column_range_dma_addresses_are_bit_exact(case, pattern):
     """The address path of the column-range DMA (one call per run of adjacent slots, addresses from the slab's
     base): layer groups of slab rows wider than a block, a buffer of two rows (pieces cut the runs), = reference."""
-    gen, layout, wide, slots, blocks, expected = _wide_setup(case, pattern, 31)
-    loader = StagedLoader(layout, wide, staging_bytes=2 * layout.block_nbytes)
-    loader._rect2d = rows = _HostRows()
-    t = len(layout.tensors)
-    groups = [(0, 1), (1, t)] if t > 1 else [(0, 1)]
-    loader.load(torch.tensor(blocks), torch.tensor(slots), groups, None, lambda g, ops: None)
-    _assert_equal(layout, expected)
+    loader, slots, groups = _load_wide(case, pattern, 31, _rect2d=(rows := _HostRows()))
     runs = len(slot_runs(torch.tensor(slots)).slot)
     assert rows.calls >= runs * len(groups)  # every group's columns went through the address path
 
@@ -412,13 +421,8 @@ def _short_and_long(slots, per, width):
 def test_batched_dma_descriptors_are_bit_exact(case, pattern):
     """The batched DMA's descriptors: a column range sends the rows of runs shorter than ``RECT_MIN_ROWS`` as one
     descriptor each and longer runs as one 2-D copy (pieces of two rows cut the runs); = reference."""
-    gen, layout, wide, slots, blocks, expected = _wide_setup(case, pattern, 37)
-    loader = StagedLoader(layout, wide, staging_bytes=2 * layout.block_nbytes)
-    loader._rect2d, loader._batch = rows, batch = _HostRows(), _HostBatch()
-    t = len(layout.tensors)
-    groups = [(0, 1), (1, t)] if t > 1 else [(0, 1)]
-    loader.load(torch.tensor(blocks), torch.tensor(slots), groups, None, lambda g, ops: None)
-    _assert_equal(layout, expected)
+    rows, batch = _HostRows(), _HostBatch()
+    loader, slots, groups = _load_wide(case, pattern, 37, _rect2d=rows, _batch=batch)
     want_rows, want_rects = 0, 0
     for g, (a, b) in enumerate(groups):
         width = loader._width(a, b)
@@ -504,13 +508,8 @@ class _HostRectBatch(_HostRows):
 def test_batched_2d_copies_take_every_run_of_a_column_range(case, pattern):
     """With the driver's batched 2-D copies a column range's runs all go in them (short and long), none as 1-D
     descriptors or single 2-D calls; = reference."""
-    gen, layout, wide, slots, blocks, expected = _wide_setup(case, pattern, 47)
-    loader = StagedLoader(layout, wide, staging_bytes=2 * layout.block_nbytes)
-    loader._rect2d, loader._batch, loader._rect_batch = rows, batch, rect = _HostRows(), _HostBatch(), _HostRectBatch()
-    t = len(layout.tensors)
-    groups = [(0, 1), (1, t)] if t > 1 else [(0, 1)]
-    loader.load(torch.tensor(blocks), torch.tensor(slots), groups, None, lambda g, ops: None)
-    _assert_equal(layout, expected)
+    rows, batch, rect = _HostRows(), _HostBatch(), _HostRectBatch()
+    loader, slots, groups = _load_wide(case, pattern, 47, _rect2d=rows, _batch=batch, _rect_batch=rect)
     runs, per = slot_runs(torch.tensor(slots)), loader.plan(len(slots), groups)[1]
     want = sum(len(runs.piece(i, min(len(slots), i + per[g]), loader._width(a, b)))
                for g, (a, b) in enumerate(groups) for i in range(0, len(slots), per[g]))
@@ -521,12 +520,46 @@ def test_batched_2d_copies_take_every_run_of_a_column_range(case, pattern):
 def test_a_refused_batched_2d_call_falls_back_for_good(case):
     """The driver refuses the batched 2-D copies after queuing part of them: the call's runs go again by the other
     path (the same bytes), the loader stops using them, and the load is bit-exact."""
-    gen, layout, wide, slots, blocks, expected = _wide_setup(case, "two-runs", 53)
-    loader = StagedLoader(layout, wide, staging_bytes=2 * layout.block_nbytes)
-    loader._rect2d, loader._batch, loader._rect_batch = rows, batch, rect = (_HostRows(), _HostBatch(),
-                                                                            _HostRectBatch(fail_after=1))
-    t = len(layout.tensors)
-    groups = [(0, 1), (1, t)] if t > 1 else [(0, 1)]
-    loader.load(torch.tensor(blocks), torch.tensor(slots), groups, None, lambda g, ops: None)
-    _assert_equal(layout, expected)
+    rows, batch, rect = _HostRows(), _HostBatch(), _HostRectBatch(fail_after=1)
+    loader, _, _ = _load_wide(case, "two-runs", 53, _rect2d=rows, _batch=batch, _rect_batch=rect)
     assert loader._rect_batch is False and rect.calls == 1 and (rows.calls or batch.sizes)
+
+
+class _HostLaunch:
+    """``triton_kernel.launch`` done with memmove per run (Triton and CUDA cannot run here): checks the byte runs the
+    staged scatter builds for its one-launch path (the path it takes on CUDA with Triton)."""
+
+    def __init__(self) -> None:
+        self.launches = 0
+
+    def __call__(self, runs, device, stream):
+        for s, d, n in zip(runs.src.tolist(), runs.dst.tolist(), runs.size.tolist()):
+            ctypes.memmove(d, s, n)
+        self.launches += 1
+
+
+@pytest.mark.parametrize("pattern", sorted(SLOT_PATTERNS))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_one_launch_scatter_runs_are_bit_exact(case, pattern, monkeypatch):
+    """The scatter as one launch over byte runs (every rectangle row of every item): whole rows and layer groups,
+    pieces of two rows (the staging offsets restart each piece); = reference, one launch per piece and group."""
+    monkeypatch.setattr(staged_mod, "SCATTER_KERNEL_MIN_ROWS", 1)
+    launch = _HostLaunch()
+    loader, slots, groups = _load_wide(case, pattern, 59, _scatter_launch=launch)
+    per = loader.plan(len(slots), groups)[1]
+    assert launch.launches == sum(-(-len(slots) // p) for p in per)
+
+
+def test_few_rectangle_rows_scatter_with_index_put():
+    """Below ``SCATTER_KERNEL_MIN_ROWS`` rectangle rows the scatter stays ``index_put_`` (no table to build)."""
+    case = next(c for c in CASES if c.name.startswith("vllm"))
+    gen, layout, slab = _setup(case, torch.bfloat16, 61)
+    slots, blocks = [2, 3, 4], [5, 0, 7]
+    expected = _expected(layout, slab, blocks, slots)
+    loader = StagedLoader(layout, slab)
+    loader._scatter_launch = launch = _HostLaunch()
+    assert sum(r.height for r in loader.rects(0, 1)) < staged_mod.SCATTER_KERNEL_MIN_ROWS
+    loader.load(torch.tensor(blocks), torch.tensor(slots), [(a, a + 1) for a in range(len(layout.tensors))], None,
+                lambda g, ops: None)
+    _assert_equal(layout, expected)
+    assert launch.launches == 0

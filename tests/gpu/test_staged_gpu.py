@@ -143,6 +143,29 @@ def test_staged_short_runs_go_batched_and_are_exact():
         _check_storages_equal(gpu, cpu)
 
 
+@pytest.mark.parametrize("min_rows", [1, 1 << 20], ids=["one-launch", "index-put"])
+def test_staged_scatter_one_launch_and_index_put_are_exact(min_rows, monkeypatch):
+    """The scatter as one Triton launch over every rectangle row (device to device), and as an ``index_put_`` per
+    rectangle: whole rows and layer groups, slots in runs and scattered, pieces; the bytes equal the CPU copier's."""
+    import tiered_kv.copy.staged as staged_mod
+
+    monkeypatch.setattr(staged_mod, "SCATTER_KERNEL_MIN_ROWS", min_rows)
+    gen = torch.Generator().manual_seed(14)
+    for case in [c for c in all_cases() if c.name.startswith("vllm")]:
+        gpu, cpu = _twins(case, Shape(layers=6, heads=2, block_size=16, head_dim=64, num_blocks=64), torch.bfloat16,
+                          gen)
+        src = _random_slab(80, gpu.block_nbytes, gen)
+        slots = torch.cat([_chunk_slots(24, 8, 40, gen), 40 + torch.randperm(40, generator=gen)[:16]])
+        blocks = torch.randperm(64, generator=gen)[:40]
+        BlockCopier(cpu, src.clone()).cpu_to_gpu(slots, blocks)
+        copier = BlockCopier(gpu, src, staging_bytes=12 * gpu.block_nbytes)
+        for spans in ([(0, len(gpu.tensors))], [(0, 1), (1, len(gpu.tensors))]):
+            for r in copier.cpu_to_gpu_grouped(slots, blocks, spans, mechanism="staged"):
+                r.wait()
+            _check_storages_equal(gpu, cpu)
+        assert copier._staged._scatter_launch  # Triton is on the GPU machine: the one-launch path is bound
+
+
 @pytest.mark.parametrize("threaded", [True, False], ids=["threaded", "inline"])
 def test_staged_load_lands_after_work_on_the_callers_stream(threaded):
     """The engine zeroes the destination blocks (behind a busy stream), then loads: the load's bytes win."""

@@ -20,7 +20,10 @@ adjacent rows of the slab, so the load moves as:
    pitch: one per layer tensor, or one for all layers when they are views of one buffer), one
    torch ``index_put_`` from a strided view of the staging rows into a strided view of the
    engine tensor's storage, indexed by the block ids (on the device). Elements are the widest
-   word (8, 4, 2 or 1 bytes) that every offset, stride and width divides.
+   word (8, 4, 2 or 1 bytes) that every offset, stride and width divides. A scatter of
+   ``SCATTER_KERNEL_MIN_ROWS`` or more rectangle rows (a whole-row load of per-layer tensors)
+   goes instead as one launch of the SM kernel's Triton copy over a table of byte runs, device
+   to device (``triton_kernel.launch``), where Triton is present: one launch for all layers.
 
 With one buffer (``buffers=1``, the default) both steps run in order on one stream (the copier's
 side stream): the staging buffer is reused by the next piece or call only after the previous
@@ -50,7 +53,8 @@ Threading: one lock per loader serialises ``load`` and ``reserve``. ``BlockCopie
 only from the thread that runs its loads (the h2d submitter thread; the caller's thread with
 ``threaded_submit=False``), never from the caller of a threaded copier; the lock keeps the
 buffer consistent should two threads share a loader anyway. The second (DMA) stream of a two-half
-load is created and used under the same lock.
+load is created and used under the same lock. The scatter's Triton launch is made on the same thread, on the load
+stream (``triton_kernel.launch`` may be called from any thread).
 """
 
 from __future__ import annotations
@@ -81,6 +85,11 @@ _WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 #: 2026-11-30, ``benchmarks/probes/in_step_probe.py``: 16,384 2-D calls 68.8 ms, 16,384 batched descriptors of
 #: the copy engine 11.4 ms; ``dispatch.RECT_CALL_COST`` is the same ratio).
 RECT_MIN_ROWS = 4
+#: A scatter of at least this many rectangle rows (a whole-row load of a model's per-layer tensors: one a layer)
+#: goes as one Triton launch over a table of runs (``triton_kernel.launch``, device to device) instead of one
+#: ``index_put_`` per rectangle (tens of us of the caller's thread each: round 15's gpt-oss c1 staged loads held
+#: vLLM's thread ~2 ms for 27 copies, 24 of them scatters); fewer go as ``index_put_``, cheaper than building a table.
+SCATTER_KERNEL_MIN_ROWS = 8
 
 
 def check_buffers(buffers: object) -> int:
@@ -221,6 +230,9 @@ class StagedLoader:
         self._rect2d = None  # engine.RectMemcpy (``gather_rows``) for column-range DMAs, made at the first on CUDA
         self._batch = None  # engine.BatchMemcpy for batched DMA descriptors, made at the first on CUDA (False: none)
         self._rect_batch = None  # engine.RectBatchMemcpy for a column range's runs, likewise (False: none)
+        # CUDA with Triton: ``triton_kernel.launch`` for scatters of many rectangle rows (False: index_put_ only)
+        self._scatter_launch = None
+        self._scatter_cols: dict[tuple, tuple[torch.Tensor, ...]] = {}  # (a, b, c0, width) -> rect-row columns
 
     def rects(self, first: int, end: int) -> list[_Rect]:
         """The (cached) rectangles of tensors ``first..end-1``."""
@@ -312,7 +324,7 @@ class StagedLoader:
                                 landed = torch.cuda.Event()
                                 landed.record(dma)
                             current.wait_event(landed)
-                        ops += self._scatter(buf, dev_ids[i0:i1], i1 - i0, a, b, c0, width)
+                        ops += self._scatter(buf, dev_ids[i0:i1], i1 - i0, a, b, c0, width, ids[i0:i1], current)
                         if dma is not None:
                             read[h] = torch.cuda.Event()
                             read[h].record(current)
@@ -434,11 +446,18 @@ class StagedLoader:
         return len(sizes) + len(rects)
 
     def _scatter(self, staging: torch.Tensor, dev_ids: torch.Tensor, rows: int, a: int, b: int, c0: int,
-                 width: int) -> int:
-        """Staged rows ``0..rows-1`` (columns ``c0..`` of slots) into blocks ``dev_ids`` of tensors ``a..b-1``."""
+                 width: int, ids: torch.Tensor | None = None, stream: torch.cuda.Stream | None = None) -> int:
+        """Staged rows ``0..rows-1`` (columns ``c0..`` of slots) into blocks ``dev_ids`` of tensors ``a..b-1``: one
+        Triton launch over every rectangle row (``SCATTER_KERNEL_MIN_ROWS`` or more of them, ``ids`` the same
+        blocks on the CPU), else an ``index_put_`` per rectangle. Returns the kernels launched."""
+        rects = self.rects(a, b)
+        launch = self._scatter_launcher()
+        if launch is not None and ids is not None and sum(r.height for r in rects) >= SCATTER_KERNEL_MIN_ROWS:
+            launch(self._scatter_runs(staging, ids, rows, a, b, c0, width), self.layout.device, stream)
+            return 1
         kernels = 0
         num_blocks = self.layout.num_blocks
-        for r in self.rects(a, b):
+        for r in rects:
             src_off = r.slot_offset - c0
             w = _word(r.offset, r.block_stride, r.pitch, r.width, src_off, width, staging.data_ptr(),
                       self._flat(r.tensor).data_ptr())
@@ -453,6 +472,34 @@ class StagedLoader:
             dst.index_put_((dev_ids,), src)
             kernels += 1
         return kernels
+
+    def _scatter_launcher(self):
+        """``triton_kernel.launch`` on CUDA with Triton (looked up once), else None."""
+        if self._scatter_launch is None:
+            self._scatter_launch = False
+            if self._on_cuda:
+                from tiered_kv.copy import triton_kernel
+
+                if triton_kernel.triton_available():
+                    self._scatter_launch = triton_kernel.launch
+        return self._scatter_launch or None
+
+    def _scatter_runs(self, staging: torch.Tensor, ids: torch.Tensor, rows: int, a: int, b: int, c0: int,
+                      width: int) -> Runs:
+        """The scatter as byte runs, item-major: staged row ``i``'s rectangle row ``(r, k)`` from ``staging + i *
+        width + r.slot_offset - c0 + k * r.width`` to the tensor's storage at ``r.offset + ids[i] * r.block_stride +
+        k * r.pitch``, ``r.width`` bytes (the columns per rectangle row are kept per call shape)."""
+        key = (a, b, c0, width)
+        cols = self._scatter_cols.get(key)
+        if cols is None:
+            pairs = [(r.slot_offset - c0 + k * r.width, self._flat(r.tensor).data_ptr() + r.offset + k * r.pitch,
+                      r.block_stride, r.width) for r in self.rects(a, b) for k in range(r.height)]
+            cols = self._scatter_cols[key] = tuple(torch.tensor(c, dtype=torch.int64) for c in zip(*pairs))
+        src_off, dst_base, stride, size = cols
+        item = torch.arange(rows, dtype=torch.int64)[:, None]
+        src = staging.data_ptr() + item * width + src_off[None, :]
+        dst = dst_base[None, :] + ids[:rows, None].to(torch.int64) * stride[None, :]
+        return Runs(src=src.reshape(-1), dst=dst.reshape(-1), size=size.expand(rows, -1).reshape(-1))
 
     def _flat(self, t: int) -> torch.Tensor:
         """Tensor ``t``'s whole storage as a 1-D uint8 tensor (cached)."""
