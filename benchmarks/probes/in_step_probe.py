@@ -6,8 +6,8 @@ the thread delays the forward's launch. For the turn-2 load of ``benchmarks/vllm
 random Llama-3-8B-shaped blocks, 1 GiB) into vLLM 0.26's cross-layer KV tensor and into separate
 per-layer tensors, for several layer-group counts and the three mechanisms (the staged load also as one call per
 layer group, as a pipelined in-step load submits them, from slots in runs of 16, as a request's chunks lie in
-the CPU tier, and by its earlier paths: column ranges as one 2-D driver call a run, the scatter as an ``index_put_``
-per layer tensor), it measures:
+the CPU tier, with its column ranges as one 2-D driver call a run, and with the scatter as one Triton launch, which
+is off by default: ``staged.SCATTER_KERNEL_MIN_ROWS``), it measures:
 
 - ``call_ms``: host time of the call (what the forward's launch waits for);
 - ``first_ms`` / ``landed_ms``: GPU time from the submission point to the first / last group landed;
@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import tiered_kv.copy.staged as staged_mod  # noqa: E402
 from tiered_kv.copy import BlockCopier, Mechanism, vllm_layer_layout  # noqa: E402
 from tiered_kv.copy.testing import storages  # noqa: E402
 
@@ -108,27 +109,28 @@ def main() -> None:
             cases = [(m, False, slots, "") for m in (Mechanism.COPY_ENGINE, Mechanism.SM_KERNEL, Mechanism.STAGED)]
             cases += [(Mechanism.STAGED, True, slots, "")] if count > 1 else []
             cases += [(Mechanism.STAGED, False, chunked, "")]
-            # beside them, the staged load's earlier paths: column ranges as one cuMemcpy2DAsync a run (layer
-            # groups), the scatter as an index_put_ per rectangle (whole rows: one launch over a table otherwise)
+            # beside them: column ranges as one cuMemcpy2DAsync a run (layer groups; the batched call otherwise), and
+            # (whole rows) the scatter as one Triton launch over a table of runs (index_put_ per rectangle otherwise)
             cases += [(Mechanism.STAGED, False, w, ", 2-D calls") for w in (slots, chunked)] if count > 1 else []
-            cases += [(Mechanism.STAGED, False, w, ", index_put_") for w in (slots, chunked)] if count == 1 else []
+            one = ", one-launch scatter"
+            cases += [(Mechanism.STAGED, False, w, one) for w in (slots, chunked)] if count == 1 else []
             for mech, per_group, which, variant in cases:
                 rec = {"kv": "cross-layer" if cross else "per-layer", "groups": count, "mechanism": mech.value,
                        "calls": ("one per group" if per_group else "one") + variant,
                        "slots": "random" if which is slots else f"runs of {CHUNK}",
                        "runs": copier.plan(ids, which, False).count if count == 1 else None}
                 loader = copier._staged_loader()
-                kept = loader._rect_batch, loader._scatter_launch
+                kept = loader._rect_batch
                 if variant == ", 2-D calls":
                     loader._rect_batch = False  # the per-run path (as with a driver that lacks the batched call)
-                if variant == ", index_put_":
-                    loader._scatter_launch = False  # as without Triton
+                staged_mod.SCATTER_KERNEL_MIN_ROWS = 8 if variant == one else None
                 try:
                     rec.update(measure(copier, which, ids, groups, mech, per_group))
                 except Exception as exc:  # noqa: BLE001 - a mechanism that cannot take this case: say so
                     rec["error"] = repr(exc)[:200]
                 finally:
-                    loader._rect_batch, loader._scatter_launch = kept
+                    loader._rect_batch = kept
+                    staged_mod.SCATTER_KERNEL_MIN_ROWS = None
                 rows.append(rec)
                 print(json.dumps(rec), flush=True)
         copier.close()

@@ -489,8 +489,8 @@ def in_step_probe(r: Result) -> str:
             ("staged", "one", "runs of 16", "staged, slots in runs of 16"),
             ("staged", "one, 2-D calls", "random", "staged, a 2-D call a run"),
             ("staged", "one, 2-D calls", "runs of 16", "staged, runs of 16, a 2-D call a run"),
-            ("staged", "one, index_put_", "random", "staged, scatter by index_put_"),
-            ("staged", "one, index_put_", "runs of 16", "staged, runs of 16, scatter by index_put_")]
+            ("staged", "one, one-launch scatter", "random", "staged, scatter in one launch"),
+            ("staged", "one, one-launch scatter", "runs of 16", "staged, runs of 16, scatter in one launch")]
     cols = [c for c in cols if any(k[2:] == c[:3] for k in by)]
     rows = [[kv, g, *(cell((kv, g, *c[:3])) for c in cols)]
             for kv, g in dict.fromkeys((x["kv"], x["groups"]) for x in r.doc["rows"])]

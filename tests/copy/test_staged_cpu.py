@@ -550,15 +550,17 @@ def test_one_launch_scatter_runs_are_bit_exact(case, pattern, monkeypatch):
     assert launch.launches == sum(-(-len(slots) // p) for p in per)
 
 
-def test_few_rectangle_rows_scatter_with_index_put():
-    """Below ``SCATTER_KERNEL_MIN_ROWS`` rectangle rows the scatter stays ``index_put_`` (no table to build)."""
+@pytest.mark.parametrize("least", [None, 8], ids=["off", "8"])
+def test_few_rectangle_rows_scatter_with_index_put(least, monkeypatch):
+    """Off (the default), or below ``SCATTER_KERNEL_MIN_ROWS`` rectangle rows, the scatter stays ``index_put_``."""
+    monkeypatch.setattr(staged_mod, "SCATTER_KERNEL_MIN_ROWS", least)
     case = next(c for c in CASES if c.name.startswith("vllm"))
     gen, layout, slab = _setup(case, torch.bfloat16, 61)
     slots, blocks = [2, 3, 4], [5, 0, 7]
     expected = _expected(layout, slab, blocks, slots)
     loader = StagedLoader(layout, slab)
     loader._scatter_launch = launch = _HostLaunch()
-    assert sum(r.height for r in loader.rects(0, 1)) < staged_mod.SCATTER_KERNEL_MIN_ROWS
+    assert least is None or sum(r.height for r in loader.rects(0, 1)) < least
     loader.load(torch.tensor(blocks), torch.tensor(slots), [(a, a + 1) for a in range(len(layout.tensors))], None,
                 lambda g, ops: None)
     _assert_equal(layout, expected)

@@ -20,10 +20,11 @@ adjacent rows of the slab, so the load moves as:
    pitch: one per layer tensor, or one for all layers when they are views of one buffer), one
    torch ``index_put_`` from a strided view of the staging rows into a strided view of the
    engine tensor's storage, indexed by the block ids (on the device). Elements are the widest
-   word (8, 4, 2 or 1 bytes) that every offset, stride and width divides. A scatter of
-   ``SCATTER_KERNEL_MIN_ROWS`` or more rectangle rows (a whole-row load of per-layer tensors)
-   goes instead as one launch of the SM kernel's Triton copy over a table of byte runs, device
-   to device (``triton_kernel.launch``), where Triton is present: one launch for all layers.
+   word (8, 4, 2 or 1 bytes) that every offset, stride and width divides. With
+   ``SCATTER_KERNEL_MIN_ROWS`` set (off by default until measured), a scatter of that many
+   rectangle rows or more (a whole-row load of per-layer tensors) goes instead as one launch of
+   the SM kernel's Triton copy over a table of byte runs, device to device
+   (``triton_kernel.launch``), where Triton is present: one launch for all layers.
 
 With one buffer (``buffers=1``, the default) both steps run in order on one stream (the copier's
 side stream): the staging buffer is reused by the next piece or call only after the previous
@@ -88,8 +89,11 @@ RECT_MIN_ROWS = 4
 #: A scatter of at least this many rectangle rows (a whole-row load of a model's per-layer tensors: one a layer)
 #: goes as one Triton launch over a table of runs (``triton_kernel.launch``, device to device) instead of one
 #: ``index_put_`` per rectangle (tens of us of the caller's thread each: round 15's gpt-oss c1 staged loads held
-#: vLLM's thread ~2 ms for 27 copies, 24 of them scatters); fewer go as ``index_put_``, cheaper than building a table.
-SCATTER_KERNEL_MIN_ROWS = 8
+#: vLLM's thread ~2 ms for 27 copies, 24 of them scatters); fewer go as ``index_put_``, cheaper than building a
+#: table. ``None`` (the default): never, until the GPU has measured it (``benchmarks/probes/in_step_probe.py`` runs
+#: both with 8) and a start-up warm-up compiles the kernel, whose first launch would otherwise compile on vLLM's
+#: thread inside a serving step.
+SCATTER_KERNEL_MIN_ROWS: int | None = None
 
 
 def check_buffers(buffers: object) -> int:
@@ -452,7 +456,8 @@ class StagedLoader:
         blocks on the CPU), else an ``index_put_`` per rectangle. Returns the kernels launched."""
         rects = self.rects(a, b)
         launch = self._scatter_launcher()
-        if launch is not None and ids is not None and sum(r.height for r in rects) >= SCATTER_KERNEL_MIN_ROWS:
+        least = SCATTER_KERNEL_MIN_ROWS
+        if launch is not None and ids is not None and least is not None and sum(r.height for r in rects) >= least:
             launch(self._scatter_runs(staging, ids, rows, a, b, c0, width), self.layout.device, stream)
             return 1
         kernels = 0
