@@ -91,6 +91,18 @@ def _entry(name: str, fn_type) -> ctypes._CFuncPtr:
     return fn_type(ptr)
 
 
+def _slices(n: int, max_runs: int):
+    """``(start, count)`` of the driver calls a list of ``n`` runs is submitted in: ``FIRST_SLICE`` runs first
+    (so the first copies start while later ones are still described), each later slice twice the last, up to
+    ``max_runs``."""
+    start, step = 0, min(FIRST_SLICE, max_runs)
+    while start < n:
+        count = min(step, n - start)
+        yield start, count
+        start += count
+        step = min(2 * step, max_runs)
+
+
 class BatchMemcpy:
     """``cuMemcpyBatchAsync`` bound once; ``submit`` enqueues a ``Runs`` list on a stream."""
 
@@ -114,10 +126,7 @@ class BatchMemcpy:
         attrs_idx = ctypes.c_size_t(0)
         fail_idx = ctypes.c_size_t(0)
         calls = 0
-        start = 0
-        step = min(FIRST_SLICE, self._max_runs)
-        while start < n:
-            count = min(step, n - start)
+        for start, count in _slices(n, self._max_runs):
             offset = start * 8  # int64 entries
             err = self._fn(
                 dst.data_ptr() + offset,
@@ -137,8 +146,6 @@ class BatchMemcpy:
                 if 0 <= bad < n:
                     detail = f" (run {bad}: src=0x{int(src[bad]):x} dst=0x{int(dst[bad]):x} size={int(size[bad])})"
                 raise CopyLaunchError(f"cuMemcpyBatchAsync returned CUresult {err}{detail}")
-            start += count
-            step = min(2 * step, self._max_runs)
         return calls
 
 
@@ -291,15 +298,11 @@ class RectBatchMemcpy:
         ops = pitched_ops(dst, src, src_pitch, width, runs)
         n = ops.shape[0]
         fail_idx = ctypes.c_size_t(0)
-        start, step = 0, min(FIRST_SLICE, self._max_runs)
-        while start < n:
-            count = min(step, n - start)
+        for start, count in _slices(n, self._max_runs):
             err = self._fn(count, ops.data_ptr() + start * OP_WORDS * 8, ctypes.addressof(fail_idx), 0, stream_handle)
             if err != 0:
                 bad = start + int(fail_idx.value)
                 d, r, h = runs[bad] if 0 <= bad < n else (None, None, None)
                 raise CopyLaunchError(f"cuMemcpy3DBatchAsync returned CUresult {err} (run {bad}: dst offset {d}, "
                                       f"slab row {r}, {h} rows of {width} bytes, pitch {src_pitch})")
-            start += count
-            step = min(2 * step, self._max_runs)
         return n

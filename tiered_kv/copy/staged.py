@@ -455,9 +455,9 @@ class StagedLoader:
         Triton launch over every rectangle row (``SCATTER_KERNEL_MIN_ROWS`` or more of them, ``ids`` the same
         blocks on the CPU), else an ``index_put_`` per rectangle. Returns the kernels launched."""
         rects = self.rects(a, b)
-        launch = self._scatter_launcher()
-        least = SCATTER_KERNEL_MIN_ROWS
-        if launch is not None and ids is not None and least is not None and sum(r.height for r in rects) >= least:
+        least = SCATTER_KERNEL_MIN_ROWS  # None (the default): Triton is not even looked up
+        if least is not None and ids is not None and (launch := self._scatter_launcher()) is not None \
+                and sum(r.height for r in rects) >= least:
             launch(self._scatter_runs(staging, ids, rows, a, b, c0, width), self.layout.device, stream)
             return 1
         kernels = 0

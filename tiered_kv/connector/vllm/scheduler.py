@@ -34,15 +34,15 @@ tier first; ``match`` answers "ask again" while they move) and the worker falls 
 rather than report a block.
 
 Tail pieces (``tail_chunks``; one full-attention or MLA group, and with ``tail_chunks: true`` (not ``auto``)
-sliding windows and full attention too, not Mamba: a Mamba state at a tail's end is not kept): a prompt rarely ends on a chunk boundary, so the
-full blocks after its last whole chunk are stored too, once its prefill is complete (``on_finish``:
-when it finishes), as one *tail* record (hybrids: one per group, like parts, ``parts.py``): a chunk
-slot whose first ``m`` blocks hold them (the job's other GPU ids are -1, so the rest of the slot is
-neither written nor read). Its key is the namespace prefix, ``TAIL_MARK`` and vLLM's block hash of its
-last block, which chains the whole prefix: equal keys name equal KV, across restarts too (disk records
-are adopted like any other). ``match`` probes tails where the walk over whole chunks stopped, longest
-first; a later turn that holds the same prefix hits the whole chunks and then the tail, so only
-what lies after the earlier prompt's last full block is computed again.
+sliding windows and full attention too, not Mamba: a Mamba state at a tail's end is not kept): a prompt rarely
+ends on a chunk boundary, so the full blocks after its last whole chunk are stored too, once its prefill is
+complete (``on_finish``: when it finishes), as one *tail* record (hybrids: one per group, like parts,
+``parts.py``): a chunk slot whose first ``m`` blocks hold them (the job's other GPU ids are -1, so the rest of
+the slot is neither written nor read). Its key is the namespace prefix, ``TAIL_MARK`` and vLLM's block hash of
+its last block, which chains the whole prefix: equal keys name equal KV, across restarts too (disk records are
+adopted like any other). ``match`` probes tails where the walk over whole chunks stopped, longest first; a later
+turn that holds the same prefix hits the whole chunks and then the tail, so only what lies after the earlier
+prompt's last full block is computed again.
 
 The work is split by responsibility; ``SchedulerPlanner`` owns one of each part and hands every callback
 to the part whose job it is (their state is their own; they share the ``TierChain``, the ``RequestTable``
@@ -133,7 +133,8 @@ class SchedulerPlanner:
         # true``, not ``auto``) full attention and sliding windows of one block size (a Mamba state at a tail's end
         # is not kept)
         windows = (cfg.tail_chunks is True and not single and not geo.has_mamba and bool(self._parts.full)
-                   and geo.hash_block_size == geo.block_size and all(g.block_size == geo.block_size for g in geo.groups))
+                   and geo.hash_block_size == geo.block_size
+                   and all(g.block_size == geo.block_size for g in geo.groups))
         self._tails = bool(cfg.tail_chunks) and (single or windows) and geo.chunk_blocks > 1
         self.counters = PlannerCounters()
         self._step = 0
