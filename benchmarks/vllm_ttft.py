@@ -84,7 +84,8 @@ CPU_GIB (24; the working set must fit: the dry run says), DISK_CPU_GIB (2), DISK
 (/tmp/tkv-ttft-disk; a real disk, not tmpfs), DISK_GIB (24), DISK_POLICY (auto), PREFILL_TPS (37000),
 CHUNK_BLOCKS (16), MAX_BATCHED (PREFIX + 512: a turn-1 prefill in one step; e.g. 2048 for chunked prefill,
 where hybrid models hand window blocks on while the previous step's stores may still copy them),
-SETTLE_S (2; 6 for tiered-disk), INPROC (1), OUT (directory for the JSON), BASELINE (a
+SETTLE_S (2; 6 for tiered-disk), TURN1_GAP_S (0: seconds between turn 1s; at PREFIX=32768 a turn 1 stores
+4.3 GB, and a CPU tier of DISK_CPU_GIB must move it down to the disk before the next one or drop stores), INPROC (1), OUT (directory for the JSON), BASELINE (a
 vllm_ttft_<model>.json whose "none" result the table compares against when this run has none).
 PYTHONHASHSEED is set to 0 in every mode's process (same hashes in every mode).
 Threading: a script; the main thread only (each engine start and each PCIe probe is a child process).
@@ -357,7 +358,11 @@ def run_one(mode: str, model: str) -> dict:
     before1 = _tiered_counters(llm) if tiered else {}
     floor = mode == "floor"
     # 2 tokens: every connector gets a step to store; "floor" runs each turn 1 just before its turn 2
-    turn1 = [] if floor else [generate(c, two)[0] for c in convs]
+    gap = float(os.environ.get("TURN1_GAP_S", "0"))  # a 32k prefix stores 4.3 GB: let the disk take it first
+    turn1 = []
+    for c in ([] if floor else convs):
+        turn1.append(generate(c, two)[0])
+        time.sleep(gap)
     time.sleep(float(os.environ.get("SETTLE_S", "6" if mode.startswith(("tiered-disk", "tiered-remote")) else "2")))
     before2 = _tiered_counters(llm) if tiered else {}
     turn2, cached, tokens = [], [], []

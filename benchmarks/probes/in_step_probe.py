@@ -6,8 +6,9 @@ the thread delays the forward's launch. For the turn-2 load of ``benchmarks/vllm
 random Llama-3-8B-shaped blocks, 1 GiB) into vLLM 0.26's cross-layer KV tensor and into separate
 per-layer tensors, for several layer-group counts and the three mechanisms (the staged load also as one call per
 layer group, as a pipelined in-step load submits them, from slots in runs of 16, as a request's chunks lie in
-the CPU tier, with its column ranges as one 2-D driver call a run, and with the scatter as one Triton launch, which
-is off by default: ``staged.SCATTER_KERNEL_MIN_ROWS``), it measures:
+the CPU tier, with its column ranges as the driver's batched 2-D copies, off by default since round 16:
+``staged.RECT_BATCH``, and with the scatter as one Triton launch, off by default too:
+``staged.SCATTER_KERNEL_MIN_ROWS``), it measures:
 
 - ``call_ms``: host time of the call (what the forward's launch waits for);
 - ``first_ms`` / ``landed_ms``: GPU time from the submission point to the first / last group landed;
@@ -109,9 +110,10 @@ def main() -> None:
             cases = [(m, False, slots, "") for m in (Mechanism.COPY_ENGINE, Mechanism.SM_KERNEL, Mechanism.STAGED)]
             cases += [(Mechanism.STAGED, True, slots, "")] if count > 1 else []
             cases += [(Mechanism.STAGED, False, chunked, "")]
-            # beside them: column ranges as one cuMemcpy2DAsync a run (layer groups; the batched call otherwise), and
-            # (whole rows) the scatter as one Triton launch over a table of runs (index_put_ per rectangle otherwise)
-            cases += [(Mechanism.STAGED, False, w, ", 2-D calls") for w in (slots, chunked)] if count > 1 else []
+            # beside them: column ranges as the driver's batched 2-D copies (layer groups; off by default,
+            # staged.RECT_BATCH: a 2-D call a long run and 1-D descriptors otherwise), and (whole rows) the scatter
+            # as one Triton launch over a table of runs (index_put_ per rectangle otherwise)
+            cases += [(Mechanism.STAGED, False, w, ", batched 2-D") for w in (slots, chunked)] if count > 1 else []
             one = ", one-launch scatter"
             cases += [(Mechanism.STAGED, False, w, one) for w in (slots, chunked)] if count == 1 else []
             for mech, per_group, which, variant in cases:
@@ -121,8 +123,8 @@ def main() -> None:
                        "runs": copier.plan(ids, which, False).count if count == 1 else None}
                 loader = copier._staged_loader()
                 kept = loader._rect_batch
-                if variant == ", 2-D calls":
-                    loader._rect_batch = False  # the per-run path (as with a driver that lacks the batched call)
+                if variant == ", batched 2-D":
+                    staged_mod.RECT_BATCH, loader._rect_batch = True, None  # bound again at the first DMA
                 staged_mod.SCATTER_KERNEL_MIN_ROWS = 8 if variant == one else None
                 try:
                     rec.update(measure(copier, which, ids, groups, mech, per_group))
@@ -130,6 +132,7 @@ def main() -> None:
                     rec["error"] = repr(exc)[:200]
                 finally:
                     loader._rect_batch = kept
+                    staged_mod.RECT_BATCH = False
                     staged_mod.SCATTER_KERNEL_MIN_ROWS = None
                 rows.append(rec)
                 print(json.dumps(rec), flush=True)

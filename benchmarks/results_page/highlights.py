@@ -116,7 +116,7 @@ def serve_shared(results: list[Result]) -> Row | None:
 
 
 def vllm_item2(results: list[Result]) -> Row | None:
-    rs = [r for r in results if fnmatch.fnmatch(r.name, "vllm_ttft_*.json") and "item2" in r.doc]
+    rs = [r for r in results if fnmatch.fnmatch(r.name, "vllm_ttft_*_h200.json") and "item2" in r.doc]
     if not rs:
         return None
 
@@ -136,7 +136,7 @@ def vllm_item2(results: list[Result]) -> Row | None:
 
 
 def vllm_hybrid(results: list[Result]) -> Row | None:
-    rs = [r for r in results if fnmatch.fnmatch(r.name, "vllm_ttft_*.json") and "item2" not in r.doc]
+    rs = [r for r in results if fnmatch.fnmatch(r.name, "vllm_ttft_*_h200.json") and "item2" not in r.doc]
     if not rs:
         return None
     by = lambda r, m: next((x for x in r.doc["results"] if x["mode"] == m), None)  # noqa: E731

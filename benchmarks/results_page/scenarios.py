@@ -229,6 +229,22 @@ def ttft_modes_table(results: list[Result]) -> str:
     return table(head, rows)
 
 
+def vllm_ttft_split(results: list[Result]) -> str:
+    """Issue 32 item 2 beyond the 8k disk row: per run (a longer prefix, another slow tier), each mode's turn-2
+    median (one start each), the split against min(recompute, load all), and the split's floor at its reads' rate."""
+    rows = []
+    for r in results:
+        w = r.doc["workload"]
+        for tier, o in (r.doc.get("overlap") or {}).items():
+            floor = (f"{num(o['floor_s'] / o['recompute_s'], 3)}x at {num(o['read_gbps'], 2)} GB/s"
+                     if o.get("floor_s") else "-")
+            rows.append([r.doc["model"], f"{w['prefix']:,} x {w['n_conv']}", tier, num(o["recompute_s"] * 1e3),
+                         num(o["load_all_s"] * 1e3), num(o["overlap_s"] * 1e3), f"{o['ratio']:.3f}x", floor])
+    head = ["model", "prefix tokens x conversations", "slow tier", "none (recompute) ms", "load all ms", "split ms",
+            "split / min(both) (goal <= 0.8)", "the split's floor / recompute"]
+    return table(head, rows) + "\n" + source(results)
+
+
 def vllm_ttft(results: list[Result]) -> str:
     floor = [r for r in results if "item2" in r.doc]
     modes = [r for r in results if "item2" not in r.doc]
@@ -659,7 +675,8 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("serve-tp", ("serve_bench_*_h200x*-tp*.json",), serve, MULTI_GPU),
     Scenario("serve-replicas", ("serve_bench_*_h200x*-rr*.json",), serve_replicas, MULTI_GPU),
     Scenario("neighbor", ("neighbor_probe_*.json",), each(neighbor), MULTI_GPU),
-    Scenario("vllm-ttft", ("vllm_ttft_*.json",), vllm_ttft),
+    Scenario("vllm-ttft", ("vllm_ttft_*_h200.json",), vllm_ttft),
+    Scenario("vllm-ttft-split", ("vllm_ttft_*_h200-*.json",), vllm_ttft_split, PROBES),
     Scenario("envelope", ("envelope_*_h200.json",), each(envelope)),
     Scenario("envelope-tp", ("envelope_*_h200x*-tp*.json",), each(envelope), MULTI_GPU),
     Scenario("pool-replicas", ("pool_replicas_*.json",), each(pool_replicas), MULTI_GPU),

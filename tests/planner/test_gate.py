@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from tiered_kv.errors import ConfigError, InvalidInputError
-from tiered_kv.planner.gate import ALL_FAST, ALWAYS, BEATS, DECLINED, PROBE, SPLIT, LoadGate, SplitGate
+from tiered_kv.planner.gate import (ALL_FAST, ALWAYS, BEATS, DECLINED, PROBE, RECOMPUTE, RECOMPUTE_PROBE_EVERY,
+                                   SPLIT, LoadGate, SplitGate)
 from tiered_kv.planner.rates import PrefillEstimator, PrefillModel, ReadRate
 
 MIB8 = 8 << 20  # one unit: 8 MiB for 64 tokens; break-even at 30k tokens/s = 3.93 GB/s
@@ -206,3 +207,45 @@ def test_a_hybrid_hit_is_priced_at_its_own_bytes():
     plan, outcome = gate(hit_nbytes).decide([("disk", 8192)], 64, 0)
     assert outcome == BEATS and plan.load_tokens == 8192
     assert gate(hit_nbytes).segments([("cpu", 4096), ("disk", 4096)])[1].nbytes_per_token == hit_nbytes(8192) / 8192
+
+
+def test_split_gate_learns_what_overlapped_reads_cost_and_plans_with_it():
+    """A step's excess over its plans' pricing is shared by its slow tiers' bytes; the segments carry each tier's
+    cost, so the 8k disk hit that split at no cost is declined once overlapped reads were measured slow; the report
+    says so; memory tiers and empty reads are ignored."""
+    g = _split_gate()
+    assert g.decide([("disk", 8192)], 0, 0)[1] == SPLIT
+    g.observe_overlap({"disk": 3e8, "remote": 1e8, "cpu": 5e8}, 0.4)  # 0.3 s of it the disk's, 0.1 s the remote's
+    assert g.overlap_cost["disk"].s_per_byte == pytest.approx(1e-9) and g.overlap_cost["remote"].samples == 1
+    assert "cpu" not in g.overlap_cost
+    g.observe_overlap({"disk": 0}, 5.0)
+    assert g.overlap_cost["disk"].samples == 1
+    assert g.segments([("cpu", 256), ("disk", 512)])[1].overlap_cost == pytest.approx(1e-9)
+    assert g.segments([("cpu", 256)])[0].overlap_cost == 0.0
+    plan, outcome = g.decide([("disk", 8192)], 0, 0)
+    assert outcome == DECLINED and plan.load_tokens == 0
+    assert g.report()["split"]["overlap_cost"]["disk"] == {"s_per_gb": pytest.approx(1.0), "samples": 1}
+
+
+def test_cpu_hits_recompute_once_their_loading_steps_were_measured_slower():
+    """CPU hits load while nothing is measured, and while the measured load cost keeps them faster than recomputing;
+    a cost that makes the loading step slower than recomputing every held token declines the hit whole (the CPU
+    part too), every ``RECOMPUTE_PROBE_EVERY``-th one loading anyway; policy ``always`` never declines; a step with
+    slow-tier reads charges them, not the CPU tier."""
+    g = _split_gate()
+    hit = [("cpu", 1024)]  # 128 MiB; recomputing them and the 160 new tokens: 31.8 ms at the gate's model
+    assert g.decide(hit, 160, 0)[1] == ALL_FAST
+    g.observe_overlap({"cpu": 128 << 20, "disk": 1e8}, 0.5)  # slow-tier bytes in the step: theirs
+    assert g.load_cost.samples == 0 and g.overlap_cost["disk"].samples == 1
+    g.observe_overlap({"cpu": 128 << 20}, 0.005)  # 5 ms for 128 MiB: loading still wins
+    assert g.decide(hit, 160, 0)[1] == ALL_FAST
+    g.observe_overlap({"cpu": 128 << 20}, 0.200)  # the average now ~44 ms + 4 ms of compute: slower
+    outcomes = [g.decide(hit, 160, 0) for _ in range(2 * RECOMPUTE_PROBE_EVERY)]
+    assert [o for _, o in outcomes].count(PROBE) == 2 and [o for _, o in outcomes].count(RECOMPUTE) == 14
+    plan = next(p for p, o in outcomes if o == RECOMPUTE)
+    assert plan.load_tokens == 0 and plan.per_tier() == {"cpu": (0, 1024)}
+    assert next(p for p, o in outcomes if o == PROBE).load_tokens == 1024
+    assert _split_gate(policy="always").decide(hit, 160, 0)[1] == ALL_FAST  # (a fresh gate: nothing measured)
+    g.policy = "always"
+    assert g.decide(hit, 160, 0)[1] == ALL_FAST
+    assert g.report()["split"]["load_cost"]["samples"] == 2

@@ -12,7 +12,7 @@ import random
 import pytest
 
 from tiered_kv.errors import ConfigError
-from tiered_kv.planner.rates import (DECODE_TOKENS, MIN_SAMPLES, PrefillEstimator, PrefillModel, ReadRate,
+from tiered_kv.planner.rates import (DECODE_TOKENS, MIN_SAMPLES, OverlapCost, PrefillEstimator, PrefillModel, ReadRate,
                                      StepTimer, features)
 
 #: Llama-3-8B-like on one GPU: 4 ms a step, 40k tokens/s at short context, attention doubling the cost at 20k
@@ -39,6 +39,33 @@ def _feed(est: PrefillEstimator, rng: random.Random, truth: PrefillModel, n: int
           noise: float = 0.05) -> None:
     for _ in range(n):
         est.observe_step(*_step(rng, truth, outliers, noise))
+
+
+# ---------------------------------------------------------------------------------------------- overlap cost
+
+@pytest.mark.parametrize("seed", range(3))
+def test_overlap_cost_converges_on_a_noisy_truth_and_follows_a_change(seed):
+    """Steps that read 50-200 MB under the forward, each slowed 1 ns a byte with +-5 ms of noise in the step: the
+    cost converges within 10% of the truth, then follows a change to 0.2 ns (a tier that got faster), and never
+    reads below 0 even when the samples go negative."""
+    rng = random.Random(seed)
+    cost = OverlapCost()
+    assert cost.s_per_byte == 0.0 and cost.samples == 0
+
+    def steps(truth: float, n: int) -> None:
+        for _ in range(n):
+            nbytes = rng.randrange(50, 200) * 10**6
+            cost.observe(nbytes, truth * nbytes + rng.uniform(-5e-3, 5e-3))
+
+    steps(1e-9, 40)
+    assert cost.s_per_byte == pytest.approx(1e-9, rel=0.10) and cost.samples == 40
+    steps(0.2e-9, 40)
+    assert cost.s_per_byte == pytest.approx(0.2e-9, rel=0.10)
+    for _ in range(40):
+        cost.observe(10**8, -0.05)  # steps that ran faster than priced
+    assert cost.s_per_byte == 0.0
+    cost.observe(0, 1.0)  # nothing read: ignored
+    assert cost.samples == 120
 
 
 # ---------------------------------------------------------------------------------------------- read rate

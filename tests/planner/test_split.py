@@ -192,3 +192,26 @@ def test_plan_with_a_step_budget_is_the_brute_force_optimum(seed):
     brute = min(split_at(segs, m, new, context, model, overlap=True, layers=8, step_tokens=step).seconds
                 for m in range(lo, held + 1, unit))
     assert best.seconds == pytest.approx(brute, rel=1e-12, abs=1e-15)
+
+
+def test_a_measured_overlap_cost_shrinks_the_split_and_at_a_high_cost_declines_it():
+    """The issue's 8k example with a cost per byte read under the forward: at 0 the plan is the old split; a small
+    cost keeps it and adds to its time; the cost the H200 measured with Redis on loopback (~0.8 ns a byte: 0.1 s more for 126 MB) loads
+    nothing. Without overlap the cost is not charged. The plan's exposed seconds are its time beyond compute."""
+    def disk(cost: float) -> list[Segment]:
+        return [Segment("disk", 8192, KV, 2.15, cost)]
+
+    base = _plan([Segment("disk", 8192, KV, 2.15)], new=0)
+    assert _plan(disk(0.0), new=0) == base
+    small = _plan(disk(0.05e-9), new=0)  # the split sits at the crossing of load and compute: a kink a small cost
+    assert small.load_tokens == base.load_tokens  # does not move; the plan's time takes the cost
+    assert small.seconds == pytest.approx(base.seconds + base.load_tokens * KV * 0.05e-9)
+    high = _plan(disk(0.8e-9), new=0)
+    assert high.load_tokens == 0 and high.seconds == pytest.approx(high.seconds_recompute)
+    no_overlap = (_plan(disk(c), new=0, overlap=False) for c in (0.8e-9, 0.0))
+    assert len({(p.load_tokens, p.seconds, p.seconds_recompute, p.seconds_load_all) for p in no_overlap}) == 1
+    compute = LLAMA.seconds(8192 - base.load_tokens, base.load_tokens)
+    assert base.seconds_exposed == pytest.approx(base.seconds - compute) and base.seconds_exposed > 0
+    assert base.loaded_bytes() == {"disk": base.load_tokens * KV} and high.loaded_bytes() == {}
+    with pytest.raises(InvalidInputError, match="overlap cost"):
+        _plan(disk(-1.0), new=0)

@@ -10,11 +10,12 @@ adjacent rows of the slab, so the load moves as:
    ``i`` of the call. On CUDA the copies go to the driver as addresses computed from plain ints,
    in batched calls: a descriptor per run of adjacent slots when the copy takes whole rows
    (``cuMemcpyBatchAsync``, ``engine.BatchMemcpy``), and a pitched 2-D copy per run when it takes
-   a column range of the rows, a group of tensors of a layer-by-layer load
-   (``cuMemcpy3DBatchAsync``, ``engine.RectBatchMemcpy``). Where the driver lacks the second, a
-   run of ``RECT_MIN_ROWS`` or more rows is one ``cuMemcpy2DAsync`` (``RectMemcpy.gather_rows``,
-   about as much host time as that many batched descriptors) and the rows of shorter runs go as
-   batched descriptors. On the legacy default stream, which the batched calls refuse, whole rows
+   a column range of the rows, a group of tensors of a layer-by-layer load: a run of
+   ``RECT_MIN_ROWS`` or more rows is one ``cuMemcpy2DAsync`` (``RectMemcpy.gather_rows``, about as
+   much host time as that many batched descriptors) and the rows of shorter runs go as batched
+   descriptors. The driver's batched 2-D copies (``cuMemcpy3DBatchAsync``,
+   ``engine.RectBatchMemcpy``) take every run of a column range instead only with ``RECT_BATCH``:
+   off, as the H200 measured them slower (the constant says by how much). On the legacy default stream, which the batched calls refuse, whole rows
    go as torch copies and every column range as 2-D copies.
 2. **Scatter**: for each *rectangle* of the layout (the chunks of one allocation at a fixed
    pitch: one per layer tensor, or one for all layers when they are views of one buffer), one
@@ -86,6 +87,11 @@ _WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 #: 2026-11-30, ``benchmarks/probes/in_step_probe.py``: 16,384 2-D calls 68.8 ms, 16,384 batched descriptors of
 #: the copy engine 11.4 ms; ``dispatch.RECT_CALL_COST`` is the same ratio).
 RECT_MIN_ROWS = 4
+#: Send a column range's runs as batched pitched copies (``cuMemcpy3DBatchAsync``) instead of the above. Off: on the
+#: H200 (2026-11-30, round 16, ``in_step_probe.py``, Llama-3-8B blocks, 32 layer groups) the batched op held the host
+#: ~4 us per run like a single 2-D call (16,384 random slots: 67.6 ms, against 19.2 ms as batched 1-D descriptors;
+#: slots in runs of 16: 6.2 ms, against 4.2 ms as one 2-D call a run).
+RECT_BATCH = False
 #: A scatter of at least this many rectangle rows (a whole-row load of a model's per-layer tensors: one a layer)
 #: goes as one Triton launch over a table of runs (``triton_kernel.launch``, device to device) instead of one
 #: ``index_put_`` per rectangle (tens of us of the caller's thread each: round 15's gpt-oss c1 staged loads held
@@ -405,6 +411,8 @@ class StagedLoader:
 
         if self._rect2d is None:
             self._rect2d = RectMemcpy(self.layout.device)
+        if not RECT_BATCH and self._rect_batch is None:
+            self._rect_batch = False  # measured slower (``RECT_BATCH``): per-run 2-D calls and 1-D descriptors
         for name, make in (("_batch", BatchMemcpy), ("_rect_batch", RectBatchMemcpy)):
             if getattr(self, name) is None:
                 try:

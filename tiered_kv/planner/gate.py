@@ -23,17 +23,22 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 
 from tiered_kv.errors import ConfigError, InvalidInputError
-from tiered_kv.planner.rates import EWMA_NEW, PrefillEstimator, ReadRate
+from tiered_kv.planner.rates import EWMA_NEW, OverlapCost, PrefillEstimator, ReadRate
 from tiered_kv.planner.split import MEMORY_TIERS, Segment, Split, forced_tokens, plan_split, split_at
 
 DISK_LOAD_POLICIES = ("auto", "always", "never")
 __all__ = ["EWMA_NEW", "LoadGate", "SplitGate", "DISK_LOAD_POLICIES", "OUTCOMES"]
 
 #: ``decide`` outcomes: memory tiers only; every held token loaded by policy, or because that is fastest; a split
-#: (some slow-tier tokens loaded, the rest recomputed: ``SplitGate`` only); a probe; no slow-tier token loaded.
+#: (some slow-tier tokens loaded, the rest recomputed: ``SplitGate`` only); a probe; no slow-tier token loaded; and
+#: (``SplitGate``) nothing loaded, memory tiers included, as the engine's loading steps were measured slower than
+#: recomputing (``SplitGate.load_cost``).
 ALL_FAST, ALWAYS, BEATS, SPLIT, PROBE, DECLINED = "all_fast", "always", "beats", "split", "probe", "declined"
+RECOMPUTE = "recompute"
 OUTCOMES = (ALL_FAST, ALWAYS, BEATS, PROBE, DECLINED)
-SPLIT_OUTCOMES = (ALL_FAST, ALWAYS, BEATS, SPLIT, PROBE, DECLINED)
+SPLIT_OUTCOMES = (ALL_FAST, ALWAYS, BEATS, SPLIT, PROBE, DECLINED, RECOMPUTE)
+#: Of the hits the load cost declines, every this-many-th loads anyway, so its estimate follows the engine.
+RECOMPUTE_PROBE_EVERY = 8
 #: The prefill rate is reported for a chunk of this many tokens after each of these contexts.
 REPORT_CHUNK, REPORT_CONTEXTS = 2048, (0, 8192, 32768)
 
@@ -122,6 +127,16 @@ class SplitGate:
     hit of so many tokens reads, where that is not tokens x ``unit_nbytes / unit_tokens`` (hybrid models: a
     sliding-window layer reads its window once, not per chunk); a hit is then priced at its own average per
     token. ``overlap``, ``layers``, ``extra_recompute`` and ``step_tokens``: ``planner.split.plan_split``'s.
+    With ``overlap``, each slow tier's bytes read under the forward carry that tier's measured ``OverlapCost``
+    (``observe_overlap``), so a tier whose overlapped reads slow the step more than priced loads less.
+
+    Memory-tier (CPU) hits load in every plan, unless ``load_cost`` (what an in-step load from them costs its step
+    beyond the plan's price, per byte, measured from the engine's loading steps: ``observe_overlap``) makes the plan
+    slower than recomputing every held token: then nothing loads (``RECOMPUTE``; every ``RECOMPUTE_PROBE_EVERY``-th
+    such hit loads anyway, ``PROBE``, to measure again). That happens where the engine's step does not get faster
+    with fewer tokens: an engine launching its prefill op by op from Python (no CUDA graph, no compilation), whose
+    step of 160 tokens costs its host launch as a step of 1,300 does (H200, Llama-3-8B shape, 2026-11-30: loading
+    steps of 22-32 ms by the host's speed against 27 ms to recompute). Policy ``always`` never declines.
     """
 
     def __init__(self, policy: str, probe_every: int, rates: Mapping[str, ReadRate], prefill: PrefillEstimator, *,
@@ -144,6 +159,9 @@ class SplitGate:
         # tier -> [held tokens loaded, held tokens recomputed]; every tier of ``rates`` from the start, so the stats
         # and metrics of a tier that has had no hit yet say 0 rather than nothing
         self._tokens: dict[str, list[int]] = {t: [0, 0] for t in rates}
+        self.overlap_cost = {t: OverlapCost() for t in rates if t not in MEMORY_TIERS}
+        self.load_cost = OverlapCost()  # memory-tier loads (class doc); only a front end that times steps feeds it
+        self._recompute_declined = 0
         self._seconds = {"chosen": 0.0, "recompute": 0.0, "load_all": 0.0}
 
     # ------------------------------------------------------------------ the decision
@@ -154,10 +172,12 @@ class SplitGate:
         per_token = (self.hit_nbytes(total) / total if self.hit_nbytes is not None and total > 0
                      else self.unit_nbytes / self.unit_tokens)
         out: list[Segment] = []
+        costs = self.overlap_cost
         for tier, tokens in runs:
             if out and out[-1].tier == tier:
                 tokens += out.pop().tokens
-            out.append(Segment(tier, tokens, per_token, self._gbps(tier)))
+            cost = costs.get(tier)
+            out.append(Segment(tier, tokens, per_token, self._gbps(tier), cost.s_per_byte if cost is not None else 0.0))
         return out
 
     def _gbps(self, tier: str) -> float:
@@ -194,6 +214,10 @@ class SplitGate:
             return split_at(segs, m, new_tokens, context, model, overlap=overlap, layers=self.layers,
                             step_tokens=self.step_tokens)
 
+        if lo and self.policy != "always" and self.load_cost.samples:
+            declined = self._recompute(segs, new_tokens, context, model, lo, at)
+            if declined is not None:
+                return declined
         if lo == held:
             return at(held), ALL_FAST
         if self.policy != "auto":
@@ -215,6 +239,23 @@ class SplitGate:
         if probe:
             return at(held), PROBE
         return best, (DECLINED if best.load_tokens == lo else SPLIT)
+
+    def _recompute(self, segs: list[Segment], new_tokens: int, context: int, model, lo: int,
+                   at: Callable[[int], Split]) -> tuple[Split, str] | None:
+        """The plan that loads nothing (``RECOMPUTE``, or a ``PROBE`` loading all) when loading the memory-tier part
+        at its measured ``load_cost`` is slower than recomputing every held token; None otherwise."""
+        cost = self.load_cost.s_per_byte
+        if cost <= 0:
+            return None
+        loaded = at(lo)
+        nbytes = sum(b for t, b in loaded.loaded_bytes().items() if t in MEMORY_TIERS)
+        recompute = model.seconds(loaded.held_tokens + new_tokens, context)
+        if recompute >= loaded.seconds + cost * nbytes:
+            return None
+        with self._lock:
+            self._recompute_declined += 1
+            probe = self._recompute_declined % RECOMPUTE_PROBE_EVERY == 0
+        return (at(loaded.held_tokens), PROBE) if probe else (at(0), RECOMPUTE)
 
     def _first_guessed(self, segs: list[Segment], align: int = 0, offset: int = 0) -> int | None:
         """Held tokens up to one unit (the ``align`` chunk where given) into the first slow tier whose rate is still a
@@ -256,6 +297,19 @@ class SplitGate:
         for t, n in slow.items():
             self.rates[t].observe(n, seconds * est[t] / total)
 
+    def observe_overlap(self, nbytes_by_tier: Mapping[str, float], excess_s: float) -> None:
+        """A step loaded ``nbytes_by_tier`` in-step (slow tiers read under its forward, memory tiers copied) and ran
+        ``excess_s`` longer than its plans priced (negative: shorter). With slow-tier bytes, each slow tier's
+        ``OverlapCost`` takes its share, by bytes (the memory tiers' bytes are far cheaper: left out); with memory-tier
+        bytes only, ``load_cost`` takes it all."""
+        slow = {t: n for t, n in nbytes_by_tier.items() if n > 0 and t in self.overlap_cost}
+        if not slow:
+            self.load_cost.observe(int(sum(n for t, n in nbytes_by_tier.items() if t in MEMORY_TIERS)), excess_s)
+            return
+        total = sum(slow.values())
+        for t, n in slow.items():
+            self.overlap_cost[t].observe(n, excess_s * n / total)
+
     def hint_writes(self, nbytes_by_tier: Mapping[str, int], seconds: float) -> None:
         """A write to slow tiers moved ``nbytes_by_tier`` in ``seconds``: a tier whose read rate is still the
         built-in guess takes it as a bound (``ReadRate.hint``); the time is shared as ``observe_reads`` does."""
@@ -279,7 +333,8 @@ class SplitGate:
         its source (``ReadRate.source``),
         the prefill model in use (rates for a ``REPORT_CHUNK``-token chunk after each of ``REPORT_CONTEXTS``,
         its source and samples), the summed estimated seconds of the plans taken, of recompute-all and of
-        load-all, and the mode (``overlap``)."""
+        load-all, the mode (``overlap``), each slow tier's overlap cost and the memory tiers' load cost (seconds per
+        GB, samples)."""
         prefill = self.prefill.report()
         model = prefill["model"]
         gbps = {t: r.gbps for t, r in self.rates.items()}
@@ -290,6 +345,9 @@ class SplitGate:
             split = {"tokens": tokens, "read_gbps": gbps, "read_source": {t: r.source for t, r in self.rates.items()},
                      "estimated_seconds": dict(self._seconds),
                      "overlap": self.overlap,
+                     "overlap_cost": {t: {"s_per_gb": c.s_per_byte * 1e9, "samples": c.samples}
+                                      for t, c in self.overlap_cost.items()},
+                     "load_cost": {"s_per_gb": self.load_cost.s_per_byte * 1e9, "samples": self.load_cost.samples},
                      "prefill": {"source": prefill["source"], "samples": prefill["samples"],
                                  "coefficients": model.coefficients(),
                                  "tokens_per_s": {c: model.tokens_per_s(REPORT_CHUNK, c) for c in REPORT_CONTEXTS}}}

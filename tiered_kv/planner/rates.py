@@ -42,10 +42,13 @@ the start model is the estimate. The fit costs a few ms of Python (128 samples, 
 reads the last fit and the owner calls ``refit`` from a thread of its own (the vLLM connector's
 ``StepMeter``), passing a ``pause`` that lets go of the GIL between slices of the work.
 
+``OverlapCost`` is what reading a slow tier under the forward costs a step beyond the split's pricing, per byte,
+learned from the forward times of the steps that did.
+
 ``StepTimer`` turns when a step was scheduled and when its output came back into the seconds the
 step ran, for engines that schedule the next step while one runs (vLLM's async scheduling).
 
-Threading contract: ``ReadRate`` and ``PrefillEstimator`` take their own lock in every method, so
+Threading contract: ``ReadRate``, ``OverlapCost`` and ``PrefillEstimator`` take their own lock in every method, so
 one thread may observe while another reads the estimate. ``StepTimer`` is not thread-safe: its
 owner (the engine's scheduler thread) calls it. ``PrefillModel`` is a frozen value.
 """
@@ -173,6 +176,50 @@ class ReadRate:
             self._replaced = self._replaced or first
             self._gbps = gbps if first else (1 - self.weight) * self._gbps + self.weight * gbps
             self._reads += 1
+
+
+# ---------------------------------------------------------------------------------------------- overlap cost
+
+class OverlapCost:
+    """What a byte read from a slow tier *under the forward* costs the step beyond the split's own pricing (seconds
+    per byte): an exponential average of ``observe``'s samples, 0 until one comes.
+
+    The split prices an overlapped load as hidden under the compute it overlaps (``planner.split``). Where the reads
+    slow the step anyway (reader threads taking the GIL from vLLM's thread, a network tier's round trips at a layer
+    group's start), the engine's own forward times say so: the caller times each step whose forward read such
+    bytes, subtracts the prefill model's time for the tokens the step computed and the exposed time the plans
+    expected, and hands the rest here with the bytes (H200, 2026-11-30: Redis on loopback, turn-2 steps with
+    0.13-0.23 GB read under the forward ran ~85 ms longer than the model's compute, and the split's plans came out
+    1.33x of recompute). A negative sample (the step ran faster than priced) lowers the average; the cost in use
+    never goes below 0."""
+
+    def __init__(self, weight: float = EWMA_NEW) -> None:
+        self.weight = float(weight)
+        self._avg = 0.0
+        self._samples = 0
+        self._lock = threading.Lock()
+
+    @property
+    def s_per_byte(self) -> float:
+        """The cost in use: seconds a byte read under the forward adds to its step (>= 0)."""
+        with self._lock:
+            return max(0.0, self._avg)
+
+    @property
+    def samples(self) -> int:
+        """Steps folded in so far."""
+        with self._lock:
+            return self._samples
+
+    def observe(self, nbytes: int, excess_s: float) -> None:
+        """A step read ``nbytes`` under its forward and ran ``excess_s`` longer than priced (negative: shorter).
+        Ignored for ``nbytes`` <= 0. The first sample replaces the start of 0."""
+        if nbytes <= 0:
+            return
+        sample = float(excess_s) / nbytes
+        with self._lock:
+            self._avg = sample if self._samples == 0 else (1 - self.weight) * self._avg + self.weight * sample
+            self._samples += 1
 
 
 # ---------------------------------------------------------------------------------------------- prefill model

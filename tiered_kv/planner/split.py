@@ -11,8 +11,9 @@ and recomputing the other ``L - m`` (plus the new ones) takes:
       T(m) = max(load(m), compute(m)) + min(load(m), compute(m)) / layers
 
   (with ``step_tokens``, an engine that computes at most that many tokens a step, only the first step's
-  compute overlaps the load: ``compute(m)`` above is that step's, and the later steps' compute is added after)
-  the second term being the pipeline's fill (the first layer's load before any compute, or the last
+  compute overlaps the load: ``compute(m)`` above is that step's, and the later steps' compute is added after;
+  each byte loaded from a segment adds its ``overlap_cost``, what such reads were measured to slow a step
+  beyond this pricing: ``rates.OverlapCost``, 0 until measured) the second term being the pipeline's fill (the first layer's load before any compute, or the last
   layer's compute after the last load; ``layers=0`` leaves it out). ``load`` rises with ``m`` and
   ``compute`` falls, so the best ``m`` is where the load ends about when the compute that needs it
   would have: the split;
@@ -43,7 +44,8 @@ any GPU cost (an engine with nothing else to run).
 
 ``plan_split`` evaluates ``T`` at the exact candidates (segment ends, and the grid points either
 side of each segment's crossing of ``load`` and ``compute``, found by bisection): the optimum on the
-grid, since ``T`` is concave between them. Ties go to loading more (it saves GPU work for others).
+grid, since ``T`` is concave between them (an overlap cost is linear within a segment: it leaves them so).
+Ties go to loading more (it saves GPU work for others).
 
 Threading contract: pure functions and frozen values; safe from any thread.
 """
@@ -61,12 +63,14 @@ MEMORY_TIERS = frozenset({"gpu", "cpu"})
 
 @dataclass(frozen=True)
 class Segment:
-    """``tokens`` held tokens in a row, in ``tier``, read at ``gbps`` (GB/s), ``nbytes_per_token`` each."""
+    """``tokens`` held tokens in a row, in ``tier``, read at ``gbps`` (GB/s), ``nbytes_per_token`` each; read under
+    the forward, each byte adds ``overlap_cost`` seconds to the step (module doc)."""
 
     tier: str
     tokens: int
     nbytes_per_token: float
     gbps: float
+    overlap_cost: float = 0.0
 
     def seconds(self, tokens: int) -> float:
         """Seconds to read the first ``tokens`` of this segment."""
@@ -83,6 +87,7 @@ class Split:
     seconds: float            # estimated time of this plan
     seconds_recompute: float  # ... of loading only the memory-tier tokens
     seconds_load_all: float   # ... of loading every held token
+    seconds_exposed: float = 0.0  # the part of ``seconds`` beyond this plan's compute (a load not hidden, the fill)
 
     @property
     def held_tokens(self) -> int:
@@ -93,6 +98,17 @@ class Split:
     def recompute_tokens(self) -> int:
         """Tokens the engine computes: held ones not loaded plus the new ones."""
         return self.held_tokens - self.load_tokens + self.new_tokens
+
+    def loaded_bytes(self) -> dict[str, float]:
+        """Tier -> bytes this plan loads from it (tiers it loads nothing from are left out)."""
+        out: dict[str, float] = {}
+        left = self.load_tokens
+        for s in self.segments:
+            got = min(left, s.tokens)
+            left -= got
+            if got:
+                out[s.tier] = out.get(s.tier, 0.0) + got * s.nbytes_per_token
+        return out
 
     def per_tier(self) -> dict[str, tuple[int, int]]:
         """Tier -> (held tokens loaded, held tokens recomputed)."""
@@ -146,7 +162,7 @@ def split_at(segments: Sequence[Segment], load_tokens: int, new_tokens: int, con
     chosen = timing.total(load_tokens)
     # the same plan priced once (an all-memory hit, a plan that loads all or only the memory tiers: the usual)
     return Split(segs, load_tokens, new_tokens, chosen, chosen if lo == load_tokens else timing.total(lo),
-                 chosen if held == load_tokens else timing.total(held))
+                 chosen if held == load_tokens else timing.total(held), max(0.0, chosen - timing.compute(load_tokens)))
 
 
 def _checked(segments: Sequence[Segment], new_tokens: int, context: int, unit_tokens: int,
@@ -158,9 +174,9 @@ def _checked(segments: Sequence[Segment], new_tokens: int, context: int, unit_to
         if s.tokens < 0 or s.tokens % unit_tokens:
             raise InvalidInputError(f"split: segment {s.tier!r} holds {s.tokens} tokens, not a multiple of the unit "
                                     f"({unit_tokens} tokens): pass whole chunks/pages")
-        if not s.gbps > 0 or s.nbytes_per_token < 0:
-            raise InvalidInputError(f"split: segment {s.tier!r} reads at {s.gbps} GB/s, {s.nbytes_per_token} B/token; "
-                                    "need a rate > 0 and bytes >= 0")
+        if not s.gbps > 0 or s.nbytes_per_token < 0 or not s.overlap_cost >= 0:
+            raise InvalidInputError(f"split: segment {s.tier!r} reads at {s.gbps} GB/s, {s.nbytes_per_token} B/token, "
+                                    f"overlap cost {s.overlap_cost} s/B; need a rate > 0, bytes and cost >= 0")
     return tuple(segments)
 
 
@@ -182,6 +198,16 @@ class _Timing:
             total += s.seconds(min(s.tokens, m - start))
         return total
 
+    def cost(self, m: int) -> float:
+        """The measured overlap cost of loading the first ``m`` held tokens under the forward (seconds)."""
+        total = 0.0
+        for s, start in zip(self.segs, self.starts):
+            if m <= start:
+                break
+            if s.overlap_cost:
+                total += min(s.tokens, m - start) * s.nbytes_per_token * s.overlap_cost
+        return total
+
     def compute(self, m: int) -> float:
         return self.model.seconds(self.held - m + self.new, self.context + m)
 
@@ -198,7 +224,7 @@ class _Timing:
         if not self.overlap:
             return ld + cp
         ov = self.overlapped(m)
-        return max(ld, ov) + (min(ld, ov) / self.layers if self.layers else 0.0) + (cp - ov)
+        return max(ld, ov) + (min(ld, ov) / self.layers if self.layers else 0.0) + (cp - ov) + self.cost(m)
 
 
 def _ends(t: _Timing, lo: int) -> set[int]:

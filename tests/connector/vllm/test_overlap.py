@@ -131,6 +131,34 @@ def test_the_first_overlapped_hit_on_the_built_in_rate_loads_one_chunk(model_dir
         eng.close()
 
 
+@pytest.mark.parametrize("slowdown", [0.0, 0.05], ids=["as-priced", "slowed"])
+def test_overlapped_reads_that_slow_the_step_are_measured_and_the_next_hit_recomputes(model_dir, tmp_path, monkeypatch,
+                                                                                      slowdown):
+    """The first hit splits as the rates say. Its step's forward (timed by the workers) comes back ``slowdown``
+    longer than the model's compute of its tokens: as with the remote tier on the H200, where reader threads slowed
+    the forward they ran under. The gate learns that cost from the step, and the next conversation's hit on the same
+    rates recomputes instead; a step that ran as priced leaves the cost near 0 and the next hit loads again."""
+    from tiered_kv.connector.vllm.forward_clock import ForwardClock
+
+    take = ForwardClock.take
+    monkeypatch.setattr(ForwardClock, "take", lambda self: {s: (t + slowdown if loaded else t, loaded)
+                                                            for s, (t, loaded) in take(self).items()})
+    eng = Engine.create(model_dir, cfg(tmp_path, **{**SLOW_SPLIT, "prefill_learn": True}))
+    try:
+        a, b = prompt(31, HELD * CHUNK + 4), prompt(32, HELD * CHUNK + 4)
+        _on_disk(eng, "a", a)
+        _turn(eng, "a2", a)
+        assert 0 < eng.cached_at_start["a2"] < HELD * CHUNK  # split: part loaded under the forward
+        st = eng.connector.stats()
+        assert st["prefill_steps_priced"] == 1, st
+        assert (st["disk_overlap_s_per_gb"] > 1.0) == (slowdown > 0), st  # 50 ms for a few 16 KiB chunks: huge
+        _on_disk(eng, "b", b)
+        _turn(eng, "b2", b)
+        assert (eng.cached_at_start["b2"] == 0) == (slowdown > 0), eng.connector.stats()
+    finally:
+        eng.close()
+
+
 def test_a_damaged_record_fails_its_blocks_in_the_step_that_read_it(model_dir, tmp_path):
     """A fast disk loads the whole run in-step; one record's payload changed on disk: the forward read wrong bytes
     only in blocks the connector reported failed in that step (the harness checks), vLLM recomputed them, the

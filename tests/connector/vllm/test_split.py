@@ -139,6 +139,39 @@ def test_cpu_tier_hits_always_load_even_when_recompute_looks_free(model_dir, tmp
         eng.close()
 
 
+@pytest.mark.parametrize("slowdown", [0.0, 0.05], ids=["as-priced", "launch-bound"])
+def test_cpu_hits_recompute_where_loading_steps_were_measured_slower(model_dir, tmp_path, monkeypatch, slowdown):
+    """An engine whose loading step costs as much as recomputing (an eager launch: H200, 2026-11-30): the workers
+    time the first loading step ``slowdown`` longer than the model's compute of its tokens; the gate learns that load
+    cost, and the next conversation's CPU hit is recomputed whole, as vLLM alone would; a step as priced keeps CPU
+    hits loading. The forwards are timed by the workers' clock, as on the GPU."""
+    from tiered_kv.connector.vllm.forward_clock import ForwardClock
+
+    take = ForwardClock.take
+    monkeypatch.setattr(ForwardClock, "take", lambda self: {s: (t + slowdown if loaded else t, loaded)
+                                                            for s, (t, loaded) in take(self).items()})
+    eng = Engine.create(model_dir, cfg(tmp_path, disk_path=None, disk_bytes=0, write_policy="write_back"))
+    try:
+        a, b = prompt(21, 4 * CHUNK + 4), prompt(22, 4 * CHUNK + 4)
+        more = prompt(23, 40)  # a turn 2 computes 40 new tokens: a prefill step (4 would be a decode-sized one)
+        _turn(eng, "a", a)
+        _turn(eng, "a2", a + more)
+        assert eng.cached_at_start["a2"] == 4 * CHUNK  # nothing measured yet: a CPU hit loads
+        st = eng.connector.stats()
+        assert st["prefill_steps_priced"] == 1 and st["split_cpu_loaded_tokens"] == 4 * CHUNK, st
+        _turn(eng, "b", b)
+        _turn(eng, "b2", b + more)
+        recomputed = slowdown > 0
+        assert eng.cached_at_start["b2"] == (0 if recomputed else 4 * CHUNK), eng.connector.stats()
+        st = eng.connector.stats()
+        assert st["sched_cpu_hits_recomputed"] == int(recomputed), st
+        assert st["split_cpu_recomputed_tokens"] == (4 * CHUNK if recomputed else 0), st
+        decisions = eng.connector.planner.store_stats()["gate"]["decisions"]
+        assert decisions["recompute"] == int(recomputed), decisions
+    finally:
+        eng.close()
+
+
 # ---------------------------------------------------------------------------------------------- the learned model
 
 #: the harness's "GPU": 1 ms a step, 50k tokens/s at short context, attention doubling a token's cost at 3k
@@ -368,6 +401,27 @@ def test_step_meter_fits_the_workers_times_once_they_come():
     for step in range(4, 4 + 2 * 256):
         meter.scheduled(step, out)  # never timed by any worker: the meter keeps a bounded number
     assert len(meter._parts) <= 256
+
+
+def test_step_meter_prices_the_overlapped_reads_of_loaded_steps():
+    """A step scheduled with slow-tier bytes read under its forward and timed by the workers as loaded hands the
+    gate its excess: the forward time less the model's compute of its tokens less the exposure its plans priced.
+    A loaded step without such reads, an unloaded step, and a step only the scheduler's clock timed hand nothing."""
+    model = PrefillModel.from_rate(30000, 32768)
+    got: list[tuple[dict, float]] = []
+    meter = StepMeter(PrefillEstimator(model, fit_on_read=False), lambda: 0.0,
+                      on_overlap=lambda nbytes, excess: got.append((nbytes, excess)))
+    out = step_output([("n", 256, 512)], [])
+    meter.scheduled(1, out, ({"disk": 1e8}, 0.002))
+    meter.finished(1)  # the scheduler's clock: it cannot tell a forward that waited
+    assert got == [] and meter._in_step == {}
+    meter.scheduled(2, out, ({"disk": 1e8}, 0.002))
+    meter.scheduled(3, out, ({"remote": 5e7}, 0.0))
+    meter.scheduled(4, out)
+    meter.finished(4, {2: (0.050, True), 3: (0.020, False), 4: (0.030, True)})
+    compute = model.step_seconds([(256, 512)])
+    assert got == [({"disk": 1e8}, pytest.approx(0.050 - compute - 0.002))]
+    assert meter.priced_steps == 1 and meter.loaded_steps == 2 and meter._in_step == {}
 
 
 def test_step_meter_gives_up_when_no_output_carries_a_step_number(caplog):

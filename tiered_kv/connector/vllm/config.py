@@ -205,11 +205,11 @@ class ConnectorConfig(RemoteKeys):
                                                 "which always hands over per-layer tensors "
                                                 "(`VLLM_USE_V2_MODEL_RUNNER=0` selects V1). Set `false` to keep "
                                                 "per-layer tensors")
-    disk_load_policy: str = config_key("auto", "which held chunks below the CPU tier a hit loads (CPU chunks always "
-                                               "load): `auto` the split per request (the disk part, then the remote "
-                                               "part, each loaded only while the estimated read time beats "
-                                               "recomputing it; see \"Disk or recompute\"); `always` every held "
-                                               "chunk; `never` only CPU chunks")
+    disk_load_policy: str = config_key("auto", "which held chunks a hit loads: `auto` the split per request (CPU "
+                                               "chunks unless loading steps measured slower, the disk part, then the "
+                                               "remote part, each while the estimated read beats recomputing it; see "
+                                               "\"Disk or recompute\"); `always` every held chunk; `never` only CPU "
+                                               "chunks")
     disk_read_gbps: float = config_key(DEFAULT_READ_GBPS, "the disk tier's read rate (GB/s, all ranks together) "
                                                                "the split starts from; then a running average of the "
                                                                "measured disk loads. The built-in 3.0 is a guess: the "

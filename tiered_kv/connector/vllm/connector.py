@@ -345,7 +345,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         """This step's plan for the workers; the step's clock starts (``StepMeter``)."""
         plan = self.planner.build(scheduler_output)
-        self.planner.steps.scheduled(plan.step, scheduler_output)
+        self.planner.steps.scheduled(plan.step, scheduler_output, self.planner.step_in_step)
         if self.cfg.metrics_port is not None and time.monotonic() - self._prom_at > 1.0:
             self._prom_at = time.monotonic()
             self._prom_snapshot = self._prom_stats()

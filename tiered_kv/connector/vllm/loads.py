@@ -14,7 +14,9 @@ It also counts the split gate's plan for the hit once vLLM allocated the request
 tokens loaded and recomputed per tier), keeps each request's prefix in order in the CPU tier's eviction policy
 (``refresh``), and feeds what completed loads measured back to the split's read rates per tier and the adaptive
 load budget (``load_done``), and what completed writes to a tier measured to its read rate while that is a guess
-(``write_done``).
+(``write_done``). Per step it sums the bytes the in-step hits load per tier and what their plans priced beyond
+compute (``take_in_step``): the step's forward time then measures what those loads cost it (``prefill.StepMeter``,
+``SplitGate.observe_overlap``).
 
 Threading contract: vLLM's scheduler thread only; no I/O, no torch.
 """
@@ -52,16 +54,23 @@ class LoadPlanner:
         self._budget = budget
         self.counters = counters
         self.async_cpu_loads: set[int] = set()  # adaptive: asynchronous CPU-tier loads (their rate feeds the budget)
+        # this step's in-step loads: bytes per tier, and the seconds their plans priced beyond compute
+        self._in_step_bytes: dict[str, float] = {}
+        self._in_step_exposed = 0.0
 
     def allocated(self, request, block_ids, num_external_tokens: int) -> None:
         """vLLM allocated ``block_ids`` (all of the request's blocks, one list per KV cache group) after a
         hit of ``num_external_tokens``."""
         st = self._requests.state(request)
+        split = None
         if st.split is not None:  # the plan of the match vLLM took: count it once
             self._gate.count(*st.split)
+            split = st.split[0]
             st.split = None
         if num_external_tokens <= 0:
             return
+        if st.sync and split is not None:
+            self._note_in_step(split)
         if self._parts is not None:
             self._allocated_parts(st, block_ids, num_external_tokens)
             return
@@ -151,6 +160,24 @@ class LoadPlanner:
         skip = local // self.bs - c0 * k
         if skip > 0 and out:
             out[:skip] = [-1] * skip
+        return out
+
+    def _note_in_step(self, split) -> None:
+        """An in-step hit's plan: its bytes load inside this step (CPU copies, slow-tier reads under the forward)."""
+        loaded = split.loaded_bytes()
+        if loaded:
+            for t, n in loaded.items():
+                self._in_step_bytes[t] = self._in_step_bytes.get(t, 0.0) + n
+            self._in_step_exposed += split.seconds_exposed
+
+    def take_in_step(self) -> tuple[dict[str, float], float] | None:
+        """The step being built: the bytes its in-step loads move per tier (the CPU tier's copies, slow tiers' reads
+        under the forward) and the seconds their plans priced beyond compute; None when it loads none. Resets for the
+        next step."""
+        if not self._in_step_bytes:
+            return None
+        out = (self._in_step_bytes, self._in_step_exposed)
+        self._in_step_bytes, self._in_step_exposed = {}, 0.0
         return out
 
     def _plan_loads(self, st: RequestState, jobs: list[TransferJob], tokens: int) -> list[TransferJob]:

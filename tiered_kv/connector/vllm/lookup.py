@@ -11,8 +11,9 @@ in the remote tier is adopted when the walk reaches it (``RemotePresence``). The
   every group's part of the piece and the windows before its end);
 - the split (``planner.gate.SplitGate``, shared with SGLang's backend; built in ``prefill.py``): the held chunks
   as runs per tier (CPU, then disk, then remote, as the walk found them), after the tokens vLLM holds, before
-  the request's tokens still to compute; CPU chunks always load, a disk or remote run loads only while reading
-  it is estimated faster than recomputing it (no overlap: per tier all or nothing). The plan waits on the
+  the request's tokens still to compute; CPU chunks load (unless the engine's loading steps were measured slower
+  than recomputing: ``SplitGate``'s load cost), a disk or remote run loads only while reading it is estimated faster
+  than recomputing it (no overlap: per tier all or nothing). The plan waits on the
   request's state until vLLM allocates it (``LoadPlanner.allocated`` counts it), so a request vLLM asks about
   again is counted once;
 - whether the load runs inside the step (every chunk in the CPU tier, or with ``disk_overlap_bytes`` CPU chunks
@@ -45,7 +46,7 @@ import logging
 from itertools import groupby
 
 from tiered_kv.planner.chain import TierChain
-from tiered_kv.planner.gate import DECLINED, PROBE, SPLIT, SplitGate
+from tiered_kv.planner.gate import DECLINED, PROBE, RECOMPUTE, SPLIT, SplitGate
 from tiered_kv.planner.split import MEMORY_TIERS
 from tiered_kv.connector.vllm.admission import StepLoadBudget
 from tiered_kv.connector.vllm.common import CPU
@@ -339,6 +340,8 @@ class LookupPlanner:
             self.counters.disk_probes += 1
         elif outcome in (DECLINED, SPLIT):
             self.counters.disk_hits_declined += 1
+        elif outcome == RECOMPUTE:  # loading steps measured slower than recomputing (an engine bound by its launch)
+            self.counters.cpu_hits_recomputed += 1
         if split.load_tokens == held:
             return len(where)
         return (split.load_tokens + local) // chunk  # without overlap a plan ends at a run's end: a whole chunk's

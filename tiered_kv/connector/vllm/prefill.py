@@ -33,6 +33,12 @@ docs/design.md, "Load or recompute: the split"):
   or a batch queue. ``forward`` (``TieredKVWorkerMeta.forward``) holds the forwards the workers timed
   (``forward_clock.py``: ``{step: (seconds, loaded)}``, the slowest rank's, usually a step after the step ran).
 
+A step with in-step loads (``scheduled``'s ``in_step``: bytes per tier, CPU copies or slow-tier reads under the
+forward, and the seconds the plans priced beyond compute) is also their measurement: its forward time less the
+model's time for the tokens it computed and less that priced exposure is what the loads cost beyond the split's
+pricing; ``on_overlap`` (``SplitGate.observe_overlap``: a slow tier's overlap cost, or the CPU tier's load cost) gets
+it on vLLM's thread (a pass over the step's requests).
+
 What a step's time is: the workers' forward time, from ``bind_connector_metadata`` to ``wait_for_save`` on the GPU
 (CUDA events; the CPU fallback's clock), once any worker metadata carried a ``forward`` (workers of this version
 always do). A step whose forward waited for in-step loads (``loaded``) is timed but not fitted: its time is not a
@@ -138,9 +144,12 @@ class StepMeter:
     """Times vLLM's steps into the split gate's ``PrefillEstimator`` (see the module). ``clock``: monotonic seconds
     (tests pass their own)."""
 
-    def __init__(self, estimator: PrefillEstimator, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, estimator: PrefillEstimator, clock: Callable[[], float] = time.monotonic,
+                 on_overlap: Callable[[dict[str, float], float], None] | None = None) -> None:
         self.estimator = estimator
         self.clock = clock
+        self.on_overlap = on_overlap  # ``SplitGate.observe_overlap``: the excess of steps with in-step loads
+        self.priced_steps = 0  # loaded steps timed whose loads were priced (``scheduled(..., in_step)``)
         self.on = not estimator.fixed
         self.timed = 0  # steps timed (decode-only ones too)
         self.loaded_steps = 0  # steps timed by the workers whose forward waited for in-step loads (not fitted)
@@ -152,6 +161,7 @@ class StepMeter:
         self._timer = StepTimer()
         self._parts: dict[int, list[tuple[int, int]]] = {}  # scheduled steps the workers have not timed yet
         self._sched_s: dict[int, float] = {}  # the scheduler clock's time of those steps (``recent``)
+        self._in_step: dict[int, tuple[dict[str, float], float]] = {}  # those steps' in-step loads (``scheduled``)
         self._queue: deque[tuple[list[tuple[int, int]], float]] = deque(maxlen=WINDOW)  # timed prefill steps
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -160,8 +170,10 @@ class StepMeter:
         self._unanswered = 0  # steps scheduled since an output last came back with a step number
 
     # ------------------------------------------------------------------ vLLM's scheduler thread
-    def scheduled(self, step: int, scheduler_output) -> None:
-        """Step ``step`` was scheduled now (``build_connector_meta``)."""
+    def scheduled(self, step: int, scheduler_output,
+                  in_step: tuple[dict[str, float], float] | None = None) -> None:
+        """Step ``step`` was scheduled now (``build_connector_meta``). ``in_step``: the bytes its in-step loads move
+        per tier and the seconds their plans priced beyond compute (``LoadPlanner.take_in_step``)."""
         if not self.on:
             return
         self._unanswered += 1
@@ -173,14 +185,18 @@ class StepMeter:
             self._timer = StepTimer()
             self._parts.clear()
             self._sched_s.clear()
+            self._in_step.clear()
             return
         parts = step_parts(scheduler_output)
         self._timer.scheduled(step, parts, self.clock())
         self._parts[step] = parts
+        if in_step is not None:
+            self._in_step[step] = in_step
         if len(self._parts) > UNTIMED_STEPS:  # the workers never timed these (dicts keep insertion order)
             for old in list(self._parts)[:len(self._parts) - UNTIMED_STEPS]:
                 del self._parts[old]
                 self._sched_s.pop(old, None)
+                self._in_step.pop(old, None)
 
     def finished(self, step: int, forward: dict[int, tuple[float, bool]] | None = None) -> None:
         """Step ``step``'s output reached the scheduler now (``update_connector_output``); ``forward``: the forwards
@@ -193,6 +209,7 @@ class StepMeter:
             self.worker_clock = True
         if not self.worker_clock:
             self._parts.pop(step, None)
+            self._in_step.pop(step, None)  # the scheduler's clock cannot tell a forward that waited for its loads
             if got is not None:
                 self._timed(got[0], got[1], got[1], None, False, step)
             return
@@ -207,8 +224,15 @@ class StepMeter:
                loaded: bool, step: int) -> None:
         self.timed += 1
         self.recent.append((step, sum(n for n, _ in parts), sched_s, fwd_s, loaded))
+        in_step = self._in_step.pop(step, None)
         if loaded:
             self.loaded_steps += 1
+            if in_step is not None and self.on_overlap is not None and parts:
+                # what the step took beyond the model's compute of its tokens and the exposed time its plans priced:
+                # the cost of its in-step loads (a pass over the step's requests and a dot product, no fit)
+                self.priced_steps += 1
+                excess = seconds - self.estimator.model().step_seconds(parts) - in_step[1]
+                self.on_overlap(in_step[0], excess)
             return
         if not parts:
             self.estimator.observe_step((), seconds)  # counted as a decode-only step, nothing else
@@ -269,7 +293,8 @@ def split_stats(gate: SplitGate) -> dict:
     (``<tier>_gbps_source``: guess, writes, reads or set), the prefill rate
     of a 2048-token chunk at context 0 and its source and samples, held tokens loaded and recomputed per tier, and
     the summed estimated seconds of the plans taken, of recomputing and of loading every held token
-    (``split_est_<plan>_s``: what the decisions weighed, so a benchmark can tell a near call from a clear one)."""
+    (``split_est_<plan>_s``: what the decisions weighed, so a benchmark can tell a near call from a clear one), and
+    each slow tier's measured overlap cost (``<tier>_overlap_s_per_gb``: seconds a GB read under the forward adds)."""
     rep = gate.report()["split"]
     out: dict = {f"{t}_gbps_estimate": float(f"{g:.4g}") for t, g in rep["read_gbps"].items() if t not in MEMORY_TIERS}
     out.update({f"{t}_gbps_source": src for t, src in rep["read_source"].items() if t not in MEMORY_TIERS})
@@ -281,4 +306,6 @@ def split_stats(gate: SplitGate) -> dict:
         out[f"split_{tier}_recomputed_tokens"] = t["recomputed"]
     for plan, seconds in rep["estimated_seconds"].items():
         out[f"split_est_{plan}_s"] = round(seconds, 6)
+    for tier, c in rep["overlap_cost"].items():
+        out[f"{tier}_overlap_s_per_gb"] = round(c["s_per_gb"], 6)
     return out

@@ -142,7 +142,9 @@ class SchedulerPlanner:
         # disk and remote chunks load only while reading them beats recomputing them (shared with SGLang's backend);
         # the prefill model is learned from vLLM's steps (the connector calls self.steps: prefill.py)
         self._gate = split_gate(cfg, geo, tier_names(self.chain))
-        self.steps = StepMeter(self._gate.prefill)
+        self.steps = StepMeter(self._gate.prefill, on_overlap=self._gate.observe_overlap)
+        #: the step last built: what its in-step loads move per tier and their priced exposure (``take_in_step``)
+        self.step_in_step: tuple[dict[str, float], float] | None = None
         # load_mode adaptive: the in-step load bytes (per rank) each step may take; None in the other modes
         self._budget = (StepLoadBudget(None if cfg.step_load_bytes == "auto" else cfg.step_load_bytes, cfg.load_gbps)
                         if cfg.load_mode == "adaptive" else None)
@@ -201,6 +203,7 @@ class SchedulerPlanner:
         stores = router.take_valid_stores(step)
         router.drain_finished()
         self.counters.fences += len(fences)
+        self.step_in_step = self._loads.take_in_step()
         return router.take_plan(step, stores, fences, int(scheduler_output.total_num_scheduled_tokens))
 
     # ------------------------------------------------------------------ completions
@@ -330,6 +333,7 @@ class SchedulerPlanner:
             "remote_known": len(self._presence.known) if self._presence is not None else 0,
             "prefill_steps_timed": self.steps.timed, "prefill_fits": self.steps.fits,
             "prefill_steps_loaded": self.steps.loaded_steps,
+            "prefill_steps_priced": self.steps.priced_steps,
             "prefill_clock": "workers" if self.steps.worker_clock else "scheduler", **split_stats(self._gate),
         })
         if self._budget is not None:

@@ -103,6 +103,7 @@ class PlannerCounters:
     hybrid_reseeds: int = 0  # hybrid hits answered "no hit" so vLLM recomputes and caches a shared prefix (reseed.py)
     disk_hits_declined: int = 0  # split decisions that left held disk or remote chunks to recompute (wholly or in part)
     disk_probes: int = 0  # such decisions that loaded everything anyway, to re-measure the tiers (disk_probe_every)
+    cpu_hits_recomputed: int = 0  # hits left whole to recompute: their loading steps measured slower (SplitGate)
     load_jobs: int = 0
     store_chunks: int = 0
     stores_dropped_reused: int = 0
