@@ -659,6 +659,15 @@ def disk_sweep(r: Result) -> str:
                   "/ raw (16 in flight)"], rows) + f"\nRaw O_DIRECT 2 MiB reads, same run: {raws} GB/s.\n"
 
 
+def remote_ranges(r: Result) -> str:
+    d = r.doc
+    rows = [[x["reader"], "yes" if x["busy"] else "no", num(x["read_GBps"], 2),
+             num(x["spinner_kept"], 2) if x.get("spinner_kept") is not None else "-", x["reps"]] for x in d["rows"]]
+    return table(["reader", "busy Python thread", "read GB/s (median)", "its rate during the reads / alone",
+                  "reps"], rows) + (f"\n{d['records']} records of {d['blocks']} x {d['block_bytes'] >> 10} KiB, "
+                                    f"{d['groups']} layer groups.\n")
+
+
 #: the probes' README: their answers, from the same files
 PROBES = "benchmarks/probes/README.md"
 #: the page of runs on several GPUs of one host (TP, replicas, engines side by side)
@@ -691,6 +700,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("sglang-bench", ("sglang_bench_*.json",), each(sglang_bench)),
     Scenario("disk", ("disk_bench_*.json",), each(disk)),
     Scenario("disk-sweep", ("disk_sweep_*.json",), each(disk_sweep), PROBES),
+    Scenario("remote-ranges", ("remote_ranges_*.json",), each(remote_ranges), PROBES),
     Scenario("disk-sharing", ("disk_sharing_bench_*.json",), each(disk_sharing)),
     Scenario("remote", ("remote_bench_*.json",), each(remote)),
     Scenario("burst-sim", ("burst_sim_*.json",), each(burst_sim), PROBES),

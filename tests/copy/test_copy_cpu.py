@@ -301,3 +301,43 @@ def test_grouped_load_refuses_bad_groups(groups):
     copier = BlockCopier(layout, allocate_slab(4, layout.block_nbytes, pin=False))
     with pytest.raises(LayoutError, match="group"):
         copier.cpu_to_gpu_grouped([0], [1], groups)
+
+
+def test_sm_kernel_specializations_are_what_a_launch_compiles():
+    """``triton_kernel.variant`` (pure arithmetic, no Triton): the word is the widest dividing every address and
+    length, the loop step the typical piece's words rounded up to a power of two in [128, 1024]. On every test
+    layout (the dispatcher's arithmetic on CPU tensors here), what random and contiguous loads and stores of 1 to
+    40 blocks launch, whole and a tensor at a time, is among its ``sm_variants``; a CPU copier has none to warm, and
+    ``warm_sm_kernel`` of CPU copiers compiles nothing."""
+    from tiered_kv.copy import triton_kernel, warm_sm_kernel
+    from tiered_kv.copy.dispatch import GpuDispatcher
+
+    def runs(src, dst, size):
+        return Runs(torch.tensor(src), torch.tensor(dst), torch.tensor(size))
+
+    assert triton_kernel.variant(runs([4096, 8192], [0, 65536], [32768, 32768])) == (8, 1024)
+    assert triton_kernel.variant(runs([4100], [8], [1024])) == (4, 256)
+    assert triton_kernel.variant(runs([4096], [64], [15])) == (1, 128)
+    assert triton_kernel.variant(runs([0], [0], [1 << 20])) == (8, 1024)  # split into 64 KiB pieces first
+    gen = torch.Generator().manual_seed(9)
+    for case in CASES:  # every layout: what random loads and stores launch is among the variants warmed
+        for heads in (1, 2, 8):
+            layout = case.build(Shape(layers=3, heads=heads, block_size=16, head_dim=64, num_blocks=48),
+                                torch.bfloat16, "cpu")
+            slab = allocate_slab(48, layout.block_nbytes, pin=False)
+            disp = GpuDispatcher(layout, slab, SelectionPolicy(), True, 2048, 32, None)
+            got = disp.sm_variants()
+            assert got and all(w in (1, 2, 4, 8) and 128 <= b <= 1024 for w, b in got), (case.name, got)
+            base, pitch = slab.data_ptr(), slab.stride(0)
+            n_tensors = len(layout.tensors)
+            for n in (1, 3, 17, 40):
+                ids, slots = torch.randperm(48, generator=gen)[:n], torch.randperm(48, generator=gen)[:n]
+                if n == 17:
+                    ids, slots = torch.arange(n), torch.arange(5, 5 + n)  # contiguous: merged runs
+                for to_cpu in (False, True):
+                    launched = triton_kernel.variant(plan_runs(disp.table, ids, slots, base, pitch, to_cpu))
+                    assert launched in got, (case.name, heads, n, to_cpu, launched, got)
+                for runs in disp.plan_groups(ids, slots, False, [(t, t + 1) for t in range(n_tensors)]):
+                    assert triton_kernel.variant(runs) in got, (case.name, heads, n)
+    copier = BlockCopier(layout, slab)
+    assert copier.sm_variants() == set() and warm_sm_kernel([copier], "test") == set()

@@ -203,3 +203,38 @@ def test_grouped_load_layer_by_layer_bit_exact(name, mech):
         assert torch.equal(seen[g].cpu(), cpu.tensors[g].contiguous().view(torch.uint8)), f"group {g}"
     assert all(r.done() for r in results)
     _check_storages_equal(gpu, cpu)
+
+
+def _compiled_kernels() -> int:
+    """Specializations of the SM kernel Triton holds compiled (its per-device caches; the attribute moved in 3.x)."""
+    from tiered_kv.copy import triton_kernel
+
+    kernel = triton_kernel._kernel()
+    caches = getattr(kernel, "device_caches", None)
+    if caches is not None:
+        return sum(len(v[0]) for v in caches.values())
+    return sum(len(v) for v in kernel.cache.values())
+
+
+def test_warmed_sm_kernel_compiles_nothing_at_the_first_load():
+    """``warm_sm_kernel`` compiles what a copier of this layout launches: a first SM-kernel load and store of 13
+    blocks, and a layer-by-layer load, compile nothing more (as the worker's start-up warm-up promises), and the
+    bytes are exact. The piece count is not specialized on."""
+    from tiered_kv.copy import warm_sm_kernel
+
+    gen = torch.Generator().manual_seed(21)
+    case = next(c for c in all_cases() if c.name == "vllm026-NHD")
+    gpu, cpu = _twins(case, SHAPE, torch.bfloat16, gen)
+    slab = _random_slab(SLOTS, gpu.block_nbytes, gen)
+    copier = BlockCopier(gpu, slab, mechanism=Mechanism.SM_KERNEL)
+    assert warm_sm_kernel([copier], "test")
+    before = _compiled_kernels()
+    ids, slots = torch.randperm(SHAPE.num_blocks, generator=gen)[:13], torch.randperm(SLOTS, generator=gen)[:13]
+    BlockCopier(cpu, slab.clone()).cpu_to_gpu(slots, ids)
+    copier.cpu_to_gpu(slots, ids).wait()
+    for r in copier.cpu_to_gpu_grouped(slots, ids, [(t, t + 1) for t in range(len(gpu.tensors))]):
+        r.wait()
+    copier.gpu_to_cpu(ids[:5], slots[:5]).wait()
+    _check_storages_equal(gpu, cpu)
+    assert _compiled_kernels() == before
+    copier.close()

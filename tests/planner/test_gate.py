@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from tiered_kv.errors import ConfigError, InvalidInputError
-from tiered_kv.planner.gate import (ALL_FAST, ALWAYS, BEATS, DECLINED, PROBE, RECOMPUTE, RECOMPUTE_PROBE_EVERY,
-                                   SPLIT, LoadGate, SplitGate)
+from tiered_kv.planner.gate import (ALL_FAST, ALWAYS, BEATS, DECLINED, FLOOR_MIN_SAMPLES, PROBE, RECOMPUTE,
+                                   RECOMPUTE_PROBE_EVERY, SPLIT, LoadGate, SplitGate)
 from tiered_kv.planner.rates import PrefillEstimator, PrefillModel, ReadRate
 
 MIB8 = 8 << 20  # one unit: 8 MiB for 64 tokens; break-even at 30k tokens/s = 3.93 GB/s
@@ -210,15 +210,15 @@ def test_a_hybrid_hit_is_priced_at_its_own_bytes():
 
 
 def test_split_gate_learns_what_overlapped_reads_cost_and_plans_with_it():
-    """A step's excess over its plans' pricing is shared by its slow tiers' bytes; the segments carry each tier's
-    cost, so the 8k disk hit that split at no cost is declined once overlapped reads were measured slow; the report
-    says so; memory tiers and empty reads are ignored."""
+    """A step's excess over its price is shared by its slow tiers' bytes; the segments carry each tier's cost, so
+    the 8k disk hit that split at no cost is declined once overlapped reads were measured slow; the report says so;
+    memory tiers and empty reads are ignored."""
     g = _split_gate()
     assert g.decide([("disk", 8192)], 0, 0)[1] == SPLIT
-    g.observe_overlap({"disk": 3e8, "remote": 1e8, "cpu": 5e8}, 0.4)  # 0.3 s of it the disk's, 0.1 s the remote's
+    g.observe_loaded_step({"disk": 3e8, "remote": 1e8, "cpu": 5e8}, 0.5, 0.1)  # 0.3 s the disk's, 0.1 the remote's
     assert g.overlap_cost["disk"].s_per_byte == pytest.approx(1e-9) and g.overlap_cost["remote"].samples == 1
-    assert "cpu" not in g.overlap_cost
-    g.observe_overlap({"disk": 0}, 5.0)
+    assert "cpu" not in g.overlap_cost and g.load_floor.samples == 0
+    g.observe_loaded_step({"disk": 0}, 5.0, 0.0)
     assert g.overlap_cost["disk"].samples == 1
     assert g.segments([("cpu", 256), ("disk", 512)])[1].overlap_cost == pytest.approx(1e-9)
     assert g.segments([("cpu", 256)])[0].overlap_cost == 0.0
@@ -227,25 +227,61 @@ def test_split_gate_learns_what_overlapped_reads_cost_and_plans_with_it():
     assert g.report()["split"]["overlap_cost"]["disk"] == {"s_per_gb": pytest.approx(1.0), "samples": 1}
 
 
-def test_cpu_hits_recompute_once_their_loading_steps_were_measured_slower():
-    """CPU hits load while nothing is measured, and while the measured load cost keeps them faster than recomputing;
-    a cost that makes the loading step slower than recomputing every held token declines the hit whole (the CPU
-    part too), every ``RECOMPUTE_PROBE_EVERY``-th one loading anyway; policy ``always`` never declines; a step with
-    slow-tier reads charges them, not the CPU tier."""
+@pytest.mark.parametrize("truth", [0.1e-9, 0.5e-9])
+def test_the_learned_overlap_cost_converges_on_the_truth_through_the_plans_that_price_it(truth):
+    """The gate plans with the cost it learned, the engine's steps run ``truth`` per byte over the split's pricing
+    without it, and the step's excess over the plan's price (``seconds_exposed`` leaves the measured cost out) feeds
+    the cost back: it converges on the truth, not on a fraction of it."""
+    g = _split_gate(disk=1.53)
+    model = g.prefill.model()
+    for _ in range(40):
+        plan, _ = g.decide([("disk", 8192)], 64, 0)
+        plan = plan if plan.load_tokens else g.decide([("disk", 8192)], 64, 0, overlap=True)[0]
+        nbytes = plan.loaded_bytes().get("disk", 0.0) or 256 * KV  # a probe-sized read when the plan declines
+        compute = model.seconds(plan.recompute_tokens, plan.load_tokens)
+        priced = compute + plan.seconds_exposed
+        g.observe_loaded_step({"disk": nbytes}, priced + truth * nbytes, priced)
+    assert g.overlap_cost["disk"].s_per_byte == pytest.approx(truth, rel=0.02)
+
+
+def _fitted_gate():
     g = _split_gate()
-    hit = [("cpu", 1024)]  # 128 MiB; recomputing them and the 160 new tokens: 31.8 ms at the gate's model
-    assert g.decide(hit, 160, 0)[1] == ALL_FAST
-    g.observe_overlap({"cpu": 128 << 20, "disk": 1e8}, 0.5)  # slow-tier bytes in the step: theirs
-    assert g.load_cost.samples == 0 and g.overlap_cost["disk"].samples == 1
-    g.observe_overlap({"cpu": 128 << 20}, 0.005)  # 5 ms for 128 MiB: loading still wins
-    assert g.decide(hit, 160, 0)[1] == ALL_FAST
-    g.observe_overlap({"cpu": 128 << 20}, 0.200)  # the average now ~44 ms + 4 ms of compute: slower
+    g.prefill = PrefillEstimator(LLAMA, fit_on_read=True, min_samples=1)
+    g.prefill.observe(1024, 0, LLAMA.seconds(1024, 0))
+    g.prefill.model()  # fits (on read)
+    assert g.prefill.fitted
+    return g
+
+
+def test_cpu_hits_recompute_where_loading_steps_have_a_floor_above_their_recompute():
+    """A loading step held at 35 ms while priced at 6 ms (an uncompiled engine's launch): after
+    ``FLOOR_MIN_SAMPLES`` of them, a 1,024-token CPU hit whose recompute costs 31.8 ms is recomputed whole (the CPU
+    part too), every ``RECOMPUTE_PROBE_EVERY``-th one planned as usual; an 8k hit (recompute 0.22 s, above the floor)
+    still loads; a hit that will not load in-step, policy ``always`` and a gate without a fitted model never
+    decline; steps that ran as priced bring the floor back down (a compiled engine: samples of 0)."""
+    g = _fitted_gate()
+    hit = [("cpu", 1024)]
+    for _ in range(FLOOR_MIN_SAMPLES - 1):
+        g.observe_loaded_step({"cpu": 128 << 20}, 0.035, 0.006)
+        assert g.decide(hit, 160, 0)[1] == ALL_FAST  # too few samples yet
+    g.observe_loaded_step({"cpu": 128 << 20, "disk": 1e8}, 0.5, 0.006)  # slow-tier bytes in the step: theirs
+    assert g.load_floor.samples == FLOOR_MIN_SAMPLES - 1
+    g.observe_loaded_step({"cpu": 128 << 20}, 0.035, 0.006)
+    assert g.load_floor.seconds == pytest.approx(0.035)
     outcomes = [g.decide(hit, 160, 0) for _ in range(2 * RECOMPUTE_PROBE_EVERY)]
-    assert [o for _, o in outcomes].count(PROBE) == 2 and [o for _, o in outcomes].count(RECOMPUTE) == 14
+    assert [o for _, o in outcomes].count(ALL_FAST) == 2 and [o for _, o in outcomes].count(RECOMPUTE) == 14
     plan = next(p for p, o in outcomes if o == RECOMPUTE)
     assert plan.load_tokens == 0 and plan.per_tier() == {"cpu": (0, 1024)}
-    assert next(p for p, o in outcomes if o == PROBE).load_tokens == 1024
-    assert _split_gate(policy="always").decide(hit, 160, 0)[1] == ALL_FAST  # (a fresh gate: nothing measured)
+    assert g.decide([("cpu", 8192)], 160, 0)[1] == ALL_FAST
+    assert g.decide(hit, 160, 0, in_step=False)[1] == ALL_FAST
     g.policy = "always"
     assert g.decide(hit, 160, 0)[1] == ALL_FAST
-    assert g.report()["split"]["load_cost"]["samples"] == 2
+    g.policy = "auto"
+    unfitted = _split_gate()
+    for _ in range(FLOOR_MIN_SAMPLES):
+        unfitted.observe_loaded_step({"cpu": 128 << 20}, 0.035, 0.006)
+    assert unfitted.decide(hit, 160, 0)[1] == ALL_FAST
+    for _ in range(10):
+        g.observe_loaded_step({"cpu": 128 << 20}, 0.0065, 0.006)  # as priced
+    assert g.load_floor.seconds < 0.004 and g.decide(hit, 160, 0)[1] == ALL_FAST
+    assert g.report()["split"]["load_floor"]["samples"] == FLOOR_MIN_SAMPLES + 10

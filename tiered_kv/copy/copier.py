@@ -66,6 +66,26 @@ log = logging.getLogger(__name__)
 LOAD_STREAM_PRIORITY = -1
 
 
+def warm_sm_kernel(copiers: Sequence["BlockCopier"], who: str) -> set[tuple[int, int]]:
+    """Compile the SM kernel's specializations that ``copiers`` launch (``BlockCopier.sm_variants``) now, with
+    ``triton_kernel.warm``, so no copy compiles it inside an engine step; ``who`` names the caller in the log.
+    Returns the specializations compiled (none without CUDA tensors or Triton). A failure is logged, not raised:
+    the first launch then compiles, as it would without a warm-up."""
+    variants = set().union(*(c.sm_variants() for c in copiers))
+    if not variants:
+        return set()
+    from tiered_kv.copy import triton_kernel
+
+    device = copiers[0].layout.device
+    try:
+        seconds = triton_kernel.warm(device, variants)
+    except Exception as exc:  # noqa: BLE001 - a warm-up must not stop the engine
+        log.warning("%s: the SM-kernel copy did not compile at start-up (%r); its first launch will", who, exc)
+        return set()
+    log.info("%s: SM-kernel copy compiled for (word bytes, loop step) %s in %.2f s", who, sorted(variants), seconds)
+    return variants
+
+
 def allocate_slab(num_slots: int, block_nbytes: int, pin: bool | None = None) -> torch.Tensor:
     """A ``(num_slots, block_nbytes)`` uint8 CPU slab; pinned when ``pin`` (default: CUDA is available).
 
@@ -152,6 +172,12 @@ class BlockCopier:
     def sm_kernel_available(self) -> bool:
         """Whether ``Mechanism.SM_KERNEL`` can run for this layout (CUDA tensors and Triton present)."""
         return self._gpu is not None and self._gpu.sm_available()
+
+    def sm_variants(self) -> set[tuple[int, int]]:
+        """The SM kernel's specializations this layout's copies launch (``GpuDispatcher.sm_variants``); empty where
+        the SM kernel cannot run (CPU tensors, no Triton). Give the union of a worker's copiers to
+        ``triton_kernel.warm`` at start-up."""
+        return self._gpu.sm_variants() if self.sm_kernel_available() else set()
 
     @property
     def num_slots(self) -> int:

@@ -159,6 +159,23 @@ class GpuDispatcher:
                 self._batch_engine().submit(runs, stream.cuda_stream)
             on_group(g, runs.count)
 
+    def sm_variants(self) -> set[tuple[int, int]]:
+        """The SM kernel's specializations (``triton_kernel.variant``) this layout's copies launch: two blocks' runs
+        each way, whole and a layer tensor at a time (the in-step loads' groups), addresses of the real slab and
+        engine tensors (pure arithmetic: nothing is copied)."""
+        from tiered_kv.copy.triton_kernel import variant
+
+        ids = torch.arange(min(2, self.layout.num_blocks))
+        slots = torch.arange(min(2, int(self.slab.shape[0])))
+        if ids.numel() == 0 or slots.numel() == 0:
+            return set()
+        ids, slots = ids[:len(slots)], slots[:len(ids)]
+        base, pitch = self.slab.data_ptr(), self.slab.stride(0)
+        out = {variant(plan_runs(self.table, ids, slots, base, pitch, to_cpu)) for to_cpu in (False, True)}
+        n = len(self.layout.tensors)
+        out |= {variant(r) for r in self.plan_groups(ids, slots, False, [(t, t + 1) for t in range(n)]) if r.count}
+        return out
+
     def sm_available(self) -> bool:
         """True when the SM kernel can run (Triton imports, CUDA present)."""
         if self._sm_ok is None:

@@ -13,14 +13,23 @@ The piece table (src, dst, length) is staged in pinned memory and uploaded on
 the copy's stream; torch's caching allocators keep both buffers alive until
 the stream has used them.
 
+Triton compiles the kernel once per specialization, at its first launch: per
+word width (``ELEM``) and loop step (``BLOCK``), the two constants a copy's
+runs decide (``variant``); the piece count is not specialized on. A first
+launch inside a serving step would stall that step while it compiles (H200,
+2026-11-30: one per phase in the SM-kernel serving runs), so the worker
+compiles its layouts' variants at start-up (``warm``).
+
 Threading: the compiled kernel is shared; ``launch`` may be called from any
-thread, each with its own stream. Triton is imported on first use only.
+thread, each with its own stream; ``warm`` from any thread (it synchronizes
+the device). Triton is imported on first use only.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -51,7 +60,7 @@ def _kernel() -> Callable[..., object]:
     except ImportError as exc:
         raise BackendUnavailableError(f"the SM-kernel copy needs Triton: {exc}") from exc
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_pieces"])  # one compilation per (ELEM, BLOCK), whatever the count
     def copy_pieces(desc, num_pieces, ELEM: tl.constexpr, BLOCK: tl.constexpr):
         """Grid-stride over pieces; ``desc`` rows: src addresses, dst addresses, lengths in ELEM words."""
         first = tl.program_id(0)
@@ -86,18 +95,28 @@ def _block_elems(pieces: Runs, width: int) -> int:
     return block
 
 
+def variant(runs: Runs) -> tuple[int, int]:
+    """The specialization a launch over ``runs`` compiles: ``(word width in bytes, elements per loop step)``.
+    Pure CPU arithmetic (tests, the start-up warm-up)."""
+    width = _elem_width(runs)
+    return width, _block_elems(split_runs(runs, PIECE_BYTES), width)
+
+
+def _elem_type(width: int):
+    import triton.language as tl
+
+    return {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}[width]
+
+
 def launch(runs: Runs, device: torch.device, stream: torch.cuda.Stream, programs: int = DEFAULT_PROGRAMS) -> None:
     """Enqueue one kernel copying every run of ``runs`` on ``stream`` with at most ``programs`` CTAs."""
     if runs.count == 0:
         return
     if programs < 1:
         raise ValueError(f"programs={programs} must be >= 1")
-    import triton.language as tl
-
     width = _elem_width(runs)
     pieces = split_runs(runs, PIECE_BYTES)
     n = pieces.count
-    elem = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}[width]
     table = torch.empty((3, n), dtype=torch.int64, pin_memory=True)
     table[0].copy_(pieces.src)
     table[1].copy_(pieces.dst)
@@ -106,4 +125,21 @@ def launch(runs: Runs, device: torch.device, stream: torch.cuda.Stream, programs
     kernel = _kernel()
     with torch.cuda.stream(stream):
         desc = table.to(device, non_blocking=True)
-        kernel[(min(n, programs),)](desc, n, ELEM=elem, BLOCK=block, num_warps=NUM_WARPS)
+        kernel[(min(n, programs),)](desc, n, ELEM=_elem_type(width), BLOCK=block, num_warps=NUM_WARPS)
+
+
+def warm(device: torch.device, variants: Iterable[tuple[int, int]]) -> float:
+    """Compile (or load from Triton's cache on disk) each ``(width, block)`` specialization of the kernel on
+    ``device`` by running it once over a scratch copy on the device, so no later launch compiles on its caller's
+    thread. Returns the seconds it took (the device synchronized). Raises ``BackendUnavailableError`` without
+    Triton."""
+    kernel = _kernel()
+    t0 = time.perf_counter()
+    for width, block in sorted(set(variants)):
+        nbytes = 2 * block * width
+        src = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        desc = torch.tensor([src.data_ptr(), dst.data_ptr(), nbytes // width], dtype=torch.int64, device=device)
+        kernel[(1,)](desc, 1, ELEM=_elem_type(width), BLOCK=block, num_warps=NUM_WARPS)
+    torch.cuda.synchronize(device)
+    return time.perf_counter() - t0

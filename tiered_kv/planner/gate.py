@@ -23,7 +23,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 
 from tiered_kv.errors import ConfigError, InvalidInputError
-from tiered_kv.planner.rates import EWMA_NEW, OverlapCost, PrefillEstimator, ReadRate
+from tiered_kv.planner.rates import EWMA_NEW, LoadFloor, OverlapCost, PrefillEstimator, ReadRate
 from tiered_kv.planner.split import MEMORY_TIERS, Segment, Split, forced_tokens, plan_split, split_at
 
 DISK_LOAD_POLICIES = ("auto", "always", "never")
@@ -31,14 +31,15 @@ __all__ = ["EWMA_NEW", "LoadGate", "SplitGate", "DISK_LOAD_POLICIES", "OUTCOMES"
 
 #: ``decide`` outcomes: memory tiers only; every held token loaded by policy, or because that is fastest; a split
 #: (some slow-tier tokens loaded, the rest recomputed: ``SplitGate`` only); a probe; no slow-tier token loaded; and
-#: (``SplitGate``) nothing loaded, memory tiers included, as the engine's loading steps were measured slower than
-#: recomputing (``SplitGate.load_cost``).
+#: (``SplitGate``) nothing loaded, memory tiers included, as the engine's loading steps have a floor above the
+#: hit's recompute (``SplitGate.load_floor``).
 ALL_FAST, ALWAYS, BEATS, SPLIT, PROBE, DECLINED = "all_fast", "always", "beats", "split", "probe", "declined"
 RECOMPUTE = "recompute"
 OUTCOMES = (ALL_FAST, ALWAYS, BEATS, PROBE, DECLINED)
 SPLIT_OUTCOMES = (ALL_FAST, ALWAYS, BEATS, SPLIT, PROBE, DECLINED, RECOMPUTE)
-#: Of the hits the load cost declines, every this-many-th loads anyway, so its estimate follows the engine.
-RECOMPUTE_PROBE_EVERY = 8
+#: Of the hits the load floor declines, every this-many-th is planned as if it were not (loads), so the floor follows
+#: the engine; and the floor acts only once this many loading steps measured it, with a prefill model fitted.
+RECOMPUTE_PROBE_EVERY, FLOOR_MIN_SAMPLES = 8, 3
 #: The prefill rate is reported for a chunk of this many tokens after each of these contexts.
 REPORT_CHUNK, REPORT_CONTEXTS = 2048, (0, 8192, 32768)
 
@@ -128,15 +129,16 @@ class SplitGate:
     sliding-window layer reads its window once, not per chunk); a hit is then priced at its own average per
     token. ``overlap``, ``layers``, ``extra_recompute`` and ``step_tokens``: ``planner.split.plan_split``'s.
     With ``overlap``, each slow tier's bytes read under the forward carry that tier's measured ``OverlapCost``
-    (``observe_overlap``), so a tier whose overlapped reads slow the step more than priced loads less.
+    (``observe_loaded_step``), so a tier whose overlapped reads slow the step more than priced loads less.
 
-    Memory-tier (CPU) hits load in every plan, unless ``load_cost`` (what an in-step load from them costs its step
-    beyond the plan's price, per byte, measured from the engine's loading steps: ``observe_overlap``) makes the plan
-    slower than recomputing every held token: then nothing loads (``RECOMPUTE``; every ``RECOMPUTE_PROBE_EVERY``-th
-    such hit loads anyway, ``PROBE``, to measure again). That happens where the engine's step does not get faster
-    with fewer tokens: an engine launching its prefill op by op from Python (no CUDA graph, no compilation), whose
-    step of 160 tokens costs its host launch as a step of 1,300 does (H200, Llama-3-8B shape, 2026-11-30: loading
-    steps of 22-32 ms by the host's speed against 27 ms to recompute). Policy ``always`` never declines.
+    Memory-tier (CPU) hits load in every plan, unless the hit would load in-step and the engine's loading steps have
+    a floor (``load_floor``: ``rates.LoadFloor``, measured by ``observe_loaded_step``) above the time to recompute
+    every held token and the new ones: then nothing loads (``RECOMPUTE``; every ``RECOMPUTE_PROBE_EVERY``-th such
+    hit is planned as usual, to measure again). That happens where the engine's step does not get faster with fewer
+    tokens: an engine launching its prefill op by op from Python (no CUDA graph, no compilation), whose step of 160
+    tokens costs its host launch as a step of 1,300 does (H200, Llama-3-8B shape, 2026-11-30: loading steps of
+    22-32 ms by the host's speed against 27 ms to recompute). The floor acts after ``FLOOR_MIN_SAMPLES`` loading
+    steps and with a fitted prefill model. Policy ``always`` never declines.
     """
 
     def __init__(self, policy: str, probe_every: int, rates: Mapping[str, ReadRate], prefill: PrefillEstimator, *,
@@ -160,7 +162,7 @@ class SplitGate:
         # and metrics of a tier that has had no hit yet say 0 rather than nothing
         self._tokens: dict[str, list[int]] = {t: [0, 0] for t in rates}
         self.overlap_cost = {t: OverlapCost() for t in rates if t not in MEMORY_TIERS}
-        self.load_cost = OverlapCost()  # memory-tier loads (class doc); only a front end that times steps feeds it
+        self.load_floor = LoadFloor()  # memory-tier loads (class doc); only a front end that times steps feeds it
         self._recompute_declined = 0
         self._seconds = {"chosen": 0.0, "recompute": 0.0, "load_all": 0.0}
 
@@ -190,23 +192,23 @@ class SplitGate:
 
     def decide(self, runs: Sequence[tuple[str, int]], new_tokens: int, context: int,
                count: bool = True, align: int = 0, offset: int = 0,
-               overlap: bool | None = None) -> tuple[Split, str]:
+               overlap: bool | None = None, in_step: bool = True) -> tuple[Split, str]:
         """The plan for a hit held as ``runs`` ((tier, tokens) in prefix order, whole units), after ``context``
         tokens the engine has, with ``new_tokens`` to compute after it; and why (an outcome). Counted in ``report``
         (``count=False``: not yet; the caller passes it to ``count`` once the engine took the plan, so a hit
         the engine asks about again is counted once). ``align`` > 0: a split that loads part of a run ends where
         ``offset`` + the tokens loaded is a multiple of it (the loader moves whole chunks: the better of the chunk
         ends either side of the best split). ``overlap``: this plan's mode when not the gate's (False: the load will
-        run before the forward after all)."""
+        run before the forward after all). ``in_step``: the hit may load inside the step (the load floor applies)."""
         segs = self.segments(runs)
         split, outcome = self._plan(segs, new_tokens, context, align, offset,
-                                    self.overlap if overlap is None else bool(overlap))
+                                    self.overlap if overlap is None else bool(overlap), in_step)
         if count:
             self.count(split, outcome)
         return split, outcome
 
     def _plan(self, segs: list[Segment], new_tokens: int, context: int, align: int = 0,
-              offset: int = 0, overlap: bool = False) -> tuple[Split, str]:
+              offset: int = 0, overlap: bool = False, in_step: bool = True) -> tuple[Split, str]:
         model = self.prefill.model()
         held, lo = sum(s.tokens for s in segs), forced_tokens(segs)
 
@@ -214,8 +216,8 @@ class SplitGate:
             return split_at(segs, m, new_tokens, context, model, overlap=overlap, layers=self.layers,
                             step_tokens=self.step_tokens)
 
-        if lo and self.policy != "always" and self.load_cost.samples:
-            declined = self._recompute(segs, new_tokens, context, model, lo, at)
+        if lo and in_step and self.policy != "always" and self.load_floor.samples >= FLOOR_MIN_SAMPLES:
+            declined = self._recompute(new_tokens, context, model, lo, at)
             if declined is not None:
                 return declined
         if lo == held:
@@ -240,22 +242,22 @@ class SplitGate:
             return at(held), PROBE
         return best, (DECLINED if best.load_tokens == lo else SPLIT)
 
-    def _recompute(self, segs: list[Segment], new_tokens: int, context: int, model, lo: int,
+    def _recompute(self, new_tokens: int, context: int, model, lo: int,
                    at: Callable[[int], Split]) -> tuple[Split, str] | None:
-        """The plan that loads nothing (``RECOMPUTE``, or a ``PROBE`` loading all) when loading the memory-tier part
-        at its measured ``load_cost`` is slower than recomputing every held token; None otherwise."""
-        cost = self.load_cost.s_per_byte
-        if cost <= 0:
+        """The plan that loads nothing (``RECOMPUTE``) when a step loading the memory-tier part would take the load
+        floor or its own priced time, whichever is longer, and recomputing every held token and the new ones takes
+        less; None otherwise, and for every ``RECOMPUTE_PROBE_EVERY``-th such hit (planned as usual: a sample)."""
+        floor = self.load_floor.seconds
+        if floor <= 0 or not self.prefill.fitted:
             return None
         loaded = at(lo)
-        nbytes = sum(b for t, b in loaded.loaded_bytes().items() if t in MEMORY_TIERS)
-        recompute = model.seconds(loaded.held_tokens + new_tokens, context)
-        if recompute >= loaded.seconds + cost * nbytes:
+        if model.seconds(loaded.held_tokens + new_tokens, context) >= max(floor, loaded.seconds):
             return None
         with self._lock:
             self._recompute_declined += 1
-            probe = self._recompute_declined % RECOMPUTE_PROBE_EVERY == 0
-        return (at(loaded.held_tokens), PROBE) if probe else (at(0), RECOMPUTE)
+            if self._recompute_declined % RECOMPUTE_PROBE_EVERY == 0:
+                return None
+        return at(0), RECOMPUTE
 
     def _first_guessed(self, segs: list[Segment], align: int = 0, offset: int = 0) -> int | None:
         """Held tokens up to one unit (the ``align`` chunk where given) into the first slow tier whose rate is still a
@@ -297,18 +299,19 @@ class SplitGate:
         for t, n in slow.items():
             self.rates[t].observe(n, seconds * est[t] / total)
 
-    def observe_overlap(self, nbytes_by_tier: Mapping[str, float], excess_s: float) -> None:
+    def observe_loaded_step(self, nbytes_by_tier: Mapping[str, float], seconds: float, priced_s: float) -> None:
         """A step loaded ``nbytes_by_tier`` in-step (slow tiers read under its forward, memory tiers copied) and ran
-        ``excess_s`` longer than its plans priced (negative: shorter). With slow-tier bytes, each slow tier's
-        ``OverlapCost`` takes its share, by bytes (the memory tiers' bytes are far cheaper: left out); with memory-tier
-        bytes only, ``load_cost`` takes it all."""
+        ``seconds``; the model's compute of its tokens and its plans' exposure price ``priced_s``. With slow-tier
+        bytes, each slow tier's ``OverlapCost`` takes its share of the excess, by bytes (the memory tiers' bytes are
+        far cheaper: left out); with memory-tier bytes only, ``load_floor`` takes the step."""
         slow = {t: n for t, n in nbytes_by_tier.items() if n > 0 and t in self.overlap_cost}
         if not slow:
-            self.load_cost.observe(int(sum(n for t, n in nbytes_by_tier.items() if t in MEMORY_TIERS)), excess_s)
+            if any(n > 0 for t, n in nbytes_by_tier.items() if t in MEMORY_TIERS):
+                self.load_floor.observe(seconds, priced_s)
             return
         total = sum(slow.values())
         for t, n in slow.items():
-            self.overlap_cost[t].observe(n, excess_s * n / total)
+            self.overlap_cost[t].observe(n, (seconds - priced_s) * n / total)
 
     def hint_writes(self, nbytes_by_tier: Mapping[str, int], seconds: float) -> None:
         """A write to slow tiers moved ``nbytes_by_tier`` in ``seconds``: a tier whose read rate is still the
@@ -333,8 +336,8 @@ class SplitGate:
         its source (``ReadRate.source``),
         the prefill model in use (rates for a ``REPORT_CHUNK``-token chunk after each of ``REPORT_CONTEXTS``,
         its source and samples), the summed estimated seconds of the plans taken, of recompute-all and of
-        load-all, the mode (``overlap``), each slow tier's overlap cost and the memory tiers' load cost (seconds per
-        GB, samples)."""
+        load-all, the mode (``overlap``), each slow tier's overlap cost (seconds per GB, samples) and the memory
+        tiers' load floor (seconds, samples)."""
         prefill = self.prefill.report()
         model = prefill["model"]
         gbps = {t: r.gbps for t, r in self.rates.items()}
@@ -347,7 +350,7 @@ class SplitGate:
                      "overlap": self.overlap,
                      "overlap_cost": {t: {"s_per_gb": c.s_per_byte * 1e9, "samples": c.samples}
                                       for t, c in self.overlap_cost.items()},
-                     "load_cost": {"s_per_gb": self.load_cost.s_per_byte * 1e9, "samples": self.load_cost.samples},
+                     "load_floor": {"seconds": self.load_floor.seconds, "samples": self.load_floor.samples},
                      "prefill": {"source": prefill["source"], "samples": prefill["samples"],
                                  "coefficients": model.coefficients(),
                                  "tokens_per_s": {c: model.tokens_per_s(REPORT_CHUNK, c) for c in REPORT_CONTEXTS}}}

@@ -43,12 +43,13 @@ reads the last fit and the owner calls ``refit`` from a thread of its own (the v
 ``StepMeter``), passing a ``pause`` that lets go of the GIL between slices of the work.
 
 ``OverlapCost`` is what reading a slow tier under the forward costs a step beyond the split's pricing, per byte,
-learned from the forward times of the steps that did.
+learned from the forward times of the steps that did; ``LoadFloor`` the time a step with in-step CPU loads does
+not go below (an uncompiled engine's launch).
 
 ``StepTimer`` turns when a step was scheduled and when its output came back into the seconds the
 step ran, for engines that schedule the next step while one runs (vLLM's async scheduling).
 
-Threading contract: ``ReadRate``, ``OverlapCost`` and ``PrefillEstimator`` take their own lock in every method, so
+Threading contract: ``ReadRate``, ``OverlapCost``, ``LoadFloor`` and ``PrefillEstimator`` take their own lock in every method, so
 one thread may observe while another reads the estimate. ``StepTimer`` is not thread-safe: its
 owner (the engine's scheduler thread) calls it. ``PrefillModel`` is a frozen value.
 """
@@ -77,6 +78,9 @@ WINDOW, HALF_LIFE = 128, 32.0
 MIN_SAMPLES, REFIT_EVERY = 8, 8
 #: Ridge weight toward the start model, per unit of (equilibrated) sample weight.
 RIDGE = 1e-3
+#: A loading step that ran more than this many times its priced time was held up by something other than its compute
+#: and loads (``LoadFloor``): the host's launch of an uncompiled forward
+FLOOR_BOUND = 1.2
 #: Tukey's biweight constant (95% efficiency under normal noise), the rounds of reweighting, and the
 #: smallest residual scale (relative): below 1% noise every sample is trusted as if it had 1%.
 TUKEY_C, ROUNDS, MIN_SCALE = 4.685, 4, 0.01
@@ -188,7 +192,8 @@ class OverlapCost:
     slow the step anyway (reader threads taking the GIL from vLLM's thread, a network tier's round trips at a layer
     group's start), the engine's own forward times say so: the caller times each step whose forward read such
     bytes, subtracts the prefill model's time for the tokens the step computed and the exposed time the plans
-    expected, and hands the rest here with the bytes (H200, 2026-11-30: Redis on loopback, turn-2 steps with
+    expected without this cost (``Split.seconds_exposed``: so a sample is the whole cost, not what the estimate
+    in use missed), and hands the rest here with the bytes (H200, 2026-11-30: Redis on loopback, turn-2 steps with
     0.13-0.23 GB read under the forward ran ~85 ms longer than the model's compute, and the split's plans came out
     1.33x of recompute). A negative sample (the step ran faster than priced) lowers the average; the cost in use
     never goes below 0."""
@@ -217,6 +222,45 @@ class OverlapCost:
         if nbytes <= 0:
             return
         sample = float(excess_s) / nbytes
+        with self._lock:
+            self._avg = sample if self._samples == 0 else (1 - self.weight) * self._avg + self.weight * sample
+            self._samples += 1
+
+
+class LoadFloor:
+    """The time below which a step with in-step loads from the CPU tier does not go (seconds): an exponential
+    average of ``observe``'s samples, each a loading step's time where it ran well over what its compute and its
+    plans' exposure price (``FLOOR_BOUND``), else 0. An engine that launches its prefill op by op from Python (no
+    CUDA graph, no compilation) spends its host launch on a step of 160 tokens as on one of 1,300 (H200,
+    Llama-3-8B shape, 2026-11-30: loading steps of 22-32 ms by the host's speed against ~27 ms to recompute the
+    whole prompt): the loading step has a floor, and a hit whose recompute costs less than it is better recomputed.
+    On a compiled engine a loading step runs as priced: samples of 0, no floor. A floor is a step's, not a byte's:
+    it does not grow with the hit, so it never turns down a hit whose recompute costs more than it."""
+
+    def __init__(self, weight: float = EWMA_NEW) -> None:
+        self.weight = float(weight)
+        self._avg = 0.0
+        self._samples = 0
+        self._lock = threading.Lock()
+
+    @property
+    def seconds(self) -> float:
+        """The floor in use (0: none seen)."""
+        with self._lock:
+            return self._avg
+
+    @property
+    def samples(self) -> int:
+        """Loading steps folded in so far."""
+        with self._lock:
+            return self._samples
+
+    def observe(self, seconds: float, priced_s: float) -> None:
+        """A step with in-step CPU loads ran ``seconds``; its compute and its plans' exposure price ``priced_s``. The
+        first sample replaces the start of 0."""
+        if seconds <= 0:
+            return
+        sample = float(seconds) if seconds > FLOOR_BOUND * max(0.0, priced_s) else 0.0
         with self._lock:
             self._avg = sample if self._samples == 0 else (1 - self.weight) * self._avg + self.weight * sample
             self._samples += 1
@@ -323,6 +367,12 @@ class PrefillEstimator:
             self._samples.append((x, float(seconds)))
             self._observed += 1
             self._pending += 1
+
+    @property
+    def fitted(self) -> bool:
+        """A fit to the engine's steps is in use (not the start model)."""
+        with self._lock:
+            return self._model is not self.start
 
     def model(self) -> PrefillModel:
         """The estimate in use: the start model while ``fixed`` or with fewer than ``min_samples``, else the fit

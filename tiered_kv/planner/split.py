@@ -87,7 +87,8 @@ class Split:
     seconds: float            # estimated time of this plan
     seconds_recompute: float  # ... of loading only the memory-tier tokens
     seconds_load_all: float   # ... of loading every held token
-    seconds_exposed: float = 0.0  # the part of ``seconds`` beyond this plan's compute (a load not hidden, the fill)
+    seconds_exposed: float = 0.0  # the part of ``seconds`` beyond its compute and its segments' overlap costs
+    context: int = 0  # tokens the engine held before the hit
 
     @property
     def held_tokens(self) -> int:
@@ -161,8 +162,10 @@ def split_at(segments: Sequence[Segment], load_tokens: int, new_tokens: int, con
     lo = forced_tokens(segs)
     chosen = timing.total(load_tokens)
     # the same plan priced once (an all-memory hit, a plan that loads all or only the memory tiers: the usual)
+    measured = timing.cost(load_tokens) if overlap else 0.0  # the overlap costs ``chosen`` holds: not exposure
     return Split(segs, load_tokens, new_tokens, chosen, chosen if lo == load_tokens else timing.total(lo),
-                 chosen if held == load_tokens else timing.total(held), max(0.0, chosen - timing.compute(load_tokens)))
+                 chosen if held == load_tokens else timing.total(held),
+                 max(0.0, chosen - timing.compute(load_tokens) - measured), context)
 
 
 def _checked(segments: Sequence[Segment], new_tokens: int, context: int, unit_tokens: int,

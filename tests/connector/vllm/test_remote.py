@@ -13,6 +13,7 @@ pytest.importorskip("vllm")
 from tests._redis import PASSWORD_ENV  # noqa: E402
 from tests.connector.vllm.harness import BS, Engine, write_model_dir  # noqa: E402
 from tiered_kv.errors import ConfigError  # noqa: E402
+from tiered_kv.connector.vllm.config import overlap_spans  # noqa: E402
 
 K = 4
 CHUNK_BYTES = K * 4096
@@ -265,8 +266,9 @@ def test_the_deployment_command_in_docs_remote_md_is_valid():
 
 def test_remote_hits_read_under_the_forward_with_the_split(redis_cluster, model_dir):
     """``disk_overlap_bytes`` with the remote tier (issue 32 item 2's Redis case): engine B's hit on what engine A
-    stored is read from Redis by ``GETRANGE`` of each layer group's ranges under the forward, split with the
-    recompute of the rest at a slow configured rate; every byte the forward reads checked; nothing read twice."""
+    stored is read from Redis by ``GETRANGE`` of each layer group's ranges under the forward (one exchange per
+    group), split with the recompute of the rest at a slow configured rate; every byte the forward reads checked;
+    nothing read twice."""
     salt = f"overlap-{time.monotonic_ns()}"
     first = serve_on_a(redis_cluster, model_dir, salt, prompt(3, 16 * BS + 5))
     # 256 B a token at 10 MB/s: loading the 4 chunks (7.0 ms by the planner) and recomputing them (6.1 ms) both lose
@@ -286,5 +288,8 @@ def test_remote_hits_read_under_the_forward_with_the_split(redis_cluster, model_
         ws = b.workers[0].connector.stats()
         assert ws["overlap_loads"] == 1 and ws["failed_items"] == 0, ws
         assert ws["bytes_from_remote"] == got // (K * BS) * CHUNK_BYTES, ws  # promotions from the staged images
+        # one GETRANGE exchange per layer group (one job), not reader threads a few ranges each
+        groups = len(overlap_spans(len(b.workers[0].connector.worker.in_step.disk.kv.tensors)))
+        assert 1 <= ws["overlap_group_reads"] <= groups, ws
     finally:
         b.close()

@@ -140,32 +140,38 @@ def test_cpu_tier_hits_always_load_even_when_recompute_looks_free(model_dir, tmp
 
 
 @pytest.mark.parametrize("slowdown", [0.0, 0.05], ids=["as-priced", "launch-bound"])
-def test_cpu_hits_recompute_where_loading_steps_were_measured_slower(model_dir, tmp_path, monkeypatch, slowdown):
-    """An engine whose loading step costs as much as recomputing (an eager launch: H200, 2026-11-30): the workers
-    time the first loading step ``slowdown`` longer than the model's compute of its tokens; the gate learns that load
-    cost, and the next conversation's CPU hit is recomputed whole, as vLLM alone would; a step as priced keeps CPU
-    hits loading. The forwards are timed by the workers' clock, as on the GPU."""
+def test_cpu_hits_recompute_where_loading_steps_have_a_floor(model_dir, tmp_path, monkeypatch, slowdown):
+    """An engine whose loading step costs more than recomputing (an eager launch: H200, 2026-11-30): the workers
+    time every loading step ``slowdown`` longer than its price; once ``FLOOR_MIN_SAMPLES`` such steps measured the
+    floor and the prefill model is fitted, the next conversation's CPU hit is recomputed whole, as vLLM alone would;
+    steps as priced keep CPU hits loading. The forwards are timed by the workers' clock, as on the GPU."""
     from tiered_kv.connector.vllm.forward_clock import ForwardClock
+    from tiered_kv.planner.gate import FLOOR_MIN_SAMPLES
 
     take = ForwardClock.take
     monkeypatch.setattr(ForwardClock, "take", lambda self: {s: (t + slowdown if loaded else t, loaded)
                                                             for s, (t, loaded) in take(self).items()})
-    eng = Engine.create(model_dir, cfg(tmp_path, disk_path=None, disk_bytes=0, write_policy="write_back"))
+    eng = Engine.create(model_dir, cfg(tmp_path, disk_path=None, disk_bytes=0, write_policy="write_back",
+                                       cpu_bytes=64 * CHUNK_BYTES), num_blocks=NUM_BLOCKS)
     try:
-        a, b = prompt(21, 4 * CHUNK + 4), prompt(22, 4 * CHUNK + 4)
         more = prompt(23, 40)  # a turn 2 computes 40 new tokens: a prefill step (4 would be a decode-sized one)
-        _turn(eng, "a", a)
-        _turn(eng, "a2", a + more)
-        assert eng.cached_at_start["a2"] == 4 * CHUNK  # nothing measured yet: a CPU hit loads
+        _serve_mixed_prompts(eng, 16, seed=8)  # the prefill model is fitted from these steps
+        _wait_fitted(eng)
+        for k in range(FLOOR_MIN_SAMPLES):
+            a = prompt(40 + k, 4 * CHUNK + 4)
+            _turn(eng, f"a{k}", a)
+            _turn(eng, f"a{k}-2", a + more)
+            assert eng.cached_at_start[f"a{k}-2"] == 4 * CHUNK  # the floor not measured yet (or none): loads
         st = eng.connector.stats()
-        assert st["prefill_steps_priced"] == 1 and st["split_cpu_loaded_tokens"] == 4 * CHUNK, st
+        assert st["prefill_steps_priced"] == FLOOR_MIN_SAMPLES, st
+        b = prompt(22, 4 * CHUNK + 4)
         _turn(eng, "b", b)
         _turn(eng, "b2", b + more)
         recomputed = slowdown > 0
         assert eng.cached_at_start["b2"] == (0 if recomputed else 4 * CHUNK), eng.connector.stats()
         st = eng.connector.stats()
         assert st["sched_cpu_hits_recomputed"] == int(recomputed), st
-        assert st["split_cpu_recomputed_tokens"] == (4 * CHUNK if recomputed else 0), st
+        assert (st["cpu_load_floor_s"] > 0.04) == recomputed, st
         decisions = eng.connector.planner.store_stats()["gate"]["decisions"]
         assert decisions["recompute"] == int(recomputed), decisions
     finally:
@@ -403,24 +409,24 @@ def test_step_meter_fits_the_workers_times_once_they_come():
     assert len(meter._parts) <= 256
 
 
-def test_step_meter_prices_the_overlapped_reads_of_loaded_steps():
-    """A step scheduled with slow-tier bytes read under its forward and timed by the workers as loaded hands the
-    gate its excess: the forward time less the model's compute of its tokens less the exposure its plans priced.
-    A loaded step without such reads, an unloaded step, and a step only the scheduler's clock timed hand nothing."""
+def test_step_meter_prices_the_loaded_steps_for_the_gate():
+    """A step scheduled with in-step loads and timed by the workers as loaded hands the gate its bytes, its forward
+    time and its price: the model's compute of its tokens plus the exposure its plans priced. A loaded step without
+    such a record, an unloaded step, and a step only the scheduler's clock timed hand nothing."""
     model = PrefillModel.from_rate(30000, 32768)
-    got: list[tuple[dict, float]] = []
+    got: list[tuple[dict, float, float]] = []
     meter = StepMeter(PrefillEstimator(model, fit_on_read=False), lambda: 0.0,
-                      on_overlap=lambda nbytes, excess: got.append((nbytes, excess)))
+                      on_loaded=lambda nbytes, seconds, priced: got.append((nbytes, seconds, priced)))
     out = step_output([("n", 256, 512)], [])
     meter.scheduled(1, out, ({"disk": 1e8}, 0.002))
     meter.finished(1)  # the scheduler's clock: it cannot tell a forward that waited
     assert got == [] and meter._in_step == {}
     meter.scheduled(2, out, ({"disk": 1e8}, 0.002))
-    meter.scheduled(3, out, ({"remote": 5e7}, 0.0))
+    meter.scheduled(3, out, ({"cpu": 5e7}, 0.0))
     meter.scheduled(4, out)
     meter.finished(4, {2: (0.050, True), 3: (0.020, False), 4: (0.030, True)})
     compute = model.step_seconds([(256, 512)])
-    assert got == [({"disk": 1e8}, pytest.approx(0.050 - compute - 0.002))]
+    assert got == [({"disk": 1e8}, 0.050, pytest.approx(compute + 0.002))]
     assert meter.priced_steps == 1 and meter.loaded_steps == 2 and meter._in_step == {}
 
 

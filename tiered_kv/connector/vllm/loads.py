@@ -16,7 +16,7 @@ tokens loaded and recomputed per tier), keeps each request's prefix in order in 
 load budget (``load_done``), and what completed writes to a tier measured to its read rate while that is a guess
 (``write_done``). Per step it sums the bytes the in-step hits load per tier and what their plans priced beyond
 compute (``take_in_step``): the step's forward time then measures what those loads cost it (``prefill.StepMeter``,
-``SplitGate.observe_overlap``).
+``SplitGate.observe_loaded_step``).
 
 Threading contract: vLLM's scheduler thread only; no I/O, no torch.
 """
@@ -163,8 +163,11 @@ class LoadPlanner:
         return out
 
     def _note_in_step(self, split) -> None:
-        """An in-step hit's plan: its bytes load inside this step (CPU copies, slow-tier reads under the forward)."""
+        """An in-step hit's plan: its bytes load inside this step (CPU copies, slow-tier reads under the forward). A
+        hybrid model loads only from the CPU tier (its disk parts were promoted first, the plan still names them)."""
         loaded = split.loaded_bytes()
+        if loaded and self._parts is not None:
+            loaded = {self._tier_names[CPU]: sum(loaded.values())}
         if loaded:
             for t, n in loaded.items():
                 self._in_step_bytes[t] = self._in_step_bytes.get(t, 0.0) + n

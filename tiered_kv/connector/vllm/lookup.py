@@ -11,8 +11,8 @@ in the remote tier is adopted when the walk reaches it (``RemotePresence``). The
   every group's part of the piece and the windows before its end);
 - the split (``planner.gate.SplitGate``, shared with SGLang's backend; built in ``prefill.py``): the held chunks
   as runs per tier (CPU, then disk, then remote, as the walk found them), after the tokens vLLM holds, before
-  the request's tokens still to compute; CPU chunks load (unless the engine's loading steps were measured slower
-  than recomputing: ``SplitGate``'s load cost), a disk or remote run loads only while reading it is estimated faster
+  the request's tokens still to compute; CPU chunks load (unless the engine's in-step loading steps have a floor
+  above the hit's recompute: ``SplitGate``'s load floor), a disk or remote run loads only while reading it is estimated faster
   than recomputing it (no overlap: per tier all or nothing). The plan waits on the
   request's state until vLLM allocates it (``LoadPlanner.allocated`` counts it), so a request vLLM asks about
   again is counted once;
@@ -331,9 +331,10 @@ class LookupPlanner:
         if tail:  # a tail piece holds its blocks, not a whole chunk
             runs[-1][1] -= chunk - tail * self.bs
         held = sum(t for _, t in runs)
+        in_step = self.cfg.load_mode != "async" and held <= self.cfg.sync_max_tokens  # the load floor is a step's
         split, outcome = self._gate.decide(runs, max(0, st.request.num_tokens - computed - held), computed,
                                            count=False, align=chunk if overlap else 0, offset=local,
-                                           overlap=None if overlap else False)
+                                           overlap=None if overlap else False, in_step=in_step)
         if st.split is None or not st.promoted:
             st.split = (split, outcome)
         if outcome == PROBE:  # a declined tier is read now and then, so its estimate follows it

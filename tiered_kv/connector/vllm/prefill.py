@@ -34,10 +34,10 @@ docs/design.md, "Load or recompute: the split"):
   (``forward_clock.py``: ``{step: (seconds, loaded)}``, the slowest rank's, usually a step after the step ran).
 
 A step with in-step loads (``scheduled``'s ``in_step``: bytes per tier, CPU copies or slow-tier reads under the
-forward, and the seconds the plans priced beyond compute) is also their measurement: its forward time less the
-model's time for the tokens it computed and less that priced exposure is what the loads cost beyond the split's
-pricing; ``on_overlap`` (``SplitGate.observe_overlap``: a slow tier's overlap cost, or the CPU tier's load cost) gets
-it on vLLM's thread (a pass over the step's requests).
+forward, and the seconds the plans priced beyond compute) is also their measurement: ``on_loaded``
+(``SplitGate.observe_loaded_step``: a slow tier's overlap cost, or the CPU tier's load floor) gets its forward time
+and its price, the model's time for the tokens it computed plus that priced exposure, on vLLM's thread (a pass over
+the step's requests).
 
 What a step's time is: the workers' forward time, from ``bind_connector_metadata`` to ``wait_for_save`` on the GPU
 (CUDA events; the CPU fallback's clock), once any worker metadata carried a ``forward`` (workers of this version
@@ -145,10 +145,10 @@ class StepMeter:
     (tests pass their own)."""
 
     def __init__(self, estimator: PrefillEstimator, clock: Callable[[], float] = time.monotonic,
-                 on_overlap: Callable[[dict[str, float], float], None] | None = None) -> None:
+                 on_loaded: Callable[[dict[str, float], float, float], None] | None = None) -> None:
         self.estimator = estimator
         self.clock = clock
-        self.on_overlap = on_overlap  # ``SplitGate.observe_overlap``: the excess of steps with in-step loads
+        self.on_loaded = on_loaded  # ``SplitGate.observe_loaded_step``: steps with in-step loads, timed and priced
         self.priced_steps = 0  # loaded steps timed whose loads were priced (``scheduled(..., in_step)``)
         self.on = not estimator.fixed
         self.timed = 0  # steps timed (decode-only ones too)
@@ -227,12 +227,11 @@ class StepMeter:
         in_step = self._in_step.pop(step, None)
         if loaded:
             self.loaded_steps += 1
-            if in_step is not None and self.on_overlap is not None and parts:
-                # what the step took beyond the model's compute of its tokens and the exposed time its plans priced:
-                # the cost of its in-step loads (a pass over the step's requests and a dot product, no fit)
+            if in_step is not None and self.on_loaded is not None and parts:
+                # its price: the model's compute of its tokens and the exposed time its plans priced (a pass over the
+                # step's requests and a dot product, no fit)
                 self.priced_steps += 1
-                excess = seconds - self.estimator.model().step_seconds(parts) - in_step[1]
-                self.on_overlap(in_step[0], excess)
+                self.on_loaded(in_step[0], seconds, self.estimator.model().step_seconds(parts) + in_step[1])
             return
         if not parts:
             self.estimator.observe_step((), seconds)  # counted as a decode-only step, nothing else
@@ -294,7 +293,8 @@ def split_stats(gate: SplitGate) -> dict:
     of a 2048-token chunk at context 0 and its source and samples, held tokens loaded and recomputed per tier, and
     the summed estimated seconds of the plans taken, of recomputing and of loading every held token
     (``split_est_<plan>_s``: what the decisions weighed, so a benchmark can tell a near call from a clear one), and
-    each slow tier's measured overlap cost (``<tier>_overlap_s_per_gb``: seconds a GB read under the forward adds)."""
+    each slow tier's measured overlap cost (``<tier>_overlap_s_per_gb``: seconds a GB read under the forward adds)
+    and the CPU tier's load floor (``cpu_load_floor_s``)."""
     rep = gate.report()["split"]
     out: dict = {f"{t}_gbps_estimate": float(f"{g:.4g}") for t, g in rep["read_gbps"].items() if t not in MEMORY_TIERS}
     out.update({f"{t}_gbps_source": src for t, src in rep["read_source"].items() if t not in MEMORY_TIERS})
@@ -308,4 +308,5 @@ def split_stats(gate: SplitGate) -> dict:
         out[f"split_est_{plan}_s"] = round(seconds, 6)
     for tier, c in rep["overlap_cost"].items():
         out[f"{tier}_overlap_s_per_gb"] = round(c["s_per_gb"], 6)
+    out["cpu_load_floor_s"] = round(rep["load_floor"]["seconds"], 6)
     return out

@@ -84,6 +84,7 @@ class WorkerCounters:
     overlap_read_seconds: float = 0.0  # their reads, first to last range, summed over steps
     overlap_wait_seconds: float = 0.0  # vLLM's thread waiting for a layer group's bytes to come off the disk
     overlap_aio_reads: int = 0  # their range reads that went through Linux AIO (tiers/disk/aio.py)
+    overlap_group_reads: int = 0  # their layer groups read in one exchange per job (the remote tier's read_group)
     overlap_promotions: int = 0  # promotions to the CPU tier served from the staged images (no second disk read)
     stores_dropped_after_failed_load: int = 0  # store jobs of steps whose in-step loads failed (worker_loads.py)
     mover_cpu_seconds: float = 0.0  # the movers' threads' CPU time running jobs (stores, loads, tier moves), less

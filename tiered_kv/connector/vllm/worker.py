@@ -65,7 +65,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tiered_kv.copy import BlockCopier, KVLayout, Mechanism, allocate_slab, vllm_layer_layout
+from tiered_kv.copy import BlockCopier, KVLayout, Mechanism, allocate_slab, vllm_layer_layout, warm_sm_kernel
 from tiered_kv.errors import ConfigError
 from tiered_kv.values.keys import Namespace
 from tiered_kv.tiers.cpu import CpuTier
@@ -264,7 +264,8 @@ class WorkerRuntime(StepLoads):
 
     # ------------------------------------------------------------------ set-up
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Bind vLLM's per-layer KV tensors (``register_kv_caches``); checks each group's block size agrees."""
+        """Bind vLLM's per-layer KV tensors (``register_kv_caches``); checks each group's block size agrees. On
+        CUDA, compiles the SM kernel's specializations these layouts launch (``copy.warm_sm_kernel``)."""
         missing = [n for n in self.geo.layer_names if n not in kv_caches]
         if missing:
             raise ConfigError(f"TieredKVConnector: register_kv_caches lacks layers {missing[:4]} of the KV cache "
@@ -283,6 +284,8 @@ class WorkerRuntime(StepLoads):
                                     load_priority=self.cfg.load_stream_priority)
                         for kv, plane in zip(kvs, self.planes)]
         self.copier = self.copiers[0]
+        if self._cuda and self.cfg.in_step_copy in ("auto", "sm_kernel"):  # its first launch would compile in a step
+            warm_sm_kernel(self.copiers, f"TieredKVConnector rank {self.rank}")
         if self.cfg.load_mode != "async":
             self.in_step = InStepLoader([(kv, plane, g.layer_names) for kv, plane, g in
                                          zip(kvs, self.planes, self.geo.groups)], self.cfg, self.rank,
