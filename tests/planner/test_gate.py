@@ -258,7 +258,8 @@ def test_cpu_hits_recompute_where_loading_steps_have_a_floor_above_their_recompu
     ``FLOOR_MIN_SAMPLES`` of them, a 1,024-token CPU hit whose recompute costs 31.8 ms is recomputed whole (the CPU
     part too), every ``RECOMPUTE_PROBE_EVERY``-th one planned as usual; an 8k hit (recompute 0.22 s, above the floor)
     still loads; a hit that will not load in-step, policy ``always`` and a gate without a fitted model never
-    decline; steps that ran as priced bring the floor back down (a compiled engine: samples of 0)."""
+    decline; large steps bound by their compute leave the floor alone, and one loading step that ran as priced
+    brings it down to its time (a faster host; a compiled engine never has a floor)."""
     g = _fitted_gate()
     hit = [("cpu", 1024)]
     for _ in range(FLOOR_MIN_SAMPLES - 1):
@@ -282,6 +283,8 @@ def test_cpu_hits_recompute_where_loading_steps_have_a_floor_above_their_recompu
         unfitted.observe_loaded_step({"cpu": 128 << 20}, 0.035, 0.006)
     assert unfitted.decide(hit, 160, 0)[1] == ALL_FAST
     for _ in range(10):
-        g.observe_loaded_step({"cpu": 128 << 20}, 0.0065, 0.006)  # as priced
-    assert g.load_floor.seconds < 0.004 and g.decide(hit, 160, 0)[1] == ALL_FAST
-    assert g.report()["split"]["load_floor"]["samples"] == FLOOR_MIN_SAMPLES + 10
+        g.observe_loaded_step({"cpu": 1 << 30}, 0.200, 0.190)  # large steps bound by their compute: no news
+    assert g.load_floor.seconds == pytest.approx(0.035) and g.decide(hit, 160, 0)[1] == RECOMPUTE
+    g.observe_loaded_step({"cpu": 128 << 20}, 0.0065, 0.006)  # a loading step as priced: the floor is at most that
+    assert g.load_floor.seconds == pytest.approx(0.0065) and g.decide(hit, 160, 0)[1] == ALL_FAST
+    assert g.report()["split"]["load_floor"]["samples"] == FLOOR_MIN_SAMPLES

@@ -12,8 +12,8 @@ import random
 import pytest
 
 from tiered_kv.errors import ConfigError
-from tiered_kv.planner.rates import (DECODE_TOKENS, MIN_SAMPLES, OverlapCost, PrefillEstimator, PrefillModel, ReadRate,
-                                     StepTimer, features)
+from tiered_kv.planner.rates import (DECODE_TOKENS, MIN_SAMPLES, LoadFloor, OverlapCost, PrefillEstimator,
+                                     PrefillModel, ReadRate, StepTimer, features)
 
 #: Llama-3-8B-like on one GPU: 4 ms a step, 40k tokens/s at short context, attention doubling the cost at 20k
 TRUTH = PrefillModel(0.004, 1 / 40000, 1 / 40000 / 20000, 2e-9)
@@ -66,6 +66,29 @@ def test_overlap_cost_converges_on_a_noisy_truth_and_follows_a_change(seed):
     assert cost.s_per_byte == 0.0
     cost.observe(0, 1.0)  # nothing read: ignored
     assert cost.samples == 120
+
+
+def test_load_floor_follows_steps_on_the_floor_and_is_bounded_by_steps_as_priced():
+    """Steps well over their price (an eager launch of 22-32 ms against ~6 ms priced) are samples of the floor, and
+    the average follows a slower host; large steps bound by their compute leave it alone; a step that ran as priced
+    bounds it by its time; a compiled engine's steps (all as priced) never make one."""
+    rng = random.Random(4)
+    floor = LoadFloor()
+    for _ in range(30):
+        floor.observe(rng.uniform(0.022, 0.026), 0.006)
+    assert floor.seconds == pytest.approx(0.024, rel=0.10) and floor.samples == 30
+    for _ in range(30):
+        floor.observe(rng.uniform(0.028, 0.032), 0.006)
+    assert floor.seconds == pytest.approx(0.030, rel=0.10)
+    for _ in range(20):
+        floor.observe(0.40, 0.38)  # a c32 step, bound by its compute: no news about the floor
+    assert floor.seconds == pytest.approx(0.030, rel=0.10) and floor.samples == 60
+    floor.observe(0.0195, 0.019)  # a step as priced under the floor: the floor is at most its time
+    assert floor.seconds == 0.0195 and floor.samples == 60
+    compiled = LoadFloor()
+    for _ in range(20):
+        compiled.observe(rng.uniform(0.009, 0.0105), 0.009)  # within 1.2x of its price
+    assert compiled.seconds == 0.0 and compiled.samples == 0
 
 
 # ---------------------------------------------------------------------------------------------- read rate

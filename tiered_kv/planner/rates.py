@@ -184,7 +184,29 @@ class ReadRate:
 
 # ---------------------------------------------------------------------------------------------- overlap cost
 
-class OverlapCost:
+class _Average:
+    """An exponential average of samples (``weight`` for the newest), 0 until the first, which replaces it; under a
+    lock. ``OverlapCost`` and ``LoadFloor`` say what their samples are."""
+
+    def __init__(self, weight: float = EWMA_NEW) -> None:
+        self.weight = float(weight)
+        self._avg = 0.0
+        self._samples = 0
+        self._lock = threading.Lock()
+
+    @property
+    def samples(self) -> int:
+        """Samples folded in so far."""
+        with self._lock:
+            return self._samples
+
+    def _fold(self, sample: float) -> None:
+        """Fold one sample in; the caller holds the lock."""
+        self._avg = sample if self._samples == 0 else (1 - self.weight) * self._avg + self.weight * sample
+        self._samples += 1
+
+
+class OverlapCost(_Average):
     """What a byte read from a slow tier *under the forward* costs the step beyond the split's own pricing (seconds
     per byte): an exponential average of ``observe``'s samples, 0 until one comes.
 
@@ -198,50 +220,34 @@ class OverlapCost:
     1.33x of recompute). A negative sample (the step ran faster than priced) lowers the average; the cost in use
     never goes below 0."""
 
-    def __init__(self, weight: float = EWMA_NEW) -> None:
-        self.weight = float(weight)
-        self._avg = 0.0
-        self._samples = 0
-        self._lock = threading.Lock()
-
     @property
     def s_per_byte(self) -> float:
         """The cost in use: seconds a byte read under the forward adds to its step (>= 0)."""
         with self._lock:
             return max(0.0, self._avg)
 
-    @property
-    def samples(self) -> int:
-        """Steps folded in so far."""
-        with self._lock:
-            return self._samples
-
     def observe(self, nbytes: int, excess_s: float) -> None:
         """A step read ``nbytes`` under its forward and ran ``excess_s`` longer than priced (negative: shorter).
         Ignored for ``nbytes`` <= 0. The first sample replaces the start of 0."""
         if nbytes <= 0:
             return
-        sample = float(excess_s) / nbytes
         with self._lock:
-            self._avg = sample if self._samples == 0 else (1 - self.weight) * self._avg + self.weight * sample
-            self._samples += 1
+            self._fold(float(excess_s) / nbytes)
 
 
-class LoadFloor:
-    """The time below which a step with in-step loads from the CPU tier does not go (seconds): an exponential
-    average of ``observe``'s samples, each a loading step's time where it ran well over what its compute and its
-    plans' exposure price (``FLOOR_BOUND``), else 0. An engine that launches its prefill op by op from Python (no
-    CUDA graph, no compilation) spends its host launch on a step of 160 tokens as on one of 1,300 (H200,
-    Llama-3-8B shape, 2026-11-30: loading steps of 22-32 ms by the host's speed against ~27 ms to recompute the
-    whole prompt): the loading step has a floor, and a hit whose recompute costs less than it is better recomputed.
-    On a compiled engine a loading step runs as priced: samples of 0, no floor. A floor is a step's, not a byte's:
-    it does not grow with the hit, so it never turns down a hit whose recompute costs more than it."""
+class LoadFloor(_Average):
+    """The time below which a step with in-step loads from the CPU tier does not go (seconds), from the loading steps
+    the caller times and prices (``observe``). An engine that launches its prefill op by op from Python (no CUDA
+    graph, no compilation) spends its host launch on a step of 160 tokens as on one of 1,300 (H200, Llama-3-8B
+    shape, 2026-11-30: loading steps of 22-32 ms by the host's speed against ~27 ms to recompute the whole prompt):
+    the loading step has a floor, and a hit whose recompute costs less than it is better recomputed.
 
-    def __init__(self, weight: float = EWMA_NEW) -> None:
-        self.weight = float(weight)
-        self._avg = 0.0
-        self._samples = 0
-        self._lock = threading.Lock()
+    A step that ran well over its price (``FLOOR_BOUND``) sat on the floor: its time is a sample of it (the first
+    replaces the start of 0, then an exponential average). A step that ran as priced says only that the floor is
+    not above its time: the floor becomes at most that (a faster host, or a compiled engine, whose steps all run as
+    priced: no floor sample ever, a floor of 0). A phase of large steps bound by their compute leaves a floor
+    measured at low load as it was. A floor is a step's, not a byte's: it never turns down a hit whose recompute
+    costs more than it."""
 
     @property
     def seconds(self) -> float:
@@ -249,21 +255,16 @@ class LoadFloor:
         with self._lock:
             return self._avg
 
-    @property
-    def samples(self) -> int:
-        """Loading steps folded in so far."""
-        with self._lock:
-            return self._samples
-
     def observe(self, seconds: float, priced_s: float) -> None:
-        """A step with in-step CPU loads ran ``seconds``; its compute and its plans' exposure price ``priced_s``. The
-        first sample replaces the start of 0."""
+        """A step with in-step CPU loads ran ``seconds``; its compute and its plans' exposure price ``priced_s``.
+        ``samples`` counts the steps that sat on the floor."""
         if seconds <= 0:
             return
-        sample = float(seconds) if seconds > FLOOR_BOUND * max(0.0, priced_s) else 0.0
         with self._lock:
-            self._avg = sample if self._samples == 0 else (1 - self.weight) * self._avg + self.weight * sample
-            self._samples += 1
+            if seconds > FLOOR_BOUND * max(0.0, priced_s):
+                self._fold(float(seconds))
+            else:
+                self._avg = min(self._avg, seconds)
 
 
 # ---------------------------------------------------------------------------------------------- prefill model
