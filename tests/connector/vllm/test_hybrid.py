@@ -625,3 +625,24 @@ def test_mamba_on_vllm_026_is_refused(model_dirs, monkeypatch):
     monkeypatch.delattr(KVConnectorBase_V1, "supports_divergent_local_hybrid_hits", raising=False)
     with pytest.raises(ConfigError, match="need vLLM >= 0.32"):
         make(model_dirs, "mamba", cfg())
+
+
+def test_a_hybrid_in_step_hit_is_priced_as_the_cpu_copy_it_is(model_dirs, tmp_path):
+    """A hybrid model's disk parts reach the CPU tier before they load (promotions), while its plan still names the
+    disk: the step's in-step bytes that price the load floor are the CPU tier's, all of them, not the disk's (whose
+    overlap cost would take them, wrongly)."""
+    from tiered_kv.planner.split import Segment, split_at
+
+    eng = _disk_engine(model_dirs, tmp_path)
+    try:
+        loads = eng.connector.planner._loads
+        model = eng.connector.planner.steps.estimator.model()
+        segs = [Segment("cpu", 64, 1000.0, 50.0), Segment("disk", 128, 1000.0, 1.0)]
+        plan = split_at(segs, 192, 16, 0, model, overlap=False)
+        assert plan.loaded_bytes() == {"cpu": 64000.0, "disk": 128000.0}
+        loads._note_in_step(plan)
+        got, exposed = loads.take_in_step()
+        assert got == {"cpu": 192000.0} and exposed == pytest.approx(plan.seconds_exposed)
+        assert loads.take_in_step() is None  # taken: the next step starts empty
+    finally:
+        eng.close()
