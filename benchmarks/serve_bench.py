@@ -706,7 +706,7 @@ def phase_record(ph, run, before: dict, after: dict, spec) -> dict:
             **stats.summarize(results, run.wall_s), "error_samples": errors,
             "sources": stats.token_sources(vdelta),
             "tiers": stats.tier_hits(tdelta, spec.chunk_tokens) if spec.metrics_port else {},
-            "worker_time": stats.worker_time(tdelta, vdelta),
+            "worker_time": stats.worker_time(tdelta, vdelta), "load_costs": stats.load_costs(tdelta),
             "vllm_metrics": vdelta, "tiered_kv_metrics": tdelta,
             "rows_columns": ["user", "turn", "prompt_len", "ttft_ms", "cached", "queue_ms", "out_sha1", "first_ids"],
             "rows": rows}
@@ -718,7 +718,17 @@ def _print_phase(mode: str, r: dict) -> None:
     print(f"[{mode}] {r['name']:>6}: {r['requests']} req ({r['errors']} err) in {r['wall_s']:.1f} s | TTFT ms p50 "
           f"{r['ttft_ms']['p50']} p90 {r['ttft_ms']['p90']} p99 {r['ttft_ms']['p99']} | ITL p50 {r['itl_ms']['p50']} ms "
           f"| {r['output_tok_s']} tok/s | tokens computed {src['computed']:.0f} gpu {src['gpu_hit']:.0f} "
-          f"connector {src['connector_hit']:.0f} {tiers}{_worker_line(r.get('worker_time'))}", flush=True)
+          f"connector {src['connector_hit']:.0f} {tiers}{_worker_line(r.get('worker_time'))}"
+          f"{_cost_line(r.get('load_costs'))}", flush=True)
+
+
+def _cost_line(c: dict | None) -> str:
+    """`` | load floor X ms, N hits recomputed, disk overlap Y s/GB`` where the split measured any (``load_costs``)."""
+    if not c:
+        return ""
+    parts = [f"load floor {c['load_floor_ms']:.1f} ms, {c['recomputed_hits']:.0f} hits recomputed"]
+    parts += [f"{t} overlap {v:.3f} s/GB" for t, v in sorted(c["overlap_s_per_gb"].items()) if v]
+    return " | " + ", ".join(parts)
 
 
 def _worker_line(w: dict | None) -> str:

@@ -136,6 +136,19 @@ def tier_hits(tkv_delta: dict[str, float], chunk_tokens: int) -> dict[str, float
     return {tier: n * chunk_tokens for tier, n in by_label(tkv_delta, "tiered_kv_tier_hits_total", "tier").items()}
 
 
+def load_costs(tkv_delta: dict[str, float]) -> dict:
+    """What the split measured its in-step loads to cost (gauges: their value at the phase's end) and the hits the
+    CPU tier's load floor sent to recompute in the phase: ``load_floor_ms``, ``overlap_s_per_gb`` per slow tier,
+    ``recomputed_hits``. Empty where the connector reports none."""
+    floor = by_label(tkv_delta, "tiered_kv_split_load_floor_seconds", "store")
+    overlap = by_label(tkv_delta, "tiered_kv_split_overlap_seconds_per_gb", "tier")
+    recomputed = by_label(tkv_delta, "tiered_kv_gate_decisions_total", "decision").get("recompute", 0.0)
+    if not (floor or overlap or recomputed):
+        return {}
+    return {"load_floor_ms": round(sum(floor.values()) * 1e3, 3), "overlap_s_per_gb": overlap,
+            "recomputed_hits": recomputed}
+
+
 def worker_time(tkv_delta: dict[str, float], vllm_delta: dict[str, float]) -> dict:
     """What our vLLM workers cost vLLM's thread in a phase (``tiered_kv_worker_seconds_total``, every rank summed):
     ms per engine step (steps: ``vllm:iteration_tokens_total_count``) inside our hooks (``hook_*``, plus the in-step

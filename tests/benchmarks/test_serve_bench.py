@@ -254,6 +254,36 @@ def test_worker_time_per_step_from_our_real_metrics_page():
     assert stats.worker_time(stats.prom_delta(a, a), {}) == {}  # nothing moved: no section
 
 
+def test_load_costs_from_our_real_metrics_page():
+    """``stats.load_costs``: the split's measured load floor and overlap cost (gauges: their value at the phase's
+    end) and the hits its floor recomputed in the phase (a counter's delta), from a real ``SplitGate``'s report on
+    our Prometheus page; nothing measured: no section. The phase line prints them."""
+    from prometheus_client import generate_latest
+
+    from benchmarks.serve_bench import _cost_line
+    from tiered_kv.planner.gate import SplitGate
+    from tiered_kv.planner.rates import PrefillEstimator, PrefillModel, ReadRate
+    from tiered_kv.store.metrics import make_registry
+
+    gate = SplitGate("auto", 0, {"disk": ReadRate(2.0)}, PrefillEstimator(PrefillModel(0.0, 1 / 40000, 0.0)),
+                     overlap=True, unit_tokens=256, unit_nbytes=256 << 17)
+
+    def page() -> dict:
+        base = {"lookups": 0, "hits": 0, "misses": 0, "bytes_in": 0, "bytes_out": 0, "puts_refused": 0,
+                "resident_bytes": 0, "inflight_jobs": 0, "tiers": {}, "gate": gate.report()}
+        return stats.parse_prometheus(generate_latest(make_registry(lambda: base, "vllm")).decode())
+
+    a = page()
+    assert stats.load_costs(stats.prom_delta(a, a)) == {}
+    gate.observe_loaded_step({"cpu": 1e8}, 0.030, 0.006)
+    gate.observe_loaded_step({"disk": 1e9}, 0.5, 0.2)
+    gate._decisions["recompute"] += 3  # what the lookups of the phase decided (counted as ``count`` does)
+    c = stats.load_costs(stats.prom_delta(a, page()))
+    assert c == {"load_floor_ms": pytest.approx(30.0), "overlap_s_per_gb": {"disk": pytest.approx(0.3)},
+                 "recomputed_hits": 3.0}, c
+    assert _cost_line(c) == " | load floor 30.0 ms, 3 hits recomputed, disk overlap 0.300 s/GB"
+
+
 # ============================================================================ modes and command lines
 def _argv(name: str, reg: ModeRegistry | None = None, **opts) -> tuple[list[str], dict]:
     spec = (reg or ModeRegistry()).spec(name, SIZES, metrics_port=9400 if name.startswith("tiered") else None)

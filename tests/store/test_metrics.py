@@ -5,6 +5,7 @@ import socket
 import time
 import urllib.request
 
+import pytest
 import torch
 from prometheus_client import generate_latest
 
@@ -49,7 +50,8 @@ def test_metrics_port_serves_on_loopback(small_cfg):
 
 def test_collector_reports_the_split_of_a_split_gate(small_cfg):
     """A ``SplitGate``'s report under ``gate``: the gate families and the split's (tokens per tier and action, read
-    rates per tier, the prefill model in use, estimated seconds); every name is in ``METRICS``."""
+    rates per tier, the prefill model in use, estimated seconds, the measured overlap cost and load floor); every
+    name is in ``METRICS``."""
     from prometheus_client.parser import text_string_to_metric_families
 
     from tiered_kv.planner.gate import SplitGate
@@ -59,6 +61,8 @@ def test_collector_reports_the_split_of_a_split_gate(small_cfg):
     gate = SplitGate("auto", 0, {"disk": ReadRate(2.15)}, PrefillEstimator(PrefillModel(0.0, 0.22 / 8192, 0.0)),
                      overlap=True, unit_tokens=256, unit_nbytes=256 << 17)
     plan, _ = gate.decide([("cpu", 512), ("disk", 8192)], 0, 0)
+    gate.observe_loaded_step({"disk": 1e9}, 0.3, 0.1)  # measured: 0.2 s a GB under the forward
+    gate.observe_loaded_step({"cpu": 1e8}, 0.035, 0.006)  # a loading step on a 35 ms floor
     with TieredStore(small_cfg()) as s:
         text = generate_latest(make_registry(lambda: {**s.stats(), "gate": gate.report()}, "t")).decode()
     loaded = plan.load_tokens - 512
@@ -69,6 +73,10 @@ def test_collector_reports_the_split_of_a_split_gate(small_cfg):
     assert 'tiered_kv_split_prefill_tokens_per_s{context="32768",source="start",store="t"}' in text
     assert 'tiered_kv_gate_decisions_total{decision="split",store="t"} 1.0' in text
     assert 'tiered_kv_split_estimated_seconds_total{plan="chosen",store="t"}' in text
+    gauges = {(s.name, s.labels.get("tier")): s.value for fam in text_string_to_metric_families(text)
+              for s in fam.samples if s.name.startswith(("tiered_kv_split_overlap", "tiered_kv_split_load_floor"))}
+    assert gauges == {("tiered_kv_split_overlap_seconds_per_gb", "disk"): pytest.approx(0.2),
+                      ("tiered_kv_split_load_floor_seconds", None): pytest.approx(0.035)}, gauges
     names = {s.name.removesuffix("_total") for fam in text_string_to_metric_families(text) for s in fam.samples}
     assert {m.removesuffix("_total") for m in METRICS if m.startswith("tiered_kv_split_")} <= names
 

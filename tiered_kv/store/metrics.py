@@ -50,6 +50,7 @@ METRICS = (
     "tiered_kv_gate_break_even_gbps", "tiered_kv_remote_errors_total",
     "tiered_kv_split_tokens_total", "tiered_kv_split_read_gbps", "tiered_kv_split_prefill_tokens_per_s",
     "tiered_kv_split_prefill_samples_total", "tiered_kv_split_estimated_seconds_total",
+    "tiered_kv_split_overlap_seconds_per_gb", "tiered_kv_split_load_floor_seconds",
     "tiered_kv_worker_bytes_total", "tiered_kv_worker_seconds_total", "tiered_kv_worker_events_total",
 )
 
@@ -175,6 +176,15 @@ def _split_families(split: dict, name: str) -> Iterator:
     yield _by_label(CounterMetricFamily, "tiered_kv_split_estimated_seconds", "summed estimated seconds of the plans "
                     "taken (plan=chosen), of recomputing every slow-tier token (recompute) and of loading every held "
                     "token (load_all)", name, "plan", split["estimated_seconds"])
+    if "overlap_cost" in split:  # the vLLM connector's, measured from its steps' forward times
+        yield _by_label(GaugeMetricFamily, "tiered_kv_split_overlap_seconds_per_gb", "what reading a GB of a slow tier "
+                        "under the forward was measured to add to a step beyond the split's price", name, "tier",
+                        {t: c["s_per_gb"] for t, c in split["overlap_cost"].items()})
+        g = GaugeMetricFamily("tiered_kv_split_load_floor_seconds", "the time a step with in-step CPU loads was "
+                              "measured not to go below (0: none; above a hit's recompute, the hit is recomputed)",
+                              labels=["store"])
+        g.add_metric([name], split["load_floor"]["seconds"])
+        yield g
 
 
 def _remote_families(remote: dict, name: str) -> Iterator:
