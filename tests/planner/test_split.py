@@ -196,8 +196,9 @@ def test_plan_with_a_step_budget_is_the_brute_force_optimum(seed):
 
 def test_a_measured_overlap_cost_shrinks_the_split_and_at_a_high_cost_declines_it():
     """The issue's 8k example with a cost per byte read under the forward: at 0 the plan is the old split; a small
-    cost keeps it and adds to its time; the cost the H200 measured with Redis on loopback (~0.8 ns a byte: 0.1 s more for 126 MB) loads
-    nothing. Without overlap the cost is not charged. The plan's exposed seconds are its time beyond compute."""
+    cost keeps it and adds to its time; the cost the H200 measured with Redis on loopback (~0.8 ns a byte: 0.1 s
+    more for 126 MB) loads nothing. Without overlap the cost is not charged. The plan's exposed seconds are its time
+    beyond compute."""
     def disk(cost: float) -> list[Segment]:
         return [Segment("disk", 8192, KV, 2.15, cost)]
 

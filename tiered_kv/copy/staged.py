@@ -15,8 +15,9 @@ adjacent rows of the slab, so the load moves as:
    much host time as that many batched descriptors) and the rows of shorter runs go as batched
    descriptors. The driver's batched 2-D copies (``cuMemcpy3DBatchAsync``,
    ``engine.RectBatchMemcpy``) take every run of a column range instead only with ``RECT_BATCH``:
-   off, as the H200 measured them slower (the constant says by how much). On the legacy default stream, which the batched calls refuse, whole rows
-   go as torch copies and every column range as 2-D copies.
+   off, as the H200 measured them slower (the constant says by how much). On the legacy default
+   stream, which the batched calls refuse, whole rows go as torch copies and every column range as
+   2-D copies.
 2. **Scatter**: for each *rectangle* of the layout (the chunks of one allocation at a fixed
    pitch: one per layer tensor, or one for all layers when they are views of one buffer), one
    torch ``index_put_`` from a strided view of the staging rows into a strided view of the

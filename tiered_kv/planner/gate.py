@@ -217,9 +217,11 @@ class SplitGate:
                             step_tokens=self.step_tokens)
 
         if lo and in_step and self.policy != "always" and self.load_floor.samples >= FLOOR_MIN_SAMPLES:
-            declined = self._recompute(new_tokens, context, model, lo, at)
-            if declined is not None:
-                return declined
+            loaded = at(lo)
+            if self._recompute(loaded, new_tokens, context, model):
+                return at(0), RECOMPUTE
+            if lo == held:
+                return loaded, ALL_FAST
         if lo == held:
             return at(held), ALL_FAST
         if self.policy != "auto":
@@ -242,22 +244,19 @@ class SplitGate:
             return at(held), PROBE
         return best, (DECLINED if best.load_tokens == lo else SPLIT)
 
-    def _recompute(self, new_tokens: int, context: int, model, lo: int,
-                   at: Callable[[int], Split]) -> tuple[Split, str] | None:
-        """The plan that loads nothing (``RECOMPUTE``) when a step loading the memory-tier part would take the load
-        floor or its own priced time, whichever is longer, and recomputing every held token and the new ones takes
-        less; None otherwise, and for every ``RECOMPUTE_PROBE_EVERY``-th such hit (planned as usual: a sample)."""
+    def _recompute(self, loaded: Split, new_tokens: int, context: int, model) -> bool:
+        """Whether to load nothing (``RECOMPUTE``): a step running ``loaded`` (the plan that loads the memory-tier
+        part) would take the load floor or its own priced time, whichever is longer, and recomputing every held token
+        and the new ones takes less; not for every ``RECOMPUTE_PROBE_EVERY``-th such hit (planned as usual: a
+        sample)."""
         floor = self.load_floor.seconds
         if floor <= 0 or not self.prefill.fitted:
-            return None
-        loaded = at(lo)
+            return False
         if model.seconds(loaded.held_tokens + new_tokens, context) >= max(floor, loaded.seconds):
-            return None
+            return False
         with self._lock:
             self._recompute_declined += 1
-            if self._recompute_declined % RECOMPUTE_PROBE_EVERY == 0:
-                return None
-        return at(0), RECOMPUTE
+            return self._recompute_declined % RECOMPUTE_PROBE_EVERY != 0
 
     def _first_guessed(self, segs: list[Segment], align: int = 0, offset: int = 0) -> int | None:
         """Held tokens up to one unit (the ``align`` chunk where given) into the first slow tier whose rate is still a

@@ -49,8 +49,8 @@ not go below (an uncompiled engine's launch).
 ``StepTimer`` turns when a step was scheduled and when its output came back into the seconds the
 step ran, for engines that schedule the next step while one runs (vLLM's async scheduling).
 
-Threading contract: ``ReadRate``, ``OverlapCost``, ``LoadFloor`` and ``PrefillEstimator`` take their own lock in every method, so
-one thread may observe while another reads the estimate. ``StepTimer`` is not thread-safe: its
+Threading contract: ``ReadRate``, ``OverlapCost``, ``LoadFloor`` and ``PrefillEstimator`` take their own lock in
+every method, so one thread may observe while another reads the estimate. ``StepTimer`` is not thread-safe: its
 owner (the engine's scheduler thread) calls it. ``PrefillModel`` is a frozen value.
 """
 from __future__ import annotations

@@ -13,8 +13,9 @@ and recomputing the other ``L - m`` (plus the new ones) takes:
   (with ``step_tokens``, an engine that computes at most that many tokens a step, only the first step's
   compute overlaps the load: ``compute(m)`` above is that step's, and the later steps' compute is added after;
   each byte loaded from a segment adds its ``overlap_cost``, what such reads were measured to slow a step
-  beyond this pricing: ``rates.OverlapCost``, 0 until measured) the second term being the pipeline's fill (the first layer's load before any compute, or the last
-  layer's compute after the last load; ``layers=0`` leaves it out). ``load`` rises with ``m`` and
+  beyond this pricing: ``rates.OverlapCost``, 0 until measured) the second term being the pipeline's fill (the
+  first layer's load before any compute, or the last layer's compute after the last load; ``layers=0`` leaves it
+  out). ``load`` rises with ``m`` and
   ``compute`` falls, so the best ``m`` is where the load ends about when the compute that needs it
   would have: the split;
 - without overlap (the load finishes before the forward starts: SGLang's prefetch into its host
@@ -88,7 +89,6 @@ class Split:
     seconds_recompute: float  # ... of loading only the memory-tier tokens
     seconds_load_all: float   # ... of loading every held token
     seconds_exposed: float = 0.0  # the part of ``seconds`` beyond its compute and its segments' overlap costs
-    context: int = 0  # tokens the engine held before the hit
 
     @property
     def held_tokens(self) -> int:
@@ -100,13 +100,18 @@ class Split:
         """Tokens the engine computes: held ones not loaded plus the new ones."""
         return self.held_tokens - self.load_tokens + self.new_tokens
 
-    def loaded_bytes(self) -> dict[str, float]:
-        """Tier -> bytes this plan loads from it (tiers it loads nothing from are left out)."""
-        out: dict[str, float] = {}
+    def _taken(self):
+        """``(segment, its tokens this plan loads)`` for every segment, in order."""
         left = self.load_tokens
         for s in self.segments:
             got = min(left, s.tokens)
             left -= got
+            yield s, got
+
+    def loaded_bytes(self) -> dict[str, float]:
+        """Tier -> bytes this plan loads from it (tiers it loads nothing from are left out)."""
+        out: dict[str, float] = {}
+        for s, got in self._taken():
             if got:
                 out[s.tier] = out.get(s.tier, 0.0) + got * s.nbytes_per_token
         return out
@@ -114,10 +119,7 @@ class Split:
     def per_tier(self) -> dict[str, tuple[int, int]]:
         """Tier -> (held tokens loaded, held tokens recomputed)."""
         out: dict[str, tuple[int, int]] = {}
-        left = self.load_tokens
-        for s in self.segments:
-            got = min(left, s.tokens)
-            left -= got
+        for s, got in self._taken():
             loaded, recomputed = out.get(s.tier, (0, 0))
             out[s.tier] = (loaded + got, recomputed + s.tokens - got)
         return out
@@ -165,7 +167,7 @@ def split_at(segments: Sequence[Segment], load_tokens: int, new_tokens: int, con
     measured = timing.cost(load_tokens) if overlap else 0.0  # the overlap costs ``chosen`` holds: not exposure
     return Split(segs, load_tokens, new_tokens, chosen, chosen if lo == load_tokens else timing.total(lo),
                  chosen if held == load_tokens else timing.total(held),
-                 max(0.0, chosen - timing.compute(load_tokens) - measured), context)
+                 max(0.0, chosen - timing.compute(load_tokens) - measured))
 
 
 def _checked(segments: Sequence[Segment], new_tokens: int, context: int, unit_tokens: int,
@@ -193,23 +195,19 @@ class _Timing:
         self.held = sum(s.tokens for s in segs)
         self.starts = [sum(s.tokens for s in segs[:i]) for i in range(len(segs))]
 
-    def load(self, m: int) -> float:
-        total = 0.0
+    def _first(self, m: int):
+        """``(segment, its tokens among the first m held)`` for the segments those reach, in order."""
         for s, start in zip(self.segs, self.starts):
             if m <= start:
-                break
-            total += s.seconds(min(s.tokens, m - start))
-        return total
+                return
+            yield s, min(s.tokens, m - start)
+
+    def load(self, m: int) -> float:
+        return sum(s.seconds(n) for s, n in self._first(m))
 
     def cost(self, m: int) -> float:
         """The measured overlap cost of loading the first ``m`` held tokens under the forward (seconds)."""
-        total = 0.0
-        for s, start in zip(self.segs, self.starts):
-            if m <= start:
-                break
-            if s.overlap_cost:
-                total += min(s.tokens, m - start) * s.nbytes_per_token * s.overlap_cost
-        return total
+        return sum(n * s.nbytes_per_token * s.overlap_cost for s, n in self._first(m) if s.overlap_cost)
 
     def compute(self, m: int) -> float:
         return self.model.seconds(self.held - m + self.new, self.context + m)

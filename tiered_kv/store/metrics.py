@@ -140,8 +140,8 @@ def _by_label(family: type, metric: str, doc: str, name: str, label: str, values
 def _gate_families(gate: dict, name: str) -> Iterator:
     yield _by_label(CounterMetricFamily, "tiered_kv_gate_decisions", "load-gate decisions on hits: all_fast (memory "
                     "tiers only), always/beats (slow-tier blocks loaded), split (some loaded, the rest recomputed), "
-                    "probe (declined but read to re-measure), declined (slow-tier blocks recomputed), recompute (a whole hit "
-                    "recomputed: its loading steps were measured slower)", name, "decision",
+                    "probe (declined but read to re-measure), declined (slow-tier blocks recomputed), recompute "
+                    "(a whole hit recomputed: its loading steps were measured slower)", name, "decision",
                     gate["decisions"])
     m = CounterMetricFamily("tiered_kv_gate_declined_blocks", "held slow-tier blocks the gate did not load "
                             "(recomputed instead)", labels=["store"])

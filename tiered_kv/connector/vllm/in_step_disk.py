@@ -267,12 +267,13 @@ class InStepDiskLoader:
         try:
             off, k, bn = self._offsets, self.k, self.chunk_nbytes // self.k
             t0 = time.perf_counter()
+            grouped = self._read_groups(step)  # the remote tier: no per-task list to build
             # a task: (group, job, item, staging slot, the byte ranges of its blocks in the record)
-            tasks = [(g, j, i, slot, [(blk * bn + off[a], blk * bn + off[b])
-                                      for blk in range(b0, min(k, b0 + RANGES_PER_TASK))])
-                     for g, (a, b) in enumerate(step.spans) for j, i, slot in step.records
-                     for b0 in range(0, k, RANGES_PER_TASK)]
-            if not self._read_aio(step, tasks) and not self._read_groups(step):
+            tasks = [] if grouped else [(g, j, i, slot, [(blk * bn + off[a], blk * bn + off[b])
+                                                         for blk in range(b0, min(k, b0 + RANGES_PER_TASK))])
+                                        for g, (a, b) in enumerate(step.spans) for j, i, slot in step.records
+                                        for b0 in range(0, k, RANGES_PER_TASK)]
+            if not grouped and not self._read_aio(step, tasks):
                 self._expect(step, (t[0] for t in tasks))
                 futures = [self._pool.submit(self._read_ranges, step, *t) for t in tasks]
                 wait(futures)
@@ -327,15 +328,18 @@ class InStepDiskLoader:
         if not all(hasattr(r, "read_group") for r in step.reads if r is not None):
             return False
         off, bn = self._offsets, self.chunk_nbytes // self.k
+        per_job: dict[int, tuple[list[int], list[torch.Tensor]]] = {}  # job -> (its items, their staging rows)
+        for j, i, slot in step.records:
+            items, rows = per_job.setdefault(j, ([], []))
+            items.append(i)
+            rows.append(self.staging[slot])
         self._expect(step, range(len(step.spans)))  # one unit of work per group
         for g, (a, b) in enumerate(step.spans):
             ranges = [(blk * bn + off[a], blk * bn + off[b]) for blk in range(self.k)]
             try:
-                for j, reads in enumerate(step.reads):
-                    mine = [(i, slot) for jj, i, slot in step.records if jj == j]
-                    if mine:
-                        reads.read_group([i for i, _ in mine], ranges, [self.staging[slot] for _, slot in mine])
-                        self.counters.overlap_group_reads += 1
+                for j, (items, rows) in per_job.items():
+                    step.reads[j].read_group(items, ranges, rows)
+                    self.counters.overlap_group_reads += 1
             finally:
                 with self._cond:
                     step.left[g] = 0

@@ -12,9 +12,9 @@ in the remote tier is adopted when the walk reaches it (``RemotePresence``). The
 - the split (``planner.gate.SplitGate``, shared with SGLang's backend; built in ``prefill.py``): the held chunks
   as runs per tier (CPU, then disk, then remote, as the walk found them), after the tokens vLLM holds, before
   the request's tokens still to compute; CPU chunks load (unless the engine's in-step loading steps have a floor
-  above the hit's recompute: ``SplitGate``'s load floor), a disk or remote run loads only while reading it is estimated faster
-  than recomputing it (no overlap: per tier all or nothing). The plan waits on the
-  request's state until vLLM allocates it (``LoadPlanner.allocated`` counts it), so a request vLLM asks about
+  above the hit's recompute: ``SplitGate``'s load floor), a disk or remote run loads only while reading it is
+  estimated faster than recomputing it (no overlap: per tier all or nothing). The plan waits on the request's
+  state until vLLM allocates it (``LoadPlanner.allocated`` counts it), so a request vLLM asks about
   again is counted once;
 - whether the load runs inside the step (every chunk in the CPU tier, or with ``disk_overlap_bytes`` CPU chunks
   then disk chunks read under the forward, at most the staging's room of them; at most ``sync_max_tokens``, and

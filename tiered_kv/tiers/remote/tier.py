@@ -263,14 +263,7 @@ class RemoteRangeReads:
         """Payload bytes ``[a, b)`` of record i into the same bytes of ``image``, for each range; False when it has
         no header of ours, a range came short (the value is gone since: ``missing``) or its node failed (neither
         missing nor damaged: the record stays for a later read)."""
-        hdr = self.headers[i]
-        if hdr is None or i in self._bad:
-            return False
-        arr = memoryview(image.numpy()).cast("B")
-        got = self.tier.client.getrange_into([self._rkeys[i]], lambda _: [(HEADER_LEN + a, HEADER_LEN + b)
-                                                                         for a, b in ranges],
-                                             lambda _: [arr[a:b] for a, b in ranges], unavailable=_DOWN)[0]
-        return self._landed(i, got)
+        return self.read_group((i,), ranges, (image,))[0]
 
     def read_group(self, items: Sequence[int], ranges: Sequence[tuple[int, int]],
                    images: Sequence[torch.Tensor]) -> list[bool]:
