@@ -235,11 +235,17 @@ def vllm_ttft_split(results: list[Result]) -> str:
     rows = []
     for r in results:
         w = r.doc["workload"]
+        size = f"{w['prefix']:,} x {w['n_conv']}, CPU tier {w['disk_cpu_gib']} GiB"
         for tier, o in (r.doc.get("overlap") or {}).items():
             floor = (f"{num(o['floor_s'] / o['recompute_s'], 3)}x at {num(o['read_gbps'], 2)} GB/s"
                      if o.get("floor_s") else "-")
-            rows.append([r.doc["model"], f"{w['prefix']:,} x {w['n_conv']}", tier, num(o["recompute_s"] * 1e3),
+            rows.append([r.doc["model"], size, tier, num(o["recompute_s"] * 1e3),
                          num(o["load_all_s"] * 1e3), num(o["overlap_s"] * 1e3), f"{o['ratio']:.3f}x", floor])
+        if not r.doc.get("overlap"):  # a lone split start (no recompute beside it): its time and where it read
+            for x in r.doc["results"]:
+                if x["mode"].endswith("-overlap"):
+                    rows.append([r.doc["model"], size, f"{x['mode'].split('-')[1]} at {w['disk_path']}", "-", "-",
+                                 num(x["turn2_median_s"] * 1e3), "-", f"- (hit rate {x['turn2_hit_rate']:.1%})"])
     head = ["model", "prefix tokens x conversations", "slow tier", "none (recompute) ms", "load all ms", "split ms",
             "split / min(both) (goal <= 0.8)", "the split's floor / recompute"]
     return table(head, rows) + "\n" + source(results)
