@@ -467,9 +467,11 @@ def serving_cells(path: str) -> list[dict]:
     own compilation (``serve_bench.py --graphs compile``: torch.compile and its CUDA graphs, what ``vllm serve`` does
     unasked) gives cells of GPU cache ``serve, compiled``: a separate configuration, where a small prefill step is
     not held by the host's eager launches (docs/notes/2026-11-30-gpu-round12.md). A phase where neither no connector
-    nor ``OffloadingConnector`` ran gives no cell (a cell with no bound to judge would pass unjudged)."""
+    nor ``OffloadingConnector`` ran gives no cell (a cell with no bound to judge would pass unjudged). Each cell
+    carries its file's ``date`` (``verdict`` judges only the newest file's cell of a configuration)."""
     with open(path) as f:
         doc = json.load(f)
+    date = file_date(doc)
     graphs = {s.get("graphs") for s in doc.get("starts", ()) if s.get("status") == "ok"}
     gpu = "serve, compiled" if graphs == {"compile"} else "serve" if "compile" not in graphs else "serve, mixed graphs"
     out = []
@@ -490,7 +492,31 @@ def serving_cells(path: str) -> list[dict]:
                     "median_s": med, "min_max_s": span, "starts": {m: p["ttft_p50_ms"]["n"] for m, p in got.items() if p},
                     "greedy_equal": (g.get("compared") == g.get("equal")) if g.get("compared") else None,
                     "greedy_outputs": outputs,
-                    "source": os.path.basename(path)})
+                    "source": os.path.basename(path), "date": date})
+    return out
+
+
+def file_date(doc: dict) -> str | None:
+    """A result file's date (ISO, UTC): its ``date``, or a merged file's latest of ``dates``; None if it has none."""
+    dates = [d for d in doc.get("dates") or () if d]
+    return max(dates) if dates else doc.get("date")
+
+
+def newest_serving(cells: list[dict]) -> list[dict | None]:
+    """Per serving cell, the cell that supersedes it (the newest file's of the same shape, workload and GPU cache
+    that measured every mode this one did: a file of ours and ``OffloadingConnector`` only does not replace a cell
+    judged against no connector too), or None where none does. Newest by ``date`` (ISO strings compare as dates; no
+    date: oldest); on a tie the later cell (the later file on the command line) wins."""
+    out: list[dict | None] = []
+    for i, c in enumerate(cells):
+        key, modes, best = (c["shape"], c["workload"], c["gpu"]), set(c["median_s"]), None
+        for j, n in enumerate(cells):
+            if j == i or (n["shape"], n["workload"], n["gpu"]) != key or not modes <= set(n["median_s"]):
+                continue
+            if ((n.get("date") or ""), j) > ((c.get("date") or ""), i) and \
+                    (best is None or ((n.get("date") or ""), j) > ((best[1].get("date") or ""), best[0])):
+                best = (j, n)
+        out.append(best[1] if best else None)
     return out
 
 
@@ -567,7 +593,8 @@ def _prompts(r: dict) -> tuple:
 
 def verdict(results: list[dict], serving: list[dict] = ()) -> list[dict]:
     """One row per (shape, workload, GPU cache) that ran: medians over starts, ratios, greedy equality, pass/fail
-    (``serving``: cells of ``serving_cells``, judged by the same rule)."""
+    (``serving``: cells of ``serving_cells``, judged by the same rule; a serving cell a newer file measured again
+    stays a row, with its ratios, but is not judged: ``pass`` None, ``superseded_by`` the newer file)."""
     ok = [r for r in results if "error" not in r]
     rows = []
     for shape in dict.fromkeys(r["shape"] for r in ok):
@@ -590,7 +617,13 @@ def verdict(results: list[dict], serving: list[dict] = ()) -> list[dict]:
                 if equal is False:
                     row.update(_differences(ok, got, refs, shape, gpu, tok_key, none, mine))
                 rows.append(_judge(row, none, peer, mine))
-    rows += [_judge(dict(c), "none", "offloading", "tiered") for c in serving]
+    for c, newer in zip(serving, newest_serving(list(serving))):
+        row = _judge(dict(c), "none", "offloading", "tiered")
+        if newer is not None:  # measured again later (on newer code): neither pass nor fail
+            row.pop("wants_3_starts", None)
+            src = newer.get("source", "?")
+            row.update({"pass": None, "why": f"superseded by {src}", "superseded_by": src})
+        rows.append(row)
     return rows
 
 
@@ -622,7 +655,8 @@ def greedy_text(row: dict) -> str:
 
 
 def table(doc: dict) -> str:
-    """The envelope as markdown: one row per cell that ran, then the cells that did not."""
+    """The envelope as markdown: one row per cell that ran (a serving cell a newer file measured again reads
+    "superseded" and by which file, neither pass nor fail), then the cells that did not."""
     rows = verdict(doc["results"], doc.get("serving", ()))
     lines = ["| shape | workload | GPU cache | none | OffloadingConnector | ours | ours/none | ours/peer | greedy "
              "equal | starts (ours) | verdict |", "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -631,7 +665,8 @@ def table(doc: dict) -> str:
     for r in rows:
         p, m = peer.get(r["workload"], "offloading"), mine.get(r["workload"], "tiered")
         cell = lambda mode: f"{r['median_s'][mode]:.3f}" if mode in r["median_s"] else "-"  # noqa: E731
-        verdict_ = "pass" if r["pass"] else f"FAIL ({r['why']})"
+        verdict_ = ("pass" if r["pass"] else f"FAIL ({r['why']})" if r["pass"] is False
+                    else f"superseded ({r['why']})")  # None: a newer file measured the cell again
         if r.get("wants_3_starts") and r["pass"]:
             verdict_ += " (near a bound: wants 3 starts)"
         eq = greedy_text(r)

@@ -278,7 +278,8 @@ def envelope(r: Result) -> str:
         peer, mine = ("offloading-small", "tiered-disk") if v["workload"] == "disk" else ("offloading", "tiered")
         s = lambda m: num(v["median_s"][m], 3) if m in v["median_s"] else "-"  # noqa: E731
         span = v["min_max_s"].get(mine)
-        verdict = "pass" if v["pass"] else f"**FAIL** ({v['why']})"
+        verdict = ("pass" if v["pass"] else f"**FAIL** ({v['why']})" if v["pass"] is False
+                   else v["why"])  # None: superseded by a newer file's cell
         if v.get("wants_3_starts"):
             verdict += ", near a bound"
         rows.append([v["shape"], ENVELOPE_WORK.get(v["workload"], v["workload"]), v["gpu"], s("none"), s(peer),

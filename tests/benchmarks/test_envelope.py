@@ -122,6 +122,47 @@ def test_serving_cells_are_judged_by_the_same_rule(tmp_path):
     assert envelope.serving_cells(str(path)) == []
 
 
+def test_only_the_newest_files_serving_cell_is_judged(tmp_path):
+    """Two files measured the same shape, c1 and GPU cache: the older (slower than recompute: fails) is superseded by
+    the newer (passes), neither pass nor fail; a compiled file's cell is another configuration, judged on its own."""
+    phase = lambda ms: {"ttft_p50_ms": {"min": ms, "median": ms, "max": ms, "n": 3}}  # noqa: E731
+
+    def write(name, ours_ms, graphs=None, **date):
+        doc = {"shape": "llama3-8b", **date, "summary": {m: {"phases": {"c1": phase(ms)}} for m, ms in
+                                                          (("none", 40.0), ("offloading", 50.0), ("tiered", ours_ms))}}
+        if graphs:
+            doc["starts"] = [{"mode": m, "status": "ok", "graphs": graphs} for m in ("none", "offloading", "tiered")]
+        (tmp_path / name).write_text(json.dumps(doc))
+        return envelope.serving_cells(str(tmp_path / name))
+
+    # the newer file first on the command line: the date decides, not the order
+    new = write("serve_bench_new.json", 39.0, dates=["2026-11-29T08:00:00Z", "2026-11-30T11:54:14Z"])
+    old = write("serve_bench_old.json", 52.0, date="2026-11-29T10:00:00Z")
+    compiled = write("serve_bench_compiled.json", 60.0, graphs="compile", date="2026-11-28T09:00:00Z")
+    assert new[0]["date"] == "2026-11-30T11:54:14Z" and old[0]["date"] == "2026-11-29T10:00:00Z"
+    rows = {(r["source"], r["gpu"]): r for r in envelope.verdict([], new + old + compiled)}
+    newer, older = rows[("serve_bench_new.json", "serve")], rows[("serve_bench_old.json", "serve")]
+    assert newer["pass"] is True and "superseded_by" not in newer, newer
+    assert older["pass"] is None and older["superseded_by"] == "serve_bench_new.json", older
+    assert older["why"] == "superseded by serve_bench_new.json" and older["vs_none"] == 1.3  # ratios still shown
+    other = rows[("serve_bench_compiled.json", "serve, compiled")]
+    assert other["pass"] is False and "superseded_by" not in other and "1.50x none" in other["why"], other
+    text = envelope.table({"results": [], "serving": new + old + compiled, "not_runnable": {}, "skipped": []})
+    assert "| superseded (superseded by serve_bench_new.json) |" in text and text.count("| FAIL (") == 1, text
+    # no date counts as oldest; same date: the later file on the command line wins
+    undated = write("serve_bench_undated.json", 39.0)
+    (row, _, _) = envelope.verdict([], undated + old + compiled)
+    assert row["superseded_by"] == "serve_bench_old.json", row
+    again = write("serve_bench_again.json", 39.0, date="2026-11-29T10:00:00Z")
+    first, second = envelope.verdict([], old + again)
+    assert first["superseded_by"] == "serve_bench_again.json" and second["pass"] is True
+    # a newer file without no connector's starts (ours and the peer only) does not replace a cell judged against it
+    tails = write("serve_bench_tails.json", 39.0, date="2026-11-30T12:00:00Z")
+    tails[0]["median_s"].pop("none")
+    kept, judged = envelope.verdict([], old + tails)
+    assert kept["pass"] is False and "superseded_by" not in kept and judged["pass"] is True
+
+
 def test_rank_rates_read_each_ranks_trace_in_the_window(tmp_path):
     base = str(tmp_path / "trace")
     for rank, (b, ms) in enumerate(((2e9, 50.0), (2e9, 40.0))):

@@ -149,9 +149,38 @@ def test_an_overlapped_plan_bets_one_chunk_on_a_guessed_rate_until_a_read_replac
     assert unlapped.decide([("disk", 8192)], 0, 0)[1] == BEATS  # no overlap: all or nothing, as before
     g.observe_reads({"disk": 256 * KV}, 256 * KV / 20e9)  # the chunk read at 20 GB/s
     assert rates["disk"].gbps == pytest.approx(20.0)  # replaced, not averaged with the guess
-    assert g.decide([("disk", 8192)], 0, 0, align=256)[1] == BEATS  # now planned at the measured rate
     g.observe_reads({"disk": 256 * KV}, 256 * KV / 10e9)
     assert rates["disk"].gbps == pytest.approx(0.8 * 20.0 + 0.2 * 10.0)  # then the average
+    assert rates["disk"].largest == 256 * KV
+
+
+def test_a_young_rate_ramps_up_four_times_its_largest_read_a_plan():
+    """GPU round 17: a rate measured on one chunk's read let the next 32k hit load 1.3 GB under the forward at half
+    that rate. After its first read a guessed tier's overlapped plan loads at most 4x the largest read (on the chunk
+    grid, after the CPU part), so a fast tier reaches all of a hit in a few hits; a user's rate is not capped, nor a
+    plan without overlap, nor a plan the cap does not reach."""
+    rates = {"disk": ReadRate(3.0, guess=True)}
+    g = SplitGate("auto", 0, rates, PrefillEstimator(LLAMA, fixed=True), overlap=True, unit_tokens=16,
+                  unit_nbytes=16 * KV)
+    loaded = []
+    for _ in range(4):
+        plan, outcome = g.decide([("cpu", 512), ("disk", 8192)], 0, 0, align=256)
+        loaded.append((plan.load_tokens - 512, outcome))
+        disk = plan.load_tokens - 512
+        g.observe_reads({"disk": disk * KV}, disk * KV / 20e9)  # reads at 20 GB/s: loading all is best
+    assert loaded == [(256, SPLIT), (1024, SPLIT), (4096, SPLIT), (8192, BEATS)]
+    assert rates["disk"].largest == 8192 * KV
+    # off the chunk grid (the hit starts 100 tokens into a chunk): the cap ends on a chunk end, at least the first one
+    young = SplitGate("auto", 0, {"disk": ReadRate(3.0, guess=True)}, PrefillEstimator(LLAMA, fixed=True),
+                      overlap=True, unit_tokens=16, unit_nbytes=16 * KV)
+    young.observe_reads({"disk": 256 * KV}, 256 * KV / 20e9)
+    plan, _ = young.decide([("disk", 8192)], 0, 0, align=256, offset=96)
+    assert plan.load_tokens == 160 + 3 * 256 and (plan.load_tokens + 96) % 256 == 0
+    assert _split_gate(disk=20.0).decide([("disk", 8192)], 0, 0, align=256)[1] == BEATS  # a user's rate
+    unlapped = SplitGate("auto", 0, {"disk": ReadRate(3.0, guess=True)}, PrefillEstimator(LLAMA, fixed=True),
+                         overlap=False, unit_tokens=16, unit_nbytes=16 * KV)
+    unlapped.rates["disk"].observe(256 * KV, 256 * KV / 20e9)
+    assert unlapped.decide([("disk", 8192)], 0, 0)[1] == BEATS  # no overlap: all or nothing, as before
 
 
 def test_writes_lower_a_guessed_read_rate_until_the_first_read():
@@ -225,6 +254,20 @@ def test_split_gate_learns_what_overlapped_reads_cost_and_plans_with_it():
     plan, outcome = g.decide([("disk", 8192)], 0, 0)
     assert outcome == DECLINED and plan.load_tokens == 0
     assert g.report()["split"]["overlap_cost"]["disk"] == {"s_per_gb": pytest.approx(1.0), "samples": 1}
+
+
+def test_a_small_reads_model_error_does_not_hide_a_large_reads_slowdown():
+    """GPU round 17 at 32k: a step that read one chunk ran 0.13 s under a prefill model 10% high; the next read
+    1.32 GB under the forward and ran 1.14 s over its price. The gate's overlap cost comes out near 0.4 s/GB, not 0,
+    and the next 32k hit no longer splits at the rate its reads showed."""
+    g = _split_gate(disk=0.9)
+    plan, outcome = g.decide([("disk", 32768)], 64, 0)
+    assert outcome == SPLIT and plan.load_tokens > 0
+    g.observe_loaded_step({"disk": 256 * KV}, 1.19, 1.32)
+    g.observe_loaded_step({"disk": 10080 * KV}, 2.29, 1.15)
+    assert g.overlap_cost["disk"].s_per_byte * 1e9 == pytest.approx(0.42, abs=0.05)
+    plan, outcome = g.decide([("disk", 32768)], 64, 0)
+    assert outcome == DECLINED and plan.load_tokens == 0
 
 
 @pytest.mark.parametrize("truth", [0.1e-9, 0.5e-9])

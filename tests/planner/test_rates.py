@@ -68,6 +68,24 @@ def test_overlap_cost_converges_on_a_noisy_truth_and_follows_a_change(seed):
     assert cost.samples == 120
 
 
+def test_overlap_cost_weighs_each_step_by_the_bytes_it_read():
+    """GPU round 17, 32k-token Llama steps: one that read one chunk (33 MB) ran 0.13 s under a start model 10% high
+    (a per-byte sample of -3.9 s/GB), the next read 1.32 GB and ran 1.14 s over its price. An average of per-step
+    ratios stayed below 0 (a cost of 0: the split kept loading); weighted by bytes the cost is clearly positive,
+    and the small step moves it by what it read."""
+    cost = OverlapCost()
+    cost.observe(33_554_432, -0.13)
+    assert cost.s_per_byte == 0.0  # below 0 on its own
+    cost.observe(1_321_205_760, 1.14)
+    assert cost.s_per_byte * 1e9 == pytest.approx((0.8 * -0.13 + 0.2 * 1.14) / (0.8 * 0.0336 + 0.2 * 1.3212), rel=0.01)
+    assert cost.s_per_byte * 1e9 > 0.4
+    big = OverlapCost()
+    big.observe(1_321_205_760, 1.14)
+    alone = big.s_per_byte
+    big.observe(33_554_432, -0.13)  # one small step after it barely moves it
+    assert big.s_per_byte == pytest.approx(alone, rel=0.25) and big.s_per_byte > 0.6e-9
+
+
 def test_load_floor_follows_steps_on_the_floor_and_is_bounded_by_steps_as_priced():
     """Steps well over their price (an eager launch of 22-32 ms against ~6 ms priced) are samples of the floor, and
     the average follows a slower host; large steps bound by their compute leave it alone; a step that ran as priced

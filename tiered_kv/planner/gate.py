@@ -40,6 +40,8 @@ SPLIT_OUTCOMES = (ALL_FAST, ALWAYS, BEATS, SPLIT, PROBE, DECLINED, RECOMPUTE)
 #: Of the hits the load floor declines, every this-many-th is planned as if it were not (loads), so the floor follows
 #: the engine; and the floor acts only once this many loading steps measured it, with a prefill model fitted.
 RECOMPUTE_PROBE_EVERY, FLOOR_MIN_SAMPLES = 8, 3
+#: An overlapped plan loads at most this many times a young slow tier's largest measured read (``SplitGate._ramp``).
+RAMP_READS = 4
 #: The prefill rate is reported for a chunk of this many tokens after each of these contexts.
 REPORT_CHUNK, REPORT_CONTEXTS = 2048, (0, 8192, 32768)
 
@@ -232,9 +234,9 @@ class SplitGate:
         if cut and lo < best.load_tokens < held:  # between two chunk ends: the better of them
             down = max(lo, best.load_tokens - cut)
             best = min((at(m) for m in (down, min(held, down + align))), key=lambda sp: (sp.seconds, -sp.load_tokens))
-        guessed = self._first_guessed(segs, align, offset) if overlap else None
-        if guessed is not None and best.load_tokens > guessed:  # never bet a whole run on a built-in guess
-            return at(guessed), SPLIT
+        cap = self._ramp(segs, align, offset) if overlap else None
+        if cap is not None and best.load_tokens > cap:  # never bet a run on a guess, nor on a rate from small reads
+            return at(cap), SPLIT
         if best.load_tokens == held:
             return best, BEATS
         with self._lock:
@@ -258,17 +260,26 @@ class SplitGate:
             self._recompute_declined += 1
             return self._recompute_declined % RECOMPUTE_PROBE_EVERY != 0
 
-    def _first_guessed(self, segs: list[Segment], align: int = 0, offset: int = 0) -> int | None:
-        """Held tokens up to one unit (the ``align`` chunk where given) into the first slow tier whose rate is still a
-        built-in guess (``ReadRate.guess``, no read yet), or None when no slow tier of the hit is. An overlapped plan
-        loads no further: on the H200 host the default 3 GB/s against the 0.9 GB/s read beside vLLM's thread made
-        the first overlapped disk hits 2-3x slower than recompute; one chunk's read measures the tier."""
+    def _ramp(self, segs: list[Segment], align: int = 0, offset: int = 0) -> int | None:
+        """The most held tokens an overlapped plan may load while a slow tier's rate is young, or None for no cap.
+        A tier whose rate began as a built-in guess (``ReadRate.guess``) may load, in one plan, one unit (the
+        ``align`` chunk where given) until its first read, then at most ``RAMP_READS`` times its largest measured read
+        (``ReadRate.largest``), on the unit grid and at least one unit: the cap is on the first such tier of the hit
+        that holds more (the tiers before it load as planned). Why: on the H200 host the default 3 GB/s against the
+        0.9 GB/s read beside vLLM's thread made the first overlapped disk hits 2-3x slower than recompute; and in GPU
+        round 17 a rate measured on one chunk's read (33 MB) sent the next 32k-token hit to load 1.3 GB under the
+        forward at half that rate: 1.9x of recompute. A read vouches for a few times its size; a few hits grow it to
+        any size."""
         start = 0
         for s in segs:
             rate = self.rates.get(s.tier)
-            if s.tier not in MEMORY_TIERS and s.tokens and rate is not None and rate.guess and rate.reads == 0:
-                step = (align - (start + offset) % align) if align else self.unit_tokens
-                return start + min(s.tokens, step)
+            if s.tier not in MEMORY_TIERS and s.tokens and rate is not None and rate.guess:
+                allowed = RAMP_READS * rate.largest / s.nbytes_per_token if s.nbytes_per_token > 0 else s.tokens
+                if rate.reads == 0 or allowed < s.tokens:
+                    step = (align - (start + offset) % align) if align else self.unit_tokens
+                    grid = align or self.unit_tokens
+                    more = int(max(0.0, allowed - step) // grid) * grid if rate.reads else 0
+                    return start + min(s.tokens, step + more)
             start += s.tokens
         return None
 

@@ -74,8 +74,10 @@ DECODE_TOKENS = 16
 #: Steps the fit keeps, and the age (in samples) at which a sample weighs half as much as the newest.
 WINDOW, HALF_LIFE = 128, 32.0
 #: Samples before the fit replaces the start model; then it is refitted every ``REFIT_EVERY`` new samples
-#: (a fit costs a few ms of Python: at most one every 8 prefill steps on the caller's thread).
-MIN_SAMPLES, REFIT_EVERY = 8, 8
+#: (a fit costs a few ms of Python: at most one every 8 prefill steps on the caller's thread). The ridge toward the
+#: start holds what 4 steps cannot tell apart; GPU round 17's 32k run timed 7 prefill steps before its loads and kept
+#: a start model 10% high with 8.
+MIN_SAMPLES, REFIT_EVERY = 4, 8
 #: Ridge weight toward the start model, per unit of (equilibrated) sample weight.
 RIDGE = 1e-3
 #: A loading step that ran more than this many times its priced time was held up by something other than its compute
@@ -102,7 +104,7 @@ class ReadRate:
         """``guess``: the start value is a built-in default, not a figure anyone measured or set: the first
         observed read replaces it (an average with it would keep most of the guess for several reads), writes to
         the tier may lower it before then (``hint``), and ``SplitGate`` plans at most one chunk from this tier in an
-        overlapped plan until then. ``replace_min_bytes``: only a read of at least this many bytes replaces the
+        overlapped plan until then, and a few times its largest read after (``SplitGate._ramp``). ``replace_min_bytes``: only a read of at least this many bytes replaces the
         guess; smaller ones are averaged in (an engine whose reads may be a few small pages: they measure latency)."""
         self._start = self._gbps = _positive("read rate (GB/s)", start_gbps)
         self.fixed, self.guess = bool(fixed), bool(guess)
@@ -110,6 +112,7 @@ class ReadRate:
         self._replace_min = int(replace_min_bytes)
         self._replaced = False
         self._reads = 0
+        self._largest = 0  # the most bytes one observed read moved
         self._hint: float | None = None
         self._hints = 0
         self._lock = threading.Lock()
@@ -125,6 +128,12 @@ class ReadRate:
         """Reads folded in so far (0 while ``fixed``)."""
         with self._lock:
             return self._reads
+
+    @property
+    def largest(self) -> int:
+        """The most bytes one observed read moved (0 before any): how large a read the estimate has seen."""
+        with self._lock:
+            return self._largest
 
     def seconds(self, nbytes: float) -> float:
         """Seconds to read ``nbytes`` at the current estimate."""
@@ -180,6 +189,7 @@ class ReadRate:
             self._replaced = self._replaced or first
             self._gbps = gbps if first else (1 - self.weight) * self._gbps + self.weight * gbps
             self._reads += 1
+            self._largest = max(self._largest, int(nbytes))
 
 
 # ---------------------------------------------------------------------------------------------- overlap cost
@@ -208,7 +218,8 @@ class _Average:
 
 class OverlapCost(_Average):
     """What a byte read from a slow tier *under the forward* costs the step beyond the split's own pricing (seconds
-    per byte): an exponential average of ``observe``'s samples, 0 until one comes.
+    per byte): the exponential average of ``observe``'s excess seconds over the exponential average of their bytes
+    (same weight), 0 until one comes.
 
     The split prices an overlapped load as hidden under the compute it overlaps (``planner.split``). Where the reads
     slow the step anyway (reader threads taking the GIL from vLLM's thread, a network tier's round trips at a layer
@@ -218,13 +229,23 @@ class OverlapCost(_Average):
     in use missed), and hands the rest here with the bytes (H200, 2026-11-30: Redis on loopback, turn-2 steps with
     0.13-0.23 GB read under the forward ran ~85 ms longer than the model's compute, and the split's plans came out
     1.33x of recompute). A negative sample (the step ran faster than priced) lowers the average; the cost in use
-    never goes below 0."""
+    never goes below 0.
+
+    Why a ratio of averages and not an average of ratios: a step's excess holds the prefill model's error on the
+    step's compute as well, which does not scale with the bytes. A 32k-token step that read 33 MB (one chunk) and ran
+    0.13 s under a model 10% high gave -3.9 s/GB on its own, and an average of per-step ratios then stayed below 0
+    through a step that read 1.3 GB and ran 1.1 s over (GPU round 17: the cost read 0 and the split kept loading
+    at 1.4x of recompute). Weighted by their bytes, the small read's sample weighs what it read."""
+
+    def __init__(self, weight: float = EWMA_NEW) -> None:
+        super().__init__(weight)
+        self._bytes = 0.0  # the average of the samples' bytes; ``_avg`` is their excess seconds'
 
     @property
     def s_per_byte(self) -> float:
         """The cost in use: seconds a byte read under the forward adds to its step (>= 0)."""
         with self._lock:
-            return max(0.0, self._avg)
+            return max(0.0, self._avg / self._bytes) if self._bytes > 0 else 0.0
 
     def observe(self, nbytes: int, excess_s: float) -> None:
         """A step read ``nbytes`` under its forward and ran ``excess_s`` longer than priced (negative: shorter).
@@ -232,7 +253,9 @@ class OverlapCost(_Average):
         if nbytes <= 0:
             return
         with self._lock:
-            self._fold(float(excess_s) / nbytes)
+            w = self.weight if self._samples else 1.0
+            self._bytes = (1 - w) * self._bytes + w * float(nbytes)
+            self._fold(float(excess_s))
 
 
 class LoadFloor(_Average):

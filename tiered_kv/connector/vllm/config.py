@@ -213,9 +213,9 @@ class ConnectorConfig(RemoteKeys):
     disk_read_gbps: float = config_key(DEFAULT_READ_GBPS, "the disk tier's read rate (GB/s, all ranks together) "
                                                                "the split starts from; then a running average of the "
                                                                "measured disk loads. The built-in 3.0 is a guess: the "
-                                                               "tier's writes lower it to their rate, its first read "
-                                                               "replaces it, and with `disk_overlap_bytes` the first "
-                                                               "hit loads one chunk from that tier", "GB/s")
+                                                               "tier's writes lower it, its first read replaces it; "
+                                                               "with `disk_overlap_bytes` the first hit loads one "
+                                                               "chunk, later ones <= 4x the largest read", "GB/s")
     remote_read_gbps: float | None = config_key(None, "the remote tier's read rate (GB/s, all ranks together) the "
                                                       "split starts from, then measured like the disk's; `null`: "
                                                       "`disk_read_gbps`", "GB/s")

@@ -154,6 +154,7 @@ class StepMeter:
         self.timed = 0  # steps timed (decode-only ones too)
         self.loaded_steps = 0  # steps timed by the workers whose forward waited for in-step loads (not fitted)
         self.fits = 0  # fits the thread made
+        self._queued = 0  # prefill steps queued for the fit since the start
         self.worker_clock = False  # the workers time the forwards (a ``forward`` came back): the step timer is not used
         #: the last steps timed: ``(step, tokens computed, scheduler's seconds or None, workers' seconds or None,
         #: loaded)``, for the benchmarks' record of both clocks
@@ -237,7 +238,11 @@ class StepMeter:
             self.estimator.observe_step((), seconds)  # counted as a decode-only step, nothing else
             return
         self._queue.append((parts, seconds))
-        if len(self._queue) >= REFIT_EVERY and not self._closed:
+        self._queued += 1
+        # every REFIT_EVERY steps; the first fit as soon as the estimator can make one (a few long prompts, as a
+        # 32k-token benchmark of 6 conversations runs, would otherwise keep the start model all along)
+        first = self.fits == 0 and self._queued >= self.estimator.min_samples
+        if (len(self._queue) >= REFIT_EVERY or first) and not self._closed:
             self._wake_thread()
 
     def close(self) -> None:
@@ -282,8 +287,8 @@ class StepMeter:
             self._busy = False
 
     def idle(self) -> bool:
-        """The fit thread has nothing to do (fewer than ``REFIT_EVERY`` timed steps may wait in its queue) and is not
-        fitting (tests)."""
+        """The fit thread has nothing to do (fewer than ``REFIT_EVERY`` timed steps may wait in its queue, once it
+        fitted) and is not fitting (tests)."""
         return not self._wake.is_set() and not self._busy
 
 
