@@ -396,6 +396,54 @@ def test_getrange_of_a_wrong_type_key_fails_that_key_only(redis_cluster):
         tier.close()
 
 
+@pytest.mark.parametrize("chunk", [64, 1000, 4 << 20])
+def test_range_replies_read_through_a_small_buffer_land_whole(redis_cluster, monkeypatch, chunk):
+    """``_Wire`` takes many replies per call into its buffer and copies them out: with a buffer of 64 or 1,000 bytes
+    (reply lines cut across calls, the buffer's rest moved to its front, payloads of the buffer's size or more read
+    straight into their destination) and the real 4 MiB one, every range of 300 keys lands byte for byte, short
+    and missing values are told apart, and whole values read by ``get_into`` too."""
+    from tiered_kv.tiers.remote import client as remote_client
+
+    monkeypatch.setattr(remote_client, "READ_CHUNK", chunk)
+    monkeypatch.setattr(remote_client._BUFFERS, "idle", None, raising=False)  # a buffer of this size for the next wire
+    tier = make_tier(redis_cluster)
+    try:
+        c = tier.client
+        rng = torch.Generator().manual_seed(7)
+        keys = [b"tkv-wire-%d" % i for i in range(300)]
+        values = [bytes(torch.randint(0, 256, (int(n),), dtype=torch.uint8, generator=rng).tolist())
+                  for n in torch.randint(10, 3000, (300,), generator=rng)]
+        for k, v in zip(keys[:-1], values[:-1]):
+            c.rc.set(k, v)  # the last key is never written: a missing value
+        ranges = lambda i: [(0, 5), (5, len(values[i]) // 2), (len(values[i]) // 2, len(values[i]))]  # noqa: E731
+        bufs = [[bytearray(b - a) for a, b in ranges(i)] for i in range(300)]
+        bufs[7][2] += b"x"  # one range asks one byte more than the value has: short
+        got = c.getrange_into(keys, ranges, lambda i: [memoryview(b) for b in bufs[i]], unavailable="down")
+        assert got[7] is False and got[-1] is False and all(got[i] is True for i in range(299) if i != 7)
+        for i in range(299):
+            if i != 7:
+                assert b"".join(bufs[i]) == values[i], i
+        whole = [bytearray(len(v) - 4) for v in values]
+        heads: dict[int, bytes | None] = {}
+        c.get_into(keys, 4, lambda i: memoryview(whole[i]), lambda i, h: heads.__setitem__(i, h))
+        assert heads[299] is None  # the head of a value that filled its buffer comes as a 1-tuple
+        assert all(heads[i] == (values[i][:4],) and whole[i] == values[i][4:] for i in range(299))
+        c.rc.delete(*keys[:-1])
+    finally:
+        tier.close()
+
+
+def test_a_nodes_small_commands_go_in_one_send():
+    """``coalesced``: runs of pieces shorter than ``SEND_JOIN_BYTES`` joined (redis-py sends each piece with its own
+    ``sendall``, which gives up the GIL), long pieces (a payload's view) passed through as the same object."""
+    from tiered_kv.tiers.remote.client import SEND_JOIN_BYTES, coalesced
+
+    big = memoryview(bytearray(SEND_JOIN_BYTES))
+    out = coalesced([b"a", b"bc", big, b"\r\n", b"d", big])
+    assert out[0] == b"abc" and out[1] is big and out[2] == b"\r\nd" and out[3] is big and len(out) == 4
+    assert coalesced([b"x"] * 128) == [b"x" * 128] and coalesced([]) == []
+
+
 def test_a_range_read_of_a_vanished_value_is_a_miss_not_damage(redis_cluster):
     """Redis has no lease: a value evicted between the header read and the range reads comes back short. That is a
     miss (nothing deleted, nothing reported corrupt), unlike a checksum mismatch."""

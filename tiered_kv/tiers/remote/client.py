@@ -167,7 +167,7 @@ class ClusterClient:
                 chunks: list = []
                 for i in idx:
                     chunks += pack(conn, i)
-                conn.send_packed_command(chunks, check_health=False)
+                conn.send_packed_command(coalesced(chunks), check_health=False)
                 sessions.append((node, pool, conn, idx))
             except self._errors as exc:  # the connection was closed by redis-py; the node is skipped a while
                 if conn is not None:
@@ -193,6 +193,8 @@ class ClusterClient:
                 conn.disconnect()  # answers left unread: never hand this connection out again as is
                 raise
             finally:
+                if wire is not None:
+                    wire.close()
                 pool.release(conn)
         return out
 
@@ -310,36 +312,93 @@ class ClusterClient:
             pass
 
 
+#: Pieces of a node's batch shorter than this are joined before they are sent (``coalesced``).
+SEND_JOIN_BYTES = 64 << 10
+
+
+def coalesced(chunks: Sequence) -> list:
+    """``chunks`` (bytes-like pieces of packed commands, in order) with every run of pieces shorter than
+    ``SEND_JOIN_BYTES`` joined into one; longer pieces (a payload's view) pass as they are, uncopied.
+
+    redis-py sends each piece with its own ``sendall``, and each call lets go of the GIL and must take it back. Beside
+    a thread that holds the GIL (vLLM's, launching an uncompiled forward) taking it back waits up to the switch
+    interval (5 ms): an exchange of 128 ``GETRANGE``s waited ~0.6 s for its sends alone (CPU box, 2026-11-30,
+    ``benchmarks/probes/remote_ranges.py``). Joined, a node's commands go in one call."""
+    out: list = []
+    run: list = []
+    for c in chunks:
+        if len(c) < SEND_JOIN_BYTES:
+            run.append(c)
+            continue
+        if run:
+            out.append(b"".join(run))
+            run = []
+        out.append(c)
+    if run:
+        out.append(b"".join(run))
+    return out
+
+
+#: A ``_Wire``'s buffer: what it takes from its socket in one call (a range read's replies come back to back), and
+#: the payload size above which it reads the socket straight into the caller's memory instead.
+READ_CHUNK = 4 << 20
+_BUFFERS = threading.local()  # one idle buffer per thread, for its next ``_Wire``
+
+
 class _Wire:
-    """Reads RESP replies off one redis-py connection's socket, bulk strings straight into the caller's buffer.
+    """Reads RESP replies off one redis-py connection's socket, bulk strings into the caller's buffer.
 
     Used only inside ``ClusterClient._exchange`` for the replies of commands it sent itself on a connection it
     holds, so redis-py's own parser has nothing buffered for that connection. Any socket error propagates
-    (the caller then drops the connection).
+    (the caller then drops the connection). ``close`` hands its buffer back to the thread for the next one.
+
+    Each call into the socket takes whatever it holds, up to ``READ_CHUNK`` bytes: many replies at once, copied out
+    of the buffer as they are parsed (a payload of ``READ_CHUNK`` or more is read straight into its destination).
+    Why not straight into the destination every time: each return from the socket takes the GIL again, and beside a
+    thread that holds it (vLLM's, launching an uncompiled forward) that waits up to the switch interval (5 ms); a
+    layer group's 128 ranges read reply by reply took ~1,000 such waits a step (CPU box, 2026-11-30,
+    ``benchmarks/probes/remote_ranges.py``: 0.01 GB/s beside a spinning thread; buffered, 0.16).
     """
 
-    __slots__ = ("sock", "buf", "_response_error", "_connection_error")
+    __slots__ = ("sock", "mv", "data", "lo", "hi", "_response_error", "_connection_error")
 
     def __init__(self, conn) -> None:
         from redis.exceptions import ConnectionError as RedisConnectionError, ResponseError  # noqa: PLC0415
 
         self.sock = conn._sock  # redis-py keeps the connected socket here; it was connected by the send
-        self.buf = bytearray()
+        mv = getattr(_BUFFERS, "idle", None)
+        _BUFFERS.idle = None  # this wire's until ``close``; a second wire on this thread meanwhile makes its own
+        self.mv = mv if mv is not None else memoryview(bytearray(READ_CHUNK))
+        self.data = self.mv.obj  # the bytearray, for ``find``
+        self.lo = self.hi = 0  # the unread bytes are data[lo:hi]
         self._response_error, self._connection_error = ResponseError, RedisConnectionError
 
+    def close(self) -> None:
+        """Done: the buffer goes back to this thread for its next wire."""
+        _BUFFERS.idle = self.mv
+
     def _more(self) -> None:
-        chunk = self.sock.recv(1 << 16)
-        if not chunk:
+        """Whatever the socket holds, up to the buffer's free end (the unread bytes moved to its front first)."""
+        if self.lo == self.hi:
+            self.lo = self.hi = 0
+        elif self.hi == len(self.mv):
+            if self.lo == 0:
+                raise self._connection_error(f"a reply line longer than {READ_CHUNK} bytes")
+            n = self.hi - self.lo
+            self.mv[:n] = self.mv[self.lo:self.hi]
+            self.lo, self.hi = 0, n
+        got = self.sock.recv_into(self.mv[self.hi:])
+        if not got:
             raise self._connection_error("connection closed by the server")
-        self.buf += chunk
+        self.hi += got
 
     def line(self) -> bytes:
         """One reply line, without its CRLF."""
         while True:
-            end = self.buf.find(b"\r\n")
+            end = self.data.find(b"\r\n", self.lo, self.hi)
             if end >= 0:
-                out = bytes(self.buf[:end])
-                del self.buf[:end + 2]
+                out = bytes(self.mv[self.lo:end])
+                self.lo = end + 2
                 return out
             self._more()
 
@@ -355,16 +414,23 @@ class _Wire:
         raise self._connection_error(f"unexpected reply {head[:40]!r} to GET")
 
     def fill(self, dst: memoryview) -> None:
-        """Exactly ``len(dst)`` bytes into ``dst``: what is buffered, then the socket straight into it."""
-        n = min(len(self.buf), len(dst))
+        """Exactly ``len(dst)`` bytes into ``dst``: what is buffered, then (a rest of ``READ_CHUNK`` or more) the socket
+        straight into it, then the buffer's next takes."""
+        n = min(self.hi - self.lo, len(dst))
         if n:
-            dst[:n] = self.buf[:n]
-            del self.buf[:n]
-        while n < len(dst):
+            dst[:n] = self.mv[self.lo:self.lo + n]
+            self.lo += n
+        while len(dst) - n >= READ_CHUNK:  # the buffer is empty here
             got = self.sock.recv_into(dst[n:])
             if not got:
                 raise self._connection_error("connection closed by the server")
             n += got
+        while n < len(dst):
+            self._more()
+            m = min(self.hi - self.lo, len(dst) - n)
+            dst[n:n + m] = self.mv[self.lo:self.lo + m]
+            self.lo += m
+            n += m
 
     def exact(self, n: int, trailer: bool = False) -> bytes:
         """Exactly ``n`` bytes (and the CRLF after a bulk string when ``trailer``)."""
