@@ -170,13 +170,26 @@ def test_a_young_rate_ramps_up_four_times_its_largest_read_a_plan():
         g.observe_reads({"disk": disk * KV}, disk * KV / 20e9)  # reads at 20 GB/s: loading all is best
     assert loaded == [(256, SPLIT), (1024, SPLIT), (4096, SPLIT), (8192, BEATS)]
     assert rates["disk"].largest == 8192 * KV
-    # off the chunk grid (the hit starts 100 tokens into a chunk): the cap ends on a chunk end, at least the first one
+    # off the chunk grid (the hit starts 96 tokens into a chunk): the cap ends on a chunk end
     young = SplitGate("auto", 0, {"disk": ReadRate(3.0, guess=True)}, PrefillEstimator(LLAMA, fixed=True),
                       overlap=True, unit_tokens=16, unit_nbytes=16 * KV)
     young.observe_reads({"disk": 256 * KV}, 256 * KV / 20e9)
     plan, _ = young.decide([("disk", 8192)], 0, 0, align=256, offset=96)
     assert plan.load_tokens == 160 + 3 * 256 and (plan.load_tokens + 96) % 256 == 0
     assert _split_gate(disk=20.0).decide([("disk", 8192)], 0, 0, align=256)[1] == BEATS  # a user's rate
+    # one tier in two runs (a CPU run between): the cap counts both, as the load reads them in one job
+    two = SplitGate("auto", 0, {"disk": ReadRate(3.0, guess=True)}, PrefillEstimator(LLAMA, fixed=True),
+                    overlap=True, unit_tokens=16, unit_nbytes=16 * KV)
+    two.observe_reads({"disk": 1024 * KV}, 1024 * KV / 20e9)  # 4x: 4,096 tokens
+    plan, _ = two.decide([("disk", 3840), ("cpu", 256), ("disk", 8192)], 0, 0, align=256)
+    assert plan.load_tokens == 3840 + 256 + 256  # 256 of the 4,096 left for the second run, one chunk
+    # a probe of a young tier whose first read was slow loads up to the cap, not the whole hit
+    slow = SplitGate("auto", 2, {"disk": ReadRate(3.0, guess=True)}, PrefillEstimator(LLAMA, fixed=True),
+                     overlap=True, unit_tokens=16, unit_nbytes=16 * KV)
+    slow.observe_reads({"disk": 256 * KV}, 256 * KV / 0.01e9)
+    plans = [slow.decide([("disk", 32768)], 0, 0, align=256) for _ in range(4)]
+    assert [o for _, o in plans] == [DECLINED, PROBE, DECLINED, PROBE]
+    assert all(p.load_tokens == 1024 for p, o in plans if o == PROBE)
     unlapped = SplitGate("auto", 0, {"disk": ReadRate(3.0, guess=True)}, PrefillEstimator(LLAMA, fixed=True),
                          overlap=False, unit_tokens=16, unit_nbytes=16 * KV)
     unlapped.rates["disk"].observe(256 * KV, 256 * KV / 20e9)

@@ -12,8 +12,8 @@ import random
 import pytest
 
 from tiered_kv.errors import ConfigError
-from tiered_kv.planner.rates import (DECODE_TOKENS, MIN_SAMPLES, LoadFloor, OverlapCost, PrefillEstimator,
-                                     PrefillModel, ReadRate, StepTimer, features)
+from tiered_kv.planner.rates import (DECODE_TOKENS, MIN_SAMPLES, SCALE_SAMPLES, LoadFloor, OverlapCost,
+                                     PrefillEstimator, PrefillModel, ReadRate, StepTimer, features)
 
 #: Llama-3-8B-like on one GPU: 4 ms a step, 40k tokens/s at short context, attention doubling the cost at 20k
 TRUTH = PrefillModel(0.004, 1 / 40000, 1 / 40000 / 20000, 2e-9)
@@ -180,13 +180,28 @@ def test_bad_start_values_name_themselves(kw, match):
 
 # ---------------------------------------------------------------------------------------------- the estimator
 
-def test_start_model_until_enough_samples_then_the_fit():
+def test_start_model_until_enough_samples_then_the_start_scaled_then_the_fit():
     est = PrefillEstimator(START)
     rng = random.Random(0)
-    _feed(est, rng, TRUTH, MIN_SAMPLES - 1, outliers=0)
+    _feed(est, rng, TRUTH, SCALE_SAMPLES - 1, outliers=0)
     assert est.model() is START and est.report()["source"] == "start"
     _feed(est, rng, TRUTH, 1, outliers=0)
-    assert est.model() is not START and est.report()["source"] == "online"
+    scaled = est.model()
+    assert est.report()["source"] == "scaled" and est.fitted
+    ratio = scaled.s_per_token / START.s_per_token
+    assert scaled.coefficients() == pytest.approx(tuple(c * ratio for c in START.coefficients()))
+    _feed(est, rng, TRUTH, MIN_SAMPLES - SCALE_SAMPLES, outliers=0)
+    assert est.model() is not scaled and est.report()["source"] == "online"
+
+
+def test_the_scaled_start_takes_no_slow_step_in():
+    """Four steps of one size, one of them slowed 3x (a first call's compilation, an allocator growing): the scaled
+    start is right at that size; a full fit of the four coefficients to four samples would not be asked to."""
+    est = PrefillEstimator(START)
+    for i in range(SCALE_SAMPLES):
+        est.observe(8192, 0, TRUTH.seconds(8192, 0) * (3.0 if i == 1 else 1.0))
+    assert est.report()["source"] == "scaled"
+    assert est.model().seconds(8192, 0) == pytest.approx(TRUTH.seconds(8192, 0), rel=1e-6)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -400,8 +400,9 @@ def test_getrange_of_a_wrong_type_key_fails_that_key_only(redis_cluster):
 def test_range_replies_read_through_a_small_buffer_land_whole(redis_cluster, monkeypatch, chunk):
     """``_Wire`` takes many replies per call into its buffer and copies them out: with a buffer of 64 or 1,000 bytes
     (reply lines cut across calls, the buffer's rest moved to its front, payloads of the buffer's size or more read
-    straight into their destination) and the real 4 MiB one, every range of 300 keys lands byte for byte, short
-    and missing values are told apart, and whole values read by ``get_into`` too."""
+    straight into their destination) and the real 4 MiB one, every range of 300 keys lands byte for byte, a short
+    and a missing value come back False without putting the replies after them out of step, and whole values read by
+    ``get_into`` land too."""
     from tiered_kv.tiers.remote import client as remote_client
 
     monkeypatch.setattr(remote_client, "READ_CHUNK", chunk)
@@ -436,12 +437,15 @@ def test_range_replies_read_through_a_small_buffer_land_whole(redis_cluster, mon
 def test_a_nodes_small_commands_go_in_one_send():
     """``coalesced``: runs of pieces shorter than ``SEND_JOIN_BYTES`` joined (redis-py sends each piece with its own
     ``sendall``, which gives up the GIL), long pieces (a payload's view) passed through as the same object."""
-    from tiered_kv.tiers.remote.client import SEND_JOIN_BYTES, coalesced
+    from tiered_kv.tiers.remote.client import SEND_JOIN_BYTES, SEND_JOIN_MAX, coalesced
 
     big = memoryview(bytearray(SEND_JOIN_BYTES))
     out = coalesced([b"a", b"bc", big, b"\r\n", b"d", big])
     assert out[0] == b"abc" and out[1] is big and out[2] == b"\r\nd" and out[3] is big and len(out) == 4
     assert coalesced([b"x"] * 128) == [b"x" * 128] and coalesced([]) == []
+    many = coalesced([b"y" * 1000] * 3000)  # 3 MB of small records: joined a MiB or so at a time, nothing lost
+    assert b"".join(many) == b"y" * 3_000_000 and len(many) == 3
+    assert all(SEND_JOIN_MAX <= len(m) < SEND_JOIN_MAX + SEND_JOIN_BYTES for m in many[:-1])
 
 
 def test_a_range_read_of_a_vanished_value_is_a_miss_not_damage(redis_cluster):

@@ -242,8 +242,8 @@ class SplitGate:
         with self._lock:
             self._declined += 1
             probe = self.probe_every > 0 and self._declined % self.probe_every == 0
-        if probe:
-            return at(held), PROBE
+        if probe:  # a probe of a young tier loads what the ramp allows (it measures a larger read all the same)
+            return at(held if cap is None else cap), PROBE
         return best, (DECLINED if best.load_tokens == lo else SPLIT)
 
     def _recompute(self, loaded: Split, new_tokens: int, context: int, model) -> bool:
@@ -264,22 +264,25 @@ class SplitGate:
         """The most held tokens an overlapped plan may load while a slow tier's rate is young, or None for no cap.
         A tier whose rate began as a built-in guess (``ReadRate.guess``) may load, in one plan, one unit (the
         ``align`` chunk where given) until its first read, then at most ``RAMP_READS`` times its largest measured read
-        (``ReadRate.largest``), on the unit grid and at least one unit: the cap is on the first such tier of the hit
-        that holds more (the tiers before it load as planned). Why: on the H200 host the default 3 GB/s against the
-        0.9 GB/s read beside vLLM's thread made the first overlapped disk hits 2-3x slower than recompute; and in GPU
-        round 17 a rate measured on one chunk's read (33 MB) sent the next 32k-token hit to load 1.3 GB under the
-        forward at half that rate: 1.9x of recompute. A read vouches for a few times its size; a few hits grow it to
-        any size."""
+        (``ReadRate.largest``) over all its runs in the hit, on the unit grid and at least one unit: the cap is on the
+        first run that goes past it (the runs before it load as planned). A probe loads up to the cap too. Why: on
+        the H200 host the default 3 GB/s against the 0.9 GB/s read beside vLLM's thread made the first overlapped disk
+        hits 2-3x slower than recompute; and in GPU round 17 a rate measured on one chunk's read (33 MB) sent the next
+        32k-token hit to load 1.3 GB under the forward at half that rate: 1.9x of recompute. A read vouches for a few
+        times its size; a few hits grow it to any size."""
         start = 0
+        used: dict[str, int] = {}  # a tier's tokens in the runs before this one: one read with them (one load job)
         for s in segs:
             rate = self.rates.get(s.tier)
             if s.tier not in MEMORY_TIERS and s.tokens and rate is not None and rate.guess:
-                allowed = RAMP_READS * rate.largest / s.nbytes_per_token if s.nbytes_per_token > 0 else s.tokens
+                allowed = (RAMP_READS * rate.largest / s.nbytes_per_token if s.nbytes_per_token > 0 else float("inf"))
+                allowed -= used.get(s.tier, 0)
                 if rate.reads == 0 or allowed < s.tokens:
                     step = (align - (start + offset) % align) if align else self.unit_tokens
                     grid = align or self.unit_tokens
                     more = int(max(0.0, allowed - step) // grid) * grid if rate.reads else 0
                     return start + min(s.tokens, step + more)
+                used[s.tier] = used.get(s.tier, 0) + s.tokens
             start += s.tokens
         return None
 

@@ -37,7 +37,9 @@ ridge toward the start model of 1e-3 of one sample's weight, so what the samples
 (all of one prompt length, say) keeps the start model's shape. Steps that computed only decode
 tokens (``DECODE_TOKENS`` or fewer per request) say nothing about prefill and are skipped, so
 decode steps do not push the prefill steps out of the window. With ``fixed`` (or no samples yet)
-the start model is the estimate. The fit costs a few ms of Python (128 samples, 4 rounds): by default
+the start model is the estimate; from ``SCALE_SAMPLES`` samples to ``MIN_SAMPLES``, the start model scaled by the
+median ratio of measured to predicted times (robust where a few samples cannot support the fit). The fit costs a
+few ms of Python (128 samples, 4 rounds): by default
 ``model()`` runs it when due, on the reader's thread; with ``fit_on_read=False`` ``model()`` only
 reads the last fit and the owner calls ``refit`` from a thread of its own (the vLLM connector's
 ``StepMeter``), passing a ``pause`` that lets go of the GIL between slices of the work.
@@ -74,10 +76,11 @@ DECODE_TOKENS = 16
 #: Steps the fit keeps, and the age (in samples) at which a sample weighs half as much as the newest.
 WINDOW, HALF_LIFE = 128, 32.0
 #: Samples before the fit replaces the start model; then it is refitted every ``REFIT_EVERY`` new samples
-#: (a fit costs a few ms of Python: at most one every 8 prefill steps on the caller's thread). The ridge toward the
-#: start holds what 4 steps cannot tell apart; GPU round 17's 32k run timed 7 prefill steps before its loads and kept
-#: a start model 10% high with 8.
-MIN_SAMPLES, REFIT_EVERY = 4, 8
+#: (a fit costs a few ms of Python: at most one every 8 prefill steps on the caller's thread).
+MIN_SAMPLES, REFIT_EVERY = 8, 8
+#: From this many samples to ``MIN_SAMPLES``: the start model times the samples' median measured / predicted time (one
+#: number 4 steps tell even with one slowed; GPU round 17 planned its 32k loads with a start model 10% high).
+SCALE_SAMPLES = 4
 #: Ridge weight toward the start model, per unit of (equilibrated) sample weight.
 RIDGE = 1e-3
 #: A loading step that ran more than this many times its priced time was held up by something other than its compute
@@ -231,11 +234,9 @@ class OverlapCost(_Average):
     1.33x of recompute). A negative sample (the step ran faster than priced) lowers the average; the cost in use
     never goes below 0.
 
-    Why a ratio of averages and not an average of ratios: a step's excess holds the prefill model's error on the
-    step's compute as well, which does not scale with the bytes. A 32k-token step that read 33 MB (one chunk) and ran
-    0.13 s under a model 10% high gave -3.9 s/GB on its own, and an average of per-step ratios then stayed below 0
-    through a step that read 1.3 GB and ran 1.1 s over (GPU round 17: the cost read 0 and the split kept loading
-    at 1.4x of recompute). Weighted by their bytes, the small read's sample weighs what it read."""
+    A ratio of averages, not an average of ratios: a step's excess holds the model's error on its compute too, which
+    does not scale with the bytes (GPU round 17: a 33 MB read under a 32k step 0.13 s under its price, -3.9 s/GB
+    alone, kept an average of ratios below 0 through a 1.3 GB read 1.1 s over; the split kept loading)."""
 
     def __init__(self, weight: float = EWMA_NEW) -> None:
         super().__init__(weight)
@@ -358,14 +359,17 @@ class PrefillEstimator:
     """The prefill model in use: the start model, then a robust fit to the last steps timed (module doc)."""
 
     def __init__(self, start: PrefillModel, fixed: bool = False, window: int = WINDOW,
-                 half_life: float = HALF_LIFE, min_samples: int = MIN_SAMPLES, fit_on_read: bool = True) -> None:
-        if window < min_samples or min_samples < 1 or half_life <= 0:
+                 half_life: float = HALF_LIFE, min_samples: int = MIN_SAMPLES, fit_on_read: bool = True,
+                 scale_samples: int = SCALE_SAMPLES) -> None:
+        if window < min_samples or min_samples < 1 or half_life <= 0 or scale_samples < 1:
             raise ConfigError(f"prefill estimator: window {window} must hold min_samples {min_samples} >= 1, "
-                              f"half_life {half_life} must be > 0")
+                              f"half_life {half_life} must be > 0, scale_samples {scale_samples} >= 1")
         self.start = start
         self.fixed = bool(fixed)
         self.half_life = float(half_life)
         self.min_samples = int(min_samples)
+        self.scale_samples = min(int(scale_samples), self.min_samples)  # the first estimate's samples
+        self._scaled = False  # the model in use is the start model scaled (``SCALE_SAMPLES``), not a fit
         self.fit_on_read = bool(fit_on_read)
         self._samples: deque[tuple[tuple[float, ...], float]] = deque(maxlen=int(window))
         self._model = start
@@ -404,14 +408,26 @@ class PrefillEstimator:
         without: the last ``refit``'s)."""
         with self._lock:
             if self.fit_on_read and self._due():
-                self._model, self._outliers = _fit(list(self._samples), self.start, self.half_life)
+                self._model, self._outliers = self._estimate(list(self._samples))
+                self._scaled = len(self._samples) < self.min_samples
                 self._pending = 0
             return self._model
 
     def _due(self) -> bool:
-        """A fit is due: ``min_samples`` held, and new samples since the last fit (``REFIT_EVERY`` after the first)."""
-        return len(self._samples) >= self.min_samples and self._pending > 0 and \
-            (self._pending >= REFIT_EVERY or self._model is self.start)
+        """An estimate is due: new samples since the last, and ``scale_samples`` held for the first (the scaled start),
+        ``min_samples`` for the first fit, ``REFIT_EVERY`` new ones after that."""
+        n = len(self._samples)
+        if self._pending == 0 or n < self.scale_samples:
+            return False
+        if self._model is self.start or (self._scaled and n >= self.min_samples):
+            return True
+        return self._pending >= REFIT_EVERY and n >= self.min_samples
+
+    def _estimate(self, samples: list, pause: Callable[[], None] | None = None) -> tuple[PrefillModel, int]:
+        """The estimate from ``samples``: the start model scaled (fewer than ``min_samples``), else the fit."""
+        if len(samples) < self.min_samples:
+            return _scaled(samples, self.start), 0
+        return _fit(samples, self.start, self.half_life, pause)
 
     def refit(self, pause: Callable[[], None] | None = None) -> bool:
         """Fit now if one is due (as ``model`` would), outside the lock: the samples are copied under it and the
@@ -422,19 +438,30 @@ class PrefillEstimator:
             if not self._due():
                 return False
             samples, self._pending = list(self._samples), 0
-        model, outliers = _fit(samples, self.start, self.half_life, pause)
+        model, outliers = self._estimate(samples, pause)
         with self._lock:
             self._model, self._outliers = model, outliers
+            self._scaled = len(samples) < self.min_samples
         return True
 
     def report(self) -> dict:
-        """``source`` (``fixed``, ``start`` or ``online``: a fit is in use), the model's coefficients, samples
-        observed, decode-only steps skipped, and the samples the last fit gave no weight (outliers)."""
+        """``source`` (``fixed``, ``start``, ``scaled``: the start model scaled to the first samples, or ``online``: a
+        fit is in use), the model's coefficients, samples observed, decode-only steps skipped, and the samples the
+        last fit gave no weight (outliers)."""
         m = self.model()
         with self._lock:
-            source = "fixed" if self.fixed else ("start" if self._model is self.start else "online")
+            source = "fixed" if self.fixed else ("start" if self._model is self.start else
+                                                 "scaled" if self._scaled else "online")
             return {"source": source, "model": m, "samples": self._observed, "skipped_decode_steps": self._skipped,
                     "outliers": self._outliers}
+
+
+def _scaled(samples: list[tuple[tuple[float, ...], float]], start: PrefillModel) -> PrefillModel:
+    """``start`` with every coefficient times the median of the samples' measured / predicted times."""
+    ratios = sorted(t / max(_dot(x, start.coefficients()), 1e-12) for x, t in samples)
+    k, mid = len(ratios), len(ratios) // 2
+    f = ratios[mid] if k % 2 else 0.5 * (ratios[mid - 1] + ratios[mid])
+    return PrefillModel(*(c * f for c in start.coefficients()))
 
 
 def _fit(samples: list[tuple[tuple[float, ...], float]], start: PrefillModel, half_life: float,

@@ -92,6 +92,10 @@ def test_tp2_disk_tier_is_one_directory_read_by_every_rank_and_survives_restart(
         st = first.connector.stats()
         assert st["sched_hit_tokens_disk"] > 0 and st["sched_hit_tokens_cpu"] + st["sched_hit_tokens_disk"] == 20 * BS
         assert all(w.connector.stats()["bytes_from_disk"] > 0 for w in first.workers)  # each rank read it
+        # the split's disk rate counts one copy of what it read (the gate prices one copy), not every rank's
+        disk = first.connector.planner._gate.rates["disk"]
+        one_copy = st["sched_hit_tokens_disk"] // BS // K * CHUNK_BYTES
+        assert disk.reads >= 1 and 0 < disk.largest <= one_copy, (disk.largest, one_copy)
         assert first.verified_blocks - verified >= 2 * 20
         assert_clean(first)
         conv = turn2(a, seed=98)

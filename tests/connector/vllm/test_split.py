@@ -19,7 +19,8 @@ from tests.connector.vllm.harness import BS, Engine, step_output, write_model_di
 from tiered_kv.connector.vllm.common import CPU, DISK  # noqa: E402
 from tiered_kv.connector.vllm.connector import TieredKVWorkerMeta  # noqa: E402
 from tiered_kv.connector.vllm.prefill import StepMeter, step_parts  # noqa: E402
-from tiered_kv.planner.rates import MIN_SAMPLES, REFIT_EVERY, PrefillEstimator, PrefillModel  # noqa: E402
+from tiered_kv.planner.rates import (MIN_SAMPLES, REFIT_EVERY, SCALE_SAMPLES, PrefillEstimator,  # noqa: E402
+                                     PrefillModel)
 from tiered_kv.store.metrics import make_registry  # noqa: E402
 
 K = 4  # blocks per chunk
@@ -120,7 +121,7 @@ def test_hit_split_across_tiers_loads_the_cpu_part_and_the_disk_part_by_the_deci
         st = eng.connector.stats()
         assert st["sched_hit_tokens_cpu"] == 2 * CHUNK, st
         assert st["sched_hit_tokens_disk"] == (6 * CHUNK if loaded else 0), st
-        assert st["disk_gbps_estimate"] > 0 and st["prefill_source"] in ("start", "online"), st
+        assert st["disk_gbps_estimate"] > 0 and st["prefill_source"] in ("start", "scaled", "online"), st
     finally:
         eng.close()
 
@@ -370,24 +371,30 @@ def test_step_meter_times_steps_and_fits_on_its_thread():
 
 
 def test_step_meter_fits_as_soon_as_the_estimator_can():
-    """GPU round 17's 32k run: 7 prefill steps before the first loaded one, all of them long prompts. The first fit
-    comes after ``MIN_SAMPLES`` (4) steps, not after ``REFIT_EVERY`` (8): the loads of the next steps are planned
-    with the engine's own times, not a start model 10% high."""
+    """GPU round 17's 32k run: 7 prefill steps before the first loaded one, all of them long prompts. The first
+    estimate (the start model scaled) comes after ``SCALE_SAMPLES`` (4) steps and the first fit after
+    ``MIN_SAMPLES`` (8), not after ``REFIT_EVERY`` steps past them: the next loads are planned with the engine's own
+    times, not a start model 10% high."""
     clock = [0.0]
     meter = StepMeter(PrefillEstimator(PrefillModel.from_rate(37000, 32768), fit_on_read=False), lambda: clock[0])
-    assert MIN_SAMPLES < REFIT_EVERY
-    for step in range(1, MIN_SAMPLES + 1):
-        out = step_output([(f"r{step}", 32768 - 64 * (step % 2), 0)], [])
-        meter.scheduled(step, out)
-        clock[0] += TRUTH.step_seconds(step_parts(out))
-        meter.finished(step)
-    deadline = time.monotonic() + 10
-    while (meter.fits == 0 or not meter.idle()) and time.monotonic() < deadline:
-        time.sleep(0.005)
-    assert meter.fits == 1 and meter.estimator.fitted
+
+    def steps(first: int, last: int) -> None:
+        for step in range(first, last + 1):
+            out = step_output([(f"r{step}", 32768 - 64 * (step % 2), 0)], [])
+            meter.scheduled(step, out)
+            clock[0] += TRUTH.step_seconds(step_parts(out))
+            meter.finished(step)
+        deadline = time.monotonic() + 10
+        while (meter._queue or not meter.idle()) and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    steps(1, SCALE_SAMPLES)
+    assert meter.fits == 1 and meter.estimator.report()["source"] == "scaled"
     start_error = abs(meter.estimator.start.seconds(32768, 0) / TRUTH.seconds(32768, 0) - 1)
     assert start_error > 0.05  # the start is off at this size ...
-    assert meter.estimator.model().seconds(32768, 0) == pytest.approx(TRUTH.seconds(32768, 0), rel=0.02)  # ... not the fit
+    assert meter.estimator.model().seconds(32768, 0) == pytest.approx(TRUTH.seconds(32768, 0), rel=0.02)  # ... not this
+    steps(SCALE_SAMPLES + 1, MIN_SAMPLES)
+    assert meter.fits == 2 and meter.estimator.report()["source"] == "online"
     meter.close()
 
 

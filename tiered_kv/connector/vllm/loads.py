@@ -217,7 +217,7 @@ class LoadPlanner:
         """A load job (``EGRESS``: into GPU blocks; ``PROMOTE``: up a tier) completed on every rank: count a GPU
         load's bytes and feed its rate to the budget; feed a read from a disk or remote tier into the GPU or the
         CPU tier to the split's rate of that tier (the ranks read their shares in parallel: every rank's bytes over
-        the slowest rank's seconds)."""
+        the slowest rank's seconds; one rank's where each holds the whole, replicated KV)."""
         egress = job.kind is JobKind.EGRESS
         if egress:
             self.counters.bytes_loaded += rep.nbytes
@@ -227,7 +227,9 @@ class LoadPlanner:
                 if all(rep.ok):  # the ranks loaded in parallel: per-rank bytes over the slowest rank's time
                     self._budget.observe(rep.nbytes // max(1, rep.count), rep.seconds)
         if job.src_tier != CPU and (egress or job.dst_tier == CPU):
-            self._gate.observe_reads({self._tier_names[job.src_tier]: rep.nbytes}, rep.seconds)
+            # a replicated KV (MLA at TP > 1): every rank read the whole record, the gate prices one copy
+            nbytes = rep.nbytes // max(1, rep.count) if self.geo.replicated else rep.nbytes
+            self._gate.observe_reads({self._tier_names[job.src_tier]: nbytes}, rep.seconds)
 
     def write_done(self, job: TransferJob, rep: JobReport) -> None:
         """A demotion or write-through (CPU tier -> disk or remote) completed on every rank: before the tier's first

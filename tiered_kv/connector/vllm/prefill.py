@@ -239,9 +239,10 @@ class StepMeter:
             return
         self._queue.append((parts, seconds))
         self._queued += 1
-        # every REFIT_EVERY steps; the first fit as soon as the estimator can make one (a few long prompts, as a
-        # 32k-token benchmark of 6 conversations runs, would otherwise keep the start model all along)
-        first = self.fits == 0 and self._queued >= self.estimator.min_samples
+        # every REFIT_EVERY steps; and as soon as the estimator can make its first estimate (the start model scaled)
+        # and its first fit (a few long prompts, as a 32k-token benchmark of 6 conversations runs, would otherwise keep
+        # the start model all along)
+        first = self._queued in (self.estimator.scale_samples, self.estimator.min_samples)
         if (len(self._queue) >= REFIT_EVERY or first) and not self._closed:
             self._wake_thread()
 

@@ -312,13 +312,15 @@ class ClusterClient:
             pass
 
 
-#: Pieces of a node's batch shorter than this are joined before they are sent (``coalesced``).
-SEND_JOIN_BYTES = 64 << 10
+#: Pieces of a node's batch shorter than this are joined before they are sent (``coalesced``), up to about
+#: ``SEND_JOIN_MAX`` bytes a join (a batch of many small records is not copied whole once more).
+SEND_JOIN_BYTES, SEND_JOIN_MAX = 64 << 10, 1 << 20
 
 
 def coalesced(chunks: Sequence) -> list:
     """``chunks`` (bytes-like pieces of packed commands, in order) with every run of pieces shorter than
-    ``SEND_JOIN_BYTES`` joined into one; longer pieces (a payload's view) pass as they are, uncopied.
+    ``SEND_JOIN_BYTES`` joined, ``SEND_JOIN_MAX`` bytes or a little more a join; longer pieces (a payload's view)
+    pass as they are, uncopied.
 
     redis-py sends each piece with its own ``sendall``, and each call lets go of the GIL and must take it back. Beside
     a thread that holds the GIL (vLLM's, launching an uncompiled forward) taking it back waits up to the switch
@@ -326,14 +328,18 @@ def coalesced(chunks: Sequence) -> list:
     ``benchmarks/probes/remote_ranges.py``). Joined, a node's commands go in one call."""
     out: list = []
     run: list = []
+    size = 0
     for c in chunks:
         if len(c) < SEND_JOIN_BYTES:
             run.append(c)
-            continue
+            size += len(c)
+            if size < SEND_JOIN_MAX:
+                continue
         if run:
             out.append(b"".join(run))
-            run = []
-        out.append(c)
+            run, size = [], 0
+        if len(c) >= SEND_JOIN_BYTES:
+            out.append(c)
     if run:
         out.append(b"".join(run))
     return out
