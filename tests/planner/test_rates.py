@@ -151,6 +151,26 @@ def test_a_guess_waits_for_a_large_read_to_replace_it_when_told_to():
     assert plain.gbps == pytest.approx(0.001)
 
 
+def test_a_guessed_tiers_read_twice_its_largest_replaces_the_estimate():
+    """GPU round 17 at 32k: the first read (one chunk, 33 MB) ran about twice the rate of the 1.3 GB read after it. A
+    young tier's reads grow (the ramp: 4x a plan): a read of at least twice the largest before it replaces the
+    estimate, a smaller one averages in as usual; a rate a user set always averages."""
+    mb = 1 << 20
+    r = ReadRate(3.0, guess=True)
+    r.observe(32 * mb, 32 * mb / 1.2e9)
+    assert r.gbps == pytest.approx(1.2)  # the first read replaces the guess
+    r.observe(128 * mb, 128 * mb / 0.6e9)
+    assert r.gbps == pytest.approx(0.6) and r.largest == 128 * mb  # 4x the largest: replaces
+    r.observe(200 * mb, 200 * mb / 1.0e9)
+    assert r.gbps == pytest.approx(0.8 * 0.6 + 0.2 * 1.0)  # 1.6x: averaged
+    r.observe(1024 * mb, 1024 * mb / 0.5e9)
+    assert r.gbps == pytest.approx(0.5)  # 5x: replaces
+    user = ReadRate(1.2)
+    user.observe(32 * mb, 32 * mb / 1.2e9)
+    user.observe(128 * mb, 128 * mb / 0.6e9)
+    assert user.gbps == pytest.approx(0.8 * 1.2 + 0.2 * 0.6)
+
+
 # ---------------------------------------------------------------------------------------------- the model
 
 def test_model_terms_by_hand():

@@ -65,26 +65,23 @@ from dataclasses import astuple, dataclass
 
 from tiered_kv.errors import ConfigError
 
-#: Weight of the newest read in a tier's read-rate average.
-EWMA_NEW = 0.2
-#: A write smaller than this measures the medium's latency more than its rate: ``ReadRate.hint`` ignores it.
-HINT_MIN_BYTES = 4 << 20
-#: The built-in start of a slow tier's read rate (the engines' ``disk_read_gbps`` default): a ``ReadRate.guess``.
-DEFAULT_READ_GBPS = 3.0
+#: Weight of the newest read in a tier's read-rate average; a write smaller than ``HINT_MIN_BYTES`` measures the
+#: medium's latency more than its rate: ``ReadRate.hint`` ignores it.
+EWMA_NEW, HINT_MIN_BYTES = 0.2, 4 << 20
+#: The built-in start of a slow tier's read rate (the engines' ``disk_read_gbps`` default): a ``ReadRate.guess``; a
+#: guessed tier's read this many times its largest before replaces the estimate (``ReadRate.observe``).
+DEFAULT_READ_GBPS, GROW_REPLACES = 3.0, 2
 #: A request that computes this many tokens or fewer in a step is decoding (speculative decoding: a few).
 DECODE_TOKENS = 16
 #: Steps the fit keeps, and the age (in samples) at which a sample weighs half as much as the newest.
 WINDOW, HALF_LIFE = 128, 32.0
-#: Samples before the fit replaces the start model; then it is refitted every ``REFIT_EVERY`` new samples
-#: (a fit costs a few ms of Python: at most one every 8 prefill steps on the caller's thread).
-MIN_SAMPLES, REFIT_EVERY = 8, 8
-#: From this many samples to ``MIN_SAMPLES``: the start model times the samples' median measured / predicted time (one
-#: number 4 steps tell even with one slowed; GPU round 17 planned its 32k loads with a start model 10% high).
-SCALE_SAMPLES = 4
+#: Samples before the fit replaces the start model, then refitted every ``REFIT_EVERY`` new samples (a fit costs a
+#: few ms of Python); from ``SCALE_SAMPLES`` to ``MIN_SAMPLES``: the start model times the samples' median measured /
+#: predicted time (one number 4 steps tell even with one slowed; GPU round 17 planned 32k loads with a start 10% high).
+MIN_SAMPLES, REFIT_EVERY, SCALE_SAMPLES = 8, 8, 4
 #: Ridge weight toward the start model, per unit of (equilibrated) sample weight.
 RIDGE = 1e-3
-#: A loading step that ran more than this many times its priced time was held up by something other than its compute
-#: and loads (``LoadFloor``): the host's launch of an uncompiled forward
+#: A loading step over this many times its priced time was held up by something else (``LoadFloor``): an eager launch
 FLOOR_BOUND = 1.2
 #: Tukey's biweight constant (95% efficiency under normal noise), the rounds of reweighting, and the
 #: smallest residual scale (relative): below 1% noise every sample is trusted as if it had 1%.
@@ -106,9 +103,9 @@ class ReadRate:
                  replace_min_bytes: int = 0) -> None:
         """``guess``: the start value is a built-in default, not a figure anyone measured or set: the first
         observed read replaces it (an average with it would keep most of the guess for several reads), writes to
-        the tier may lower it before then (``hint``), and ``SplitGate`` plans at most one chunk from this tier in an
-        overlapped plan until then, and a few times its largest read after (``SplitGate._ramp``). ``replace_min_bytes``: only a read of at least this many bytes replaces the
-        guess; smaller ones are averaged in (an engine whose reads may be a few small pages: they measure latency)."""
+        the tier may lower it before then (``hint``), and ``SplitGate`` plans one chunk from this tier in an overlapped
+        plan until then, a few times its largest read after (``_ramp``). ``replace_min_bytes``: only a read of at least
+        this many bytes replaces the guess; smaller ones are averaged in (a few small pages measure latency)."""
         self._start = self._gbps = _positive("read rate (GB/s)", start_gbps)
         self.fixed, self.guess = bool(fixed), bool(guess)
         self.weight = float(weight)
@@ -170,8 +167,8 @@ class ReadRate:
         """A *write* to the tier moved ``nbytes`` in ``seconds``. While the estimate is still the built-in guess (no
         read yet), it becomes the smaller of the guess and the writes' running average: the rate the tier has shown
         bounds the bet of its first read (on the H200 host's virtio disk the 3.0 GB/s guess met 1.3 GB/s writes and,
-        under them, a 0.5 GB/s first read). Ignored once a read replaced the guess, for a rate set by the user, for a write
-        of less than ``HINT_MIN_BYTES`` (small records: latency, not rate), or when ``seconds`` is not > 0."""
+        under them, a 0.5 GB/s first read). Ignored once a read replaced the guess, for a rate set by the user, for a
+        write of less than ``HINT_MIN_BYTES`` (latency, not rate), or when ``seconds`` is not > 0."""
         if nbytes < HINT_MIN_BYTES or seconds <= 0 or self.fixed or not self.guess:
             return
         gbps = nbytes / seconds / 1e9
@@ -183,14 +180,17 @@ class ReadRate:
             self._gbps = min(self._start, self._hint)
 
     def observe(self, nbytes: int, seconds: float) -> None:
-        """A read moved ``nbytes`` in ``seconds``: fold its rate in (ignored if either is not > 0, or ``fixed``)."""
+        """A read moved ``nbytes`` in ``seconds``: fold its rate in (ignored if either is not > 0, or ``fixed``). For a
+        ``guess``, the first read replaces the estimate, and so does one ``GROW_REPLACES`` times the largest before it
+        (a young tier's reads grow, ``SplitGate._ramp``; GPU round 17: a 33 MB read ran 2x a 1.3 GB one's rate)."""
         if nbytes <= 0 or seconds <= 0 or self.fixed:
             return
         gbps = nbytes / seconds / 1e9
         with self._lock:
             first = self.guess and not self._replaced and nbytes >= self._replace_min
+            grown = self.guess and self._replaced and nbytes >= GROW_REPLACES * self._largest
             self._replaced = self._replaced or first
-            self._gbps = gbps if first else (1 - self.weight) * self._gbps + self.weight * gbps
+            self._gbps = gbps if first or grown else (1 - self.weight) * self._gbps + self.weight * gbps
             self._reads += 1
             self._largest = max(self._largest, int(nbytes))
 
