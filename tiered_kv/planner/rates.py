@@ -58,6 +58,7 @@ owner (the engine's scheduler thread) calls it. ``PrefillModel`` is a frozen val
 from __future__ import annotations
 
 import operator
+import statistics
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -398,18 +399,17 @@ class PrefillEstimator:
 
     @property
     def fitted(self) -> bool:
-        """A fit to the engine's steps is in use (not the start model)."""
+        """An estimate from the engine's steps is in use (the scaled start or a fit, not the start model)."""
         with self._lock:
             return self._model is not self.start
 
     def model(self) -> PrefillModel:
-        """The estimate in use: the start model while ``fixed`` or with fewer than ``min_samples``, else the fit
-        (with ``fit_on_read``: refitted, under the lock, once ``REFIT_EVERY`` samples came since the last fit;
+        """The estimate in use: the start model while ``fixed`` or with fewer than ``scale_samples``, the start scaled
+        to fewer than ``min_samples``, else the fit (with ``fit_on_read``: made under the lock when due, ``_due``;
         without: the last ``refit``'s)."""
         with self._lock:
             if self.fit_on_read and self._due():
-                self._model, self._outliers = self._estimate(list(self._samples))
-                self._scaled = len(self._samples) < self.min_samples
+                self._model, self._outliers, self._scaled = self._estimate(list(self._samples))
                 self._pending = 0
             return self._model
 
@@ -423,11 +423,12 @@ class PrefillEstimator:
             return True
         return self._pending >= REFIT_EVERY and n >= self.min_samples
 
-    def _estimate(self, samples: list, pause: Callable[[], None] | None = None) -> tuple[PrefillModel, int]:
-        """The estimate from ``samples``: the start model scaled (fewer than ``min_samples``), else the fit."""
+    def _estimate(self, samples: list, pause: Callable[[], None] | None = None) -> tuple[PrefillModel, int, bool]:
+        """The estimate from ``samples``, its outliers, and whether it is the start model scaled (fewer than
+        ``min_samples``) rather than the fit."""
         if len(samples) < self.min_samples:
-            return _scaled(samples, self.start), 0
-        return _fit(samples, self.start, self.half_life, pause)
+            return _scaled(samples, self.start), 0, True
+        return (*_fit(samples, self.start, self.half_life, pause), False)
 
     def refit(self, pause: Callable[[], None] | None = None) -> bool:
         """Fit now if one is due (as ``model`` would), outside the lock: the samples are copied under it and the
@@ -438,10 +439,9 @@ class PrefillEstimator:
             if not self._due():
                 return False
             samples, self._pending = list(self._samples), 0
-        model, outliers = self._estimate(samples, pause)
+        estimate = self._estimate(samples, pause)
         with self._lock:
-            self._model, self._outliers = model, outliers
-            self._scaled = len(samples) < self.min_samples
+            self._model, self._outliers, self._scaled = estimate
         return True
 
     def report(self) -> dict:
@@ -458,9 +458,7 @@ class PrefillEstimator:
 
 def _scaled(samples: list[tuple[tuple[float, ...], float]], start: PrefillModel) -> PrefillModel:
     """``start`` with every coefficient times the median of the samples' measured / predicted times."""
-    ratios = sorted(t / max(_dot(x, start.coefficients()), 1e-12) for x, t in samples)
-    k, mid = len(ratios), len(ratios) // 2
-    f = ratios[mid] if k % 2 else 0.5 * (ratios[mid - 1] + ratios[mid])
+    f = statistics.median(t / max(_dot(x, start.coefficients()), 1e-12) for x, t in samples)
     return PrefillModel(*(c * f for c in start.coefficients()))
 
 

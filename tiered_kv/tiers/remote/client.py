@@ -422,10 +422,7 @@ class _Wire:
     def fill(self, dst: memoryview) -> None:
         """Exactly ``len(dst)`` bytes into ``dst``: what is buffered, then (a rest of ``READ_CHUNK`` or more) the socket
         straight into it, then the buffer's next takes."""
-        n = min(self.hi - self.lo, len(dst))
-        if n:
-            dst[:n] = self.mv[self.lo:self.lo + n]
-            self.lo += n
+        n = self._take(dst, 0)
         while len(dst) - n >= READ_CHUNK:  # the buffer is empty here
             got = self.sock.recv_into(dst[n:])
             if not got:
@@ -433,10 +430,15 @@ class _Wire:
             n += got
         while n < len(dst):
             self._more()
-            m = min(self.hi - self.lo, len(dst) - n)
+            n = self._take(dst, n)
+
+    def _take(self, dst: memoryview, n: int) -> int:
+        """Buffered bytes into ``dst`` from ``n`` on, as many as it has room for; returns the new ``n``."""
+        m = min(self.hi - self.lo, len(dst) - n)
+        if m:
             dst[n:n + m] = self.mv[self.lo:self.lo + m]
             self.lo += m
-            n += m
+        return n + m
 
     def exact(self, n: int, trailer: bool = False) -> bytes:
         """Exactly ``n`` bytes (and the CRLF after a bulk string when ``trailer``)."""
