@@ -6,7 +6,7 @@ import pytest
 
 from tiered_kv.errors import ConfigError, InvalidInputError
 from tiered_kv.planner.gate import (ALL_FAST, ALWAYS, BEATS, DECLINED, FLOOR_MIN_SAMPLES, PROBE, RECOMPUTE,
-                                   RECOMPUTE_PROBE_EVERY, SPLIT, LoadGate, SplitGate)
+                                   RECOMPUTE_MARGIN, RECOMPUTE_PROBE_EVERY, SPLIT, LoadGate, SplitGate)
 from tiered_kv.planner.rates import PrefillEstimator, PrefillModel, ReadRate
 
 MIB8 = 8 << 20  # one unit: 8 MiB for 64 tokens; break-even at 30k tokens/s = 3.93 GB/s
@@ -344,3 +344,18 @@ def test_cpu_hits_recompute_where_loading_steps_have_a_floor_above_their_recompu
     g.observe_loaded_step({"cpu": 128 << 20}, 0.0065, 0.006)  # a loading step as priced: the floor is at most that
     assert g.load_floor.seconds == pytest.approx(0.0065) and g.decide(hit, 160, 0)[1] == ALL_FAST
     assert g.report()["split"]["load_floor"]["samples"] == FLOOR_MIN_SAMPLES
+
+
+@pytest.mark.parametrize("floor_ms, outcome", [(31.0, RECOMPUTE), (30.4, RECOMPUTE), (30.0, ALL_FAST)])
+def test_a_near_tie_with_the_load_floor_recomputes(floor_ms, outcome):
+    """H200, uncompiled Gemma-2 c1, 2026-11-30: the floor (59.2 ms) was just under the hit's priced recompute, so it
+    loaded, and the loading step's host work (``start_load_kv``, 4 ms) made it 1.06x of no connector. A hit whose
+    recompute (31.8 ms here) is within ``RECOMPUTE_MARGIN`` of its loading step's floor recomputes; one whose floor
+    is further below still loads."""
+    g = _fitted_gate()
+    recompute_s = g.prefill.model().seconds(1024 + 160, 0)
+    assert recompute_s == pytest.approx(0.0318, abs=1e-4)
+    for _ in range(FLOOR_MIN_SAMPLES):
+        g.observe_loaded_step({"cpu": 128 << 20}, floor_ms / 1e3, 0.006)
+    assert (recompute_s < (1 + RECOMPUTE_MARGIN) * floor_ms / 1e3) == (outcome == RECOMPUTE)
+    assert g.decide([("cpu", 1024)], 160, 0)[1] == outcome

@@ -40,6 +40,12 @@ SPLIT_OUTCOMES = (ALL_FAST, ALWAYS, BEATS, SPLIT, PROBE, DECLINED, RECOMPUTE)
 #: Of the hits the load floor declines, every this-many-th is planned as if it were not (loads), so the floor follows
 #: the engine; and the floor acts only once this many loading steps measured it, with a prefill model fitted.
 RECOMPUTE_PROBE_EVERY, FLOOR_MIN_SAMPLES = 8, 3
+#: Where the floor applies, a CPU hit loads only if its loading step is priced at least this fraction faster than the
+#: hit's recompute: a near tie recomputes, as the engine alone would. Why: a loading step carries host work its price
+#: leaves out (``start_load_kv``: 4.0 ms p50 on the Gemma-2 shape), and the linear prefill model charges a launch-bound
+#: step for tokens that cost it no time (H200, uncompiled Gemma-2 c1, 2026-11-30: it loaded on a floor of 59.2 ms and
+#: ran 1.06x of no connector); on such an engine vLLM's connector, which always loads, ran 1.2-1.35x of no connector.
+RECOMPUTE_MARGIN = 0.05
 #: An overlapped plan loads at most this many times a young slow tier's largest measured read (``SplitGate._ramp``).
 RAMP_READS = 4
 #: The prefill rate is reported for a chunk of this many tokens after each of these contexts.
@@ -249,12 +255,13 @@ class SplitGate:
     def _recompute(self, loaded: Split, new_tokens: int, context: int, model) -> bool:
         """Whether to load nothing (``RECOMPUTE``): a step running ``loaded`` (the plan that loads the memory-tier
         part) would take the load floor or its own priced time, whichever is longer, and recomputing every held token
-        and the new ones takes less; not for every ``RECOMPUTE_PROBE_EVERY``-th such hit (planned as usual: a
-        sample)."""
+        and the new ones takes less than ``1 + RECOMPUTE_MARGIN`` times that; not for every
+        ``RECOMPUTE_PROBE_EVERY``-th such hit (planned as usual: a sample)."""
         floor = self.load_floor.seconds
         if floor <= 0 or not self.prefill.fitted:
             return False
-        if model.seconds(loaded.held_tokens + new_tokens, context) >= max(floor, loaded.seconds):
+        recompute_s = model.seconds(loaded.held_tokens + new_tokens, context)
+        if recompute_s >= (1 + RECOMPUTE_MARGIN) * max(floor, loaded.seconds):
             return False
         with self._lock:
             self._recompute_declined += 1
