@@ -478,6 +478,11 @@ def serving_cells(path: str) -> list[dict]:
     # the summary again from the starts' rows: files written before a summary field existed get it too
     starts = doc.get("starts") or []
     summary = report.summarize(starts) if any(s.get("repeats") for s in starts) else doc.get("summary", {})
+    # the warm phase loads nothing (every prompt is new; ours stores them): ours against no connector there is the
+    # engine starts' own difference plus our stores, the context of a cell near a bound (``warm_note``)
+    warm = {m: summary.get(m, {}).get("phases", {}).get("warm") for m in ("none", "tiered")}
+    warm_s = {m: p["ttft_p50_ms"]["median"] / 1e3 for m, p in warm.items() if p and p.get("ttft_p50_ms")}
+    warm_c = {p.get("concurrency") for p in warm.values() if p}
     for phase in ("c8", "c32", "c1"):
         got = {m: summary.get(m, {}).get("phases", {}).get(phase) for m in ("none", "offloading", "tiered")}
         if not got["tiered"] or not (got["none"] or got["offloading"]):
@@ -493,7 +498,22 @@ def serving_cells(path: str) -> list[dict]:
                     "greedy_equal": (g.get("compared") == g.get("equal")) if g.get("compared") else None,
                     "greedy_outputs": outputs,
                     "source": os.path.basename(path), "date": date})
+        if len(warm_s) == 2 and warm_c == {p.get("concurrency") for p in got.values() if p}:
+            out[-1]["warm_s"] = dict(warm_s)  # only beside a phase at the warm phase's concurrency
     return out
+
+
+def warm_note(row: dict) -> str:
+    """For a judged serving cell that fails or wants more starts, ours over no connector in the same starts' warm
+    phase at the cell's concurrency, which loads nothing (``"; warm phase, nothing loaded: ours 1.21x none"``); else
+    "". A ratio far from 1 there is the engine starts' own difference (the host's speed in an uncompiled engine) or
+    our stores, not a load: one start per mode cannot tell it from the cell's ratio (round 18's gpt-oss c1: 1.14x,
+    its warm phase 1.21x)."""
+    w = row.get("warm_s") or {}
+    if row.get("pass") is None or not w.get("none") or "tiered" not in w or \
+            (row.get("pass") and not row.get("wants_3_starts")):
+        return ""
+    return f"; warm phase, nothing loaded: ours {w['tiered'] / w['none']:.2f}x none"
 
 
 def file_date(doc: dict) -> str | None:
@@ -665,10 +685,10 @@ def table(doc: dict) -> str:
     for r in rows:
         p, m = peer.get(r["workload"], "offloading"), mine.get(r["workload"], "tiered")
         cell = lambda mode: f"{r['median_s'][mode]:.3f}" if mode in r["median_s"] else "-"  # noqa: E731
-        verdict_ = ("pass" if r["pass"] else f"FAIL ({r['why']})" if r["pass"] is False
+        verdict_ = ("pass" if r["pass"] else f"FAIL ({r['why']}{warm_note(r)})" if r["pass"] is False
                     else f"superseded ({r['why']})")  # None: a newer file measured the cell again
         if r.get("wants_3_starts") and r["pass"]:
-            verdict_ += " (near a bound: wants 3 starts)"
+            verdict_ += f" (near a bound: wants 3 starts{warm_note(r)})"
         eq = greedy_text(r)
         lines.append(f"| {r['shape']} | {r['workload']} | {r['gpu']} | {cell('none')} | {cell(p)} | {cell(m)} | "
                      f"{r.get('vs_none', '-')} | {r.get('vs_peer', '-')} | {eq} | {r['starts'].get(m, 0)} | {verdict_} |")

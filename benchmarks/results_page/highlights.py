@@ -167,7 +167,7 @@ def envelope(r: Result) -> Row:
     fails = ", ".join(f"{label(x)} ({x['why']})" for x in judged if not x["pass"]) or "none"
     near = [label(x) for x in rows if x["pass"] and x.get("wants_3_starts")]
     if near:
-        fails += f"; within 10% of a bound on one start (3 wanted): {', '.join(near)}"
+        fails += f"; within 10% of a bound with fewer than 3 starts: {', '.join(near)}"
     base = (f"`OffloadingConnector` {num(gemma['median_s']['offloading'], 2)} s, no connector "
             f"{num(gemma['median_s']['none'], 2)} s" if gemma else "")
     return [f"The envelope: ours <= 1.05x of no connector and of `OffloadingConnector`, per shape and workload",

@@ -282,6 +282,7 @@ def envelope(r: Result) -> str:
                    else v["why"])  # None: superseded by a newer file's cell
         if v.get("wants_3_starts"):
             verdict += ", near a bound"
+        verdict += env.warm_note(v)
         rows.append([v["shape"], ENVELOPE_WORK.get(v["workload"], v["workload"]), v["gpu"], s("none"), s(peer),
                      f"{s(mine)} [{num(span[0], 3)}-{num(span[1], 3)}]" if span else s(mine),
                      v.get("vs_none", "-"), v.get("vs_peer", "-"),

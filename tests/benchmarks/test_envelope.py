@@ -122,6 +122,34 @@ def test_serving_cells_are_judged_by_the_same_rule(tmp_path):
     assert envelope.serving_cells(str(path)) == []
 
 
+def test_a_serving_cell_near_a_bound_says_how_its_starts_differed_with_nothing_loaded(tmp_path):
+    """Round 18's gpt-oss c1 (uncompiled, one start per mode): ours 62.6 ms against no connector's 55.1 fails, and its
+    warm phase, where nothing loads, already ran 67.4 against 55.6: the cell's verdict says so, on the results page
+    and in the benchmark's own table; a cell that passes clear of the bound says nothing."""
+    phase = lambda ms, c=1: {"ttft_p50_ms": {"min": ms, "median": ms, "max": ms, "n": 1}, "concurrency": c}  # noqa
+    doc = {"shape": "gpt-oss", "summary": {
+        "none": {"phases": {"warm": phase(55.6), "c1": phase(55.1), "c8": phase(60.0, 8)}},
+        "offloading": {"phases": {"warm": phase(74.2), "c1": phase(73.6), "c8": phase(80.0, 8)}},
+        "tiered": {"phases": {"warm": phase(67.4), "c1": phase(62.6), "c8": phase(62.0, 8)}}}}
+    path = tmp_path / "serve_bench_gpt-oss.json"
+    path.write_text(json.dumps(doc))
+    rows = {r["workload"]: r for r in envelope.verdict([], envelope.serving_cells(str(path)))}
+    c1, c8 = rows["serving c1"], rows["serving c8"]
+    assert c1["pass"] is False and c1["warm_s"] == pytest.approx({"none": 0.0556, "tiered": 0.0674})
+    assert envelope.warm_note(c1) == "; warm phase, nothing loaded: ours 1.21x none"
+    # c8 passes near the bound (1.03x, one start) but ran at another concurrency than the warm phase: no note
+    assert c8["pass"] and c8.get("wants_3_starts") and "warm_s" not in c8 and envelope.warm_note(c8) == ""
+    assert envelope.warm_note({**c1, "pass": None}) == ""  # superseded: not judged
+    near = {**c1, "pass": True, "wants_3_starts": True}  # a pass near a bound carries it too
+    assert envelope.warm_note(near) == "; warm phase, nothing loaded: ours 1.21x none"
+    text = envelope.table({"results": [], "serving": envelope.serving_cells(str(path))})
+    assert "FAIL (1.14x none; warm phase, nothing loaded: ours 1.21x none)" in text, text
+    del doc["summary"]["none"]["phases"]["warm"]  # a file without the warm phase: no note
+    path.write_text(json.dumps(doc))
+    (c1,) = [r for r in envelope.verdict([], envelope.serving_cells(str(path))) if r["workload"] == "serving c1"]
+    assert envelope.warm_note(c1) == ""
+
+
 def test_only_the_newest_files_serving_cell_is_judged(tmp_path):
     """Two files measured the same shape, c1 and GPU cache: the older (slower than recompute: fails) is superseded by
     the newer (passes), neither pass nor fail; a compiled file's cell is another configuration, judged on its own."""

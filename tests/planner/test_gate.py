@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from tiered_kv.errors import ConfigError, InvalidInputError
-from tiered_kv.planner.gate import (ALL_FAST, ALWAYS, BEATS, DECLINED, FLOOR_MIN_SAMPLES, PROBE, RECOMPUTE,
-                                   RECOMPUTE_MARGIN, RECOMPUTE_PROBE_EVERY, SPLIT, LoadGate, SplitGate)
+from tiered_kv.planner.gate import (ALL_FAST, ALWAYS, BEATS, DECLINED, FLOOR_MIN_SAMPLES, PROBE, RECENT_STEPS,
+                                   RECOMPUTE, RECOMPUTE_MARGIN, RECOMPUTE_PROBE_EVERY, SCALE_BOUNDS, SPLIT, LoadGate,
+                                   SplitGate)
 from tiered_kv.planner.rates import PrefillEstimator, PrefillModel, ReadRate
 
 MIB8 = 8 << 20  # one unit: 8 MiB for 64 tokens; break-even at 30k tokens/s = 3.93 GB/s
@@ -359,3 +360,32 @@ def test_a_near_tie_with_the_load_floor_recomputes(floor_ms, outcome):
         g.observe_loaded_step({"cpu": 128 << 20}, floor_ms / 1e3, 0.006)
     assert (recompute_s < (1 + RECOMPUTE_MARGIN) * floor_ms / 1e3) == (outcome == RECOMPUTE)
     assert g.decide([("cpu", 1024)], 160, 0)[1] == outcome
+
+
+def test_the_floors_decision_prices_recompute_at_the_engines_speed_now():
+    """H200, uncompiled Gemma-2 c1, round 18: the host's launches slowed after the warm phase the model was fitted
+    on; the floor, measured on the hits' loading steps, rose with them (75 ms) while recompute was priced at the old
+    speed, so 7 of 16 hits recomputed, at 88 ms each. The gate prices recompute at the median measured / priced time
+    of the last ``RECENT_STEPS`` unloaded prefill steps: one slow step does not move it, three do; a faster host
+    keeps recomputing; the scale stays within ``SCALE_BOUNDS`` and is reported."""
+    g = _fitted_gate()
+    hit = [("cpu", 1024)]
+    for _ in range(FLOOR_MIN_SAMPLES):
+        g.observe_loaded_step({"cpu": 128 << 20}, 0.035, 0.006)
+    assert g.recompute_scale == 1.0 and g.decide(hit, 160, 0)[1] == RECOMPUTE  # 31.8 ms priced under a 35 ms floor
+    for _ in range(RECENT_STEPS - 1):
+        g.observe_unloaded_step(0.050, 0.050)  # the warm phase: steps as priced
+    g.observe_unloaded_step(0.065, 0.050)  # one slow step: the median stays
+    assert g.recompute_scale == 1.0 and g.decide(hit, 160, 0)[1] == RECOMPUTE
+    for _ in range(2):
+        g.observe_unloaded_step(0.065, 0.050)
+    assert g.recompute_scale == pytest.approx(1.3)
+    assert g.decide(hit, 160, 0)[1] == ALL_FAST  # 41.3 ms of recompute at this speed: loading the hit is faster
+    for _ in range(RECENT_STEPS):
+        g.observe_unloaded_step(0.040, 0.050)  # a faster host: recompute is cheaper still
+    assert g.recompute_scale == pytest.approx(0.8) and g.decide(hit, 160, 0)[1] == RECOMPUTE
+    for _ in range(RECENT_STEPS):
+        g.observe_unloaded_step(0.5, 0.05)
+    assert g.recompute_scale == SCALE_BOUNDS[1] and g.report()["split"]["load_floor"]["recompute_scale"] == 2.0
+    g.observe_unloaded_step(0.0, 0.05)  # nothing timed: ignored
+    assert g.recompute_scale == SCALE_BOUNDS[1]

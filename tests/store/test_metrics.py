@@ -63,6 +63,7 @@ def test_collector_reports_the_split_of_a_split_gate(small_cfg):
     plan, _ = gate.decide([("cpu", 512), ("disk", 8192)], 0, 0)
     gate.observe_loaded_step({"disk": 1e9}, 0.3, 0.1)  # measured: 0.2 s a GB under the forward
     gate.observe_loaded_step({"cpu": 1e8}, 0.035, 0.006)  # a loading step on a 35 ms floor
+    gate.observe_unloaded_step(0.06, 0.05)  # a prefill step 1.2x its price: the engine's speed now
     with TieredStore(small_cfg()) as s:
         text = generate_latest(make_registry(lambda: {**s.stats(), "gate": gate.report()}, "t")).decode()
     loaded = plan.load_tokens - 512
@@ -74,9 +75,11 @@ def test_collector_reports_the_split_of_a_split_gate(small_cfg):
     assert 'tiered_kv_gate_decisions_total{decision="split",store="t"} 1.0' in text
     assert 'tiered_kv_split_estimated_seconds_total{plan="chosen",store="t"}' in text
     gauges = {(s.name, s.labels.get("tier")): s.value for fam in text_string_to_metric_families(text)
-              for s in fam.samples if s.name.startswith(("tiered_kv_split_overlap", "tiered_kv_split_load_floor"))}
+              for s in fam.samples if s.name.startswith(("tiered_kv_split_overlap", "tiered_kv_split_load_floor",
+                                                          "tiered_kv_split_recompute"))}
     assert gauges == {("tiered_kv_split_overlap_seconds_per_gb", "disk"): pytest.approx(0.2),
-                      ("tiered_kv_split_load_floor_seconds", None): pytest.approx(0.035)}, gauges
+                      ("tiered_kv_split_load_floor_seconds", None): pytest.approx(0.035),
+                      ("tiered_kv_split_recompute_scale", None): pytest.approx(1.2)}, gauges
     names = {s.name.removesuffix("_total") for fam in text_string_to_metric_families(text) for s in fam.samples}
     assert {m.removesuffix("_total") for m in METRICS if m.startswith("tiered_kv_split_")} <= names
 

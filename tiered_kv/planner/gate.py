@@ -19,7 +19,9 @@ once (SGLang's prefetch and prefetch-IO threads); both gates take their lock, th
 """
 from __future__ import annotations
 
+import statistics
 import threading
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 
 from tiered_kv.errors import ConfigError, InvalidInputError
@@ -31,8 +33,8 @@ __all__ = ["EWMA_NEW", "LoadGate", "SplitGate", "DISK_LOAD_POLICIES", "OUTCOMES"
 
 #: ``decide`` outcomes: memory tiers only; every held token loaded by policy, or because that is fastest; a split
 #: (some slow-tier tokens loaded, the rest recomputed: ``SplitGate`` only); a probe; no slow-tier token loaded; and
-#: (``SplitGate``) nothing loaded, memory tiers included, as the engine's loading steps have a floor above the
-#: hit's recompute (``SplitGate.load_floor``).
+#: (``SplitGate``) nothing loaded, memory tiers included, as the engine's loading steps have a floor above, or within
+#: ``RECOMPUTE_MARGIN`` of, the hit's recompute (``SplitGate.load_floor``).
 ALL_FAST, ALWAYS, BEATS, SPLIT, PROBE, DECLINED = "all_fast", "always", "beats", "split", "probe", "declined"
 RECOMPUTE = "recompute"
 OUTCOMES = (ALL_FAST, ALWAYS, BEATS, PROBE, DECLINED)
@@ -40,12 +42,21 @@ SPLIT_OUTCOMES = (ALL_FAST, ALWAYS, BEATS, SPLIT, PROBE, DECLINED, RECOMPUTE)
 #: Of the hits the load floor declines, every this-many-th is planned as if it were not (loads), so the floor follows
 #: the engine; and the floor acts only once this many loading steps measured it, with a prefill model fitted.
 RECOMPUTE_PROBE_EVERY, FLOOR_MIN_SAMPLES = 8, 3
-#: Where the floor applies, a CPU hit loads only if its loading step is priced at least this fraction faster than the
-#: hit's recompute: a near tie recomputes, as the engine alone would. Why: a loading step carries host work its price
-#: leaves out (``start_load_kv``: 4.0 ms p50 on the Gemma-2 shape), and the linear prefill model charges a launch-bound
-#: step for tokens that cost it no time (H200, uncompiled Gemma-2 c1, 2026-11-30: it loaded on a floor of 59.2 ms and
-#: ran 1.06x of no connector); on such an engine vLLM's connector, which always loads, ran 1.2-1.35x of no connector.
+#: Where the floor applies, a CPU hit is recomputed unless its priced recompute is more than this fraction above the
+#: loading step's time (the floor, or the loading plan's own price if longer): a near tie recomputes, as the engine
+#: alone would. Why: a loading step carries host work its price leaves out (``start_load_kv``: 4-5 ms p50 on the
+#: Gemma-2 shape), and the linear prefill model charges a launch-bound step for tokens that cost it no time (H200,
+#: uncompiled Gemma-2 c1, 2026-11-30: every hit loaded, its loading steps ran 61.7 ms on the GPU against 53.8 ms for
+#: 1,152-token recompute steps, 1.06x of no connector); on such engines vLLM's connector, which always loads, ran
+#: 1.14-1.36x of no connector.
 RECOMPUTE_MARGIN = 0.05
+#: The floor is measured on the latest loading steps, the model fitted on older steps: the floor's decision prices
+#: recompute at the engine's speed now, the model's price times the median measured / priced time of the last this
+#: many unloaded prefill steps (``observe_unloaded_step``), kept within ``SCALE_BOUNDS``. Why: a host whose launches
+#: slowed between the warm phase and the hits (H200, uncompiled Gemma-2 c1, round 18: 1,152-token steps at 60 ms,
+#: then 1,312-token recomputes at 88 ms and loading steps at 75 ms) had its hits' recompute priced at the old speed
+#: under the new floor, and recomputed 7 of 16 hits, each slower than loading.
+RECENT_STEPS, SCALE_BOUNDS = 5, (0.5, 2.0)
 #: An overlapped plan loads at most this many times a young slow tier's largest measured read (``SplitGate._ramp``).
 RAMP_READS = 4
 #: The prefill rate is reported for a chunk of this many tokens after each of these contexts.
@@ -140,8 +151,9 @@ class SplitGate:
     (``observe_loaded_step``), so a tier whose overlapped reads slow the step more than priced loads less.
 
     Memory-tier (CPU) hits load in every plan, unless the hit would load in-step and the engine's loading steps have
-    a floor (``load_floor``: ``rates.LoadFloor``, measured by ``observe_loaded_step``) above the time to recompute
-    every held token and the new ones: then nothing loads (``RECOMPUTE``; every ``RECOMPUTE_PROBE_EVERY``-th such
+    a floor (``load_floor``: ``rates.LoadFloor``, measured by ``observe_loaded_step``) above, or within
+    ``RECOMPUTE_MARGIN`` of, the time to recompute every held token and the new ones, priced at the engine's recent
+    speed (``recompute_scale``): then nothing loads (``RECOMPUTE``; every ``RECOMPUTE_PROBE_EVERY``-th such
     hit is planned as usual, to measure again). That happens where the engine's step does not get faster with fewer
     tokens: an engine launching its prefill op by op from Python (no CUDA graph, no compilation), whose step of 160
     tokens costs its host launch as a step of 1,300 does (H200, Llama-3-8B shape, 2026-11-30: loading steps of
@@ -171,6 +183,7 @@ class SplitGate:
         self._tokens: dict[str, list[int]] = {t: [0, 0] for t in rates}
         self.overlap_cost = {t: OverlapCost() for t in rates if t not in MEMORY_TIERS}
         self.load_floor = LoadFloor()  # memory-tier loads (class doc); only a front end that times steps feeds it
+        self._recent: deque[float] = deque(maxlen=RECENT_STEPS)  # unloaded prefill steps' measured / priced times
         self._recompute_declined = 0
         self._seconds = {"chosen": 0.0, "recompute": 0.0, "load_all": 0.0}
 
@@ -255,13 +268,15 @@ class SplitGate:
     def _recompute(self, loaded: Split, new_tokens: int, context: int, model) -> bool:
         """Whether to load nothing (``RECOMPUTE``): a step running ``loaded`` (the plan that loads the memory-tier
         part) would take the load floor or its own priced time, whichever is longer, and recomputing every held token
-        and the new ones takes less than ``1 + RECOMPUTE_MARGIN`` times that; not for every
-        ``RECOMPUTE_PROBE_EVERY``-th such hit (planned as usual: a sample)."""
+        and the new ones takes less than ``1 + RECOMPUTE_MARGIN`` times that, both priced times at the engine's
+        recent speed (``recompute_scale``); not for every ``RECOMPUTE_PROBE_EVERY``-th such hit (planned as usual:
+        a sample)."""
         floor = self.load_floor.seconds
         if floor <= 0 or not self.prefill.fitted:
             return False
-        recompute_s = model.seconds(loaded.held_tokens + new_tokens, context)
-        if recompute_s >= (1 + RECOMPUTE_MARGIN) * max(floor, loaded.seconds):
+        scale = self.recompute_scale
+        recompute_s = model.seconds(loaded.held_tokens + new_tokens, context) * scale
+        if recompute_s >= (1 + RECOMPUTE_MARGIN) * max(floor, loaded.seconds * scale):
             return False
         with self._lock:
             self._recompute_declined += 1
@@ -333,6 +348,23 @@ class SplitGate:
         for t, n in slow.items():
             self.overlap_cost[t].observe(n, (seconds - priced_s) * n / total)
 
+    def observe_unloaded_step(self, seconds: float, priced_s: float) -> None:
+        """A prefill step with no in-step load ran ``seconds`` where the prefill model in use priced ``priced_s``: one
+        of the last ``RECENT_STEPS`` that ``recompute_scale`` takes its median of."""
+        if seconds > 0 and priced_s > 0:
+            with self._lock:
+                self._recent.append(seconds / priced_s)
+
+    @property
+    def recompute_scale(self) -> float:
+        """The engine's speed now against the prefill model's: the median measured / priced time of the last
+        ``RECENT_STEPS`` unloaded prefill steps, within ``SCALE_BOUNDS`` (1.0 before any)."""
+        with self._lock:
+            recent = list(self._recent)
+        if not recent:
+            return 1.0
+        return min(SCALE_BOUNDS[1], max(SCALE_BOUNDS[0], statistics.median(recent)))
+
     def hint_writes(self, nbytes_by_tier: Mapping[str, int], seconds: float) -> None:
         """A write to slow tiers moved ``nbytes_by_tier`` in ``seconds``: a tier whose read rate is still the
         built-in guess takes it as a bound (``ReadRate.hint``); the time is shared as ``observe_reads`` does."""
@@ -360,6 +392,7 @@ class SplitGate:
         tiers' load floor (seconds, samples)."""
         prefill = self.prefill.report()
         model = prefill["model"]
+        scale = self.recompute_scale  # takes the lock: before the block below
         gbps = {t: r.gbps for t, r in self.rates.items()}
         slow = [g for t, g in gbps.items() if t not in MEMORY_TIERS]
         with self._lock:
@@ -370,7 +403,8 @@ class SplitGate:
                      "overlap": self.overlap,
                      "overlap_cost": {t: {"s_per_gb": c.s_per_byte * 1e9, "samples": c.samples}
                                       for t, c in self.overlap_cost.items()},
-                     "load_floor": {"seconds": self.load_floor.seconds, "samples": self.load_floor.samples},
+                     "load_floor": {"seconds": self.load_floor.seconds, "samples": self.load_floor.samples,
+                                    "recompute_scale": scale},
                      "prefill": {"source": prefill["source"], "samples": prefill["samples"],
                                  "coefficients": model.coefficients(),
                                  "tokens_per_s": {c: model.tokens_per_s(REPORT_CHUNK, c) for c in REPORT_CONTEXTS}}}

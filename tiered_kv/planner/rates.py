@@ -271,8 +271,8 @@ class LoadFloor(_Average):
     replaces the start of 0, then an exponential average). A step that ran as priced says only that the floor is
     not above its time: the floor becomes at most that (a faster host, or a compiled engine, whose steps all run as
     priced: no floor sample ever, a floor of 0). A phase of large steps bound by their compute leaves a floor
-    measured at low load as it was. A floor is a step's, not a byte's: it never turns down a hit whose recompute
-    costs more than it."""
+    measured at low load as it was. A floor is a step's, not a byte's: it turns down only a hit whose recompute
+    costs less than it, or little more (``gate.RECOMPUTE_MARGIN``)."""
 
     @property
     def seconds(self) -> float:

@@ -50,7 +50,7 @@ METRICS = (
     "tiered_kv_gate_break_even_gbps", "tiered_kv_remote_errors_total",
     "tiered_kv_split_tokens_total", "tiered_kv_split_read_gbps", "tiered_kv_split_prefill_tokens_per_s",
     "tiered_kv_split_prefill_samples_total", "tiered_kv_split_estimated_seconds_total",
-    "tiered_kv_split_overlap_seconds_per_gb", "tiered_kv_split_load_floor_seconds",
+    "tiered_kv_split_overlap_seconds_per_gb", "tiered_kv_split_load_floor_seconds", "tiered_kv_split_recompute_scale",
     "tiered_kv_worker_bytes_total", "tiered_kv_worker_seconds_total", "tiered_kv_worker_events_total",
 )
 
@@ -184,6 +184,11 @@ def _split_families(split: dict, name: str) -> Iterator:
                               "measured not to go below (0: none; above a hit's recompute, the hit is recomputed)",
                               labels=["store"])
         g.add_metric([name], split["load_floor"]["seconds"])
+        yield g
+        g = GaugeMetricFamily("tiered_kv_split_recompute_scale", "the engine's recent prefill steps' measured over "
+                              "priced time, at which the load floor's decision prices recompute (1: as the model)",
+                              labels=["store"])
+        g.add_metric([name], split["load_floor"].get("recompute_scale", 1.0))
         yield g
 
 

@@ -459,6 +459,24 @@ def test_step_meter_prices_the_loaded_steps_for_the_gate():
     assert meter.priced_steps == 1 and meter.loaded_steps == 2 and meter._in_step == {}
 
 
+def test_step_meter_hands_the_gate_each_unloaded_prefill_steps_time_and_price():
+    """The gate's recent speed (``SplitGate.recompute_scale``) comes from the workers' times of prefill steps without
+    in-step loads, each with the model's price of its tokens: not from loaded steps, decode-only steps, or steps only
+    the scheduler's clock timed (it cannot tell a loaded forward from another)."""
+    model = PrefillModel.from_rate(30000, 32768)
+    got: list[tuple[float, float]] = []
+    meter = StepMeter(PrefillEstimator(model, fit_on_read=False), lambda: 0.0,
+                      on_unloaded=lambda seconds, priced: got.append((seconds, priced)))
+    prefill, decode = step_output([("n", 256, 512)], []), step_output([("d", 1, 900)], [])
+    meter.scheduled(1, prefill)
+    meter.finished(1)  # the scheduler's clock
+    assert got == []
+    for step, out in ((2, prefill), (3, prefill), (4, decode)):
+        meter.scheduled(step, out)
+    meter.finished(4, {2: (0.030, False), 3: (0.050, True), 4: (0.004, False)})
+    assert got == [(0.030, pytest.approx(model.step_seconds([(256, 512)])))]
+
+
 def test_step_meter_gives_up_when_no_output_carries_a_step_number(caplog):
     """Something between the workers and the scheduler drops the worker metadata: the meter stops timing (no
     pending steps pile up) and says so once; the start model stays."""

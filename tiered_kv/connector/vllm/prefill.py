@@ -145,10 +145,12 @@ class StepMeter:
     (tests pass their own)."""
 
     def __init__(self, estimator: PrefillEstimator, clock: Callable[[], float] = time.monotonic,
-                 on_loaded: Callable[[dict[str, float], float, float], None] | None = None) -> None:
+                 on_loaded: Callable[[dict[str, float], float, float], None] | None = None,
+                 on_unloaded: Callable[[float, float], None] | None = None) -> None:
         self.estimator = estimator
         self.clock = clock
         self.on_loaded = on_loaded  # ``SplitGate.observe_loaded_step``: steps with in-step loads, timed and priced
+        self.on_unloaded = on_unloaded  # ``SplitGate.observe_unloaded_step``: prefill steps without, timed and priced
         self.priced_steps = 0  # loaded steps timed whose loads were priced (``scheduled(..., in_step)``)
         self.on = not estimator.fixed
         self.timed = 0  # steps timed (decode-only ones too)
@@ -237,6 +239,8 @@ class StepMeter:
         if not parts:
             self.estimator.observe_step((), seconds)  # counted as a decode-only step, nothing else
             return
+        if self.on_unloaded is not None and self.worker_clock:  # speed now against the model's (a dot product)
+            self.on_unloaded(seconds, self.estimator.model().step_seconds(parts))
         self._queue.append((parts, seconds))
         self._queued += 1
         # every REFIT_EVERY steps; and as soon as the estimator can make its first estimate (the start model scaled)
@@ -300,7 +304,8 @@ def split_stats(gate: SplitGate) -> dict:
     the summed estimated seconds of the plans taken, of recomputing and of loading every held token
     (``split_est_<plan>_s``: what the decisions weighed, so a benchmark can tell a near call from a clear one), and
     each slow tier's measured overlap cost (``<tier>_overlap_s_per_gb``: seconds a GB read under the forward adds)
-    and the CPU tier's load floor (``cpu_load_floor_s``)."""
+    and the CPU tier's load floor (``cpu_load_floor_s``) with the engine's recent speed against the prefill model
+    (``cpu_recompute_scale``, which the floor's decision prices recompute at)."""
     rep = gate.report()["split"]
     out: dict = {f"{t}_gbps_estimate": float(f"{g:.4g}") for t, g in rep["read_gbps"].items() if t not in MEMORY_TIERS}
     out.update({f"{t}_gbps_source": src for t, src in rep["read_source"].items() if t not in MEMORY_TIERS})
@@ -315,4 +320,5 @@ def split_stats(gate: SplitGate) -> dict:
     for tier, c in rep["overlap_cost"].items():
         out[f"{tier}_overlap_s_per_gb"] = round(c["s_per_gb"], 6)
     out["cpu_load_floor_s"] = round(rep["load_floor"]["seconds"], 6)
+    out["cpu_recompute_scale"] = round(rep["load_floor"]["recompute_scale"], 4)
     return out

@@ -142,7 +142,8 @@ class SchedulerPlanner:
         # disk and remote chunks load only while reading them beats recomputing them (shared with SGLang's backend);
         # the prefill model is learned from vLLM's steps (the connector calls self.steps: prefill.py)
         self._gate = split_gate(cfg, geo, tier_names(self.chain))
-        self.steps = StepMeter(self._gate.prefill, on_loaded=self._gate.observe_loaded_step)
+        self.steps = StepMeter(self._gate.prefill, on_loaded=self._gate.observe_loaded_step,
+                               on_unloaded=self._gate.observe_unloaded_step)
         #: the step last built: what its in-step loads move per tier and their priced exposure (``take_in_step``)
         self.step_in_step: tuple[dict[str, float], float] | None = None
         # load_mode adaptive: the in-step load bytes (per rank) each step may take; None in the other modes
