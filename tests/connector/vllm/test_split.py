@@ -147,7 +147,7 @@ def test_cpu_hits_recompute_where_loading_steps_have_a_floor(model_dir, tmp_path
     floor and the prefill model is fitted, the next conversation's CPU hit is recomputed whole, as vLLM alone would;
     steps as priced keep CPU hits loading. The forwards are timed by the workers' clock, as on the GPU."""
     from tiered_kv.connector.vllm.forward_clock import ForwardClock
-    from tiered_kv.planner.gate import FLOOR_MIN_SAMPLES
+    from tiered_kv.planner.gate import FLOOR_MIN_SAMPLES, RECENT_STEPS
 
     take = ForwardClock.take
     monkeypatch.setattr(ForwardClock, "take", lambda self: {s: (t + slowdown if loaded else t, loaded)
@@ -175,6 +175,11 @@ def test_cpu_hits_recompute_where_loading_steps_have_a_floor(model_dir, tmp_path
         assert (st["cpu_load_floor_s"] > 0.04) == recomputed, st
         decisions = eng.connector.planner.store_stats()["gate"]["decisions"]
         assert decisions["recompute"] == int(recomputed), decisions
+        # the workers' times of the unloaded prefill steps reached the gate's recent speed, near the model's (the
+        # harness's steps run at its truth; only the loaded ones are slowed)
+        gate = eng.connector.planner._gate
+        assert len(gate._recent) == RECENT_STEPS and 0.8 < gate.recompute_scale < 1.25, list(gate._recent)
+        assert st["cpu_recompute_scale"] == pytest.approx(gate.recompute_scale, abs=1e-4)
     finally:
         eng.close()
 
