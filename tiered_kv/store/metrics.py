@@ -188,7 +188,7 @@ def _split_families(split: dict, name: str) -> Iterator:
         g = GaugeMetricFamily("tiered_kv_split_recompute_scale", "the engine's recent prefill steps' measured over "
                               "priced time, at which the load floor's decision prices recompute (1: as the model)",
                               labels=["store"])
-        g.add_metric([name], split["load_floor"].get("recompute_scale", 1.0))
+        g.add_metric([name], split["load_floor"]["recompute_scale"])
         yield g
 
 
