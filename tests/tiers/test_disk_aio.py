@@ -3,6 +3,7 @@ flight when the caller's callback fails."""
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from tiered_kv.tiers.disk import SlotFile
 from tiered_kv.tiers.disk.aio import AioReader, aio_available
 from tiered_kv.tiers.disk.indexed import RangeReads
 from tiered_kv.errors import RecordError
+from tests.tiers.test_disk_slots import memory_mount
 from tiered_kv.values.record import RecordHeader
 
 pytestmark = pytest.mark.skipif(not aio_available(), reason="this kernel or sandbox refuses io_setup (the callers "
@@ -20,16 +22,22 @@ pytestmark = pytest.mark.skipif(not aio_available(), reason="this kernel or sand
 MIB = 1 << 20
 
 
+def _opened_direct(path, nbytes: int, seed: int) -> tuple[int, np.ndarray]:
+    """``nbytes`` of known bytes written to ``path``, opened with O_DIRECT: (fd, the bytes); skips where the file
+    system refuses O_DIRECT (tmpfs before Linux 6.6)."""
+    data = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+    with open(path, "wb") as fh:
+        fh.write(data.tobytes())
+    try:
+        return os.open(path, os.O_RDONLY | os.O_DIRECT), data
+    except OSError as exc:
+        pytest.skip(f"no O_DIRECT on {os.path.dirname(path)}: {exc}")
+
+
 @pytest.fixture()
 def direct_file(tmp_path):
     """A 4 MiB file of known bytes opened with O_DIRECT (skips where the file system refuses O_DIRECT)."""
-    data = np.random.default_rng(5).integers(0, 256, 4 * MIB, dtype=np.uint8)
-    path = tmp_path / "data.bin"
-    path.write_bytes(data.tobytes())
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    except OSError as exc:
-        pytest.skip(f"no O_DIRECT on {tmp_path}: {exc}")
+    fd, data = _opened_direct(tmp_path / "data.bin", 4 * MIB, 5)
     yield fd, data
     os.close(fd)
 
@@ -134,3 +142,105 @@ def test_range_reads_by_aio_make_the_record_and_a_short_read_marks_it_damaged(tm
     assert reads.landed(0, 4096, 4096) and not reads.corrupt(0)
     assert not reads.landed(0, -5, 4096) and reads.corrupt(0)
     f.close()
+
+
+@pytest.fixture()
+def shm_direct_file():
+    """32 MiB of known bytes in /dev/shm opened with O_DIRECT (skips without a tmpfs /dev/shm or where the kernel
+    refuses O_DIRECT on tmpfs)."""
+    if not os.path.isdir("/dev/shm") or not memory_mount("/dev/shm"):
+        pytest.skip("no tmpfs at /dev/shm")
+    path = f"/dev/shm/tkv-test-aio-{os.getpid()}.bin"
+    try:
+        fd, data = _opened_direct(path, 32 * MIB, 7)
+        yield fd, data
+        os.close(fd)
+    finally:
+        if os.path.exists(path):
+            os.remove(path)
+
+
+def _traced(reader: AioReader, log: list) -> None:
+    """Record each ``io_submit`` (its read count) in ``log`` in the order of the calls."""
+    real = reader._syscall
+
+    def syscall(nr, *args):
+        if nr == reader._submit:
+            log.append(("submit", args[1].value))
+        return real(nr, *args)
+
+    reader._syscall = syscall
+
+
+@pytest.mark.parametrize("batch", [16, 128], ids=["batches-of-16", "one-submit-of-128"])
+def test_on_tmpfs_the_first_read_lands_before_the_last_is_submitted(shm_direct_file, batch):
+    """On tmpfs ``io_submit`` copies each read inside the call. 128 reads of 256 KiB in batches of 16: the first
+    ``done`` comes right after the first submit (before the last submit, within the first half of the time: the
+    best of 3 runs, a busy box may stall one). The old single submit of 128 (``submit_batch=128``) reports nothing
+    until every read was copied."""
+    fd, data = shm_direct_file
+    kib256 = 256 << 10
+    r = AioReader(depth=128, submit_batch=batch)
+    events: list = []
+    _traced(r, events)
+    shares = []  # the first completion's time over the whole run's
+    try:
+        for _ in range(3):
+            buf = aligned_empty(1, 32 * MIB)[0]
+            reqs = [(fd, buf.data_ptr() + k * kib256, kib256, k * kib256) for k in range(128)]
+            events.clear()
+            times: list[float] = []
+
+            def done(i: int, res: int) -> None:
+                events.append(("done", res))
+                times.append(time.perf_counter())
+
+            t0 = time.perf_counter()
+            r.run(reqs, done)
+            shares.append((times[0] - t0) / (time.perf_counter() - t0))
+            assert np.array_equal(buf.numpy(), data)
+            assert [e for e in events if e[0] == "done"] == [("done", kib256)] * 128
+            first_done = next(k for k, e in enumerate(events) if e[0] == "done")
+            last_submit = max(k for k, e in enumerate(events) if e[0] == "submit")
+            # the order of the calls does not depend on the box's speed
+            assert (first_done < last_submit) == (batch == 16), events[:20]
+            submits = [n for kind, n in events if kind == "submit"]
+            assert sum(submits) == 128 and max(submits) == batch
+    finally:
+        r.close()
+    if batch == 16:
+        assert min(shares) < 0.5, shares
+    else:  # the behaviour before batches: the first completion only after the whole batch was copied
+        assert min(shares) > 0.5, shares
+
+
+def test_a_real_disk_takes_the_reads_in_batches_and_lands_every_byte(direct_file):
+    """On a file system where submits only queue the reads: submits that fill the depth (the reader's default), or
+    of the batch a call asks for; every byte once either way."""
+    fd, data = direct_file
+    events: list = []
+    r = AioReader(depth=32)
+    _traced(r, events)
+    try:
+        for asked, most in ((None, 32), (4, 4)):
+            buf = aligned_empty(1, 4 * MIB)[0]
+            reqs = [(fd, buf.data_ptr() + k * 16384, 16384, k * 16384) for k in range(256)]
+            seen: list[int] = []
+            events.clear()
+            r.run(reqs, lambda i, res: seen.append(i) if res == 16384 else None, submit_batch=asked)
+            assert sorted(seen) == list(range(256)) and np.array_equal(buf.numpy(), data)
+            sizes = [n for _, n in events]
+            assert max(sizes) == most and len(sizes) >= 256 // most, sizes
+    finally:
+        r.close()
+
+
+def test_a_submit_batch_below_one_is_refused_by_name():
+    with pytest.raises(ValueError, match="submit_batch 0"):
+        AioReader(depth=4, submit_batch=0)
+    r = AioReader(depth=4)
+    try:
+        with pytest.raises(ValueError, match="submit_batch 0"):
+            r.run([], lambda i, res: None, submit_batch=0)
+    finally:
+        r.close()

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import mmap
+import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -9,6 +11,7 @@ import torch
 
 from tiered_kv.errors import RecordError
 from tiered_kv.tiers.disk import ALIGN, SlotFile
+from tiered_kv.tiers.disk.slots import file_system_type
 from tiered_kv.values.record import CODEC_NONE, CODEC_ZSTD, RecordHeader, payload_checksum
 
 NBYTES = 6000  # not a page multiple: exercises the bounce buffer under O_DIRECT
@@ -131,3 +134,52 @@ def test_a_compressed_record_is_not_read_by_range(tmp_path):
     with pytest.raises(RecordError, match="compressed"):
         f.read_range(hdr, 0, 10, torch.zeros(NBYTES, dtype=torch.uint8))
     f.close()
+
+
+def memory_mount(path: str) -> bool:
+    """Whether ``path`` is on tmpfs or ramfs by ``/proc/mounts`` (its longest mount point): the tests' own reading,
+    independent of ``SlotFile``'s (``/proc/self/mountinfo`` by device number)."""
+    try:
+        with open("/proc/mounts", encoding="utf-8") as fh:
+            mounts = [line.split() for line in fh]
+    except OSError:
+        return False
+    real = os.path.realpath(path)
+    best = max((m for m in mounts if len(m) > 2 and (real == m[1] or real.startswith(m[1].rstrip("/") + "/"))),
+               key=lambda m: len(m[1]), default=None)
+    return best is not None and best[2] in ("tmpfs", "ramfs")
+
+
+def test_a_file_in_memory_is_told_from_one_on_disk(tmp_path):
+    """``memory_fs``: True for a payload file under /dev/shm (tmpfs by /proc/mounts), False under a directory on a
+    disk; O_DIRECT is used or not as before either way (``direct`` follows only what the kernel accepts)."""
+    cases = []
+    if os.path.isdir("/dev/shm") and memory_mount("/dev/shm"):
+        cases.append((f"/dev/shm/tkv-test-slots-{os.getpid()}.bin", True))
+    if not memory_mount(str(tmp_path)):
+        cases.append((str(tmp_path / "payload.bin"), False))
+    if not cases:
+        pytest.skip("neither a tmpfs /dev/shm nor a temporary directory on a disk here")
+    for path, in_memory in cases:
+        try:
+            f = SlotFile(Path(path), SLOT)
+            try:
+                assert f.memory_fs is in_memory, path
+                try:  # O_DIRECT wherever the kernel takes it, in memory or not
+                    os.close(os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0)))
+                    assert f.direct == bool(getattr(os, "O_DIRECT", 0)), path
+                except OSError:
+                    assert not f.direct, path
+                f.ensure_slots(1)
+                hdr = f.write(0, _block(3, nbytes=SLOT), FP)
+                out = torch.empty(SLOT, dtype=torch.uint8)
+                f.read(hdr, out)
+                assert np.array_equal(out.numpy(), _block(3, nbytes=SLOT))
+            finally:
+                f.close()
+        finally:
+            Path(path).unlink(missing_ok=True)
+
+
+def test_file_system_type_says_none_when_it_cannot_tell():
+    assert file_system_type(-1) is None  # not an open descriptor

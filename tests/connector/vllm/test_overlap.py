@@ -5,10 +5,19 @@ The harness's forward checks every byte a request reads against the tokens that 
 split may load the first part of a disk run and recompute the rest: the CPU part, the disk part read layer group by
 layer group into the staging slab, and the recomputed rest are all bit-exact; a damaged record fails its blocks in
 the step that read it (vLLM recomputes them) and is dropped; a hit larger than the staging loads what fits.
+At the end, the loader alone (``InStepDiskLoader`` on CPU tensors) over a disk tier in /dev/shm: its AIO lanes.
 """
 from __future__ import annotations
 
+import os
+import shutil
+import threading
+import time
+import uuid
+from pathlib import Path
+
 import pytest
+import torch
 
 pytest.importorskip("vllm")
 
@@ -22,7 +31,14 @@ from tiered_kv.errors import ConfigError  # noqa: E402
 from tiered_kv.tiers.disk.aio import aio_available  # noqa: E402
 from tiered_kv.values.record import RecordHeader  # noqa: E402
 from tiered_kv.connector.vllm.common import CPU, DISK, JobReport  # noqa: E402
-from tiered_kv.values.jobs import JobKind, TransferJob  # noqa: E402
+from tiered_kv.connector.vllm import in_step_disk  # noqa: E402
+from tiered_kv.connector.vllm.in_step_disk import InStepDiskLoader  # noqa: E402
+from tiered_kv.copy import cpu, vllm_layer_layout  # noqa: E402
+from tiered_kv.copy.testing import Shape, vllm026_tensors  # noqa: E402
+from tiered_kv.tiers.disk import DiskTier  # noqa: E402
+from tiered_kv.values.jobs import NO_SLOT, JobKind, TransferJob  # noqa: E402
+from tiered_kv.values.layout import BlockLayout  # noqa: E402
+from tests.tiers.test_disk_slots import memory_mount  # noqa: E402
 
 HELD = 8  # chunks of the prefix: 512 tokens
 #: recompute 50k tokens/s, the disk 10 MB/s (256 B a token): loading all 8 chunks (13.2 ms by the planner) and
@@ -389,3 +405,209 @@ def test_a_step_whose_in_step_load_failed_stores_nothing_it_computed(model_dir, 
         assert eng.cached_at_start["b3"] >= (HELD + 2) * CHUNK  # its new chunks were stored
     finally:
         eng.close()
+
+
+# ---------------------------------------------------------------- the loader alone: AIO lanes on a memory file system
+LANES_SHAPE = Shape(layers=8, heads=8, block_size=16, head_dim=128, num_blocks=64)  # 64 KiB a layer-block
+LANE_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LANES_SHAPE.layers)]
+LANE_RECORDS = 5  # 5 records x 4 blocks x 8 groups: 160 reads, not a multiple of 3 lanes
+
+
+@pytest.fixture(params=["memory-fs", "disk"])
+def lane_dir(request, tmp_path):
+    """A disk tier directory in /dev/shm (tmpfs) or in ``tmp_path`` (a disk); skips where AIO is unavailable, where
+    that directory is not of its kind, or where its file system refuses O_DIRECT."""
+    if not aio_available():
+        pytest.skip("this kernel or sandbox refuses io_setup: no AIO lanes")
+    if request.param == "disk":
+        if memory_mount(str(tmp_path)):
+            pytest.skip(f"{tmp_path} is on a memory file system")
+        yield tmp_path / "disk", False
+        return
+    if not os.path.isdir("/dev/shm") or not memory_mount("/dev/shm"):
+        pytest.skip("no tmpfs at /dev/shm")
+    path = Path(f"/dev/shm/tkv-test-lanes-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        yield path, True
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _lane_loader(path: Path, seed: int):
+    """A CPU ``InStepDiskLoader`` (as ``tests/gpu/test_in_step_disk_gpu.py`` builds one on CUDA) over a real disk
+    tier at ``path`` holding ``LANE_RECORDS`` records of 4 blocks: (loader, tier, job, records' bytes, GPU blocks)."""
+    gen = torch.Generator().manual_seed(seed)
+    layout = vllm_layer_layout(vllm026_tensors("NHD", LANES_SHAPE, torch.bfloat16, "cpu"))
+    chunk = K * layout.block_nbytes
+    disk = DiskTier(BlockLayout((chunk,), "uint8"), path, 2 * LANE_RECORDS * chunk)
+    if not disk.slots.direct:
+        disk.close()
+        pytest.skip(f"{path.parent} refuses O_DIRECT: no AIO reads")
+    keys = [bytes([seed, i]) * 8 for i in range(LANE_RECORDS)]
+    rows = torch.randint(0, 256, (LANE_RECORDS, chunk), dtype=torch.uint8, generator=gen)
+    assert all(disk.write(keys, [NO_SLOT] * LANE_RECORDS, rows))
+    blocks = torch.randperm(LANES_SHAPE.num_blocks, generator=gen)[:LANE_RECORDS * K].view(LANE_RECORDS, K).tolist()
+
+    def flat(job, slots, items):
+        return [([b for i in items for b in blocks[i]], [slots[i] * K + j for i in items for j in range(K)])]
+
+    cfg = ConnectorConfig(disk_path=str(path), disk_overlap_bytes=LANE_RECORDS * chunk)
+    cpu_slab = torch.empty((LANE_RECORDS, chunk), dtype=torch.uint8)
+    loader = InStepDiskLoader(layout, LANE_NAMES, cfg, 0, {DISK: disk}, chunk, K, flat, False, cpu_slab)
+    job = TransferJob(7, JobKind.EGRESS, DISK, DISK + 1, keys, [NO_SLOT] * LANE_RECORDS, [NO_SLOT] * LANE_RECORDS)
+    return loader, disk, job, rows, blocks
+
+
+def _lane_forward(loader, job):
+    """One step as vLLM's attention layers drive it: submit, each layer's wait, finish."""
+    loader.start(job)
+    loader.submit(layerwise_ok=True)
+    for name in LANE_NAMES:
+        loader.wait_layer(name)
+    return loader.finish()
+
+
+def _watch_lanes(loader) -> dict:
+    """Wrap each lane's ``run``: which threads ran each lane, how many lanes run now, each lane's requests' layer groups
+    in the order given, and the completions reported per group (counted before the loader hears of each)."""
+    spans = overlap_spans(LANES_SHAPE.layers)
+    bn, base = loader.chunk_nbytes // K, loader.staging.data_ptr()
+    seen = {"threads": [set() for _ in loader._lanes], "groups": [[] for _ in loader._lanes],
+            "batches": [[] for _ in loader._lanes], "active": 0, "ended": 0, "reported": [0] * len(spans)}
+    lock = threading.Lock()
+
+    def group_of(req) -> int:  # the staging address says the byte of the block, so the tensor, so the group
+        start = (req[1] - base) % bn
+        tensor = max(t for t in range(len(loader._offsets) - 1) if loader._offsets[t] <= start)
+        return next(g for g, (a, b) in enumerate(spans) if a <= tensor < b)
+
+    for k, lane in enumerate(loader._lanes):
+        def run(reqs, done, batch=None, *, real=lane.run, k=k):
+            groups = [group_of(r) for r in reqs]
+
+            def counted(i, res):
+                with lock:
+                    seen["reported"][groups[i]] += 1
+                done(i, res)
+
+            with lock:
+                seen["active"] += 1
+                seen["threads"][k].add(threading.current_thread().name)
+                seen["groups"][k].extend(groups)
+                seen["batches"][k].append(batch)
+            try:
+                real(reqs, counted, batch)
+            finally:
+                with lock:
+                    seen["active"] -= 1
+                    seen["ended"] += 1
+        lane.run = run
+    return seen
+
+
+@pytest.mark.parametrize("lanes", [3, 1], ids=["3-lanes", "1-lane"])
+def test_lanes_read_the_same_bytes_and_publish_groups_in_order(lane_dir, monkeypatch, lanes):
+    """On a memory file system the step's AIO reads go on ``AIO_LANES_MEMORY_FS`` lanes (3 here; 1: a group's 20
+    reads a submit, more than ``AIO_MIN_SUBMIT``), each on its own thread; on a disk, on one. Either way: each group
+    is published (``read_upto``) in order, only once every lane read its part (when ``ready`` returns, those tensors
+    of every block of every record are in the staging), group 0 while later groups' reads are still due; the copied
+    blocks equal the records; the readers serve the next step."""
+    path, in_memory = lane_dir
+    if lanes == 1 and not in_memory:
+        pytest.skip("a disk has one lane whatever AIO_LANES_MEMORY_FS says: the 3-lanes case shows it")
+    monkeypatch.setattr(in_step_disk, "AIO_LANES_MEMORY_FS", lanes)
+    loader, disk, job, rows, blocks = _lane_loader(path, seed=41)
+    try:
+        assert len(loader._lanes) == (lanes if in_memory else 1)
+        seen = _watch_lanes(loader)
+        bn, off = loader.chunk_nbytes // K, loader._offsets
+        spans = overlap_spans(LANES_SHAPE.layers)
+        published, early = [], []
+        advance = loader._advance
+
+        def watched_advance(step):
+            before = step.read_upto
+            advance(step)
+            if step.read_upto != before:
+                published.append((step.read_upto, sum(step.left)))
+                upto = next(g for g, (_, b) in enumerate(spans) if b == step.read_upto)
+                # every lane reported every read of the groups published so far (a lane's thread: noted, not raised)
+                if any(seen["reported"][g] != LANE_RECORDS * K for g in range(upto + 1)):
+                    early.append((upto, list(seen["reported"])))
+
+        def checked_ready(upto):
+            loader.ready(upto)
+            for i in range(LANE_RECORDS):  # record i is in staging row i (one job, rows taken in turn)
+                for b in range(K):
+                    a, e = b * bn, b * bn + off[upto]
+                    assert torch.equal(loader.staging[i][a:e], rows[i][a:e]), (upto, i, b)
+
+        loader._advance = watched_advance
+        loader.loader.span_ready = checked_ready
+        (got, done), = _lane_forward(loader, job)
+        assert not early, early  # no group published before every lane read its part
+        assert got is job and all(done.ok) and not any(done.corrupt), done
+        assert [u for u, _ in published] == [b for _, b in spans]  # every group, in order, once
+        assert published[0][1] > 0  # group 0 ready while later groups' reads were still due
+        assert seen["ended"] == len(loader._lanes) and seen["active"] == 0
+        # lane 0 on the step's thread, the others on reader threads (one may serve two lanes in turn on a busy box)
+        assert seen["threads"][0] == {"tkv-overlap-step-r0"}, seen["threads"]
+        assert all(t <= {"tkv-overlap-r0_%d" % n for n in range(in_step_disk.READERS)} for t in seen["threads"][1:])
+        reads = [len(g) for g in seen["groups"]]
+        assert sum(reads) == len(spans) * LANE_RECORDS * K and max(reads) - min(reads) <= 1, reads  # dealt in turn
+        assert all(g == sorted(g) for g in seen["groups"])  # each lane: group 0's reads, then group 1's, ...
+        assert loader.counters.overlap_aio_reads == sum(reads)
+        # a layer group's share of a lane's reads a submit on a memory file system (at least 16); a disk: the depth
+        share = -(-sum(reads) // (len(reads) * len(spans)))
+        assert seen["batches"] == [[max(16, share) if in_memory else in_step_disk.AIO_DEPTH]] * len(reads)
+        ref = vllm_layer_layout([t.clone().zero_() for t in loader.kv.tensors])
+        for i in range(LANE_RECORDS):
+            cpu.slab_to_blocks(ref, rows[i].view(K, -1), torch.arange(K), torch.tensor(blocks[i]))
+        ids = torch.tensor([b for bs in blocks for b in bs])
+        for t, r in zip(loader.kv.tensors, ref.tensors):
+            assert torch.equal(t.view(torch.int16)[ids], r.view(torch.int16)[ids])
+        lanes = list(loader._lanes)
+        loader._advance, loader.loader.span_ready = advance, loader.ready  # the counts above were per step
+        (_, again), = _lane_forward(loader, job)  # the same readers, reused
+        assert all(again.ok) and loader._lanes == lanes and seen["ended"] == 2 * len(lanes)
+    finally:
+        loader.close()
+        disk.close()
+
+
+def test_a_failing_lane_fails_the_step_after_every_lane_stopped_reading(lane_dir, monkeypatch):
+    """Lane 0's reads (on the step's own thread) raise at their first completion while lane 1 is still busy: the
+    step fails (every
+    chunk reported failed, nothing raised into vLLM's thread), ``finish`` returns only after every lane returned
+    (none left writing into the staging), and the next step on the same lanes reads well."""
+    path, in_memory = lane_dir
+    if not in_memory:
+        pytest.skip("one lane on a disk: the failure path of a single lane is test_disk_aio's")
+    monkeypatch.setattr(in_step_disk, "AIO_LANES_MEMORY_FS", 3)
+    loader, disk, job, rows, _ = _lane_loader(path, seed=42)
+    try:
+        seen = _watch_lanes(loader)
+        watched = [lane.run for lane in loader._lanes]
+        slow_done = threading.Event()
+
+        def failing(reqs, done, batch=None):
+            def boom(i, res):
+                raise RuntimeError("lane 0 failed")
+            watched[0](reqs, boom, batch)
+
+        def slow(reqs, done, batch=None):
+            watched[1](reqs, done, batch)
+            time.sleep(0.2)  # still "reading" when lane 0 has long failed
+            slow_done.set()
+
+        loader._lanes[0].run, loader._lanes[1].run = failing, slow
+        (got, failed), = _lane_forward(loader, job)
+        assert got is job and not any(failed.ok), failed
+        assert slow_done.is_set() and seen["active"] == 0 and seen["ended"] == 3
+        loader._lanes[0].run, loader._lanes[1].run = watched[0], watched[1]
+        (_, again), = _lane_forward(loader, job)
+        assert all(again.ok) and not any(again.corrupt), again
+        assert torch.equal(loader.staging[:LANE_RECORDS], rows)
+    finally:
+        loader.close()
+        disk.close()

@@ -11,7 +11,13 @@ front mover:
   ``config.overlap_spans``: at most ``OVERLAP_GROUPS`` equal ones), each range one positional read (O_DIRECT where
   the file system allows; through Linux AIO, ``tiers/disk/aio.py``, for the disk tier), the next group's reads
   queued behind this one's (no drain at a group's end); the remote tier's as one ``GETRANGE`` exchange per group
-  (``RemoteRangeReads.read_group``: one pipelined round trip per node for every record's ranges), on one thread;
+  (``RemoteRangeReads.read_group``: one pipelined round trip per node for every record's ranges), on one thread.
+  AIO reads go on one lane (one ``AioReader``, one thread), or, where the disk tier's file is on a memory file
+  system (``SlotFile.memory_fs``: tmpfs, where ``io_submit`` itself copies each read), on ``AIO_LANES_MEMORY_FS``
+  lanes at once, the requests dealt in turn so that every lane reads its part of group 0 before group 1, one
+  group's share a submit (a submit returns only once its reads are copied there); a group is read once every lane
+  has read its part of it. On a disk the one lane submits as many reads as the depth has room for (each submit
+  costs a wait for the GIL beside vLLM's busy thread: ``tiers/disk/aio.py``);
 - ``submit``: this loader's own ``InStepLoader`` over the staging plane, pipelined with nothing submitted ahead,
   so it hands the driver a layer group's copy only when the forward reaches that group's first layer
   (``wait_layer``), and first waits (on the CPU, ``ready``) until the readers have that group's bytes: vLLM's
@@ -26,13 +32,16 @@ front mover:
   compete with these.
 
 Threading contract: ``start``, ``adopt``, ``submit``, ``wait_layer``, ``finish`` and ``busy`` on vLLM's worker
-thread; the reads on this loader's step thread (through AIO) or its reader threads, which touch only the staging
-rows of the step's records, the CPU
-slots of its adopted promotions (reserved for them by the planner) and the step's progress (under ``_cond``).
+thread, ``close`` once after the last ``finish``; the reads on this loader's step thread (through AIO: lane 0 there,
+the other lanes each on a reader thread with an ``AioReader`` of its own, made once and kept for every step) or its
+reader threads, which touch only the staging rows of the step's records, the CPU slots of its adopted promotions
+(reserved for them by the planner) and the step's progress (``left``, ``read_upto``: under ``_cond``, from any of
+these threads).
 """
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -50,12 +59,23 @@ from tiered_kv.connector.vllm.config import OVERLAP_GROUPS, ConnectorConfig, ove
 from tiered_kv.connector.vllm.in_step import InStepLoader
 from tiered_kv.connector.vllm.runner import WorkerCounters
 from tiered_kv.tiers.cpu import aligned_empty
+from tiered_kv.tiers.disk import DiskTier
 from tiered_kv.tiers.disk.aio import AioReader, aio_available
 
 log = logging.getLogger(__name__)
 
-#: Reads in flight at once through Linux AIO (``tiers.disk.aio``: the disk tier's O_DIRECT reads, one thread)
+#: Reads in flight at once through Linux AIO (``tiers.disk.aio``: the disk tier's O_DIRECT reads), per lane
 AIO_DEPTH = 128
+#: AIO lanes (an ``AioReader`` on a thread each) where the disk tier's file is on a memory file system; elsewhere
+#: one. There ``io_submit`` copies each read on the submitting thread, so a lane reads at one core's speed:
+#: 2026-11-30, CPU box, 2 cores, from /dev/shm: 3.6 GB/s with 1 lane, 6.3 with 2 (idle); beside a spinning Python
+#: thread (vLLM's, launching the forward) 1.74 / 2.47 / 3.74 GB/s with 1 / 2 / 4; the H200 host (16 cores) read
+#: 2.4 GB/s with one. Half the cores (at least 2) leaves the rest to vLLM's thread and the copy's submitter; at
+#: most 8, past which the copies share the memory bus more than they add cores.
+AIO_LANES_MEMORY_FS = min(8, max(2, (os.cpu_count() or 2) // 2))
+#: Fewest reads a lane submits at once on a memory file system: each submit costs the lane a wait for the GIL beside
+#: vLLM's busy thread (up to its 5 ms switch interval; ``tiers/disk/aio.py`` has the numbers)
+AIO_MIN_SUBMIT = 16
 #: Without AIO (a remote tier; a buffered disk file): reads in flight at once, per rank (reader threads), and
 #: block ranges per read task: the queue is kept full
 #: across layer groups (a group's tasks are queued behind the previous group's, not after it drains). The GPU
@@ -125,7 +145,9 @@ class InStepDiskLoader:
         for m in kv.maps:
             self._offsets.append(self._offsets[-1] + m.nbytes)
         self._pool = ThreadPoolExecutor(READERS, thread_name_prefix=f"tkv-overlap-r{rank}")
-        self._aio = AioReader(AIO_DEPTH) if cfg.disk_overlap_aio and aio_available() else None
+        # chain index -> whether that disk tier's file is in memory (its AIO reads then go on several lanes)
+        self._memory_fs = {t: isinstance(tier, DiskTier) and tier.slots.memory_fs for t, tier in self.tiers.items()}
+        self._lanes = self._aio_lanes(cfg.disk_overlap_aio and aio_available(), any(self._memory_fs.values()))
         self._cond = threading.Condition()
         self._step: _StepReads | None = None
         self._pending: list[tuple[TransferJob, list[int]]] = []  # (job, staging slot per item) started this step
@@ -252,10 +274,10 @@ class InStepDiskLoader:
         return out
 
     def close(self) -> None:
-        """Stop the reader threads and the staging copier's (after a step's ``finish``)."""
+        """Stop the reader threads and the staging copier's, close the AIO lanes (after a step's ``finish``)."""
         self._pool.shutdown(wait=True)
-        if self._aio is not None:
-            self._aio.close()
+        for lane in self._lanes:
+            lane.close()
         for copier in self.loader.copiers:
             copier.close()
 
@@ -291,11 +313,29 @@ class InStepDiskLoader:
                 step.done = True
                 self._cond.notify_all()
 
+    def _aio_lanes(self, aio: bool, memory_fs: bool) -> list[AioReader]:
+        """The AIO readers, made once: none without AIO, one, or ``AIO_LANES_MEMORY_FS`` where a disk tier's file
+        is in memory (as many as the kernel grants past the first: ``/proc/sys/fs/aio-max-nr`` is shared)."""
+        if not aio:
+            return []
+        lanes = [AioReader(AIO_DEPTH)]
+        while memory_fs and len(lanes) < AIO_LANES_MEMORY_FS:
+            try:
+                lanes.append(AioReader(AIO_DEPTH))
+            except OSError as exc:
+                log.warning("TieredKVConnector rank %d: %d AIO lanes of %d for the in-memory disk tier: %s",
+                            self.rank, len(lanes), AIO_LANES_MEMORY_FS, exc)
+                break
+        if len(lanes) > 1:
+            log.info("TieredKVConnector rank %d: the disk tier's file is on a memory file system: in-step reads "
+                     "on %d AIO lanes", self.rank, len(lanes))
+        return lanes
+
     def _read_aio(self, step: _StepReads, tasks: list) -> bool:
-        """The step's reads through Linux AIO (``tiers.disk.aio``), in the tasks' order, on this thread: False,
-        having read nothing, where some range cannot go that way (a remote tier, a buffered disk file); the
-        threads read them then."""
-        if self._aio is None:
+        """The step's reads through Linux AIO (``tiers.disk.aio``), in the tasks' order, on this thread and, for a
+        disk tier in memory, the other lanes' reader threads: False, having read nothing, where some range cannot
+        go that way (a remote tier, a buffered disk file); the threads read them then."""
+        if not self._lanes:
             return False
         reqs, owner = [], []  # owner[n]: (group, job, item, nbytes) of request n
         for g, j, i, slot, ranges in tasks:
@@ -310,13 +350,40 @@ class InStepDiskLoader:
         def done(n: int, result: int) -> None:
             g, j, i, nbytes = owner[n]
             step.reads[j].landed(i, result, nbytes)
-            step.left[g] -= 1  # this thread alone changes ``left`` on this path; ``_advance`` publishes it
-            if step.left[g] == 0:
+            with self._cond:  # lanes finish reads of one group on several threads
+                step.left[g] -= 1
+                last = step.left[g] == 0
+            if last:
                 self._advance(step)
 
-        self._aio.run(reqs, done)
+        in_memory = all(self._memory_fs.get(step.jobs[j].src_tier, False) for j in {j for _, j, _, _ in owner})
+        if in_memory:
+            self._run_lanes(self._lanes, reqs, done, len(step.spans))
+        else:  # a disk: each submit only queues its reads; every free slot at once, as few GIL waits as can be
+            self._run_lanes(self._lanes[:1], reqs, done, 0)
         self.counters.overlap_aio_reads += len(reqs)
         return True
+
+    def _run_lanes(self, lanes: list[AioReader], reqs: list, done: Callable[[int, int], None], groups: int) -> None:
+        """Request n on lane ``n % len(lanes)`` (each lane's part in the requests' order, so group by group): lane 0
+        on this thread, the others on reader threads; ``done(n, result)`` from each. A lane submits one layer
+        group's share of its reads at a time (``groups``: the step's; at least ``AIO_MIN_SUBMIT``), so on a memory
+        file system group g is read after g + 1 submits; 0: the whole depth at once. Returns once every lane's
+        reads ended, also when one failed (raises the first error then): no read is left writing into staging."""
+        count = len(lanes)
+        share = -(-len(reqs) // (count * groups)) if groups else AIO_DEPTH
+        futures = []
+        try:
+            for k in range(1, count):
+                futures.append(self._pool.submit(lanes[k].run, reqs[k::count],
+                                                 lambda i, res, k=k: done(k + i * count, res),
+                                                 max(AIO_MIN_SUBMIT, share)))
+            lanes[0].run(reqs[0::count], lambda i, res: done(i * count, res), max(AIO_MIN_SUBMIT, share))
+        finally:
+            wait(futures)
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:
+            raise errors[0]
 
     def _read_groups(self, step: _StepReads) -> bool:
         """The step's reads as one exchange per layer group and job over every record's ranges of that group

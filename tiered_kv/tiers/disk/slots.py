@@ -9,6 +9,12 @@ slot space) and verifies what it reads against the record header (length, xxh3 c
 the bytes count as read. Which slot holds which key is the index's business (index.py), not this
 file's.
 
+``memory_fs`` says whether the file lives on a memory file system (tmpfs, ramfs: ``DISK_PATH=/dev/shm/...``),
+found once at open from ``/proc/self/mountinfo`` (False where that cannot tell). O_DIRECT is used there all the
+same where the kernel accepts it (Linux 6.6 on tmpfs), but AIO submits on such a file copy each read inside
+``io_submit`` on the submitting thread (``tiers/disk/aio.py``), so the in-step disk load reads it on several
+AIO lanes (``connector/vllm/in_step_disk.py``).
+
 Threading contract: ``write`` and ``read`` may run on several threads at once for different
 slots (positional I/O; the bounce buffer and the zstd contexts are per thread). ``close()``
 once, after every caller stopped.
@@ -31,6 +37,27 @@ from tiered_kv.values.record import CODEC_NONE, CODEC_ZSTD, RecordHeader, payloa
 log = logging.getLogger(__name__)
 
 ALIGN = 4096
+#: File systems whose files live in memory (their reads are memory copies on the reading thread)
+MEMORY_FS_TYPES = frozenset({"tmpfs", "ramfs"})
+
+
+def file_system_type(fd: int) -> str | None:
+    """The type (``ext4``, ``tmpfs``, ...) of the file system holding the file open at ``fd``: the mount in
+    ``/proc/self/mountinfo`` whose ``major:minor`` is the file's ``st_dev``; None where that cannot tell (no
+    /proc, no such line: e.g. a btrfs subvolume's anonymous device)."""
+    try:
+        st = os.fstat(fd)
+        dev = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                # "36 35 98:0 /root /mnt opts [optional fields...] - fstype source superopts"
+                fields = line.split()
+                if len(fields) > 2 and fields[2] == dev and "-" in fields:
+                    sep = fields.index("-")
+                    return fields[sep + 1] if sep + 1 < len(fields) else None
+    except (OSError, ValueError):
+        return None
+    return None
 
 
 def _aligned(arr, nbytes: int) -> bool:
@@ -68,6 +95,12 @@ class SlotFile:
                 self.fd, self.direct = dfd, True
             except OSError as exc:  # tmpfs and some file systems refuse O_DIRECT
                 log.info("disk tier %s: O_DIRECT unavailable (%s); using buffered I/O", path.parent, exc)
+        fs_type = file_system_type(self.fd)
+        #: on a memory file system (tmpfs, ramfs): reads are memory copies on the reading thread (the module)
+        self.memory_fs = fs_type in MEMORY_FS_TYPES
+        log.info("disk tier %s: payload file on %s (%s), %s I/O", path.parent, fs_type or "an unknown file system",
+                 "a memory file system" if self.memory_fs else "not in memory",
+                 "O_DIRECT" if self.direct else "buffered")
 
     # ------------------------------------------------------------------ size
     def ensure_slots(self, n: int) -> None:
