@@ -266,8 +266,8 @@ class ConnectorConfig(RemoteKeys):
                                                   "`load_mode` not `async`. Off by default: on the H200 host's virtio disk "
                                                   "(2026-11-29) the best split was within 5-13% of recompute", "bytes")
     disk_overlap_aio: bool = config_key(True, "read `disk_overlap_bytes` loads from an O_DIRECT disk tier with "
-                                              "Linux AIO (one thread, many reads in flight, unaffected by a busy "
-                                              "GIL) where the kernel allows it; `false`: reader threads")
+                                              "Linux AIO (many reads in flight a thread, unaffected by a busy GIL; "
+                                              "tmpfs: several threads) where the kernel allows; `false`: threads")
     model_id: str = config_key("", "model name in the key namespace; empty: vLLM's `model` (set it when the same "
                                    "weights are served from different paths)")
     tenant_salt: str = config_key("", "extra namespace salt: engines with different salts never share blocks")
