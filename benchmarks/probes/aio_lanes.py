@@ -75,6 +75,8 @@ def _setup(root: Path, records: int, layers: int):
             for lane in made._lanes:
                 lane.close()
             made._lanes = [AioReader(in_step_disk.AIO_DEPTH, submit_batch=batch)]
+            # and the disk path's submits (the whole depth), not the memory file system's one group's share a submit
+            made._memory_fs = {t: False for t in made._memory_fs}
         return made
 
     def job(n: int) -> TransferJob:  # a step's load of the first n records

@@ -146,7 +146,9 @@ class InStepDiskLoader:
             self._offsets.append(self._offsets[-1] + m.nbytes)
         self._pool = ThreadPoolExecutor(READERS, thread_name_prefix=f"tkv-overlap-r{rank}")
         # chain index -> whether that disk tier's file is in memory (its AIO reads then go on several lanes)
-        self._memory_fs = {t: isinstance(tier, DiskTier) and tier.slots.memory_fs for t, tier in self.tiers.items()}
+        # (only an O_DIRECT file reads through AIO at all: a buffered one goes to the reader threads)
+        self._memory_fs = {t: isinstance(tier, DiskTier) and tier.slots.memory_fs and tier.slots.direct
+                           for t, tier in self.tiers.items()}
         self._lanes = self._aio_lanes(cfg.disk_overlap_aio and aio_available(), any(self._memory_fs.values()))
         self._cond = threading.Condition()
         self._step: _StepReads | None = None
@@ -368,8 +370,9 @@ class InStepDiskLoader:
         """Request n on lane ``n % len(lanes)`` (each lane's part in the requests' order, so group by group): lane 0
         on this thread, the others on reader threads; ``done(n, result)`` from each. A lane submits one layer
         group's share of its reads at a time (``groups``: the step's; at least ``AIO_MIN_SUBMIT``), so on a memory
-        file system group g is read after g + 1 submits; 0: the whole depth at once. Returns once every lane's
-        reads ended, also when one failed (raises the first error then): no read is left writing into staging."""
+        file system group g is read after g + 1 submits while a lane's share of a group fits its depth; 0: the whole
+        depth at once. Returns once every lane's reads ended, also when one failed (then raises a failed lane's
+        error, lane 0's first): no read is left writing into staging."""
         count = len(lanes)
         share = -(-len(reqs) // (count * groups)) if groups else AIO_DEPTH
         futures = []
