@@ -374,14 +374,13 @@ class InStepDiskLoader:
         depth at once. Returns once every lane's reads ended, also when one failed (then raises a failed lane's
         error, lane 0's first): no read is left writing into staging."""
         count = len(lanes)
-        share = -(-len(reqs) // (count * groups)) if groups else AIO_DEPTH
+        batch = max(AIO_MIN_SUBMIT, -(-len(reqs) // (count * groups))) if groups else AIO_DEPTH
         futures = []
         try:
             for k in range(1, count):
                 futures.append(self._pool.submit(lanes[k].run, reqs[k::count],
-                                                 lambda i, res, k=k: done(k + i * count, res),
-                                                 max(AIO_MIN_SUBMIT, share)))
-            lanes[0].run(reqs[0::count], lambda i, res: done(i * count, res), max(AIO_MIN_SUBMIT, share))
+                                                 lambda i, res, k=k: done(k + i * count, res), batch))
+            lanes[0].run(reqs[0::count], lambda i, res: done(i * count, res), batch)
         finally:
             wait(futures)
         errors = [f.exception() for f in futures if f.exception() is not None]

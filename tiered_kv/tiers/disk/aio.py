@@ -110,6 +110,13 @@ def aio_available() -> bool:
         return _available
 
 
+def _batch(submit_batch: int) -> int:
+    """``submit_batch`` as an int, or ValueError naming it when below 1."""
+    if submit_batch < 1:
+        raise ValueError(f"AIO submit_batch {submit_batch} must be >= 1 (reads per io_submit)")
+    return int(submit_batch)
+
+
 class AioReader:
     """One AIO context of ``depth`` reads in flight, submitted ``submit_batch`` at a time (see the module)."""
 
@@ -123,10 +130,8 @@ class AioReader:
         self._syscall, self._syscall_held, (self._setup, self._destroy, self._getevents, self._submit) = sc
         if depth < 1:
             raise ValueError(f"AIO depth {depth} must be >= 1")
-        if submit_batch is not None and submit_batch < 1:
-            raise ValueError(f"AIO submit_batch {submit_batch} must be >= 1 (reads per io_submit)")
         self.depth = int(depth)
-        self.submit_batch = self.depth if submit_batch is None else int(submit_batch)
+        self.submit_batch = self.depth if submit_batch is None else _batch(submit_batch)
         self._ctx = ctypes.c_ulong(0)
         if self._syscall(self._setup, ctypes.c_uint(self.depth), ctypes.byref(self._ctx)) != 0:
             err = ctypes.get_errno()
@@ -140,9 +145,7 @@ class AioReader:
         ``submit_batch`` per submit (None: the reader's); ``done(i, result)`` for request i once it completes
         (bytes read, or ``-errno``), on this thread. Returns when every read has completed, also when ``done`` or
         a submit raised (no read is left writing into a buffer after it returns)."""
-        batch = self.submit_batch if submit_batch is None else int(submit_batch)
-        if batch < 1:
-            raise ValueError(f"AIO submit_batch {submit_batch} must be >= 1 (reads per io_submit)")
+        batch = self.submit_batch if submit_batch is None else _batch(submit_batch)
         n = len(requests)
         if n == 0:
             return
@@ -169,9 +172,9 @@ class AioReader:
                     else:
                         submitted += got
                         inflight += got
-                if not inflight:
-                    continue
-                # more to submit now: take what already landed without waiting; else wait for one
+                # inflight > 0 here: a submit took reads, or was refused with reads in flight (else it raised), or
+                # none was tried (all submitted, or the depth full). More to submit now: take what already landed
+                # without waiting; else wait for one
                 more = not refused and submitted < n and inflight < self.depth
                 got = self._reap(0 if more else 1)
                 inflight -= got
