@@ -676,6 +676,15 @@ def remote_ranges(r: Result) -> str:
                                     f"{d['groups']} layer groups.\n")
 
 
+
+def aio_lanes(r: Result) -> str:
+    d = r.doc
+    rows = [[x["step_bytes"] >> 20, x["reader"], "yes" if x["busy"] else "no", num(x["read_GBps"], 2),
+             num(x["group0_ms"], 1), num(x["wall_ms"], 1), x["reps"]] for x in d["rows"]]
+    return table(["MiB a step", "reader", "busy Python thread", "read GB/s (median)", "group 0 ready ms", "step ms",
+                  "reps"], rows) + f"\n{d['machine']}, disk tier in {d['dir']} ({d['fs']}).\n"
+
+
 #: the probes' README: their answers, from the same files
 PROBES = "benchmarks/probes/README.md"
 #: the page of runs on several GPUs of one host (TP, replicas, engines side by side)
@@ -709,6 +718,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("disk", ("disk_bench_*.json",), each(disk)),
     Scenario("disk-sweep", ("disk_sweep_*.json",), each(disk_sweep), PROBES),
     Scenario("remote-ranges", ("remote_ranges_*.json",), each(remote_ranges), PROBES),
+    Scenario("aio-lanes", ("aio_lanes_*.json",), each(aio_lanes), PROBES),
     Scenario("disk-sharing", ("disk_sharing_bench_*.json",), each(disk_sharing)),
     Scenario("remote", ("remote_bench_*.json",), each(remote)),
     Scenario("burst-sim", ("burst_sim_*.json",), each(burst_sim), PROBES),
