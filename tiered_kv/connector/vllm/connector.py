@@ -472,6 +472,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             plan = connector_metadata.plan
             self._bound_step = plan.step if self.cfg.prefill_learn else -1
             self.worker.on_plan(plan)
+            self.worker.store_gate.open()  # the last step's stores: its sampler and our inputs are enqueued
             if self.worker.trace is not None:
                 self.worker.trace.bound()
             if self._forward is not None:  # the forward's clock starts here: 0.33 starts loads after its launch

@@ -13,7 +13,9 @@ mover (one thread; every ``BlockCopier`` call of a mover job happens on it) and 
 
 Ordering on CUDA: a job's copy runs on the runner's side stream after the CUDA event ``WorkerRuntime``
 recorded for it (a store: at ``after_forward``, so the KV it reads has been written; a load: at
-``before_forward``'s submission point, after vLLM's block zeroing). A store a fence cancelled before its
+``before_forward``'s submission point, after vLLM's block zeroing). A store first waits on the mover until the
+next step began (``store_gate.py``) and then also after the event recorded there, so its copy does not delay the
+sampler's copy of the tokens to the host. A store a fence cancelled before its
 copy began fails whole (nothing written). Several KV cache groups: a batched copy that cannot start or
 finish is retried as a plain torch copy (vLLM takes no per-block load errors then). Replicated caches
 (MLA): only rank 0 writes host and disk copies; the other ranks acknowledge those jobs at once.
@@ -43,6 +45,7 @@ from tiered_kv.connector.vllm.geometry import Geometry
 
 if TYPE_CHECKING:
     from tiered_kv.connector.vllm.pool_io import PoolIO
+    from tiered_kv.connector.vllm.store_gate import StoreGate
     from tiered_kv.tiers.disk import DiskTier
     from tiered_kv.tiers.remote import RemoteTier
 
@@ -86,6 +89,8 @@ class WorkerCounters:
     overlap_aio_reads: int = 0  # their range reads that went through Linux AIO (tiers/disk/aio.py)
     overlap_group_reads: int = 0  # their layer groups read in one exchange per job (the remote tier's read_group)
     overlap_promotions: int = 0  # promotions to the CPU tier served from the staged images (no second disk read)
+    stores_held_opened: int = 0  # stores held on the mover until the next step began (store_gate.py)
+    stores_held_timed_out: int = 0  # held stores that went with no next step in time (an idle engine)
     stores_dropped_after_failed_load: int = 0  # store jobs of steps whose in-step loads failed (worker_loads.py)
     mover_cpu_seconds: float = 0.0  # the movers' threads' CPU time running jobs (stores, loads, tier moves), less
     # their waits for copies to land (CUDA spins there, GIL released): time the GIL may have been taken from vLLM's
@@ -126,6 +131,8 @@ class JobRunner:
         self._staging_rows: torch.Tensor | None = None
         self._device: torch.device | None = None  # vLLM's CUDA device (None: CPU tensors)
         self._dep_stream = None
+        self.store_gate: StoreGate | None = None  # holds stores until the next step (``WorkerRuntime`` sets it)
+        self._store_after = None  # the event the store being copied also waits for (front mover only)
 
     def bind(self, copiers: list[BlockCopier], staging_copiers: list[BlockCopier], staging_rows: torch.Tensor,
              device: torch.device | None) -> None:
@@ -160,6 +167,10 @@ class JobRunner:
         if kind is JobKind.DELETE:
             (src if src is not None else self.cpu).delete(job.keys)  # a keyed tier, or a host pool
             return Completion(job.job_id, ok, corrupt)
+        if kind is JobKind.INGRESS and self.store_gate is not None:  # wait for the next step (store_gate.py)
+            with self.lock:
+                forward = self.cuda_events.get(job.job_id)
+            self._store_after = self.store_gate.wait(job.job_id, forward)
         if kind is JobKind.INGRESS and self.pool is not None:
             released = self.gpu_released
             ok, nbytes, evicted = self.pool.store(job, lambda slots, items: self._copy(
@@ -305,6 +316,9 @@ class JobRunner:
         stream = self._dep_stream
         if ev is not None:
             stream.wait_event(ev)
+        after, self._store_after = self._store_after, None
+        if after is not None:
+            stream.wait_event(after)
         return stream
 
     def _keyed_to_gpu(self, job: TransferJob, tier) -> tuple[list[bool], list[bool], list[bool], int]:

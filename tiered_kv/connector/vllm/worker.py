@@ -44,9 +44,10 @@ waits for its KV) ``poll`` first waits, GIL released, for a load or promotion to
 engine would spin through such steps and starve the copying threads of the GIL.
 
 Ordering on CUDA: a store starts after an event recorded on the engine's current stream at
-``after_forward`` (the KV it reads has been written); a load starts after an event recorded
-at ``before_forward``'s submission point (after vLLM's block zeroing); ``JobRunner`` makes its
-side stream wait for it. A fence waits on the CPU until the fenced job is done with GPU memory (it
+``after_forward`` (the KV it reads has been written), and is held on its mover until the next step's
+``bind_connector_metadata`` (``store_gate.py``: its copy would delay the sampler's); a load starts after an event
+recorded at ``before_forward``'s submission point (after vLLM's block zeroing); ``JobRunner`` makes its side stream
+wait for it. A fence waits on the CPU until the fenced job is done with GPU memory (it
 finished, or, for a store into a host pool, its copy landed: the publish goes on after), so a
 re-allocated block is never overwritten under a copy.
 
@@ -89,6 +90,7 @@ from tiered_kv.connector.vllm.runner import JobRunner, WorkerCounters
 from tiered_kv.connector.vllm.trace import LoadTrace
 from tiered_kv.connector.vllm.common import CPU, JobReport, StepPlan, tier_indices
 from tiered_kv.connector.vllm.shared_slab import SharedSlab
+from tiered_kv.connector.vllm.store_gate import StoreGate
 
 if TYPE_CHECKING:
     from tiered_kv.tiers.disk import DiskTier
@@ -252,6 +254,7 @@ class WorkerRuntime(StepLoads):
         self.trace = LoadTrace(cfg.trace_path, rank) if cfg.trace_path else None  # per-step load trace (off)
         self.idle_wait = IdleWait(self.counters)  # a step with nothing to compute waits for the jobs (idle.py)
         self._cuda = False
+        self.store_gate = self.runner.store_gate = StoreGate(None, self.counters)  # stores wait for the next step
         self.front = Mover(f"vllm-gpu-r{rank}", self.runner.execute, self._on_done, workers=1)
         workers = (cfg.disk_workers if self.disk is not None else 0) + (cfg.remote_workers if self.remote else 0)
         self.back = (Mover(f"vllm-disk-r{rank}", self.runner.execute, self._on_done, workers=workers)
@@ -275,6 +278,7 @@ class WorkerRuntime(StepLoads):
         self.kvs = kvs
         self.kv = kvs[0]
         self._cuda = self.kv.device.type == "cuda"
+        self.store_gate.device, self.store_gate.cuda = self.kv.device, self._cuda
         if self._cuda:
             self.cpu.wait_pinned()  # the copy path needs page-locked rows
         # The copiers address blocks: each group's plane holds its block rows.
@@ -330,6 +334,7 @@ class WorkerRuntime(StepLoads):
         if plan is None or self._fenced or not plan.fences:
             return
         self._fenced = True  # the plan is shared data (one object per rank in-process): never edit it
+        self.store_gate.open()  # a fenced store held for this step must run now
         loader = self.async_loads
         if loader is not None and loader.pending:  # only a poll would see these land: wait here
             held = {j for j in plan.fences if loader.holds(j)}
@@ -458,6 +463,7 @@ class WorkerRuntime(StepLoads):
         if self._cuda:
             ev = torch.cuda.Event()
             ev.record(torch.cuda.current_stream(self.kv.device))
+        self.store_gate.hold(j.job_id for j in jobs if j.kind is JobKind.INGRESS)  # before a mover can take one
         for job in jobs:
             with self._lock:
                 self._events[job.job_id] = threading.Event()
@@ -481,6 +487,7 @@ class WorkerRuntime(StepLoads):
         self._release_stores(self._finish_in_step(in_step) if in_step is not None and in_step.pending else False)
         loader = self.async_loads
         if self._plan is not None and self._plan.idle and self._loading:  # vLLM would spin: let the loads run
+            self.store_gate.open()  # (and the stores the front mover holds before them)
             # (stores alone never hold a step back: a finished request's last output must not wait for them)
             self.idle_wait.wait(lambda: bool(self._completed) or (loader is not None and loader.any_landed()))
         if loader is not None and loader.pending:
@@ -566,6 +573,7 @@ class WorkerRuntime(StepLoads):
             self._release_stores(self._finish_in_step(self.in_step))
         if self.async_loads is not None and self.async_loads.pending:
             self._finish_async(self.async_loads.wait())
+        self.store_gate.open()
         self.front.close()
         if self.back is not None:
             self.back.close()

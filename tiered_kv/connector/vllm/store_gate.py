@@ -1,0 +1,118 @@
+"""When a step's stores start copying: after that step's sampler has sent its tokens, not beside it.
+
+Measured on the H200 (2026-11-30, ``benchmarks/probes/store_beside_step.py``, a 1,312-token Llama-3-8B prefill step
+with vLLM's sampler and its asynchronous token copy): a store's device-to-host copy that starts when the forward ends
+holds up the sampler's copy of the token ids to the host, because the copy engine takes copies of one direction in
+order. The step took 3.5 ms longer with the store's 168 MB copied alone, and 4.7 ms longer with our mover doing it
+(its Python also competes with vLLM's thread for the GIL). Round 19 had seen ours ~1.5 ms slower per prefill than no
+connector in vLLM's own prefill time, in steps that loaded nothing.
+
+So a store submitted in step N's ``wait_for_save`` is *held*: its mover waits before touching it until ``open`` runs
+in step N+1's ``bind_connector_metadata``. By then vLLM has enqueued step N's sampler, the token copy and step N+1's
+input copies; ``open`` records a CUDA event on vLLM's stream there and the store's copy waits for that event as well
+as for its forward. With asynchronous scheduling the next step is bound while step N still runs on the GPU, so the
+mover's Python runs while the GPU is busy, not while vLLM's thread hands out step N's tokens.
+
+When no step N+1 comes (the engine went idle), the mover stops waiting ``HOLD_AFTER_FORWARD_S`` after the GPU
+passed the store's forward (its CUDA event, polled every ``POLL_S``; without CUDA the forward ran before the
+store was submitted), or after ``HOLD_MAX_S`` in any case. A fence opens the gate before it waits for the jobs it
+fences, and so does an idle step before it waits for loads queued behind held stores, and ``close``.
+
+Threading contract: ``hold`` and ``open`` run on vLLM's worker thread, ``wait`` on the front mover's thread; one lock
+guards the table of held jobs; each of the two counters is written by one of those threads.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+from types import SimpleNamespace
+
+import torch
+
+#: How often a held store's mover checks whether its forward ended
+POLL_S = 0.002
+#: How long a held store waits for the next step after the GPU passed its forward (an idle engine has none)
+HOLD_AFTER_FORWARD_S = 0.005
+#: The longest a store is held whatever its forward's event says
+HOLD_MAX_S = 2.0
+
+
+class _Held:
+    """One held store job: set once the gate opened, with the event its copy must wait for (None: none)."""
+
+    __slots__ = ("opened", "after")
+
+    def __init__(self) -> None:
+        self.opened = threading.Event()
+        self.after = None
+
+
+class StoreGate:
+    """Holds store jobs on their movers until the next step began (see the module).
+
+    ``device``: vLLM's CUDA device (events are recorded on its current stream) or None (CPU tensors: no event).
+    ``counters``: where ``stores_held_opened`` (stores let go by ``open``: the next step, a fence, an idle step,
+    close) and ``stores_held_timed_out`` (stores that went on their own: no next step in time) are added (the rank's
+    ``WorkerCounters``; default: a private one). ``clock``: monotonic seconds (tests pass their own).
+    """
+
+    def __init__(self, device: torch.device | None, counters=None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.cuda = device is not None and device.type == "cuda"
+        self.device = device
+        self.counters = (counters if counters is not None
+                         else SimpleNamespace(stores_held_opened=0, stores_held_timed_out=0))
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._held: dict[int, _Held] = {}
+
+    @property
+    def holding(self) -> int:
+        """How many store jobs wait for the gate now."""
+        with self._lock:
+            return len(self._held)
+
+    def hold(self, job_ids: Iterable[int]) -> None:
+        """Hold these store jobs (vLLM's thread, before they reach a mover)."""
+        with self._lock:
+            for job_id in job_ids:
+                self._held[job_id] = _Held()
+
+    def open(self) -> None:
+        """Let every held store go (vLLM's thread); on CUDA each copy also waits for an event recorded here."""
+        with self._lock:
+            if not self._held:
+                return
+            held, self._held = list(self._held.values()), {}
+        ev = None
+        if self.cuda:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.device))
+        for h in held:
+            h.after = ev
+            h.opened.set()
+        self.counters.stores_held_opened += len(held)
+
+    def wait(self, job_id: int, forward=None):
+        """On the mover, before a store's copy: block until the gate opens for ``job_id`` (a job never held passes at
+        once). ``forward``: the CUDA event marking the end of the forward the store reads (None: it ended). Returns
+        the event the copy must also wait for, or None."""
+        with self._lock:
+            h = self._held.get(job_id)
+        if h is None:
+            return None
+        start = self.clock()
+        ended_at = None
+        while not h.opened.wait(POLL_S):
+            now = self.clock()
+            if ended_at is None and (forward is None or forward.query()):
+                ended_at = now
+            if (ended_at is not None and now - ended_at >= HOLD_AFTER_FORWARD_S) or now - start >= HOLD_MAX_S:
+                with self._lock:
+                    gone = self._held.pop(job_id, None) is not None
+                if gone:
+                    self.counters.stores_held_timed_out += 1
+                    return None
+                h.opened.wait()  # ``open`` took it meanwhile and sets it at once
+                break
+        return h.after
