@@ -20,11 +20,13 @@ event), from its launch to the token on the host, with:
 - ``gated``: the same, but the store is handed over only after the sampler and the next step's input copies were
   enqueued, with an event recorded there that its side stream waits for too (``store_gate.py``: the store opens at
   the next step's ``bind_connector_metadata``);
+- ``gated_spin``: ``gated`` with a one-block sleep kernel of ``SPIN_CYCLES`` before the copy on its stream;
 - ``copier_pieces``: the same copy in pieces of ``PIECE_BLOCKS`` blocks, each issued once the previous landed.
 
 Variants run interleaved, ``REPS`` steps each; a step starts once the last one's store landed. Prints the median
-step time and its excess over ``none``; writes ``store_beside_step.json`` to ``$OUT``.
-Usage: ``python3 benchmarks/probes/store_beside_step.py``. Threading: a script; the store thread is its own.
+step time and its excess over ``none``; writes ``store_beside_step_<TOKEN_COPY>.json`` to ``$OUT``.
+Usage: ``[TOKEN_COPY=async|main] python3 benchmarks/probes/store_beside_step.py``. Threading: a script; the store
+thread is its own.
 """
 from __future__ import annotations
 
@@ -51,7 +53,11 @@ REPS = int(os.environ.get("REPS", "30"))
 GIL_MS = float(os.environ.get("GIL_MS", "0.6"))
 PIECE_BLOCKS = int(os.environ.get("PIECE_BLOCKS", "8"))
 HIDDEN, QKV, MLP, VOCAB = 4096, 6144, 14336, 128256
-VARIANTS = ("none", "dma", "gil", "copier", "gated", "copier_pieces")
+VARIANTS = ("none", "dma", "gil", "copier", "gated", "gated_spin", "copier_pieces")
+#: ``async``: the token's copy on its own stream (vLLM 0.26 with asynchronous scheduling, its default); ``main``: on
+#: the forward's stream (synchronous scheduling)
+TOKEN_COPY = os.environ.get("TOKEN_COPY", "async")
+SPIN_CYCLES = 100_000  # ``gated_spin``: a one-block sleep kernel before the copy (~50 us at 2 GHz)
 INPUT_COPIES = 6  # the next step's small host-to-device input copies (ids, positions, block table, ...)
 
 
@@ -89,8 +95,10 @@ class Model:
         """LM head of the last token, argmax, and its copy to pinned memory; the event marks the copy's end."""
         logits = (self._norm(x[-1:]) @ self.lm).float()
         tok = torch.argmax(torch.softmax(logits, dim=-1), dim=-1)
-        with torch.cuda.stream(self.copy_stream):
-            self.copy_stream.wait_stream(torch.cuda.current_stream())
+        main = torch.cuda.current_stream()
+        copy = self.copy_stream if TOKEN_COPY == "async" else main
+        with torch.cuda.stream(copy):
+            copy.wait_stream(main)
             self.token.copy_(tok, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record()
@@ -133,6 +141,9 @@ class StoreThread:
             self.stream.wait_event(after)
             if gate is not None:
                 self.stream.wait_event(gate)
+                if how == "spin":
+                    with torch.cuda.stream(self.stream):
+                        torch.cuda._sleep(SPIN_CYCLES)
             step = PIECE_BLOCKS if how == "pieces" else len(self.ids)
             for i in range(0, len(self.ids), step):
                 self.copier.gpu_to_cpu(self.ids[i:i + step], self.slots[i:i + step], stream=self.stream,
@@ -158,8 +169,8 @@ def step(model: Model, variant: str, store: StoreThread, big_src: torch.Tensor, 
         store.submit("pieces" if variant == "copier_pieces" else "copier", fwd)
     ev = model.sample(x)
     after = model.next_inputs()
-    if variant == "gated":
-        store.submit("copier", fwd, after)
+    if variant.startswith("gated"):
+        store.submit("spin" if variant == "gated_spin" else "copier", fwd, after)
     ev.synchronize()
     ms = (time.perf_counter() - t0) * 1e3
     if variant not in ("none", "dma"):
@@ -201,7 +212,7 @@ def main() -> None:
         rows.append({"variant": v, "median_ms": round(med, 3), "p10_ms": round(ts[len(ts) // 10], 3),
                      "p90_ms": round(ts[(9 * len(ts)) // 10], 3), "excess_ms": round(med - base, 3)})
     copier.close()
-    emit("store_beside_step", rows, ["variant", "median_ms", "p10_ms", "p90_ms", "excess_ms"],
+    emit(f"store_beside_step_{TOKEN_COPY}", rows, ["variant", "median_ms", "p10_ms", "p90_ms", "excess_ms"],
          store_bytes=nbytes, tokens=TOKENS, reps=REPS, gil_ms=GIL_MS, piece_blocks=PIECE_BLOCKS)
 
 

@@ -151,3 +151,23 @@ def test_an_engine_that_goes_idle_still_stores_its_last_prefill(model_dir):
         assert eng.connector.stats()["resident_cpu"] == 2
     finally:
         eng.close()
+
+
+def test_forward_end_copies_a_store_in_its_own_step(model_dir, monkeypatch):
+    """``store_start: forward_end`` keeps the old order: nothing held, the copy needs no next step."""
+    monkeypatch.setattr(store_gate, "HOLD_AFTER_FORWARD_S", 30.0)
+    eng = Engine.create(model_dir, {"chunk_blocks": K, "cpu_bytes": "1MiB", "store_start": "forward_end"})
+    try:
+        runtime = eng.workers[0].connector.worker
+        eng.add("turn1", _prompt(3, 8 * BS + 4), max_tokens=3)
+        eng.step()
+        assert runtime.store_gate.holding == 0
+        deadline = time.monotonic() + 10
+        while runtime.counters.bytes_stored < 2 * K * BLOCK_BYTES and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert runtime.counters.bytes_stored == 2 * K * BLOCK_BYTES
+        assert runtime.counters.stores_held_opened == 0 and runtime.counters.stores_held_timed_out == 0
+        eng.run()
+        eng.settle()
+    finally:
+        eng.close()

@@ -33,6 +33,7 @@ from tiered_kv.values.units import parse_size
 from tiered_kv.connector.vllm.geometry import Geometry
 
 STORE_POLICIES = ("eager", "on_finish", "none")
+STORE_STARTS = ("after_sampler", "forward_end")
 LOAD_MODES = ("layerwise", "sync", "async", "adaptive")
 IN_STEP_COPIES = ("auto", "copy_engine", "sm_kernel", "staged")
 LOAD_SUBMITS = ("pipelined", "upfront")
@@ -84,6 +85,11 @@ class ConnectorConfig(RemoteKeys):
                                             "it; `on_finish`: store when the request finishes (only chunks whose GPU "
                                             "blocks were not re-used by then); `none`: never store (read-only, e.g. "
                                             "a warm disk)")
+    store_start: str = config_key("after_sampler", (
+        "when a step's stores start copying (CUDA). `after_sampler`: held until the next step's "
+        "`bind_connector_metadata`, then queued behind the sampler's copy of the tokens to the host, which a store "
+        "copied from the forward's end delayed by its whole copy (H200, 1,312-token Llama-3-8B prefill: +3.8 ms a "
+        "step; see \"When stores copy\"); `forward_end`: at once, as before 2026-11-30"))
     store_decode_tokens: bool = config_key(False, "also store chunks made of generated tokens")
     tail_chunks: bool | str = config_key("auto", (
         "also store the full blocks after a prompt's last whole chunk once its prefill is complete (a *tail piece*: one "
@@ -92,18 +98,15 @@ class ConnectorConfig(RemoteKeys):
         "for sliding-window hybrids, where they cost more load than the compute they save (see \"Tail pieces\"); "
         "`true`: there too; `false`: never. Mamba hybrids store whole chunks only"))
     min_hit_blocks: int = config_key(1, "smallest external hit (in GPU blocks) worth a load", "GPU blocks")
-    load_mode: str = config_key("layerwise", "how CPU-tier hits load (disk hits load asynchronously, unless "
-                                             "`disk_overlap_bytes` reads them under the forward). "
-                                             "`layerwise`: inside the step vLLM schedules the request; the load is "
-                                             "submitted before the forward, one CUDA event per group of layers, and "
-                                             "each attention layer's stream waits (on the GPU) for its own layers "
-                                             "only. `sync`: inside the step, the forward waits for the whole load. "
-                                             "`async`: between steps (the request waits in `WAITING_FOR_REMOTE_KVS`, "
-                                             "other requests keep running). `adaptive`: `layerwise` while the step's "
-                                             "in-step bytes stay within `step_load_bytes`, asynchronous past it; a "
-                                             "step's first hit always loads in-step (see \"Adaptive load "
-                                             "admission\"). The default stays `layerwise` until a GPU serving run "
-                                             "picks one")
+    load_mode: str = config_key("layerwise", (
+        "how CPU-tier hits load (disk hits load asynchronously, unless `disk_overlap_bytes` reads them under "
+        "the forward). `layerwise`: inside the step vLLM schedules the request; the load is submitted before "
+        "the forward, one CUDA event per group of layers, and each attention layer's stream waits (on the "
+        "GPU) for its own layers only. `sync`: inside the step, the forward waits for the whole load. "
+        "`async`: between steps (the request waits in `WAITING_FOR_REMOTE_KVS`, other requests keep running)."
+        " `adaptive`: `layerwise` while the step's in-step bytes stay within `step_load_bytes`, asynchronous "
+        "past it; a step's first hit always loads in-step (see \"Adaptive load admission\"). The default stays "
+        "`layerwise` until a GPU serving run picks one"))
     sync_max_tokens: int = config_key(65536, "largest CPU hit loaded inside a step; bigger hits load asynchronously "
                                              "so one request cannot stall a whole batch for long", "tokens")
     step_load_bytes: int | str = config_key("auto", "`load_mode: adaptive` only: the in-step load bytes (per rank) "
@@ -125,20 +128,17 @@ class ConnectorConfig(RemoteKeys):
                                               "bytes, their GPU times, the forward's launch and GPU time; fields in "
                                               "`connector/vllm/trace.py`). `benchmarks/serve_bench.py --trace` sets "
                                               "it per engine start and summarises it per phase")
-    load_groups: int = config_key(0, "`layerwise`/`adaptive` only: how many layer groups (one CUDA event each) a "
-                                     "step's in-step copy is cut into. `0` = automatic: a copy within "
-                                     "`load_ahead_bytes` one group per 32 MiB, at most 2 (it is submitted before the "
-                                     "forward is launched, so more groups delay the launch); a larger one "
-                                     "(`load_submit: pipelined`) groups of half of `load_ahead_bytes`, at most one "
-                                     "per layer")
-    load_submit: str = config_key("pipelined", "`layerwise`/`adaptive`: when a step's in-step copy goes to the "
-                                               "driver. `pipelined`: up to `load_ahead_bytes` before the forward, "
-                                               "the rest from `wait_for_layer_load` between the forward's layers "
-                                               "(the driver spends ~1 us of vLLM's thread per 64 KiB run, so a 4.7 "
-                                               "GB burst submitted whole delayed the forward's launch ~70 ms); "
-                                               "`upfront`: all of it before the forward (H200, Llama-3-8B, three "
-                                               "paired starts: c32 TTFT p50 276.7 vs 241.5 ms pipelined, c8 90.1 vs "
-                                               "78.6)")
+    load_groups: int = config_key(0, (
+        "`layerwise`/`adaptive` only: how many layer groups (one CUDA event each) a step's in-step copy is "
+        "cut into. `0` = automatic: a copy within `load_ahead_bytes` one group per 32 MiB, at most 2 (it is "
+        "submitted before the forward is launched, so more groups delay the launch); a larger one "
+        "(`load_submit: pipelined`) groups of half of `load_ahead_bytes`, at most one per layer"))
+    load_submit: str = config_key("pipelined", (
+        "`layerwise`/`adaptive`: when a step's in-step copy goes to the driver. `pipelined`: up to "
+        "`load_ahead_bytes` before the forward, the rest from `wait_for_layer_load` between the forward's "
+        "layers (the driver spends ~1 us of vLLM's thread per 64 KiB run, so a 4.7 GB burst submitted whole "
+        "delayed the forward's launch ~70 ms); `upfront`: all of it before the forward (H200, Llama-3-8B, "
+        "three paired starts: c32 TTFT p50 276.7 vs 241.5 ms pipelined, c8 90.1 vs 78.6)"))
     load_ahead_bytes: int | str = config_key(256 << 20, "`load_submit: pipelined`: the most in-step bytes submitted "
                                                         "and not yet landed; a step's copy within it goes whole "
                                                         "before the forward. 64 MiB was slower at c8 (128.9 ms, one "
@@ -210,12 +210,11 @@ class ConnectorConfig(RemoteKeys):
                                                "remote part, each while the estimated read beats recomputing it; see "
                                                "\"Disk or recompute\"); `always` every held chunk; `never` only CPU "
                                                "chunks")
-    disk_read_gbps: float = config_key(DEFAULT_READ_GBPS, "the disk tier's read rate (GB/s, all ranks together) "
-                                                               "the split starts from; then a running average of the "
-                                                               "measured disk loads. The built-in 3.0 is a guess: the "
-                                                               "tier's writes lower it, its first read replaces it; "
-                                                               "with `disk_overlap_bytes` the first hit loads one "
-                                                               "chunk, later ones <= 4x the largest read", "GB/s")
+    disk_read_gbps: float = config_key(DEFAULT_READ_GBPS, (
+        "the disk tier's read rate (GB/s, all ranks together) the split starts from; then a running average "
+        "of the measured disk loads. The built-in 3.0 is a guess: the tier's writes lower it, its first read "
+        "replaces it; with `disk_overlap_bytes` the first hit loads one chunk, later ones <= 4x the largest "
+        "read"), "GB/s")
     remote_read_gbps: float | None = config_key(None, "the remote tier's read rate (GB/s, all ranks together) the "
                                                       "split starts from, then measured like the disk's; `null`: "
                                                       "`disk_read_gbps`", "GB/s")
@@ -226,11 +225,10 @@ class ConnectorConfig(RemoteKeys):
                                                       "prices a recompute with (30k ~ an 8B model on an H100/H200); "
                                                       "learned from vLLM's steps from then on unless "
                                                       "`prefill_learn` is false", "tokens/s")
-    prefill_half_rate_context: int = config_key(32768, "the context at which attention halves the start model's "
-                                                       "prefill rate (a token attending to that many costs twice a "
-                                                       "token at the start); about 2 x parameters / (4 x layers x "
-                                                       "heads x head_dim): 30k for Llama-3-8B, 5k for a 0.6B model, "
-                                                       "50k for 70B", "tokens")
+    prefill_half_rate_context: int = config_key(32768, (
+        "the context at which attention halves the start model's prefill rate (a token attending to that many"
+        " costs twice a token at the start); about 2 x parameters / (4 x layers x heads x head_dim): 30k for "
+        "Llama-3-8B, 5k for a 0.6B model, 50k for 70B"), "tokens")
     prefill_learn: bool = config_key(True, "learn the prefill model from vLLM's steps (tokens scheduled and context "
                                            "per request, the step's time; see \"Disk or recompute\"); `false` "
                                            "pins it to `prefill_tokens_per_s` and `prefill_half_rate_context`")
@@ -292,6 +290,7 @@ class ConnectorConfig(RemoteKeys):
         _choice(self.eviction, "eviction", POLICIES)
         _choice(self.write_policy, "write_policy", WRITE_POLICIES)
         _choice(self.store_policy, "store_policy", STORE_POLICIES)
+        _choice(self.store_start, "store_start", STORE_STARTS)
         _choice(self.disk_load_policy, "disk_load_policy", DISK_LOAD_POLICIES)
         _choice(self.load_mode, "load_mode", LOAD_MODES)
         _choice(self.in_step_copy, "in_step_copy", IN_STEP_COPIES)

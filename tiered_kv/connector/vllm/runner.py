@@ -42,10 +42,10 @@ from tiered_kv.values.jobs import Completion, JobKind, TransferJob
 from tiered_kv.values.layout import BlockLayout
 from tiered_kv.connector.vllm.common import CPU
 from tiered_kv.connector.vllm.geometry import Geometry
+from tiered_kv.connector.vllm.store_gate import StoreGate, order_after
 
 if TYPE_CHECKING:
     from tiered_kv.connector.vllm.pool_io import PoolIO
-    from tiered_kv.connector.vllm.store_gate import StoreGate
     from tiered_kv.tiers.disk import DiskTier
     from tiered_kv.tiers.remote import RemoteTier
 
@@ -318,7 +318,7 @@ class JobRunner:
             stream.wait_event(ev)
         after, self._store_after = self._store_after, None
         if after is not None:
-            stream.wait_event(after)
+            order_after(stream, after)
         return stream
 
     def _keyed_to_gpu(self, job: TransferJob, tier) -> tuple[list[bool], list[bool], list[bool], int]:

@@ -1,17 +1,21 @@
 """When a step's stores start copying: after that step's sampler has sent its tokens, not beside it.
 
 Measured on the H200 (2026-11-30, ``benchmarks/probes/store_beside_step.py``, a 1,312-token Llama-3-8B prefill step
-with vLLM's sampler and its asynchronous token copy): a store's device-to-host copy that starts when the forward ends
-holds up the sampler's copy of the token ids to the host, because the copy engine takes copies of one direction in
-order. The step took 3.5 ms longer with the store's 168 MB copied alone, and 4.7 ms longer with our mover doing it
-(its Python also competes with vLLM's thread for the GIL). Round 19 had seen ours ~1.5 ms slower per prefill than no
-connector in vLLM's own prefill time, in steps that loaded nothing.
+with vLLM's sampler and its token copy, 30 steps a variant): a store's device-to-host copy that starts when the
+forward ends holds up the sampler's copy of the token ids to the host, because the copy engine takes copies of one
+direction in order. The step took 3.0 ms longer with the store's 172 MB copied alone, 3.8 ms longer with our mover
+doing it (its Python also competes with vLLM's thread for the GIL); 3.2 / 4.2 ms with the token copy on the forward's
+stream. Round 19 had seen ours ~1.5 ms slower per prefill than no connector in vLLM's own prefill time, in steps that
+loaded nothing.
 
 So a store submitted in step N's ``wait_for_save`` is *held*: its mover waits before touching it until ``open`` runs
 in step N+1's ``bind_connector_metadata``. By then vLLM has enqueued step N's sampler, the token copy and step N+1's
 input copies; ``open`` records a CUDA event on vLLM's stream there and the store's copy waits for that event as well
 as for its forward. With asynchronous scheduling the next step is bound while step N still runs on the GPU, so the
 mover's Python runs while the GPU is busy, not while vLLM's thread hands out step N's tokens.
+
+The probe measured it (async token copy, 30 steps a variant): the store copied at once +3.8 ms a step; held until
+the next step +1.0 ms; with the sleep kernel below +0.9 ms; the mover's Python alone (no copy) +0.6 ms.
 
 When no step N+1 comes (the engine went idle), the mover stops waiting ``HOLD_AFTER_FORWARD_S`` after the GPU
 passed the store's forward (its CUDA event, polled every ``POLL_S``; without CUDA the forward ran before the
@@ -36,6 +40,9 @@ POLL_S = 0.002
 HOLD_AFTER_FORWARD_S = 0.005
 #: The longest a store is held whatever its forward's event says
 HOLD_MAX_S = 2.0
+#: GPU cycles of the one-block sleep kernel queued between that event and the copy (~50 us at 2 GHz): the sampler's
+#: token copy and the event can become ready together, and the copy engine takes whichever copy it sees first
+SPIN_CYCLES = 100_000
 
 
 class _Held:
@@ -116,3 +123,13 @@ class StoreGate:
                 h.opened.wait()  # ``open`` took it meanwhile and sets it at once
                 break
         return h.after
+
+
+def order_after(stream, after) -> None:
+    """Make ``stream`` (a held store's copy stream) wait for ``after`` (the event ``open`` recorded), then for a sleep
+    kernel of ``SPIN_CYCLES`` on one block, so a token copy that became ready at the same moment goes first."""
+    stream.wait_event(after)
+    sleep = getattr(torch.cuda, "_sleep", None)  # torch's own test kernel; without it the event alone orders
+    if sleep is not None and SPIN_CYCLES > 0:
+        with torch.cuda.stream(stream):
+            sleep(SPIN_CYCLES)
