@@ -129,7 +129,9 @@ def serve(results: list[Result]) -> str:
 CONTROL_MODES = {**SERVE_MODES, "none-resident": "`none-resident` (the floor; on the hybrids another no-connector start)",
                  "tiered-nostore": "ours, stores off (`store_policy: none`: nothing stored or loaded)",
                  "tiered-notail": "ours, tail pieces off (`tail_chunks: false`: hits end at a whole chunk)",
-                 "tiered-tails": "ours, tail pieces on sliding-window hybrids too (`tail_chunks: true`)"}
+                 "tiered-tails": "ours, tail pieces on sliding-window hybrids too (`tail_chunks: true`)",
+                 "tiered-fe": "ours, stores copied from the forward's end (`store_start: forward_end`, the old order)",
+                 "tiered-hold": "ours, stores held to the next step without the sleep kernel (code c7aee46)"}
 
 
 def serve_configs(results: list[Result]) -> str:
@@ -685,6 +687,15 @@ def aio_lanes(r: Result) -> str:
                   "reps"], rows) + f"\n{d['machine']}, disk tier in {d['dir']} ({d['fs']}).\n"
 
 
+def store_beside_step(r: Result) -> str:
+    d = r.doc
+    rows = [[x["token_copy"], x["variant"], num(x["median_ms"], 2), num(x["p10_ms"], 2), num(x["p90_ms"], 2),
+             num(x["excess_ms"], 2)] for x in d["rows"]]
+    return table(["token copy", "store", "step ms (median)", "p10", "p90", "over no store, ms"], rows) + (
+        f"\n{d['device']}: a {d['tokens']:,}-token Llama-3-8B-shaped prefill step, a {d['store_bytes'] / 1e6:.0f} MB "
+        f"store, {d['reps']} steps a variant, the variants interleaved.\n")
+
+
 #: the probes' README: their answers, from the same files
 PROBES = "benchmarks/probes/README.md"
 #: the page of runs on several GPUs of one host (TP, replicas, engines side by side)
@@ -719,6 +730,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("disk-sweep", ("disk_sweep_*.json",), each(disk_sweep), PROBES),
     Scenario("remote-ranges", ("remote_ranges_*.json",), each(remote_ranges), PROBES),
     Scenario("aio-lanes", ("aio_lanes_*.json",), each(aio_lanes), PROBES),
+    Scenario("store-beside-step", ("store_beside_step_*.json",), each(store_beside_step), PROBES),
     Scenario("disk-sharing", ("disk_sharing_bench_*.json",), each(disk_sharing)),
     Scenario("remote", ("remote_bench_*.json",), each(remote)),
     Scenario("burst-sim", ("burst_sim_*.json",), each(burst_sim), PROBES),
