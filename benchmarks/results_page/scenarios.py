@@ -688,6 +688,7 @@ def aio_lanes(r: Result) -> str:
 
 
 def store_beside_step(r: Result) -> str:
+    """The probe's steps with a store started in each way, per place of the token's copy (rows as written)."""
     d = r.doc
     rows = [[x["token_copy"], x["variant"], num(x["median_ms"], 2), num(x["p10_ms"], 2), num(x["p90_ms"], 2),
              num(x["excess_ms"], 2)] for x in d["rows"]]

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 from tiered_kv.connector.vllm import store_gate
 from tiered_kv.connector.vllm.store_gate import StoreGate
 
 
-def test_a_held_store_copies_after_the_work_enqueued_before_the_gate_opened(monkeypatch):
+@pytest.mark.parametrize("mover_first", [True, False], ids=["mover-waits-first", "gate-opens-first"])
+def test_a_held_store_copies_after_the_work_enqueued_before_the_gate_opened(monkeypatch, mover_first):
+    """``gate-opens-first``: the mover was still busy with an earlier job when the next step opened the gate."""
     monkeypatch.setattr(store_gate, "HOLD_AFTER_FORWARD_S", 10.0)  # only ``open`` lets it go here
     dev = torch.device("cuda", torch.cuda.current_device())
     gate = StoreGate(dev)
@@ -24,9 +27,14 @@ def test_a_held_store_copies_after_the_work_enqueued_before_the_gate_opened(monk
     forward.record()  # the forward's end: before the work below
     gate.hold([5])
     out: dict = {}
+    waiting = threading.Event()
+    go = threading.Event()
 
     def mover():
         side = torch.cuda.Stream(device=dev)
+        if not mover_first:
+            go.wait(30)  # the gate has opened before this mover takes the job
+        waiting.set()
         after = gate.wait(5, forward)
         out["after"] = after
         side.wait_event(forward)
@@ -38,9 +46,12 @@ def test_a_held_store_copies_after_the_work_enqueued_before_the_gate_opened(monk
 
     t = threading.Thread(target=mover)
     t.start()
+    if mover_first:
+        waiting.wait(30)
     torch.cuda._sleep(200_000_000)  # ~0.1 s of vLLM's stream (sampler, token copy, next inputs)
     src.fill_(7)
     gate.open()
+    go.set()
     t.join(30)
     assert not t.is_alive()
     assert out["after"] is not None

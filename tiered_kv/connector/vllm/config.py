@@ -86,7 +86,7 @@ class ConnectorConfig(RemoteKeys):
                                             "blocks were not re-used by then); `none`: never store (read-only, e.g. "
                                             "a warm disk)")
     store_start: str = config_key("after_sampler", (
-        "when a step's stores start copying (CUDA). `after_sampler`: held until the next step's "
+        "when a step's stores start copying. `after_sampler`: held until the next step's "
         "`bind_connector_metadata`, then queued behind the sampler's copy of the tokens to the host, which a store "
         "copied from the forward's end delayed by its whole copy (H200, 1,312-token Llama-3-8B prefill: +3.8 ms a "
         "step; see \"When stores copy\"); `forward_end`: at once, as before 2026-11-30"))

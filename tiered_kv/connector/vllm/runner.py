@@ -144,6 +144,7 @@ class JobRunner:
         """Run ``job`` (on a mover thread) and return its outcome."""
         t0, c0 = time.perf_counter(), time.thread_time()
         self._waits.cpu = 0.0
+        self._store_after = None  # a store's gate event is for its own copy only (``_wait_stream``)
         n = len(job)
         ok, corrupt = [True] * n, [False] * n
         kind = job.kind
@@ -153,6 +154,8 @@ class JobRunner:
                 self.cancelled.discard(job.job_id)
                 self.queued_stores.pop(job.job_id, None)  # from here on a fence waits for it
             if cancelled:
+                if self.store_gate is not None:
+                    self.store_gate.forget(job.job_id)
                 return Completion(job.job_id, [False] * n, [False] * n, 0, time.perf_counter() - t0)
         if not self.writes_copies and kind is not JobKind.EGRESS:
             # replicated cache: rank 0 writes the one host/disk copy every rank reads; the planner

@@ -17,10 +17,12 @@ mover's Python runs while the GPU is busy, not while vLLM's thread hands out ste
 The probe measured it (async token copy, 30 steps a variant): the store copied at once +3.8 ms a step; held until
 the next step +1.0 ms; with the sleep kernel below +0.9 ms; the mover's Python alone (no copy) +0.6 ms.
 
-When no step N+1 comes (the engine went idle), the mover stops waiting ``HOLD_AFTER_FORWARD_S`` after the GPU
-passed the store's forward (its CUDA event, polled every ``POLL_S``; without CUDA the forward ran before the
-store was submitted), or after ``HOLD_MAX_S`` in any case. A fence opens the gate before it waits for the jobs it
-fences, and so does an idle step before it waits for loads queued behind held stores, and ``close``.
+When no step N+1 comes (the engine went idle), the mover stops waiting ``HOLD_AFTER_FORWARD_S`` after it saw the GPU
+past the store's forward (its CUDA event, polled every ``POLL_S``; without CUDA the forward ran before the store was
+submitted), or ``HOLD_MAX_S`` after it took the job in any case. A fence opens the gate before it waits for the jobs
+it fences (in ``handle_preemptions``, before the next step's inputs are enqueued: those stores copy ahead of them),
+and so does an idle step before it waits for loads queued behind held stores, and ``close``. A store whose mover is
+still busy with an earlier job when the gate opens finds it open, with the event, when it gets there.
 
 Threading contract: ``hold`` and ``open`` run on vLLM's worker thread, ``wait`` on the front mover's thread; one lock
 guards the table of held jobs; each of the two counters is written by one of those threads.
@@ -46,13 +48,16 @@ SPIN_CYCLES = 100_000
 
 
 class _Held:
-    """One held store job: set once the gate opened, with the event its copy must wait for (None: none)."""
+    """One held store job: set once the gate opened, with the event its copy must wait for (None: none). It stays in
+    the table until its mover takes it (``wait``) or the job ends without a copy (``forget``): a mover still busy with
+    an earlier job when the gate opens finds it opened, with its event."""
 
-    __slots__ = ("opened", "after")
+    __slots__ = ("opened", "after", "claimed")
 
     def __init__(self) -> None:
         self.opened = threading.Event()
         self.after = None
+        self.claimed = False  # taken by ``open`` or by its mover's timeout (under the gate's lock)
 
 
 class StoreGate:
@@ -75,9 +80,9 @@ class StoreGate:
 
     @property
     def holding(self) -> int:
-        """How many store jobs wait for the gate now."""
+        """How many store jobs wait for the gate now (held and not opened)."""
         with self._lock:
-            return len(self._held)
+            return sum(not h.claimed for h in self._held.values())
 
     def hold(self, job_ids: Iterable[int]) -> None:
         """Hold these store jobs (vLLM's thread, before they reach a mover)."""
@@ -85,19 +90,28 @@ class StoreGate:
             for job_id in job_ids:
                 self._held[job_id] = _Held()
 
+    def forget(self, job_id: int) -> None:
+        """``job_id`` ends without a copy (a fence cancelled it): drop it from the table (any thread)."""
+        with self._lock:
+            self._held.pop(job_id, None)
+
     def open(self) -> None:
         """Let every held store go (vLLM's thread); on CUDA each copy also waits for an event recorded here."""
         with self._lock:
-            if not self._held:
-                return
-            held, self._held = list(self._held.values()), {}
+            held = [h for h in self._held.values() if not h.claimed]
+            for h in held:
+                h.claimed = True
+        if not held:
+            return
         ev = None
-        if self.cuda:
-            ev = torch.cuda.Event()
-            ev.record(torch.cuda.current_stream(self.device))
-        for h in held:
-            h.after = ev
-            h.opened.set()
+        try:
+            if self.cuda:
+                ev = torch.cuda.Event()
+                ev.record(torch.cuda.current_stream(self.device))
+        finally:  # a mover must never wait on a gate that failed to open
+            for h in held:
+                h.after = ev
+                h.opened.set()
         self.counters.stores_held_opened += len(held)
 
     def wait(self, job_id: int, forward=None):
@@ -108,6 +122,13 @@ class StoreGate:
             h = self._held.get(job_id)
         if h is None:
             return None
+        try:
+            return self._wait(h, forward)
+        finally:
+            with self._lock:
+                self._held.pop(job_id, None)
+
+    def _wait(self, h: _Held, forward):
         start = self.clock()
         ended_at = None
         while not h.opened.wait(POLL_S):
@@ -115,11 +136,11 @@ class StoreGate:
             if ended_at is None and (forward is None or forward.query()):
                 ended_at = now
             if (ended_at is not None and now - ended_at >= HOLD_AFTER_FORWARD_S) or now - start >= HOLD_MAX_S:
-                with self._lock:
-                    gone = self._held.pop(job_id, None) is not None
-                if gone:
-                    self.counters.stores_held_timed_out += 1
-                    return None
+                with self._lock:  # either ``open`` claimed this job or its mover does, never both
+                    if not h.claimed:
+                        h.claimed = True
+                        self.counters.stores_held_timed_out += 1
+                        return None
                 h.opened.wait()  # ``open`` took it meanwhile and sets it at once
                 break
         return h.after

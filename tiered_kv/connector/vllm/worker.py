@@ -463,8 +463,8 @@ class WorkerRuntime(StepLoads):
         if self._cuda:
             ev = torch.cuda.Event()
             ev.record(torch.cuda.current_stream(self.kv.device))
-        if self.cfg.store_start == "after_sampler":  # held before a mover can take one (store_gate.py)
-            self.store_gate.hold(j.job_id for j in jobs if j.kind is JobKind.INGRESS)
+        if self.cfg.store_start == "after_sampler" and self.writes_copies:  # held before a mover can take one
+            self.store_gate.hold(j.job_id for j in jobs if j.kind is JobKind.INGRESS)  # (store_gate.py)
         for job in jobs:
             with self._lock:
                 self._events[job.job_id] = threading.Event()
