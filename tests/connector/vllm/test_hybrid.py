@@ -305,6 +305,9 @@ def test_disk_hits_are_promoted_to_cpu_then_loaded(model_dirs, tmp_path, shape):
         eng.settle()
         st = eng.connector.stats()
         assert st["sched_promotions"] == 1, st
+        # that promotion's read fed the split's disk rate as a read into the CPU tier
+        assert st["sched_rate_reads_cpu"] >= 1 and st["sched_rate_read_bytes_cpu"] > 0, st  # its jobs
+        assert st["sched_rate_read_seconds_cpu"] > 0 and st["sched_rate_reads_gpu"] == 0, st
         # no disk->GPU load: the whole hit moved up, then loaded from the CPU tier
         assert st["sched_hit_tokens_disk"] == 0 and st["sched_hit_tokens_cpu"] == 20 * BS, sorted(st.items())
         # the split counts the plan that started the promotion: its disk part was read from disk

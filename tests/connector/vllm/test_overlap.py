@@ -94,6 +94,10 @@ def test_a_slow_disk_run_is_split_read_under_the_forward_and_bit_exact(model_dir
         st = eng.connector.stats()
         assert st["sched_sync_loads"] >= 1 and st["sched_hit_tokens_disk"] == got, st
         assert st["split_disk_loaded_tokens"] == got and st["split_disk_recomputed_tokens"] == HELD * CHUNK - got, st
+        # the split's disk rate was fed by that in-step read (into GPU blocks), not by the promotions it served
+        chunk_bytes = eng.workers[0].connector.worker.geo.rank_chunk_nbytes * tp
+        assert st["sched_rate_reads_gpu"] == 1 and st["sched_rate_read_bytes_gpu"] == got // CHUNK * chunk_bytes, st
+        assert st["sched_rate_read_seconds_gpu"] > 0 and st["sched_rate_reads_cpu"] == 0, st
         for w, b in zip(eng.workers, before):
             disk = w.connector.worker.in_step.disk
             assert disk is not None and not disk.busy

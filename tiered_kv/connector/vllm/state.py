@@ -122,3 +122,12 @@ class PlannerCounters:
     tail_hits: int = 0  # loads that ended with a tail piece
     hit_tokens_tail: int = 0  # tokens of those hits that came from tail pieces (also in hit_tokens_<tier>)
     tails_superseded: int = 0  # older tail pieces dropped once a request stored what covers them
+    # the reads from the disk or remote tier that fed the split's read rates (``SplitGate.observe_reads``), by where
+    # they went: into GPU blocks (in-step, overlapped or not, and asynchronous loads) or up to the CPU tier
+    # (promotions); bytes over seconds of each is the rate that kind of read showed
+    rate_reads_gpu: int = 0
+    rate_read_bytes_gpu: int = 0
+    rate_read_seconds_gpu: float = 0.0
+    rate_reads_cpu: int = 0
+    rate_read_bytes_cpu: int = 0
+    rate_read_seconds_cpu: float = 0.0
