@@ -138,3 +138,30 @@ def test_index_entry_deleted_defaults_false_and_is_per_entry():
     assert Entry({1: Copy(CopyState.READY, 0)}).best() == 1
     with pytest.raises(AttributeError, match="no attribute 'bogus'"):
         a.bogus  # noqa: B018
+
+
+def _readers(c: TierChain, jobs) -> list[tuple[str, int, int, bool]]:
+    """Run ``jobs`` to the end; each job's kind, tiers and ``for_reader`` just before it completed."""
+    seen = []
+    run_all(c, jobs, fail=lambda job: seen.append((job.kind.name, job.src_tier, job.dst_tier,
+                                                    c.for_reader(job.job_id))) or False)
+    return seen
+
+
+def test_for_reader_tells_a_readers_jobs_from_placement_copies():
+    """What the vLLM connector feeds its split's read rates from (connector/vllm/loads.py ``load_done``)."""
+    c = three_tier(1, 2, 4)  # promote_on_hit
+    for i in range(5):
+        run_all(c, c.put([K(i)], i + 1))
+    _, jobs = c.get([K(0)], 10)
+    seen = _readers(c, jobs)
+    assert ("EGRESS", 2, -1, True) in seen  # the reader's load
+    assert ("PROMOTE", 2, 1, False) in seen  # the promotion on the hit, one tier up
+    assert all(not r for kind, *_, r in seen if kind == "DEMOTE")  # the room they made
+    c = three_tier(1, 2, 4, placement=PlacementPolicy(promote_on_hit=False))
+    for i in range(5):
+        run_all(c, c.put([K(i)], i + 1))
+    _, jobs = c.prefetch([K(0)], 0, 50)
+    seen = _readers(c, jobs)
+    assert [s for s in seen if s[0] == "PROMOTE"] == [("PROMOTE", 2, 1, True), ("PROMOTE", 1, 0, True)]
+    assert c.for_reader(10**9) is False  # not (or no longer) in flight

@@ -155,6 +155,12 @@ class TierChain:
         """The in-flight job with this id, or None once it completed."""
         return self._jobs.get(job_id)
 
+    def for_reader(self, job_id: int) -> bool:
+        """Whether the in-flight job ``job_id`` moves blocks some reader waits for (a get or a prefetch), not only
+        for placement (a promotion on hit, a demotion, a write-through copy)."""
+        ctx = self._ctx.get(job_id)
+        return ctx is not None and (ctx.__class__ is int or any(c is not None for c in ctx))
+
     def inflight(self) -> int:
         """Jobs issued and not yet completed."""
         return len(self._jobs)

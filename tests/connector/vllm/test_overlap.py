@@ -615,3 +615,25 @@ def test_a_failing_lane_fails_the_step_after_every_lane_stopped_reading(lane_dir
     finally:
         loader.close()
         disk.close()
+
+
+def test_promotions_on_hit_do_not_feed_the_split_read_rate(model_dir, tmp_path):
+    """The split prices the reads it plans: loads into GPU blocks (here in-step, under the forward). A full CPU tier
+    makes ``promote_on_hit``'s copies of the hits wait for room, so many are read from disk again later, one chunk
+    each beside the engine (not served from the step's staged images): on the CPU box those ran at a seventh of the
+    loads' rate. Before 2026-11-30 they fed the disk's rate too (round 20's 8k /dev/shm row on the H200 learned 2.27
+    GB/s while its overlapped reads ran ~10 GB/s); now only reads for a reader do."""
+    extra = cfg(tmp_path, cpu_bytes=6 * CHUNK_BYTES, disk_bytes="8MiB", write_policy="write_back",
+                disk_load_policy="always", prefill_tokens_per_s=5000.0, prefill_learn=False)
+    eng = Engine.create(model_dir, extra, num_blocks=256, max_model_len=2048, max_batched=1024)
+    try:
+        first = [_turn(eng, f"c{c}", prompt(60 + c, HELD * CHUNK + 4)) for c in range(6)]
+        for c, a in enumerate(first):
+            _turn(eng, f"c{c}-2", list(a.prompt_token_ids) + prompt(80 + c, 20))
+        st = eng.connector.stats()
+        ws = eng.workers[0].connector.stats()
+        assert st["sched_hit_tokens_disk"] > 0 and st["sched_rate_reads_gpu"] >= 1, st
+        assert ws["bytes_from_disk"] > st["sched_rate_read_bytes_gpu"], (ws, st)  # promotions read from disk too
+        assert st["sched_rate_reads_cpu"] == 0, st  # and did not price the split's loads
+    finally:
+        eng.close()

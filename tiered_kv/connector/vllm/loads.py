@@ -215,9 +215,10 @@ class LoadPlanner:
 
     def load_done(self, job: TransferJob, rep: JobReport) -> None:
         """A load job (``EGRESS``: into GPU blocks; ``PROMOTE``: up a tier) completed on every rank: count a GPU
-        load's bytes and feed its rate to the budget; feed a read from a disk or remote tier into the GPU or the
-        CPU tier to the split's rate of that tier (the ranks read their shares in parallel: every rank's bytes over
-        the slowest rank's seconds; one rank's where each holds the whole, replicated KV)."""
+        load's bytes and feed its rate to the budget; feed a read from a disk or remote tier into GPU blocks, or into
+        the CPU tier for a reader (a hybrid hit's promotion before its load), to the split's rate of that tier (the
+        ranks read their shares in parallel: every rank's bytes over the slowest rank's seconds; one rank's where
+        each holds the whole, replicated KV)."""
         egress = job.kind is JobKind.EGRESS
         if egress:
             self.counters.bytes_loaded += rep.nbytes
@@ -226,7 +227,9 @@ class LoadPlanner:
                 self.async_cpu_loads.discard(job_id)
                 if all(rep.ok):  # the ranks loaded in parallel: per-rank bytes over the slowest rank's time
                     self._budget.observe(rep.nbytes // max(1, rep.count), rep.seconds)
-        if job.src_tier != CPU and (egress or job.dst_tier == CPU):
+        # a promotion only for placement (``promote_on_hit``: one chunk, beside the disk workers' other jobs) is not a
+        # read the split plans: on a CPU box its rate was ~7x below the overlapped loads' in the same run
+        if job.src_tier != CPU and (egress or (job.dst_tier == CPU and self.chain.for_reader(job.job_id))):
             # a replicated KV (MLA at TP > 1): every rank read the whole record, the gate prices one copy
             nbytes = rep.nbytes // max(1, rep.count) if self.geo.replicated else rep.nbytes
             self._gate.observe_reads({self._tier_names[job.src_tier]: nbytes}, rep.seconds)
