@@ -156,8 +156,9 @@ class TierChain:
         return self._jobs.get(job_id)
 
     def for_reader(self, job_id: int) -> bool:
-        """Whether the in-flight job ``job_id`` moves blocks some reader waits for (a get or a prefetch), not only
-        for placement (a promotion on hit, a demotion, a write-through copy)."""
+        """Whether the in-flight job ``job_id`` was planned for a caller (a get, a prefetch, a put's items), not only
+        for placement (a promotion on hit, a demotion, a write-through copy). A prefetch that follows a promotion on
+        hit already in flight waits for it, but that job stays a placement one."""
         ctx = self._ctx.get(job_id)
         return ctx is not None and (ctx.__class__ is int or any(c is not None for c in ctx))
 

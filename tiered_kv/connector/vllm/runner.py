@@ -113,7 +113,8 @@ class JobRunner:
         self.layout = layout  # one row = one chunk of this rank's share
         self.cpu = cpu  # CpuTier, SharedSlab or PoolTier
         self.pool = pool  # with a host pool: its reservations and leases
-        self._waits = threading.local()  # per mover thread: CPU seconds of this job's waits for copies to land
+        self._waits = threading.local()  # per mover thread: CPU seconds of this job's waits for copies to land, and a
+        # store's gate event (``store_after``; the keyed edge's threads run other jobs meanwhile)
         self.keyed = keyed  # chain index -> keyed tier (disk, remote)
         self.disk = disk
         self.writes_copies = writes_copies
@@ -132,7 +133,6 @@ class JobRunner:
         self._device: torch.device | None = None  # vLLM's CUDA device (None: CPU tensors)
         self._dep_stream = None
         self.store_gate: StoreGate | None = None  # holds stores until the next step (``WorkerRuntime`` sets it)
-        self._store_after = None  # the event the store being copied also waits for (front mover only)
 
     def bind(self, copiers: list[BlockCopier], staging_copiers: list[BlockCopier], staging_rows: torch.Tensor,
              device: torch.device | None) -> None:
@@ -144,7 +144,7 @@ class JobRunner:
         """Run ``job`` (on a mover thread) and return its outcome."""
         t0, c0 = time.perf_counter(), time.thread_time()
         self._waits.cpu = 0.0
-        self._store_after = None  # a store's gate event is for its own copy only (``_wait_stream``)
+        self._waits.store_after = None  # a store's gate event, for its own copy only (``_wait_stream``)
         n = len(job)
         ok, corrupt = [True] * n, [False] * n
         kind = job.kind
@@ -173,7 +173,7 @@ class JobRunner:
         if kind is JobKind.INGRESS and self.store_gate is not None:  # wait for the next step (store_gate.py)
             with self.lock:
                 forward = self.cuda_events.get(job.job_id)
-            self._store_after = self.store_gate.wait(job.job_id, forward)
+            self._waits.store_after = self.store_gate.wait(job.job_id, forward)
         if kind is JobKind.INGRESS and self.pool is not None:
             released = self.gpu_released
             ok, nbytes, evicted = self.pool.store(job, lambda slots, items: self._copy(
@@ -319,7 +319,7 @@ class JobRunner:
         stream = self._dep_stream
         if ev is not None:
             stream.wait_event(ev)
-        after, self._store_after = self._store_after, None
+        after, self._waits.store_after = getattr(self._waits, "store_after", None), None
         if after is not None:
             order_after(stream, after)
         return stream

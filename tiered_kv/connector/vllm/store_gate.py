@@ -65,7 +65,7 @@ class StoreGate:
 
     ``device``: vLLM's CUDA device (events are recorded on its current stream) or None (CPU tensors: no event).
     ``counters``: where ``stores_held_opened`` (stores let go by ``open``: the next step, a fence, an idle step,
-    close) and ``stores_held_timed_out`` (stores that went on their own: no next step in time) are added (the rank's
+    close; a store a fence opens and then cancels included) and ``stores_held_timed_out`` (stores that went on their own: no next step in time) are added (the rank's
     ``WorkerCounters``; default: a private one). ``clock``: monotonic seconds (tests pass their own).
     """
 
