@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tiered_kv.connector.vllm import store_gate
-from tiered_kv.connector.vllm.store_gate import StoreGate
+from tiered_kv.connector.vllm.store_gate import StoreGate, order_after
 
 
 @pytest.mark.parametrize("mover_first", [True, False], ids=["mover-waits-first", "gate-opens-first"])
@@ -39,7 +39,7 @@ def test_a_held_store_copies_after_the_work_enqueued_before_the_gate_opened(monk
         out["after"] = after
         side.wait_event(forward)
         if after is not None:
-            side.wait_event(after)
+            order_after(side, after)  # what the runner does: the event, then the one-block sleep kernel
         with torch.cuda.stream(side):
             dst.copy_(src, non_blocking=True)
         side.synchronize()
