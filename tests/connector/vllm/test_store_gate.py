@@ -107,18 +107,12 @@ def test_hold_max_lets_a_store_go_whose_forward_never_reports(monkeypatch):
 vllm = pytest.importorskip("vllm")
 
 from tests.connector.vllm.harness import BS, Engine, write_model_dir  # noqa: E402
-
-K = 4
-BLOCK_BYTES = 4096  # the tiny Llama's: 2 layers x 2 heads x 16 tokens x 32 values x 2 bytes
+from tests.connector.vllm.test_connector import BLOCK_BYTES, K, prompt  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return write_model_dir(str(tmp_path_factory.mktemp("gate-llama")))
-
-
-def _prompt(seed: int, n: int) -> list[int]:
-    return [100 + (seed * 7919 + i * 31) % 800 for i in range(n)]
 
 
 @pytest.mark.parametrize("async_sched", [False, True], ids=["sync", "async"])
@@ -129,7 +123,7 @@ def test_a_prefill_store_copies_only_after_the_next_step_began(model_dir, monkey
     eng = Engine.create(model_dir, {"chunk_blocks": K, "cpu_bytes": "1MiB"}, async_sched=async_sched)
     try:
         runtime = eng.workers[0].connector.worker
-        a = eng.add("turn1", _prompt(1, 8 * BS + 4), max_tokens=3)
+        a = eng.add("turn1", prompt(1, 8 * BS + 4), max_tokens=3)
         eng.step()  # the whole prompt: its two full chunks are stored in this step's wait_for_save
         time.sleep(0.1)
         assert runtime.counters.bytes_stored == 0, "the store was copied before the next step"
@@ -142,7 +136,7 @@ def test_a_prefill_store_copies_only_after_the_next_step_began(model_dir, monkey
         assert eng.connector.stats()["resident_cpu"] == 2
         assert eng.sched.reset_prefix_cache()
         verified = eng.verified_blocks
-        b = eng.add("turn2", list(a.prompt_token_ids) + list(a.output_token_ids) + _prompt(9, 40), max_tokens=2)
+        b = eng.add("turn2", list(a.prompt_token_ids) + list(a.output_token_ids) + prompt(9, 40), max_tokens=2)
         eng.run()
         eng.settle()
         assert eng.connector.stats()["sched_hit_tokens_cpu"] == 8 * BS
@@ -157,7 +151,7 @@ def test_an_engine_that_goes_idle_still_stores_its_last_prefill(model_dir):
     eng = Engine.create(model_dir, {"chunk_blocks": K, "cpu_bytes": "1MiB"})
     try:
         runtime = eng.workers[0].connector.worker
-        eng.add("only", _prompt(2, 8 * BS + 4), max_tokens=1)
+        eng.add("only", prompt(2, 8 * BS + 4), max_tokens=1)
         eng.step()
         eng.flush()
         deadline = time.monotonic() + 10
@@ -178,7 +172,7 @@ def test_forward_end_copies_a_store_in_its_own_step(model_dir, monkeypatch):
     eng = Engine.create(model_dir, {"chunk_blocks": K, "cpu_bytes": "1MiB", "store_start": "forward_end"})
     try:
         runtime = eng.workers[0].connector.worker
-        eng.add("turn1", _prompt(3, 8 * BS + 4), max_tokens=3)
+        eng.add("turn1", prompt(3, 8 * BS + 4), max_tokens=3)
         eng.step()
         assert runtime.store_gate.holding == 0
         deadline = time.monotonic() + 10

@@ -63,15 +63,15 @@ class _Held:
 class StoreGate:
     """Holds store jobs on their movers until the next step began (see the module).
 
-    ``device``: vLLM's CUDA device (events are recorded on its current stream) or None (CPU tensors: no event).
-    ``counters``: where ``stores_held_opened`` (stores let go by ``open``: the next step, a fence, an idle step,
-    close; a store a fence opens and then cancels included) and ``stores_held_timed_out`` (stores that went on their own: no next step in time) are added (the rank's
-    ``WorkerCounters``; default: a private one). ``clock``: monotonic seconds (tests pass their own).
+    ``device``: the device of vLLM's KV tensors (CUDA: events are recorded on its current stream; the CPU or None:
+    no event). ``counters``: where ``stores_held_opened`` (stores let go by ``open``: the next step, a fence, an idle
+    step, close; a store a fence opens and then cancels included) and ``stores_held_timed_out`` (stores that went on
+    their own: no next step in time) are added (the rank's ``WorkerCounters``; default: a private one). ``clock``:
+    monotonic seconds (tests pass their own).
     """
 
     def __init__(self, device: torch.device | None, counters=None, clock: Callable[[], float] = time.monotonic) -> None:
-        self.cuda = device is not None and device.type == "cuda"
-        self.device = device
+        self.device = device  # set again once vLLM's KV tensors are registered (``WorkerRuntime.register``)
         self.counters = (counters if counters is not None
                          else SimpleNamespace(stores_held_opened=0, stores_held_timed_out=0))
         self.clock = clock
@@ -105,7 +105,7 @@ class StoreGate:
             return
         ev = None
         try:
-            if self.cuda:
+            if self.device is not None and self.device.type == "cuda":
                 ev = torch.cuda.Event()
                 ev.record(torch.cuda.current_stream(self.device))
         finally:  # a mover must never wait on a gate that failed to open

@@ -278,7 +278,7 @@ class WorkerRuntime(StepLoads):
         self.kvs = kvs
         self.kv = kvs[0]
         self._cuda = self.kv.device.type == "cuda"
-        self.store_gate.device, self.store_gate.cuda = self.kv.device, self._cuda
+        self.store_gate.device = self.kv.device
         if self._cuda:
             self.cpu.wait_pinned()  # the copy path needs page-locked rows
         # The copiers address blocks: each group's plane holds its block rows.
