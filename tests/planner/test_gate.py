@@ -8,7 +8,7 @@ from tiered_kv.errors import ConfigError, InvalidInputError
 from tiered_kv.planner.gate import (ALL_FAST, ALWAYS, BEATS, DECLINED, FLOOR_MIN_SAMPLES, PROBE, RECENT_STEPS,
                                    RECOMPUTE, RECOMPUTE_MARGIN, RECOMPUTE_PROBE_EVERY, SCALE_BOUNDS, SPLIT, LoadGate,
                                    SplitGate)
-from tiered_kv.planner.rates import PrefillEstimator, PrefillModel, ReadRate
+from tiered_kv.planner.rates import FLOOR_WINDOW, PrefillEstimator, PrefillModel, ReadRate
 
 MIB8 = 8 << 20  # one unit: 8 MiB for 64 tokens; break-even at 30k tokens/s = 3.93 GB/s
 
@@ -360,6 +360,21 @@ def test_a_near_tie_with_the_load_floor_recomputes(floor_ms, outcome):
         g.observe_loaded_step({"cpu": 128 << 20}, floor_ms / 1e3, 0.006)
     assert (recompute_s < (1 + RECOMPUTE_MARGIN) * floor_ms / 1e3) == (outcome == RECOMPUTE)
     assert g.decide([("cpu", 1024)], 160, 0)[1] == outcome
+
+
+def test_a_cold_first_loading_step_does_not_make_the_hits_recompute():
+    """H200, uncompiled Llama-3-8B c1, round 21: loading steps of 54 ms (the engine's first), 36 and 19 ms made an
+    averaged floor of 42 ms, over the 31.8 ms a hit's recompute costs, and the hits after them recomputed (c1 1.16x
+    of no connector). The floor is the least of the latest loading steps: the hits load; when every loading step
+    runs slow (34 ms, a host's slow phase) they recompute again."""
+    g = _fitted_gate()
+    hit = [("cpu", 1024)]
+    for ms in (54.2, 36.3, 18.6):
+        g.observe_loaded_step({"cpu": 128 << 20}, ms / 1e3, 0.006)
+    assert g.load_floor.samples == FLOOR_MIN_SAMPLES and g.decide(hit, 160, 0)[1] == ALL_FAST
+    for _ in range(FLOOR_WINDOW):
+        g.observe_loaded_step({"cpu": 128 << 20}, 0.034, 0.006)
+    assert g.decide(hit, 160, 0)[1] == RECOMPUTE
 
 
 def test_the_floors_decision_prices_recompute_at_the_engines_speed_now():

@@ -12,8 +12,8 @@ import random
 import pytest
 
 from tiered_kv.errors import ConfigError
-from tiered_kv.planner.rates import (DECODE_TOKENS, MIN_SAMPLES, SCALE_SAMPLES, LoadFloor, OverlapCost,
-                                     PrefillEstimator, PrefillModel, ReadRate, StepTimer, features)
+from tiered_kv.planner.rates import (DECODE_TOKENS, FLOOR_WINDOW, MIN_SAMPLES, SCALE_SAMPLES, LoadFloor,
+                                     OverlapCost, PrefillEstimator, PrefillModel, ReadRate, StepTimer, features)
 
 #: Llama-3-8B-like on one GPU: 4 ms a step, 40k tokens/s at short context, attention doubling the cost at 20k
 TRUTH = PrefillModel(0.004, 1 / 40000, 1 / 40000 / 20000, 2e-9)
@@ -87,9 +87,9 @@ def test_overlap_cost_weighs_each_step_by_the_bytes_it_read():
 
 
 def test_load_floor_follows_steps_on_the_floor_and_is_bounded_by_steps_as_priced():
-    """Steps well over their price (an eager launch of 22-32 ms against ~6 ms priced) are samples of the floor, and
-    the average follows a slower host; large steps bound by their compute leave it alone; a step that ran as priced
-    bounds it by its time; a compiled engine's steps (all as priced) never make one."""
+    """Steps well over their price (an eager launch of 22-32 ms against ~6 ms priced) are samples of the floor, the
+    least of the latest few follows a slower host; large steps bound by their compute leave it alone; a step that ran
+    as priced bounds it by its time; a compiled engine's steps (all as priced) never make one."""
     rng = random.Random(4)
     floor = LoadFloor()
     for _ in range(30):
@@ -103,10 +103,27 @@ def test_load_floor_follows_steps_on_the_floor_and_is_bounded_by_steps_as_priced
     assert floor.seconds == pytest.approx(0.030, rel=0.10) and floor.samples == 60
     floor.observe(0.0195, 0.019)  # a step as priced under the floor: the floor is at most its time
     assert floor.seconds == 0.0195 and floor.samples == 60
+    for _ in range(FLOOR_WINDOW):
+        floor.observe(0.030, 0.006)  # the bound lasts until as many samples replaced the ones it lowered
+    assert floor.seconds == 0.030 and floor.samples == 60 + FLOOR_WINDOW
     compiled = LoadFloor()
     for _ in range(20):
         compiled.observe(rng.uniform(0.009, 0.0105), 0.009)  # within 1.2x of its price
     assert compiled.seconds == 0.0 and compiled.samples == 0
+
+
+def test_load_floor_is_the_least_of_the_latest_samples_not_their_average():
+    """H200, uncompiled Llama-3-8B c1, round 21 (r10): the first loading steps ran 54 ms (the engine's first: one-time
+    costs), 36 ms (a slow phase of the host's launches) and 19 ms; an average kept 42 ms, above the hits' 31 ms
+    recompute, and 12 of 16 hits recomputed. The floor is the least of the last ``FLOOR_WINDOW``: 19 ms; a phase
+    that lasts (every loading step at 34 ms) raises it once it fills the window."""
+    floor = LoadFloor()
+    for ms in (54.2, 36.3, 18.6):
+        floor.observe(ms / 1e3, 0.006)
+    assert floor.seconds == pytest.approx(0.0186) and floor.samples == 3
+    for k in range(FLOOR_WINDOW):
+        floor.observe(0.034, 0.006)
+        assert floor.seconds == pytest.approx(0.034 if k == FLOOR_WINDOW - 1 else 0.0186)
 
 
 # ---------------------------------------------------------------------------------------------- read rate

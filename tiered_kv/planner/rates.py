@@ -82,8 +82,9 @@ WINDOW, HALF_LIFE = 128, 32.0
 MIN_SAMPLES, REFIT_EVERY, SCALE_SAMPLES = 8, 8, 4
 #: Ridge weight toward the start model, per unit of (equilibrated) sample weight.
 RIDGE = 1e-3
-#: A loading step over this many times its priced time was held up by something else (``LoadFloor``): an eager launch
-FLOOR_BOUND = 1.2
+#: A loading step over this many times its priced time sat on the floor (an eager launch); the floor is the least of
+#: this many latest such steps (``LoadFloor``).
+FLOOR_BOUND, FLOOR_WINDOW = 1.2, 4
 #: Tukey's biweight constant (95% efficiency under normal noise), the rounds of reweighting, and the
 #: smallest residual scale (relative): below 1% noise every sample is trusted as if it had 1%.
 TUKEY_C, ROUNDS, MIN_SCALE = 4.685, 4, 0.01
@@ -198,29 +199,7 @@ class ReadRate:
 
 # ---------------------------------------------------------------------------------------------- overlap cost
 
-class _Average:
-    """An exponential average of samples (``weight`` for the newest), 0 until the first, which replaces it; under a
-    lock. ``OverlapCost`` and ``LoadFloor`` say what their samples are."""
-
-    def __init__(self, weight: float = EWMA_NEW) -> None:
-        self.weight = float(weight)
-        self._avg = 0.0
-        self._samples = 0
-        self._lock = threading.Lock()
-
-    @property
-    def samples(self) -> int:
-        """Samples folded in so far."""
-        with self._lock:
-            return self._samples
-
-    def _fold(self, sample: float) -> None:
-        """Fold one sample in; the caller holds the lock."""
-        self._avg = sample if self._samples == 0 else (1 - self.weight) * self._avg + self.weight * sample
-        self._samples += 1
-
-
-class OverlapCost(_Average):
+class OverlapCost:
     """What a byte read from a slow tier *under the forward* costs the step beyond the split's own pricing (seconds
     per byte): the exponential average of ``observe``'s excess seconds over the exponential average of their bytes
     (same weight), 0 until one comes.
@@ -240,8 +219,16 @@ class OverlapCost(_Average):
     alone, kept an average of ratios below 0 through a 1.3 GB read 1.1 s over; the split kept loading)."""
 
     def __init__(self, weight: float = EWMA_NEW) -> None:
-        super().__init__(weight)
-        self._bytes = 0.0  # the average of the samples' bytes; ``_avg`` is their excess seconds'
+        self.weight = float(weight)
+        self._avg = self._bytes = 0.0  # the exponential averages of the samples' excess seconds and of their bytes
+        self._samples = 0
+        self._lock = threading.Lock()
+
+    @property
+    def samples(self) -> int:
+        """Samples folded in so far."""
+        with self._lock:
+            return self._samples
 
     @property
     def s_per_byte(self) -> float:
@@ -257,39 +244,54 @@ class OverlapCost(_Average):
         with self._lock:
             w = self.weight if self._samples else 1.0
             self._bytes = (1 - w) * self._bytes + w * float(nbytes)
-            self._fold(float(excess_s))
+            self._avg = (1 - w) * self._avg + w * float(excess_s)
+            self._samples += 1
 
 
-class LoadFloor(_Average):
-    """The time below which a step with in-step loads from the CPU tier does not go (seconds), from the loading steps
-    the caller times and prices (``observe``). An engine that launches its prefill op by op from Python (no CUDA
-    graph, no compilation) spends its host launch on a step of 160 tokens as on one of 1,300 (H200, Llama-3-8B
-    shape, 2026-11-30: loading steps of 22-32 ms by the host's speed against ~27 ms to recompute the whole prompt):
-    the loading step has a floor, and a hit whose recompute costs less than it is better recomputed.
+class LoadFloor:
+    """The time a step with in-step CPU loads does not go below (seconds), from the loading steps the caller times
+    and prices (``observe``): an engine launching its prefill op by op from Python (no CUDA graph, no compilation)
+    spends its launch on 160 tokens as on 1,300 (H200, Llama-3-8B: loading steps of 22-32 ms against ~27 ms to
+    recompute the whole prompt), and a hit whose recompute costs less than the floor is better recomputed. A step that ran well over its price (``FLOOR_BOUND``) sat on the floor or above it: its time is a sample, and the
+    floor is the least of the last ``FLOOR_WINDOW`` samples (0 before the first). A step that ran as priced says
+    only that the floor is not above its time: every sample above it is lowered to it (a faster host, or a compiled
+    engine, whose steps all run as priced: no sample ever, a floor of 0). A phase of large steps bound by their
+    compute leaves the floor as it was. A floor is a step's, not a byte's: it turns down only a hit whose recompute
+    costs less than it, or little more (``gate.RECOMPUTE_MARGIN``).
 
-    A step that ran well over its price (``FLOOR_BOUND``) sat on the floor: its time is a sample of it (the first
-    replaces the start of 0, then an exponential average). A step that ran as priced says only that the floor is
-    not above its time: the floor becomes at most that (a faster host, or a compiled engine, whose steps all run as
-    priced: no floor sample ever, a floor of 0). A phase of large steps bound by their compute leaves a floor
-    measured at low load as it was. A floor is a step's, not a byte's: it turns down only a hit whose recompute
-    costs less than it, or little more (``gate.RECOMPUTE_MARGIN``)."""
+    Why the least, not an average: what lifts a step above the floor passes (the engine's first loading step pays
+    one-time costs; a host's launches ran at two speeds for seconds at a time: H200, uncompiled Llama-3-8B, round 21,
+    1,152-token steps launched in 17 ms, then 37 ms for 30 steps). Round 21's starts whose first loading steps ran
+    54, 36, 19 ms averaged a 42-45 ms floor over the hits' 31 ms recompute and recomputed 12 of 16 hits (c1 TTFT
+    p50 46.6-51.6 ms; the start with a 24 ms floor loaded all: 35.9 ms; no connector 39.0-42.5 ms)."""
+
+    def __init__(self) -> None:
+        self._window: deque[float] = deque(maxlen=FLOOR_WINDOW)
+        self._samples = 0
+        self._lock = threading.Lock()
+
+    @property
+    def samples(self) -> int:
+        """Loading steps that ran well over their price (samples of the floor), since the start."""
+        with self._lock:
+            return self._samples
 
     @property
     def seconds(self) -> float:
         """The floor in use (0: none seen)."""
         with self._lock:
-            return self._avg
+            return min(self._window, default=0.0)
 
     def observe(self, seconds: float, priced_s: float) -> None:
-        """A step with in-step CPU loads ran ``seconds``; its compute and its plans' exposure price ``priced_s``.
-        ``samples`` counts the steps that sat on the floor."""
+        """A step with in-step CPU loads ran ``seconds``; its compute and its plans' exposure price ``priced_s``."""
         if seconds <= 0:
             return
         with self._lock:
             if seconds > FLOOR_BOUND * max(0.0, priced_s):
-                self._fold(float(seconds))
-            else:
-                self._avg = min(self._avg, seconds)
+                self._window.append(float(seconds))
+                self._samples += 1
+            elif self._window:
+                self._window = deque((min(t, seconds) for t in self._window), maxlen=FLOOR_WINDOW)
 
 
 # ---------------------------------------------------------------------------------------------- prefill model
