@@ -364,7 +364,7 @@ def test_a_near_tie_with_the_load_floor_recomputes(floor_ms, outcome):
 
 def test_a_cold_first_loading_step_does_not_make_the_hits_recompute():
     """H200, uncompiled Llama-3-8B c1, round 21: loading steps of 54 ms (the engine's first), 36 and 19 ms made an
-    averaged floor of 42 ms, over the 31.8 ms a hit's recompute costs, and the hits after them recomputed (c1 1.16x
+    averaged floor of 42 ms, over the ~31 ms a hit's recompute costs, and the hits after them recomputed (c1 1.16x
     of no connector). The floor is the least of the latest loading steps: the hits load; when every loading step
     runs slow (34 ms, a host's slow phase) they recompute again."""
     g = _fitted_gate()

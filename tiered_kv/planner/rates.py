@@ -82,8 +82,8 @@ WINDOW, HALF_LIFE = 128, 32.0
 MIN_SAMPLES, REFIT_EVERY, SCALE_SAMPLES = 8, 8, 4
 #: Ridge weight toward the start model, per unit of (equilibrated) sample weight.
 RIDGE = 1e-3
-#: A loading step over this many times its priced time sat on the floor (an eager launch); the floor is the least of
-#: this many latest such steps (``LoadFloor``).
+#: A loading step over this many times its priced time sat on the floor or above it (an eager launch); the floor is
+#: the least of this many latest such steps (``LoadFloor``).
 FLOOR_BOUND, FLOOR_WINDOW = 1.2, 4
 #: Tukey's biweight constant (95% efficiency under normal noise), the rounds of reweighting, and the
 #: smallest residual scale (relative): below 1% noise every sample is trusted as if it had 1%.
@@ -252,18 +252,18 @@ class LoadFloor:
     """The time a step with in-step CPU loads does not go below (seconds), from the loading steps the caller times
     and prices (``observe``): an engine launching its prefill op by op from Python (no CUDA graph, no compilation)
     spends its launch on 160 tokens as on 1,300 (H200, Llama-3-8B: loading steps of 22-32 ms against ~27 ms to
-    recompute the whole prompt), and a hit whose recompute costs less than the floor is better recomputed. A step that ran well over its price (``FLOOR_BOUND``) sat on the floor or above it: its time is a sample, and the
-    floor is the least of the last ``FLOOR_WINDOW`` samples (0 before the first). A step that ran as priced says
+    recompute the whole prompt), and a hit whose recompute costs less than the floor is better recomputed. A step
+    that ran well over its price (``FLOOR_BOUND``) sat on the floor or above it: its time is a sample, and the floor
+    is the least of the last ``FLOOR_WINDOW`` samples (0 before the first). A step that ran as priced says
     only that the floor is not above its time: every sample above it is lowered to it (a faster host, or a compiled
     engine, whose steps all run as priced: no sample ever, a floor of 0). A phase of large steps bound by their
     compute leaves the floor as it was. A floor is a step's, not a byte's: it turns down only a hit whose recompute
     costs less than it, or little more (``gate.RECOMPUTE_MARGIN``).
 
-    Why the least, not an average: what lifts a step above the floor passes (the engine's first loading step pays
-    one-time costs; a host's launches ran at two speeds for seconds at a time: H200, uncompiled Llama-3-8B, round 21,
-    1,152-token steps launched in 17 ms, then 37 ms for 30 steps). Round 21's starts whose first loading steps ran
-    54, 36, 19 ms averaged a 42-45 ms floor over the hits' 31 ms recompute and recomputed 12 of 16 hits (c1 TTFT
-    p50 46.6-51.6 ms; the start with a 24 ms floor loaded all: 35.9 ms; no connector 39.0-42.5 ms)."""
+    Why the least, not an average: what lifts a step above the floor passes (an engine's first loading step; a host
+    launching at two speeds, seconds at a time: H200, uncompiled Llama-3-8B, round 21). Round 21's starts whose first
+    loading steps ran 54, 36, 19 ms averaged a 42-45 ms floor over the hits' 31 ms recompute, recomputed 12 of 16 hits
+    and ran c1 at 46.6-51.6 ms (TTFT p50); the start with a 24 ms floor loaded all: 35.9; no connector 39.0-42.5."""
 
     def __init__(self) -> None:
         self._window: deque[float] = deque(maxlen=FLOOR_WINDOW)
