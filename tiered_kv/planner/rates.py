@@ -199,7 +199,21 @@ class ReadRate:
 
 # ---------------------------------------------------------------------------------------------- overlap cost
 
-class OverlapCost:
+class _Sampled:
+    """A lock and a count of the samples folded in (``OverlapCost``, ``LoadFloor`` say what a sample is)."""
+
+    def __init__(self) -> None:
+        self._samples = 0
+        self._lock = threading.Lock()
+
+    @property
+    def samples(self) -> int:
+        """Samples folded in so far."""
+        with self._lock:
+            return self._samples
+
+
+class OverlapCost(_Sampled):
     """What a byte read from a slow tier *under the forward* costs the step beyond the split's own pricing (seconds
     per byte): the exponential average of ``observe``'s excess seconds over the exponential average of their bytes
     (same weight), 0 until one comes.
@@ -219,16 +233,9 @@ class OverlapCost:
     alone, kept an average of ratios below 0 through a 1.3 GB read 1.1 s over; the split kept loading)."""
 
     def __init__(self, weight: float = EWMA_NEW) -> None:
+        super().__init__()
         self.weight = float(weight)
         self._avg = self._bytes = 0.0  # the exponential averages of the samples' excess seconds and of their bytes
-        self._samples = 0
-        self._lock = threading.Lock()
-
-    @property
-    def samples(self) -> int:
-        """Samples folded in so far."""
-        with self._lock:
-            return self._samples
 
     @property
     def s_per_byte(self) -> float:
@@ -248,7 +255,7 @@ class OverlapCost:
             self._samples += 1
 
 
-class LoadFloor:
+class LoadFloor(_Sampled):
     """The time a step with in-step CPU loads does not go below (seconds), from the loading steps the caller times
     and prices (``observe``): an engine launching its prefill op by op from Python (no CUDA graph, no compilation)
     spends its launch on 160 tokens as on 1,300 (H200, Llama-3-8B: loading steps of 22-32 ms against ~27 ms to
@@ -266,15 +273,8 @@ class LoadFloor:
     and ran c1 at 46.6-51.6 ms (TTFT p50); the start with a 24 ms floor loaded all: 35.9; no connector 39.0-42.5."""
 
     def __init__(self) -> None:
-        self._window: deque[float] = deque(maxlen=FLOOR_WINDOW)
-        self._samples = 0
-        self._lock = threading.Lock()
-
-    @property
-    def samples(self) -> int:
-        """Loading steps that ran well over their price (samples of the floor), since the start."""
-        with self._lock:
-            return self._samples
+        super().__init__()
+        self._window: deque[float] = deque(maxlen=FLOOR_WINDOW)  # the latest samples: loading steps over their price
 
     @property
     def seconds(self) -> float:
