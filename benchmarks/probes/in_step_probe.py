@@ -12,7 +12,10 @@ the CPU tier, with its column ranges as the driver's batched 2-D copies, off by 
 
 - ``call_ms``: host time of the call (what the forward's launch waits for);
 - ``first_ms`` / ``landed_ms``: GPU time from the submission point to the first / last group landed;
-- ``gbps``: bytes / ``landed_ms``.
+- ``gbps``: bytes / ``landed_ms``;
+- ``cold_call_ms`` / ``cold_landed_ms``: the same of each case's first call, left out of the medians (the first
+  case's is the process's first in-step load through a new copier: what an engine's first loading step pays on
+  our side; round 21 saw that step 54 ms against 19-36 later).
 
 Prints a table and writes ``in_step_probe.json`` to ``$OUT`` (default: current directory).
 Usage: ``python3 benchmarks/probes/in_step_probe.py``. Threading: a script; main thread only.
@@ -78,13 +81,15 @@ def measure(copier: BlockCopier, slots, ids, groups, mech: Mechanism, per_group:
         res[-1].wait_on(aux)
         last.record(aux)
         last.synchronize()
-        if rep:  # the first call warms up
+        if not rep:  # the first call warms up: kept apart
+            cold = {"cold_call_ms": round(call, 3), "cold_landed_ms": round(start.elapsed_time(last), 3)}
+        else:
             calls.append(call)
             firsts.append(start.elapsed_time(first))
             lasts.append(start.elapsed_time(last))
     med = statistics.median
     return {"call_ms": round(med(calls), 3), "first_ms": round(med(firsts), 3), "landed_ms": round(med(lasts), 3),
-            "gbps": round(N * copier.layout.block_nbytes / med(lasts) / 1e6, 1)}
+            "gbps": round(N * copier.layout.block_nbytes / med(lasts) / 1e6, 1), **cold}
 
 
 def main() -> None:
@@ -139,7 +144,8 @@ def main() -> None:
         copier.close()
         del layout
         torch.cuda.empty_cache()
-    cols = ["kv", "groups", "mechanism", "calls", "slots", "call_ms", "first_ms", "landed_ms", "gbps"]
+    cols = ["kv", "groups", "mechanism", "calls", "slots", "call_ms", "first_ms", "landed_ms", "gbps", "cold_call_ms",
+            "cold_landed_ms"]
     emit("in_step_probe", rows, cols)
 
 if __name__ == "__main__":
