@@ -184,6 +184,50 @@ def test_cpu_hits_recompute_where_loading_steps_have_a_floor(model_dir, tmp_path
         eng.close()
 
 
+def test_a_cold_first_loading_step_leaves_cpu_hits_loading_until_slow_steps_fill_the_window(model_dir, tmp_path,
+                                                                                              monkeypatch):
+    """H200, uncompiled Llama-3-8B c1, round 21: the engine's first loading step ran 54 ms, the next ones 19-36; an
+    averaged floor stayed over the hits' recompute and 12 of 16 hits recomputed. On vLLM's real Scheduler, the
+    workers time the first loading step 100 ms over its price and the next ones 4 ms over (a loading step here is
+    priced ~1.5 ms, the hit's recompute ~10 ms): the next hits keep loading; once ``FLOOR_WINDOW`` loading steps in a
+    row ran 50 ms over, the next hit recomputes."""
+    from tiered_kv.connector.vllm.forward_clock import ForwardClock
+    from tiered_kv.planner.gate import FLOOR_MIN_SAMPLES
+    from tiered_kv.planner.rates import FLOOR_WINDOW
+
+    loaded_steps = []
+
+    def slowdown() -> float:
+        n = len(loaded_steps)
+        loaded_steps.append(n)
+        return 0.100 if n == 0 else 0.004 if n <= FLOOR_MIN_SAMPLES else 0.050
+
+    take = ForwardClock.take
+    monkeypatch.setattr(ForwardClock, "take", lambda self: {s: (t + slowdown() if loaded else t, loaded)
+                                                            for s, (t, loaded) in take(self).items()})
+    eng = Engine.create(model_dir, cfg(tmp_path, disk_path=None, disk_bytes=0, write_policy="write_back",
+                                       cpu_bytes=64 * CHUNK_BYTES), num_blocks=NUM_BLOCKS)
+    try:
+        more = prompt(23, 40)
+        _serve_mixed_prompts(eng, 16, seed=8)
+        _wait_fitted(eng)
+        for k in range(FLOOR_MIN_SAMPLES + 1 + FLOOR_WINDOW):  # the first, three fast, then slow loading steps
+            a = prompt(60 + k, 4 * CHUNK + 4)
+            _turn(eng, f"a{k}", a)
+            _turn(eng, f"a{k}-2", a + more)
+            assert eng.cached_at_start[f"a{k}-2"] == 4 * CHUNK, (k, eng.connector.stats())
+        st = eng.connector.stats()
+        assert st["prefill_steps_priced"] == len(loaded_steps) == FLOOR_MIN_SAMPLES + 1 + FLOOR_WINDOW, st
+        assert st["sched_cpu_hits_recomputed"] == 0 and st["cpu_load_floor_s"] > 0.04, st
+        b = prompt(22, 4 * CHUNK + 4)
+        _turn(eng, "b", b)
+        _turn(eng, "b2", b + more)
+        assert eng.cached_at_start["b2"] == 0, eng.connector.stats()
+        assert eng.connector.stats()["sched_cpu_hits_recomputed"] == 1
+    finally:
+        eng.close()
+
+
 # ---------------------------------------------------------------------------------------------- the learned model
 
 #: the harness's "GPU": 1 ms a step, 50k tokens/s at short context, attention doubling a token's cost at 3k
