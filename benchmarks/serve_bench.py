@@ -704,7 +704,7 @@ def phase_record(ph, run, before: dict, after: dict, spec) -> dict:
     errors = sorted({r.error for r in run.results if r.error})[:3]
     return {"name": ph.name, "concurrency": ph.concurrency, "truncated": run.truncated,
             **stats.summarize(results, run.wall_s), "error_samples": errors,
-            "sources": stats.token_sources(vdelta),
+            "sources": stats.token_sources(vdelta), "engine_ms": stats.engine_times(vdelta),
             "tiers": stats.tier_hits(tdelta, spec.chunk_tokens) if spec.metrics_port else {},
             "worker_time": stats.worker_time(tdelta, vdelta), "load_costs": stats.load_costs(tdelta),
             "vllm_metrics": vdelta, "tiered_kv_metrics": tdelta,
@@ -718,8 +718,14 @@ def _print_phase(mode: str, r: dict) -> None:
     print(f"[{mode}] {r['name']:>6}: {r['requests']} req ({r['errors']} err) in {r['wall_s']:.1f} s | TTFT ms p50 "
           f"{r['ttft_ms']['p50']} p90 {r['ttft_ms']['p90']} p99 {r['ttft_ms']['p99']} | ITL p50 {r['itl_ms']['p50']} ms "
           f"| {r['output_tok_s']} tok/s | tokens computed {src['computed']:.0f} gpu {src['gpu_hit']:.0f} "
-          f"connector {src['connector_hit']:.0f} {tiers}{_worker_line(r.get('worker_time'))}"
+          f"connector {src['connector_hit']:.0f} {tiers}{_engine_line(r.get('engine_ms'))}"
+          f"{_worker_line(r.get('worker_time'))}"
           f"{_cost_line(r.get('load_costs'))}", flush=True)
+
+
+def _engine_line(e: dict | None) -> str:
+    """`` | vLLM prefill X ms (mean)``, where the server's histograms moved (``stats.engine_times``)."""
+    return f" | vLLM prefill {e['prefill']:.1f} ms (mean)" if e and "prefill" in e else ""
 
 
 def _cost_line(c: dict | None) -> str:
