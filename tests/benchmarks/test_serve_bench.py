@@ -229,7 +229,7 @@ def test_prometheus_deltas_sources_and_tiers():
 
 def test_engine_times_are_the_phase_means_of_vllms_histograms():
     """``stats.engine_times``: the mean of each request-time histogram over the phase (sum / count of the delta), in
-    ms; a histogram that did not move is left out. Round 21's warm-phase prefill: 2.33 s over 64 requests."""
+    ms; a histogram that did not move is left out."""
     before = {"vllm:request_prefill_time_seconds_sum": 10.0, "vllm:request_prefill_time_seconds_count": 300.0,
               "vllm:request_queue_time_seconds_sum": 0.5, "vllm:request_queue_time_seconds_count": 300.0}
     after = {"vllm:request_prefill_time_seconds_sum": 12.33, "vllm:request_prefill_time_seconds_count": 364.0,
