@@ -14,8 +14,9 @@ the CPU tier, with its column ranges as the driver's batched 2-D copies, off by 
 - ``first_ms`` / ``landed_ms``: GPU time from the submission point to the first / last group landed;
 - ``gbps``: bytes / ``landed_ms``;
 - ``cold_call_ms`` / ``cold_landed_ms``: the same of each case's first call, left out of the medians (the first
-  case's is the process's first in-step load through a new copier: what an engine's first loading step pays on
-  our side; round 21 saw that step 54 ms against 19-36 later).
+  case's is the process's first in-step load through a new copier, a hint of what an engine's first loading step
+  pays on our side; round 21 saw that step 54 ms against 19-36 later, a per-layer cache, ~151 MB, pipelined groups,
+  where the first case here is cross-layer, 1 GiB, one group).
 
 Prints a table and writes ``in_step_probe.json`` to ``$OUT`` (default: current directory).
 Usage: ``python3 benchmarks/probes/in_step_probe.py``. Threading: a script; main thread only.
@@ -61,7 +62,7 @@ def measure(copier: BlockCopier, slots, ids, groups, mech: Mechanism, per_group:
     layer group, as a pipelined in-step load submits them, with the ids checked once (``load_indices``); ``call_ms``
     is then the host time of all the calls together."""
     stream = torch.cuda.current_stream()
-    calls, firsts, lasts = [], [], []
+    calls, firsts, lasts, cold = [], [], [], {}
     for rep in range(REPS + 1):
         torch.cuda.synchronize()
         start = torch.cuda.Event(enable_timing=True)

@@ -139,13 +139,15 @@ ENGINE_TIMES = {"queue": "vllm:request_queue_time_seconds", "prefill": "vllm:req
 def engine_times(vllm_delta: dict[str, float]) -> dict[str, float]:
     """The engine's own mean times of a phase's requests (ms): queued, prefill (scheduled to first token), TTFT as
     the server saw it, decode; from the histograms' sums and counts (a time whose histogram did not move is left
-    out). The prefill time is what a connector's work inside the engine adds to, apart from the client's and the
-    HTTP server's share of the TTFT (round 20 compared modes by it)."""
+    out), with ``n``, the requests they count: one more than the phase's, as ``serve_bench`` sends its 16-token
+    flush request before it scrapes (every mode the same). The prefill time is what a connector's work inside the
+    engine adds to, apart from the client's and the HTTP server's share of the TTFT (round 20 compared modes by it)."""
     out = {}
     for name, metric in ENGINE_TIMES.items():
         count = vllm_delta.get(metric + "_count", 0.0)
         if count > 0:
             out[name] = round(vllm_delta.get(metric + "_sum", 0.0) / count * 1e3, 3)
+            out.setdefault("n", count)
     return out
 
 

@@ -235,7 +235,7 @@ def test_engine_times_are_the_phase_means_of_vllms_histograms():
     after = {"vllm:request_prefill_time_seconds_sum": 12.33, "vllm:request_prefill_time_seconds_count": 364.0,
              "vllm:request_queue_time_seconds_sum": 0.5, "vllm:request_queue_time_seconds_count": 300.0,
              "vllm:time_to_first_token_seconds_sum": 2.624, "vllm:time_to_first_token_seconds_count": 64.0}
-    assert stats.engine_times(stats.prom_delta(before, after)) == {"prefill": pytest.approx(36.406),
+    assert stats.engine_times(stats.prom_delta(before, after)) == {"prefill": pytest.approx(36.406), "n": 64.0,
                                                                    "ttft": pytest.approx(41.0)}
     assert stats.engine_times({}) == {}
 

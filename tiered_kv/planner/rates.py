@@ -268,9 +268,9 @@ class LoadFloor(_Sampled):
     costs less than it, or little more (``gate.RECOMPUTE_MARGIN``).
 
     Why the least, not an average: what lifts a step above the floor passes (an engine's first loading step; a host
-    launching at two speeds, seconds at a time: H200, uncompiled Llama-3-8B, round 21). Round 21's starts whose first
-    loading steps ran 54, 36, 19 ms averaged a 42-45 ms floor over the hits' 31 ms recompute, recomputed 12 of 16 hits
-    and ran c1 at 46.6-51.6 ms (TTFT p50); the start with a 24 ms floor loaded all: 35.9; no connector 39.0-42.5."""
+    launching at two speeds, seconds at a time: H200, uncompiled Llama-3-8B, round 21). Three round-21 starts (the
+    traced one's first loading steps: 54, 36, 19 ms) averaged 42-45 ms floors over the hits' 31 ms recompute, recomputed
+    12 of 16 hits, c1 TTFT p50 46.6-51.6 ms; the start with a 24 ms floor loaded all: 35.9; no connector 39.0-42.5."""
 
     def __init__(self) -> None:
         super().__init__()
