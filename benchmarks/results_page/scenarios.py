@@ -678,8 +678,8 @@ def remote_ranges(r: Result) -> str:
                                     f"{d['groups']} layer groups.\n")
 
 
-
 def aio_lanes(r: Result) -> str:
+    """The AIO lanes probe's rows: read rate, group 0's readiness and step time per step size, reader and load."""
     d = r.doc
     rows = [[x["step_bytes"] >> 20, x["reader"], "yes" if x["busy"] else "no", num(x["read_GBps"], 2),
              num(x["group0_ms"], 1), num(x["wall_ms"], 1), x["reps"]] for x in d["rows"]]

@@ -234,14 +234,15 @@ class LoadPlanner:
             nbytes = rep.nbytes // max(1, rep.count) if self.geo.replicated else rep.nbytes
             self._gate.observe_reads({self._tier_names[job.src_tier]: nbytes}, rep.seconds)
             c = self.counters  # what each kind of read showed (PlannerCounters), as ``observe_reads`` takes them
-            if nbytes > 0 and rep.seconds > 0 and egress:
-                c.rate_reads_gpu += 1
-                c.rate_read_bytes_gpu += nbytes
-                c.rate_read_seconds_gpu += rep.seconds
-            elif nbytes > 0 and rep.seconds > 0:
-                c.rate_reads_cpu += 1
-                c.rate_read_bytes_cpu += nbytes
-                c.rate_read_seconds_cpu += rep.seconds
+            if nbytes > 0 and rep.seconds > 0:
+                if egress:
+                    c.rate_reads_gpu += 1
+                    c.rate_read_bytes_gpu += nbytes
+                    c.rate_read_seconds_gpu += rep.seconds
+                else:
+                    c.rate_reads_cpu += 1
+                    c.rate_read_bytes_cpu += nbytes
+                    c.rate_read_seconds_cpu += rep.seconds
 
     def write_done(self, job: TransferJob, rep: JobReport) -> None:
         """A demotion or write-through (CPU tier -> disk or remote) completed on every rank: before the tier's first
