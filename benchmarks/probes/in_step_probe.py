@@ -18,8 +18,14 @@ the CPU tier, with its column ranges as the driver's batched 2-D copies, off by 
   pays on our side; round 21 saw that step 54 ms against 19-36 later, a per-layer cache, ~151 MB, pipelined groups,
   where the first case here is cross-layer, 1 GiB, one group).
 
-Prints a table and writes ``in_step_probe.json`` to ``$OUT`` (default: current directory).
-Usage: ``python3 benchmarks/probes/in_step_probe.py``. Threading: a script; main thread only.
+``--warm``: each copier first runs ``copy.warm_copy_paths`` (what the vLLM connector does at start-up: the copiers
+prepared, one block's round trip through a private slab; ``warmed_ms`` in the JSON, None where it failed), so the
+first row's cold columns say what that leaves of a process's first in-step load (run it in its own process: the
+cold columns are a process's first calls).
+
+Prints a table and writes ``in_step_probe.json`` to ``$OUT`` (default: current directory; ``--warm``:
+``in_step_probe_warm.json``). Usage: ``python3 benchmarks/probes/in_step_probe.py [--warm]``. Threading: a script;
+main thread only.
 """
 from __future__ import annotations
 
@@ -34,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import tiered_kv.copy.staged as staged_mod  # noqa: E402
-from tiered_kv.copy import BlockCopier, Mechanism, vllm_layer_layout  # noqa: E402
+from tiered_kv.copy import BlockCopier, Mechanism, allocate_slab, vllm_layer_layout, warm_copy_paths  # noqa: E402
 from tiered_kv.copy.testing import storages  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -44,6 +50,7 @@ SHAPE = LLAMA3_8B
 N = 512
 CHUNK = 16  # a 256-token chunk of 16-token blocks: the slots a chunk takes in the CPU tier are adjacent
 REPS = 7
+WARM = "--warm" in sys.argv[1:]
 
 
 def kv_views(cross_layer: bool) -> list[torch.Tensor]:
@@ -99,7 +106,7 @@ def main() -> None:
     block = 2 << 20
     slab = torch.empty((2 * N, block), dtype=torch.uint8, pin_memory=True)
     slab.random_(0, 256)
-    rows = []
+    rows, warmed_ms = [], []
     for cross in (True, False):
         layout = vllm_layer_layout(kv_views(cross), "vllm")
         for flat in storages(layout):
@@ -110,6 +117,12 @@ def main() -> None:
         chunked = (torch.randperm(slab.shape[0] // CHUNK, generator=gen)[:N // CHUNK][:, None] * CHUNK
                    + torch.arange(CHUNK)).reshape(-1)
         copier = BlockCopier(layout, slab, threaded_submit=False)
+        if WARM:  # as the connector does at start-up (its scratch copiers: a private slab)
+            scratch = BlockCopier(layout, allocate_slab(1, layout.block_nbytes, pin=True))
+            seconds = warm_copy_paths([copier], [scratch], "auto", "in_step_probe")
+            warmed_ms.append(None if seconds is None else round(seconds * 1e3, 1))
+            print("warm-up FAILED (see the log): the cold columns are unwarmed" if seconds is None
+                  else f"warmed in {warmed_ms[-1]} ms", flush=True)
         for count in (1, 4, 8, 16, 32):
             per = SHAPE.layers // count
             groups = [(a, a + per) for a in range(0, SHAPE.layers, per)]
@@ -147,7 +160,11 @@ def main() -> None:
         torch.cuda.empty_cache()
     cols = ["kv", "groups", "mechanism", "calls", "slots", "call_ms", "first_ms", "landed_ms", "gbps", "cold_call_ms",
             "cold_landed_ms"]
-    emit("in_step_probe", rows, cols)
+    if WARM:
+        emit("in_step_probe_warm", rows, cols, command="python3 benchmarks/probes/in_step_probe.py --warm",
+             warmed_ms=warmed_ms)
+    else:
+        emit("in_step_probe", rows, cols)
 
 if __name__ == "__main__":
     main()

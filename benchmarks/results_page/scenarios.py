@@ -131,7 +131,8 @@ CONTROL_MODES = {**SERVE_MODES, "none-resident": "`none-resident` (the floor; on
                  "tiered-notail": "ours, tail pieces off (`tail_chunks: false`: hits end at a whole chunk)",
                  "tiered-tails": "ours, tail pieces on sliding-window hybrids too (`tail_chunks: true`)",
                  "tiered-fe": "ours, stores copied from the forward's end (`store_start: forward_end`, the old order)",
-                 "tiered-hold": "ours, stores held to the next step without the sleep kernel (code c7aee46)"}
+                 "tiered-hold": "ours, stores held to the next step without the sleep kernel (code c7aee46)",
+                 "tiered-ewma": "ours, the load floor an average of the loading steps (code up to c0a1cbb)"}
 
 
 def serve_configs(results: list[Result]) -> str:
@@ -521,7 +522,14 @@ def in_step_probe(r: Result) -> str:
     rows = [[kv, g, *(cell((kv, g, *c[:3])) for c in cols)]
             for kv, g in dict.fromkeys((x["kv"], x["groups"]) for x in r.doc["rows"])]
     head = ["KV tensors", "groups", *(f"{c[3]}: call / landed ms (GB/s)" for c in cols)]
-    return table(head, rows)
+    first = r.doc["rows"][0] if r.doc["rows"] else {}
+    cold = "" if "cold_call_ms" not in first else (
+        f"\nThe process's first in-step load ({first['mechanism'].replace('_', ' ')}, {first['kv']}, {first['groups']} "
+        f"group{'s' if first['groups'] > 1 else ''}, a new copier"
+        f"{', warmed at start-up' if r.name.startswith('in_step_probe_warm') else ''}): "
+        f"call {num(first['cold_call_ms'])} ms, landed {num(first['cold_landed_ms'])} ms, against "
+        f"{num(first['call_ms'])} / {num(first['landed_ms'])} ms for the same load later.\n")
+    return table(head, rows) + cold
 
 
 HOST_MEMORY = {"torch_pinned": "torch `pin_memory=True`", "tier_4k": "our CPU tier (`cudaHostRegister`)",

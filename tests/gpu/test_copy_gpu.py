@@ -238,3 +238,38 @@ def test_warmed_sm_kernel_compiles_nothing_at_the_first_load():
     _check_storages_equal(gpu, cpu)
     assert _compiled_kernels() == before
     copier.close()
+
+
+@pytest.mark.parametrize("case", all_cases(), ids=lambda c: c.name)
+@pytest.mark.parametrize("choice", ["auto", "copy_engine", "staged"])
+def test_warm_copy_paths_binds_the_first_loads_costs_and_keeps_the_kv(case, choice, caplog):
+    """``warm_copy_paths`` on CUDA: every byte of the engine's KV and of the CPU tier's slab unchanged; the copier
+    holds its streams, submitter threads and the chosen mechanisms' driver entry points before any load; the round
+    trip ran by each chosen mechanism (the log says which) and left the scratch copier no staging buffer."""
+    import logging
+
+    from tiered_kv.copy import warm_copy_paths
+
+    gen = torch.Generator().manual_seed(11)
+    gpu, _ = _twins(case, SHAPE, torch.bfloat16, gen)
+    before = [flat.clone() for flat in storages(gpu)]
+    tier = _random_slab(8, gpu.block_nbytes, gen)
+    tier_before = tier.clone()
+    copier = BlockCopier(gpu, tier)
+    scratch = BlockCopier(gpu, allocate_slab(1, gpu.block_nbytes, pin=True))
+    try:
+        with caplog.at_level(logging.INFO, logger="tiered_kv.copy.copier"):
+            assert warm_copy_paths([copier], [scratch], choice, "test") is not None
+        torch.cuda.synchronize()
+        assert all(torch.equal(f, b) for f, b in zip(storages(gpu), before))
+        assert torch.equal(tier, tier_before)
+        back = {"auto": "copy_engine, staged", "copy_engine": "copy_engine", "staged": "staged"}[choice]
+        assert any(f"round trip by {back})" in r.message for r in caplog.records)
+        assert set(copier._lanes._streams) == {False, True} and set(copier._lanes._submitters) == {False, True}
+        assert all(s._thread is not None and s._thread.is_alive() for s in copier._lanes._submitters.values())
+        assert (copier._gpu._batch is not None) == (choice in ("auto", "copy_engine"))
+        assert (copier._staged is not None and copier._staged._rect2d is not None) == (choice in ("auto", "staged"))
+        assert scratch._staged is None
+    finally:
+        copier.close()
+        scratch.close()

@@ -20,7 +20,7 @@ Importing this package needs torch only: CUDA, Triton and cuda-python are
 imported on first use. Threading contracts are in each module's docstring.
 """
 
-from tiered_kv.copy.copier import BlockCopier, allocate_slab, warm_sm_kernel
+from tiered_kv.copy.copier import BlockCopier, allocate_slab, prepare_copier, warm_copy_paths, warm_sm_kernel
 from tiered_kv.copy.errors import BackendUnavailableError, BlockIndexError, CopyLaunchError, LayoutError
 from tiered_kv.copy.layouts import (
     KVLayout,
@@ -61,5 +61,7 @@ __all__ = [
     "split_runs",
     "vllm_cross_layer_layout",
     "vllm_layer_layout",
+    "prepare_copier",
+    "warm_copy_paths",
     "warm_sm_kernel",
 ]

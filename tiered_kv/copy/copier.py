@@ -41,6 +41,7 @@ touches it, so a call can never resize it under a load the submitter is still qu
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -84,6 +85,73 @@ def warm_sm_kernel(copiers: Sequence["BlockCopier"], who: str) -> set[tuple[int,
         return set()
     log.info("%s: SM-kernel copy compiled for (word bytes, loop step) %s in %.2f s", who, sorted(variants), seconds)
     return variants
+
+
+def prepare_copier(copier: "BlockCopier", mechanisms: Sequence[Mechanism]) -> set[Mechanism]:
+    """Create now what ``copier``'s first loads by ``mechanisms`` would create inside an engine step: both side
+    streams and submitter threads, the driver's batched copy (``COPY_ENGINE``: cuda-python's import,
+    ``cuGetProcAddress``), the staged loader with its DMA entry points and scatter kernel lookup (``STAGED``; its
+    device buffer still comes with the first load, at the size that load needs). Copies nothing; nothing to create
+    on CPU layouts. Returns the mechanisms ready: one whose entry point cannot be bound (no cuda-python, an old
+    driver) is logged and left out, as its first copy would fall back. ``CopyLaunchError`` when a submitter
+    thread does not start."""
+    if not copier._on_cuda:
+        return set(mechanisms)
+    for to_cpu in (False, True):
+        copier._lanes.prepare(to_cpu)
+    ready = set()
+    for m in mechanisms:
+        try:
+            if m is Mechanism.COPY_ENGINE:
+                copier._gpu.prepare()
+            elif m is Mechanism.STAGED:
+                copier._staged_loader().prepare()
+            ready.add(m)
+        except BackendUnavailableError as exc:
+            log.info("copier on %s: %s not prepared (%s)", copier.layout.device, m.value, exc)
+    return ready
+
+
+def warm_copy_paths(copiers: Sequence["BlockCopier"], scratch: Sequence["BlockCopier"], choice: str,
+                    who: str) -> float | None:
+    """Pay at start-up what the first copies of ``choice`` (``"auto"``: the copy engine and the staged load; else
+    one ``Mechanism`` value) would pay inside an engine step: ``prepare_copier`` for each of ``copiers`` and
+    ``scratch``, then one block's round trip through each of ``scratch`` (block 0 to slot 0, and back by each
+    mechanism ready; on CPU layouts by the CPU path, or the staged one when ``choice`` names it), whose first
+    kernels and driver calls load what later copies in the process reuse. The in-step probe's first copy-engine
+    load in a new process held its thread 20 ms against 1 ms warm (H200, 2026-11-30). ``scratch``: copiers over
+    a private slab, one per layout of ``copiers`` (never the CPU tier's, which other processes may share); block
+    0 gets its own bytes back. The SM kernel is compiled apart (``warm_sm_kernel``). Returns the seconds taken, or
+    None when it failed: logged, not raised (the first copies then pay as before)."""
+    t0 = time.perf_counter()
+    back: list[Mechanism] = []
+    try:
+        wanted = [Mechanism.COPY_ENGINE, Mechanism.STAGED] if choice == "auto" else [Mechanism(choice)]
+        ready = {m for m in wanted if m is not Mechanism.SM_KERNEL}
+        for copier in (*copiers, *scratch):
+            ready &= prepare_copier(copier, sorted(ready, key=lambda m: m.value))
+        back = sorted(ready, key=lambda m: m.value) if scratch else []
+        for s in scratch:
+            try:
+                s.gpu_to_cpu([0], [0]).wait()
+            except BackendUnavailableError as exc:  # no driver entry points (no cuda-python): nothing to warm
+                log.info("%s: no round trip at start-up (%s)", who, exc)
+                back = []
+                break
+            groups = [(t, t + 1) for t in range(len(s.layout.tensors))]  # as an in-step load goes: layer by layer
+            if s.layout.device.type != "cuda":
+                back = [Mechanism.STAGED if choice == "staged" else Mechanism.CPU]
+            for m in back:
+                for res in s.cpu_to_gpu_grouped([0], [0], groups, mechanism=m):
+                    res.wait()
+            s._staged = None  # its one-block device buffer (the loader comes back at a staged load's first use)
+    except Exception as exc:  # noqa: BLE001 - a warm-up must not stop the engine
+        log.warning("%s: the copy paths did not warm up at start-up (%r); the first copies pay for it", who, exc)
+        return None
+    seconds = time.perf_counter() - t0
+    log.info("%s: copy paths warmed in %.1f ms (round trip by %s)", who, seconds * 1e3,
+             ", ".join(m.value for m in back) or "none")
+    return seconds
 
 
 def allocate_slab(num_slots: int, block_nbytes: int, pin: bool | None = None) -> torch.Tensor:

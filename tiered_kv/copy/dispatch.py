@@ -197,6 +197,11 @@ class GpuDispatcher:
             self._rect = RectMemcpy(self.layout.device)
         return int(self.rect_table.pitch.max()) <= self._rect.max_pitch
 
+    def prepare(self) -> None:
+        """Bind the driver's batched copy (``engine.BatchMemcpy``: cuda-python's import, ``cuGetProcAddress``) now,
+        not at the first copy-engine copy; ``BackendUnavailableError`` where it cannot be bound."""
+        self._batch_engine()
+
     def _batch_engine(self) -> BatchMemcpy:
         if self._batch is None:
             from tiered_kv.copy.engine import BatchMemcpy

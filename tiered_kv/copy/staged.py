@@ -405,6 +405,13 @@ class StagedLoader:
             staging[d:d + h * width].view(h, width).copy_(self.slab[r:r + h, c0:c1])
         return len(todo)
 
+    def prepare(self) -> None:
+        """On CUDA, bind now what the first load binds (the driver's 2-D and batched copies, the Triton scatter's
+        lookup), so no engine step pays for it; nothing on the CPU. Any thread, before the loads start."""
+        if self._on_cuda:
+            self._engines()
+            self._scatter_launcher()
+
     def _engines(self) -> None:
         """Bind the driver's 2-D and batched copies at the first DMA on CUDA (a driver without a batched entry
         point leaves the 2-D copies and torch's)."""

@@ -126,6 +126,10 @@ class Submitter:
             job()
 
 
+#: how long ``Lanes.prepare`` waits for a submitter thread's first job (the thread's start and ``set_device``)
+PREPARE_TIMEOUT_S = 30.0
+
+
 class Lanes:
     """A copier's two directions (``to_cpu`` True: stores, False: loads): each has a side stream, made at
     first use (loads at ``load_priority``, stores at the default 0), and, when ``threaded``, a submitter
@@ -144,6 +148,17 @@ class Lanes:
             self._streams[to_cpu] = torch.cuda.Stream(device=self.device,
                                                       priority=0 if to_cpu else self.load_priority)
         return self._streams[to_cpu]
+
+    def prepare(self, to_cpu: bool) -> None:
+        """Make the direction's side stream now and, when threaded, start its submitter thread and wait until the
+        thread has made the device current: what the direction's first copy would otherwise pay inside a step."""
+        self.stream(to_cpu)
+        if self.threaded:
+            started = threading.Event()
+            self.run(to_cpu, started.set)
+            if not started.wait(PREPARE_TIMEOUT_S):  # a thread that cannot make the device current dies unheard
+                raise CopyLaunchError(f"the {'d2h' if to_cpu else 'h2d'} submitter thread on {self.device} did not "
+                                      f"start within {PREPARE_TIMEOUT_S} s (see the log for its error)")
 
     def run(self, to_cpu: bool, job: Callable[[], None]) -> None:
         """Run ``job`` on the direction's submitter thread (made at first use), or now when not threaded."""

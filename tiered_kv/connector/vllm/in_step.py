@@ -228,6 +228,10 @@ class InStepLoader:
         """Loads started this step and not finished (``finish`` is due)."""
         return bool(self.loads) or (self.disk is not None and self.disk.busy)
 
+    def every_copier(self) -> list[BlockCopier]:
+        """This loader's copiers and its overlapped disk loader's (what ``copy.warm_copy_paths`` prepares)."""
+        return [*self.copiers, *(self.disk.loader.copiers if self.disk is not None else ())]
+
     def start(self, job: TransferJob, parts: Sequence[tuple[list[int], list[int]]] | None) -> None:
         """Take one in-step load of this step: ``parts[g]`` = (GPU blocks, plane rows) of KV cache group g; None:
         its items are disk records, read under the forward (``disk``).

@@ -66,7 +66,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tiered_kv.copy import BlockCopier, KVLayout, Mechanism, allocate_slab, vllm_layer_layout, warm_sm_kernel
+from tiered_kv.copy import (BlockCopier, KVLayout, Mechanism, allocate_slab, vllm_layer_layout, warm_copy_paths,
+                            warm_sm_kernel)
 from tiered_kv.errors import ConfigError
 from tiered_kv.values.keys import Namespace
 from tiered_kv.tiers.cpu import CpuTier
@@ -267,16 +268,15 @@ class WorkerRuntime(StepLoads):
 
     # ------------------------------------------------------------------ set-up
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Bind vLLM's per-layer KV tensors (``register_kv_caches``); checks each group's block size agrees. On
-        CUDA, compiles the SM kernel's specializations these layouts launch (``copy.warm_sm_kernel``)."""
+        """Bind vLLM's KV tensors (``register_kv_caches``; each group's block size checked); compile the SM kernel's
+        variants on CUDA (``copy.warm_sm_kernel``); pay the first copies' costs now (``copy.warm_copy_paths``)."""
         missing = [n for n in self.geo.layer_names if n not in kv_caches]
         if missing:
             raise ConfigError(f"TieredKVConnector: register_kv_caches lacks layers {missing[:4]} of the KV cache "
                               f"groups ({len(missing)} missing)")
         kvs = [group_layout(g, [t for n in g.layer_names for t in _layer_tensors(kv_caches[n])], self.rank)
                for g in self.geo.groups]
-        self.kvs = kvs
-        self.kv = kvs[0]
+        self.kvs, self.kv = kvs, kvs[0]
         self._cuda = self.kv.device.type == "cuda"
         self.store_gate.device = self.kv.device
         if self._cuda:
@@ -301,9 +301,10 @@ class WorkerRuntime(StepLoads):
             self.async_loads = AsyncLoader(self.copier, Mechanism.STAGED if self.cfg.in_step_copy == "staged" else None)
         # disk and remote loads read records into a small staging slab and copy from there
         staging = allocate_slab(self.cfg.staging_chunks, self.geo.rank_chunk_nbytes, pin=self._cuda)
-        self.runner.bind(self.copiers, [BlockCopier(kv, plane) for kv, plane in zip(kvs, slab_planes(staging,
-                                                                                                   self.sections))],
-                         staging, self.kv.device if self._cuda else None)
+        scratch = [BlockCopier(kv, plane) for kv, plane in zip(kvs, slab_planes(staging, self.sections))]
+        self.runner.bind(self.copiers, scratch, staging, self.kv.device if self._cuda else None)
+        warm_copy_paths([*self.copiers, *(self.in_step.every_copier() if self.in_step is not None else ())], scratch,
+                        self.cfg.in_step_copy, f"TieredKVConnector rank {self.rank}")  # first copies' one-off costs
         log.info("TieredKVConnector rank %d: %d group(s), %d layers, %d B per chunk, %d-block chunks, %d CPU chunk "
                  "slots%s, disk %s", self.rank, len(kvs), sum(len(kv.tensors) for kv in kvs),
                  self.geo.rank_chunk_nbytes, self.geo.chunk_blocks, self.cpu.capacity,
