@@ -738,10 +738,13 @@ def _cost_line(c: dict | None) -> str:
 
 
 def _worker_line(w: dict | None) -> str:
-    """`` | hooks X ms/step (fences Y ms), movers Z ms CPU``, where the workers' counters came (``stats.worker_time``)."""
+    """`` | hooks X ms/step (fences Y ms, W ms to submit a load), movers Z ms CPU``, where the workers' counters came
+    (``stats.worker_time``)."""
     if not w or w.get("hook_ms_per_step") is None:
         return ""
-    return (f" | hooks {w['hook_ms_per_step']:.2f} ms/step (fences {w['fence_wait_ms']:.0f} ms), movers "
+    per_load = w.get("submit_ms_per_load")
+    return (f" | hooks {w['hook_ms_per_step']:.2f} ms/step (fences {w['fence_wait_ms']:.0f} ms"
+            f"{f', {per_load:.2f} ms to submit a load' if per_load is not None else ''}), movers "
             f"{w.get('mover_cpu_ms', 0.0):.0f} ms CPU")
 
 

@@ -174,7 +174,9 @@ def worker_time(tkv_delta: dict[str, float], vllm_delta: dict[str, float]) -> di
     ms per engine step (steps: ``vllm:iteration_tokens_total_count``) inside our hooks (``hook_*``, plus the in-step
     submissions between layers, ``layer_submit``), of which fence waits; ms per hook; stores cancelled by fences. Empty
     without the workers' counters (no ``metrics_port``, or a connector that ships none). Also the movers' threads'
-    CPU ms (``mover_cpu_ms``, of it ``store_cpu_ms``): time they may have held the GIL vLLM's thread needs."""
+    CPU ms (``mover_cpu_ms``, of it ``store_cpu_ms``): time they may have held the GIL vLLM's thread needs. And
+    ``submit_ms_per_load``: vLLM's thread in ``start_load_kv`` and between layers per load started (in-step and
+    asynchronous; None without loads), the host cost of a load that issue 31's c8 cell follows."""
     secs = by_label(tkv_delta, "tiered_kv_worker_seconds_total", "what")
     if not secs:
         return {}
@@ -183,7 +185,10 @@ def worker_time(tkv_delta: dict[str, float], vllm_delta: dict[str, float]) -> di
     hooks = {k.removeprefix("hook_"): v * 1e3 for k, v in secs.items() if k.startswith("hook_")}
     hooks["layer_submit"] = secs.get("layer_submit", 0.0) * 1e3
     total = sum(hooks.values())
+    loads = events.get("sync_loads", 0.0) + events.get("async_loads", 0.0)
+    submit = hooks.get("start_load_kv", 0.0) + hooks["layer_submit"]
     return {"steps": steps, "hook_ms": round(total, 3),
+            "submit_ms_per_load": round(submit / loads, 4) if loads else None,
             "hook_ms_per_step": round(total / steps, 4) if steps else None,
             "by_hook_ms": {k: round(v, 3) for k, v in sorted(hooks.items())},
             "fence_wait_ms": round(secs.get("fence_wait", 0.0) * 1e3, 3),

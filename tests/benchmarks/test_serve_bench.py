@@ -264,6 +264,12 @@ def test_worker_time_per_step_from_our_real_metrics_page():
     assert w["by_hook_ms"] == pytest.approx({"start_load_kv": 100.0, "get_finished": 20.0, "layer_submit": 70.0})
     assert w["fence_wait_ms"] == pytest.approx(5.0) and w["stores_cancelled"] == 3 and w["copies"]["sync_loads"] == 40
     assert w["mover_cpu_ms"] == pytest.approx(250.0) and w["store_cpu_ms"] == pytest.approx(125.0)
+    assert w["submit_ms_per_load"] == pytest.approx((100.0 + 70.0) / 40)  # start_load_kv + between layers, per load
+    assert "4.25 ms to submit a load" in serve_bench._worker_line(w)
+    c = page({"hook_start_load_kv_seconds": 0.115, "hook_get_finished_seconds": 0.020, "layer_submit_seconds": 0.070,
+              "fence_wait_seconds": 0.005, "stores_cancelled": 3, "sync_loads": 42, "bytes_loaded": 1 << 30,
+              "mover_cpu_seconds": 0.25, "store_cpu_seconds": 0.125}, steps=120)
+    assert stats.worker_time(stats.prom_delta(b, c), stats.prom_delta(b, c))["submit_ms_per_load"] is None  # no loads
     assert stats.worker_time(stats.prom_delta(a, a), {}) == {}  # nothing moved: no section
 
 
