@@ -14,9 +14,8 @@ the CPU tier, with its column ranges as the driver's batched 2-D copies, off by 
 - ``first_ms`` / ``landed_ms``: GPU time from the submission point to the first / last group landed;
 - ``gbps``: bytes / ``landed_ms``;
 - ``cold_call_ms`` / ``cold_landed_ms``: the same of each case's first call, left out of the medians (the first
-  case's is the process's first in-step load through a new copier, a hint of what an engine's first loading step
-  pays on our side; round 21 saw that step 54 ms against 19-36 later, a per-layer cache, ~151 MB, pipelined groups,
-  where the first case here is cross-layer, 1 GiB, one group).
+  case's is the process's first copy through our path, a new copier: in an engine that falls on turn 1's first
+  stores, not on its first loading step, whose 9-16 ms excess in round 22 lay outside ``start_load_kv``).
 
 ``--warm``: each copier first runs ``copy.warm_copy_paths`` (what the vLLM connector does at start-up: the copiers
 prepared, one block's round trip through a private slab; ``warmed_ms`` in the JSON, None where it failed), so the

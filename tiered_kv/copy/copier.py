@@ -130,7 +130,10 @@ def warm_copy_paths(copiers: Sequence["BlockCopier"], scratch: Sequence["BlockCo
         ready = {m for m in wanted if m is not Mechanism.SM_KERNEL}
         for copier in (*copiers, *scratch):
             ready &= prepare_copier(copier, sorted(ready, key=lambda m: m.value))
-        back = sorted(ready, key=lambda m: m.value) if scratch else []
+        if scratch and scratch[0].layout.device.type != "cuda":  # CPU loads: the CPU path unless staged is named
+            back = [Mechanism.STAGED if choice == "staged" else Mechanism.CPU]
+        elif scratch:
+            back = sorted(ready, key=lambda m: m.value)
         for s in scratch:
             try:
                 s.gpu_to_cpu([0], [0]).wait()
@@ -139,8 +142,6 @@ def warm_copy_paths(copiers: Sequence["BlockCopier"], scratch: Sequence["BlockCo
                 back = []
                 break
             groups = [(t, t + 1) for t in range(len(s.layout.tensors))]  # as an in-step load goes: layer by layer
-            if s.layout.device.type != "cuda":
-                back = [Mechanism.STAGED if choice == "staged" else Mechanism.CPU]
             for m in back:
                 for res in s.cpu_to_gpu_grouped([0], [0], groups, mechanism=m):
                     res.wait()
