@@ -132,7 +132,11 @@ CONTROL_MODES = {**SERVE_MODES, "none-resident": "`none-resident` (the floor; on
                  "tiered-tails": "ours, tail pieces on sliding-window hybrids too (`tail_chunks: true`)",
                  "tiered-fe": "ours, stores copied from the forward's end (`store_start: forward_end`, the old order)",
                  "tiered-hold": "ours, stores held to the next step without the sleep kernel (code c7aee46)",
-                 "tiered-ewma": "ours, the load floor an average of the loading steps (code up to c0a1cbb)"}
+                 "tiered-ewma": "ours, the load floor an average of the loading steps (code up to c0a1cbb)",
+                 "tiered-ce": "ours, `auto` up to round 23 (a step's 1.2 GB copy on the copy engine; code up to 3c4e0e9)",
+                 "tiered-staged": "ours, every in-step copy staged (`in_step_copy: staged`)",
+                 "tiered-smk": "ours, every in-step copy through the SM kernel (`in_step_copy: sm_kernel`)",
+                 "tiered-resident": "ours beside the floor's GPU cache (nothing leaves the GPU: nothing loads)"}
 
 
 def serve_configs(results: list[Result]) -> str:

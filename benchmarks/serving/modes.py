@@ -13,7 +13,8 @@ Families and the connector each one configures (vLLM 0.26 on the GPU machine):
                   on the server's PYTHONPATH; it is added); ``metrics_port`` exposes per-tier
                   counters; ``tiered-disk`` = a small CPU tier + the disk tier; ``tiered-async``,
                   ``tiered-adaptive``, ``tiered-staged``, ``tiered-copyengine``,
-                  ``tiered-adaptive-staged``: ``load_mode`` / ``in_step_copy`` variants;
+                  ``tiered-adaptive-staged``: ``load_mode`` / ``in_step_copy`` variants; ``tiered-resident``:
+                  ours with the floor's GPU cache (nothing loads: its traced steps are the floor's);
                   ``tiered-pool``: the CPU tier is a host pool in ``/dev/shm`` that every replica of
                   an engine start joins (``cpu_pool: host:<name>``, ``cpu_bytes`` the same in each;
                   ``with_pool`` gives each start its own name; ``serve_bench.py --replicas``)
@@ -77,6 +78,9 @@ BUILTIN: dict[str, tuple[str, dict, bool]] = {
     "tiered-adaptive-v1runner": ("tiered", {"load_mode": "adaptive", "env": V1_RUNNER_ENV}, False),
     # issue 33: one CPU tier for every replica of a start, a host pool (with_pool names it per start)
     "tiered-pool": ("tiered", {"cpu_pool": "host:serve-bench"}, False),
+    # ours beside the floor's GPU cache: nothing leaves the GPU, so nothing loads; with --trace its steps (ours'
+    # stores included) are the floor's, for a loading step of ``tiered`` to be set against (issue 31)
+    "tiered-resident": ("tiered", {"gpu_resident": True}, False),
     "tiered-disk": ("tiered", {}, True),
     "tiered-disk-always": ("tiered", {"disk_load_policy": "always"}, True),
     "lmcache": ("lmcache", {}, False),
@@ -207,6 +211,7 @@ def pool_of(spec: ModeSpec) -> str | None:
 
 
 def _tiered(name, settings, cpu_gib, disk_dir, disk_gib, port) -> ModeSpec:
+    resident = bool(settings.pop("gpu_resident", False))  # serve_bench's setting, not a connector key
     extra: dict = {"cpu_bytes": f"{cpu_gib}GiB"}
     if disk_dir:
         extra.update(disk_path=disk_dir, disk_bytes=f"{disk_gib}GiB")
@@ -216,7 +221,7 @@ def _tiered(name, settings, cpu_gib, disk_dir, disk_gib, port) -> ModeSpec:
     kv = {"kv_connector": "TieredKVConnector", "kv_connector_module_path": TIERED_MODULE, "kv_role": "kv_both",
           "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
     return ModeSpec(name, "tiered", kv, disk_dir=disk_dir, metrics_port=extra.get("metrics_port"),
-                    chunk_tokens=int(extra.get("chunk_blocks", 16)) * BLOCK_SIZE)
+                    chunk_tokens=int(extra.get("chunk_blocks", 16)) * BLOCK_SIZE, gpu_resident=resident)
 
 
 def _lmcache(name, settings, cpu_gib, disk_dir, disk_gib, port) -> ModeSpec:

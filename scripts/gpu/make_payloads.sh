@@ -3,7 +3,7 @@
 #   bash scripts/gpu/make_payloads.sh            vLLM 0.26 (cut for the carry limit), `vllm serve` + LMCache, our wheels
 #   REDIS=1 bash scripts/gpu/make_payloads.sh    also Debian's redis-server for the fleet rows (.carry-redis)
 # A payload already built is kept (delete its folder to rebuild). Output, each folder one device call's carry
-# (scripts/gpu/README.md, "Device calls"): .carry-v2/q0 .. qN (the vLLM payload in 40 MiB pieces; the last folder
+# (scripts/gpu/README.md, "Device calls"): .carry-v2/q0 .. qN (the vLLM payload in 32 MiB pieces; the last folder
 # also holds its sha256 and install_on_gpu.sh, and travels with .whl), .carry-lmcache/p0 (.. pN).
 # The device tool carries at most 64 MiB per call including the working tree it copies (tracked files and untracked
 # ones git does not ignore); the last lines check every call's carry against that (exit 3 when one does not fit).
@@ -11,7 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 SHARED=${SHARED:-../shared/tools/vllm-on-gpu}
-PIECE=$((40 * 1024 * 1024))   # 45 MiB pieces left ~5 MiB beside a 13.8 MiB tree on 2026-11-29: 40 leaves ~10
+PIECE=$((32 * 1024 * 1024))   # 40 MiB pieces no longer fit beside the 24.3 MiB tree of 2026-11-30: 32 leaves ~7
 LIMIT=$((64 * 1024 * 1024))
 LMDB_VERSION=3.0.0 ZSTD_VERSION=0.25.0  # what round 10 (2026-11-29) carried
 
@@ -30,7 +30,7 @@ fi
 vlast=$(last_dir .carry-vllm 'p*')
 want=$(cat "$vlast/payload.sha256")
 if [ ! -f .carry-v2/sha256 ] || [ "$(cat .carry-v2/sha256)" != "$want" ]; then
-  echo "== cut into 40 MiB pieces (same bytes, same sha256)"
+  echo "== cut into $((PIECE >> 20)) MiB pieces (same bytes, same sha256)"
   rm -rf .carry-v2 && mkdir -p .carry-v2/cut
   # install_on_gpu.sh concatenates part_* in name order: part_00, part_01, ... keep that order
   find .carry-vllm -name 'part_*' -type f | sort -V | xargs cat | split -b "$PIECE" -d -a 2 - .carry-v2/cut/part_

@@ -835,6 +835,9 @@ def test_env_setting_goes_to_the_server_environment_not_the_connector():
     assert async_v1.kv_transfer["kv_connector_extra_config"]["load_mode"] == "async"
     assert async_v1.env == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
     assert reg.spec("tiered-smk", sz).kv_transfer["kv_connector_extra_config"]["in_step_copy"] == "sm_kernel"
+    resident = reg.spec("tiered-resident", sz)  # ours beside the floor's GPU cache: the flag is serve_bench's own
+    assert resident.gpu_resident and "gpu_resident" not in resident.kv_transfer["kv_connector_extra_config"]
+    assert not reg.spec("tiered", sz).gpu_resident
     reg.define("none-v1", {"env": {"VLLM_USE_V2_MODEL_RUNNER": "0"}})
     assert reg.spec("none-v1", sz).env == {"VLLM_USE_V2_MODEL_RUNNER": "0"} and reg.spec("none-v1", sz).kv_transfer is None
     env, delta = serve_env(v1, "/repo", {})

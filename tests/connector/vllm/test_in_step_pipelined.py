@@ -253,9 +253,9 @@ def test_auto_stages_the_copies_its_rule_picks(monkeypatch):
 
     calls = []
 
-    def as_on_cuda(kv, blocks, runs=None, small_step=False):
+    def as_on_cuda(kv, blocks, runs=None, small_step=False, staged_min=in_step_mod.AUTO_STAGED_STEP_DESCRIPTORS):
         calls.append((blocks, runs))
-        return in_step_mod.auto_rule(kv, blocks, runs, small_step)
+        return in_step_mod.auto_rule(kv, blocks, runs, small_step, staged_min)
 
     monkeypatch.setattr(in_step_mod, "auto_copy", as_on_cuda)
     rt, kv, names, items = _step("pipelined", groups=4, ahead=GROUP)

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tiered_kv.connector.vllm.config import ConnectorConfig
-from tiered_kv.connector.vllm.in_step import (AUTO_SM_MIN_DESCRIPTORS, AUTO_STAGED_MIN_DESCRIPTORS, auto_copy,
-                                              auto_rule)
+from tiered_kv.connector.vllm.in_step import (AUTO_SM_MIN_DESCRIPTORS, AUTO_STAGED_MIN_DESCRIPTORS,
+                                              AUTO_STAGED_STEP_DESCRIPTORS, auto_copy, auto_rule)
 from tiered_kv.copy import BlockCopier, KVLayout, Mechanism
 from tiered_kv.errors import ConfigError
 
@@ -29,7 +29,8 @@ def test_the_rule_sends_large_copies_of_small_steps_to_the_sm_kernel():
     assert kv.block_nbytes == 32 * (64 << 10) and edge * kv.block_nbytes == 256 << 20
     assert auto_rule(kv, edge, small_step=True) is Mechanism.SM_KERNEL
     assert auto_rule(kv, edge - 1, small_step=True) is None  # too few descriptors to be worth the SMs
-    assert auto_rule(kv, 512, small_step=False) is None  # a large step keeps the SMs for its forward
+    assert auto_rule(kv, 511, small_step=False) is None  # a large step keeps the SMs for its forward
+    assert auto_rule(kv, 512, small_step=False) is Mechanism.STAGED  # ... and stages 16,384 descriptors (below)
     # a step of very many descriptors stays staged, small step or not (the rule measured under load)
     many = AUTO_STAGED_MIN_DESCRIPTORS // 32
     assert auto_rule(kv, many, small_step=True) is Mechanism.STAGED
@@ -40,6 +41,23 @@ def test_the_rule_sends_large_copies_of_small_steps_to_the_sm_kernel():
     cross = KVLayout(tuple(whole[:, i] for i in range(32)))
     assert auto_rule(cross, 512, small_step=True) is None
     assert auto_copy(kv, edge, small_step=True) is None  # CPU tensors: the copier's own path, always
+
+
+def test_large_steps_stage_copies_of_many_descriptors():
+    """``in_step_staged_min_descriptors`` (default 16,384): a copy of that many descriptors the SM rule leaves is staged;
+    below it, or with the key 0, the copy engine's (the fixed 32,768 rule still stages, key or not)."""
+    kv = _layout(8)  # 32 descriptors a block
+    assert ConnectorConfig().in_step_staged_min_descriptors == AUTO_STAGED_STEP_DESCRIPTORS == 16384
+    edge = AUTO_STAGED_STEP_DESCRIPTORS // 32  # 512 blocks: 1 GiB of 64 KiB layer-blocks
+    assert auto_rule(kv, edge) is Mechanism.STAGED and auto_rule(kv, edge - 1) is None
+    assert auto_rule(kv, 574) is Mechanism.STAGED  # round 23's c8 wave: 7 loads x 82 blocks, 18,368 descriptors
+    assert auto_rule(kv, 574, staged_min=0) is None and auto_rule(kv, 574, staged_min=20000) is None
+    assert auto_rule(kv, AUTO_STAGED_MIN_DESCRIPTORS // 32, staged_min=0) is Mechanism.STAGED
+    # a small step keeps the SM kernel for these (the measured turn-2 load: 16,384 descriptors, 66 new tokens)
+    assert auto_rule(kv, edge, small_step=True) is Mechanism.SM_KERNEL
+    assert auto_copy(kv, edge) is None  # CPU tensors: the copier's own path, always
+    with pytest.raises(ConfigError, match="in_step_staged_min_descriptors: expected an int >= 0, got -1"):
+        ConnectorConfig(in_step_staged_min_descriptors=-1)
 
 
 def test_the_key_and_its_errors():
@@ -66,7 +84,7 @@ def test_the_step_tokens_come_from_vllms_scheduler(tmp_path, monkeypatch, max_to
         tokens.append(step_tokens)
         return real_submit(self, layerwise_ok, mechanism, pipelined, step_tokens)
 
-    def rule(kv, blocks, runs=None, small_step=False):
+    def rule(kv, blocks, runs=None, small_step=False, staged_min=0):
         seen.append(small_step)
         return None
 

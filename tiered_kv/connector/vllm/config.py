@@ -146,30 +146,30 @@ class ConnectorConfig(RemoteKeys):
                                                         "forward", "bytes")
     in_step_copy: str = config_key("auto", "how in-step loads move bytes: `auto` (per KV cache group and step: "
                                            "`staged` on CUDA where the copy engine is bound by its ~1 us per "
-                                           "descriptor, that is layer-blocks of at most 32 KiB (4-KV-head models, "
-                                           "MLA) or a step's copy of 32,768 or more of them (a 2 GiB step of 64 KiB "
-                                           "layer-blocks); the SM kernel for a large copy in a step with few "
-                                           "tokens (`in_step_sm_max_tokens`); else `copy_engine`; a cross-layer KV "
-                                           "tensor's block counts as one run; chosen by the H200 serving runs of 2026-11-28, "
-                                           "docs/notes/2026-11-28-serving-load.md \"Staged in-step copies under "
-                                           "load\") or `copy_engine` (DMA, batched descriptors; leaves the SMs to "
-                                           "the forward) or `sm_kernel` (a Triton kernel reading pinned memory: far "
-                                           "less time on vLLM's thread for per-layer KV tensors, ~10% lower PCIe "
-                                           "rate, and it shares the SMs with the forward) or `staged` (one DMA per "
-                                           "run of adjacent CPU slots into a device staging buffer, then an "
-                                           "on-device scatter into the per-layer blocks: for small layer-blocks such "
-                                           "as MLA's 18 KiB, where the copy engine is bound by one descriptor per "
-                                           "layer and block; docs/gpu_copy.md, \"Staged loads\")")
+                                           "descriptor: layer-blocks of at most 32 KiB (4-KV-head models, MLA) or "
+                                           "a copy of 32,768 or more of them; the SM kernel for a large copy in a "
+                                           "step with few tokens (`in_step_sm_max_tokens`); `staged` for one of "
+                                           "`in_step_staged_min_descriptors` or more; else `copy_engine`; a "
+                                           "cross-layer KV tensor's block counts as one run; docs/vllm.md, "
+                                           "\"In-step loads\") or `copy_engine` (DMA, batched descriptors; leaves "
+                                           "the SMs to the forward) or `sm_kernel` (a Triton kernel reading pinned "
+                                           "memory: far less time on vLLM's thread for per-layer KV tensors, ~10% "
+                                           "lower PCIe rate, and it shares the SMs with the forward) or `staged` "
+                                           "(one DMA per run of adjacent CPU slots into a device staging buffer, "
+                                           "then an on-device scatter into the per-layer blocks; docs/gpu_copy.md, "
+                                           "\"Staged loads\")")
     in_step_sm_max_tokens: int = config_key(512, "`in_step_copy: auto`: a KV cache group's in-step copy that would "
                                                  "go to the copy engine as 4,096 or more descriptors (256 MiB of 64 "
                                                  "KiB layer-blocks) goes through the SM kernel instead when the step "
                                                  "schedules at most this many tokens (every request's), and Triton "
                                                  "is present: the forward then has little to compute, so the "
                                                  "kernel's SMs cost it little, while the copy engine's descriptors "
-                                                 "hold vLLM's thread ~1 us each and slow with a busy host. H200, "
-                                                 "Llama-3-8B turn 2 (1 GiB, 16,384 descriptors, 66 new tokens), "
-                                                 "2026-11-29: 36.4 ms median over 5 starts against 49.4 on the copy "
-                                                 "engine and 61.8 for `OffloadingConnector`. `0` = never", "tokens")
+                                                 "hold vLLM's thread ~1 us each. H200, Llama-3-8B turn 2 (1 GiB, "
+                                                 "16,384 descriptors, 66 new tokens), 2026-11-29: 36.4 ms median of "
+                                                 "5 starts against 49.4 (copy engine). `0` = never", "tokens")
+    in_step_staged_min_descriptors: int = config_key(1 << 14, "`in_step_copy: auto`: stage an in-step copy of this "
+        "many copy-engine descriptors or more that the SM-kernel rule leaves (1 GiB of 64 KiB layer-blocks; H200, "
+        "Llama-3-8B compiled c8, 2026-12-01: 0.7-1.0 ms of vLLM's thread a load, not 2.4-2.7). `0` = off", "descriptors")
     load_staging_bytes: int = config_key(256 << 20, "`in_step_copy: staged` (or `auto` where it stages) only: the "
                                                     "most device memory each staging buffer may take (allocated at "
                                                     "the first staged load at the size it needs, grown up to this, "
@@ -309,6 +309,7 @@ class ConnectorConfig(RemoteKeys):
         _int(self.sync_max_tokens, "sync_max_tokens", 0)
         _int(self.load_groups, "load_groups", 0, 4096)
         _int(self.in_step_sm_max_tokens, "in_step_sm_max_tokens", 0)
+        _int(self.in_step_staged_min_descriptors, "in_step_staged_min_descriptors", 0)
         _int(self.disk_probe_every, "disk_probe_every", 0)
         _int(self.zstd_level, "zstd_level", -7, 22)
         _int(self.disk_workers, "disk_workers", 1, 64)

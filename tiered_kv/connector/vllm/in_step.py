@@ -26,7 +26,7 @@ copy of each in-step load (``StepPlan.sync``):
 - ``in_step_copy`` "auto" (default) picks the mechanism per KV cache group and step (``auto_copy``):
   the staged load where the copy engine is descriptor-bound (small layer-blocks, or a step of very
   many), the SM kernel for a copy of many descriptors in a step with few tokens (``small_step``), the
-  copier's choice otherwise.
+  staged load for a copy of ``in_step_staged_min_descriptors`` or more, the copier's choice otherwise.
 - ``wait_layer`` (vLLM's ``wait_for_layer_load``) submits what is due (above), then makes the
   engine's stream wait, on the GPU, for that layer's group (no host wait for the bytes).
 - ``finish`` (from ``poll``: vLLM's ``get_finished`` of the same step) submits any group vLLM
@@ -84,6 +84,12 @@ AUTO_STAGED_MAX_CHUNK = 32 << 10
 #: 86.2 ms) and on the 64-layer shape (c8 188 against 219 ms: ~2.4 GB steps), and the 8B shape's c32 waves
 #: (4.7 GB steps: 225.7 against 241.6 ms), but lost the 8B shape's c8 (1.2 GB steps: 99.5 against 80.3 ms).
 AUTO_STAGED_MIN_DESCRIPTORS = 1 << 15
+#: ``in_step_staged_min_descriptors``'s default: a copy of this many descriptors or more that the SM-kernel rule below
+#: leaves on the copy engine is staged too (1 GiB of 64 KiB layer-blocks). H200, vLLM 0.26 compiled (``vllm serve``'s
+#: default), Llama-3-8B c8, 2026-12-01 (docs/notes/2026-12-01-gpu-round23.md): its waves of seven 172 MB loads (1.2 GB,
+#: 18,368 descriptors) held vLLM's thread 2.4-2.7 ms a load on the copy engine, 0.7-1.0 staged; c8 TTFT p50 57.7 ms
+#: over 4 staged starts against 62.6 over 6 on the copy engine (two sessions), c32 equal (192.8 / 191.7)
+AUTO_STAGED_STEP_DESCRIPTORS = 1 << 14
 #: ``in_step_copy: auto``: a copy the rules above leave on the copy engine goes through the SM kernel when it needs
 #: at least this many descriptors (256 MiB of 64 KiB layer-blocks: ~4 ms of vLLM's thread) and the step schedules
 #: at most ``in_step_sm_max_tokens`` tokens, so the forward the kernel shares the SMs with is small. H200, vLLM
@@ -198,6 +204,7 @@ class InStepLoader:
                         "staged": Mechanism.STAGED}.get(cfg.in_step_copy)
         self._auto = cfg.in_step_copy == "auto"
         self._sm_max_tokens = cfg.in_step_sm_max_tokens  # ``auto``'s SM kernel in steps of at most this many tokens
+        self._staged_min = cfg.in_step_staged_min_descriptors  # ``auto`` stages copies of at least this many (0: off)
         self._runs = [runs_per_block(kv) for kv in self.kvs]  # ``auto``'s rule, per KV cache group
         self.staged_copies = 0  # merged group copies that went through the staging buffer (forced or ``auto``)
         self.sm_copies = 0  # merged group copies that went through the SM kernel (forced or ``auto``)
@@ -299,8 +306,8 @@ class InStepLoader:
             kv = self.kvs[g]
             nbytes = len(gpu) * kv.block_nbytes
             ahead = lazy and nbytes > self._ahead
-            chosen = auto_copy(kv, len(gpu), self._runs[g], small and self.copiers[g].sm_kernel_available()) \
-                if auto else None
+            chosen = auto_copy(kv, len(gpu), self._runs[g], small and self.copiers[g].sm_kernel_available(),
+                               staged_min=self._staged_min) if auto else None
             if not split:
                 spans = [(0, len(kv.tensors))]
             elif ahead:
@@ -529,24 +536,29 @@ def _stream_waits(results: list[CopyResult], stream) -> None:
             pass
 
 
-def auto_copy(kv: KVLayout, blocks: int, runs: int | None = None, small_step: bool = False) -> Mechanism | None:
+def auto_copy(kv: KVLayout, blocks: int, runs: int | None = None, small_step: bool = False,
+              staged_min: int = AUTO_STAGED_STEP_DESCRIPTORS) -> Mechanism | None:
     """``in_step_copy: auto`` for one KV cache group's copy of ``blocks`` blocks, on CUDA: ``Mechanism.STAGED``
     where the copy engine is descriptor-bound (layer-blocks of at most ``AUTO_STAGED_MAX_CHUNK`` bytes, or at
     least ``AUTO_STAGED_MIN_DESCRIPTORS`` of them in this copy); else ``Mechanism.SM_KERNEL`` where
     ``small_step`` (the step schedules few tokens and the SM kernel can run) and the copy takes at least
-    ``AUTO_SM_MIN_DESCRIPTORS``; else None (the copier's choice). On CPU tensors always None: there is no
-    descriptor cost to save. ``runs``: ``runs_per_block(kv)`` if the caller keeps it. Pure function, like the
-    ones below: any thread."""
-    return auto_rule(kv, blocks, runs, small_step) if kv.device.type == "cuda" else None
+    ``AUTO_SM_MIN_DESCRIPTORS``; else ``Mechanism.STAGED`` where it takes at least ``staged_min`` (the
+    ``in_step_staged_min_descriptors`` key; 0: never by this rule); else None (the copier's choice). On CPU
+    tensors always None: there is no descriptor cost to save. ``runs``: ``runs_per_block(kv)`` if the caller
+    keeps it. Pure function, like the ones below: any thread."""
+    return auto_rule(kv, blocks, runs, small_step, staged_min) if kv.device.type == "cuda" else None
 
 
-def auto_rule(kv: KVLayout, blocks: int, runs: int | None = None, small_step: bool = False) -> Mechanism | None:
+def auto_rule(kv: KVLayout, blocks: int, runs: int | None = None, small_step: bool = False,
+              staged_min: int = AUTO_STAGED_STEP_DESCRIPTORS) -> Mechanism | None:
     """``auto_copy``'s choice as it would be on CUDA, whatever the device (what the CPU tests check)."""
     runs = runs_per_block(kv) if runs is None else runs
     if descriptor_bound(kv, blocks, runs):
         return Mechanism.STAGED
     if small_step and blocks * runs >= AUTO_SM_MIN_DESCRIPTORS:
         return Mechanism.SM_KERNEL
+    if staged_min and blocks * runs >= staged_min:
+        return Mechanism.STAGED
     return None
 
 
