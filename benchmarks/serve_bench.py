@@ -186,8 +186,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         a.replicas = len([u for u in a.attach.split(",") if u])
     if a.replicas < 1:
         ap.error("--replicas must be >= 1")
-    if a.replicas > 1 and any(m.startswith("none-resident") for m in a.modes.split(",")):
-        ap.error("none-resident is no floor with --replicas: each replica's GPU cache holds only what it computed")
+    if a.replicas > 1 and any(report.is_resident(m) for m in a.modes.split(",")):
+        ap.error("a resident mode (none-resident, tiered-resident) is no floor with --replicas: each replica's GPU "
+                 "cache holds only what it computed")
     if a.enforce_eager:
         a.graphs = "eager"
     if a.preset == "smoke":  # plumbing check in ~15 s per start; still evicts prefixes from the GPU

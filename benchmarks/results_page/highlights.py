@@ -97,6 +97,30 @@ def serve_every_start(results: list[Result]) -> Row | None:
             "; ".join(f"{name(r)}: {_by_mode(r, peers)}" for r in rs if _by_mode(r, peers))]
 
 
+def serve_floor(results: list[Result]) -> Row | None:
+    """Issue 31: compiled ``vllm serve`` against the engine's floor, per shape of the ``*-floor`` files."""
+    rs = [r for r in results if fnmatch.fnmatch(r.name, "serve_bench_*-floor_*_h200-compile.json")]
+    if not rs:
+        return None
+    ours = (("tiered", "ours"), ("tiered-ce", "ours, `auto` before round 23 (copy engine)"),
+            ("tiered-staged", "every copy staged"))
+    parts, floors = [], []
+    for r in rs:
+        s, name = r.doc["summary"], SHAPES.get(r.doc["shape"], r.doc["shape"])
+        if "none-resident" not in s:
+            continue
+        floors.append(f"{name} ({s['none-resident']['starts_ok']}) {_pair(s, 'none-resident')}")
+        for m, label in ours:
+            if m in s:
+                rel = " / ".join(ratio(_ttft(s, m, p), _ttft(s, "none-resident", p)) for p in ("c8", "c32"))
+                parts.append(f"{name}, {label} ({s[m]['starts_ok']}): {_pair(s, m)} ms = **{rel}**")
+    if not parts:
+        return None
+    return ["`vllm serve` compiled (vLLM's defaults), against the engine's floor (every prefix in vLLM's GPU cache, "
+            "nothing loaded): TTFT p50 c8 / c32, median over starts (n); goal <= 1.10x (issue 31)",
+            _where(rs, _vllm(rs[0].doc)), "; ".join(parts), "the floor: " + "; ".join(floors) + " ms"]
+
+
 def serve_shared(results: list[Result]) -> Row | None:
     rs = [r for r in results if fnmatch.fnmatch(r.name, "serve_bench_*_h200x4-shared.json")]
     rs = [r for r in rs if "tiered" in r.doc["summary"]]
@@ -340,7 +364,7 @@ def disk(r: Result) -> Row:
 
 
 HIGHLIGHTS: tuple[Callable[[list[Result]], Row | None], ...] = (
-    serve_lone, serve_every_start, serve_shared, envelope, tensor_parallel, replicas, vllm_item2, vllm_hybrid, gpu_copy, staged, sched,
+    serve_lone, serve_every_start, serve_floor, serve_shared, envelope, tensor_parallel, replicas, vllm_item2, vllm_hybrid, gpu_copy, staged, sched,
     sglang_ttft, sglang_restart, sglang_bench, remote, disk)
 
 

@@ -23,7 +23,8 @@ RESULTS = ROOT / "docs" / "results"
 DEVICES = {"cpu-box": "2-core CPU box", "h200": "H200", "h200x4": "4 x H200 host",
            "h200x4-shared": "4 x H200 host, four engines at once", "h200x2": "2 x H200 host",
            "h200x2-tp2": "2 x H200 host, one engine at TP=2",
-           "h200x2-rr2": "2 x H200 host, one replica per GPU behind a round-robin router"}
+           "h200x2-rr2": "2 x H200 host, one replica per GPU behind a round-robin router",
+           "h200-compile": "H200, vLLM's compilation on"}
 
 #: date / device / command of files saved without them, as the notes beside their tables recorded them
 RECORDED: dict[str, dict[str, str]] = {

@@ -33,6 +33,12 @@ FLOOR_MODES = (FLOOR, FLOOR + RUNNER_SUFFIX)
 GREEDY_PEER = "offloading"
 
 
+def is_resident(mode: str) -> bool:
+    """A mode given the floor's GPU cache (``none-resident``, ``tiered-resident``, ...: ``gpu_resident`` in
+    ``serving/modes.py``), told by its name: what a summary keeps of a start."""
+    return "resident" in mode.split("-")
+
+
 def counterpart(summary: dict, mode: str, base: str) -> str | None:
     """The mode named ``base`` on the same model runner as ``mode``, if it ran (else ``base`` if it ran)."""
     if mode.endswith(RUNNER_SUFFIX) and base + RUNNER_SUFFIX in summary:
@@ -259,7 +265,8 @@ def ratio_rows(summary: dict) -> list[str]:
         if name == "warm":
             continue
         for ours, m in summary.items():
-            if not ours.startswith("tiered") or name not in m["phases"]:
+            # a resident mode holds the whole history in vLLM's GPU cache: set it against the floor only
+            if not ours.startswith("tiered") or is_resident(ours) or name not in m["phases"]:
                 continue
             for base in PEERS:
                 peer = counterpart(summary, ours, base)

@@ -160,3 +160,20 @@ def test_the_peers_bytes_per_conversation_keep_every_layer():
     assert every_layer_bytes("gemma2", 12288) == 344064 * 12288
     assert round(2**30 / every_layer_bytes("gemma2", 12288), 3) == 0.254
     assert every_layer_bytes("no-such-shape", 8192) is None and every_layer_bytes("gemma2", None) is None
+
+
+def test_the_floor_highlight_sets_each_mode_against_the_floor_of_its_own_file(tmp_path):
+    """Issue 31's row: ours' median TTFT over the floor's, per phase, from each ``*-floor`` file's summary; a file
+    without a floor run gives no part, and no floor anywhere no row."""
+    from benchmarks.results_page import highlights
+
+    name = "serve_bench_llama3-8b-floor_2026-12-01_h200-compile.json"
+    real = json.loads((ROOT / "docs" / "results" / name).read_text())
+    s = real["summary"]
+    med = lambda m, p: s[m]["phases"][p]["ttft_p50_ms"]["median"]  # noqa: E731
+    row = highlights.serve_floor([Result(tmp_path / name, real)])
+    want = f"{med('tiered-staged', 'c8') / med('none-resident', 'c8'):.2f}x"
+    assert want in row[2] and "every copy staged" in row[2] and "the floor: Llama-3-8B" in row[3]
+    no_floor = {**real, "summary": {k: v for k, v in s.items() if k != "none-resident"}}
+    assert highlights.serve_floor([Result(tmp_path / name, no_floor)]) is None
+    assert highlights.serve_floor([]) is None

@@ -525,9 +525,11 @@ def test_v1runner_modes_are_compared_with_the_floor_and_peers_on_their_own_runne
     starts = [_start("none-resident", 40.0, 1400.0, {0: "a"}), _start("none-resident-v1runner", 30.0, 1500.0, {0: "a"}),
               _start("offloading", 80.0, 1100.0, {0: "a"}), _start("offloading-v1runner", 60.0, 1200.0, {0: "a"}),
               _start("tiered", 50.0, 1300.0, {0: "a"}), _start("tiered-v1runner", 45.0, 1320.0, {0: "a"}),
-              _start("tiered-async-v1runner", 36.0, 1440.0, {0: "a"})]
+              _start("tiered-async-v1runner", 36.0, 1440.0, {0: "a"}), _start("tiered-resident", 41.0, 1390.0, {0: "a"})]
     s = report.summarize(starts)
     rows = report.floor_rows(s)
+    assert "| c8 | tiered-resident | 1.02x | 0.99x | 40.0 | 56.0 |" in rows  # ours beside the floor's cache: vs it
+    assert not any("| tiered-resident |" in r for r in report.ratio_rows(s))  # never a peer's match
     assert "| c8 | tiered | 1.25x | 0.93x | 40.0 | 56.0 |" in rows
     assert "| c8 | tiered-v1runner (vs none-resident-v1runner) | 1.50x | 0.88x | 30.0 | 42.0 |" in rows
     assert "| c8 | offloading-v1runner (vs none-resident-v1runner) | 2.00x | 0.80x | 30.0 | 42.0 |" in rows

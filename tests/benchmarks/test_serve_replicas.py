@@ -119,9 +119,12 @@ def test_dry_run_of_one_replica_is_the_single_server_command(capsys):
     assert "cpu_pool" not in _extra(modes["tiered"][0])
 
 
-def test_the_resident_floor_is_refused_with_replicas():
+@pytest.mark.parametrize("mode", ["none-resident", "tiered-resident"])
+def test_the_resident_floor_is_refused_with_replicas(mode, capsys):
     with pytest.raises(SystemExit):
-        serve_bench.parse_args(["--shape", "llama3-8b", "--replicas", "2", "--modes", "none-resident,tiered"])
+        serve_bench.parse_args(["--shape", "llama3-8b", "--replicas", "2", "--modes", f"{mode},tiered"])
+    assert "is no floor with --replicas" in capsys.readouterr().err
+    assert serve_bench.parse_args(["--shape", "llama3-8b", "--modes", f"{mode},tiered"]).replicas == 1
 
 
 def test_metrics_of_several_replicas_sum_counters_and_keep_gauges_per_replica():

@@ -70,9 +70,9 @@ def test_the_key_and_its_errors():
 @pytest.mark.parametrize("max_tokens,small", [(64, True), (32, False), (0, False)])
 def test_the_step_tokens_come_from_vllms_scheduler(tmp_path, monkeypatch, max_tokens, small):
     """Turn 2 on vLLM's real Scheduler: 175 prompt tokens, 128 of them loaded in-step, so the step computes 47.
-    The worker hands the rule the small-step flag from the plan's token count (the SM kernel is made to look
-    available: on CPU tensors it never is, and the copy then goes the copier's way, bit-exact as the harness
-    checks)."""
+    The worker hands the rule the small-step flag from the plan's token count and `in_step_staged_min_descriptors`
+    (the SM kernel is made to look available: on CPU tensors it never is, and the copy then goes the copier's way,
+    bit-exact as the harness checks)."""
     pytest.importorskip("vllm")
     import tiered_kv.connector.vllm.in_step as in_step_mod
     from tests.connector.vllm.harness import Engine, write_model_dir
@@ -84,15 +84,19 @@ def test_the_step_tokens_come_from_vllms_scheduler(tmp_path, monkeypatch, max_to
         tokens.append(step_tokens)
         return real_submit(self, layerwise_ok, mechanism, pipelined, step_tokens)
 
+    mins = []
+
     def rule(kv, blocks, runs=None, small_step=False, staged_min=0):
         seen.append(small_step)
+        mins.append(staged_min)  # the key's value reaches the rule
         return None
 
     monkeypatch.setattr(in_step_mod.InStepLoader, "submit", submit)
     monkeypatch.setattr(in_step_mod, "auto_copy", rule)
     monkeypatch.setattr(BlockCopier, "sm_kernel_available", lambda self: True)
     eng = Engine.create(write_model_dir(str(tmp_path)), {"chunk_blocks": 4, "cpu_bytes": 64 * 4 * 4096,
-                                                         "in_step_sm_max_tokens": max_tokens})
+                                                         "in_step_sm_max_tokens": max_tokens,
+                                                         "in_step_staged_min_descriptors": max_tokens * 100})
     try:
         first_prompt = [100 + (i * 31) % 800 for i in range(8 * BS + 4)]
         a = eng.add("t1", first_prompt, max_tokens=3)
@@ -107,6 +111,6 @@ def test_the_step_tokens_come_from_vllms_scheduler(tmp_path, monkeypatch, max_to
         assert b.is_finished() and eng.verified_blocks - verified >= 8
         assert eng.workers[0].connector.worker.stats()["sync_loads"] == 1
         assert tokens == [175 - 8 * BS]  # the one step with an in-step load computed the prompt's unloaded tail
-        assert seen == [small]
+        assert seen == [small] and mins == [max_tokens * 100]
     finally:
         eng.close()

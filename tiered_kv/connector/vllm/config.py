@@ -169,7 +169,7 @@ class ConnectorConfig(RemoteKeys):
                                                  "5 starts against 49.4 (copy engine). `0` = never", "tokens")
     in_step_staged_min_descriptors: int = config_key(1 << 14, "`in_step_copy: auto`: stage an in-step copy of this "
         "many copy-engine descriptors or more that the SM-kernel rule leaves (1 GiB of 64 KiB layer-blocks; H200, "
-        "Llama-3-8B compiled c8, 2026-12-01: 0.7-1.0 ms of vLLM's thread a load, not 2.4-2.7). `0` = off", "descriptors")
+        "Llama-3-8B compiled c8, 2026-12-01: 0.7-1.1 ms of vLLM's thread a load, not 2.0-2.7). `0` = off", "descriptors")
     load_staging_bytes: int = config_key(256 << 20, "`in_step_copy: staged` (or `auto` where it stages) only: the "
                                                     "most device memory each staging buffer may take (allocated at "
                                                     "the first staged load at the size it needs, grown up to this, "

@@ -82,13 +82,15 @@ AUTO_STAGED_MAX_CHUNK = 32 << 10
 #: a 2 GiB step). H200, vLLM 0.26, ``benchmarks/serve_bench.py`` (2026-11-28, docs/benchmarks.md
 #: "Staged in-step copies under load"): staged won every phase on the 32 KiB shape (c8 TTFT p50 63.7 against
 #: 86.2 ms) and on the 64-layer shape (c8 188 against 219 ms: ~2.4 GB steps), and the 8B shape's c32 waves
-#: (4.7 GB steps: 225.7 against 241.6 ms), but lost the 8B shape's c8 (1.2 GB steps: 99.5 against 80.3 ms).
+#: (4.7 GB steps: 225.7 against 241.6 ms), but lost the 8B shape's c8 (1.2 GB steps: 99.5 against 80.3 ms), uncompiled
+#: (compiled it won that cell: ``AUTO_STAGED_STEP_DESCRIPTORS``).
 AUTO_STAGED_MIN_DESCRIPTORS = 1 << 15
 #: ``in_step_staged_min_descriptors``'s default: a copy of this many descriptors or more that the SM-kernel rule below
 #: leaves on the copy engine is staged too (1 GiB of 64 KiB layer-blocks). H200, vLLM 0.26 compiled (``vllm serve``'s
-#: default), Llama-3-8B c8, 2026-12-01 (docs/notes/2026-12-01-gpu-round23.md): its waves of seven 172 MB loads (1.2 GB,
-#: 18,368 descriptors) held vLLM's thread 2.4-2.7 ms a load on the copy engine, 0.7-1.0 staged; c8 TTFT p50 57.7 ms
-#: over 4 staged starts against 62.6 over 6 on the copy engine (two sessions), c32 equal (192.8 / 191.7)
+#: default), Llama-3-8B c8, 2026-12-01 (docs/notes/2026-12-01-gpu-round23.md): waves of seven 172 MB loads (1.2 GB,
+#: 18,368 descriptors; a six-load wave's 15,744 stays on the copy engine); vLLM's thread 2.0-2.7 ms a load on the copy
+#: engine over the phase, 0.7-1.1 staged; the wave's forward 42.8 against 33.6 ms; staged c8 TTFT below the copy
+#: engine's in each of three calls; c32 equal
 AUTO_STAGED_STEP_DESCRIPTORS = 1 << 14
 #: ``in_step_copy: auto``: a copy the rules above leave on the copy engine goes through the SM kernel when it needs
 #: at least this many descriptors (256 MiB of 64 KiB layer-blocks: ~4 ms of vLLM's thread) and the step schedules
