@@ -19,7 +19,9 @@ a quiet step's counters within a second, so up to about a second of them lands i
 equality with mode ``none`` (same prompts, dummy weights seeded), and min / median /
 max over engine starts. Output: a table on stdout, ``$OUT/serve_bench_<shape>[_<tag>].json`` (and
 a ``.partial.json`` rewritten after every phase), a PNG of TTFT p50 vs concurrency per mode, and
-one server log per start (``serve_<shape>_<mode>_r<run>.log``). ``--trace``: every ``tiered*`` start writes
+one server log per start (``serve_<shape>_<mode>_r<run>.log``; ``--pack-logs``: the run's logs and traces packed into
+``serve_logs_<shape>[_<tag>].tgz`` at the end, the ``.partial.json`` dropped: a device call brings back 8 files).
+``--trace``: every ``tiered*`` start writes
 our connector's per-step load trace (``trace_<shape>_<mode>_r<run>.rank<r>.jsonl``), summarised per phase
 (``phase["trace"]``, ``serving/trace_summary.py``).
 
@@ -176,6 +178,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     o.add_argument("--validate", action="store_true", help="with --dry-run: parse each command with vLLM's parser")
     o.add_argument("--plot-from", nargs="+", metavar="JSON", help="merge result files: table, merged JSON, PNG")
     o.add_argument("--no-plot", action="store_true")
+    o.add_argument("--pack-logs", action="store_true",
+                   help="at the end, pack this run's server logs and traces into serve_logs_<shape>[_<tag>].tgz and drop "
+                        "the .partial.json (a device call brings back at most 8 files); with --replicas always")
     o.add_argument("--trace", action="store_true",
                    help="tiered* modes: our per-step load trace ($OUT/trace_<shape>_<mode>_r<run>.rank<r>.jsonl), "
                         "summarised per phase in the JSON (phase 'trace')")
@@ -891,13 +896,16 @@ def main(argv=None) -> None:
 
     signal.signal(signal.SIGTERM, on_signal)
     bench = Bench(a)
+    began = time.time()
     bench.run()  # the model directory stays (stable_model_dir: vLLM's compile cache is keyed on its path)
     finish(bench.doc, bench.path, plot=not a.no_plot)
-    if a.replicas > 1:  # a device call brings back a few files: one archive for every replica's log
+    if a.replicas > 1 or a.pack_logs:  # a device call brings back a few files: one archive for the logs
         tgz = replicas.pack_logs(a.out_dir, a.shape, os.path.basename(bench.path).replace("serve_bench_", "serve_logs_")
-                                 .replace(".json", ".tgz"))
+                                 .replace(".json", ".tgz"), since=began, every_start=a.pack_logs)
         if tgz:
-            print(f"wrote {tgz} (the servers' logs)", flush=True)
+            print(f"wrote {tgz} (the servers' logs{' and traces' if a.trace else ''})", flush=True)
+    if a.pack_logs and os.path.exists(bench.path.replace(".json", ".partial.json")):
+        os.remove(bench.path.replace(".json", ".partial.json"))
 
 
 if __name__ == "__main__":

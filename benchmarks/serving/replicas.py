@@ -260,11 +260,14 @@ def shm_free_gib() -> float | None:
     return st.f_bavail * st.f_frsize / (1 << 30)
 
 
-def pack_logs(out_dir: str, shape: str, name: str) -> str | None:
-    """Pack the per-replica server logs and traces of ``shape`` in ``out_dir`` into ``name`` (a .tgz) and remove
-    them: a device call brings back only a few files. Returns the archive's path (None: nothing to pack)."""
-    files = sorted(glob.glob(os.path.join(glob.escape(out_dir), f"serve_{glob.escape(shape)}_*_g*.log"))
-                   + glob.glob(os.path.join(glob.escape(out_dir), f"trace_{glob.escape(shape)}_*_g*.rank*.jsonl")))
+def pack_logs(out_dir: str, shape: str, name: str, since: float = 0.0, every_start: bool = False) -> str | None:
+    """Pack the per-replica server logs and traces of ``shape`` in ``out_dir`` (``every_start``: every start's, one
+    server or several) written since ``since`` (a ``time.time()``; 0: any) into ``name`` (a .tgz) and remove them:
+    a device call brings back only a few files. Returns the archive's path (None: nothing to pack)."""
+    g = "" if every_start else "_g*"
+    d, s = glob.escape(out_dir), glob.escape(shape)
+    files = sorted(f for f in glob.glob(os.path.join(d, f"serve_{s}_*{g}.log"))
+                   + glob.glob(os.path.join(d, f"trace_{s}_*{g}.rank*.jsonl")) if os.path.getmtime(f) >= since)
     if not files:
         return None
     path = os.path.join(out_dir, name)

@@ -157,6 +157,24 @@ def test_the_model_dir_is_one_path_per_shape_config(tmp_path, monkeypatch):
     assert (Path(model) / "config.json").is_file()  # left for the next call
 
 
+def test_pack_logs_packs_this_runs_logs_and_drops_the_partial_json(tmp_path):
+    """``--pack-logs``: a device call brings back at most 8 files, so the run's server logs (and traces) go into one
+    archive; a log an earlier run left in the folder stays where it is."""
+    import tarfile
+
+    out = tmp_path / "out"
+    out.mkdir()
+    old = out / "serve_llama3-8b_none_r7.log"
+    old.write_text("an earlier run's\n")
+    os.utime(old, (1, 1))
+    serve_bench.main(SMALL_ARGS + ["--python", _fake_python(tmp_path), "--modes", "none,none-resident",
+                                   "--out-dir", str(out), "--pack-logs", "--no-plot"])
+    assert sorted(p.name for p in out.iterdir()) == ["serve_bench_llama3-8b.json", "serve_llama3-8b_none_r7.log",
+                                                     "serve_logs_llama3-8b.tgz"]
+    with tarfile.open(out / "serve_logs_llama3-8b.tgz") as tar:
+        assert sorted(tar.getnames()) == ["serve_llama3-8b_none-resident_r0.log", "serve_llama3-8b_none_r0.log"]
+
+
 @pytest.mark.skipif(importlib.util.find_spec("tokenizers") is None, reason="needs tokenizers")
 def test_offline_tokenizer_round_trips_ids(tmp_path):
     from tokenizers import Tokenizer
