@@ -15,6 +15,10 @@ the forward launched only after the bytes had (nearly) landed: no layer-by-layer
 (H200, 2026-11-28: 46-70 GB/s per start on per-layer tensors with every group submitted before the
 forward, docs/benchmarks.md).
 
+``steps_by_tokens``: the same split for the phase's most frequent step sizes (a closed-loop phase repeats a few:
+round 23's c8 waves were 1,121-token steps of seven loads and 160-167-token steps of one), so a loading step can be set
+against a step of the same size without loads, ``tiered-resident``'s being the floor's.
+
 ``steps``: the forward of each lined step, ``loading`` (steps whose forward waits for in-step loads) beside
 ``recompute`` (steps of at least ``PREFILL_LINE_TOKENS`` scheduled tokens without in-step loads): tokens scheduled,
 ``launch_ms`` (vLLM's thread launching the forward: ``bind_connector_metadata`` to ``wait_for_save`` less
@@ -39,6 +43,8 @@ BIG_STEP_BYTES = 1_000_000_000
 #: connector's trace writes such steps (``tiered_kv/connector/vllm/trace.py``; a test keeps the two equal; not
 #: imported, so that reading traces does not import torch)
 PREFILL_LINE_TOKENS = 128
+#: ``steps_by_tokens``: this many of a phase's most frequent step sizes
+BY_TOKENS = 4
 
 
 def read_lines(trace_path: str) -> list[dict]:
@@ -114,7 +120,21 @@ def summarize_phase(lines: list[dict], t_start: float, t_end: float) -> dict:
     waits = [x for x in mine if x["in_step"]["loads"] and "launch_ms" in x]
     recompute = [x for x in mine if not x["in_step"]["loads"] and (x.get("tokens") or 0) >= PREFILL_LINE_TOKENS]
     out["steps"] = {"loading": _forwards(waits, fwd), "recompute": _forwards(recompute, fwd)}
+    out["steps_by_tokens"] = by_tokens(waits, recompute, fwd)
     return out
+
+
+def by_tokens(loading: list[dict], recompute: list[dict], fwd: dict[tuple, float]) -> dict[str, dict]:
+    """The ``BY_TOKENS`` most frequent step sizes (scheduled tokens) of a phase's loading and recomputing steps, each
+    ``{"loading": ..., "recompute": ...}`` as ``_forwards`` gives them: a loading step against a step of the same size
+    without loads (the same start's, or ``tiered-resident``'s: the floor's steps), keyed by the size as a string."""
+    counts: dict[int, int] = {}
+    for x in loading + recompute:
+        if x.get("tokens") is not None:
+            counts[x["tokens"]] = counts.get(x["tokens"], 0) + 1
+    top = sorted(counts, key=lambda t: (-counts[t], t))[:BY_TOKENS]
+    return {str(t): {"loading": _forwards([x for x in loading if x.get("tokens") == t], fwd),
+                     "recompute": _forwards([x for x in recompute if x.get("tokens") == t], fwd)} for t in sorted(top)}
 
 
 def _steps_text(s: dict) -> str:

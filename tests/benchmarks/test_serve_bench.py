@@ -968,6 +968,12 @@ def test_trace_summary_sets_loading_forwards_beside_recomputing_ones():
     text = trace_summary.line("tiered", "c1", s)
     assert "loading 2 steps: tokens p50 353.0, launch p50 42.0 ms, GPU forward p50 26.5 ms" in text
     assert "recompute 1 steps: tokens p50 1633.0, launch p50 30.0 ms, GPU forward p50 31.0 ms" in text
+    # by step size: the two 353-token loading steps apart from the 1,633-token recompute
+    by = s["steps_by_tokens"]
+    assert set(by) == {"353", "1633"} and by["353"]["loading"]["n"] == 2 and by["353"]["recompute"]["n"] == 0
+    assert by["1633"]["recompute"]["gpu_fwd_ms"]["p50"] == 31.0 and by["1633"]["loading"]["n"] == 0
+    many = [ln(10 + i, 1.0 + i / 100, 100 * (1 + i % 6) + 200, i % 2, 5.0) for i in range(30)]
+    assert len(trace_summary.summarize_phase(many, 0.9, 2.0)["steps_by_tokens"]) == trace_summary.BY_TOKENS
 
 
 def test_trace_flag_collects_each_start_and_summarises_its_phases(tmp_path):
