@@ -34,8 +34,8 @@ pool per start (``cpu_pool: host:<name>``, every replica the same name), ``cpu_b
 ``tiered``'s private tier (``--cpu-gib``, default 1.25x a run's stored KV, which each private tier and the
 pool can hold whole): one shared X against N private X, so the pool must win with 1/N of the host
 memory, and what differs is only whether a replica finds the prefix the other one stored. ``none`` gives
-the greedy reference. The floor ``none-resident`` is refused with replicas: each replica's GPU cache holds
-only what that replica computed, so under this router it is no floor.
+the greedy reference. The floor ``none-resident`` (and any mode with its GPU cache, ``tiered-resident``) is refused
+with replicas: each replica's GPU cache holds only what that replica computed, so under this router it is no floor.
 
 GPU machine (vLLM 0.26 + LMCache 0.5.3 installed into /tmp/site by scripts/gpu/serve_setup.sh):
   PYTHONPATH=/tmp/site:. python3 benchmarks/serve_bench.py --shape llama3-8b --deadline-s 540
@@ -179,8 +179,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     o.add_argument("--plot-from", nargs="+", metavar="JSON", help="merge result files: table, merged JSON, PNG")
     o.add_argument("--no-plot", action="store_true")
     o.add_argument("--pack-logs", action="store_true",
-                   help="at the end, pack this run's server logs and traces into serve_logs_<shape>[_<tag>].tgz and drop "
-                        "the .partial.json (a device call brings back at most 8 files); with --replicas always")
+                   help="at the end (also when stopped), pack this run's server logs and traces into "
+                        "serve_logs_<shape>[_<tag>].tgz, and drop the .partial.json once the final JSON is written (a "
+                        "device call brings back at most 8 files); --replicas alone packs the servers' logs")
     o.add_argument("--trace", action="store_true",
                    help="tiered* modes: our per-step load trace ($OUT/trace_<shape>_<mode>_r<run>.rank<r>.jsonl), "
                         "summarised per phase in the JSON (phase 'trace')")
@@ -191,9 +192,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         a.replicas = len([u for u in a.attach.split(",") if u])
     if a.replicas < 1:
         ap.error("--replicas must be >= 1")
-    if a.replicas > 1 and any(report.is_resident(m) for m in a.modes.split(",")):
-        ap.error("a resident mode (none-resident, tiered-resident) is no floor with --replicas: each replica's GPU "
-                 "cache holds only what it computed")
+    if a.replicas > 1 and (resident := [m for m in a.modes.split(",") if m and resident_mode(a, m)]):
+        ap.error(f"{', '.join(resident)}: a resident mode (the floor's GPU cache: none-resident, tiered-resident, "
+                 "gpu_resident) is no floor with --replicas: each replica's GPU cache holds only what it computed")
     if a.enforce_eager:
         a.graphs = "eager"
     if a.preset == "smoke":  # plumbing check in ~15 s per start; still evicts prefixes from the GPU
@@ -218,6 +219,15 @@ def tier_sizes(a, wp: WorkloadParams) -> Sizes:
     return Sizes(cpu_gib=a.cpu_gib or math.ceil(1.25 * stored_gib),
                  disk_cpu_gib=a.disk_cpu_gib or max(1, math.ceil(0.25 * stored_gib)),
                  disk_gib=a.disk_gib or math.ceil(1.5 * stored_gib), disk_root=a.disk_root)
+
+
+def resident_mode(a, mode: str) -> bool:
+    """Whether ``mode`` (with ``a``'s definitions and family extras) gets the floor's GPU cache; an unknown mode is
+    not (``Bench.run`` refuses it before any start)."""
+    try:
+        return registry(a).spec(mode, Sizes(1, 1, 1, a.disk_root)).gpu_resident
+    except ValueError:
+        return report.is_resident(mode)
 
 
 def registry(a) -> ModeRegistry:
@@ -447,6 +457,7 @@ class Bench:
             raise SystemExit(f"--replicas {self.a.replicas}: this machine has {host_gpus} GPU(s)")
         for run_idx, mode in schedule(self.a, modes):
             rec = {"mode": mode, "run": run_idx, "workload_id": self.wid, "status": "running"}
+            rec["gpu_resident"] = self.reg.spec(mode, self.sizes).gpu_resident  # then set against the floor only
             self.doc["starts"].append(rec)  # filled in place: partial files show the start in progress
             if self.left_s() < self.need_s(mode):
                 rec.update(status="skipped", reason=f"deadline: {self.left_s():.0f} s left, ~{self.need_s(mode):.0f} s needed")
@@ -896,16 +907,21 @@ def main(argv=None) -> None:
 
     signal.signal(signal.SIGTERM, on_signal)
     bench = Bench(a)
-    began = time.time()
-    bench.run()  # the model directory stays (stable_model_dir: vLLM's compile cache is keyed on its path)
-    finish(bench.doc, bench.path, plot=not a.no_plot)
-    if a.replicas > 1 or a.pack_logs:  # a device call brings back a few files: one archive for the logs
-        tgz = replicas.pack_logs(a.out_dir, a.shape, os.path.basename(bench.path).replace("serve_bench_", "serve_logs_")
-                                 .replace(".json", ".tgz"), since=began, every_start=a.pack_logs)
-        if tgz:
-            print(f"wrote {tgz} (the servers' logs{' and traces' if a.trace else ''})", flush=True)
-    if a.pack_logs and os.path.exists(bench.path.replace(".json", ".partial.json")):
-        os.remove(bench.path.replace(".json", ".partial.json"))
+    began = time.time() - 1.0  # the file system's clock may lag this one by a tick
+    finished = False
+    try:
+        bench.run()  # the model directory stays (stable_model_dir: vLLM's compile cache is keyed on its path)
+        finish(bench.doc, bench.path, plot=not a.no_plot)
+        finished = True
+    finally:  # also when the device call's time limit stops the run: its logs are wanted most then
+        if a.replicas > 1 or a.pack_logs:  # a device call brings back a few files: one archive for the logs
+            name = os.path.basename(bench.path).replace("serve_bench_", "serve_logs_").replace(".json", ".tgz")
+            tgz = replicas.pack_logs(a.out_dir, a.shape, name, since=began, every_start=a.pack_logs)
+            if tgz:
+                print(f"wrote {tgz} (the servers' logs{' and traces' if a.trace else ''})", flush=True)
+        partial = bench.path.replace(".json", ".partial.json")
+        if a.pack_logs and finished and os.path.exists(partial):  # the final JSON holds all of it
+            os.remove(partial)
 
 
 if __name__ == "__main__":

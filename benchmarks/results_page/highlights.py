@@ -99,7 +99,9 @@ def serve_every_start(results: list[Result]) -> Row | None:
 
 def serve_floor(results: list[Result]) -> Row | None:
     """Issue 31: compiled ``vllm serve`` against the engine's floor, per shape of the ``*-floor`` files."""
-    rs = [r for r in results if fnmatch.fnmatch(r.name, "serve_bench_*-floor_*_h200-compile.json")]
+    latest = {r.doc["shape"]: r for r in results  # a shape's newest file (names sort by date)
+              if fnmatch.fnmatch(r.name, "serve_bench_*-floor_*_h200-compile.json")}
+    rs = sorted(latest.values(), key=lambda r: list(SHAPES).index(r.doc["shape"]) if r.doc["shape"] in SHAPES else 99)
     if not rs:
         return None
     ours = (("tiered", "ours"), ("tiered-ce", "ours, `auto` before round 23 (copy engine)"),

@@ -33,10 +33,13 @@ FLOOR_MODES = (FLOOR, FLOOR + RUNNER_SUFFIX)
 GREEDY_PEER = "offloading"
 
 
-def is_resident(mode: str) -> bool:
-    """A mode given the floor's GPU cache (``none-resident``, ``tiered-resident``, ...: ``gpu_resident`` in
-    ``serving/modes.py``), told by its name: what a summary keeps of a start."""
-    return "resident" in mode.split("-")
+def is_resident(mode: str, summary: dict | None = None) -> bool:
+    """A mode given the floor's GPU cache (``gpu_resident`` in ``serving/modes.py``): its summary says so (starts
+    record it since 2026-12-01); older files, and a name alone, by the built-in names (``none-resident``,
+    ``tiered-resident`` and the modes defined from them)."""
+    if summary is not None and "resident" in summary.get(mode, {}):
+        return summary[mode]["resident"]
+    return any(mode == b or mode.startswith(b + "-") for b in ("none-resident", "tiered-resident"))
 
 
 def counterpart(summary: dict, mode: str, base: str) -> str | None:
@@ -140,6 +143,8 @@ def summarize(starts: list[dict]) -> dict:
                      "starts_ok": sum(s.get("status") == "ok" for s in ms),
                      "failed": sum(s.get("status") == "failed" for s in ms),
                      "skipped": sum(s.get("status") == "skipped" for s in ms), "phases": phases}
+        if any("gpu_resident" in s for s in ms):  # the floor's GPU cache (``ModeSpec.gpu_resident``; since 2026-12-01)
+            out[mode]["resident"] = any(s.get("gpu_resident") for s in ms)
     return out
 
 
@@ -266,7 +271,7 @@ def ratio_rows(summary: dict) -> list[str]:
             continue
         for ours, m in summary.items():
             # a resident mode holds the whole history in vLLM's GPU cache: set it against the floor only
-            if not ours.startswith("tiered") or is_resident(ours) or name not in m["phases"]:
+            if not ours.startswith("tiered") or is_resident(ours, summary) or name not in m["phases"]:
                 continue
             for base in PEERS:
                 peer = counterpart(summary, ours, base)

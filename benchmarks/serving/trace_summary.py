@@ -15,7 +15,7 @@ the forward launched only after the bytes had (nearly) landed: no layer-by-layer
 (H200, 2026-11-28: 46-70 GB/s per start on per-layer tensors with every group submitted before the
 forward, docs/benchmarks.md).
 
-``steps_by_tokens``: the same split for the phase's most frequent step sizes (a closed-loop phase repeats a few:
+``steps_by_tokens``: the same split for the phase's most frequent step sizes (16-token buckets) (a closed-loop phase repeats a few:
 round 23's c8 waves were 1,121-token steps of seven loads and 160-167-token steps of one), so a loading step can be set
 against a step of the same size without loads, ``tiered-resident``'s being the floor's.
 
@@ -43,8 +43,10 @@ BIG_STEP_BYTES = 1_000_000_000
 #: connector's trace writes such steps (``tiered_kv/connector/vllm/trace.py``; a test keeps the two equal; not
 #: imported, so that reading traces does not import torch)
 PREFILL_LINE_TOKENS = 128
-#: ``steps_by_tokens``: this many of a phase's most frequent step sizes
+#: ``steps_by_tokens``: this many of a phase's most frequent step sizes, in buckets of ``BY_TOKENS_BUCKET`` tokens (a
+#: one-load c8 step schedules its 160 new tokens and the batch's decodes: 160-167)
 BY_TOKENS = 4
+BY_TOKENS_BUCKET = 16
 
 
 def read_lines(trace_path: str) -> list[dict]:
@@ -125,16 +127,19 @@ def summarize_phase(lines: list[dict], t_start: float, t_end: float) -> dict:
 
 
 def by_tokens(loading: list[dict], recompute: list[dict], fwd: dict[tuple, float]) -> dict[str, dict]:
-    """The ``BY_TOKENS`` most frequent step sizes (scheduled tokens) of a phase's loading and recomputing steps, each
-    ``{"loading": ..., "recompute": ...}`` as ``_forwards`` gives them: a loading step against a step of the same size
-    without loads (the same start's, or ``tiered-resident``'s: the floor's steps), keyed by the size as a string."""
+    """The ``BY_TOKENS`` most frequent step sizes (scheduled tokens, in buckets of ``BY_TOKENS_BUCKET``) of a phase's
+    loading and recomputing steps, each ``{"loading": ..., "recompute": ...}`` as ``_forwards`` gives them: a loading
+    step against a step of the same size without loads (the same start's, or ``tiered-resident``'s: the floor's
+    steps), keyed by the bucket's first size as a string ("160": 160-175 tokens); ties go to the smaller size."""
+    bucket = lambda x: x["tokens"] // BY_TOKENS_BUCKET * BY_TOKENS_BUCKET  # noqa: E731
     counts: dict[int, int] = {}
     for x in loading + recompute:
         if x.get("tokens") is not None:
-            counts[x["tokens"]] = counts.get(x["tokens"], 0) + 1
-    top = sorted(counts, key=lambda t: (-counts[t], t))[:BY_TOKENS]
-    return {str(t): {"loading": _forwards([x for x in loading if x.get("tokens") == t], fwd),
-                     "recompute": _forwards([x for x in recompute if x.get("tokens") == t], fwd)} for t in sorted(top)}
+            counts[bucket(x)] = counts.get(bucket(x), 0) + 1
+    top = sorted(counts, key=lambda b: (-counts[b], b))[:BY_TOKENS]
+    pick = lambda steps, b: [x for x in steps if x.get("tokens") is not None and bucket(x) == b]  # noqa: E731
+    return {str(b): {"loading": _forwards(pick(loading, b), fwd), "recompute": _forwards(pick(recompute, b), fwd)}
+            for b in sorted(top)}
 
 
 def _steps_text(s: dict) -> str:

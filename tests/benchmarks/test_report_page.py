@@ -177,3 +177,6 @@ def test_the_floor_highlight_sets_each_mode_against_the_floor_of_its_own_file(tm
     no_floor = {**real, "summary": {k: v for k, v in s.items() if k != "none-resident"}}
     assert highlights.serve_floor([Result(tmp_path / name, no_floor)]) is None
     assert highlights.serve_floor([]) is None
+    older = Result(tmp_path / name.replace("2026-12-01", "2026-11-30"), no_floor)  # the same shape, an older file
+    row2 = highlights.serve_floor([older, Result(tmp_path / name, real)])
+    assert row2[2] == row[2] and row2[3].count("Llama-3-8B") == 1

@@ -175,6 +175,24 @@ def test_pack_logs_packs_this_runs_logs_and_drops_the_partial_json(tmp_path):
         assert sorted(tar.getnames()) == ["serve_llama3-8b_none-resident_r0.log", "serve_llama3-8b_none_r0.log"]
 
 
+def test_pack_logs_packs_a_stopped_run_too_and_keeps_its_partial_json(tmp_path, monkeypatch):
+    """A run the device call's time limit stops (here: the end of the run fails) still packs its logs, and keeps the
+    .partial.json, the only record of its starts then."""
+    import tarfile
+
+    def stopped(doc, path, plot):
+        raise SystemExit(143)
+
+    monkeypatch.setattr(serve_bench, "finish", stopped)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit):
+        serve_bench.main(SMALL_ARGS + ["--python", _fake_python(tmp_path), "--modes", "none", "--out-dir", str(out),
+                                       "--pack-logs", "--no-plot"])
+    assert sorted(p.name for p in out.iterdir()) == ["serve_bench_llama3-8b.partial.json", "serve_logs_llama3-8b.tgz"]
+    with tarfile.open(out / "serve_logs_llama3-8b.tgz") as tar:
+        assert tar.getnames() == ["serve_llama3-8b_none_r0.log"]
+
+
 @pytest.mark.skipif(importlib.util.find_spec("tokenizers") is None, reason="needs tokenizers")
 def test_offline_tokenizer_round_trips_ids(tmp_path):
     from tokenizers import Tokenizer
@@ -548,6 +566,10 @@ def test_v1runner_modes_are_compared_with_the_floor_and_peers_on_their_own_runne
     rows = report.floor_rows(s)
     assert "| c8 | tiered-resident | 1.02x | 0.99x | 40.0 | 56.0 |" in rows  # ours beside the floor's cache: vs it
     assert not any("| tiered-resident |" in r for r in report.ratio_rows(s))  # never a peer's match
+    # since 2026-12-01 a start records it, and its summary says so, whatever the name
+    assert report.is_resident("tiered-x", {"tiered-x": {"resident": True}})
+    assert not report.is_resident("tiered-resident-off", {"tiered-resident-off": {"resident": False}})
+    assert report.is_resident("tiered-resident-2") and not report.is_resident("tiered-nonresident")
     assert "| c8 | tiered | 1.25x | 0.93x | 40.0 | 56.0 |" in rows
     assert "| c8 | tiered-v1runner (vs none-resident-v1runner) | 1.50x | 0.88x | 30.0 | 42.0 |" in rows
     assert "| c8 | offloading-v1runner (vs none-resident-v1runner) | 2.00x | 0.80x | 30.0 | 42.0 |" in rows
@@ -968,12 +990,17 @@ def test_trace_summary_sets_loading_forwards_beside_recomputing_ones():
     text = trace_summary.line("tiered", "c1", s)
     assert "loading 2 steps: tokens p50 353.0, launch p50 42.0 ms, GPU forward p50 26.5 ms" in text
     assert "recompute 1 steps: tokens p50 1633.0, launch p50 30.0 ms, GPU forward p50 31.0 ms" in text
-    # by step size: the two 353-token loading steps apart from the 1,633-token recompute
+    # by step size (16-token buckets): the two 353-token loading steps apart from the 1,633-token recompute
     by = s["steps_by_tokens"]
-    assert set(by) == {"353", "1633"} and by["353"]["loading"]["n"] == 2 and by["353"]["recompute"]["n"] == 0
-    assert by["1633"]["recompute"]["gpu_fwd_ms"]["p50"] == 31.0 and by["1633"]["loading"]["n"] == 0
-    many = [ln(10 + i, 1.0 + i / 100, 100 * (1 + i % 6) + 200, i % 2, 5.0) for i in range(30)]
-    assert len(trace_summary.summarize_phase(many, 0.9, 2.0)["steps_by_tokens"]) == trace_summary.BY_TOKENS
+    assert set(by) == {"352", "1632"} and by["352"]["loading"]["n"] == 2 and by["352"]["recompute"]["n"] == 0
+    assert by["1632"]["recompute"]["gpu_fwd_ms"]["p50"] == 31.0 and by["1632"]["loading"]["n"] == 0
+    # 160-167 tokens share a bucket; the most frequent buckets win, ties to the smaller size; plain JSON
+    many = [ln(10 + i, 1.0 + i / 100, size, i % 2, 5.0)
+            for i, size in enumerate([160, 167, 163] + [400] * 3 + [500] * 2 + [600] * 2 + [700] * 2 + [1121] * 4)]
+    by = trace_summary.summarize_phase(many, 0.9, 2.0)["steps_by_tokens"]
+    assert list(by) == ["160", "400", "496", "1120"]  # counts 3, 3, 2 (the smaller of 496 / 592 / 688), 4
+    assert by["160"]["loading"]["n"] + by["160"]["recompute"]["n"] == 3 and by["1120"]["recompute"]["n"] == 2
+    assert json.loads(json.dumps(by)) == by
 
 
 def test_trace_flag_collects_each_start_and_summarises_its_phases(tmp_path):

@@ -127,6 +127,18 @@ def test_the_resident_floor_is_refused_with_replicas(mode, capsys):
     assert serve_bench.parse_args(["--shape", "llama3-8b", "--modes", f"{mode},tiered"]).replicas == 1
 
 
+def test_a_mode_given_the_floors_cache_by_its_settings_is_refused_with_replicas_too(capsys):
+    """By the mode's setting, not its name: a defined mode or the family's extras."""
+    for extra in (["--define", 'tiered-x={"gpu_resident": true}', "--modes", "tiered-x,none"],
+                  ["--tiered-extra", '{"gpu_resident": true}', "--modes", "tiered,none"]):
+        with pytest.raises(SystemExit):
+            serve_bench.parse_args(["--shape", "llama3-8b", "--replicas", "2", *extra])
+        assert "is no floor with --replicas" in capsys.readouterr().err
+    ok = serve_bench.parse_args(["--shape", "llama3-8b", "--replicas", "2", "--define",
+                                 'tiered-resident-off={"gpu_resident": false}', "--modes", "tiered-resident-off,none"])
+    assert ok.replicas == 2  # named after the resident mode, but not resident
+
+
 def test_metrics_of_several_replicas_sum_counters_and_keep_gauges_per_replica():
     a = {"vllm": {'x_total{source="a"}': 3.0, "g": 1.0}, "tkv": {"t_total": 2.0}}
     b = {"vllm": {'x_total{source="a"}': 4.0, "g": 5.0}, "tkv": {}}
