@@ -12,7 +12,7 @@ import fnmatch
 from typing import Callable
 
 from benchmarks.results_page.results import Result, median, num, ratio, table
-from benchmarks.results_page.scenarios import MODELS, SHAPES, same_call
+from benchmarks.results_page.scenarios import MODELS, SHAPES, _shape_key, same_call
 
 Row = list[str]
 
@@ -84,8 +84,7 @@ def _by_mode(r: Result, modes: tuple[str, ...]) -> str:
 
 
 def serve_every_start(results: list[Result]) -> Row | None:
-    rs = sorted((r for r in results if fnmatch.fnmatch(r.name, "serve_bench_*_h200.json")),
-                key=lambda r: list(SHAPES).index(r.doc["shape"]) if r.doc["shape"] in SHAPES else 99)
+    rs = sorted((r for r in results if fnmatch.fnmatch(r.name, "serve_bench_*_h200.json")), key=_shape_key)
     if not rs:
         return None
     ours = (("tiered-copyengine", "copy engine"), ("tiered-staged", "staged"))
@@ -101,7 +100,7 @@ def serve_floor(results: list[Result]) -> Row | None:
     """Issue 31: compiled ``vllm serve`` against the engine's floor, per shape of the ``*-floor`` files."""
     latest = {r.doc["shape"]: r for r in results  # a shape's newest file (names sort by date)
               if fnmatch.fnmatch(r.name, "serve_bench_*-floor_*_h200-compile.json")}
-    rs = sorted(latest.values(), key=lambda r: list(SHAPES).index(r.doc["shape"]) if r.doc["shape"] in SHAPES else 99)
+    rs = sorted(latest.values(), key=_shape_key)
     if not rs:
         return None
     ours = (("tiered", "ours"), ("tiered-ce", "ours, `auto` before round 23 (copy engine)"),

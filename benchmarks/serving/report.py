@@ -16,6 +16,8 @@ import os
 import statistics
 from collections import defaultdict
 
+from .modes import BUILTIN  # relative: this module is imported as serving.report and as benchmarks.serving.report
+
 #: the peers a ``tiered*`` mode is compared with in the ratio table, and the issue's goals
 PEERS = ("offloading", "lmcache", "none")
 #: the mode whose GPU cache holds the whole history (benchmarks/serving/modes.py): the engine's floor
@@ -33,13 +35,17 @@ FLOOR_MODES = (FLOOR, FLOOR + RUNNER_SUFFIX)
 GREEDY_PEER = "offloading"
 
 
+#: the built-in modes with the floor's GPU cache
+RESIDENT_BUILTINS = tuple(name for name, (_, settings, _) in BUILTIN.items() if settings.get("gpu_resident"))
+
+
 def is_resident(mode: str, summary: dict | None = None) -> bool:
     """A mode given the floor's GPU cache (``gpu_resident`` in ``serving/modes.py``): its summary says so (starts
-    record it since 2026-12-01); older files, and a name alone, by the built-in names (``none-resident``,
-    ``tiered-resident`` and the modes defined from them)."""
+    record it since 2026-12-01); older files, and a name alone, by the built-in modes with that setting and the
+    modes defined from them (``none-resident``, ``tiered-resident``, ...)."""
     if summary is not None and "resident" in summary.get(mode, {}):
         return summary[mode]["resident"]
-    return any(mode == b or mode.startswith(b + "-") for b in ("none-resident", "tiered-resident"))
+    return any(mode == b or mode.startswith(b + "-") for b in RESIDENT_BUILTINS)
 
 
 def counterpart(summary: dict, mode: str, base: str) -> str | None:

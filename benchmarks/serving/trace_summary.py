@@ -15,9 +15,9 @@ the forward launched only after the bytes had (nearly) landed: no layer-by-layer
 (H200, 2026-11-28: 46-70 GB/s per start on per-layer tensors with every group submitted before the
 forward, docs/benchmarks.md).
 
-``steps_by_tokens``: the same split for the phase's most frequent step sizes (16-token buckets) (a closed-loop phase repeats a few:
-round 23's c8 waves were 1,121-token steps of seven loads and 160-167-token steps of one), so a loading step can be set
-against a step of the same size without loads, ``tiered-resident``'s being the floor's.
+``steps_by_tokens``: the same split for the phase's most frequent step sizes, in 16-token buckets: a closed-loop
+phase repeats a few (round 23's c8 waves were 1,121-token steps of seven loads and 160-167-token steps of one), so a
+loading step can be set against a step of the same size without loads, ``tiered-resident``'s being the floor's.
 
 ``steps``: the forward of each lined step, ``loading`` (steps whose forward waits for in-step loads) beside
 ``recompute`` (steps of at least ``PREFILL_LINE_TOKENS`` scheduled tokens without in-step loads): tokens scheduled,
