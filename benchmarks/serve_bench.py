@@ -21,9 +21,9 @@ max over engine starts. Output: a table on stdout, ``$OUT/serve_bench_<shape>[_<
 a ``.partial.json`` rewritten after every phase), a PNG of TTFT p50 vs concurrency per mode, and
 one server log per start (``serve_<shape>_<mode>_r<run>.log``; ``--pack-logs``: the run's logs and traces packed into
 ``serve_logs_<shape>[_<tag>].tgz`` at the end, the ``.partial.json`` dropped: a device call brings back 8 files).
-``--trace``: every ``tiered*`` start writes
-our connector's per-step load trace (``trace_<shape>_<mode>_r<run>.rank<r>.jsonl``), summarised per phase
-(``phase["trace"]``, ``serving/trace_summary.py``).
+``--trace``: every ``tiered*`` start writes our connector's per-step load trace
+(``trace_<shape>_<mode>_r<run>.rank<r>.jsonl``, and the scheduler's ``trace_<shape>_<mode>_r<run>.sched.jsonl``),
+summarised per phase (``phase["trace"]``, ``serving/trace_summary.py``).
 
 ``--replicas N`` (issue 33, default 1): every start is N servers, server i on GPU i with its own port,
 one model path, and a round-robin router: turn t of user u goes to replica (u + t) % N, so every turn after
@@ -516,7 +516,8 @@ class Bench:
         pool = reps[0].pool
         if trace is not None and specs[0].family == "tiered":
             for i in range(n):
-                for old in glob.glob(glob.escape(replicas.suffixed(trace, i, n)) + ".rank*.jsonl"):
+                base = glob.escape(replicas.suffixed(trace, i, n))
+                for old in glob.glob(base + ".rank*.jsonl") + glob.glob(base + ".sched.jsonl"):
                     os.remove(old)  # a previous call's file of the same name
             rec["trace_path"] = os.path.basename(trace)
         else:
@@ -637,11 +638,12 @@ def add_trace(rec: dict, trace_paths: list[str], mode: str) -> None:
     """Summarise the start's load trace per phase (``phase["trace"]``), from the files its ranks (of every
     replica) wrote."""
     lines = sorted((x for p in trace_paths for x in trace_summary.read_lines(p)), key=lambda x: x.get("t", 0.0))
+    sched = [x for p in trace_paths for x in trace_summary.read_sched(p)]  # the engines' side (sched_trace.py)
     rec["trace_lines"] = len(lines)
     for rep in rec.get("repeats", ()):
         for ph in rep["phases"]:
             if "t_start" in ph:
-                ph["trace"] = trace_summary.summarize_phase(lines, ph["t_start"], ph["t_end"])
+                ph["trace"] = trace_summary.summarize_phase(lines, ph["t_start"], ph["t_end"], sched)
                 print(trace_summary.line(mode, ph["name"], ph["trace"]), flush=True)
 
 

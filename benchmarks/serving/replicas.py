@@ -267,7 +267,8 @@ def pack_logs(out_dir: str, shape: str, name: str, since: float = 0.0, every_sta
     g = "" if every_start else "_g*"
     d, s = glob.escape(out_dir), glob.escape(shape)
     files = sorted(f for f in glob.glob(os.path.join(d, f"serve_{s}_*{g}.log"))
-                   + glob.glob(os.path.join(d, f"trace_{s}_*{g}.rank*.jsonl")) if os.path.getmtime(f) >= since)
+                   + glob.glob(os.path.join(d, f"trace_{s}_*{g}.rank*.jsonl"))
+                   + glob.glob(os.path.join(d, f"trace_{s}_*{g}.sched.jsonl")) if os.path.getmtime(f) >= since)
     if not files:
         return None
     path = os.path.join(out_dir, name)

@@ -306,8 +306,10 @@ def write_json(path: str, doc: dict) -> str:
 
 
 def merge(docs: list[dict]) -> dict[str, dict]:
-    """Result files -> one document per shape with every start (each labelled with its device). Files of
-    several replicas per start (``--replicas N``) merge apart from the others, under ``<shape>_rr<N>``."""
+    """Result files -> one document per shape with every start (each labelled with its device and ``call``: the index
+    in ``files`` of the run it came from, None for a merged file's start that had none, so that a mode is set against
+    the floor of its own call: sessions differ). Files of several replicas per start (``--replicas N``) merge apart
+    from the others, under ``<shape>_rr<N>``."""
     out: dict[str, dict] = {}
     for doc in docs:
         n = doc.get("replicas") or 1
@@ -316,8 +318,11 @@ def merge(docs: list[dict]) -> dict[str, dict]:
         # a merged document (devices/dates/files lists) merges again: its starts keep their own device
         m["devices"] = sorted(set(m["devices"]) | set(doc.get("devices") or [doc.get("device", "?")]))
         m["dates"] += doc.get("dates") or [doc.get("date")]
+        first = len(m["files"])  # each start's ``call``: its file's index in ``files`` (merged: offset)
         m["files"] += doc.get("files") or [doc.get("path")]
-        m["starts"] += [{**s, "device": s.get("device") or doc.get("device")} for s in doc.get("starts", ())]
+        m["starts"] += [{**s, "device": s.get("device") or doc.get("device"),
+                         "call": first + s["call"] if "call" in s else (first if not doc.get("files") else None)}
+                        for s in doc.get("starts", ())]
     for m in out.values():
         m["summary"] = summarize(m["starts"])
     return out

@@ -26,6 +26,15 @@ loading step can be set against a step of the same size without loads, ``tiered-
 equal to the launch time says the GPU waited for the host's launches: such a step costs its launch, whatever it
 computes.
 
+``timeline`` (in ``steps`` and ``steps_by_tokens``, where the scheduler's trace is there: ``read_sched``): a step's
+time from the end of vLLM's ``schedule()`` to its output being applied, which is what vLLM's prefill time per request
+measures for the requests the step starts, cut at the worker's wall clock (rank 0's lines, or the first file's):
+``to_worker_ms`` (``schedule()`` done to the rank taking the step: the scheduler output crossing to the worker, and
+the worker finishing the step before), ``worker_ms`` (the rank taking it to its ``get_finished`` returning: launch,
+our hooks, any wait for in-step loads), ``after_ms`` (from there to the output applied: the GPU finishing the step,
+the output crossing back, the engine core scheduling the next step first), ``sched_ms`` (the whole), ``hooks_ms``
+(our scheduler hooks inside that ``schedule()``) and ``apply_ms`` (our ``update_connector_output``).
+
 Threading contract: plain functions, no state.
 """
 from __future__ import annotations
@@ -65,6 +74,50 @@ def read_lines(trace_path: str) -> list[dict]:
     return sorted(out, key=lambda x: x.get("t", 0.0))
 
 
+def read_sched(trace_path: str) -> list[dict]:
+    """The scheduler's lines of ``trace_path`` (``<trace_path>.sched.jsonl``; none: ``[]``), each with ``_src``: the
+    trace path, which the workers' lines share (``_base``)."""
+    out = []
+    for path in glob.glob(glob.escape(trace_path) + ".sched.jsonl"):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for raw in f:
+                try:
+                    line = json.loads(raw)
+                except ValueError:
+                    continue  # a line cut short when the server was stopped
+                line["_src"] = trace_path
+                out.append(line)
+    return out
+
+
+def _base(src: str | None) -> str | None:
+    """The trace path of a worker's file (``<trace_path>.rank<r>.jsonl``), which its scheduler's lines carry."""
+    if src is None:
+        return None
+    head, sep, tail = src.rpartition(".rank")
+    return head if sep and tail.endswith(".jsonl") else src
+
+
+def _timeline(steps: list[dict], sched: dict[tuple, dict]) -> dict:
+    """``timeline`` of ``steps`` (see the module): one step once, at its first rank's line that has ``t_begin``."""
+    seen: set = set()
+    parts: dict[str, list[float]] = {k: [] for k in ("to_worker_ms", "worker_ms", "after_ms", "sched_ms", "hooks_ms",
+                                                      "apply_ms")}
+    for x in steps:
+        key = (_base(x.get("_src")), x.get("step"))
+        s = sched.get(key)
+        if s is None or key in seen or not x.get("t_begin") or s.get("t_applied") is None:
+            continue
+        seen.add(key)
+        parts["to_worker_ms"].append((x["t_begin"] - s["t"]) * 1e3)
+        parts["worker_ms"].append((x["t"] - x["t_begin"]) * 1e3)
+        parts["after_ms"].append((s["t_applied"] - x["t"]) * 1e3)
+        parts["sched_ms"].append((s["t_applied"] - s["t"]) * 1e3)
+        parts["hooks_ms"].append(s.get("hooks_ms", 0.0))
+        parts["apply_ms"].append(s.get("apply_ms", 0.0))
+    return {k: _dist(v) for k, v in parts.items()}
+
+
 def _dist(values: list[float]) -> dict:
     if not values:
         return {"n": 0}
@@ -82,17 +135,22 @@ def forward_times(lines: list[dict]) -> dict[tuple, float]:
     return out
 
 
-def _forwards(steps: list[dict], fwd: dict[tuple, float]) -> dict:
-    """Tokens, launch and GPU forward times of ``steps`` (one line per rank: a TP engine's step counts once a rank)."""
+def _forwards(steps: list[dict], fwd: dict[tuple, float], sched: dict[tuple, dict] | None = None) -> dict:
+    """Tokens, launch and GPU forward times of ``steps`` (one line per rank: a TP engine's step counts once a rank);
+    with the scheduler's lines (``{(trace path, step): line}``), their ``timeline`` too."""
     timed = [fwd[key] for x in steps if (key := (x.get("_src"), x.get("step"))) in fwd]
-    return {"n": len(steps), "tokens": _dist([x["tokens"] for x in steps if x.get("tokens") is not None]),
-            "launch_ms": _dist([x["launch_ms"] for x in steps if x.get("launch_ms") is not None]),
-            "gpu_fwd_ms": _dist(timed)}
+    out = {"n": len(steps), "tokens": _dist([x["tokens"] for x in steps if x.get("tokens") is not None]),
+           "launch_ms": _dist([x["launch_ms"] for x in steps if x.get("launch_ms") is not None]),
+           "gpu_fwd_ms": _dist(timed)}
+    if sched:
+        out["timeline"] = _timeline(steps, sched)
+    return out
 
 
-def summarize_phase(lines: list[dict], t_start: float, t_end: float) -> dict:
+def summarize_phase(lines: list[dict], t_start: float, t_end: float, sched: list[dict] | None = None) -> dict:
     """The trace of one phase (lines with ``t_start <= t <= t_end + TAIL_S``; ``lines``: the whole start's, where
-    the GPU forward times of a phase's last steps may sit in a later line)."""
+    the GPU forward times of a phase's last steps may sit in a later line); ``sched``: the scheduler's lines
+    (``read_sched``), for the steps' ``timeline``."""
     mine = [x for x in lines if t_start <= x.get("t", 0.0) <= t_end + TAIL_S]
     loading = [x for x in mine if x["in_step"]["loads"] or x["async"]["loads"]]
     out: dict = {"lines": len(mine), "loading_steps": len(loading)}
@@ -121,12 +179,14 @@ def summarize_phase(lines: list[dict], t_start: float, t_end: float) -> dict:
     # only starts asynchronous loads computes beside them, and counts here)
     waits = [x for x in mine if x["in_step"]["loads"] and "launch_ms" in x]
     recompute = [x for x in mine if not x["in_step"]["loads"] and (x.get("tokens") or 0) >= PREFILL_LINE_TOKENS]
-    out["steps"] = {"loading": _forwards(waits, fwd), "recompute": _forwards(recompute, fwd)}
-    out["steps_by_tokens"] = by_tokens(waits, recompute, fwd)
+    by_step = {(x.get("_src"), x.get("step")): x for x in (sched or ())}
+    out["steps"] = {"loading": _forwards(waits, fwd, by_step), "recompute": _forwards(recompute, fwd, by_step)}
+    out["steps_by_tokens"] = by_tokens(waits, recompute, fwd, by_step)
     return out
 
 
-def by_tokens(loading: list[dict], recompute: list[dict], fwd: dict[tuple, float]) -> dict[str, dict]:
+def by_tokens(loading: list[dict], recompute: list[dict], fwd: dict[tuple, float],
+              sched: dict[tuple, dict] | None = None) -> dict[str, dict]:
     """The ``BY_TOKENS`` most frequent step sizes (scheduled tokens, in buckets of ``BY_TOKENS_BUCKET``) of a phase's
     loading and recomputing steps, each ``{"loading": ..., "recompute": ...}`` as ``_forwards`` gives them: a loading
     step against a step of the same size without loads (the same start's, or ``tiered-resident``'s: the floor's
@@ -138,16 +198,20 @@ def by_tokens(loading: list[dict], recompute: list[dict], fwd: dict[tuple, float
             counts[bucket(x)] = counts.get(bucket(x), 0) + 1
     top = sorted(counts, key=lambda b: (-counts[b], b))[:BY_TOKENS]
     pick = lambda steps, b: [x for x in steps if x.get("tokens") is not None and bucket(x) == b]  # noqa: E731
-    return {str(b): {"loading": _forwards(pick(loading, b), fwd), "recompute": _forwards(pick(recompute, b), fwd)}
-            for b in sorted(top)}
+    return {str(b): {"loading": _forwards(pick(loading, b), fwd, sched),
+                     "recompute": _forwards(pick(recompute, b), fwd, sched)} for b in sorted(top)}
 
 
 def _steps_text(s: dict) -> str:
     parts = []
     for kind, v in (s.get("steps") or {}).items():
         if v.get("n"):
+            tl = (v.get("timeline") or {}).get("sched_ms", {})
             parts.append(f"{kind} {v['n']} steps: tokens p50 {v['tokens'].get('p50')}, launch p50 "
-                         f"{v['launch_ms'].get('p50')} ms, GPU forward p50 {v['gpu_fwd_ms'].get('p50')} ms")
+                         f"{v['launch_ms'].get('p50')} ms, GPU forward p50 {v['gpu_fwd_ms'].get('p50')} ms"
+                         + (f", scheduled to applied p50 {tl['p50']} ms (to worker "
+                            f"{v['timeline']['to_worker_ms'].get('p50')}, worker {v['timeline']['worker_ms'].get('p50')}"
+                            f", after {v['timeline']['after_ms'].get('p50')})" if tl.get("n") else ""))
     return (" | " + "; ".join(parts)) if parts else ""
 
 

@@ -162,18 +162,42 @@ def test_the_peers_bytes_per_conversation_keep_every_layer():
     assert every_layer_bytes("no-such-shape", 8192) is None and every_layer_bytes("gemma2", None) is None
 
 
+def _call_start(mode: str, call, c8: float | None, status: str = "ok") -> dict:
+    phases = [] if c8 is None else [{"name": "c8", "ttft_ms": {"p50": c8}}]
+    return {"mode": mode, "run": 0, "status": status, "call": call, "repeats": [{"phases": phases}]}
+
+
+def test_paired_ratio_sets_a_mode_against_the_floor_of_its_own_call():
+    """Per call with both modes: median of the mode's starts over the median of the floor's; the median over calls.
+    A call without the floor, a start without ``call`` (merged before calls were recorded) or not ok, count for
+    nothing."""
+    from benchmarks.results_page.highlights import paired_ratio
+
+    doc = {"starts": [_call_start("none-resident", 0, 40.0), _call_start("tiered", 0, 60.0),
+                      _call_start("tiered", 0, 64.0), _call_start("none-resident", 1, 50.0),
+                      _call_start("tiered", 1, 55.0), _call_start("tiered", 2, 99.0),
+                      _call_start("none-resident", None, 10.0), _call_start("tiered", None, 500.0),
+                      _call_start("none-resident", 3, 1.0, status="skipped"), _call_start("tiered", 3, 80.0)]}
+    got, calls = paired_ratio(doc, "tiered", "none-resident", "c8")
+    assert calls == 2 and got == pytest.approx((62.0 / 40.0 + 55.0 / 50.0) / 2)  # a pooled median says 62/40
+    assert paired_ratio(doc, "tiered", "none-resident", "c32") is None
+    assert paired_ratio(doc, "tiered-staged", "none-resident", "c8") is None
+
+
 def test_the_floor_highlight_sets_each_mode_against_the_floor_of_its_own_file(tmp_path):
-    """Issue 31's row: ours' median TTFT over the floor's, per phase, from each ``*-floor`` file's summary; a file
+    """Issue 31's row: ours' TTFT against the floor's of the same call, per phase, from each ``*-floor`` file; a file
     without a floor run gives no part, and no floor anywhere no row."""
     from benchmarks.results_page import highlights
 
     name = "serve_bench_llama3-8b-floor_2026-12-01_h200-compile.json"
     real = json.loads((ROOT / "docs" / "results" / name).read_text())
     s = real["summary"]
-    med = lambda m, p: s[m]["phases"][p]["ttft_p50_ms"]["median"]  # noqa: E731
     row = highlights.serve_floor([Result(tmp_path / name, real)])
-    want = f"{med('tiered-staged', 'c8') / med('none-resident', 'c8'):.2f}x"
-    assert want in row[2] and "every copy staged" in row[2] and "the floor: Llama-3-8B" in row[3]
+    c8, n8 = highlights.paired_ratio(real, "tiered-staged", "none-resident", "c8")
+    c32, n32 = highlights.paired_ratio(real, "tiered-staged", "none-resident", "c32")
+    want = f"every copy staged ({s['tiered-staged']['starts_ok']}): "
+    assert want in row[2] and f"**{c8:.2f}x / {c32:.2f}x** (calls: {n8} / {n32})" in row[2]
+    assert "the floor: Llama-3-8B" in row[3]
     no_floor = {**real, "summary": {k: v for k, v in s.items() if k != "none-resident"}}
     assert highlights.serve_floor([Result(tmp_path / name, no_floor)]) is None
     assert highlights.serve_floor([]) is None

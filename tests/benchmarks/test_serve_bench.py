@@ -175,6 +175,22 @@ def test_pack_logs_packs_this_runs_logs_and_drops_the_partial_json(tmp_path):
         assert sorted(tar.getnames()) == ["serve_llama3-8b_none-resident_r0.log", "serve_llama3-8b_none_r0.log"]
 
 
+def test_pack_logs_takes_both_sides_of_a_trace(tmp_path):
+    """A traced start's files: the server log, each worker rank's trace and the scheduler's (``.sched.jsonl``)."""
+    import tarfile
+
+    from serving import replicas
+
+    names = ["serve_qwen2.5-7b_tiered_r0.log", "trace_qwen2.5-7b_tiered_r0.rank0.jsonl",
+             "trace_qwen2.5-7b_tiered_r0.sched.jsonl"]
+    for n in names + ["trace_llama3-8b_tiered_r0.sched.jsonl"]:  # another shape's stays
+        (tmp_path / n).write_text("{}\n")
+    path = replicas.pack_logs(str(tmp_path), "qwen2.5-7b", "logs.tgz", every_start=True)
+    with tarfile.open(path) as tar:
+        assert sorted(tar.getnames()) == sorted(names)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["logs.tgz", "trace_llama3-8b_tiered_r0.sched.jsonl"]
+
+
 def test_pack_logs_packs_a_stopped_run_too_and_keeps_its_partial_json(tmp_path, monkeypatch):
     """A run the device call's time limit stops (here: the end of the run fails) still packs its logs, and keeps the
     .partial.json, the only record of its starts then."""
@@ -641,6 +657,9 @@ def test_merge_files_and_write_json(tmp_path):
     again = report.merge([m, c])["llama3-8b"]
     assert again["devices"] == ["H100", "H200"] and again["dates"] == ["d1", "d2", "d3"]
     assert [s["device"] for s in again["starts"]] == ["H200", "H200", "H100"]
+    assert [s["call"] for s in again["starts"]] == [0, 1, 2]  # each start's index in ``files``, kept through merges
+    legacy = {**m, "starts": [{k: v for k, v in st.items() if k != "call"} for st in m["starts"]]}
+    assert [s["call"] for s in report.merge([c, legacy])["llama3-8b"]["starts"]] == [0, None, None]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib is not in .venv (it is on the GPU image)")
@@ -968,6 +987,44 @@ def test_forward_times_belong_to_the_file_that_wrote_them():
     s = trace_summary.summarize_phase(lines, 0.0, 2.0)
     assert s["steps"]["recompute"]["n"] == 2 and s["steps"]["recompute"]["gpu_fwd_ms"]["max"] == 40.0
     assert s["steps"]["recompute"]["gpu_fwd_ms"]["sum"] == 49.0  # not 80: b's step 7 keeps b's time
+
+
+def test_trace_timeline_cuts_scheduled_to_applied_at_the_workers_clock(tmp_path):
+    """The scheduler's lines (``read_sched``) joined to the worker lines of the same engine by step: the parts of a
+    step's scheduled-to-applied time; another replica's step of the same number, or a step without the scheduler's
+    ``t_applied``, does not mix in."""
+    from serving import trace_summary
+
+    def ln(step, t_begin, t, loads):
+        return {"step": step, "t_begin": t_begin, "t": t, "tokens": 1121, "launch_ms": 17.0,
+                "in_step": {"loads": loads, "bytes": loads * 75_000_000}, "async": {"loads": 0, "bytes": 0},
+                "start_load_ms": 1.5 if loads else 0.0, "fence_ms": 0.0, "landed": [], "fwd": {}}
+
+    for base, rows in (("a", [ln(7, 100.004, 100.020, 7), ln(9, 100.104, 100.120, 0)]),
+                       ("b", [ln(7, 200.001, 200.002, 7)])):
+        (tmp_path / f"{base}.rank0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sched_a = [{"step": 7, "t": 100.0, "t_applied": 100.030, "tokens": 1121, "new": 7, "loads": 7, "async_loads": 0,
+                "hooks_ms": 2.0, "apply_ms": 0.5},
+               {"step": 9, "t": 100.1, "tokens": 1121, "new": 7, "loads": 0, "async_loads": 0, "hooks_ms": 1.0}]
+    (tmp_path / "a.sched.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sched_a) + '{"cut')
+    (tmp_path / "b.sched.jsonl").write_text(json.dumps({**sched_a[0], "t": 199.0, "t_applied": 201.0}) + "\n")
+    paths = [str(tmp_path / "a"), str(tmp_path / "b")]
+    lines = sorted((x for p in paths for x in trace_summary.read_lines(p)), key=lambda x: x["t"])
+    sched = [x for p in paths for x in trace_summary.read_sched(p)]
+    assert len(sched) == 3  # the cut line skipped
+    s = trace_summary.summarize_phase([x for x in lines if x["_src"].endswith("a.rank0.jsonl")], 99.0, 101.0, sched)
+    tl = s["steps"]["loading"]["timeline"]
+    assert tl["sched_ms"]["n"] == 1 and tl["sched_ms"]["p50"] == pytest.approx(30.0)
+    assert tl["to_worker_ms"]["p50"] == pytest.approx(4.0) and tl["worker_ms"]["p50"] == pytest.approx(16.0)
+    assert tl["after_ms"]["p50"] == pytest.approx(10.0)
+    assert tl["hooks_ms"]["p50"] == 2.0 and tl["apply_ms"]["p50"] == 0.5
+    assert s["steps"]["recompute"]["timeline"]["sched_ms"]["n"] == 0  # step 9's output never came back
+    assert s["steps_by_tokens"]["1120"]["loading"]["timeline"]["sched_ms"]["p50"] == pytest.approx(30.0)
+    assert "scheduled to applied p50 30.0 ms (to worker 4.0, worker 16.0, after 10.0)" in \
+        trace_summary.line("tiered", "c8", s)
+    b = trace_summary.summarize_phase(lines, 199.0, 201.0, sched)["steps"]["loading"]["timeline"]
+    assert b["sched_ms"]["p50"] == pytest.approx(2000.0) and b["sched_ms"]["n"] == 1  # b's own line, not a's
+    assert "timeline" not in trace_summary.summarize_phase(lines, 99.0, 101.0)["steps"]["loading"]  # no sched lines
 
 
 def test_trace_summary_sets_loading_forwards_beside_recomputing_ones():

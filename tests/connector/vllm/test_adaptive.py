@@ -404,11 +404,66 @@ def test_trace_path_writes_one_line_per_loading_step_with_every_load_landed(mode
     assert all(ln["launch_ms"] < FORWARD_S * 1e3 + 200 for ln in prefill)
 
 
+@pytest.mark.parametrize("async_sched", [False, True], ids=["sync", "async-scheduling"])
+def test_trace_path_has_the_schedulers_side_of_every_lined_step(model_dir, tmp_path, monkeypatch, async_sched):
+    """``<trace_path>.sched.jsonl``: each step the worker lined for loads or a prefill has the scheduler's line, with
+    the loads the plan gave it (as the worker counted them) and when vLLM scheduled it and applied its output, around
+    the worker's own stamps; the summary's ``timeline`` cuts that interval at the worker's clock into parts that add
+    up to it, the worker's part holding the forward (each one here sleeps FORWARD_S)."""
+    import json
+    import sys
+    import time as _time
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
+    from serving import trace_summary
+
+    real_forward = Engine._forward
+
+    def slow_forward(self, w, rows):
+        _time.sleep(FORWARD_S)
+        return real_forward(self, w, rows)
+
+    monkeypatch.setattr(Engine, "_forward", slow_forward)
+    path = tmp_path / "trace"
+    eng = Engine.create(model_dir, cfg(load_mode="adaptive", step_load_bytes=int(2.5 * HIT_BYTES),
+                                       trace_path=str(path)), num_blocks=160, tweak=_more_seqs,
+                        async_sched=async_sched)
+    try:
+        _burst(eng)
+        eng.run()
+        eng.settle()
+    finally:
+        eng.close()
+    assert eng.workers[0].connector.worker.trace is not None and eng.sched.connector._sched_trace is not None
+    worker = trace_summary.read_lines(str(path))
+    sched = trace_summary.read_sched(str(path))
+    by = {s["step"]: s for s in sched}
+    assert len(by) == len(sched)  # one line a step
+    loads = lambda ln: ln["in_step"]["loads"] or ln["async"]["loads"]  # noqa: E731
+    lined = [ln for ln in worker if ln.get("t_begin") and (loads(ln) or (ln["tokens"] or 0) >= 128)]
+    assert any(ln["in_step"]["loads"] == 2 for ln in lined) and len(lined) >= 3
+    for ln in lined:
+        s = by[ln["step"]]
+        assert s["loads"] == ln["in_step"]["loads"] and s["tokens"] == ln["tokens"]
+        assert s["t"] <= ln["t_begin"] + 1e-4 and ln["t_begin"] <= ln["t"] <= s["t_applied"] + 1e-4
+        assert s["hooks_ms"] >= 0 and s["apply_ms"] >= 0
+    burst = by[next(ln["step"] for ln in lined if ln["in_step"]["loads"] == 2)]
+    assert burst["async_loads"] == USERS - 2 and burst["new"] == 2  # the others wait for their loads
+    summary = trace_summary.summarize_phase(worker, 0.0, 1e12, sched)
+    tl = summary["steps"]["loading"]["timeline"]
+    assert tl["sched_ms"]["n"] >= 1 and tl["worker_ms"]["p50"] >= FORWARD_S * 1e3
+    parts = tl["to_worker_ms"]["sum"] + tl["worker_ms"]["sum"] + tl["after_ms"]["sum"]
+    assert abs(parts - tl["sched_ms"]["sum"]) <= 0.3 * tl["sched_ms"]["n"]  # the stamps are rounded to 0.1 ms
+    assert summary["steps"]["recompute"]["timeline"]["sched_ms"]["n"] >= 1
+    assert "scheduled to applied p50" in trace_summary.line("tiered", "burst", summary)
+
+
 def test_no_trace_file_by_default(model_dir, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     eng = Engine.create(model_dir, cfg(load_mode="adaptive"))
     try:
-        assert eng.workers[0].connector.worker.trace is None
+        assert eng.workers[0].connector.worker.trace is None and eng.sched.connector._sched_trace is None
     finally:
         eng.close()
     assert list(tmp_path.iterdir()) == []

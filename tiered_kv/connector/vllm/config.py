@@ -125,9 +125,9 @@ class ConnectorConfig(RemoteKeys):
                                         "window (clamped to 1-500 GB/s)", "GB/s")
     trace_path: str | None = config_key(None, "a per-step trace: each worker rank appends to `<trace_path>.rank<r>"
                                               ".jsonl` a line per step that loaded or scheduled >= 128 tokens (loads, "
-                                              "bytes, their GPU times, the forward's launch and GPU time; fields in "
-                                              "`connector/vllm/trace.py`). `benchmarks/serve_bench.py --trace` sets "
-                                              "it per engine start and summarises it per phase")
+                                              "their GPU times, the forward's launch and GPU time: `trace.py`), the "
+                                              "scheduler to `<trace_path>.sched.jsonl` when it scheduled the step and "
+                                              "applied its output. `serve_bench.py --trace` sets it, sums it per phase")
     load_groups: int = config_key(0, (
         "`layerwise`/`adaptive` only: how many layer groups (one CUDA event each) a step's in-step copy is "
         "cut into. `0` = automatic: a copy within `load_ahead_bytes` one group per 32 MiB, at most 2 (it is "

@@ -60,6 +60,7 @@ from tiered_kv.connector.vllm.common import JobReport, StepPlan
 from tiered_kv.connector.vllm.forward_clock import ForwardClock
 from tiered_kv.connector.vllm import hook_profile
 from tiered_kv.connector.vllm.geometry import geometry
+from tiered_kv.connector.vllm.sched_trace import SchedTrace, timed_sched_hook
 from tiered_kv.connector.vllm.scheduler import SchedulerPlanner
 from tiered_kv.connector.vllm.worker import WorkerRuntime
 
@@ -231,6 +232,9 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._prom_snapshot: dict = {}
         self._prom_at = 0.0
         self._presence = self._pool = None
+        # scheduler: when each step was scheduled and its output applied (``trace_path``; sched_trace.py)
+        trace_on = bool(self.cfg.trace_path) and role == KVConnectorRole.SCHEDULER
+        self._sched_trace = SchedTrace(self.cfg.trace_path) if trace_on else None
         if role == KVConnectorRole.SCHEDULER:
             self._presence = self._open_presence()  # a wrong password or no cluster fails here, at start-up
             self._pool = self._open_pool()  # a pool of another geometry fails here, at start-up
@@ -324,6 +328,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         return list(common or ())
 
     # ================================================================== scheduler role
+    @timed_sched_hook
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens the tiers can load beyond the local hit, and whether the load is asynchronous.
 
@@ -336,6 +341,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             return None, False
         return n, n > 0 and self.planner.load_async(request)
 
+    @timed_sched_hook
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         """Plan loads into the blocks vLLM allocated for an external hit (every KV cache group's); with no
         hit, start tracking the request (its chunks are stored as they are computed)."""
@@ -344,11 +350,14 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         """This step's plan for the workers; the step's clock starts (``StepMeter``)."""
+        t0 = time.perf_counter()
         plan = self.planner.build(scheduler_output)
         self.planner.steps.scheduled(plan.step, scheduler_output, self.planner.step_in_step)
         if self.cfg.metrics_port is not None and time.monotonic() - self._prom_at > 1.0:
             self._prom_at = time.monotonic()
             self._prom_snapshot = self._prom_stats()
+        if self._sched_trace is not None:
+            self._sched_trace.built(plan.step, scheduler_output, plan, time.perf_counter() - t0)
         return TieredKVMetadata(plan)
 
     def _prom_stats(self) -> dict:
@@ -367,10 +376,13 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
                 self._workers_flow[k] = self._workers_flow.get(k, 0) + v
         wm = connector_output.kv_connector_worker_meta
         if isinstance(wm, TieredKVWorkerMeta):
+            t0 = time.perf_counter()
             if wm.step >= 0 or wm.forward:
                 self.planner.steps.finished(wm.step, wm.forward)
             if wm.reports:
                 self.planner.apply_reports(wm.reports)
+            if self._sched_trace is not None and wm.step >= 0:
+                self._sched_trace.applied(wm.step, time.perf_counter() - t0)
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         """Forget the request (vLLM's hybrid KV cache manager off: one group); never delays vLLM's frees."""
@@ -559,6 +571,8 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._presence = None
         if self.planner is not None:
             self.planner.steps.close()
+        if self._sched_trace is not None:
+            self._sched_trace.close()
         if self._pool is not None:
             self._pool.close()
             self._pool = None

@@ -6,7 +6,8 @@ Off by default. With ``trace_path: /some/file`` each worker rank appends JSON li
 e.g. most decode steps, write nothing. A line has
 
 - ``step`` (the scheduler's step number), ``t`` (wall clock, seconds since the epoch, at the step's
-  ``get_finished``), ``in_step`` / ``async`` (loads started this step and their bytes on this rank;
+  ``get_finished``), ``t_begin`` (wall clock when the rank took the step: its first hook; null on the second line of
+  a step), ``in_step`` / ``async`` (loads started this step and their bytes on this rank;
   ``in_step.staged``: how many of its merged copies, one per KV cache group, went through the staging buffer;
   ``in_step.sm``: how many through the SM kernel;
   ``in_step.descriptors``: the runs those copies took on the copy engine, or the staged DMAs and scatters, or the
@@ -35,6 +36,9 @@ what the host spends launching the forward?):
 - ``fwd``: ``{step: ms}``, the GPU time of earlier lined steps' forwards from ``bind_connector_metadata`` to
   ``wait_for_save`` (``forward_clock.py``, with ``prefill_learn``), known a step or more later: a GPU time near
   ``launch_ms`` says the GPU waited for the host.
+
+The scheduler writes its side beside it (``<trace_path>.sched.jsonl``, ``sched_trace.py``): when each of these steps
+was scheduled and when its output was applied.
 
 Cheap when on: a few ``perf_counter`` calls and event queries per step, one line write (line-buffered, so
 a server stopped by a signal keeps every line written).
@@ -74,6 +78,7 @@ FWD_KEEP = 256
 class _Step:
     step: int = -1
     tokens: int | None = None  # what vLLM scheduled (StepPlan.tokens)
+    t_begin: float = 0.0  # wall clock when the rank took the step (``begin``)
     t_bound: float = 0.0  # perf_counter at ``bind_connector_metadata`` (0: not bound yet)
     launch_ms: float | None = None  # the binding to wait_for_save, less start_load_kv's hold
     in_step: list[int] = field(default_factory=lambda: [0, 0])  # loads, bytes
@@ -105,7 +110,7 @@ class LoadTrace:
         """A new step's plan reached the worker (``handle_preemptions`` or ``bind_connector_metadata``, whichever
         came first); ``tokens``: what vLLM scheduled in it."""
         if self._step.step != step:
-            self._step = _Step(step, tokens)
+            self._step = _Step(step, tokens, time.time())
 
     def bound(self) -> None:
         """``bind_connector_metadata``: the forward's clock starts here (the first call of the step counts)."""
@@ -190,7 +195,8 @@ class LoadTrace:
         lined = bool(st.in_step[0] or st.async_[0] or prefill)  # a step whose GPU forward time is wanted
         if not (lined or self._landed or self._fwd):
             return
-        line = {"step": st.step, "t": round(time.time(), 4), "tokens": st.tokens,
+        line = {"step": st.step, "t": round(time.time(), 4), "t_begin": round(st.t_begin, 4) or None,
+                "tokens": st.tokens,
                 "launch_ms": round(st.launch_ms, 3) if st.launch_ms is not None else None,
                 "in_step": {"loads": st.in_step[0], "bytes": st.in_step[1], "staged": st.staged,
                             "sm": st.sm, "descriptors": st.descriptors},
