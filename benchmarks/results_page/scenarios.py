@@ -133,8 +133,8 @@ CONTROL_MODES = {**SERVE_MODES, "none-resident": "`none-resident` (the floor; on
                  "tiered-fe": "ours, stores copied from the forward's end (`store_start: forward_end`, the old order)",
                  "tiered-hold": "ours, stores held to the next step without the sleep kernel (code c7aee46)",
                  "tiered-ewma": "ours, the load floor an average of the loading steps (code up to c0a1cbb)",
-                 "tiered-ce": "ours, `auto` up to round 23 (a step's 1.2 GB copy on the copy engine; code up to 3c4e0e9, "
-                              "or `in_step_staged_min_descriptors: 0`)",
+                 "tiered-ce": "ours, `auto` up to round 23 (a step's 1.2 GB copy on the copy engine; code up to "
+                              "3c4e0e9, or `in_step_staged_min_descriptors: 0`)",
                  "tiered-cex": "ours, every in-step copy on the copy engine (`in_step_copy: copy_engine`)",
                  "tiered-up": "ours, every layer group submitted before the forward (`load_submit: upfront`)",
                  "tiered-staged": "ours, every in-step copy staged (`in_step_copy: staged`)",

@@ -321,7 +321,8 @@ def merge(docs: list[dict]) -> dict[str, dict]:
         first = len(m["files"])  # each start's ``call``: its file's index in ``files`` (merged: offset)
         m["files"] += doc.get("files") or [doc.get("path")]
         m["starts"] += [{**s, "device": s.get("device") or doc.get("device"),
-                         "call": first + s["call"] if "call" in s else (first if not doc.get("files") else None)}
+                         "call": first + s["call"] if s.get("call") is not None else (None if doc.get("files")
+                                                                                        else first)}
                         for s in doc.get("starts", ())]
     for m in out.values():
         m["summary"] = summarize(m["starts"])

@@ -27,13 +27,15 @@ equal to the launch time says the GPU waited for the host's launches: such a ste
 computes.
 
 ``timeline`` (in ``steps`` and ``steps_by_tokens``, where the scheduler's trace is there: ``read_sched``): a step's
-time from the end of vLLM's ``schedule()`` to its output being applied, which is what vLLM's prefill time per request
-measures for the requests the step starts, cut at the worker's wall clock (rank 0's lines, or the first file's):
-``to_worker_ms`` (``schedule()`` done to the rank taking the step: the scheduler output crossing to the worker, and
-the worker finishing the step before), ``worker_ms`` (the rank taking it to its ``get_finished`` returning: launch,
-our hooks, any wait for in-step loads), ``after_ms`` (from there to the output applied: the GPU finishing the step,
-the output crossing back, the engine core scheduling the next step first), ``sched_ms`` (the whole), ``hooks_ms``
-(our scheduler hooks inside that ``schedule()``) and ``apply_ms`` (our ``update_connector_output``).
+time in the engine core, from the first of our hooks in its ``schedule()`` to its output being applied (about what
+vLLM's prefill time measures for the requests the step starts, which begins at ``schedule()``'s start, a little
+earlier), cut at the wall clock of the step's slowest rank: ``schedule_ms`` (our first hook to the end of
+``schedule()``; steps where none of our hooks ran before the build have none, and their ``sched_ms`` starts at the
+build), ``to_worker_ms`` (``schedule()`` done to the rank taking the step: the scheduler output crossing to the worker,
+and the worker finishing the step before), ``worker_ms`` (the rank taking it to its ``get_finished`` returning: launch,
+our hooks, any wait for in-step loads), ``after_ms`` (from there to the output applied: the GPU finishing the step, the
+output crossing back, the engine core scheduling the next step first), ``sched_ms`` (the whole), ``hooks_ms`` (our
+scheduler hooks inside that ``schedule()``) and ``apply_ms`` (our ``update_connector_output``).
 
 Threading contract: plain functions, no state.
 """
@@ -99,20 +101,26 @@ def _base(src: str | None) -> str | None:
 
 
 def _timeline(steps: list[dict], sched: dict[tuple, dict]) -> dict:
-    """``timeline`` of ``steps`` (see the module): one step once, at its first rank's line that has ``t_begin``."""
-    seen: set = set()
-    parts: dict[str, list[float]] = {k: [] for k in ("to_worker_ms", "worker_ms", "after_ms", "sched_ms", "hooks_ms",
-                                                      "apply_ms")}
+    """``timeline`` of ``steps`` (see the module): one step once, cut at the line of its slowest rank (the latest
+    ``get_finished``: the step's output waits for every rank) among those with ``t_begin``."""
+    slowest: dict[tuple, dict] = {}
     for x in steps:
         key = (_base(x.get("_src")), x.get("step"))
-        s = sched.get(key)
-        if s is None or key in seen or not x.get("t_begin") or s.get("t_applied") is None:
+        if key in sched and x.get("t_begin") and (key not in slowest or x["t"] > slowest[key]["t"]):
+            slowest[key] = x
+    parts: dict[str, list[float]] = {k: [] for k in ("schedule_ms", "to_worker_ms", "worker_ms", "after_ms",
+                                                      "sched_ms", "hooks_ms", "apply_ms")}
+    for key, x in slowest.items():
+        s = sched[key]
+        if s.get("t_applied") is None:
             continue
-        seen.add(key)
+        start = s.get("t_hook") or s["t"]
+        if s.get("t_hook"):
+            parts["schedule_ms"].append((s["t"] - s["t_hook"]) * 1e3)
         parts["to_worker_ms"].append((x["t_begin"] - s["t"]) * 1e3)
         parts["worker_ms"].append((x["t"] - x["t_begin"]) * 1e3)
         parts["after_ms"].append((s["t_applied"] - x["t"]) * 1e3)
-        parts["sched_ms"].append((s["t_applied"] - s["t"]) * 1e3)
+        parts["sched_ms"].append((s["t_applied"] - start) * 1e3)
         parts["hooks_ms"].append(s.get("hooks_ms", 0.0))
         parts["apply_ms"].append(s.get("apply_ms", 0.0))
     return {k: _dist(v) for k, v in parts.items()}
@@ -209,9 +217,11 @@ def _steps_text(s: dict) -> str:
             tl = (v.get("timeline") or {}).get("sched_ms", {})
             parts.append(f"{kind} {v['n']} steps: tokens p50 {v['tokens'].get('p50')}, launch p50 "
                          f"{v['launch_ms'].get('p50')} ms, GPU forward p50 {v['gpu_fwd_ms'].get('p50')} ms"
-                         + (f", scheduled to applied p50 {tl['p50']} ms (to worker "
-                            f"{v['timeline']['to_worker_ms'].get('p50')}, worker {v['timeline']['worker_ms'].get('p50')}"
-                            f", after {v['timeline']['after_ms'].get('p50')})" if tl.get("n") else ""))
+                         + (f", scheduled to applied p50 {tl['p50']} ms (schedule "
+                            f"{v['timeline']['schedule_ms'].get('p50')}, to worker "
+                            f"{v['timeline']['to_worker_ms'].get('p50')}, worker "
+                            f"{v['timeline']['worker_ms'].get('p50')}, after {v['timeline']['after_ms'].get('p50')})"
+                            if tl.get("n") else ""))
     return (" | " + "; ".join(parts)) if parts else ""
 
 

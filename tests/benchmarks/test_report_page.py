@@ -184,7 +184,7 @@ def test_paired_ratio_sets_a_mode_against_the_floor_of_its_own_call():
     assert paired_ratio(doc, "tiered-staged", "none-resident", "c8") is None
 
 
-def test_the_floor_highlight_sets_each_mode_against_the_floor_of_its_own_file(tmp_path):
+def test_the_floor_highlight_sets_each_mode_against_the_floor_of_its_own_call(tmp_path):
     """Issue 31's row: ours' TTFT against the floor's of the same call, per phase, from each ``*-floor`` file; a file
     without a floor run gives no part, and no floor anywhere no row."""
     from benchmarks.results_page import highlights
@@ -198,6 +198,11 @@ def test_the_floor_highlight_sets_each_mode_against_the_floor_of_its_own_file(tm
     want = f"every copy staged ({s['tiered-staged']['starts_ok']}): "
     assert want in row[2] and f"**{c8:.2f}x / {c32:.2f}x** (calls: {n8} / {n32})" in row[2]
     assert "the floor: Llama-3-8B" in row[3]
+    legacy = {**real, "starts": [{k: v for k, v in st.items() if k != "call"} for st in real["starts"]]}
+    old_row = highlights.serve_floor([Result(tmp_path / name, legacy)])  # no calls recorded: the pooled medians
+    pooled = s["tiered-staged"]["phases"]["c8"]["ttft_p50_ms"]["median"] / s["none-resident"]["phases"]["c8"][
+        "ttft_p50_ms"]["median"]
+    assert f"= {pooled:.2f}x / " in old_row[2] and "no call recorded" in old_row[2] and "**-" not in old_row[2]
     no_floor = {**real, "summary": {k: v for k, v in s.items() if k != "none-resident"}}
     assert highlights.serve_floor([Result(tmp_path / name, no_floor)]) is None
     assert highlights.serve_floor([]) is None

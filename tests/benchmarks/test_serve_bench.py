@@ -659,7 +659,9 @@ def test_merge_files_and_write_json(tmp_path):
     assert [s["device"] for s in again["starts"]] == ["H200", "H200", "H100"]
     assert [s["call"] for s in again["starts"]] == [0, 1, 2]  # each start's index in ``files``, kept through merges
     legacy = {**m, "starts": [{k: v for k, v in st.items() if k != "call"} for st in m["starts"]]}
-    assert [s["call"] for s in report.merge([c, legacy])["llama3-8b"]["starts"]] == [0, None, None]
+    twice = report.merge([c, legacy])["llama3-8b"]
+    assert [s["call"] for s in twice["starts"]] == [0, None, None]
+    assert [s["call"] for s in report.merge([twice, a])["llama3-8b"]["starts"]] == [0, None, None, 3]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib is not in .venv (it is on the GPU image)")
@@ -1003,27 +1005,31 @@ def test_trace_timeline_cuts_scheduled_to_applied_at_the_workers_clock(tmp_path)
     for base, rows in (("a", [ln(7, 100.004, 100.020, 7), ln(9, 100.104, 100.120, 0)]),
                        ("b", [ln(7, 200.001, 200.002, 7)])):
         (tmp_path / f"{base}.rank0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    sched_a = [{"step": 7, "t": 100.0, "t_applied": 100.030, "tokens": 1121, "new": 7, "loads": 7, "async_loads": 0,
-                "hooks_ms": 2.0, "apply_ms": 0.5},
+    # a second rank of engine a, which took step 7 earlier and returned later: the step's output waited for it
+    (tmp_path / "a.rank1.jsonl").write_text(json.dumps(ln(7, 100.002, 100.024, 7)) + "\n")
+    sched_a = [{"step": 7, "t": 100.0, "t_hook": 99.997, "t_applied": 100.030, "tokens": 1121, "new": 7, "loads": 7,
+                "async_loads": 0, "hooks_ms": 2.0, "apply_ms": 0.5},
                {"step": 9, "t": 100.1, "tokens": 1121, "new": 7, "loads": 0, "async_loads": 0, "hooks_ms": 1.0}]
     (tmp_path / "a.sched.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sched_a) + '{"cut')
-    (tmp_path / "b.sched.jsonl").write_text(json.dumps({**sched_a[0], "t": 199.0, "t_applied": 201.0}) + "\n")
+    (tmp_path / "b.sched.jsonl").write_text(json.dumps({**sched_a[0], "t": 199.0, "t_hook": None, "t_applied": 201.0}) + "\n")
     paths = [str(tmp_path / "a"), str(tmp_path / "b")]
     lines = sorted((x for p in paths for x in trace_summary.read_lines(p)), key=lambda x: x["t"])
     sched = [x for p in paths for x in trace_summary.read_sched(p)]
     assert len(sched) == 3  # the cut line skipped
-    s = trace_summary.summarize_phase([x for x in lines if x["_src"].endswith("a.rank0.jsonl")], 99.0, 101.0, sched)
+    s = trace_summary.summarize_phase([x for x in lines if "/a.rank" in x["_src"]], 99.0, 101.0, sched)
     tl = s["steps"]["loading"]["timeline"]
-    assert tl["sched_ms"]["n"] == 1 and tl["sched_ms"]["p50"] == pytest.approx(30.0)
-    assert tl["to_worker_ms"]["p50"] == pytest.approx(4.0) and tl["worker_ms"]["p50"] == pytest.approx(16.0)
-    assert tl["after_ms"]["p50"] == pytest.approx(10.0)
+    assert tl["sched_ms"]["n"] == 1 and tl["sched_ms"]["p50"] == pytest.approx(33.0)  # from our first hook
+    assert tl["schedule_ms"]["p50"] == pytest.approx(3.0)
+    assert tl["to_worker_ms"]["p50"] == pytest.approx(2.0) and tl["worker_ms"]["p50"] == pytest.approx(22.0)  # rank 1
+    assert tl["after_ms"]["p50"] == pytest.approx(6.0)
     assert tl["hooks_ms"]["p50"] == 2.0 and tl["apply_ms"]["p50"] == 0.5
     assert s["steps"]["recompute"]["timeline"]["sched_ms"]["n"] == 0  # step 9's output never came back
-    assert s["steps_by_tokens"]["1120"]["loading"]["timeline"]["sched_ms"]["p50"] == pytest.approx(30.0)
-    assert "scheduled to applied p50 30.0 ms (to worker 4.0, worker 16.0, after 10.0)" in \
+    assert s["steps_by_tokens"]["1120"]["loading"]["timeline"]["sched_ms"]["p50"] == pytest.approx(33.0)
+    assert "scheduled to applied p50 33.0 ms (schedule 3.0, to worker 2.0, worker 22.0, after 6.0)" in \
         trace_summary.line("tiered", "c8", s)
     b = trace_summary.summarize_phase(lines, 199.0, 201.0, sched)["steps"]["loading"]["timeline"]
     assert b["sched_ms"]["p50"] == pytest.approx(2000.0) and b["sched_ms"]["n"] == 1  # b's own line, not a's
+    assert b["schedule_ms"]["n"] == 0  # b's line has no t_hook: its time starts at the build
     assert "timeline" not in trace_summary.summarize_phase(lines, 99.0, 101.0)["steps"]["loading"]  # no sched lines
 
 

@@ -127,7 +127,7 @@ class ConnectorConfig(RemoteKeys):
                                               ".jsonl` a line per step that loaded or scheduled >= 128 tokens (loads, "
                                               "their GPU times, the forward's launch and GPU time: `trace.py`), the "
                                               "scheduler to `<trace_path>.sched.jsonl` when it scheduled the step and "
-                                              "applied its output. `serve_bench.py --trace` sets it, sums it per phase")
+                                              "applied its output. `serve_bench.py --trace` sets it, summarises per phase")
     load_groups: int = config_key(0, (
         "`layerwise`/`adaptive` only: how many layer groups (one CUDA event each) a step's in-step copy is "
         "cut into. `0` = automatic: a copy within `load_ahead_bytes` one group per 32 MiB, at most 2 (it is "

@@ -232,9 +232,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._prom_snapshot: dict = {}
         self._prom_at = 0.0
         self._presence = self._pool = None
-        # scheduler: when each step was scheduled and its output applied (``trace_path``; sched_trace.py)
-        trace_on = bool(self.cfg.trace_path) and role == KVConnectorRole.SCHEDULER
-        self._sched_trace = SchedTrace(self.cfg.trace_path) if trace_on else None
+        self._sched_trace: SchedTrace | None = None  # scheduler, ``trace_path``: steps scheduled and applied
         if role == KVConnectorRole.SCHEDULER:
             self._presence = self._open_presence()  # a wrong password or no cluster fails here, at start-up
             self._pool = self._open_pool()  # a pool of another geometry fails here, at start-up
@@ -243,6 +241,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
                                             pool=self._pool)
             if self._presence is not None:
                 self.planner.sync_remote()  # what the fleet stored before this start, read by _open_presence
+            self._sched_trace = SchedTrace(self.cfg.trace_path) if self.cfg.trace_path else None  # after what may fail
             kv_events = vllm_config.kv_events_config
             self._events_on = bool(kv_events is not None and kv_events.enable_kv_cache_events)
             if self._events_on:
@@ -368,6 +367,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output) -> None:
         """A step's output arrived: stop its clock, apply the workers' job reports (merged over ranks by vLLM) and
         add their flow stats (``kv_connector_stats``, summed over ranks by vLLM) to ``stats()``'s ``workers_*``."""
+        t0 = time.perf_counter()
         flow = getattr(connector_output, "kv_connector_stats", None)
         if flow is not None and not isinstance(flow, TieredKVStats):  # under vLLM's MultiConnector: ours among them
             flow = next((v for v in (getattr(flow, "data", None) or {}).values() if isinstance(v, TieredKVStats)), None)
@@ -376,7 +376,6 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
                 self._workers_flow[k] = self._workers_flow.get(k, 0) + v
         wm = connector_output.kv_connector_worker_meta
         if isinstance(wm, TieredKVWorkerMeta):
-            t0 = time.perf_counter()
             if wm.step >= 0 or wm.forward:
                 self.planner.steps.finished(wm.step, wm.forward)
             if wm.reports:
