@@ -60,36 +60,33 @@ BY_TOKENS = 4
 BY_TOKENS_BUCKET = 16
 
 
-def read_lines(trace_path: str) -> list[dict]:
-    """Every line of every rank's file of ``trace_path`` (unreadable lines skipped), sorted by time; each line gets
-    ``_src``, its file's path (step numbers are an engine's own, and a rank's GPU times its own)."""
+def _jsonl(pattern: str, src) -> list[dict]:
+    """Every readable line of the files ``pattern`` matches (a line cut short when the server was stopped is
+    skipped), each with ``_src = src(path)``."""
     out = []
-    for path in sorted(glob.glob(glob.escape(trace_path) + ".rank*.jsonl")):
+    for path in sorted(glob.glob(pattern)):
         with open(path, encoding="utf-8", errors="replace") as f:
             for raw in f:
                 try:
                     line = json.loads(raw)
                 except ValueError:
-                    continue  # a line cut short when the server was stopped
-                line["_src"] = path
+                    continue
+                line["_src"] = src(path)
                 out.append(line)
+    return out
+
+
+def read_lines(trace_path: str) -> list[dict]:
+    """Every line of every rank's file of ``trace_path`` (unreadable lines skipped), sorted by time; each line gets
+    ``_src``, its file's path (step numbers are an engine's own, and a rank's GPU times its own)."""
+    out = _jsonl(glob.escape(trace_path) + ".rank*.jsonl", lambda path: path)
     return sorted(out, key=lambda x: x.get("t", 0.0))
 
 
 def read_sched(trace_path: str) -> list[dict]:
     """The scheduler's lines of ``trace_path`` (``<trace_path>.sched.jsonl``; none: ``[]``), each with ``_src``: the
     trace path, which the workers' lines share (``_base``)."""
-    out = []
-    for path in glob.glob(glob.escape(trace_path) + ".sched.jsonl"):
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for raw in f:
-                try:
-                    line = json.loads(raw)
-                except ValueError:
-                    continue  # a line cut short when the server was stopped
-                line["_src"] = trace_path
-                out.append(line)
-    return out
+    return _jsonl(glob.escape(trace_path) + ".sched.jsonl", lambda path: trace_path)
 
 
 def _base(src: str | None) -> str | None:

@@ -353,9 +353,9 @@ def test_async_loader_hands_loads_back_in_submission_order_with_bytes(model_dir)
 FORWARD_S = 0.003  # what each forward of the trace test takes on the host
 
 
-def test_trace_path_writes_one_line_per_loading_step_with_every_load_landed(model_dir, tmp_path, monkeypatch):
-    """``trace_path``: the burst's step lists 2 in-step and 4 async loads with their bytes and the time
-    start_load_kv held the thread; every load shows up once under ``landed`` with its kind, bytes and times."""
+def _traced_burst(model_dir, tmp_path, monkeypatch, async_sched: bool = False) -> Engine:
+    """Run the burst with ``trace_path = tmp_path / "trace"``, each forward sleeping FORWARD_S; returns the closed
+    engine."""
     import time as _time
 
     real_forward = Engine._forward
@@ -365,15 +365,22 @@ def test_trace_path_writes_one_line_per_loading_step_with_every_load_landed(mode
         return real_forward(self, w, rows)
 
     monkeypatch.setattr(Engine, "_forward", slow_forward)
-    path = tmp_path / "trace"
     eng = Engine.create(model_dir, cfg(load_mode="adaptive", step_load_bytes=int(2.5 * HIT_BYTES),
-                                       trace_path=str(path)), num_blocks=160, tweak=_more_seqs)
+                                       trace_path=str(tmp_path / "trace")), num_blocks=160, tweak=_more_seqs,
+                        async_sched=async_sched)
     try:
         _burst(eng)
         eng.run()
         eng.settle()
     finally:
         eng.close()
+    return eng
+
+
+def test_trace_path_writes_one_line_per_loading_step_with_every_load_landed(model_dir, tmp_path, monkeypatch):
+    """``trace_path``: the burst's step lists 2 in-step and 4 async loads with their bytes and the time
+    start_load_kv held the thread; every load shows up once under ``landed`` with its kind, bytes and times."""
+    _traced_burst(model_dir, tmp_path, monkeypatch)
     import json
 
     from tiered_kv.connector.vllm.trace import PREFILL_LINE_TOKENS
@@ -410,31 +417,14 @@ def test_trace_path_has_the_schedulers_side_of_every_lined_step(model_dir, tmp_p
     the loads the plan gave it (as the worker counted them) and when vLLM scheduled it and applied its output, around
     the worker's own stamps; the summary's ``timeline`` cuts that interval at the worker's clock into parts that add
     up to it, the worker's part holding the forward (each one here sleeps FORWARD_S)."""
-    import json
     import sys
-    import time as _time
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
     from serving import trace_summary
 
-    real_forward = Engine._forward
-
-    def slow_forward(self, w, rows):
-        _time.sleep(FORWARD_S)
-        return real_forward(self, w, rows)
-
-    monkeypatch.setattr(Engine, "_forward", slow_forward)
     path = tmp_path / "trace"
-    eng = Engine.create(model_dir, cfg(load_mode="adaptive", step_load_bytes=int(2.5 * HIT_BYTES),
-                                       trace_path=str(path)), num_blocks=160, tweak=_more_seqs,
-                        async_sched=async_sched)
-    try:
-        _burst(eng)
-        eng.run()
-        eng.settle()
-    finally:
-        eng.close()
+    eng = _traced_burst(model_dir, tmp_path, monkeypatch, async_sched)
     assert eng.workers[0].connector.worker.trace is not None and eng.sched.connector._sched_trace is not None
     worker = trace_summary.read_lines(str(path))
     sched = trace_summary.read_sched(str(path))
