@@ -13,6 +13,7 @@ from typing import Callable
 
 from benchmarks.results_page.results import Result, median, num, ratio, table
 from benchmarks.results_page.scenarios import MODELS, SHAPES, _shape_key, same_call
+from benchmarks.serving import report as serve_report
 
 Row = list[str]
 
@@ -96,24 +97,24 @@ def serve_every_start(results: list[Result]) -> Row | None:
             "; ".join(f"{name(r)}: {_by_mode(r, peers)}" for r in rs if _by_mode(r, peers))]
 
 
-def _start_ttft(start: dict, phase: str) -> float | None:
-    """A start's TTFT p50 in ``phase`` (the median over its repeats), or None."""
-    vals = [ph["ttft_ms"]["p50"] for rep in start.get("repeats", ()) for ph in rep["phases"]
-            if ph["name"] == phase and ph.get("ttft_ms", {}).get("p50") is not None]
-    return median(vals) if vals else None
+def call_summaries(doc: dict) -> dict[int, dict]:
+    """``{call: summary of that call's starts alone}`` (``start["call"]``, ``serving.report.summarize``); starts without
+    a call (merged before calls were recorded) are left out."""
+    calls = sorted({s["call"] for s in doc["starts"] if s.get("call") is not None})
+    return {c: serve_report.summarize([s for s in doc["starts"] if s.get("call") == c]) for c in calls}
 
 
-def paired_ratio(doc: dict, mode: str, base: str, phase: str) -> tuple[float, int] | None:
-    """``mode`` against ``base`` in the same call (``start["call"]``): per call with both, the median of its starts of
-    ``mode`` over the median of its ``base`` starts; returns the median over those calls and how many there were.
-    Sessions differ (the floor's c8 ran 41.6-57.1 ms in three sessions), so a mode is set against its own call's."""
+def paired_ratio(doc: dict, mode: str, base: str, phase: str,
+                 summaries: dict[int, dict] | None = None) -> tuple[float, int] | None:
+    """``mode`` against ``base`` in the same call: per call with both, the median TTFT p50 of its ``mode`` starts over
+    that of its ``base`` starts; returns the median over those calls and how many there were (``summaries``:
+    ``call_summaries(doc)`` if the caller has it). Sessions differ (the floor's c8 ran 41.6-57.1 ms in three
+    sessions), so a mode is set against its own call's."""
     per_call = []
-    for call in sorted({s["call"] for s in doc["starts"] if s.get("call") is not None}):
-        here = [s for s in doc["starts"] if s.get("call") == call and s.get("status") == "ok"]
-        a = [v for s in here if s["mode"] == mode and (v := _start_ttft(s, phase)) is not None]
-        b = [v for s in here if s["mode"] == base and (v := _start_ttft(s, phase)) is not None]
-        if a and b:
-            per_call.append(median(a) / median(b))
+    for summary in (call_summaries(doc) if summaries is None else summaries).values():
+        a, b = _ttft(summary, mode, phase), _ttft(summary, base, phase)
+        if a is not None and b:
+            per_call.append(a / b)
     return (median(per_call), len(per_call)) if per_call else None
 
 
@@ -132,10 +133,11 @@ def serve_floor(results: list[Result]) -> Row | None:
         if "none-resident" not in s:
             continue
         floors.append(f"{name} ({s['none-resident']['starts_ok']}) {_pair(s, 'none-resident')}")
+        by_call = call_summaries(r.doc)
         for m, label in ours:
             if m not in s:
                 continue
-            paired = [paired_ratio(r.doc, m, "none-resident", p) for p in ("c8", "c32")]
+            paired = [paired_ratio(r.doc, m, "none-resident", p, by_call) for p in ("c8", "c32")]
             if all(x is None for x in paired):  # starts merged before calls were recorded: pooled medians only
                 rel = " / ".join(ratio(_ttft(s, m, p), _ttft(s, "none-resident", p)) for p in ("c8", "c32"))
                 parts.append(f"{name}, {label} ({s[m]['starts_ok']}): {_pair(s, m)} ms = {rel} of the floor's median "

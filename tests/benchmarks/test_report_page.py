@@ -163,8 +163,9 @@ def test_the_peers_bytes_per_conversation_keep_every_layer():
 
 
 def _call_start(mode: str, call, c8: float | None, status: str = "ok") -> dict:
-    phases = [] if c8 is None else [{"name": "c8", "ttft_ms": {"p50": c8}}]
-    return {"mode": mode, "run": 0, "status": status, "call": call, "repeats": [{"phases": phases}]}
+    phases = [] if c8 is None else [{"name": "c8", "concurrency": 8, "ttft_ms": {"p50": c8, "p90": c8, "p99": c8},
+                                     "itl_ms": {"p50": 5.0}, "output_tok_s": 1000.0, "errors": 0}]
+    return {"mode": mode, "run": 0, "status": status, "call": call, "repeats": [{"seed": 0, "phases": phases}]}
 
 
 def test_paired_ratio_sets_a_mode_against_the_floor_of_its_own_call():
