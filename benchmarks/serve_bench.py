@@ -70,6 +70,7 @@ import random
 import re
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -77,7 +78,8 @@ from dataclasses import replace
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from serving import replicas, report, server, stats, trace_summary  # noqa: E402
-from serving.modes import ModeRegistry, ServerOptions, Sizes, pool_of, shell_line, validate_argv  # noqa: E402
+from serving.modes import (ModeRegistry, ServerOptions, Sizes, pool_of, serve_env, shell_line,  # noqa: E402
+                           validate_argv)
 from serving.shapes import (  # noqa: E402
     DEFAULT_GPU_BLOCKS,
     DEFAULT_USERS,
@@ -450,8 +452,12 @@ class Bench:
     # ---------------------------------------------------------------- starts
     def run(self) -> None:
         modes = [m for m in self.a.modes.split(",") if m]
+        missing = {}  # mode -> why its engine cannot start (a peer's package the server's python lacks)
         for m in modes:
-            self.reg.spec(m, self.sizes)  # unknown modes fail before any GPU time is spent
+            spec = self.reg.spec(m, self.sizes)  # unknown modes fail before any GPU time is spent
+            if spec.family == "lmcache" and "lmcache" not in missing:
+                missing["lmcache"] = module_missing(self.a.python, serve_env(spec, REPO, dict(os.environ))[0],
+                                                    "lmcache")
         host_gpus = self.doc["gpu_share"]["host_gpus"]
         if self.a.replicas > 1 and 0 < host_gpus < self.a.replicas:
             raise SystemExit(f"--replicas {self.a.replicas}: this machine has {host_gpus} GPU(s)")
@@ -459,7 +465,11 @@ class Bench:
             rec = {"mode": mode, "run": run_idx, "workload_id": self.wid, "status": "running"}
             rec["gpu_resident"] = self.reg.spec(mode, self.sizes).gpu_resident  # then set against the floor only
             self.doc["starts"].append(rec)  # filled in place: partial files show the start in progress
-            if self.left_s() < self.need_s(mode):
+            why = missing.get(self.reg.spec(mode, self.sizes).family)
+            if why:
+                rec.update(status="skipped", reason=why)
+                print(f"[{mode} r{run_idx}] skipped ({why})", flush=True)
+            elif self.left_s() < self.need_s(mode):
                 rec.update(status="skipped", reason=f"deadline: {self.left_s():.0f} s left, ~{self.need_s(mode):.0f} s needed")
                 print(f"[{mode} r{run_idx}] skipped ({rec['reason']})", flush=True)
             else:
@@ -820,6 +830,20 @@ def _run_async(coro):
         uvloop = None
     run = getattr(uvloop, "run", None)  # uvloop >= 0.18
     return run(coro) if run is not None else asyncio.run(coro)
+
+
+def module_missing(python: str, env: dict[str, str], module: str) -> str | None:
+    """None when ``python`` with the server's ``env`` finds ``module``; else why not, and what to do (the lmcache
+    modes: round 25's setup ran with ``SERVE_ONLY=1`` and an LMCache start failed in vLLM's engine start-up)."""
+    probe = f"import importlib.util, sys; sys.exit(0 if importlib.util.find_spec({module!r}) else 3)"
+    try:
+        rc = subprocess.run([python, "-c", probe], env=env, timeout=60, capture_output=True).returncode
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"cannot run {python} to look for {module}: {e}"
+    if rc == 0:
+        return None
+    return (f"{module} is not importable by {python} with the server's PYTHONPATH: install it (on the GPU machine "
+            f"`bash scripts/gpu/serve_setup.sh`, not SERVE_ONLY=1) or leave its modes out")
 
 
 def lmcache_native_ops(log_path: str) -> bool:

@@ -7,8 +7,8 @@ random Llama-3-8B-shaped blocks, 1 GiB) into vLLM 0.26's cross-layer KV tensor a
 per-layer tensors, for several layer-group counts and the three mechanisms (the staged load also as one call per
 layer group, as a pipelined in-step load submits them, from slots in runs of 16, as a request's chunks lie in
 the CPU tier, with its column ranges as the driver's batched 2-D copies, off by default since round 16:
-``staged.RECT_BATCH``, and with the scatter as one Triton launch, off by default too:
-``staged.SCATTER_KERNEL_MIN_ROWS``), it measures:
+``staged.RECT_BATCH``, and with the scatter as one Triton launch over the layout's table on the device, off by
+default too: the ``staged_scatter`` key, ``scatter_table.py``), it measures:
 
 - ``call_ms``: host time of the call (what the forward's launch waits for);
 - ``first_ms`` / ``landed_ms``: GPU time from the submission point to the first / last group landed;
@@ -143,7 +143,9 @@ def main() -> None:
                 kept = loader._rect_batch
                 if variant == ", batched 2-D":
                     staged_mod.RECT_BATCH, loader._rect_batch = True, None  # bound again at the first DMA
-                staged_mod.SCATTER_KERNEL_MIN_ROWS = 8 if variant == one else None
+                if variant == one:  # the layout's table on the device and the kernel compiled, as at start-up
+                    loader.scatter_kernel = True
+                    loader.prepare()
                 try:
                     rec.update(measure(copier, which, ids, groups, mech, per_group))
                 except Exception as exc:  # noqa: BLE001 - a mechanism that cannot take this case: say so
@@ -151,7 +153,7 @@ def main() -> None:
                 finally:
                     loader._rect_batch = kept
                     staged_mod.RECT_BATCH = False
-                    staged_mod.SCATTER_KERNEL_MIN_ROWS = None
+                    loader.scatter_kernel, loader._table = False, None
                 rows.append(rec)
                 print(json.dumps(rec), flush=True)
         copier.close()

@@ -145,8 +145,15 @@ def serve_floor(results: list[Result]) -> Row | None:
                 continue
             rel = " / ".join("-" if x is None else f"{x[0]:.2f}x" for x in paired)
             calls = " / ".join("0" if x is None else str(x[1]) for x in paired)
+            peers = ""
+            for peer, peer_label in (("offloading", "`OffloadingConnector`"), ("lmcache", "LMCache")):
+                pr = [paired_ratio(r.doc, m, peer, p, by_call) for p in ("c8", "c32")] if m == "tiered" else []
+                if any(x is not None for x in pr):  # the peers beside ours in the same calls (goal 0.8x / 0.7x)
+                    peers += (f", against {peer_label} of its call " + " / ".join("-" if x is None else f"{x[0]:.2f}x"
+                              for x in pr) + " (calls: " + " / ".join("0" if x is None else str(x[1]) for x in pr)
+                              + ")")
             parts.append(f"{name}, {label} ({s[m]['starts_ok']}): {_pair(s, m)} ms; against the floor of its own "
-                         f"call **{rel}** (calls: {calls})")
+                         f"call **{rel}** (calls: {calls}){peers}")
     if not parts:
         return None
     return ["`vllm serve` compiled (vLLM's defaults), against the engine's floor (every prefix in vLLM's GPU cache, "

@@ -539,6 +539,22 @@ def in_step_probe(r: Result) -> str:
     return table(head, rows) + cold
 
 
+def scatter_probe(r: Result) -> str:
+    """A staged in-step load's host and GPU time with each scatter (``index_put_`` per layer, one launch)."""
+    by = {(x["blocks"], x["groups"], x["scatter"]): x for x in r.doc["rows"]}
+
+    def cell(x: dict | None) -> str:
+        if x is None or "call_ms" not in x:
+            return "-" if x is None else x.get("error", "-")
+        return f"{num(x['call_ms'], 2)} / {num(x['landed_ms'], 2)}{'' if x.get('equal') else ' (bytes differ)'}"
+
+    keys = dict.fromkeys((x["blocks"], x["mb"], x["groups"]) for x in r.doc["rows"])
+    rows = [[f"{b:,} ({mb} MB)", g, cell(by.get((b, g, "index_put"))), cell(by.get((b, g, "kernel")))]
+            for b, mb, g in keys]
+    return table(["blocks loaded", "layer groups", "`index_put_` per layer: host / landed ms",
+                  "one launch: host / landed ms"], rows)
+
+
 HOST_MEMORY = {"torch_pinned": "torch `pin_memory=True`", "tier_4k": "our CPU tier (`cudaHostRegister`)",
                "tier_thp": "our CPU tier, transparent huge pages"}
 
@@ -554,7 +570,8 @@ def host_memory(r: Result) -> str:
 
 def gpu_probes(results: list[Result]) -> str:
     """The copy-path probes, each file by its own renderer (by name)."""
-    parts = {"copy_probe": copy_probe, "in_step_probe": in_step_probe, "host_memory_probe": host_memory}
+    parts = {"copy_probe": copy_probe, "in_step_probe": in_step_probe, "host_memory_probe": host_memory,
+             "scatter_probe": scatter_probe}
     return "\n".join(each(render)([r for r in results if r.name.startswith(prefix + "_")])
                      for prefix, render in parts.items() if any(r.name.startswith(prefix + "_") for r in results))
 
@@ -738,8 +755,8 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("sched-interleaved", ("sched_interleaved_*.json",), each(sched_interleaved)),
     Scenario("gpu-copy", ("gpu_copy_2*.json",), each(gpu_copy)),
     Scenario("gpu-copy-staged", ("gpu_copy_staged_*.json",), each(gpu_copy_staged)),
-    Scenario("gpu-probes", ("copy_probe_*.json", "in_step_probe_*.json", "host_memory_probe_*.json"), gpu_probes,
-             PROBES),
+    Scenario("gpu-probes", ("copy_probe_*.json", "in_step_probe_*.json", "host_memory_probe_*.json",
+                            "scatter_probe_*.json"), gpu_probes, PROBES),
     Scenario("sglang-ttft", ("sglang_ttft_*.json",), sglang_ttft),
     Scenario("sglang-bench", ("sglang_bench_*.json",), each(sglang_bench)),
     Scenario("disk", ("disk_bench_*.json",), each(disk)),

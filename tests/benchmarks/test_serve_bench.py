@@ -782,10 +782,18 @@ SMALL_ARGS = ["--shape", "llama3-8b", "--users", "6", "--system-tokens", "32", "
               "--phase-gap-s", "0", "--no-plot"]
 
 
-def _fake_python(tmp_path: Path) -> str:
-    """An interpreter stand-in whose ``-m vllm.entrypoints.cli.main serve`` runs ``fake_serve.py``."""
+def _fake_python(tmp_path: Path, lmcache: bool = True) -> str:
+    """An interpreter stand-in whose ``-m vllm.entrypoints.cli.main serve`` runs ``fake_serve.py``; its ``-c`` (the
+    benchmark's look for a peer's package) runs the real interpreter with an empty ``lmcache`` package on its path
+    (LMCache cannot be installed here; the fake server stands in for its engine too), or without (``lmcache``
+    False: a GPU machine set up with ``SERVE_ONLY=1``)."""
+    stub = tmp_path / "peer-packages"
+    (stub / "lmcache").mkdir(parents=True, exist_ok=True)
+    (stub / "lmcache" / "__init__.py").write_text("")
+    path = f"PYTHONPATH={stub}:$PYTHONPATH " if lmcache else ""
     wrapper = tmp_path / "python"
-    wrapper.write_text(f"#!/bin/sh\nexec {sys.executable} {Path(__file__).resolve().parent / 'fake_serve.py'} \"$@\"\n")
+    wrapper.write_text(f"#!/bin/sh\nif [ \"$1\" = -c ]; then {path}exec {sys.executable} \"$@\"; fi\n"
+                       f"exec {sys.executable} {Path(__file__).resolve().parent / 'fake_serve.py'} \"$@\"\n")
     wrapper.chmod(0o755)
     return str(wrapper)
 
@@ -861,6 +869,19 @@ def test_an_lmcache_start_on_its_torch_fallback_is_flagged(tmp_path, monkeypatch
     assert starts["lmcache"]["status"] == "ok" and starts["lmcache"]["lmcache_native_ops"] is False
     assert "lmcache_native_ops" not in starts["none"]  # only LMCache's own warning counts, only for its modes
     assert "LMCache runs on its torch fallback" in capsys.readouterr().out
+
+
+def test_lmcache_modes_are_skipped_when_the_servers_python_cannot_import_it(tmp_path):
+    """Round 25 set up the GPU machine with ``SERVE_ONLY=1`` and an LMCache start died in vLLM's engine start-up
+    (``No module named 'lmcache'``): now the start is skipped before any GPU time, saying why and what to do, and
+    the other modes run."""
+    out = tmp_path / "out"
+    serve_bench.main(SMALL_ARGS + ["--python", _fake_python(tmp_path, lmcache=False), "--modes", "lmcache,none",
+                                   "--out-dir", str(out)])
+    starts = {s["mode"]: s for s in json.loads((out / "serve_bench_llama3-8b.json").read_text())["starts"]}
+    assert starts["lmcache"]["status"] == "skipped" and starts["none"]["status"] == "ok"
+    assert "lmcache is not importable" in starts["lmcache"]["reason"]
+    assert "serve_setup.sh" in starts["lmcache"]["reason"]
 
 
 def test_deadline_skips_starts_that_would_not_fit(tmp_path):

@@ -19,6 +19,7 @@ import torch
 import tiered_kv.copy.staged as staged_mod
 from tiered_kv.copy import BackendUnavailableError, BlockCopier, Mechanism, allocate_slab, vllm_layer_layout
 from tiered_kv.copy.errors import CopyLaunchError
+from tiered_kv.copy.scatter_table import ScatterTable
 from tiered_kv.copy.staged import StagedLoader, layout_rects, slot_runs
 from tiered_kv.copy.testing import (
     Shape,
@@ -525,43 +526,83 @@ def test_a_refused_batched_2d_call_falls_back_for_good(case):
     assert loader._rect_batch is False and rect.calls == 1 and (rows.calls or batch.sizes)
 
 
-class _HostLaunch:
-    """``triton_kernel.launch`` done with memmove per run (Triton and CUDA cannot run here): checks the byte runs the
-    staged scatter builds for its one-launch path (the path it takes on CUDA with Triton)."""
+class _HostTable(ScatterTable):
+    """A ``ScatterTable`` whose kernel is done with memmove, row by row, with the kernel's address arithmetic
+    (Triton and CUDA cannot run here): checks the table, its spans and the offsets ``launch`` hands the kernel."""
 
-    def __init__(self) -> None:
+    def __init__(self, table: ScatterTable) -> None:
+        super().__init__(list(zip(table.src, table.dst, table.stride, table.size)))
+        self.device = torch.empty(0)  # "prepared"
         self.launches = 0
 
-    def __call__(self, runs, device, stream):
-        for s, d, n in zip(runs.src.tolist(), runs.dst.tolist(), runs.size.tolist()):
-            ctypes.memmove(d, s, n)
+    def _enqueue(self, staging, ids, first, items, col0, cols, c0, width):
+        base = staging.data_ptr()
+        for i in range(items):
+            blk = int(ids[first + i])
+            for c in range(col0, col0 + cols):
+                ctypes.memmove(self.dst[c] + blk * self.stride[c], base + i * width + self.src[c] - c0, self.size[c])
         self.launches += 1
+
+
+def _groups(layout) -> list[tuple[int, int]]:
+    t = len(layout.tensors)
+    return [(0, 1), (1, t)] if t > 1 else [(0, 1)]
 
 
 @pytest.mark.parametrize("pattern", sorted(SLOT_PATTERNS))
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_one_launch_scatter_runs_are_bit_exact(case, pattern, monkeypatch):
-    """The scatter as one launch over byte runs (every rectangle row of every item): whole rows and layer groups,
-    pieces of two rows (the staging offsets restart each piece); = reference, one launch per piece and group."""
+def test_one_launch_scatter_is_bit_exact(case, pattern, monkeypatch):
+    """The scatter as one launch over the layout's table of rectangle rows: whole rows and layer groups (a span of
+    the table each), pieces of two rows (the staging offsets restart each piece), slab rows wider than a block;
+    = reference, one launch per piece and group."""
     monkeypatch.setattr(staged_mod, "SCATTER_KERNEL_MIN_ROWS", 1)
-    launch = _HostLaunch()
-    loader, slots, groups = _load_wide(case, pattern, 59, _scatter_launch=launch)
+    _, layout, wide, slots, blocks, expected = _wide_setup(case, pattern, 59)
+    loader = StagedLoader(layout, wide, staging_bytes=2 * layout.block_nbytes, scatter_kernel=True)
+    loader._table = table = _HostTable(loader.scatter_table())
+    groups = _groups(layout)
+    loader.load(torch.tensor(blocks), torch.tensor(slots), groups, None, lambda g, ops: None)
+    _assert_equal(layout, expected)
     per = loader.plan(len(slots), groups)[1]
-    assert launch.launches == sum(-(-len(slots) // p) for p in per)
+    assert table.launches == sum(-(-len(slots) // p) for p in per)
 
 
-@pytest.mark.parametrize("least", [None, 8], ids=["off", "8"])
-def test_few_rectangle_rows_scatter_with_index_put(least, monkeypatch):
-    """Off (the default), or below ``SCATTER_KERNEL_MIN_ROWS`` rectangle rows, the scatter stays ``index_put_``."""
-    monkeypatch.setattr(staged_mod, "SCATTER_KERNEL_MIN_ROWS", least)
+@pytest.mark.parametrize("table", [False, True], ids=["no-table", "8-rows"])
+def test_few_rectangle_rows_scatter_with_index_put(table):
+    """Without a prepared table (the default ``index_put``, or no Triton), or below ``SCATTER_KERNEL_MIN_ROWS``
+    rectangle rows, the scatter stays ``index_put_``."""
     case = next(c for c in CASES if c.name.startswith("vllm"))
     gen, layout, slab = _setup(case, torch.bfloat16, 61)
     slots, blocks = [2, 3, 4], [5, 0, 7]
     expected = _expected(layout, slab, blocks, slots)
-    loader = StagedLoader(layout, slab)
-    loader._scatter_launch = launch = _HostLaunch()
-    assert least is None or sum(r.height for r in loader.rects(0, 1)) < least
+    loader = StagedLoader(layout, slab, scatter_kernel=table)
+    loader.prepare()  # CPU: nothing to prepare, no table
+    assert loader._table is None
+    host = _HostTable(loader.scatter_table())
+    if table:
+        loader._table = host
+        assert sum(r.height for r in loader.rects(0, 1)) < staged_mod.SCATTER_KERNEL_MIN_ROWS
     loader.load(torch.tensor(blocks), torch.tensor(slots), [(a, a + 1) for a in range(len(layout.tensors))], None,
                 lambda g, ops: None)
     _assert_equal(layout, expected)
-    assert launch.launches == 0
+    assert host.launches == 0
+
+
+def test_scatter_table_spans_words_and_refusals():
+    """The table: rows sorted by slot offset; a column range maps to a run of whole rows, or None when a row
+    straddles its ends; overlapping rows are refused; the word divides every offset; ``launch`` enqueues nothing
+    unprepared, for a range of partial rows, or for offsets its word does not divide."""
+    table = ScatterTable([(64, 1 << 20, 4096, 64), (0, 2 << 20, 4096, 64), (128, 3 << 20, 4096, 32)])
+    assert (table.src, table.word, table.rows) == ([0, 64, 128], 8, 3)
+    assert ScatterTable([(0, 1 << 20, 4096, 36), (36, 2 << 20, 4096, 28)]).word == 4
+    assert table.span(0, 160) == (0, 3) and table.span(64, 96) == (1, 2) and table.span(64, 64) == (1, 1)
+    assert table.span(0, 100) is None and table.span(32, 64) is None and table.span(200, 16) is None
+    with pytest.raises(ValueError, match="overlap"):
+        ScatterTable([(0, 0, 64, 64), (32, 0, 64, 64)])
+    host = _HostTable(table)
+    staging = torch.zeros(1024, dtype=torch.uint8)
+    ids = torch.zeros(4, dtype=torch.int64)
+    assert not ScatterTable([(0, 0, 64, 64)]).launch(staging, ids, 0, 1, 0, 64)  # not prepared
+    assert not host.launch(staging, ids, 0, 1, 0, 100)  # partial rows
+    assert not host.launch(staging, ids, 0, 1, 4, 64)  # c0 not a multiple of the 8-byte word
+    assert not host.launch(staging[4:], ids, 0, 1, 0, 64)  # nor the staging rows' start
+    assert not host.launch(staging, ids, 0, 0, 0, 160) and host.launches == 0  # nothing to scatter

@@ -147,13 +147,16 @@ def test_staged_short_runs_go_batched_and_are_exact(monkeypatch):
         _check_storages_equal(gpu, cpu)
 
 
-@pytest.mark.parametrize("min_rows", [1, 1 << 20], ids=["one-launch", "index-put"])
-def test_staged_scatter_one_launch_and_index_put_are_exact(min_rows, monkeypatch):
-    """The scatter as one Triton launch over every rectangle row (device to device), and as an ``index_put_`` per
-    rectangle: whole rows and layer groups, slots in runs and scattered, pieces; the bytes equal the CPU copier's."""
+@pytest.mark.parametrize("kernel", [True, False], ids=["one-launch", "index-put"])
+def test_staged_scatter_one_launch_and_index_put_are_exact(kernel, monkeypatch):
+    """The scatter as one Triton launch over the layout's table of rectangle rows on the device (``staged_scatter:
+    kernel``, prepared as the connector's start-up does), and as an ``index_put_`` per rectangle: whole rows and
+    layer groups, slots in runs and scattered, pieces; the bytes equal the CPU copier's, and the one-launch path
+    took every scatter (none refused) without compiling after ``prepare``."""
     import tiered_kv.copy.staged as staged_mod
+    from tiered_kv.copy import prepare_copier
 
-    monkeypatch.setattr(staged_mod, "SCATTER_KERNEL_MIN_ROWS", min_rows)
+    monkeypatch.setattr(staged_mod, "SCATTER_KERNEL_MIN_ROWS", 1)
     gen = torch.Generator().manual_seed(14)
     for case in [c for c in all_cases() if c.name.startswith("vllm")]:
         gpu, cpu = _twins(case, Shape(layers=6, heads=2, block_size=16, head_dim=64, num_blocks=64), torch.bfloat16,
@@ -162,13 +165,20 @@ def test_staged_scatter_one_launch_and_index_put_are_exact(min_rows, monkeypatch
         slots = torch.cat([_chunk_slots(24, 8, 40, gen), 40 + torch.randperm(40, generator=gen)[:16]])
         blocks = torch.randperm(64, generator=gen)[:40]
         BlockCopier(cpu, src.clone()).cpu_to_gpu(slots, blocks)
-        copier = BlockCopier(gpu, src, staging_bytes=12 * gpu.block_nbytes)
+        copier = BlockCopier(gpu, src, staging_bytes=12 * gpu.block_nbytes, scatter_kernel=kernel)
+        assert prepare_copier(copier, [Mechanism.STAGED]) == {Mechanism.STAGED}
+        table = copier._staged._table
+        assert (table is not None) == kernel  # Triton is on the GPU machine: the table is on the device
+        refused = []
+        if kernel:
+            launch = table.launch
+            monkeypatch.setattr(table, "launch", lambda *a: refused.append(a) if not launch(*a) else True)
         n = len(gpu.tensors)  # a cross-layer layout has one tensor: no second group to split off
         for spans in [[(0, n)]] + ([[(0, 1), (1, n)]] if n > 1 else []):
             for r in copier.cpu_to_gpu_grouped(slots, blocks, spans, mechanism="staged"):
                 r.wait()
             _check_storages_equal(gpu, cpu)
-        assert copier._staged._scatter_launch  # Triton is on the GPU machine: the one-launch path is bound
+        assert not refused
 
 
 @pytest.mark.parametrize("threaded", [True, False], ids=["threaded", "inline"])

@@ -170,22 +170,18 @@ def allocate_slab(num_slots: int, block_nbytes: int, pin: bool | None = None) ->
 class BlockCopier:
     """Copies blocks of ``layout`` to and from slots of ``slab``.
 
-    ``mechanism``: ``"auto"`` (per call, by ``policy``), or a ``Mechanism`` to
-    force one. ``prefer_overlap`` and ``max_runs_per_call`` tune the copy engine
-    (see ``engine.BatchMemcpy``); ``sm_programs`` caps the SM kernel's CTAs
-    (see ``triton_kernel.launch``). ``rect_copies``: copy-engine 2-D copies
-    always (True, where the layout allows), never (False), or when they need
-    fewer descriptor-equivalents than merged runs and those runs average 32 KiB
-    or less (None; the measured rule, docs/gpu_copy.md, ``dispatch.py``).
-    ``threaded_submit=False`` plans and hands runs to the driver on the
-    caller's thread (the call then holds it ~1 us per descriptor inside the
-    driver; for callers that already run copies on their own mover thread).
-    ``staging_bytes`` caps the device staging buffer of ``Mechanism.STAGED``
-    loads (allocated at the first such load, at the size it needs; a larger
-    load goes in pieces); ``staging_buffers`` 2 alternates two halves of it so
-    that a load's next piece crosses PCIe while the last one scatters
-    (``staged.StagedLoader``). ``load_priority``: the CUDA stream priority of the
-    loads' side stream (lower is higher; default ``LOAD_STREAM_PRIORITY``).
+    ``mechanism``: ``"auto"`` (per call, by ``policy``), or a ``Mechanism`` to force one. ``prefer_overlap`` and
+    ``max_runs_per_call`` tune the copy engine (see ``engine.BatchMemcpy``); ``sm_programs`` caps the SM kernel's
+    CTAs (see ``triton_kernel.launch``). ``rect_copies``: copy-engine 2-D copies always (True, where the layout
+    allows), never (False), or when they need fewer descriptor-equivalents than merged runs and those runs average
+    32 KiB or less (None; the measured rule, docs/gpu_copy.md, ``dispatch.py``). ``threaded_submit=False`` plans and
+    hands runs to the driver on the caller's thread (the call then holds it ~1 us per descriptor inside the driver;
+    for callers that already run copies on their own mover thread). ``staging_bytes`` caps the device staging buffer
+    of ``Mechanism.STAGED`` loads (allocated at the first such load, at the size it needs; a larger load goes in
+    pieces); ``staging_buffers`` 2 alternates two halves of it so that a load's next piece crosses PCIe while the
+    last one scatters; ``scatter_kernel`` scatters in one launch over a table on the device once ``prepare_copier``
+    ran (``staged.StagedLoader``). ``load_priority``: the CUDA stream priority of the loads' side stream (lower is
+    higher; default ``LOAD_STREAM_PRIORITY``).
 
     Use as a context manager or call ``close()`` to stop the submitter threads.
     """
@@ -204,6 +200,7 @@ class BlockCopier:
         rect_copies: bool | None = None,
         staging_bytes: int = DEFAULT_STAGING_BYTES,
         staging_buffers: int = 1,
+        scatter_kernel: bool = False,
         load_priority: int = LOAD_STREAM_PRIORITY,
     ) -> None:
         """Validate the slab against the layout; CUDA resources are created on first use."""
@@ -225,6 +222,7 @@ class BlockCopier:
         self._lanes = Lanes(layout.device, threaded_submit, load_priority)  # side streams, submitter threads
         self._staging_bytes = staging_bytes
         self._staging_buffers = check_buffers(staging_buffers)  # checked now: the staged loader comes at first use
+        self._scatter_kernel = scatter_kernel
         self._staged: StagedLoader | None = None
         self._staged_warned = False
 
@@ -475,7 +473,8 @@ class BlockCopier:
 
     def _staged_loader(self) -> StagedLoader:
         if self._staged is None:
-            self._staged = StagedLoader(self.layout, self.slab, self._staging_bytes, self._staging_buffers)
+            self._staged = StagedLoader(self.layout, self.slab, self._staging_bytes, self._staging_buffers,
+                                        self._scatter_kernel)
         return self._staged
 
     def copy_plain(self, gpu_block_ids: BlockIds, cpu_slots: BlockIds, *, to_cpu: bool) -> None:

@@ -22,11 +22,11 @@ adjacent rows of the slab, so the load moves as:
    pitch: one per layer tensor, or one for all layers when they are views of one buffer), one
    torch ``index_put_`` from a strided view of the staging rows into a strided view of the
    engine tensor's storage, indexed by the block ids (on the device). Elements are the widest
-   word (8, 4, 2 or 1 bytes) that every offset, stride and width divides. With
-   ``SCATTER_KERNEL_MIN_ROWS`` set (off by default until measured), a scatter of that many
-   rectangle rows or more (a whole-row load of per-layer tensors) goes instead as one launch of
-   the SM kernel's Triton copy over a table of byte runs, device to device
-   (``triton_kernel.launch``), where Triton is present: one launch for all layers.
+   word (8, 4, 2 or 1 bytes) that every offset, stride and width divides. With ``scatter_kernel``
+   (the ``staged_scatter: kernel`` connector key) and ``prepare`` done on CUDA with Triton, a scatter
+   of ``SCATTER_KERNEL_MIN_ROWS`` rectangle rows or more goes instead as one launch over the
+   layout's table of rectangle rows, kept on the device (``scatter_table.py``): no tensor view or
+   ``index_put_`` per layer on the caller's thread.
 
 With one buffer (``buffers=1``, the default) both steps run in order on one stream (the copier's
 side stream): the staging buffer is reused by the next piece or call only after the previous
@@ -56,8 +56,8 @@ Threading: one lock per loader serialises ``load`` and ``reserve``. ``BlockCopie
 only from the thread that runs its loads (the h2d submitter thread; the caller's thread with
 ``threaded_submit=False``), never from the caller of a threaded copier; the lock keeps the
 buffer consistent should two threads share a loader anyway. The second (DMA) stream of a two-half
-load is created and used under the same lock. The scatter's Triton launch is made on the same thread, on the load
-stream (``triton_kernel.launch`` may be called from any thread).
+load is created and used under the same lock. The one-launch scatter is made on the same thread, on the load
+stream; ``prepare`` (which builds its table) runs before the loads start.
 """
 
 from __future__ import annotations
@@ -72,6 +72,7 @@ import torch
 
 from tiered_kv.copy.errors import BackendUnavailableError, CopyLaunchError
 from tiered_kv.copy.layouts import KVLayout
+from tiered_kv.copy.scatter_table import ScatterTable, word_of as _word
 from tiered_kv.copy.segments import Runs
 
 log = logging.getLogger(__name__)
@@ -93,14 +94,9 @@ RECT_MIN_ROWS = 4
 #: ~4 us per run like a single 2-D call (16,384 random slots: 67.6 ms, against 19.2 ms as batched 1-D descriptors;
 #: slots in runs of 16: 6.2 ms, against 4.2 ms as one 2-D call a run).
 RECT_BATCH = False
-#: A scatter of at least this many rectangle rows (a whole-row load of a model's per-layer tensors: one a layer)
-#: goes as one Triton launch over a table of runs (``triton_kernel.launch``, device to device) instead of one
-#: ``index_put_`` per rectangle (tens of us of the caller's thread each: round 15's gpt-oss c1 staged loads held
-#: vLLM's thread ~2 ms for 27 copies, 24 of them scatters); fewer go as ``index_put_``, cheaper than building a
-#: table. ``None`` (the default): never, until the GPU has measured it (``benchmarks/probes/in_step_probe.py`` runs
-#: both with 8) and a start-up warm-up compiles the kernel, whose first launch would otherwise compile on vLLM's
-#: thread inside a serving step.
-SCATTER_KERNEL_MIN_ROWS: int | None = None
+#: With ``scatter_kernel``: a scatter of at least this many rectangle rows (a load of a model's per-layer tensors,
+#: one a layer, or a group of 8 of them) goes as one launch (``scatter_table.py``); fewer go as ``index_put_``.
+SCATTER_KERNEL_MIN_ROWS = 8
 
 
 def check_buffers(buffers: object) -> int:
@@ -198,25 +194,15 @@ def slot_runs(slots: torch.Tensor) -> SlotRuns:
     return SlotRuns(first + [n], slots[first].tolist() if first else [])
 
 
-def _word(*values: int) -> int:
-    """The widest word (8, 4, 2, 1 bytes) dividing every value."""
-    bits = 0
-    for v in values:
-        bits |= int(v)
-    for width in (8, 4, 2):
-        if bits % width == 0:
-            return width
-    return 1
-
-
 class StagedLoader:
     """Slab -> blocks through a device staging buffer: one DMA per run of adjacent slots, one scatter per rectangle."""
 
     def __init__(self, layout: KVLayout, slab: torch.Tensor, staging_bytes: int = DEFAULT_STAGING_BYTES,
-                 buffers: int = 1) -> None:
+                 buffers: int = 1, scatter_kernel: bool = False) -> None:
         """Bind the layout and slab; the staging buffer is allocated at the first call. ``buffers``: 1 (DMA and
         scatter in turn on one stream) or 2 (a load of several pieces alternates two halves of the cap, its
-        DMAs on a second stream overlapping the scatters: see the module text)."""
+        DMAs on a second stream overlapping the scatters: see the module text). ``scatter_kernel``: scatter in
+        one launch where ``prepare`` made that possible (CUDA with Triton), else ``index_put_`` per rectangle."""
         if staging_bytes < layout.block_nbytes:
             raise BackendUnavailableError(
                 f"staging_bytes={staging_bytes} cannot hold one block of {layout.block_nbytes} bytes; "
@@ -241,9 +227,9 @@ class StagedLoader:
         self._rect2d = None  # engine.RectMemcpy (``gather_rows``) for column-range DMAs, made at the first on CUDA
         self._batch = None  # engine.BatchMemcpy for batched DMA descriptors, made at the first on CUDA (False: none)
         self._rect_batch = None  # engine.RectBatchMemcpy for a column range's runs, likewise (False: none)
-        # CUDA with Triton: ``triton_kernel.launch`` for scatters of many rectangle rows (False: index_put_ only)
-        self._scatter_launch = None
-        self._scatter_cols: dict[tuple, tuple[torch.Tensor, ...]] = {}  # (a, b, c0, width) -> rect-row columns
+        self.scatter_kernel = scatter_kernel
+        # ``scatter_table.ScatterTable`` of the layout, prepared on the device (``prepare``); None: index_put_ only
+        self._table = None
 
     def rects(self, first: int, end: int) -> list[_Rect]:
         """The (cached) rectangles of tensors ``first..end-1``."""
@@ -335,7 +321,7 @@ class StagedLoader:
                                 landed = torch.cuda.Event()
                                 landed.record(dma)
                             current.wait_event(landed)
-                        ops += self._scatter(buf, dev_ids[i0:i1], i1 - i0, a, b, c0, width, ids[i0:i1], current)
+                        ops += self._scatter(buf, dev_ids, i1 - i0, a, b, c0, width, i0)
                         if dma is not None:
                             read[h] = torch.cuda.Event()
                             read[h].record(current)
@@ -406,11 +392,23 @@ class StagedLoader:
         return len(todo)
 
     def prepare(self) -> None:
-        """On CUDA, bind now what the first load binds (the driver's 2-D and batched copies, the Triton scatter's
-        lookup), so no engine step pays for it; nothing on the CPU. Any thread, before the loads start."""
-        if self._on_cuda:
-            self._engines()
-            self._scatter_launcher()
+        """On CUDA, bind now what the first load binds (the driver's 2-D and batched copies) and, with
+        ``scatter_kernel``, put the scatter's table on the device and compile its kernel (without Triton: logged,
+        the scatters stay ``index_put_``), so no engine step pays for it; nothing on the CPU. Any thread, before
+        the loads start."""
+        if not self._on_cuda:
+            return
+        self._engines()
+        if self.scatter_kernel and self._table is None:
+            table = self.scatter_table()
+            try:
+                seconds = table.prepare(self.layout.device)
+            except BackendUnavailableError as exc:
+                log.warning("staged loads: the one-launch scatter is unavailable (%s); index_put_ per layer", exc)
+                return
+            self._table = table
+            log.info("staged loads: one-launch scatter over %d rectangle rows ready in %.1f ms (word %d bytes)",
+                     table.rows, seconds * 1e3, table.word)
 
     def _engines(self) -> None:
         """Bind the driver's 2-D and batched copies at the first DMA on CUDA (a driver without a batched entry
@@ -466,16 +464,16 @@ class StagedLoader:
         return len(sizes) + len(rects)
 
     def _scatter(self, staging: torch.Tensor, dev_ids: torch.Tensor, rows: int, a: int, b: int, c0: int,
-                 width: int, ids: torch.Tensor | None = None, stream: torch.cuda.Stream | None = None) -> int:
-        """Staged rows ``0..rows-1`` (columns ``c0..`` of slots) into blocks ``dev_ids`` of tensors ``a..b-1``: one
-        Triton launch over every rectangle row (``SCATTER_KERNEL_MIN_ROWS`` or more of them, ``ids`` the same
-        blocks on the CPU), else an ``index_put_`` per rectangle. Returns the kernels launched."""
+                 width: int, first: int = 0) -> int:
+        """Staged rows ``0..rows-1`` (columns ``c0..`` of slots) into blocks ``dev_ids[first..first+rows-1]`` of
+        tensors ``a..b-1``: one launch over the prepared table (``scatter_kernel``, ``SCATTER_KERNEL_MIN_ROWS``
+        rectangle rows or more), else an ``index_put_`` per rectangle. Returns the kernels launched."""
         rects = self.rects(a, b)
-        least = SCATTER_KERNEL_MIN_ROWS  # None (the default): Triton is not even looked up
-        if least is not None and ids is not None and (launch := self._scatter_launcher()) is not None \
-                and sum(r.height for r in rects) >= least:
-            launch(self._scatter_runs(staging, ids, rows, a, b, c0, width), self.layout.device, stream)
+        table = self._table
+        if table is not None and sum(r.height for r in rects) >= SCATTER_KERNEL_MIN_ROWS \
+                and table.launch(staging, dev_ids, first, rows, c0, width):
             return 1
+        dev_ids = dev_ids[first:first + rows]
         kernels = 0
         num_blocks = self.layout.num_blocks
         for r in rects:
@@ -494,33 +492,11 @@ class StagedLoader:
             kernels += 1
         return kernels
 
-    def _scatter_launcher(self):
-        """``triton_kernel.launch`` on CUDA with Triton (looked up once), else None."""
-        if self._scatter_launch is None:
-            self._scatter_launch = False
-            if self._on_cuda:
-                from tiered_kv.copy import triton_kernel
-
-                if triton_kernel.triton_available():
-                    self._scatter_launch = triton_kernel.launch
-        return self._scatter_launch or None
-
-    def _scatter_runs(self, staging: torch.Tensor, ids: torch.Tensor, rows: int, a: int, b: int, c0: int,
-                      width: int) -> Runs:
-        """The scatter as byte runs, item-major: staged row ``i``'s rectangle row ``(r, k)`` from ``staging + i *
-        width + r.slot_offset - c0 + k * r.width`` to the tensor's storage at ``r.offset + ids[i] * r.block_stride +
-        k * r.pitch``, ``r.width`` bytes (the columns per rectangle row are kept per call shape)."""
-        key = (a, b, c0, width)
-        cols = self._scatter_cols.get(key)
-        if cols is None:
-            pairs = [(r.slot_offset - c0 + k * r.width, self._flat(r.tensor).data_ptr() + r.offset + k * r.pitch,
-                      r.block_stride, r.width) for r in self.rects(a, b) for k in range(r.height)]
-            cols = self._scatter_cols[key] = tuple(torch.tensor(c, dtype=torch.int64) for c in zip(*pairs))
-        src_off, dst_base, stride, size = cols
-        item = torch.arange(rows, dtype=torch.int64)[:, None]
-        src = staging.data_ptr() + item * width + src_off[None, :]
-        dst = dst_base[None, :] + ids[:rows, None].to(torch.int64) * stride[None, :]
-        return Runs(src=src.reshape(-1), dst=dst.reshape(-1), size=size.expand(rows, -1).reshape(-1))
+    def scatter_table(self) -> ScatterTable:
+        """The layout's rectangle rows as a ``ScatterTable`` (host side; ``prepare`` puts it on the device)."""
+        rows = [(r.slot_offset + k * r.width, self._flat(r.tensor).data_ptr() + r.offset + k * r.pitch,
+                 r.block_stride, r.width) for r in self.rects(0, len(self.layout.tensors)) for k in range(r.height)]
+        return ScatterTable(rows)
 
     def _flat(self, t: int) -> torch.Tensor:
         """Tensor ``t``'s whole storage as a 1-D uint8 tensor (cached)."""

@@ -40,7 +40,7 @@ def test_unknown_key_is_named_with_the_valid_ones():
     ("remote_read_gbps", 0, "remote_read_gbps.*or null"), ("prefill_half_rate_context", 0, "prefill_half_rate_context"),
     ("prefill_learn", "yes", "prefill_learn"), ("prefill_tokens_per_s", "fast", "prefill_tokens_per_s"),
     ("tail_chunks", "yes", "tail_chunks.*auto"), ("tail_chunks", 1, "tail_chunks.*auto"),
-    ("store_start", "later", "store_start.*after_sampler"),
+    ("store_start", "later", "store_start.*after_sampler"), ("staged_scatter", "triton", "staged_scatter.*kernel"),
 ])
 def test_bad_values_fail_naming_the_key(key, value, needle):
     with pytest.raises(ConfigError, match=needle):

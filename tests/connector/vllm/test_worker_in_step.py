@@ -253,11 +253,13 @@ def test_load_stream_priority_reaches_every_load_copier(priority):
     """``load_stream_priority`` sets the load side stream of the in-step and the movers' copiers (CUDA only
     creates the stream; tests/gpu/test_staged_gpu.py checks the priority a stream gets)."""
     rt, _, _ = make_runtime("cpu", 2, 1, 8, 8, 2, load_mode="layerwise", load_stream_priority=priority,
-                            load_staging_buffers=2 if priority else 1)
+                            load_staging_buffers=2 if priority else 1,
+                            staged_scatter="kernel" if priority else "index_put")
     try:
         assert [c._lanes.load_priority for c in rt.in_step.copiers + rt.copiers] == [priority] * 2
-        # load_staging_buffers travels the same way (one test: both are copier settings from the config)
+        # load_staging_buffers and staged_scatter travel the same way (copier settings from the config)
         assert [c._staging_buffers for c in rt.in_step.copiers + rt.copiers] == [2 if priority else 1] * 2
+        assert [c._scatter_kernel for c in rt.in_step.copiers + rt.copiers] == [bool(priority)] * 2
     finally:
         rt.close()
 

@@ -181,7 +181,8 @@ class InStepLoader:
         # its layers: from a submitter thread they fought vLLM's eager forward for the GIL and the H200
         # load took 31-64 ms instead of ~21 (turn-2 TTFT 0.043-0.048 s against 0.034-0.039 s).
         self.copiers = [BlockCopier(kv, rows, threaded_submit=False, staging_bytes=cfg.load_staging_bytes,
-                                    staging_buffers=cfg.load_staging_buffers, load_priority=cfg.load_stream_priority)
+                                    staging_buffers=cfg.load_staging_buffers, load_priority=cfg.load_stream_priority,
+                                    scatter_kernel=cfg.staged_scatter == "kernel")
                         for kv, rows, _ in parts]
         self.copier = self.copiers[0]
         self._layerwise = cfg.load_mode in ("layerwise", "adaptive")  # adaptive: layerwise within its budget

@@ -285,6 +285,7 @@ class WorkerRuntime(StepLoads):
         # one staging cap for every staged load (in-step and asynchronous ones): load_staging_bytes
         self.copiers = [BlockCopier(kv, plane, staging_bytes=self.cfg.load_staging_bytes,
                                     staging_buffers=self.cfg.load_staging_buffers,
+                                    scatter_kernel=self.cfg.staged_scatter == "kernel",
                                     load_priority=self.cfg.load_stream_priority)
                         for kv, plane in zip(kvs, self.planes)]
         self.copier = self.copiers[0]

@@ -1,0 +1,177 @@
+"""The staged load's scatter in one kernel launch, its address table kept on the device.
+
+Role: the second step of a staged load (``staged.py``) copies each staged row's chunks into the engine's blocks.
+As one ``index_put_`` per rectangle (a layer's tensor) it costs the caller's thread tens of microseconds a
+rectangle: vLLM's, before the forward. Round 25 (H200, Qwen2.5-7B c8 compiled, docs/notes/2026-12-01-gpu-round25.md)
+found the engine's prefill steps bound by the host (GPU forward about equal to its launch) and ``start_load_kv`` of
+a one-load step at 1.7-2.0 ms, most of it 28 scatters. Here the scatter of a call is one Triton launch:
+
+- ``ScatterTable``: every *rectangle row* of the layout (one chunk of one tensor per block: its offset in a slot,
+  the address of block 0's chunk, the bytes between two blocks' chunks, its length) sorted by slot offset, built
+  once per layout and uploaded once (``prepare``, at start-up) as a ``(4, rows)`` int64 tensor on the device. A
+  call's tensors ``a..b-1`` are the column range ``c0 .. c0 + width`` of a slot, so their rows are one run of the
+  table (``span``): nothing is built or uploaded per call;
+- ``launch``: one kernel over (item, rectangle row) pairs, grid-stride over at most ``PROGRAMS`` programs: staged
+  row ``item`` of the buffer, at the row's slot offset less ``c0``, to the row's address plus ``block id x
+  stride``. The block ids are the ones the staged load already uploaded for its DMA (``StagedLoader._derived``).
+
+Measured (H200, 2026-12-01, ``benchmarks/probes/scatter_probe.py``, Qwen2.5-7B's 28 per-layer tensors, slots in runs
+of 16): host ms of a load 0.94 against 0.92 with ``index_put_`` (82 blocks, 2 layer groups), 1.42 against 1.93 (574
+blocks, 2 groups), 2.63 / 3.47 against 2.53 / 3.48 in 7 groups; GPU time until landed 4-8% longer; bytes equal. The
+launch itself holds the thread about as long as 14 ``index_put_`` do, so it pays only where a call has many more
+rectangles; the rest of a call's ~0.36 ms (stream and event calls, the DMA's address lists) stays. Off by default
+(the connector key ``staged_scatter``).
+
+Triton compiles the kernel per word width (``ELEM``) and loop step (``BLOCK``), both fixed by the table, at its
+first launch; ``prepare`` compiles it with an empty launch (nothing read or written), and ``launch`` returns False
+instead of compiling anything (a call whose offsets the table's word does not divide, a table not prepared): the
+caller then scatters with ``index_put_``. Every pointer argument is a whole tensor (its start 16-byte aligned, as at
+the warm-up) and every integer argument is left unspecialized, so a later launch never meets a new specialization.
+
+Threading: a table is built and prepared by one thread (the copier's ``prepare`` at start-up); once prepared it is
+read-only and ``launch`` may be called from any thread, on that thread's current CUDA stream.
+"""
+from __future__ import annotations
+
+import functools
+import time
+from bisect import bisect_left
+
+import torch
+
+from tiered_kv.copy.errors import BackendUnavailableError
+
+#: programs of one launch at most (grid-stride over the pairs): a 1 GiB scatter device to device stays well under
+#: a millisecond with this many, and the forward keeps most of the H200's 132 SMs
+PROGRAMS = 64
+NUM_WARPS = 4
+_WORD_TYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def word_of(*values: int) -> int:
+    """The widest word (8, 4, 2, 1 bytes) dividing every value."""
+    bits = 0
+    for v in values:
+        bits |= int(v)
+    for width in (8, 4, 2):
+        if bits % width == 0:
+            return width
+    return 1
+
+
+class ScatterTable:
+    """A layout's rectangle rows sorted by slot offset (see the module); the device copy made by ``prepare``."""
+
+    def __init__(self, rows: list[tuple[int, int, int, int]]) -> None:
+        """``rows``: ``(slot offset, address of block 0's chunk, bytes between blocks, length)`` per rectangle row,
+        covering a slot without overlap (``StagedLoader.scatter_table`` builds them from ``layout_rects``)."""
+        rows = sorted(rows)
+        for (s0, _, _, n0), (s1, _, _, _) in zip(rows, rows[1:]):
+            if s0 + n0 > s1:
+                raise ValueError(f"rectangle rows overlap in the slot: [{s0}, {s0 + n0}) and one at {s1}")
+        self.src = [r[0] for r in rows]
+        self.dst = [r[1] for r in rows]
+        self.stride = [r[2] for r in rows]
+        self.size = [r[3] for r in rows]
+        self.word = word_of(*self.src, *self.dst, *self.stride, *self.size) if rows else 1
+        typical = sorted(self.size)[len(rows) // 2] // self.word if rows else 0
+        self.block = 128
+        while self.block < typical and self.block < 1024:
+            self.block *= 2
+        self._spans: dict[tuple[int, int], tuple[int, int] | None] = {}
+        self.device: torch.Tensor | None = None  # (4, rows) int64: offsets and strides in words, addresses in bytes
+        self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def rows(self) -> int:
+        """Rectangle rows in the table."""
+        return len(self.src)
+
+    def span(self, c0: int, width: int) -> tuple[int, int] | None:
+        """``(first row, rows)`` of the table inside slot bytes ``c0 .. c0 + width`` (a call's column range), or None
+        when a row straddles an end of it (not a range of whole tensors). Cached per range."""
+        key = (c0, width)
+        if key not in self._spans:
+            i = bisect_left(self.src, c0)
+            j = bisect_left(self.src, c0 + width)
+            whole = i == len(self.src) or self.src[i] == c0
+            whole = whole and (j == i or self.src[j - 1] + self.size[j - 1] <= c0 + width)
+            self._spans[key] = (i, j - i) if whole and j > i else None
+        return self._spans[key]
+
+    def prepare(self, device: torch.device) -> float:
+        """Upload the table to ``device`` and compile the kernel with an empty launch (no byte read or written);
+        returns the seconds taken (the device synchronized). ``BackendUnavailableError`` without Triton. Call it
+        once, before any ``launch`` (at start-up: the upload and the compile would stall an engine step)."""
+        kernel = _kernel()
+        t0 = time.perf_counter()
+        cols = [[s // self.word for s in self.src], self.dst, [s // self.word for s in self.stride],
+                [s // self.word for s in self.size]]
+        table = torch.tensor(cols, dtype=torch.int64, device=device)
+        staging = torch.zeros(64, dtype=_WORD_TYPES[self.word], device=device)
+        ids = torch.zeros(8, dtype=torch.int64, device=device)
+        kernel[(1,)](staging, ids, table, self.rows, 0, 0, 0, 0, 0, 0, ELEM=_elem_type(self.word), BLOCK=self.block,
+                     num_warps=NUM_WARPS)
+        torch.cuda.synchronize(device)
+        self.device, self._scratch = table, (staging, ids)
+        return time.perf_counter() - t0
+
+    def launch(self, staging: torch.Tensor, ids: torch.Tensor, first: int, items: int, c0: int, width: int) -> bool:
+        """Enqueue on the current stream the scatter of staged rows ``0 .. items-1`` of ``staging`` (a uint8 device
+        buffer of rows of ``width`` bytes, slot bytes ``c0 ..``) into blocks ``ids[first .. first+items-1]`` (int64,
+        on the device). Returns False, with nothing enqueued, when the table was not prepared or cannot take this
+        call (a word the offsets do not divide, a column range that is not whole rows): scatter another way."""
+        w = self.word
+        if self.device is None or items <= 0 or (c0 | width | staging.data_ptr()) % w:
+            return False
+        span = self.span(c0, width)
+        if span is None:
+            return False
+        self._enqueue(staging, ids, first, items, span[0], span[1], c0, width)
+        return True
+
+    def _enqueue(self, staging: torch.Tensor, ids: torch.Tensor, first: int, items: int, col0: int, cols: int,
+                 c0: int, width: int) -> None:
+        """The kernel over rows ``col0 .. col0+cols-1`` of the table (``launch`` checked the call)."""
+        w = self.word
+        words = staging[: staging.numel() // w * w].view(_WORD_TYPES[w])
+        grid = (min(items * cols, PROGRAMS),)
+        _kernel()[grid](words, ids, self.device, self.rows, first, items, col0, cols, width // w, c0 // w,
+                        ELEM=_elem_type(w), BLOCK=self.block, num_warps=NUM_WARPS)
+
+
+def _elem_type(width: int):
+    import triton.language as tl
+
+    return {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}[width]
+
+
+@functools.lru_cache(maxsize=1)
+def _kernel():
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError as exc:
+        raise BackendUnavailableError(f"the one-launch scatter needs Triton: {exc}") from exc
+
+    @triton.jit(do_not_specialize=["n_table", "first", "items", "col0", "cols", "row_words", "c0_words"])
+    def scatter_rows(staging, ids, table, n_table, first, items, col0, cols, row_words, c0_words,
+                     ELEM: tl.constexpr, BLOCK: tl.constexpr):
+        """Pair p = (item, rectangle row): ``row_words`` words a staged row; table rows: slot offsets (words),
+        addresses of block 0's chunks (bytes), strides and lengths (words)."""
+        pid = tl.program_id(0)
+        step = tl.num_programs(0)
+        for p in range(pid, items * cols, step):
+            item = p // cols
+            col = col0 + p - item * cols
+            blk = tl.load(ids + first + item)
+            off = tl.load(table + col)
+            dst = tl.load(table + n_table + col).to(tl.pointer_type(ELEM)) + blk * tl.load(table + 2 * n_table + col)
+            n = tl.load(table + 3 * n_table + col)
+            src = staging + item.to(tl.int64) * row_words + (off - c0_words)
+            for k in range(0, n, BLOCK):
+                idx = k + tl.arange(0, BLOCK)
+                mask = idx < n
+                tl.store(dst + idx, tl.load(src + idx, mask=mask), mask=mask)
+
+    return scatter_rows
