@@ -452,7 +452,7 @@ class Bench:
     # ---------------------------------------------------------------- starts
     def run(self) -> None:
         modes = [m for m in self.a.modes.split(",") if m]
-        missing = {}  # mode -> why its engine cannot start (a peer's package the server's python lacks)
+        missing = {}  # mode family -> why its engines cannot start (a peer's package the servers' python lacks)
         for m in modes:
             spec = self.reg.spec(m, self.sizes)  # unknown modes fail before any GPU time is spent
             if spec.family == "lmcache" and "lmcache" not in missing:
@@ -842,6 +842,8 @@ def module_missing(python: str, env: dict[str, str], module: str) -> str | None:
         return f"cannot run {python} to look for {module}: {e}"
     if rc == 0:
         return None
+    if rc != 3:  # the interpreter itself failed: say so, not that the package is missing
+        return f"{python} could not look for {module} (exit {rc}): check the interpreter and the server's PYTHONPATH"
     return (f"{module} is not importable by {python} with the server's PYTHONPATH: install it (on the GPU machine "
             f"`bash scripts/gpu/serve_setup.sh`, not SERVE_ONLY=1) or leave its modes out")
 

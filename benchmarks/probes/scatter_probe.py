@@ -6,8 +6,11 @@ layer tensor there. This probe sets the two scatters side by side (``staged_scat
 one launch over the layout's table on the device, ``tiered_kv/copy/scatter_table.py``) on that model's per-layer
 KV tensors (28 layers, 4 KV heads of 128, 16-token blocks, bf16: 32 KiB a layer-block) for the loads of that run's
 c8 waves: 82 blocks (one request's prefix) and 574 (seven), slots in runs of 16 (how a request's chunks lie in the
-CPU tier), in 2 layer groups (a copy within ``load_ahead_bytes``) and in 8, one call per group as a pipelined
-in-step load submits them. Per case, median over ``REPS`` calls after one warm-up call:
+CPU tier), in 2 layer groups (a copy within ``load_ahead_bytes``) and in 7 of 4 layers, one call per group as a
+pipelined in-step load submits them. Groups of fewer rectangle rows than ``staged.SCATTER_KERNEL_MIN_ROWS`` keep
+``index_put_`` even with the kernel on: the 7-group rows then time ``index_put_`` twice (their spread), and
+``launches`` (the kernel's launches in the case's last call) says which ran. Per case, median over ``REPS`` calls
+after one warm-up call:
 
 - ``call_ms``: host time of the calls (what the forward's launch waits for);
 - ``landed_ms``: GPU time from the first call's submission to the last group landed;
@@ -96,18 +99,28 @@ def main() -> None:
         copier = BlockCopier(layout, slab, threaded_submit=False, scatter_kernel=scatter == "kernel")
         ready = prepare_copier(copier, [Mechanism.STAGED])
         table = copier._staged._table if copier._staged is not None else None
+        launched: list[bool] = []  # what each of the table's launches returned (True: the kernel ran)
+        if table is not None:
+            def counted(*args, _launch=table.launch):
+                ok = _launch(*args)
+                launched.append(ok)
+                return ok
+
+            table.launch = counted
         for n in LOADS:
             runs = -(-n // CHUNK)
             slots = (torch.randperm(slab.shape[0] // CHUNK, generator=gen)[:runs][:, None] * CHUNK
                      + torch.arange(CHUNK)).reshape(-1)[:n]
             ids = torch.randperm(s.num_blocks, generator=gen)[:n]
-            for count in (2, 8):
+            for count in (2, 7):
                 per = -(-s.layers // count)
                 groups = [(a, min(s.layers, a + per)) for a in range(0, s.layers, per)]
                 rec = {"scatter": scatter, "blocks": n, "mb": round(n * layout.block_nbytes / 1e6, 1),
                        "groups": len(groups), "table": table is not None, "prepared": sorted(m.value for m in ready)}
+                launched.clear()
                 try:
                     rec.update(measure(copier, slots, ids, groups))
+                    rec["launches"] = sum(launched[-len(groups):]) if launched else 0
                     torch.cuda.synchronize()
                     rec["equal"] = loaded_equal(layout, slab, slots, ids)
                 except Exception as exc:  # noqa: BLE001 - a case that cannot run: say so
@@ -115,7 +128,8 @@ def main() -> None:
                 rows.append(rec)
                 print(rec, flush=True)
         copier.close()
-    emit("scatter_probe", rows, ["scatter", "blocks", "mb", "groups", "table", "call_ms", "landed_ms", "equal"])
+    emit("scatter_probe", rows, ["scatter", "blocks", "mb", "groups", "table", "launches", "call_ms", "landed_ms",
+                                 "equal"])
 
 
 if __name__ == "__main__":

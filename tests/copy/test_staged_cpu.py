@@ -527,8 +527,9 @@ def test_a_refused_batched_2d_call_falls_back_for_good(case):
 
 
 class _HostTable(ScatterTable):
-    """A ``ScatterTable`` whose kernel is done with memmove, row by row, with the kernel's address arithmetic
-    (Triton and CUDA cannot run here): checks the table, its spans and the offsets ``launch`` hands the kernel."""
+    """A ``ScatterTable`` whose kernel runs on the host (Triton and CUDA cannot run here): pair by pair, with the
+    kernel's own arithmetic over ``columns()`` in words (what ``prepare`` uploads), each pair's words moved with
+    memmove. Checks the table, its spans and every argument ``launch`` hands the kernel."""
 
     def __init__(self, table: ScatterTable) -> None:
         super().__init__(list(zip(table.src, table.dst, table.stride, table.size)))
@@ -536,11 +537,15 @@ class _HostTable(ScatterTable):
         self.launches = 0
 
     def _enqueue(self, staging, ids, first, items, col0, cols, c0, width):
-        base = staging.data_ptr()
-        for i in range(items):
-            blk = int(ids[first + i])
-            for c in range(col0, col0 + cols):
-                ctypes.memmove(self.dst[c] + blk * self.stride[c], base + i * width + self.src[c] - c0, self.size[c])
+        w = self.word
+        off, dst0, stride, n = self.columns()
+        row_words, c0_words = width // w, c0 // w
+        for p in range(items * cols):  # the kernel's pairs, as its programs walk them
+            item = p // cols
+            col = col0 + p - item * cols
+            blk = int(ids[first + item])
+            src = staging.data_ptr() + (item * row_words + off[col] - c0_words) * w
+            ctypes.memmove(dst0[col] + blk * stride[col] * w, src, n[col] * w)
         self.launches += 1
 
 
@@ -549,38 +554,39 @@ def _groups(layout) -> list[tuple[int, int]]:
     return [(0, 1), (1, t)] if t > 1 else [(0, 1)]
 
 
+@pytest.mark.parametrize("buffers", [1, 2])
 @pytest.mark.parametrize("pattern", sorted(SLOT_PATTERNS))
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_one_launch_scatter_is_bit_exact(case, pattern, monkeypatch):
+def test_one_launch_scatter_is_bit_exact(case, pattern, buffers, monkeypatch):
     """The scatter as one launch over the layout's table of rectangle rows: whole rows and layer groups (a span of
-    the table each), pieces of two rows (the staging offsets restart each piece), slab rows wider than a block;
-    = reference, one launch per piece and group."""
+    the table each), pieces of two rows (the staging offsets restart each piece), both halves of a two-buffer load,
+    slab rows wider than a block; = reference, one launch per piece and group."""
     monkeypatch.setattr(staged_mod, "SCATTER_KERNEL_MIN_ROWS", 1)
     _, layout, wide, slots, blocks, expected = _wide_setup(case, pattern, 59)
-    loader = StagedLoader(layout, wide, staging_bytes=2 * layout.block_nbytes, scatter_kernel=True)
+    loader = StagedLoader(layout, wide, staging_bytes=2 * buffers * layout.block_nbytes, buffers=buffers,
+                          scatter_kernel=True)
     loader._table = table = _HostTable(loader.scatter_table())
     groups = _groups(layout)
     loader.load(torch.tensor(blocks), torch.tensor(slots), groups, None, lambda g, ops: None)
     _assert_equal(layout, expected)
-    per = loader.plan(len(slots), groups)[1]
+    halves, per, second, _ = loader.plan(len(slots), groups)
+    assert halves == buffers and (second > 0) == (buffers == 2)
     assert table.launches == sum(-(-len(slots) // p) for p in per)
 
 
-@pytest.mark.parametrize("table", [False, True], ids=["no-table", "8-rows"])
-def test_few_rectangle_rows_scatter_with_index_put(table):
-    """Without a prepared table (the default ``index_put``, or no Triton), or below ``SCATTER_KERNEL_MIN_ROWS``
-    rectangle rows, the scatter stays ``index_put_``."""
+def test_few_rectangle_rows_scatter_with_index_put():
+    """Below ``SCATTER_KERNEL_MIN_ROWS`` rectangle rows a prepared table is not used: ``index_put_`` per rectangle.
+    Without a table (``staged_scatter: index_put``, no Triton, or the CPU, where ``prepare`` builds none) the bytes
+    go the same way."""
     case = next(c for c in CASES if c.name.startswith("vllm"))
     gen, layout, slab = _setup(case, torch.bfloat16, 61)
     slots, blocks = [2, 3, 4], [5, 0, 7]
     expected = _expected(layout, slab, blocks, slots)
-    loader = StagedLoader(layout, slab, scatter_kernel=table)
+    loader = StagedLoader(layout, slab, scatter_kernel=True)
     loader.prepare()  # CPU: nothing to prepare, no table
     assert loader._table is None
-    host = _HostTable(loader.scatter_table())
-    if table:
-        loader._table = host
-        assert sum(r.height for r in loader.rects(0, 1)) < staged_mod.SCATTER_KERNEL_MIN_ROWS
+    loader._table = host = _HostTable(loader.scatter_table())
+    assert sum(r.height for r in loader.rects(0, 1)) < staged_mod.SCATTER_KERNEL_MIN_ROWS
     loader.load(torch.tensor(blocks), torch.tensor(slots), [(a, a + 1) for a in range(len(layout.tensors))], None,
                 lambda g, ops: None)
     _assert_equal(layout, expected)
@@ -604,5 +610,7 @@ def test_scatter_table_spans_words_and_refusals():
     assert not ScatterTable([(0, 0, 64, 64)]).launch(staging, ids, 0, 1, 0, 64)  # not prepared
     assert not host.launch(staging, ids, 0, 1, 0, 100)  # partial rows
     assert not host.launch(staging, ids, 0, 1, 4, 64)  # c0 not a multiple of the 8-byte word
-    assert not host.launch(staging[4:], ids, 0, 1, 0, 64)  # nor the staging rows' start
+    assert not host.launch(staging[8:], ids, 0, 1, 0, 64)  # a pointer the kernel was not compiled for (8 mod 16)
+    assert not host.launch(staging, ids[1:], 0, 1, 0, 64)
+    assert host.columns() == [[0, 8, 16], [2 << 20, 1 << 20, 3 << 20], [512] * 3, [8, 8, 4]]
     assert not host.launch(staging, ids, 0, 0, 0, 160) and host.launches == 0  # nothing to scatter

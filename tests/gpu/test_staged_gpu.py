@@ -147,14 +147,28 @@ def test_staged_short_runs_go_batched_and_are_exact(monkeypatch):
         _check_storages_equal(gpu, cpu)
 
 
+def _compiled(kernel) -> int | None:
+    """Specializations Triton holds for ``kernel`` (its per-device caches; None where this Triton keeps them
+    elsewhere)."""
+    try:
+        caches = getattr(kernel, "device_caches", None)
+        if isinstance(caches, dict):  # Triton 3.x: device -> (kernel cache, ...)
+            return sum(len(c[0]) if isinstance(c, tuple) else len(c) for c in caches.values())
+        cache = getattr(kernel, "cache", None)  # older: device -> kernel cache
+        return sum(len(c) for c in cache.values()) if isinstance(cache, dict) else None
+    except TypeError:
+        return None
+
+
+@pytest.mark.parametrize("buffers", [1, 2])
 @pytest.mark.parametrize("kernel", [True, False], ids=["one-launch", "index-put"])
-def test_staged_scatter_one_launch_and_index_put_are_exact(kernel, monkeypatch):
+def test_staged_scatter_one_launch_and_index_put_are_exact(kernel, buffers, monkeypatch):
     """The scatter as one Triton launch over the layout's table of rectangle rows on the device (``staged_scatter:
     kernel``, prepared as the connector's start-up does), and as an ``index_put_`` per rectangle: whole rows and
-    layer groups, slots in runs and scattered, pieces; the bytes equal the CPU copier's, and the one-launch path
-    took every scatter (none refused) without compiling after ``prepare``."""
+    layer groups, slots in runs and scattered, pieces, one buffer and two halves; the bytes equal the CPU copier's,
+    the one-launch path took every scatter (none refused), and no launch compiled after ``prepare``."""
     import tiered_kv.copy.staged as staged_mod
-    from tiered_kv.copy import prepare_copier
+    from tiered_kv.copy import prepare_copier, scatter_table
 
     monkeypatch.setattr(staged_mod, "SCATTER_KERNEL_MIN_ROWS", 1)
     gen = torch.Generator().manual_seed(14)
@@ -165,20 +179,27 @@ def test_staged_scatter_one_launch_and_index_put_are_exact(kernel, monkeypatch):
         slots = torch.cat([_chunk_slots(24, 8, 40, gen), 40 + torch.randperm(40, generator=gen)[:16]])
         blocks = torch.randperm(64, generator=gen)[:40]
         BlockCopier(cpu, src.clone()).cpu_to_gpu(slots, blocks)
-        copier = BlockCopier(gpu, src, staging_bytes=12 * gpu.block_nbytes, scatter_kernel=kernel)
+        copier = BlockCopier(gpu, src, staging_bytes=12 * gpu.block_nbytes, staging_buffers=buffers,
+                             scatter_kernel=kernel)
         assert prepare_copier(copier, [Mechanism.STAGED]) == {Mechanism.STAGED}
         table = copier._staged._table
         assert (table is not None) == kernel  # Triton is on the GPU machine: the table is on the device
-        refused = []
+        refused, taken = [], []
         if kernel:
-            launch = table.launch
-            monkeypatch.setattr(table, "launch", lambda *a: refused.append(a) if not launch(*a) else True)
+            def counted(*a, _launch=table.launch):
+                ok = _launch(*a)
+                (taken if ok else refused).append(a)
+                return ok
+
+            monkeypatch.setattr(table, "launch", counted)
+        compiled = _compiled(scatter_table._kernel())
         n = len(gpu.tensors)  # a cross-layer layout has one tensor: no second group to split off
         for spans in [[(0, n)]] + ([[(0, 1), (1, n)]] if n > 1 else []):
             for r in copier.cpu_to_gpu_grouped(slots, blocks, spans, mechanism="staged"):
                 r.wait()
             _check_storages_equal(gpu, cpu)
-        assert not refused
+        assert not refused and bool(taken) == kernel
+        assert compiled is None or _compiled(scatter_table._kernel()) == compiled
 
 
 @pytest.mark.parametrize("threaded", [True, False], ids=["threaded", "inline"])

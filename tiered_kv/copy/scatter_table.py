@@ -3,8 +3,9 @@
 Role: the second step of a staged load (``staged.py``) copies each staged row's chunks into the engine's blocks.
 As one ``index_put_`` per rectangle (a layer's tensor) it costs the caller's thread tens of microseconds a
 rectangle: vLLM's, before the forward. Round 25 (H200, Qwen2.5-7B c8 compiled, docs/notes/2026-12-01-gpu-round25.md)
-found the engine's prefill steps bound by the host (GPU forward about equal to its launch) and ``start_load_kv`` of
-a one-load step at 1.7-2.0 ms, most of it 28 scatters. Here the scatter of a call is one Triton launch:
+found the engine's prefill steps bound by the host (GPU forward about as long as the worker's part of the step) and
+``start_load_kv`` of a one-load step at 1.7-2.0 ms; about 40% of a staged group call is its scatters (a cProfile of the
+same round). Here the scatter of a call is one Triton launch:
 
 - ``ScatterTable``: every *rectangle row* of the layout (one chunk of one tensor per block: its offset in a slot,
   the address of block 0's chunk, the bytes between two blocks' chunks, its length) sorted by slot offset, built
@@ -16,20 +17,23 @@ a one-load step at 1.7-2.0 ms, most of it 28 scatters. Here the scatter of a cal
   stride``. The block ids are the ones the staged load already uploaded for its DMA (``StagedLoader._derived``).
 
 Measured (H200, 2026-12-01, ``benchmarks/probes/scatter_probe.py``, Qwen2.5-7B's 28 per-layer tensors, slots in runs
-of 16): host ms of a load 0.94 against 0.92 with ``index_put_`` (82 blocks, 2 layer groups), 1.42 against 1.93 (574
-blocks, 2 groups), 2.63 / 3.47 against 2.53 / 3.48 in 7 groups; GPU time until landed 4-8% longer; bytes equal. The
-launch itself holds the thread about as long as 14 ``index_put_`` do, so it pays only where a call has many more
-rectangles; the rest of a call's ~0.36 ms (stream and event calls, the DMA's address lists) stays. Off by default
+of 16, two layer groups of 14 tensors): host ms of a load 0.94 against 0.92 with ``index_put_`` (82 blocks), 1.42
+against 1.93 (574 blocks); GPU time until landed 8% / 4% longer; bytes equal. The launch holds the thread about as long
+as 14 ``index_put_`` do, so it pays only where a call has many blocks; the rest of a call's ~0.36 ms (stream and event
+calls, the DMA's address lists) stays. Groups of fewer than ``staged.SCATTER_KERNEL_MIN_ROWS`` rows keep
+``index_put_`` (the probe's 7-group rows ran it both ways: 2.53 / 2.63 and 3.48 / 3.46 ms, its spread). Off by default
 (the connector key ``staged_scatter``).
 
 Triton compiles the kernel per word width (``ELEM``) and loop step (``BLOCK``), both fixed by the table, at its
-first launch; ``prepare`` compiles it with an empty launch (nothing read or written), and ``launch`` returns False
-instead of compiling anything (a call whose offsets the table's word does not divide, a table not prepared): the
-caller then scatters with ``index_put_``. Every pointer argument is a whole tensor (its start 16-byte aligned, as at
-the warm-up) and every integer argument is left unspecialized, so a later launch never meets a new specialization.
+first launch, and it specializes a pointer argument on whether its address is a multiple of 16; ``prepare``
+compiles it with an empty launch (nothing read or written) on 16-byte aligned tensors, and ``launch`` returns False
+instead of compiling anything: a table not prepared, a call whose offsets the table's word does not divide, a staging
+row range or block-id tensor not 16-byte aligned (the staged load's halves start at multiples of 256 bytes, torch's
+allocations at 512). Every integer argument is left unspecialized. The caller then scatters with ``index_put_``.
 
-Threading: a table is built and prepared by one thread (the copier's ``prepare`` at start-up); once prepared it is
-read-only and ``launch`` may be called from any thread, on that thread's current CUDA stream.
+Threading: a table is built and prepared by one thread (the copier's ``prepare`` at start-up); after that ``launch``
+may be called from any thread, on that thread's current CUDA stream. Its only write is ``span``'s cache of column
+ranges (a dict entry, set under the GIL: two threads at worst compute one entry twice, with the same value).
 """
 from __future__ import annotations
 
@@ -41,11 +45,13 @@ import torch
 
 from tiered_kv.copy.errors import BackendUnavailableError
 
-#: programs of one launch at most (grid-stride over the pairs): a 1 GiB scatter device to device stays well under
-#: a millisecond with this many, and the forward keeps most of the H200's 132 SMs
+#: programs of one launch at most (grid-stride over the pairs), so the forward keeps most of the H200's 132 SMs;
+#: the probe's 527 MB load landed 4% later than with ``index_put_`` at this count (not tuned further)
 PROGRAMS = 64
 NUM_WARPS = 4
 _WORD_TYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+#: Triton specializes a pointer argument on this alignment: ``launch`` takes only what ``prepare`` compiled for
+ALIGN = 16
 
 
 def word_of(*values: int) -> int:
@@ -68,7 +74,8 @@ class ScatterTable:
         rows = sorted(rows)
         for (s0, _, _, n0), (s1, _, _, _) in zip(rows, rows[1:]):
             if s0 + n0 > s1:
-                raise ValueError(f"rectangle rows overlap in the slot: [{s0}, {s0 + n0}) and one at {s1}")
+                raise ValueError(f"rectangle rows overlap in the slot: [{s0}, {s0 + n0}) and one at {s1}: the layout "
+                                 f"maps one slot byte twice (a bug to report); use staged_scatter: index_put meanwhile")
         self.src = [r[0] for r in rows]
         self.dst = [r[1] for r in rows]
         self.stride = [r[2] for r in rows]
@@ -79,8 +86,7 @@ class ScatterTable:
         while self.block < typical and self.block < 1024:
             self.block *= 2
         self._spans: dict[tuple[int, int], tuple[int, int] | None] = {}
-        self.device: torch.Tensor | None = None  # (4, rows) int64: offsets and strides in words, addresses in bytes
-        self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.device: torch.Tensor | None = None  # ``columns()`` on the device, once prepared
 
     @property
     def rows(self) -> int:
@@ -99,30 +105,36 @@ class ScatterTable:
             self._spans[key] = (i, j - i) if whole and j > i else None
         return self._spans[key]
 
+    def columns(self) -> list[list[int]]:
+        """The table as the kernel reads it, one list per column: slot offsets, strides and lengths in words, the
+        addresses of block 0's chunks in bytes."""
+        w = self.word
+        return [[s // w for s in self.src], list(self.dst), [s // w for s in self.stride], [s // w for s in self.size]]
+
     def prepare(self, device: torch.device) -> float:
         """Upload the table to ``device`` and compile the kernel with an empty launch (no byte read or written);
         returns the seconds taken (the device synchronized). ``BackendUnavailableError`` without Triton. Call it
         once, before any ``launch`` (at start-up: the upload and the compile would stall an engine step)."""
         kernel = _kernel()
         t0 = time.perf_counter()
-        cols = [[s // self.word for s in self.src], self.dst, [s // self.word for s in self.stride],
-                [s // self.word for s in self.size]]
-        table = torch.tensor(cols, dtype=torch.int64, device=device)
-        staging = torch.zeros(64, dtype=_WORD_TYPES[self.word], device=device)
-        ids = torch.zeros(8, dtype=torch.int64, device=device)
-        kernel[(1,)](staging, ids, table, self.rows, 0, 0, 0, 0, 0, 0, ELEM=_elem_type(self.word), BLOCK=self.block,
-                     num_warps=NUM_WARPS)
-        torch.cuda.synchronize(device)
-        self.device, self._scratch = table, (staging, ids)
+        with torch.cuda.device(device):
+            table = torch.tensor(self.columns(), dtype=torch.int64, device=device)
+            staging = torch.zeros(64, dtype=_WORD_TYPES[self.word], device=device)
+            ids = torch.zeros(8, dtype=torch.int64, device=device)
+            kernel[(1,)](staging, ids, table, self.rows, 0, 0, 0, 0, 0, 0, ELEM=_elem_type(self.word),
+                         BLOCK=self.block, num_warps=NUM_WARPS)
+            torch.cuda.synchronize(device)
+        self.device = table
         return time.perf_counter() - t0
 
     def launch(self, staging: torch.Tensor, ids: torch.Tensor, first: int, items: int, c0: int, width: int) -> bool:
         """Enqueue on the current stream the scatter of staged rows ``0 .. items-1`` of ``staging`` (a uint8 device
         buffer of rows of ``width`` bytes, slot bytes ``c0 ..``) into blocks ``ids[first .. first+items-1]`` (int64,
         on the device). Returns False, with nothing enqueued, when the table was not prepared or cannot take this
-        call (a word the offsets do not divide, a column range that is not whole rows): scatter another way."""
+        call (a word the offsets do not divide, a column range that is not whole rows, a pointer the compiled kernel
+        was not specialized for): scatter another way."""
         w = self.word
-        if self.device is None or items <= 0 or (c0 | width | staging.data_ptr()) % w:
+        if self.device is None or items <= 0 or (c0 | width) % w or (staging.data_ptr() | ids.data_ptr()) % ALIGN:
             return False
         span = self.span(c0, width)
         if span is None:
