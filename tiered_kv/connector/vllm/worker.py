@@ -281,8 +281,7 @@ class WorkerRuntime(StepLoads):
         self.store_gate.device = self.kv.device
         if self._cuda:
             self.cpu.wait_pinned()  # the copy path needs page-locked rows
-        # The copiers address blocks: each group's plane holds its block rows.
-        # one staging cap for every staged load (in-step and asynchronous ones): load_staging_bytes
+        # each group's plane holds its block rows; one staging cap for every staged load (in-step and asynchronous)
         self.copiers = [BlockCopier(kv, plane, staging_bytes=self.cfg.load_staging_bytes,
                                     staging_buffers=self.cfg.load_staging_buffers,
                                     scatter_kernel=self.cfg.staged_scatter == "kernel",
