@@ -884,6 +884,17 @@ def test_lmcache_modes_are_skipped_when_the_servers_python_cannot_import_it(tmp_
     assert "serve_setup.sh" in starts["lmcache"]["reason"]
 
 
+def test_a_failing_interpreter_is_not_reported_as_a_missing_package(tmp_path):
+    """``module_missing`` says the package is missing only when the interpreter ran and did not find it (exit 3); an
+    interpreter that fails is named as such."""
+    broken = tmp_path / "broken-python"
+    broken.write_text("#!/bin/sh\nexit 1\n")
+    broken.chmod(0o755)
+    assert serve_bench.module_missing(sys.executable, dict(os.environ), "json") is None
+    assert "is not importable" in serve_bench.module_missing(sys.executable, dict(os.environ), "no_such_pkg_xyz")
+    assert "could not look for lmcache (exit 1)" in serve_bench.module_missing(str(broken), dict(os.environ), "lmcache")
+
+
 def test_deadline_skips_starts_that_would_not_fit(tmp_path):
     out = tmp_path / "out"
     serve_bench.main(SMALL_ARGS + ["--python", _fake_python(tmp_path), "--modes", "none,tiered", "--deadline-s", "30",

@@ -19,6 +19,7 @@ import torch
 import tiered_kv.copy.staged as staged_mod
 from tiered_kv.copy import BackendUnavailableError, BlockCopier, Mechanism, allocate_slab, vllm_layer_layout
 from tiered_kv.copy.errors import CopyLaunchError
+from tiered_kv.copy import scatter_table
 from tiered_kv.copy.scatter_table import ScatterTable
 from tiered_kv.copy.staged import StagedLoader, layout_rects, slot_runs
 from tiered_kv.copy.testing import (
@@ -527,9 +528,10 @@ def test_a_refused_batched_2d_call_falls_back_for_good(case):
 
 
 class _HostTable(ScatterTable):
-    """A ``ScatterTable`` whose kernel runs on the host (Triton and CUDA cannot run here): pair by pair, with the
-    kernel's own arithmetic over ``columns()`` in words (what ``prepare`` uploads), each pair's words moved with
-    memmove. Checks the table, its spans and every argument ``launch`` hands the kernel."""
+    """A ``ScatterTable`` whose ``_enqueue`` copies on the host, pair by pair with the kernel's arithmetic over
+    ``columns()`` in words (what ``prepare`` uploads), each pair's words moved with memmove: fast, for every layout
+    and slot pattern. It checks the table, its spans and ``launch``'s refusals; the kernel itself and the arguments
+    ``_enqueue`` passes it run under Triton's interpreter (``test_the_kernel_itself_scatters_bit_exact``)."""
 
     def __init__(self, table: ScatterTable) -> None:
         super().__init__(list(zip(table.src, table.dst, table.stride, table.size)))
@@ -572,6 +574,43 @@ def test_one_launch_scatter_is_bit_exact(case, pattern, buffers, monkeypatch):
     halves, per, second, _ = loader.plan(len(slots), groups)
     assert halves == buffers and (second > 0) == (buffers == 2)
     assert table.launches == sum(-(-len(slots) // p) for p in per)
+
+
+@pytest.fixture
+def interpreted_kernel(monkeypatch):
+    """The scatter kernel built under Triton's interpreter (``TRITON_INTERPRET=1``: the real kernel, run by Triton on
+    the CPU): rebuilt for the test and again after it."""
+    pytest.importorskip("triton", reason="the vLLM venv brings Triton; without it only the host double runs")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    scatter_table._kernel.cache_clear()
+    yield
+    scatter_table._kernel.cache_clear()
+
+
+@pytest.mark.parametrize("buffers", [1, 2])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_the_kernel_itself_scatters_bit_exact(case, buffers, interpreted_kernel, monkeypatch):
+    """``ScatterTable.launch`` and ``_enqueue`` with the real kernel (interpreted, on the CPU): the table as
+    ``prepare`` uploads it (``columns()``), every argument as ``_enqueue`` passes it, whole rows and layer groups,
+    pieces, both halves of a two-buffer load; = reference, every scatter through the kernel."""
+    monkeypatch.setattr(staged_mod, "SCATTER_KERNEL_MIN_ROWS", 1)
+    _, layout, wide, slots, blocks, expected = _wide_setup(case, "two-runs", 67)
+    loader = StagedLoader(layout, wide, staging_bytes=2 * buffers * layout.block_nbytes, buffers=buffers,
+                          scatter_kernel=True)
+    table = loader.scatter_table()
+    table.device = torch.tensor(table.columns(), dtype=torch.int64)  # what prepare uploads, here in host memory
+    took = []
+
+    def counted(*args, _launch=table.launch):
+        ok = _launch(*args)
+        took.append(ok)
+        return ok
+
+    table.launch = counted
+    loader._table = table
+    loader.load(torch.tensor(blocks), torch.tensor(slots), _groups(layout), None, lambda g, ops: None)
+    _assert_equal(layout, expected)
+    assert took and all(took)
 
 
 def test_few_rectangle_rows_scatter_with_index_put():

@@ -9,6 +9,7 @@ that writes the destination blocks lands after it.
 
 from __future__ import annotations
 
+import warnings
 import zlib
 
 import pytest
@@ -199,7 +200,10 @@ def test_staged_scatter_one_launch_and_index_put_are_exact(kernel, buffers, monk
                 r.wait()
             _check_storages_equal(gpu, cpu)
         assert not refused and bool(taken) == kernel
-        assert compiled is None or _compiled(scatter_table._kernel()) == compiled
+        if compiled is None:
+            warnings.warn("this Triton keeps its compiled kernels where _compiled does not look: not checked")
+        else:
+            assert _compiled(scatter_table._kernel()) == compiled
 
 
 @pytest.mark.parametrize("threaded", [True, False], ids=["threaded", "inline"])

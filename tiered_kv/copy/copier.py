@@ -92,9 +92,9 @@ def prepare_copier(copier: "BlockCopier", mechanisms: Sequence[Mechanism]) -> se
     streams and submitter threads, the driver's batched copy (``COPY_ENGINE``: cuda-python's import,
     ``cuGetProcAddress``), the staged loader with its DMA entry points and, with ``scatter_kernel``, its one-launch
     scatter's table uploaded and kernel compiled (``STAGED``; its device buffer still comes with the first load, at
-    the size that load needs). Copies no KV bytes; nothing to create on CPU layouts. Returns the mechanisms ready: one whose entry point cannot be bound (no cuda-python, an old
-    driver) is logged and left out, as its first copy would fall back. ``CopyLaunchError`` when a submitter
-    thread does not start."""
+    the size that load needs). Copies no KV bytes; nothing to create on CPU layouts. Returns the mechanisms ready:
+    one whose entry point cannot be bound (no cuda-python, an old driver) is logged and left out, as its first copy
+    would fall back. ``CopyLaunchError`` when a submitter thread does not start."""
     if not copier._on_cuda:
         return set(mechanisms)
     for to_cpu in (False, True):

@@ -94,8 +94,8 @@ RECT_MIN_ROWS = 4
 #: ~4 us per run like a single 2-D call (16,384 random slots: 67.6 ms, against 19.2 ms as batched 1-D descriptors;
 #: slots in runs of 16: 6.2 ms, against 4.2 ms as one 2-D call a run).
 RECT_BATCH = False
-#: With ``scatter_kernel``: a scatter of at least this many rectangle rows (a load of a model's per-layer tensors,
-#: one a layer, or a group of 8 of them) goes as one launch (``scatter_table.py``); fewer go as ``index_put_``.
+#: With ``scatter_kernel``: a scatter of at least this many rectangle rows, chunks a block (one a layer for vLLM 0.26's
+#: per-layer tensors, two for 0.33's K/V-split views), goes as one launch (``scatter_table.py``); fewer: ``index_put_``.
 SCATTER_KERNEL_MIN_ROWS = 8
 
 

@@ -190,10 +190,10 @@ class ConnectorConfig(RemoteKeys):
         "while the last one scatters (no more device memory: the same cap, halved). Its CUDA tests pass on the H200 "
         "(tests/gpu/test_staged_gpu.py, 2026-11-29); the default stays `1` until a serving run compares them")
     staged_scatter: str = config_key("index_put", "staged loads only: how staged rows reach vLLM's blocks. "
-        "`index_put`: a torch `index_put_` per layer tensor; `kernel`: one Triton launch per layer group of 8 or more "
-        "tensors over the layout's table of chunks, kept on the GPU (built and compiled at start-up; smaller groups, "
-        "or no Triton: `index_put`). H200 probe, Qwen2.5-7B, two groups of 14 layers, 2026-12-01: vLLM's thread 0.94 "
-        "vs 0.92 ms a load of 82 blocks, 1.42 vs 1.93 of 574; GPU time +4-8%. Unmeasured in serving")
+        "`index_put`: an `index_put_` per layer tensor; `kernel`: one Triton launch per layer group of 8 or more "
+        "chunks a block (a layer's for vLLM 0.26) over the layout's chunk table, kept on the GPU (built, compiled at "
+        "start-up; fewer, or no Triton: `index_put`). H200 probe, Qwen2.5-7B, 2 groups of 14 layers, 2026-12-01: "
+        "vLLM's thread 0.94 vs 0.92 ms a load of 82 blocks, 1.42 vs 1.93 of 574; GPU +4-8%. Unmeasured in serving")
     load_stream_priority: int = config_key(-1, "CUDA stream priority of the loads' side stream (lower is higher; "
         "torch maps it into the device's range; `0` = the default priority, as stores keep). Loads are what the "
         "forward waits for layer by layer; at a higher priority the staged load's scatter and the SM kernel are not "
