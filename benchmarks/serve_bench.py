@@ -462,10 +462,11 @@ class Bench:
         if self.a.replicas > 1 and 0 < host_gpus < self.a.replicas:
             raise SystemExit(f"--replicas {self.a.replicas}: this machine has {host_gpus} GPU(s)")
         for run_idx, mode in schedule(self.a, modes):
+            spec = self.reg.spec(mode, self.sizes)
             rec = {"mode": mode, "run": run_idx, "workload_id": self.wid, "status": "running"}
-            rec["gpu_resident"] = self.reg.spec(mode, self.sizes).gpu_resident  # then set against the floor only
+            rec["gpu_resident"] = spec.gpu_resident  # then set against the floor only
             self.doc["starts"].append(rec)  # filled in place: partial files show the start in progress
-            why = missing.get(self.reg.spec(mode, self.sizes).family)
+            why = missing.get(spec.family)
             if why:
                 rec.update(status="skipped", reason=why)
                 print(f"[{mode} r{run_idx}] skipped ({why})", flush=True)

@@ -118,6 +118,12 @@ def paired_ratio(doc: dict, mode: str, base: str, phase: str,
     return (median(per_call), len(per_call)) if per_call else None
 
 
+def _paired_text(paired: list[tuple[float, int] | None]) -> tuple[str, str]:
+    """``paired_ratio``'s results per phase as ``("1.24x / 1.12x", "4 / 4")``: the ratios, and the calls each took."""
+    return (" / ".join("-" if x is None else f"{x[0]:.2f}x" for x in paired),
+            " / ".join("0" if x is None else str(x[1]) for x in paired))
+
+
 def serve_floor(results: list[Result]) -> Row | None:
     """Issue 31: compiled ``vllm serve`` against the engine's floor, per shape of the ``*-floor`` files."""
     latest = {r.doc["shape"]: r for r in results  # a shape's newest file (names sort by date)
@@ -143,15 +149,13 @@ def serve_floor(results: list[Result]) -> Row | None:
                 parts.append(f"{name}, {label} ({s[m]['starts_ok']}): {_pair(s, m)} ms = {rel} of the floor's median "
                              f"over every start (no call recorded)")
                 continue
-            rel = " / ".join("-" if x is None else f"{x[0]:.2f}x" for x in paired)
-            calls = " / ".join("0" if x is None else str(x[1]) for x in paired)
+            rel, calls = _paired_text(paired)
             peers = ""
-            for peer, peer_label in (("offloading", "`OffloadingConnector`"), ("lmcache", "LMCache")):
-                pr = [paired_ratio(r.doc, m, peer, p, by_call) for p in ("c8", "c32")] if m == "tiered" else []
-                if any(x is not None for x in pr):  # the peers beside ours in the same calls (goal 0.8x / 0.7x)
-                    peers += (f", against {peer_label} of its call " + " / ".join("-" if x is None else f"{x[0]:.2f}x"
-                              for x in pr) + " (calls: " + " / ".join("0" if x is None else str(x[1]) for x in pr)
-                              + ")")
+            for peer, peer_label in (("offloading", "`OffloadingConnector`"), ("lmcache", "LMCache")) \
+                    if m == "tiered" else ():  # the peers beside ours in the same calls (goal 0.8x / 0.7x)
+                pr = [paired_ratio(r.doc, m, peer, p, by_call) for p in ("c8", "c32")]
+                if any(x is not None for x in pr):
+                    peers += ", against {} of its call {} (calls: {})".format(peer_label, *_paired_text(pr))
             parts.append(f"{name}, {label} ({s[m]['starts_ok']}): {_pair(s, m)} ms; against the floor of its own "
                          f"call **{rel}** (calls: {calls}){peers}")
     if not parts:

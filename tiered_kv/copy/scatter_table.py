@@ -44,14 +44,20 @@ from bisect import bisect_left
 import torch
 
 from tiered_kv.copy.errors import BackendUnavailableError
+from tiered_kv.copy.triton_kernel import elem_type, loop_step
 
 #: programs of one launch at most (grid-stride over the pairs), so the forward keeps most of the H200's 132 SMs;
 #: the probe's 527 MB load landed 4% later than with ``index_put_`` at this count (not tuned further)
 PROGRAMS = 64
 NUM_WARPS = 4
-_WORD_TYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+WORD_TYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 #: Triton specializes a pointer argument on this alignment: ``launch`` takes only what ``prepare`` compiled for
 ALIGN = 16
+
+
+def words(flat: torch.Tensor, w: int) -> torch.Tensor:
+    """A 1-D uint8 tensor viewed as ``w``-byte words (its tail of fewer than ``w`` bytes dropped)."""
+    return flat[: flat.numel() // w * w].view(WORD_TYPES[w])
 
 
 def word_of(*values: int) -> int:
@@ -81,10 +87,7 @@ class ScatterTable:
         self.stride = [r[2] for r in rows]
         self.size = [r[3] for r in rows]
         self.word = word_of(*self.src, *self.dst, *self.stride, *self.size) if rows else 1
-        typical = sorted(self.size)[len(rows) // 2] // self.word if rows else 0
-        self.block = 128
-        while self.block < typical and self.block < 1024:
-            self.block *= 2
+        self.block = loop_step(sorted(self.size)[len(rows) // 2] // self.word if rows else 0)
         self._spans: dict[tuple[int, int], tuple[int, int] | None] = {}
         self.device: torch.Tensor | None = None  # ``columns()`` on the device, once prepared
 
@@ -119,9 +122,9 @@ class ScatterTable:
         t0 = time.perf_counter()
         with torch.cuda.device(device):
             table = torch.tensor(self.columns(), dtype=torch.int64, device=device)
-            staging = torch.zeros(64, dtype=_WORD_TYPES[self.word], device=device)
+            staging = torch.zeros(64, dtype=WORD_TYPES[self.word], device=device)
             ids = torch.zeros(8, dtype=torch.int64, device=device)
-            kernel[(1,)](staging, ids, table, self.rows, 0, 0, 0, 0, 0, 0, ELEM=_elem_type(self.word),
+            kernel[(1,)](staging, ids, table, self.rows, 0, 0, 0, 0, 0, 0, ELEM=elem_type(self.word),
                          BLOCK=self.block, num_warps=NUM_WARPS)
             torch.cuda.synchronize(device)
         self.device = table
@@ -146,16 +149,9 @@ class ScatterTable:
                  c0: int, width: int) -> None:
         """The kernel over rows ``col0 .. col0+cols-1`` of the table (``launch`` checked the call)."""
         w = self.word
-        words = staging[: staging.numel() // w * w].view(_WORD_TYPES[w])
         grid = (min(items * cols, PROGRAMS),)
-        _kernel()[grid](words, ids, self.device, self.rows, first, items, col0, cols, width // w, c0 // w,
-                        ELEM=_elem_type(w), BLOCK=self.block, num_warps=NUM_WARPS)
-
-
-def _elem_type(width: int):
-    import triton.language as tl
-
-    return {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}[width]
+        _kernel()[grid](words(staging, w), ids, self.device, self.rows, first, items, col0, cols, width // w, c0 // w,
+                        ELEM=elem_type(w), BLOCK=self.block, num_warps=NUM_WARPS)
 
 
 @functools.lru_cache(maxsize=1)

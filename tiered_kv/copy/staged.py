@@ -72,7 +72,7 @@ import torch
 
 from tiered_kv.copy.errors import BackendUnavailableError, CopyLaunchError
 from tiered_kv.copy.layouts import KVLayout
-from tiered_kv.copy.scatter_table import ScatterTable, word_of as _word
+from tiered_kv.copy.scatter_table import ScatterTable, word_of as _word, words as _words
 from tiered_kv.copy.segments import Runs
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,6 @@ GROW_STEP = 16 << 20
 DEFAULT_STAGING_BYTES = 256 << 20
 #: With two buffers, the second half starts at a multiple of this (the scatter's word width stays the widest).
 HALF_ALIGN = 256
-_WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 #: A run of a column-range DMA with at least this many rows goes as one ``cuMemcpy2DAsync``, shorter ones as a
 #: batched descriptor per row: one 2-D call holds the host about as long as four batched descriptors (H200,
 #: 2026-11-30, ``benchmarks/probes/in_step_probe.py``: 16,384 2-D calls 68.8 ms, 16,384 batched descriptors of
@@ -526,11 +525,6 @@ class StagedLoader:
                 self._staging_stream = torch.cuda.current_stream(self.layout.device).cuda_stream
             self.allocations += 1
         return self._staging
-
-
-def _words(flat: torch.Tensor, w: int) -> torch.Tensor:
-    """A 1-D uint8 tensor viewed as ``w``-byte words (its tail of fewer than ``w`` bytes dropped)."""
-    return flat[: flat.numel() // w * w].view(_WORDS[w])
 
 
 class _nullcontext:

@@ -86,13 +86,18 @@ def _elem_width(runs: Runs) -> int:
     return 1
 
 
-def _block_elems(pieces: Runs, width: int) -> int:
-    """Elements per loop step: the typical piece rounded up to a power of two, in [128, 1024]."""
-    typical = int(pieces.size.median()) // width
+def loop_step(typical: int) -> int:
+    """Elements per loop step of a kernel whose typical copy is ``typical`` elements: rounded up to a power of two,
+    in [128, 1024] (this kernel's and the staged scatter's, ``scatter_table.py``)."""
     block = 128
     while block < typical and block < 1024:
         block *= 2
     return block
+
+
+def _block_elems(pieces: Runs, width: int) -> int:
+    """Elements per loop step: the typical piece (``loop_step``)."""
+    return loop_step(int(pieces.size.median()) // width)
 
 
 def variant(runs: Runs) -> tuple[int, int]:
@@ -102,7 +107,8 @@ def variant(runs: Runs) -> tuple[int, int]:
     return width, _block_elems(split_runs(runs, PIECE_BYTES), width)
 
 
-def _elem_type(width: int):
+def elem_type(width: int):
+    """Triton's integer type of ``width`` bytes (a kernel's ``ELEM``: its word); imports Triton."""
     import triton.language as tl
 
     return {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}[width]
@@ -125,7 +131,7 @@ def launch(runs: Runs, device: torch.device, stream: torch.cuda.Stream, programs
     kernel = _kernel()
     with torch.cuda.stream(stream):
         desc = table.to(device, non_blocking=True)
-        kernel[(min(n, programs),)](desc, n, ELEM=_elem_type(width), BLOCK=block, num_warps=NUM_WARPS)
+        kernel[(min(n, programs),)](desc, n, ELEM=elem_type(width), BLOCK=block, num_warps=NUM_WARPS)
 
 
 def warm(device: torch.device, variants: Iterable[tuple[int, int]]) -> float:
@@ -140,6 +146,6 @@ def warm(device: torch.device, variants: Iterable[tuple[int, int]]) -> float:
         src = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         dst = torch.empty_like(src)
         desc = torch.tensor([src.data_ptr(), dst.data_ptr(), nbytes // width], dtype=torch.int64, device=device)
-        kernel[(1,)](desc, 1, ELEM=_elem_type(width), BLOCK=block, num_warps=NUM_WARPS)
+        kernel[(1,)](desc, 1, ELEM=elem_type(width), BLOCK=block, num_warps=NUM_WARPS)
     torch.cuda.synchronize(device)
     return time.perf_counter() - t0
