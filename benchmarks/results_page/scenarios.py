@@ -139,7 +139,11 @@ CONTROL_MODES = {**SERVE_MODES, "none-resident": "`none-resident` (the floor; on
                  "tiered-up": "ours, every layer group submitted before the forward (`load_submit: upfront`)",
                  "tiered-staged": "ours, every in-step copy staged (`in_step_copy: staged`)",
                  "tiered-smk": "ours, every in-step copy through the SM kernel (`in_step_copy: sm_kernel`)",
-                 "tiered-resident": "ours beside the floor's GPU cache (nothing leaves the GPU: nothing loads)"}
+                 "tiered-resident": "ours beside the floor's GPU cache (nothing leaves the GPU: nothing loads)",
+                 "tiered-g1": "ours, a step's copy in one layer group before the forward (`load_groups: 1`, "
+                              "`load_ahead_bytes: 2GiB`)",
+                 "tiered-g2": "ours, a step's copy in two layer groups before the forward (`load_groups: 2`, "
+                              "`load_ahead_bytes: 2GiB`)"}
 
 
 def serve_configs(results: list[Result]) -> str:

@@ -296,11 +296,12 @@ def ratio_rows(summary: dict) -> list[str]:
 
 
 def write_json(path: str, doc: dict) -> str:
-    """Write atomically (a reader never sees half a file)."""
+    """Write atomically (a reader never sees half a file), compact: a merged file holds every request of every start
+    (megabytes), and the checkout travels to the GPU machine under a size cap."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump(doc, f, indent=1)
+        json.dump(doc, f, separators=(",", ":"))
     os.replace(tmp, path)
     return path
 
