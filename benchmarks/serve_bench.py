@@ -729,7 +729,8 @@ def phase_record(ph, run, before: dict, after: dict, spec) -> dict:
     vdelta = stats.prom_delta(before["vllm"], after["vllm"])
     tdelta = stats.prom_delta(before["tkv"], after["tkv"])
     rows = [[r.user, r.turn, r.prompt_len, None if r.ttft_s is None else round(r.ttft_s * 1e3, 2), r.cached_tokens,
-             r.queue_ms, hashlib.sha1(json.dumps(r.token_ids).encode()).hexdigest()[:12], r.token_ids[:8]]
+             r.queue_ms, hashlib.sha1(json.dumps(r.token_ids).encode()).hexdigest()[:12], r.token_ids[:8],
+             round(r.sent_at * 1e3, 2)]
             for r in sorted(run.results, key=lambda r: (r.user, r.turn))]
     errors = sorted({r.error for r in run.results if r.error})[:3]
     return {"name": ph.name, "concurrency": ph.concurrency, "truncated": run.truncated,
@@ -737,8 +738,10 @@ def phase_record(ph, run, before: dict, after: dict, spec) -> dict:
             "sources": stats.token_sources(vdelta), "engine_ms": stats.engine_times(vdelta),
             "tiers": stats.tier_hits(tdelta, spec.chunk_tokens) if spec.metrics_port else {},
             "worker_time": stats.worker_time(tdelta, vdelta), "load_costs": stats.load_costs(tdelta),
+            "waves": stats.first_token_waves(results, ph.concurrency),
             "vllm_metrics": vdelta, "tiered_kv_metrics": tdelta,
-            "rows_columns": ["user", "turn", "prompt_len", "ttft_ms", "cached", "queue_ms", "out_sha1", "first_ids"],
+            "rows_columns": ["user", "turn", "prompt_len", "ttft_ms", "cached", "queue_ms", "out_sha1", "first_ids",
+                             "sent_ms"],
             "rows": rows}
 
 
@@ -749,8 +752,17 @@ def _print_phase(mode: str, r: dict) -> None:
           f"{r['ttft_ms']['p50']} p90 {r['ttft_ms']['p90']} p99 {r['ttft_ms']['p99']} | ITL p50 {r['itl_ms']['p50']} ms "
           f"| {r['output_tok_s']} tok/s | tokens computed {src['computed']:.0f} gpu {src['gpu_hit']:.0f} "
           f"connector {src['connector_hit']:.0f} {tiers}{_engine_line(r.get('engine_ms'))}"
-          f"{_worker_line(r.get('worker_time'))}"
+          f"{_worker_line(r.get('worker_time'))}{_wave_line(r.get('waves'), r.get('concurrency'))}"
           f"{_cost_line(r.get('load_costs'))}", flush=True)
+
+
+def _wave_line(w: dict | None, concurrency: int | None) -> str:
+    """`` | first tokens in N waves, mean k (max m), x% in waves >= c/2``: the phase's shape (``stats.first_token_waves``);
+    starts whose waves differ are not comparable at one TTFT, however alike their modes."""
+    if not w or not concurrency or concurrency < 2:
+        return ""
+    return (f" | first tokens in {w['waves']} waves, mean {w['mean']} (max {w['max']}), {w['together'] * 100:.0f}% in "
+            f"waves >= {max(2, concurrency // 2)}")
 
 
 def _engine_line(e: dict | None) -> str:

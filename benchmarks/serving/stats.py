@@ -71,6 +71,37 @@ def summarize(results: Iterable[dict], wall_s: float) -> dict:
     }
 
 
+#: first tokens that reach the client at most this far apart came out of one engine step (a decode step of these
+#: shapes takes 4-7 ms on the H200; one step's streamed chunks arrive within ~1 ms of each other)
+WAVE_GAP_S = 0.002
+
+
+def first_token_waves(results: Iterable[dict], concurrency: int, gap_s: float = WAVE_GAP_S) -> dict | None:
+    """How a closed-loop phase's first tokens bunched: the *shape* of its waves, which moves TTFT between engine starts.
+
+    A closed loop of ``concurrency`` users can settle into waves: users whose requests shared a prefill step get
+    their answers together and send their next turns together, so the next step prefills (and loads) them all at
+    once and every one of them waits for the whole step. First tokens (send time + TTFT) closer than ``gap_s`` count
+    as one wave. Returns the number of waves, the mean and largest wave, and ``together``: the share of requests
+    whose first token came in a wave of at least half the concurrency (at least 2); None without a first token.
+    """
+    times = sorted(r["sent_at"] + r["ttft_s"] for r in results
+                   if not r.get("error") and r.get("ttft_s") is not None and r.get("sent_at") is not None)
+    if not times:
+        return None
+    sizes, n = [], 1
+    for a, b in zip(times, times[1:]):
+        if b - a <= gap_s:
+            n += 1
+        else:
+            sizes.append(n)
+            n = 1
+    sizes.append(n)
+    big = max(2, concurrency // 2)
+    return {"waves": len(sizes), "mean": round(len(times) / len(sizes), 2), "max": max(sizes),
+            "together": round(sum(k for k in sizes if k >= big) / len(times), 3), "gap_ms": gap_s * 1e3}
+
+
 # ---------------------------------------------------------------------------- Prometheus text
 def parse_prometheus(text: str) -> dict[str, float]:
     """Samples of a Prometheus text page as ``{'name{k="v",...}': value}``, engine/model labels dropped.

@@ -250,6 +250,22 @@ def test_summarize_a_phase():
     assert s["cached_tokens"] == 64 and s["server_queue_ms_p50"] == 2.0
 
 
+def test_first_token_waves_say_how_a_closed_loop_bunched():
+    # 8 users: a wave of 5 first tokens within 2 ms, a wave of 2, one alone; an error and a request without a first
+    # token are not counted
+    at = [(0.100, 0.050), (0.1005, 0.0501), (0.140, 0.0112), (0.145, 0.0068), (0.1508, 0.0006),  # 0.1501..0.1518
+          (0.300, 0.020), (0.301, 0.0205), (0.500, 0.010)]
+    res = [{"sent_at": s, "ttft_s": t} for s, t in at] + [{"sent_at": 0.2, "error": "HTTP 500"},
+                                                            {"sent_at": 0.2, "ttft_s": None}]
+    w = stats.first_token_waves(res, concurrency=8)
+    assert (w["waves"], w["max"], w["mean"]) == (3, 5, round(8 / 3, 2))
+    assert w["together"] == pytest.approx(5 / 8)  # waves of >= 4 first tokens: the five
+    assert stats.first_token_waves(res, concurrency=8, gap_s=0.0001)["waves"] == 8  # every first token apart
+    assert stats.first_token_waves([], concurrency=8) is None
+    line = serve_bench._wave_line(w, 8)
+    assert "3 waves" in line and "62% in waves >= 4" in line and serve_bench._wave_line(w, 1) == ""
+
+
 PROM_A = """# HELP vllm:prompt_tokens_by_source_total x
 # TYPE vllm:prompt_tokens_by_source_total counter
 vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="local_compute"} 100.0
