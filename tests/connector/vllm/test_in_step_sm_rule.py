@@ -29,8 +29,9 @@ def test_the_rule_sends_large_copies_of_small_steps_to_the_sm_kernel():
     assert kv.block_nbytes == 32 * (64 << 10) and edge * kv.block_nbytes == 256 << 20
     assert auto_rule(kv, edge, small_step=True) is Mechanism.SM_KERNEL
     assert auto_rule(kv, edge - 1, small_step=True) is None  # too few descriptors to be worth the SMs
-    assert auto_rule(kv, 511, small_step=False) is None  # a large step keeps the SMs for its forward
-    assert auto_rule(kv, 512, small_step=False) is Mechanism.STAGED  # ... and stages 16,384 descriptors (below)
+    assert auto_rule(kv, edge, small_step=False) is None  # a large step keeps the SMs for its forward
+    assert auto_rule(kv, 255, small_step=False) is None
+    assert auto_rule(kv, 256, small_step=False) is Mechanism.STAGED  # ... and stages 8,192 descriptors (below)
     # a step of very many descriptors stays staged, small step or not (the rule measured under load)
     many = AUTO_STAGED_MIN_DESCRIPTORS // 32
     assert auto_rule(kv, many, small_step=True) is Mechanism.STAGED
@@ -44,17 +45,21 @@ def test_the_rule_sends_large_copies_of_small_steps_to_the_sm_kernel():
 
 
 def test_large_steps_stage_copies_of_many_descriptors():
-    """``in_step_staged_min_descriptors`` (default 16,384): a copy of that many descriptors the SM rule leaves is staged;
+    """``in_step_staged_min_descriptors`` (default 8,192): a copy of that many descriptors the SM rule leaves is staged;
     below it, or with the key 0, the copy engine's (the fixed 32,768 rule still stages, key or not)."""
     kv = _layout(8)  # 32 descriptors a block
-    assert ConnectorConfig().in_step_staged_min_descriptors == AUTO_STAGED_STEP_DESCRIPTORS == 16384
-    edge = AUTO_STAGED_STEP_DESCRIPTORS // 32  # 512 blocks: 1 GiB of 64 KiB layer-blocks
+    assert ConnectorConfig().in_step_staged_min_descriptors == AUTO_STAGED_STEP_DESCRIPTORS == 8192
+    edge = AUTO_STAGED_STEP_DESCRIPTORS // 32  # 256 blocks: 512 MiB of 64 KiB layer-blocks
     assert auto_rule(kv, edge) is Mechanism.STAGED and auto_rule(kv, edge - 1) is None
     assert auto_rule(kv, 574) is Mechanism.STAGED  # round 23's c8 wave: 7 loads x 82 blocks, 18,368 descriptors
+    # round 26: waves of 4-6 loads (9.2k-16.1k descriptors) sat under the old 16,384 on the copy engine
+    assert auto_rule(kv, 4 * 82) is Mechanism.STAGED and auto_rule(kv, 4 * 82, staged_min=16384) is None
+    assert auto_rule(kv, 82) is None and auto_rule(kv, 2 * 82) is None  # one or two loads: the copy engine
     assert auto_rule(kv, 574, staged_min=0) is None and auto_rule(kv, 574, staged_min=20000) is None
     assert auto_rule(kv, AUTO_STAGED_MIN_DESCRIPTORS // 32, staged_min=0) is Mechanism.STAGED
     # a small step keeps the SM kernel for these (the measured turn-2 load: 16,384 descriptors, 66 new tokens)
     assert auto_rule(kv, edge, small_step=True) is Mechanism.SM_KERNEL
+    assert auto_rule(kv, 512, small_step=True) is Mechanism.SM_KERNEL
     assert auto_copy(kv, edge) is None  # CPU tensors: the copier's own path, always
     with pytest.raises(ConfigError, match="in_step_staged_min_descriptors: expected an int >= 0, got -1"):
         ConnectorConfig(in_step_staged_min_descriptors=-1)
