@@ -260,6 +260,23 @@ def test_forcing_a_gpu_mechanism_on_cpu_tensors_is_refused():
         BlockCopier(layout, slab).gpu_to_cpu([0], [0], mechanism="sm_kernel")
 
 
+def test_index_lists_convert_as_torch_converts_them():
+    """A list of ints goes through a machine array (fast); anything else as ``torch.as_tensor`` takes it."""
+    from tiered_kv.copy.errors import BlockIndexError
+    from tiered_kv.copy.segments import as_index_tensor
+
+    for ids in ([3, 1, 2], (4, 5), range(3), [], [True, 0], [-1, 7], [1.0, 2.7], [[1, 2]], [2 ** 62]):
+        got = as_index_tensor(ids, "ids")
+        assert got.dtype == torch.int64 and got.dim() == 1 and got.is_contiguous()
+        assert torch.equal(got, torch.as_tensor(list(ids), dtype=torch.int64).reshape(-1))
+    for bad in ([2 ** 63], ["a"], [None]):
+        with pytest.raises(BlockIndexError):
+            as_index_tensor(bad, "ids")
+    first, again = as_index_tensor([1, 2], "ids"), as_index_tensor([1, 2], "ids")
+    first[0] = 9
+    assert again.tolist() == [1, 2] and as_index_tensor([], "ids").numel() == 0  # private tensors
+
+
 def test_index_tensors_are_copied_at_the_call():
     from tiered_kv.copy.segments import as_index_tensor
 

@@ -361,6 +361,37 @@ def test_two_halves_bit_exact_in_many_pieces_and_groups(case, pattern):
         _assert_equal(layout, expected)
 
 
+def test_slot_runs_match_a_plain_loop():
+    """``slot_runs`` (a run starts at item 0 and wherever a slot does not follow the one before) against a loop."""
+    gen = torch.Generator().manual_seed(31)
+    for n in [0, 1, 2, 3, 17, 82]:
+        for hi in (3, 40):
+            slots = torch.randint(0, hi, (n,), generator=gen)
+            values = slots.tolist()
+            first = [i for i in range(n) if i == 0 or values[i] != values[i - 1] + 1]
+            runs = slot_runs(slots)
+            assert (runs.first, runs.slot) == (first + [n], [values[i] for i in first])
+
+
+@pytest.mark.parametrize("shift", range(8))
+def test_scatter_words_follow_the_staging_address(shift):
+    """The scatter's word width divides the staging rows' address too (a buffer at any byte): bit-exact, and the
+    per-rectangle steps are kept per (tensors, columns, address modulo 8), not rebuilt each call."""
+    case = next(c for c in CASES if c.name.startswith("vllm"))
+    gen, layout, slab = _setup(case, torch.bfloat16, 30 + shift)
+    loader = StagedLoader(layout, slab)
+    slots, blocks = [3, 7, 1], [4, 0, 8]
+    t, width = len(layout.tensors), loader._width(0, len(layout.tensors))
+    staging = torch.empty(len(slots) * width + 8, dtype=torch.uint8)[shift:shift + len(slots) * width]
+    staging.view(len(slots), width).copy_(slab[slots, :width])
+    expected = _expected(layout, slab, blocks, slots)
+    assert loader._scatter(staging, torch.tensor(blocks), len(slots), 0, t, 0, width) == len(loader.rects(0, t))
+    _assert_equal(layout, expected)
+    steps = loader._scatter_steps(0, t, 0, width, staging.data_ptr() % 8)
+    assert all(staging.data_ptr() % w == 0 and width % w == 0 for w, *_ in steps)
+    assert loader._scatter_steps(0, t, 0, width, staging.data_ptr() % 8) is steps
+
+
 def test_slot_runs_cut_at_each_piece():
     """Runs of adjacent slots as ints; a piece takes the runs it overlaps, cut at its ends, packed from row 0."""
     runs = slot_runs(torch.tensor([4, 5, 6, 9, 1, 2], dtype=torch.int64))

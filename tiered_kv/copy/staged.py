@@ -186,11 +186,12 @@ class SlotRuns:
 
 def slot_runs(slots: torch.Tensor) -> SlotRuns:
     """``slots`` (an int64 CPU tensor, item i's slot) as runs of adjacent slots."""
-    n = int(slots.numel())
-    starts = torch.ones(n, dtype=torch.bool)
-    starts[1:] = slots[1:] != slots[:-1] + 1
-    first = starts.nonzero().reshape(-1).tolist()
-    return SlotRuns(first + [n], slots[first].tolist() if first else [])
+    values = slots.tolist()
+    if not values:
+        return SlotRuns([0], [])
+    # a run starts at item 0 and wherever a slot does not follow the one before it
+    first = [0, *torch.diff(slots).ne_(1).nonzero().reshape(-1).add_(1).tolist()]
+    return SlotRuns(first + [len(values)], [values[i] for i in first])
 
 
 class StagedLoader:
@@ -222,6 +223,7 @@ class StagedLoader:
         self._rects: dict[tuple[int, int], list[_Rect]] = {}
         self._flats: dict[int, torch.Tensor] = {}  # tensor index -> its storage as uint8
         self._dst_views: dict[tuple, torch.Tensor] = {}  # a rectangle's blocks as words (``_scatter``)
+        self._steps: dict[tuple, list[tuple]] = {}  # (tensors, columns, staging address mod 8) -> ``_scatter_steps``
         self._last: tuple | None = None  # (ids, slots, device ids, runs) of the last load (``_derived``)
         self._rect2d = None  # engine.RectMemcpy (``gather_rows``) for column-range DMAs, made at the first on CUDA
         self._batch = None  # engine.BatchMemcpy for batched DMA descriptors, made at the first on CUDA (False: none)
@@ -290,8 +292,9 @@ class StagedLoader:
             # the whole load's buffer first: one buffer from the first DMA to the last scatter
             staging = self._buffer(need)
             current = dma = None
-            if self._on_cuda:
-                current = torch.cuda.current_stream(self.layout.device)
+            if self._on_cuda:  # the load's stream: ``stream`` itself inside its context, when on the layout's device
+                current = (stream if stream is not None and stream.device == self.layout.device
+                           else torch.cuda.current_stream(self.layout.device))
                 if current.cuda_stream != self._staging_stream:  # its memory is reused only after this stream's use
                     staging.record_stream(current)
                 if halves == 2:
@@ -473,23 +476,39 @@ class StagedLoader:
                 and table.launch(staging, dev_ids, first, rows, c0, width):
             return 1
         dev_ids = dev_ids[first:first + rows]
-        kernels = 0
-        num_blocks = self.layout.num_blocks
-        for r in rects:
-            src_off = r.slot_offset - c0
-            w = _word(r.offset, r.block_stride, r.pitch, r.width, src_off, width, staging.data_ptr(),
-                      self._flat(r.tensor).data_ptr())
-            key = (r.tensor, r.offset, r.block_stride, r.pitch, r.width, r.height, w)
-            dst = self._dst_views.get(key)
-            if dst is None:  # the engine's blocks as w-byte words: fixed for the layout, kept
-                dst = self._dst_views[key] = _words(self._flat(r.tensor), w).as_strided(
-                    (num_blocks, r.height, r.width // w), (r.block_stride // w, r.pitch // w, 1), r.offset // w)
+        views: dict[int, torch.Tensor] = {}  # the staging rows as w-byte words, one view per word width
+        base = staging.storage_offset()
+        for w, dst, src_off, shape, strides in self._scatter_steps(a, b, c0, width, staging.data_ptr() % 8):
+            words = views.get(w)
+            if words is None:
+                words = views[w] = _words(staging, w)
             # as_strided's offset counts from the storage's start, not the view's: add the view's own (a half)
-            src = _words(staging, w).as_strided((rows, r.height, r.width // w), (width // w, r.width // w, 1),
-                                              (staging.storage_offset() + src_off) // w)
-            dst.index_put_((dev_ids,), src)
-            kernels += 1
-        return kernels
+            dst.index_put_((dev_ids,), words.as_strided((rows, *shape), strides, (base + src_off) // w))
+        return len(rects)
+
+    def _scatter_steps(self, a: int, b: int, c0: int, width: int, align: int) -> list[tuple]:
+        """Per rectangle of tensors ``a..b-1``, what ``_scatter`` needs besides the staging rows (cached): ``(w,
+        the engine's blocks as w-byte words, the rectangle's byte offset in a staged row, the shape and strides of
+        a staged row's words)``. ``w`` is the widest word that every offset, stride and width divides, the staging
+        buffer's address included: only that address modulo 8 (``align``) decides it, so it is part of the key."""
+        key = (a, b, c0, width, align)
+        steps = self._steps.get(key)
+        if steps is not None:
+            return steps
+        steps = []
+        num_blocks = self.layout.num_blocks
+        for r in self.rects(a, b):
+            src_off = r.slot_offset - c0
+            w = _word(r.offset, r.block_stride, r.pitch, r.width, src_off, width, align,
+                      self._flat(r.tensor).data_ptr())
+            view = (r.tensor, r.offset, r.block_stride, r.pitch, r.width, r.height, w)
+            dst = self._dst_views.get(view)
+            if dst is None:  # the engine's blocks as w-byte words: fixed for the layout, kept
+                dst = self._dst_views[view] = _words(self._flat(r.tensor), w).as_strided(
+                    (num_blocks, r.height, r.width // w), (r.block_stride // w, r.pitch // w, 1), r.offset // w)
+            steps.append((w, dst, src_off, (r.height, r.width // w), (width // w, r.width // w, 1)))
+        self._steps[key] = steps
+        return steps
 
     def scatter_table(self) -> ScatterTable:
         """The layout's rectangle rows as a ``ScatterTable`` (host side; ``prepare`` puts it on the device)."""

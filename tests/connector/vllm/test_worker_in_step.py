@@ -99,6 +99,24 @@ def run_in_step_load(device: str, layers: int = 4, heads: int = 2, head_dim: int
         rt.close()
 
 
+def test_load_rows_skip_blocks_held_on_the_gpu():
+    """``JobRunner.flat``: per item its GPU blocks and plane rows (slot * chunk_blocks + j), -1 blocks left out,
+    whether an item has none, some or only -1s."""
+    rt, _, _ = make_runtime("cpu", 2, 1, 4, 32, cpu_chunks=8)
+    try:
+        ext = [3, 4, 5, 6, -1, -1, 7, 8, 9, -1, 10, -1, -1, -1, -1, -1, 11, 12, 13, 14]
+        job = TransferJob(5, JobKind.EGRESS, CPU, EXT, [b"a", b"b", b"c", b"d", b"e"], [6, 2, 0, 7, 1], list(range(5)))
+        rt.runner.ext[5] = ext
+        want = [(g, s * K + j) for i, s in enumerate(job.src_slots) for j, g in enumerate(ext[i * K:(i + 1) * K])
+                if g >= 0]
+        (gpu, rows), = rt.runner.flat(job, job.src_slots)
+        assert list(zip(gpu, rows)) == want
+        (gpu, rows), = rt.runner.flat(job, job.src_slots, [4, 3, 1])  # item 3: every block held
+        assert list(zip(gpu, rows)) == [(11, 4), (12, 5), (13, 6), (14, 7), (7, 10), (8, 11)]
+    finally:
+        rt.close()
+
+
 @pytest.mark.parametrize("in_step_copy", ["auto", "copy_engine", "staged"])
 @pytest.mark.parametrize("cross_layer", [False, True], ids=["per-layer", "cross-layer"])
 def test_in_step_load_on_cpu_is_bit_exact_and_reported(cross_layer, in_step_copy):

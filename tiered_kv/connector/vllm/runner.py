@@ -239,7 +239,12 @@ class JobRunner:
             rows: list[int] = []
             for i in (range(len(job)) if items is None else items):
                 base = chunk_slots[i] * k
-                for j, g in enumerate(ext[i * k:(i + 1) * k]):
+                blocks = ext[i * k:(i + 1) * k]
+                if blocks and min(blocks) >= 0:  # the common item: every block loaded (a C-speed scan, no loop)
+                    gpu.extend(blocks)
+                    rows.extend(range(base, base + len(blocks)))
+                    continue
+                for j, g in enumerate(blocks):
                     if g >= 0:
                         gpu.append(g)
                         rows.append(base + j)
