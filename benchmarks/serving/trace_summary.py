@@ -179,6 +179,9 @@ def summarize_phase(lines: list[dict], t_start: float, t_end: float, sched: list
     out["staged_steps"] = sum(1 for x in loading if x["in_step"].get("staged"))
     # in_step_copy sm_kernel / auto in small steps (in_step_sm_max_tokens): steps whose copy took the SM kernel
     out["sm_steps"] = sum(1 for x in loading if x["in_step"].get("sm"))
+    # staging buffers allocated inside loading steps, and what those steps held vLLM's thread (a first large load)
+    grew = [x for x in loading if x["in_step"].get("staging_allocs")]
+    out["staging_alloc_steps"] = {"n": len(grew), "start_load_ms": [x.get("start_load_ms") for x in grew][:8]}
     fwd = forward_times(lines)
     # a loading step: its forward waits for in-step loads; a recomputing one: a prefill without them (a step that
     # only starts asynchronous loads computes beside them, and counts here)
@@ -233,6 +236,8 @@ def line(mode: str, phase: str, s: dict) -> str:
                if s.get("forward_submit_ms", {}).get("n") else "")
             + (f" | staged in {s['staged_steps']} steps" if s.get("staged_steps") else "")
             + (f" | SM kernel in {s['sm_steps']} steps" if s.get("sm_steps") else "")
+            + (f" | staging allocated in {s['staging_alloc_steps']['n']} steps (start_load_kv "
+               f"{s['staging_alloc_steps']['start_load_ms']} ms)" if s.get("staging_alloc_steps", {}).get("n") else "")
             + (f" | steps >= {BIG_STEP_BYTES / 1e9:g} GB in-step: {s['big_step_hold_gbps']['n']}, held the thread "
                f"for bytes / {s['big_step_hold_gbps']['p50']} GB/s (p50)" if s.get("big_step_hold_gbps", {}).get("n")
                else "")

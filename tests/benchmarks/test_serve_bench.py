@@ -1014,6 +1014,11 @@ def test_trace_summary_per_phase(tmp_path):
     big[1]["in_step"]["sm"] = 1  # in_step_copy auto in a step of few tokens: that step's copy took the SM kernel
     b = trace_summary.summarize_phase(big, 29.9, 30.3)
     assert b["sm_steps"] == 1 and "SM kernel in 1 steps" in trace_summary.line("tiered", "c32", b)
+    assert b["staging_alloc_steps"]["n"] == 0 and "staging allocated" not in trace_summary.line("tiered", "c32", b)
+    big[0]["in_step"]["staging_allocs"] = 1  # that step's staged load allocated its buffer: its hold is listed
+    b = trace_summary.summarize_phase(big, 29.9, 30.3)
+    assert b["staging_alloc_steps"] == {"n": 1, "start_load_ms": [24.0]}
+    assert "staging allocated in 1 steps (start_load_kv [24.0] ms)" in trace_summary.line("tiered", "c32", b)
     assert b["steps"]["loading"]["n"] == 0  # traces written before launch_ms: no forward figures, nothing claimed
 
 

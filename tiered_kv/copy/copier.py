@@ -1,17 +1,13 @@
 """``BlockCopier``: batched block <-> slot copies between engine KV tensors and a slab.
 
-Role: the one interface the GPU tier, the vLLM connector and the SGLang backend
-call. A copier binds a ``KVLayout`` (the engine's tensors) to a slab (a
-``(num_slots, >= block_nbytes)`` uint8 CPU tensor, pinned when the layout is on
-CUDA). ``gpu_to_cpu`` / ``cpu_to_gpu`` move many blocks in one batched
-operation and return a ``CopyResult`` whose CUDA event fires when the bytes
-have landed. Mechanism per call: the copy engine (``engine.py``, batched 1-D
-runs or 2-D copies), the SM kernel (``triton_kernel.py``) or, for CPU tensors,
-torch indexing (``cpu.py``), chosen by ``dispatch.py`` / ``select.py`` unless
-the caller names one. Loads may also name ``Mechanism.STAGED`` (``staged.py``:
-whole slot rows in one DMA per run of adjacent slots into a device staging
-buffer, then an on-device scatter); it runs on CPU tensors too, with a CPU
-staging buffer. A store that names it is chosen for as under ``"auto"``.
+Role: the one interface the GPU tier, the vLLM connector and the SGLang backend call. A copier binds a ``KVLayout``
+(the engine's tensors) to a slab (a ``(num_slots, >= block_nbytes)`` uint8 CPU tensor, pinned when the layout is on
+CUDA). ``gpu_to_cpu`` / ``cpu_to_gpu`` move many blocks in one batched operation and return a ``CopyResult`` whose
+CUDA event fires when the bytes have landed. Mechanism per call: the copy engine (``engine.py``, batched 1-D runs or
+2-D copies), the SM kernel (``triton_kernel.py``) or, for CPU tensors, torch indexing (``cpu.py``), chosen by
+``dispatch.py`` / ``select.py`` unless the caller names one. Loads may also name ``Mechanism.STAGED`` (``staged.py``:
+whole slot rows in one DMA per run of adjacent slots into a device staging buffer, then an on-device scatter); it runs
+on CPU tensors too, with a CPU staging buffer. A store that names it is chosen for as under ``"auto"``.
 
 Ordering contract (CUDA): a copy starts after all work enqueued on ``stream``
 (default: the device's current stream) before the call, and runs on the
@@ -241,10 +237,13 @@ class BlockCopier:
         return self._gpu is not None and self._gpu.sm_available()
 
     def sm_variants(self) -> set[tuple[int, int]]:
-        """The SM kernel's specializations this layout's copies launch (``GpuDispatcher.sm_variants``); empty where
-        the SM kernel cannot run (CPU tensors, no Triton). Give the union of a worker's copiers to
-        ``triton_kernel.warm`` at start-up."""
+        """The SM kernel's specializations this layout's copies launch (``GpuDispatcher.sm_variants``; empty without
+        it: CPU tensors, no Triton). Give the union of a worker's copiers to ``triton_kernel.warm`` at start-up."""
         return self._gpu.sm_variants() if self.sm_kernel_available() else set()
+
+    def staging_allocations(self) -> int:
+        """Device buffers this copier's staged loads have allocated so far (the first, then each growth)."""
+        return self._staged.allocations if self._staged is not None else 0
 
     @property
     def num_slots(self) -> int:

@@ -196,8 +196,8 @@ def test_the_trace_records_the_time_spent_submitting_between_layers(tmp_path):
         rt.close()
     lines = [json.loads(x) for x in open(tmp_path / "t.rank0.jsonl")]
     step = lines[0]["in_step"]
-    assert len(lines) == 1 and {k: step[k] for k in ("loads", "bytes", "staged", "sm")} == {
-        "loads": 2, "bytes": 4 * GROUP, "staged": 0, "sm": 0}
+    assert len(lines) == 1 and {k: step[k] for k in ("loads", "bytes", "staged", "sm", "staging_allocs")} == {
+        "loads": 2, "bytes": 4 * GROUP, "staged": 0, "sm": 0, "staging_allocs": 0}
     # one copy-engine run per layer and block: a CPU slot holds a block's layers together, so no two of one
     # layer's blocks are adjacent on the CPU side, however vLLM's blocks lie
     assert step["descriptors"] == LAYERS * len(items) * K
@@ -225,6 +225,9 @@ def test_the_trace_counts_staged_copies(tmp_path, buffers):
         rt.close()
     lines = [json.loads(x) for x in open(tmp_path / "t.rank0.jsonl")]
     assert len(lines) == 1 and lines[0]["in_step"]["staged"] == 1
+    # the step's first staged load allocated the staging buffer (inside the step); the copier counted it
+    allocs = rt.in_step.copiers[0].staging_allocations()
+    assert allocs >= 1 and lines[0]["in_step"]["staging_allocs"] == allocs
 
 
 def test_finish_copies_loads_that_were_started_but_never_submitted():

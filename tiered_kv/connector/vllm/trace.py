@@ -12,7 +12,9 @@ e.g. most decode steps, write nothing. A line has
   ``in_step.sm``: how many through the SM kernel;
   ``in_step.descriptors``: the runs those copies took on the copy engine, or the staged DMAs and scatters, or the
   SM kernel's runs: a step's 1 GiB of 64 KiB layer-blocks is 16,384 where no two blocks are adjacent on both
-  sides, fewer where vLLM's blocks for a chunk lie in a row),
+  sides, fewer where vLLM's blocks for a chunk lie in a row); ``in_step.staging_allocs``: staging buffers the
+  rank's in-step loads allocated in the step (its first staged load, and each growth: a device allocation inside
+  the step; round 25-26 saw a process's first large load hold ``start_load_kv`` 14-21 ms against 1-4 later),
   ``start_load_ms`` (how long ``start_load_kv`` held vLLM's thread submitting them), ``fence_ms``
   (of that, waiting for fenced copies), ``forward_submit_ms`` (``load_submit: pipelined``: how long
   ``wait_for_layer_load`` held it submitting later layer groups, between the forward's layers),
@@ -85,6 +87,7 @@ class _Step:
     staged: int = 0  # in-step merged copies (one per KV cache group) that went staged
     sm: int = 0  # ... and through the SM kernel
     descriptors: int = 0  # what those copies took (``CopyResult.num_runs``)
+    staging_allocs: int = 0  # staging buffers allocated in the step (``staging``)
     async_: list[int] = field(default_factory=lambda: [0, 0])
     start_load_ms: float = 0.0
     fence_ms: float = 0.0
@@ -104,6 +107,7 @@ class LoadTrace:
         self._landed: list[dict] = []
         self._lined: deque[int] = deque(maxlen=FWD_KEEP)  # steps written, whose GPU forward time is wanted
         self._fwd: dict[int, float] = {}  # their GPU forward times not written yet
+        self._allocs_seen = 0  # the in-step copiers' staging allocations at the last ``staging``
         log.info("TieredKVConnector rank %d: load trace in %s", rank, self.path)
 
     def begin(self, step: int, tokens: int | None = None) -> None:
@@ -150,6 +154,12 @@ class LoadTrace:
     def descriptors(self, n: int) -> None:
         """This step's in-step copies took ``n`` descriptors (runs, staged DMAs and scatters, or kernel runs)."""
         self._step.descriptors += n
+
+    def staging(self, total: int) -> None:
+        """The in-step copiers have allocated ``total`` staging buffers so far (``BlockCopier.staging_allocations``,
+        summed): what came since the last call counts to this step."""
+        self._step.staging_allocs += max(0, total - self._allocs_seen)
+        self._allocs_seen = total
 
     def started(self, kind: str, job: int, nbytes: int, marks: tuple | None = None) -> None:
         """A load of ``kind`` ("in_step" | "async") started in this step; ``marks``: its timing events, if any."""
@@ -199,7 +209,7 @@ class LoadTrace:
                 "tokens": st.tokens,
                 "launch_ms": round(st.launch_ms, 3) if st.launch_ms is not None else None,
                 "in_step": {"loads": st.in_step[0], "bytes": st.in_step[1], "staged": st.staged,
-                            "sm": st.sm, "descriptors": st.descriptors},
+                            "sm": st.sm, "descriptors": st.descriptors, "staging_allocs": st.staging_allocs},
                 "async": {"loads": st.async_[0], "bytes": st.async_[1]},
                 "start_load_ms": round(st.start_load_ms, 3), "fence_ms": round(st.fence_ms, 3),
                 "forward_submit_ms": round(st.forward_submit_ms, 3),

@@ -526,6 +526,8 @@ class WorkerRuntime(StepLoads):
             log.debug("rank %d: load of %s done, reported to vLLM", self.rank, rid)
             out.invalid_block_ids.update(self._pending_fail.pop(rid, ()))
         if self.trace is not None:
+            if self.in_step is not None:
+                self.trace.staging(sum(c.staging_allocations() for c in self.in_step.every_copier()))
             self.trace.flush(len(self.async_loads.pending) if self.async_loads is not None else 0)
         return out
 
