@@ -4,12 +4,16 @@ Room-making (waiters, eviction, refusals) is tested in test_room.py.
 """
 from __future__ import annotations
 
+import random
+
 import pytest
 
+import tiered_kv.planner.chain as chain_mod
 from tests.planner._driver import K, run_all, three_tier
 from tiered_kv.planner.chain import TierChain, TierSpec
+from tiered_kv.planner.handles import Handles
 from tiered_kv.planner.policy import PlacementPolicy
-from tiered_kv.values.jobs import JobKind
+from tiered_kv.values.jobs import Completion, JobKind
 
 
 def test_put_cascades_and_counts_add_up():
@@ -165,3 +169,76 @@ def test_for_reader_tells_a_readers_jobs_from_placement_copies():
     seen = _readers(c, jobs)
     assert [s for s in seen if s[0] == "PROMOTE"] == [("PROMOTE", 2, 1, True), ("PROMOTE", 1, 0, True)]
     assert c.for_reader(10**9) is False  # not (or no longer) in flight
+
+
+def test_handles_items_done_reports_many_items_at_once():
+    h = Handles()
+    h.open(1, "get", 3)
+    h.items_done(1, [0, 2], True)
+    assert h.take() == []  # item 1 is pending
+    h.item_done(1, 1, False)
+    assert h.take() == [(1, 1)]  # a get's result: its leading items delivered
+    h.open(2, "put", 2)
+    h.items_done(2, range(2), True)
+    assert h.take() == [(2, [True, True])]
+    h.items_done(3, [0], True)  # an unknown (or finished) handle: nothing
+    assert h.take() == []
+
+
+def _view(jobs) -> list[tuple]:
+    return [(j.job_id, j.kind, j.src_tier, j.dst_tier, list(j.keys), list(j.src_slots), list(j.dst_slots), j.handle)
+            for j in jobs]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_delivered_read_completes_per_job_as_it_would_per_item(seed):
+    """``complete`` takes a read (EGRESS) that delivered every item in one pass (``RoomKeeper.unpin_all``,
+    ``Handles.items_done``); a chain made to take every read item by item plans the same jobs and results. Gets
+    over two tiers (a job's context per item) and one (the handle id), with reads failed, corrupt and missing."""
+    rng = random.Random(seed)
+    a, b = three_tier(gpu=3, cpu=4, disk=6), three_tier(gpu=3, cpu=4, disk=6)
+    b_delivered, delivered = [], chain_mod._delivered
+
+    def per_item(job, done):  # b never takes the per-job path; the reads it would have taken are counted
+        b_delivered.append(job.kind is JobKind.EGRESS and delivered(job, done))
+        return False
+
+    pending, handle = [], 0
+    contexts = {"list": 0, "handle": 0}
+    with pytest.MonkeyPatch.context() as mp:
+        for _ in range(400):
+            handle += 1
+            op = rng.random()
+            keys = [K(rng.randrange(12)) for _ in range(rng.randrange(1, 6))]
+            if op < 0.35:
+                ja, jb = a.put(keys, handle), b.put(keys, handle)
+            elif op < 0.6:
+                first = rng.randrange(12)
+                run = [K((first + i) % 12) for i in range(rng.randrange(1, 6))]
+                (na, ja), (nb, jb) = a.get(run, handle), b.get(run, handle)
+                assert na == nb
+                for j in ja:
+                    if j.kind is JobKind.EGRESS:
+                        contexts["handle" if a._ctx[j.job_id] == handle else "list"] += 1
+            else:
+                ja = jb = []
+                if pending:
+                    job = pending.pop(rng.randrange(len(pending)))
+                    ok = [rng.random() > 0.1 for _ in job.keys]
+                    bad = [not o and rng.random() < 0.3 for o in ok]
+                    gone = [not o and not c and rng.random() < 0.3 for o, c in zip(ok, bad)]
+                    done = Completion(job.job_id, ok, bad, missing=gone)
+                    ja = a.complete(done)
+                    mp.setattr(chain_mod, "_delivered", per_item)
+                    jb = b.complete(done)
+                    mp.undo()
+            assert _view(ja) == _view(jb)
+            pending += ja
+            assert a.take_finished() == b.take_finished()
+            universe = [K(i) for i in range(12)]
+            assert a.locate(universe) == b.locate(universe)
+            assert a.used == b.used and a.pinned() == b.pinned() and a.waiting() == b.waiting()
+    assert vars(a.counters) == vars(b.counters)
+    assert [vars(t) for t in a.tier_counters] == [vars(t) for t in b.tier_counters]
+    assert sum(b_delivered) > 20  # the per-job path was taken on a's side, many times
+    assert contexts["list"] and contexts["handle"]  # reads over several tiers and over one

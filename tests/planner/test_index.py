@@ -74,6 +74,30 @@ def test_compact_again_only_when_plain():
     assert idx.remove_copy(b"b", 0) and b"b" not in idx and idx.copies_per_tier == [1, 0, 0]
 
 
+def test_pin_best_pins_the_fastest_readable_copy():
+    idx = BlockIndex(3)
+    idx.add_new(b"a", 1, 7, CopyState.READY)
+    assert idx.pin_best(b"a") == (1, 7)  # a compact record: an Entry now, holding the pinned copy
+    e = idx.get(b"a")
+    assert type(e) is Entry and e.copies[1].pins == 1 and e.copies[1].state is CopyState.READY and not e.deleted
+    assert idx.pin_best(b"a") == (1, 7) and e.copies[1].pins == 2  # a second reader
+    idx.add_new(b"w", 0, 3, CopyState.WRITING)
+    assert idx.pin_best(b"w") is None and idx.plain(b"w") == (0, CopyState.WRITING)  # not readable: untouched
+    assert idx.pin_best(b"zz") is None and b"zz" not in idx
+    idx.add_copy(b"a", 0, Copy(CopyState.READY, 2))
+    assert idx.pin_best(b"a") == (0, 2) and e.copies[0].pins == 1 and e.copies[1].pins == 2  # the fastest tier
+    e.copies[0].doomed = True
+    assert idx.pin_best(b"a") == (1, 7) and e.copies[1].pins == 3  # a doomed copy is not readable
+    e.copies[1].doomed = True
+    assert idx.pin_best(b"a") is None and (e.copies[0].pins, e.copies[1].pins) == (1, 3)
+    idx.add_new(b"c", 2, NO_SLOT, CopyState.READY)
+    assert idx.pin_best(b"c") == (2, NO_SLOT)
+    c = idx.get(b"c").copies[2]
+    c.pins = 0
+    idx.compact(b"c")
+    assert idx.plain(b"c") == (2, CopyState.READY)  # let go: compact again
+
+
 def test_a_store_stays_compact_from_put_to_ready_and_after_a_read():
     c = three_tier(gpu=4)
     (job,) = c.put([K(1), K(2)], 1)

@@ -77,8 +77,9 @@ class TierChain:
         self.index = BlockIndex(n)
         self.policies: list[EvictionPolicy] = [make_policy(eviction) for _ in specs]
         # in-flight jobs, and per job the context of each item: a list (a tuple per item, or None), or for a bulk
-        # put's one job the handle's id, an int, whose item i is the handle's item i. Two dicts, no pair per job:
-        # on vLLM's scheduler thread every object that outlives a step makes the garbage collector run sooner.
+        # put's one job and a get's job of items 0..m-1 the handle's id, an int, whose item i is the handle's item i.
+        # Two dicts, no pair per job: on vLLM's scheduler thread every object that outlives a step makes the garbage
+        # collector run sooner.
         self._jobs: dict[int, TransferJob] = {}
         self._ctx: dict[int, list | int] = {}
         self._job_ids = itertools.count(1)
@@ -237,32 +238,41 @@ class TierChain:
 
     def get(self, keys: Sequence[bytes], handle: int) -> tuple[int, Jobs]:
         """Plan reading the leading run of held keys into the caller's buffer (item i -> index i)."""
-        n = self.lookup(keys)
+        pin, policies = self.index.pin_best, self.policies
+        by_tier: dict[int, tuple[list[bytes], list[int], list[int]]] = {}  # tier -> its keys, slots, items
+        n = 0
+        for key in keys:  # one pass: pin each key's fastest readable copy, up to the first key with none
+            got = pin(key)
+            if got is None:
+                break
+            t, slot = got
+            policies[t].access(key)
+            group = by_tier.get(t)
+            if group is None:
+                group = by_tier[t] = ([], [], [])
+            group[0].append(key)
+            group[1].append(slot)
+            group[2].append(n)
+            n += 1
         self.counters.lookups += len(keys)
         self.counters.hits += n
         self.counters.misses += len(keys) - n
         h = self.handles.open(handle, "get", n)
-        by_tier: dict[int, list[tuple[int, bytes, int]]] = {}
-        jobs: Jobs = []
-        for i, key in enumerate(keys[:n]):
-            e = self.index.get(key)
-            t = e.best()
-            c = e.copies[t]
-            c.pins += 1
-            self.policies[t].access(key)
-            self.tier_counters[t].hits += 1
-            by_tier.setdefault(t, []).append((i, key, c.slot))
         self.room.pins += n  # the n pins just taken, added once rather than per key
+        jobs: Jobs = []
+        for t, (tkeys, _, _) in by_tier.items():
+            self.tier_counters[t].hits += len(tkeys)
         # promote only after every hit is pinned, so a promotion's eviction cannot take a block we read
         if self.placement.promote_on_hit:
-            for t, items in by_tier.items():
-                for _, key, _ in items:
+            for t, (tkeys, _, _) in by_tier.items():
+                for key in tkeys if t > 0 else ():  # the top tier has none above it
                     e = self.index.get(key)
-                    if t > 0 and (t - 1) not in e.copies and e.copies[t].readable:
+                    if (t - 1) not in e.copies and e.copies[t].readable:
                         jobs += self.copies.promote(key, t, t - 1, None)
-        for t, items in sorted(by_tier.items()):
-            jobs.append(self._job(JobKind.EGRESS, t, EXT, [k for _, k, _ in items], [s for _, _, s in items],
-                                  [i for i, _, _ in items], handle, [(handle, i) for i, _, _ in items]))
+        for t, (tkeys, slots, items) in sorted(by_tier.items()):
+            # items 0..m-1 (a one-tier hit: the usual): the context is the handle id, as for a bulk put
+            ctx = handle if items[-1] == len(items) - 1 else [(handle, i) for i in items]
+            jobs.append(self._job(JobKind.EGRESS, t, EXT, tkeys, slots, items, handle, ctx))
         self.handles.maybe_finish(handle, h)
         return n, jobs
 
@@ -336,15 +346,19 @@ class TierChain:
         """Apply a job's completion; returns the jobs it unblocked."""
         job = self._jobs.pop(done.job_id)
         ctx = self._ctx.pop(done.job_id)
-        whole = ctx.__class__ is int  # a bulk put's job: item i is item i of handle ``ctx``
+        whole = ctx.__class__ is int  # item i of the job is item i of handle ``ctx`` (a bulk put's, a one-tier get's)
         if job.kind is not JobKind.DELETE:
             self.transfers.record(job.src_tier, job.dst_tier, sum(map(bool, done.ok)), done.seconds, job.kind.is_load)
-        jobs: Jobs = []
-        for i, key in enumerate(job.keys):
-            ok = bool(done.ok[i]) if i < len(done.ok) else False
-            bad = bool(done.corrupt[i]) if i < len(done.corrupt) else False
-            gone = bool(done.missing[i]) if i < len(done.missing) else False
-            jobs += self._complete_item(job, key, ok, bad, (ctx, i) if whole else ctx[i], gone and not ok)
+        if job.kind is JobKind.EGRESS and _delivered(job, done):  # a read that delivered every item: per job
+            jobs = self.room.unpin_all(job.keys, job.src_tier)  # what _complete_item does for each item
+            self.handles.items_done(job.handle, range(len(job.keys)) if whole else [i for _, i in ctx], True)
+        else:
+            jobs = []
+            for i, key in enumerate(job.keys):
+                ok = bool(done.ok[i]) if i < len(done.ok) else False
+                bad = bool(done.corrupt[i]) if i < len(done.corrupt) else False
+                gone = bool(done.missing[i]) if i < len(done.missing) else False
+                jobs += self._complete_item(job, key, ok, bad, (ctx, i) if whole else ctx[i], gone and not ok)
         if done.evicted:  # a governed destination made room by dropping other records
             self.tier_counters[job.dst_tier].evictions += len(done.evicted)
             jobs += self.forget(job.dst_tier, done.evicted)
@@ -435,3 +449,9 @@ class TierChain:
     def _lost(self, key: bytes, t: int) -> None:
         """The room keeper removed ``key``'s copy in ``t`` before it arrived."""
         self.copies.abandon_followers(key, t)
+
+
+def _delivered(job: TransferJob, done: Completion) -> bool:
+    """Every item of ``job`` reported ok and none corrupt (a get's job serves one handle: ``job.handle``)."""
+    n = len(job.keys)
+    return len(done.ok) >= n and all(done.ok[:n]) and not any(done.corrupt[:n])

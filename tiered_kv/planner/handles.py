@@ -1,7 +1,8 @@
 """Handles: the caller requests a ``TierChain`` has in flight, item by item, and the results of finished ones.
 
 A caller's ``put``/``get``/``prefetch`` opens a handle of ``n`` items; every job item the chain plans for it
-reports back here (``item_done``) when its outcome is known, and the handle finishes when none is pending.
+reports back here (``item_done``; ``items_done`` for a read's items at once) when its outcome is known, and the
+handle finishes when none is pending.
 Its result then waits in ``finished`` until the owner drains it (``TierChain.take_finished``):
 
 - put -> list[bool] (accepted per key);
@@ -10,6 +11,8 @@ Its result then waits in ``finished`` until the owner drains it (``TierChain.tak
 Threading contract: not thread-safe; the owning ``TierChain`` serializes every call.
 """
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 
 class _Handle:
@@ -44,6 +47,21 @@ class Handles:
             h.ok = [False] * h.n
         h.ok[item] = ok
         h.pending -= 1
+        self.maybe_finish(handle, h)
+
+    def items_done(self, handle: int, items: Iterable[int], ok: bool) -> None:
+        """``item_done(handle, i, ok)`` for every ``i`` of ``items`` (distinct, each still pending), in one call."""
+        h = self._open.get(handle)
+        if h is None:
+            return
+        if h.ok is None:
+            h.ok = [False] * h.n
+        done = h.ok
+        count = 0
+        for i in items:
+            done[i] = ok
+            count += 1
+        h.pending -= count
         self.maybe_finish(handle, h)
 
     def maybe_finish(self, handle: int, h: _Handle) -> None:

@@ -15,7 +15,8 @@ behind makes the collections more frequent and the long-lived heap slower to wal
 (docs/benchmarks.md, scheduler step cost). ``get``/``entry``/``items`` hand out a real
 ``Entry`` (expanding a compact record in place, once), so every path that reads or changes
 ``Copy`` fields works unchanged; ``best``, ``plain`` and ``set_plain_state`` answer the hot
-paths (lookups, a store's completion, eviction checks) without expanding.
+paths (lookups, a store's completion, eviction checks) without expanding, and ``pin_best`` (a
+read) builds the pinned Entry straight from the record.
 
 Threading contract: not thread-safe; the owning ``TierChain`` serializes access.
 """
@@ -142,6 +143,27 @@ class BlockIndex:
         if e.__class__ is int:
             return e >> 2 & _TIER_MASK if e & 3 == _READY else None
         return e.best()
+
+    def pin_best(self, key: bytes) -> tuple[int, int] | None:
+        """Pin ``key``'s fastest readable copy (its ``pins`` + 1) and return ``(tier, slot)`` of it, or None when no
+        copy is readable: ``get(key).best()``'s copy, pinned, without building the Entry twice (a compact record
+        becomes an Entry holding the pinned copy)."""
+        e = self._entries.get(key)
+        if e.__class__ is int:
+            if e & 3 != _READY:
+                return None
+            t, slot = e >> 2 & _TIER_MASK, e >> _SHIFT
+            entry = self._entries[key] = Entry({t: Copy(CopyState.READY, slot, 1)})
+            entry.deleted = False  # set: read without ``__getattr__`` when the unpin stores it compactly again
+            return t, slot
+        if e is None:
+            return None
+        t = e.best()
+        if t is None:
+            return None
+        c = e[t]
+        c.pins += 1
+        return t, c.slot
 
     def plain(self, key: bytes) -> tuple[int, CopyState] | None:
         """``(tier, state)`` of ``key``'s only copy when it is plain (compact: no pins, flags or waiting readers,

@@ -27,7 +27,7 @@ Threading contract: not thread-safe; the owning ``TierChain`` serializes every c
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from tiered_kv.errors import ConfigError
@@ -286,6 +286,14 @@ class RoomKeeper:
             self.index.compact(key)  # a plain copy again (the usual end of a read): no tracked objects
             return self.kick(t)
         return []
+
+    def unpin_all(self, keys: Iterable[bytes], t: int) -> Jobs:
+        """``unpin`` every key of ``keys`` in ``t``, in order (a read of them ended)."""
+        unpin = self.unpin
+        jobs: Jobs = []
+        for key in keys:
+            jobs += unpin(key, t)
+        return jobs
 
     def drop(self, key: bytes, t: int) -> Jobs:
         """Let ``key``'s copy in ``t`` go: now if unpinned, else when the last reader unpins."""

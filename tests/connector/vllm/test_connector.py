@@ -217,6 +217,35 @@ def test_prompt_of_exactly_one_chunk_is_stored(model_dir):
         eng.close()
 
 
+def test_a_lookup_names_one_chunk_on_a_miss_and_the_rest_in_one_call_on_a_hit(model_dir, monkeypatch):
+    """``LookupPlanner._walk``: a new prompt's miss hashes only its first chunk's key; once that chunk is held, the
+    other usable chunks are named in one call (not one call per chunk), and the hit loads them all."""
+    eng = Engine.create(model_dir, cfg(), num_blocks=64)
+    try:
+        requests = eng.connector.planner._requests
+        calls: list[int] = []
+        keys = requests._keys
+        monkeypatch.setattr(requests, "_keys", lambda hashes: calls.append(len(hashes)) or keys(hashes))
+        first = prompt(31, 6 * K * BS + 5)
+        eng.add("a", first, max_tokens=1)
+        eng.step()  # the lookup (a miss), then the stores of the chunks this step computed
+        assert calls[0] == 1
+        eng.run()
+        eng.settle()
+        assert eng.sched.reset_prefix_cache()
+        calls.clear()
+        eng.add("b", first + prompt(32, 40), max_tokens=3)
+        eng.step()
+        assert calls[:2] == [1, 5]  # chunk 0 alone, then chunks 1-5
+        assert len(requests.reqs["b"].hit_keys) >= 6  # the six chunks (and a tail piece)
+        eng.run()
+        eng.settle()
+        assert eng.connector.stats()["sched_hit_tokens_cpu"] >= 6 * K * BS
+        assert_no_leaks(eng)
+    finally:
+        eng.close()
+
+
 def test_local_hit_inside_a_chunk_loads_only_the_missing_blocks(model_dir):
     # 16 GPU blocks: a filler evicts the tail of turn 1's cached blocks (vLLM evicts tails first),
     # so turn 2 has a local prefix hit that ends inside a chunk.

@@ -1,8 +1,9 @@
 """Prefix lookups on the vLLM scheduler side: how many tokens beyond vLLM's own hit the tiers can load.
 
 ``LookupPlanner.match`` walks a request's chunk keys from the first chunk vLLM does not hold, the fastest tier
-of each, until one misses (keys are made lazily: a miss stops the hashing too); a chunk the fleet announced
-in the remote tier is adopted when the walk reaches it (``RemotePresence``). Then:
+of each, until one misses (keys are made lazily: a miss at the first chunk stops the hashing too; past a held
+first chunk the rest are named in one call, as stores would name them); a chunk the fleet announced in the remote
+tier is adopted when the walk reaches it (``RemotePresence``). Then:
 
 - n-1 rule: at least one prompt token is always left to compute; it caps the lookup itself, so a sliding
   window or a Mamba state is only ever taken at the boundary it was stored for;
@@ -261,13 +262,15 @@ class LookupPlanner:
         return best
 
     def _walk(self, st: RequestState, c0: int, usable: int) -> tuple[list[bytes], list[int]]:
-        """Keys and fastest tiers of the leading run of held chunks from c0 (keys made lazily: a miss stops)."""
+        """Keys and fastest tiers of the leading run of held chunks from c0. Keys are made lazily: a miss at c0 (a new
+        prompt's usual answer) names that chunk only; once it is held, the other usable chunks are named in one call."""
         index = self.chain.index
         best_of, known, chunk_keys = index.best, self._known, self._chunk_keys
         keys: list[bytes] = []
         where: list[int] = []
+        names = chunk_keys(st, c0 + 1)
         for c in range(c0, c0 + usable):
-            key = chunk_keys(st, c + 1)[c]
+            key = names[c]
             best = best_of(key)
             if best is None and known and key in known and key not in index:  # the fleet stored it: adopt it
                 best = self._presence.adopt(key)
@@ -275,6 +278,8 @@ class LookupPlanner:
                 break
             keys.append(key)
             where.append(best)
+            if c == c0 and usable > 1:
+                names = chunk_keys(st, c0 + usable)
         return keys, where
 
     def _probe_tail(self, request, c: int, avail_blocks: int, local_blocks: int, keys: list[bytes],
