@@ -1,18 +1,18 @@
 """What the worker side of the vLLM connector holds vLLM's thread for, per step, outside the copies (CPU only).
 
-Round 26 (H200, vLLM 0.26, traced serving at c8) found ``start_load_kv`` holding vLLM's engine thread ~2.0 ms in a
-prefill step with one in-step load of ~75 MB (2 layer groups) and ~3.3 ms with seven (527 MB), while a probe put one
-staged layer-group call (``StagedLoader.load``) at ~0.36 ms: about 1.3 ms of the one-load step lay outside the copy
-calls (the fence, plan bookkeeping, ``JobRunner.load_rows``, ``InStepLoader.start/adopt/submit``, events, the
-trace, counters, the id and slot tensors). This probe drives a rank's ``WorkerRuntime`` the way
-``tests/connector/vllm/test_worker_in_step.py`` does (no vLLM: a ``StepPlan`` per step, vLLM's hook order), on
-CPU tensors that are small (``--head-dim``: a few hundred bytes a layer-block), so what it times is Python and
-torch-dispatch overhead, not bytes: Qwen2.5-7B's shape of that run (28 per-layer tensors, vLLM 0.26/0.32's one
-contiguous chunk a layer and block, 16-token blocks, 16-block chunks), loads of ``--blocks`` blocks (82: one
-request's prefix; the first chunk's leading blocks already on the GPU, -1, as a partial GPU hit leaves them), each
-chunk in a random CPU slot, random GPU blocks, in-step, layerwise (vLLM's eager attention: ``wait_layer`` for every
-layer). Rows: ``in_step_copy`` staged and copy_engine (on CPU the copier's torch path), 1 load in 2 layer groups and
-7 loads in 7 (the pipelined shape: two groups before the forward, the rest from ``wait_layer``, as
+Round 25 (H200, vLLM 0.26, traced serving at c8; docs/notes/2026-12-01-gpu-round25.md) found ``start_load_kv`` holding
+vLLM's engine thread ~2.0 ms in a prefill step with one in-step load of ~75 MB (2 layer groups) and ~3.3 ms with seven
+(527 MB), while a probe put one staged layer-group call (``StagedLoader.load``) at ~0.36 ms: about 1.3 ms of the
+one-load step lay outside the copy calls (the fence, plan bookkeeping, ``JobRunner.load_rows``,
+``InStepLoader.start/adopt/submit``, events, the trace, counters, the id and slot tensors). This probe drives a rank's
+``WorkerRuntime`` the way ``tests/connector/vllm/test_worker_in_step.py`` does (no vLLM: a ``StepPlan`` per step,
+vLLM's hook order), on CPU tensors that are small (``--head-dim``: a few hundred bytes a layer-block), so what it
+times is Python and torch-dispatch overhead, not bytes: Qwen2.5-7B's shape of that run (28 per-layer tensors, vLLM
+0.26/0.32's one contiguous chunk a layer and block, 16-token blocks, 16-block chunks), loads of ``--blocks`` blocks
+(82: one request's prefix; the first chunk's leading blocks already on the GPU, -1, as a partial GPU hit leaves them),
+each chunk in a random CPU slot, random GPU blocks, in-step, layerwise (vLLM's eager attention: ``wait_layer`` for
+every layer). Rows: ``in_step_copy`` staged and copy_engine (on CPU the copier's torch path), 1 load in 2 layer groups
+and 7 loads in 7 (the pipelined shape: two groups before the forward, the rest from ``wait_layer``, as
 ``load_ahead_bytes`` cut the 527 MB step), the load trace on (``trace_path``, as that run) and off.
 
 Per step (medians over ``--steps`` steps after ``--warmup``), in ms of wall time (``perf_counter``) and of this

@@ -242,3 +242,17 @@ def test_a_delivered_read_completes_per_job_as_it_would_per_item(seed):
     assert [vars(t) for t in a.tier_counters] == [vars(t) for t in b.tier_counters]
     assert sum(b_delivered) > 20  # the per-job path was taken on a's side, many times
     assert contexts["list"] and contexts["handle"]  # reads over several tiers and over one
+
+
+@pytest.mark.parametrize("handle", [7, True, "h7"], ids=["int", "bool", "str"])
+def test_a_one_tier_get_keeps_the_handle_id_as_context_only_when_it_is_an_int(handle):
+    """``complete`` tells a job whose item i is the handle's item i by its context's class (``int``): a handle of
+    another class (a bool, a string) gets a tuple per item, and its get completes all the same."""
+    c = three_tier()
+    run_all(c, c.put([K(1), K(2)], 1))
+    c.take_finished()
+    n, jobs = c.get([K(1), K(2)], handle)
+    assert n == 2 and [j.kind for j in jobs] == [JobKind.EGRESS]
+    assert (c._ctx[jobs[0].job_id] == handle) == (handle.__class__ is int)
+    run_all(c, jobs)
+    assert c.take_finished() == [(handle, 2)] and c.pinned() == 0

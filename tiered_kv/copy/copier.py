@@ -294,14 +294,12 @@ class BlockCopier:
     ) -> list[CopyResult]:
         """Copy slots into blocks one group of tensors at a time, in order; one result per group.
 
-        ``groups[g] = (a, b)`` names tensors ``a..b-1`` of the layout (for vLLM's per-layer views,
-        ``[(l, l + 1) for l in range(L)]`` loads layer by layer). Result ``g`` turns done when
-        that group's bytes have landed; groups land in the order given, so a consumer can make
-        its stream wait for group ``g`` (``CopyResult.wait_on``) and start on the first layers
-        while later ones are still moving. Validation and planning happen on the caller's thread
-        (a few vectorised ops), so a submitter thread only makes driver calls and records events.
-        Copy-engine 1-D runs or the SM kernel (never 2-D copies: those span all tensors).
-
+        ``groups[g] = (a, b)`` names tensors ``a..b-1`` of the layout (for vLLM's per-layer views, ``[(l, l + 1) for l
+        in range(L)]`` loads layer by layer). Result ``g`` turns done when that group's bytes have landed; groups land
+        in the order given, so a consumer can make its stream wait for group ``g`` (``CopyResult.wait_on``) and start on
+        the first layers while later ones are still moving. Validation and planning happen on the caller's thread (a few
+        vectorised ops), so a submitter thread only makes driver calls and records events. Copy-engine 1-D runs or the
+        SM kernel (never 2-D copies: those span all tensors).
         ``ordered=False`` skips waiting for the work on ``stream``: the copy is ordered only after this
         copier's earlier loads (its load side stream runs them in call order). For the later parts of a
         load whose first part was ordered, submitted while the forward that reads them is on ``stream``.
@@ -357,14 +355,13 @@ class BlockCopier:
     ) -> list[CopyResult]:
         """Several loads ``(cpu_slots, gpu_block_ids)`` back to back, in order; one result per load.
 
-        All of them go to the driver in one submitter job (one hand-over to the submitter thread,
-        not one per load), on the load direction's side stream, so they land in the order given
-        and each result turns done as soon as its own bytes landed: a consumer serves the first
-        loads while the last ones still move. ``timing``: each result also gets ``start``, a CUDA
-        event recorded where its copy begins (``start.elapsed_time(event)``: its time on the GPU).
-        ``Mechanism.STAGED`` stages each load through the device buffer in turn (one stream, so a
-        load never overwrites the buffer under the previous one's scatter); other mechanisms as
-        ``cpu_to_gpu``. On CPU tensors the copies run now, on the caller's thread.
+        All of them go to the driver in one submitter job (one hand-over to the submitter thread, not one per load), on
+        the load direction's side stream, so they land in the order given and each result turns done as soon as its own
+        bytes landed: a consumer serves the first loads while the last ones still move. ``timing``: each result also
+        gets ``start``, a CUDA event recorded where its copy begins (``start.elapsed_time(event)``: its time on the
+        GPU). ``Mechanism.STAGED`` stages each load through the device buffer in turn (one stream, so a load never
+        overwrites the buffer under the previous one's scatter); other mechanisms as ``cpu_to_gpu``. On CPU tensors the
+        copies run now, on the caller's thread.
         """
         checked = [self._indices(ids, slots, False) for slots, ids in loads]
         forced = Mechanism(mechanism) if mechanism is not None else self._fixed

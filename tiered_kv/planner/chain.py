@@ -270,8 +270,10 @@ class TierChain:
                     if (t - 1) not in e.copies and e.copies[t].readable:
                         jobs += self.copies.promote(key, t, t - 1, None)
         for t, (tkeys, slots, items) in sorted(by_tier.items()):
-            # items 0..m-1 (a one-tier hit: the usual): the context is the handle id, as for a bulk put
-            ctx = handle if items[-1] == len(items) - 1 else [(handle, i) for i in items]
+            # items 0..m-1 (a one-tier hit: the usual): the context is the handle id, as for a bulk put (an int:
+            # ``complete`` tells the two forms apart by that class)
+            whole = handle.__class__ is int and items[-1] == len(items) - 1
+            ctx = handle if whole else [(handle, i) for i in items]
             jobs.append(self._job(JobKind.EGRESS, t, EXT, tkeys, slots, items, handle, ctx))
         self.handles.maybe_finish(handle, h)
         return n, jobs

@@ -52,7 +52,7 @@ def test_large_steps_stage_copies_of_many_descriptors():
     edge = AUTO_STAGED_STEP_DESCRIPTORS // 32  # 256 blocks: 512 MiB of 64 KiB layer-blocks
     assert auto_rule(kv, edge) is Mechanism.STAGED and auto_rule(kv, edge - 1) is None
     assert auto_rule(kv, 574) is Mechanism.STAGED  # round 23's c8 wave: 7 loads x 82 blocks, 18,368 descriptors
-    # round 26: waves of 4-6 loads (9.2k-16.1k descriptors) sat under the old 16,384 on the copy engine
+    # round 26: waves of 4-6 loads (9.2k-15.7k descriptors) sat under the old 16,384 on the copy engine
     assert auto_rule(kv, 4 * 82) is Mechanism.STAGED and auto_rule(kv, 4 * 82, staged_min=16384) is None
     assert auto_rule(kv, 82) is None and auto_rule(kv, 2 * 82) is None  # one or two loads: the copy engine
     assert auto_rule(kv, 574, staged_min=0) is None and auto_rule(kv, 574, staged_min=20000) is None

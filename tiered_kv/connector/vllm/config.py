@@ -170,7 +170,7 @@ class ConnectorConfig(RemoteKeys):
                                                  "5 starts against 49.4 (copy engine). `0` = never", "tokens")
     in_step_staged_min_descriptors: int = config_key(1 << 13, "`in_step_copy: auto`: stage an in-step copy of this "
         "many copy-engine descriptors or more the SM-kernel rule leaves (512 MiB of 64 KiB layer-blocks; H200 Llama-3-"
-        "8B c8: 4-6 loads held vLLM's thread 13-27 ms on the copy engine, 7 staged 4.6-6.4). `0`: off", "descriptors")
+        "8B c8: 4-6 loads held vLLM's thread 11-26 ms on the copy engine, 7 staged 2.4-9.0). `0`: off", "descriptors")
     load_staging_bytes: int = config_key(256 << 20, "`in_step_copy: staged` (or `auto` where it stages) only: the "
                                                     "most device memory each staging buffer may take (allocated at "
                                                     "the first staged load at the size it needs, grown up to this, "

@@ -262,8 +262,9 @@ class LookupPlanner:
         return best
 
     def _walk(self, st: RequestState, c0: int, usable: int) -> tuple[list[bytes], list[int]]:
-        """Keys and fastest tiers of the leading run of held chunks from c0. Keys are made lazily: a miss at c0 (a new
-        prompt's usual answer) names that chunk only; once it is held, the other usable chunks are named in one call."""
+        """Keys and fastest tiers of the leading run of held chunks from c0. Keys are made lazily: chunk c0 is named
+        first (even with ``usable`` 0; stores name it anyway), a miss there (a new prompt's usual answer) stops the
+        naming, and once it is held the other usable chunks are named in one call."""
         index = self.chain.index
         best_of, known, chunk_keys = index.best, self._known, self._chunk_keys
         keys: list[bytes] = []

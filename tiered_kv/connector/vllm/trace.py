@@ -14,7 +14,8 @@ e.g. most decode steps, write nothing. A line has
   SM kernel's runs: a step's 1 GiB of 64 KiB layer-blocks is 16,384 where no two blocks are adjacent on both
   sides, fewer where vLLM's blocks for a chunk lie in a row); ``in_step.staging_allocs``: staging buffers the
   rank's in-step loads allocated in the step (its first staged load, and each growth: a device allocation inside
-  the step; round 25-26 saw a process's first large load hold ``start_load_kv`` 14-21 ms against 1-4 later),
+  the step; round 25 saw a process's first in-step load hold ``start_load_kv`` 20.8 ms against 1.7-4.2 later,
+  round 26 one start's early c32 step 14.1 ms against 1.3-2.9),
   ``start_load_ms`` (how long ``start_load_kv`` held vLLM's thread submitting them), ``fence_ms``
   (of that, waiting for fenced copies), ``forward_submit_ms`` (``load_submit: pipelined``: how long
   ``wait_for_layer_load`` held it submitting later layer groups, between the forward's layers),

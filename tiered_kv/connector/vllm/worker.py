@@ -325,11 +325,10 @@ class WorkerRuntime(StepLoads):
     def fence(self) -> None:
         """Make every fenced job done with GPU memory (``handle_preemptions``).
 
-        A store still queued behind other jobs gets ``FENCE_PATIENCE_S`` to start; one that has
-        not started by then is cancelled (its items fail, nothing is written and the planner frees
-        their CPU slots): a cache may drop a store, and waiting for a long queue held vLLM's thread
-        15-68 ms per step on the H200 with the disk tier on. A load, or a store whose copy began,
-        is waited for.
+        A store still queued behind other jobs gets ``FENCE_PATIENCE_S`` to start; one that has not started by then is
+        cancelled (its items fail, nothing is written and the planner frees their CPU slots): a cache may drop a store,
+        and waiting for a long queue held vLLM's thread 15-68 ms per step on the H200 with the disk tier on. A load, or
+        a store whose copy began, is waited for.
         """
         plan = self._plan
         if plan is None or self._fenced or not plan.fences:
@@ -389,9 +388,9 @@ class WorkerRuntime(StepLoads):
     def before_forward(self, layerwise_ok: bool = False) -> None:
         """Submit loads and tier moves (``start_load_kv``); idempotent per step.
 
-        In-step loads start here, ordered after the work already on vLLM's stream (block
-        zeroing). ``layerwise_ok``: vLLM will call ``wait_layer`` for every attention layer of
-        this step's forward; otherwise the forward's stream waits for the whole load now.
+        In-step loads start here, ordered after the work already on vLLM's stream (block zeroing). ``layerwise_ok``:
+        vLLM will call ``wait_layer`` for every attention layer of this step's forward; otherwise the forward's stream
+        waits for the whole load now.
         """
         if self._early_done or self._plan is None:
             return
@@ -568,8 +567,7 @@ class WorkerRuntime(StepLoads):
         return d
 
     def close(self) -> None:
-        """Finish queued jobs, stop the movers and the copiers' submitter threads, flush and close the tiers.
-        Safe to call twice (vLLM's ``shutdown`` and the interpreter-exit hook)."""
+        """Finish queued jobs, stop movers and submitter threads, close the tiers; twice is safe (shutdown, atexit)."""
         if self._closed:
             return
         self._closed = True
