@@ -182,6 +182,12 @@ def summarize_phase(lines: list[dict], t_start: float, t_end: float, sched: list
     # staging buffers allocated inside loading steps, and what those steps held vLLM's thread (a first large load)
     grew = [x for x in loading if x["in_step"].get("staging_allocs")]
     out["staging_alloc_steps"] = {"n": len(grew), "start_load_ms": [x.get("start_load_ms") for x in grew][:8]}
+    # loading steps whose start_load_kv began with front-mover jobs (stores) queued or running, and the others: their
+    # holds and launches side by side (the movers' Python competes with vLLM's thread for the GIL; older traces: none)
+    out["beside_stores"] = {k: {"start_load_ms": _dist([x["start_load_ms"] for x in g]),
+                                "launch_ms": _dist([x["launch_ms"] for x in g if x.get("launch_ms") is not None])}
+                            for k, g in (("busy", [x for x in loading if x.get("front_jobs")]),
+                                         ("idle", [x for x in loading if x.get("front_jobs") == 0]))}
     fwd = forward_times(lines)
     # a loading step: its forward waits for in-step loads; a recomputing one: a prefill without them (a step that
     # only starts asynchronous loads computes beside them, and counts here)
@@ -225,6 +231,15 @@ def _steps_text(s: dict) -> str:
     return (" | " + "; ".join(parts)) if parts else ""
 
 
+def _stores_part(b: dict | None) -> str:
+    """`` | beside stores n: start_load_kv p50 x, launch p50 y ms; without n: ...`` where both kinds of step ran."""
+    if not b or not b["busy"]["start_load_ms"].get("n") or not b["idle"]["start_load_ms"].get("n"):
+        return ""
+    part = lambda g: (f"{g['start_load_ms']['n']}: start_load_kv p50 {g['start_load_ms'].get('p50')}, "  # noqa: E731
+                      f"launch p50 {g['launch_ms'].get('p50')} ms")
+    return f" | beside stores {part(b['busy'])}; without {part(b['idle'])}"
+
+
 def line(mode: str, phase: str, s: dict) -> str:
     """One printable line of a phase's trace summary."""
     i, a, h = s["in_step"], s["async"], s["start_load_ms"]
@@ -238,6 +253,7 @@ def line(mode: str, phase: str, s: dict) -> str:
             + (f" | SM kernel in {s['sm_steps']} steps" if s.get("sm_steps") else "")
             + (f" | staging allocated in {s['staging_alloc_steps']['n']} steps (start_load_kv "
                f"{s['staging_alloc_steps']['start_load_ms']} ms)" if s.get("staging_alloc_steps", {}).get("n") else "")
+            + _stores_part(s.get("beside_stores"))
             + (f" | steps >= {BIG_STEP_BYTES / 1e9:g} GB in-step: {s['big_step_hold_gbps']['n']}, held the thread "
                f"for bytes / {s['big_step_hold_gbps']['p50']} GB/s (p50)" if s.get("big_step_hold_gbps", {}).get("n")
                else "")

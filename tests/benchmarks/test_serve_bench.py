@@ -1020,6 +1020,14 @@ def test_trace_summary_per_phase(tmp_path):
     assert b["staging_alloc_steps"] == {"n": 1, "start_load_ms": [24.0]}
     assert "staging allocated in 1 steps (start_load_kv [24.0] ms)" in trace_summary.line("tiered", "c32", b)
     assert b["steps"]["loading"]["n"] == 0  # traces written before launch_ms: no forward figures, nothing claimed
+    assert "beside stores" not in trace_summary.line("tiered", "c32", b)  # older traces: no front_jobs
+    for x, jobs, launch in zip(big, (3, 0, 1), (30.0, 20.0, 10.0)):  # stores queued at two steps' start_load_kv
+        x["front_jobs"], x["launch_ms"] = jobs, launch
+    b = trace_summary.summarize_phase(big, 29.9, 30.3)
+    busy, idle = b["beside_stores"]["busy"], b["beside_stores"]["idle"]
+    assert busy["start_load_ms"]["n"] == 2 and idle["launch_ms"]["p50"] == 20.0
+    assert ("beside stores 2: start_load_kv p50 13.0, launch p50 20.0 ms; without 1: start_load_kv p50 40.0, launch "
+            "p50 20.0 ms") in trace_summary.line("tiered", "c32", b)
 
 
 def test_the_summary_counts_prefill_steps_from_the_size_the_trace_writes_them():

@@ -198,6 +198,7 @@ def test_the_trace_records_the_time_spent_submitting_between_layers(tmp_path):
     step = lines[0]["in_step"]
     assert len(lines) == 1 and {k: step[k] for k in ("loads", "bytes", "staged", "sm", "staging_allocs")} == {
         "loads": 2, "bytes": 4 * GROUP, "staged": 0, "sm": 0, "staging_allocs": 0}
+    assert lines[0]["front_jobs"] == 0  # no store queued on the front mover when start_load_kv began
     # one copy-engine run per layer and block: a CPU slot holds a block's layers together, so no two of one
     # layer's blocks are adjacent on the CPU side, however vLLM's blocks lie
     assert step["descriptors"] == LAYERS * len(items) * K

@@ -16,7 +16,9 @@ e.g. most decode steps, write nothing. A line has
   rank's in-step loads allocated in the step (its first staged load, and each growth: a device allocation inside
   the step; round 25 saw a process's first in-step load hold ``start_load_kv`` 20.8 ms against 1.7-4.2 later,
   round 26 one start's early c32 step 14.1 ms against 1.3-2.9),
-  ``start_load_ms`` (how long ``start_load_kv`` held vLLM's thread submitting them), ``fence_ms``
+  ``start_load_ms`` (how long ``start_load_kv`` held vLLM's thread submitting them), ``front_jobs`` (jobs queued
+  or running on the front mover when it began: mostly the previous step's stores, released at
+  ``bind_connector_metadata``, whose Python competes with vLLM's thread for the GIL), ``fence_ms``
   (of that, waiting for fenced copies), ``forward_submit_ms`` (``load_submit: pipelined``: how long
   ``wait_for_layer_load`` held it submitting later layer groups, between the forward's layers),
   ``async_in_flight`` (asynchronous loads not landed yet);
@@ -91,6 +93,7 @@ class _Step:
     staging_allocs: int = 0  # staging buffers allocated in the step (``staging``)
     async_: list[int] = field(default_factory=lambda: [0, 0])
     start_load_ms: float = 0.0
+    front_jobs: int = 0  # front-mover jobs queued or running when start_load_kv began (``held``)
     fence_ms: float = 0.0
     forward_submit_ms: float = 0.0
 
@@ -122,10 +125,12 @@ class LoadTrace:
         if not self._step.t_bound:
             self._step.t_bound = time.perf_counter()
 
-    def held(self, start_load_ms: float, fence_ms: float) -> None:
-        """``start_load_kv`` of this step held vLLM's thread this long (of which ``fence_ms`` in fences)."""
+    def held(self, start_load_ms: float, fence_ms: float, front_jobs: int = 0) -> None:
+        """``start_load_kv`` of this step held vLLM's thread this long (of which ``fence_ms`` in fences); the front
+        mover had ``front_jobs`` jobs queued or running when it began."""
         self._step.start_load_ms += start_load_ms
         self._step.fence_ms += fence_ms
+        self._step.front_jobs = max(self._step.front_jobs, front_jobs)
 
     def launched(self) -> None:
         """``wait_for_save``: the forward of this step has been launched (the first call of the step counts)."""
@@ -212,7 +217,8 @@ class LoadTrace:
                 "in_step": {"loads": st.in_step[0], "bytes": st.in_step[1], "staged": st.staged,
                             "sm": st.sm, "descriptors": st.descriptors, "staging_allocs": st.staging_allocs},
                 "async": {"loads": st.async_[0], "bytes": st.async_[1]},
-                "start_load_ms": round(st.start_load_ms, 3), "fence_ms": round(st.fence_ms, 3),
+                "start_load_ms": round(st.start_load_ms, 3), "front_jobs": st.front_jobs,
+                "fence_ms": round(st.fence_ms, 3),
                 "forward_submit_ms": round(st.forward_submit_ms, 3),
                 "async_in_flight": async_in_flight, "landed": self._landed, "fwd": self._fwd}
         self._f.write(json.dumps(line, separators=(",", ":")) + "\n")

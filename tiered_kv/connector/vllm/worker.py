@@ -395,7 +395,7 @@ class WorkerRuntime(StepLoads):
         if self._early_done or self._plan is None:
             return
         trace = self.trace
-        t0 = time.perf_counter() if trace is not None else 0.0
+        t0, movers = (time.perf_counter(), self.front.depth) if trace is not None else (0.0, 0)
         self.fence()
         t1 = time.perf_counter() if trace is not None else 0.0
         self._early_done = True
@@ -438,7 +438,7 @@ class WorkerRuntime(StepLoads):
             early = self._start_async(early)
         self._submit(early)
         if trace is not None:
-            trace.held((time.perf_counter() - t0) * 1e3, (t1 - t0) * 1e3)
+            trace.held((time.perf_counter() - t0) * 1e3, (t1 - t0) * 1e3, movers)
 
     def wait_layer(self, layer_name: str) -> None:
         """``wait_for_layer_load``: vLLM's stream waits (on the GPU) for this layer's in-step loads."""
