@@ -758,7 +758,8 @@ def _print_phase(mode: str, r: dict) -> None:
 
 def _wave_line(w: dict | None, concurrency: int | None) -> str:
     """`` | first tokens in N waves, mean k (max m), x% in waves >= c/2``: the phase's shape
-    (``stats.first_token_waves``); starts whose waves differ are not comparable at one TTFT, however alike their modes."""
+    (``stats.first_token_waves``); starts whose waves differ are not comparable at one TTFT, however alike their
+    modes."""
     if not w or not concurrency or concurrency < 2:
         return ""
     return (f" | first tokens in {w['waves']} waves, mean {w['mean']} (max {w['max']}), {w['together'] * 100:.0f}% in "

@@ -92,8 +92,9 @@ AUTO_STAGED_MIN_DESCRIPTORS = 1 << 15
 #: forward 42.8 against 33.6 ms; staged c8 TTFT below the copy engine's in each of three calls; c32 equal. Round 26's
 #: traces (docs/notes/2026-12-01-gpu-round26.md) found the steps under the old 16,384: four to six loads (9.2k-15.7k
 #: descriptors, 0.6-1.03 GB) held the thread 11.4-26.1 ms on the copy engine (medians per start 14.0-26.1) where a
-#: staged seven-load step held it 2.4-9.0 (4.6-6.4); one-load steps (2.3k-2.6k) and two (~5k, usually the SM kernel's: few tokens) stay below it, where
-#: staging's scatter made the forward wait longer than the copy engine (round 23: 13.3 against 9.9 ms)
+#: staged seven-load step held it 2.4-9.0 (4.6-6.4); one-load steps (2.3k-2.6k) and two (~5k, usually the SM kernel's:
+#: few tokens) stay below it, where staging's scatter made the forward wait longer than the copy engine (round 23: 13.3
+#: against 9.9 ms)
 AUTO_STAGED_STEP_DESCRIPTORS = 1 << 13
 #: ``in_step_copy: auto``: a copy the rules above leave on the copy engine goes through the SM kernel when it needs
 #: at least this many descriptors (256 MiB of 64 KiB layer-blocks: ~4 ms of vLLM's thread) and the step schedules
